@@ -1,0 +1,65 @@
+"""Solver configuration: the static facts that size every output."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gpusolver.problem import CommCost
+
+
+@dataclass(frozen=True)
+class SolverConfig:
+    """What a solve needs to know besides the mask.
+
+    cp_size:            P, ranks in the context-parallel group.
+    num_heads_q/kv:     Hq, Hkv (Hq a multiple of Hkv).
+    head_dim:           D.
+    dtype:              activation dtype, for byte counts.
+    imbalance_tol:      mu; a plan is balanced when max load <= mu * mean load.
+    head_group_flatten: split work per KV head group (G = Hkv) instead of G = 1.
+    max_stage_slices:   static capacity of each CalcMeta stage (slice rows per
+                        rank per stage); None picks a default from P and the
+                        mask's slice count.
+    """
+
+    cp_size: int
+    num_heads_q: int = 64
+    num_heads_kv: int = 8
+    head_dim: int = 128
+    dtype: torch.dtype = torch.bfloat16
+    imbalance_tol: float = 1.10
+    head_group_flatten: bool = True
+    max_stage_slices: int | None = None
+
+    def __post_init__(self):
+        for name in ("cp_size", "num_heads_q", "num_heads_kv", "head_dim"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if self.num_heads_q % self.num_heads_kv:
+            raise ValueError(
+                f"num_heads_q={self.num_heads_q} must be a multiple of num_heads_kv={self.num_heads_kv}")
+        if not self.imbalance_tol >= 1.0:
+            raise ValueError(f"imbalance_tol must be >= 1.0, got {self.imbalance_tol}")
+
+    @property
+    def head_groups(self) -> int:
+        """G: the number of head groups a task is split by."""
+        return self.num_heads_kv if self.head_group_flatten else 1
+
+    @property
+    def dtype_bytes(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def cost(self) -> CommCost:
+        return CommCost(self.num_heads_q, self.num_heads_kv, self.head_dim,
+                        self.dtype_bytes, self.head_groups)
+
+    def check_seqlen(self, total_seqlen: int) -> int:
+        """Chunk size c = S / P; raises when S is not divisible by P."""
+        if total_seqlen % self.cp_size:
+            raise ValueError(
+                f"total_seqlen={total_seqlen} must be divisible by cp_size={self.cp_size} "
+                f"(pad the sequence to a multiple of {self.cp_size})")
+        return total_seqlen // self.cp_size
