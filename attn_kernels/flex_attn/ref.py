@@ -1,0 +1,97 @@
+"""Torch twins of the slice-attention launchers: same signatures, same outputs.
+
+Dense math on a mask built with broadcast comparisons (``[R, Tq, Tk]``), so it
+runs on any device, including ``meta``, with no host read. It is the CPU path
+of the op and the kernels' test twin; memory grows as R·Tq·Tk, so it is meant
+for small problems. Scores and softmax are computed in fp32.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def slices_mask(q_ranges: torch.Tensor, k_ranges: torch.Tensor, attn_type: torch.Tensor,
+                seqlen_q: int, seqlen_k: int) -> torch.Tensor:
+    """Dense mask of a slice list, built on device.
+
+    q_ranges/k_ranges: [R, 2] int, attn_type: [R] int. Returns [Tq, Tk] bool.
+    """
+    dev = q_ranges.device
+    qs, qe = q_ranges[:, 0, None, None].long(), q_ranges[:, 1, None, None].long()
+    ks, ke = k_ranges[:, 0, None, None].long(), k_ranges[:, 1, None, None].long()
+    t = attn_type[:, None, None]
+    o_q = torch.arange(seqlen_q, device=dev)[None, :, None]
+    o_k = torch.arange(seqlen_k, device=dev)[None, None, :]
+    m = (o_q >= qs) & (o_q < qe) & (o_k >= ks) & (o_k < ke)
+    causal = (t == 1) | (t == 3)
+    inv = (t == 2) | (t == 3)
+    m = m & ((o_k <= o_q + (ke - qe)) | ~causal)
+    m = m & ((o_k >= o_q + (ks - qs)) | ~inv)
+    return m.any(0)
+
+
+def _probs(q, k, mask, softmax_scale, softcap):
+    """p [Hkv, G, Tq, Tk] fp32, tanh of the capped scores (or None), lse [Tq, Hq] fp32."""
+    Tq, HQ, D = q.shape
+    Tk, HKV, _ = k.shape
+    G = HQ // HKV
+    qg = q.float().reshape(Tq, HKV, G, D)
+    s = torch.einsum("qhgd,khd->hgqk", qg, k.float()) * softmax_scale
+    th = None
+    if softcap > 0:
+        th = torch.tanh(s / softcap)
+        s = softcap * th
+    s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # [Hkv, G, Tq], -inf for empty rows
+    lse_safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    p = torch.exp(s - lse_safe[..., None]).masked_fill(~mask, 0.0)
+    return p, th, lse.reshape(HQ, Tq).t()
+
+
+def flex_attn_fwd_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    q_ranges: torch.Tensor, k_ranges: torch.Tensor, attn_type: torch.Tensor,
+    softmax_scale: float, softcap: float,
+    *, block_q: int | None = None, block_k: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Twin of ``kernel.flex_attn_fwd`` (block sizes accepted and ignored).
+
+    q: [Tq, Hq, D], k/v: [Tk, Hkv, D]; ranges [R, 2] int; attn_type [R] int.
+    Returns out [Tq, Hq, D] in q's dtype and lse [Tq, Hq] fp32.
+    """
+    Tq, HQ, D = q.shape
+    Tk, HKV, _ = k.shape
+    mask = slices_mask(q_ranges, k_ranges, attn_type, Tq, Tk)
+    p, _, lse = _probs(q, k, mask, softmax_scale, softcap)
+    out = torch.einsum("hgqk,khd->qhgd", p, v.float()).reshape(Tq, HQ, D)
+    return out.to(q.dtype), lse.contiguous()
+
+
+def flex_attn_bwd_ref(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    out: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor,
+    q_ranges: torch.Tensor, k_ranges: torch.Tensor, attn_type: torch.Tensor,
+    softmax_scale: float, softcap: float,
+    *, block_q: int | None = None, block_k: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Twin of ``kernel.flex_attn_bwd``: returns dq [Tq, Hq, D], dk/dv [Tk, Hkv, D].
+
+    Recomputes p from q, k and the mask (the given lse is the same value the
+    forward produced); dlse [Tq, Hq] fp32 is the gradient reaching lse.
+    """
+    Tq, HQ, D = q.shape
+    Tk, HKV, _ = k.shape
+    G = HQ // HKV
+    mask = slices_mask(q_ranges, k_ranges, attn_type, Tq, Tk)
+    p, th, _ = _probs(q, k, mask, softmax_scale, softcap)
+    do = dout.float().reshape(Tq, HKV, G, D)
+    delta = (dout.float() * out.float()).sum(-1) - dlse.float()  # [Tq, Hq]
+    delta = delta.t().reshape(HKV, G, Tq)
+    dv = torch.einsum("hgqk,qhgd->khd", p, do)
+    dp = torch.einsum("qhgd,khd->hgqk", do, v.float())
+    ds = p * (dp - delta[..., None])
+    if th is not None:
+        ds = ds * (1.0 - th * th)
+    dq = torch.einsum("hgqk,khd->qhgd", ds, k.float()).reshape(Tq, HQ, D) * softmax_scale
+    dk = torch.einsum("hgqk,qhgd->khd", ds, q.float().reshape(Tq, HKV, G, D)) * softmax_scale
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

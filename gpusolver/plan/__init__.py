@@ -1,0 +1,27 @@
+"""Plans: an assignment turned into the tensors the collectives and kernels consume.
+
+Shape legend: G head groups, P ranks, c = S / P tokens per chunk, R slices,
+cap slice rows per rank and stage, send_cap rows per send list.
+
+    Plan.assignment         [G, P, P] int32, rank of task (g, i, j), -1 empty
+    CommMeta.qo_range       [G, P(host), P(dest), 2] int64 chunk-local rows sent
+    CommMeta.qo_recv_offset [G, P(host), P(dest)] int64 start in dest's buffer
+    CommMeta.qo_split       [P(src), P(dst)] int64 all-to-all-v split sizes
+    CommMeta.qo_send_index  [P, send_cap] int64 gather indices, -1 padded
+    CalcMeta.q_ranges       [P, 2(stage), cap, 2] int32 (k_ranges alike)
+    CalcMeta.attn_type      [P, 2, cap] int32
+    Plan.status             [] int32 bitfield (IMBALANCED, CALC_OVERFLOW, ...)
+
+Rows are "group-major": local row ``g * c + t`` is token t of the chunk in
+head group g (see ``gpusolver.plan.meta``).
+"""
+from gpusolver.plan.build import build_plan, plan_capacities
+from gpusolver.plan.calc_meta import default_stage_capacity, slice_pieces
+from gpusolver.plan.meta import (BUFFER_OVERFLOW, CALC_OVERFLOW, IMBALANCED, NEED_MISMATCH, UNASSIGNED,
+                                 CalcMeta, CommMeta, Plan, RankPlan, status_names)
+
+__all__ = [
+    "build_plan", "plan_capacities", "default_stage_capacity", "slice_pieces",
+    "Plan", "CommMeta", "CalcMeta", "RankPlan", "status_names",
+    "IMBALANCED", "CALC_OVERFLOW", "BUFFER_OVERFLOW", "UNASSIGNED", "NEED_MISMATCH",
+]

@@ -1,0 +1,101 @@
+"""build_plan: an assignment -> the tensors the collectives and kernels consume.
+
+Shape legend: G head groups, P ranks, c = S / P tokens per chunk, R slices.
+Sync-free (static shapes, no host reads): it runs inside the per-layer solve.
+"""
+from __future__ import annotations
+
+import torch
+
+from gpusolver.config import SolverConfig
+from gpusolver.masks.slices import AttnSlices
+from gpusolver.metrics import evaluate
+from gpusolver.plan.calc_meta import build_calc_meta, default_stage_capacity
+from gpusolver.plan.comm_meta import build_comm_meta
+from gpusolver.plan.meta import (BUFFER_OVERFLOW, CALC_OVERFLOW, IMBALANCED, NEED_MISMATCH, UNASSIGNED,
+                                 Plan)
+from gpusolver.problem import BlockAreas
+
+
+def _check_args(mask: AttnSlices, areas: BlockAreas, assignment: torch.Tensor, config: SolverConfig) -> None:
+    """Shape / dtype / device checks (host metadata only)."""
+    G, P = config.head_groups, config.cp_size
+    if areas.head_groups != G or areas.cp_size != P:
+        raise ValueError(f"areas are for G={areas.head_groups}, P={areas.cp_size} but the config has "
+                         f"head_groups={G}, cp_size={P}")
+    if mask.total_seqlen_q != mask.total_seqlen_k:
+        raise ValueError(f"mask must be self-attention, got total_seqlen_q={mask.total_seqlen_q} "
+                         f"!= total_seqlen_k={mask.total_seqlen_k}")
+    c = config.check_seqlen(mask.total_seqlen_q)
+    if areas.chunk != c:
+        raise ValueError(f"areas.chunk={areas.chunk} but the mask gives c = S / P = {c}")
+    if mask.grouped and mask.q_ranges.shape[0] != G:
+        raise ValueError(f"mask has a head-group dim of {mask.q_ranges.shape[0]} but head_groups={G}")
+    if tuple(assignment.shape) != (G, P, P):
+        raise ValueError(f"assignment must be [G, P, P] = {(G, P, P)}, got {tuple(assignment.shape)}")
+    if assignment.dtype.is_floating_point or assignment.dtype == torch.bool:
+        raise ValueError(f"assignment must be an integer tensor, got {assignment.dtype}")
+    for name, t in (("mask", mask.q_ranges), ("areas", areas.area)):
+        if t.device != assignment.device:
+            raise ValueError(f"{name} is on {t.device} but assignment is on {assignment.device}")
+
+
+def plan_capacities(config: SolverConfig, num_slices: int, chunk: int, *, recv_capacity: int | None = None, send_capacity: int | None = None) -> tuple[int, int, int]:
+    """Static capacities (stage slice rows, receive rows, send rows), host ints.
+
+    stage:  ``config.max_stage_slices``, else ``default_stage_capacity(R, G, P)``
+            = ``3 * G * max(R, 2 * P)``.
+    recv / send: the worst case ``G * c * (P - 1)`` rows (every other rank's
+            whole chunk, or the whole local chunk to every other rank).
+    """
+    G, P = config.head_groups, config.cp_size
+    worst = G * chunk * (P - 1)
+    stage = config.max_stage_slices
+    if stage is None:
+        stage = default_stage_capacity(num_slices, G, P)
+    recv = worst if recv_capacity is None else recv_capacity
+    send = worst if send_capacity is None else send_capacity
+    for name, v in (("max_stage_slices", stage), ("recv_capacity", recv), ("send_capacity", send)):
+        if not isinstance(v, int) or v < (1 if name == "max_stage_slices" else 0):
+            raise ValueError(f"{name} must be a {'positive' if name == 'max_stage_slices' else 'non-negative'} "
+                             f"int, got {v!r}")
+    return stage, recv, send
+
+
+def build_plan(mask: AttnSlices, areas: BlockAreas, assignment: torch.Tensor, config: SolverConfig, *,
+               imbalance_tol: float | None = None, recv_capacity: int | None = None,
+               send_capacity: int | None = None) -> Plan:
+    """The Plan of an assignment, for all ranks at once. Sync-free.
+
+    mask:          AttnSlices, q_ranges / k_ranges [R, 2] or [G, R, 2], attn_type
+                   [R] or [G, R]; self-attention with S = total_seqlen_q.
+    areas:         BlockAreas of that mask (area [G, P, P] int64, needs
+                   [G, P, P, 2] int64, chunk c = S / P).
+    assignment:    [G, P, P] integer, rank computing task (g, i, j); -1 for empty tasks.
+    config:        SolverConfig (P, G, byte costs, mu, ``max_stage_slices``).
+    imbalance_tol: mu for the IMBALANCED bit (default ``config.imbalance_tol``).
+    recv_capacity, send_capacity: rows of each receive buffer / send list
+                   (default ``G * c * (P - 1)``, the worst case).
+
+    Returns a Plan whose shapes depend only on (config, R, c, capacities).
+    Problems are reported in ``plan.status``; call ``plan.validate()`` on the
+    host to turn them into errors.
+    """
+    _check_args(mask, areas, assignment, config)
+    stage_cap, recv_cap, send_cap = plan_capacities(
+        config, mask.num_slices, areas.chunk, recv_capacity=recv_capacity, send_capacity=send_capacity)
+    mu = config.imbalance_tol if imbalance_tol is None else float(imbalance_tol)
+    assignment = assignment.to(torch.int32)
+
+    metrics = evaluate(areas, assignment, config.cost())
+    comm, comm_overflow = build_comm_meta(areas, assignment, recv_capacity=recv_cap, send_capacity=send_cap)
+    calc, flags = build_calc_meta(mask, areas, assignment, comm, stage_cap)
+
+    def bit(flag: torch.Tensor, value: int) -> torch.Tensor:
+        return flag.to(torch.int32) * value
+
+    status = (bit(metrics.imbalance > mu, IMBALANCED) | bit(flags["calc_overflow"], CALC_OVERFLOW)
+              | bit(comm_overflow | flags["buffer_overflow"], BUFFER_OVERFLOW)
+              | bit(flags["unassigned"], UNASSIGNED) | bit(flags["mismatch"], NEED_MISMATCH))
+    return Plan(assignment=assignment, metrics=metrics, comm=comm, calc=calc, status=status,
+                area=areas.area, imbalance_tol=mu)

@@ -1,0 +1,273 @@
+"""The plan's frozen dataclasses: CommMeta, CalcMeta, Plan, RankPlan.
+
+Shape legend: G head groups, P ranks, c = S / P tokens per chunk,
+``cap`` = CalcMeta slice rows per rank and stage, ``send_cap`` = send rows
+per rank.
+
+Layout "group-major" (binding for every row coordinate in this package): a
+rank's local Q ``[c, Hq, D]`` is viewed as G blocks of c rows; row
+``g * c + t`` is token ``t`` of the chunk with the ``Hq / G`` query heads of
+group ``g``. Local K and V are viewed the same way with ``Hkv / G`` heads.
+A receive buffer holds remote units back to back, ordered by host rank
+ascending, then group ascending, then token.
+
+Every tensor describes all P ranks at once: every rank builds the same plan
+and picks its own rows (``Plan.for_rank``). Nothing here reads device values
+except ``validate()`` and ``summary()``, which are host-side by design.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# Status bits of Plan.status (a 0-dim int32 bitfield computed on device).
+IMBALANCED = 1       # max load > imbalance_tol * mean load
+CALC_OVERFLOW = 2    # some rank/stage needs more slice rows than CalcMeta's capacity
+BUFFER_OVERFLOW = 4  # some rank sends or receives more rows than the buffer capacity
+UNASSIGNED = 8       # a non-empty task has no valid rank in the assignment
+NEED_MISMATCH = 16   # a slice piece lies outside its block's needs: areas do not match the mask
+
+STATUS_NAMES = {
+    IMBALANCED: "IMBALANCED",
+    CALC_OVERFLOW: "CALC_OVERFLOW",
+    BUFFER_OVERFLOW: "BUFFER_OVERFLOW",
+    UNASSIGNED: "UNASSIGNED",
+    NEED_MISMATCH: "NEED_MISMATCH",
+}
+
+
+def status_names(status: int) -> list[str]:
+    """Names of the bits set in a host int status."""
+    return [name for bit, name in STATUS_NAMES.items() if status & bit]
+
+
+@dataclass(frozen=True)
+class CommMeta:
+    """Who sends which rows of which unit to whom, for QO and for KV.
+
+    Units: QO unit ``(g, h)`` and KV unit ``(g, h)`` live on host rank ``h``.
+    All ranges are chunk-local token rows of the unit, half-open.
+
+    qo_range, kv_range:             [G, P(host), P(dest), 2] int64 — rows of unit
+                                    (g, host) that travel to dest (hulls from
+                                    ``transfer_ranges``); [0, 0) when nothing travels
+                                    (always for dest == host).
+    qo_recv_offset, kv_recv_offset: [G, P(host), P(dest)] int64 — where unit
+                                    (g, host)'s rows start in dest's receive buffer
+                                    (exclusive prefix sum over (host, g) in that order).
+    qo_split, kv_split:             [P(src), P(dst)] int64 — rows src sends to dst
+                                    (the all-to-all-v split sizes).
+    qo_send_index, kv_send_index:   [P, send_cap] int64 — for each source rank, gather
+                                    indices into its group-major local rows, in send
+                                    order (dst ascending, then g, then token); -1 pads.
+    qo_recv_rows, kv_recv_rows:     [P] int64 — rows each rank receives (its buffer fill).
+    chunk:                          c, tokens per chunk (host int).
+    recv_capacity:                  rows of each receive buffer (host int, static).
+
+    A remote QO row ``t`` of unit (g, h) on dest r sits at buffer row
+    ``qo_recv_offset[g, h, r] + t - qo_range[g, h, r, 0]``. Rows beyond
+    ``recv_capacity`` or ``send_cap`` are never indexed: the plan's status gets
+    BUFFER_OVERFLOW instead and the collectives must not run.
+    """
+
+    qo_range: torch.Tensor
+    kv_range: torch.Tensor
+    qo_recv_offset: torch.Tensor
+    kv_recv_offset: torch.Tensor
+    qo_split: torch.Tensor
+    kv_split: torch.Tensor
+    qo_send_index: torch.Tensor
+    kv_send_index: torch.Tensor
+    qo_recv_rows: torch.Tensor
+    kv_recv_rows: torch.Tensor
+    chunk: int
+    recv_capacity: int
+
+    @property
+    def send_capacity(self) -> int:
+        return self.qo_send_index.shape[1]
+
+    @property
+    def head_groups(self) -> int:
+        return self.qo_range.shape[0]
+
+    @property
+    def cp_size(self) -> int:
+        return self.qo_range.shape[1]
+
+
+@dataclass(frozen=True)
+class CalcMeta:
+    """The slice lists the attention kernel runs, per rank and stage.
+
+    Stage 0 holds the pieces of tasks (g, r, r) on rank r (both units local);
+    stage 1 the rest of rank r's tasks.
+
+    q_ranges:    [P, 2, cap, 2] int32 — query rows of each piece.
+    k_ranges:    [P, 2, cap, 2] int32 — key rows of each piece.
+    attn_type:   [P, 2, cap] int32 — FULL / CAUSAL / INV_CAUSAL / BI_CAUSAL codes.
+    num_rows:    [P, 2] int32 — rows in use (the first ``num_rows``); the rest are
+                 dummies [0, 0) with type FULL.
+    needed_rows: [P, 2] int32 — rows the rank's tasks need; above ``cap`` means
+                 CALC_OVERFLOW (``num_rows`` is then clipped and work is missing).
+
+    Coordinates. Stage 0: group-major local rows for both q and k
+    (``g * c + t``). Stage 1: q rows index ``concat(local Q [G*c rows], QO receive
+    buffer)`` — a remote row is ``G*c + qo_recv_offset[g, i, r] + t -
+    qo_range[g, i, r, 0]``; k rows index ``concat(local KV, KV receive buffer)``
+    likewise. A kernel runs them as they are with ``Hq / G`` query and
+    ``Hkv / G`` KV heads per row.
+
+    Each piece is the part of one slice inside one block (g, i, j), split into
+    at most three rows so that each has a single type; the pieces of all ranks
+    cover the mask exactly once.
+    """
+
+    q_ranges: torch.Tensor
+    k_ranges: torch.Tensor
+    attn_type: torch.Tensor
+    num_rows: torch.Tensor
+    needed_rows: torch.Tensor
+
+    @property
+    def capacity(self) -> int:
+        return self.q_ranges.shape[2]
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One rank's view of a Plan (tensor views, no copies, no host reads).
+
+    q_ranges, k_ranges: [2, cap, 2] int32; attn_type: [2, cap] int32;
+    num_rows: [2] int32 — the rank's two CalcMeta stages.
+    qo_send_index, kv_send_index: [send_cap] int64 — gather indices into local rows.
+    qo_send_split, kv_send_split: [P] int64 — rows sent to each destination.
+    qo_recv_split, kv_recv_split: [P] int64 — rows received from each source.
+    """
+
+    rank: int
+    q_ranges: torch.Tensor
+    k_ranges: torch.Tensor
+    attn_type: torch.Tensor
+    num_rows: torch.Tensor
+    qo_send_index: torch.Tensor
+    kv_send_index: torch.Tensor
+    qo_send_split: torch.Tensor
+    kv_send_split: torch.Tensor
+    qo_recv_split: torch.Tensor
+    kv_recv_split: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A solved layer: who computes what, what moves, and what each kernel runs.
+
+    assignment: [G, P, P] int32 — rank computing task (g, i, j); -1 for an empty task.
+    metrics:    PlanMetrics (loads, volumes, bottlenecks, imbalance; tensors).
+    comm:       CommMeta.
+    calc:       CalcMeta.
+    status:     [] int32 bitfield of IMBALANCED, CALC_OVERFLOW, BUFFER_OVERFLOW,
+                UNASSIGNED, NEED_MISMATCH (0 = usable and balanced).
+    area:       [G, P, P] int64 — the block areas the plan was built from.
+    imbalance_tol: mu the IMBALANCED bit was judged against (host float, config).
+
+    ``validate()`` and ``summary()`` read the tensors on the host; everything
+    else stays on device.
+    """
+
+    assignment: torch.Tensor
+    metrics: Any
+    comm: CommMeta
+    calc: CalcMeta
+    status: torch.Tensor
+    area: torch.Tensor
+    imbalance_tol: float
+
+    def for_rank(self, rank: int) -> RankPlan:
+        """Rank ``rank``'s CalcMeta stages and send/receive lists (views)."""
+        P = self.assignment.shape[1]
+        if not 0 <= rank < P:
+            raise ValueError(f"rank must be in [0, {P}), got {rank}")
+        c, m = self.calc, self.comm
+        return RankPlan(
+            rank=rank, q_ranges=c.q_ranges[rank], k_ranges=c.k_ranges[rank],
+            attn_type=c.attn_type[rank], num_rows=c.num_rows[rank],
+            qo_send_index=m.qo_send_index[rank], kv_send_index=m.kv_send_index[rank],
+            qo_send_split=m.qo_split[rank], kv_send_split=m.kv_split[rank],
+            qo_recv_split=m.qo_split[:, rank], kv_recv_split=m.kv_split[:, rank])
+
+    def validate(self, ignore: int = 0) -> "Plan":
+        """Raise ValueError naming each status bit set (except those in ``ignore``).
+
+        Host-side: reads the status and the counts behind it. Returns self.
+        """
+        problems = _explain_status(self, ignore)
+        if problems:
+            raise ValueError("plan is not usable:\n  " + "\n  ".join(problems))
+        return self
+
+    def summary(self) -> str:
+        """Human-readable metrics table and status (host-side)."""
+        status = int(self.status.item())
+        names = status_names(status)
+        lines = []
+        if hasattr(self.metrics, "summary"):
+            lines.append(self.metrics.summary())
+        c = self.calc
+        lines.append(f"calc rows per stage (max over ranks): stage0 {int(c.needed_rows[:, 0].max())}, "
+                     f"stage1 {int(c.needed_rows[:, 1].max())}, capacity {c.capacity}")
+        lines.append(f"recv rows (max over ranks): qo {int(self.comm.qo_recv_rows.max())}, "
+                     f"kv {int(self.comm.kv_recv_rows.max())}, capacity {self.comm.recv_capacity}")
+        lines.append("status: " + ("OK" if not names else " | ".join(names)))
+        return "\n".join(lines)
+
+
+def _explain_status(plan: Plan, ignore: int) -> list[str]:
+    """One host-side message per status bit set, naming the limit and the fix."""
+    status = int(plan.status.item()) & ~ignore
+    out = []
+    if status & UNASSIGNED:
+        P = plan.assignment.shape[1]
+        a = plan.assignment.long().cpu()
+        bad = ((plan.area.cpu() > 0) & ((a < 0) | (a >= P))).nonzero()
+        if bad.numel():
+            g, i, j = bad[0].tolist()
+            out.append(f"UNASSIGNED: task (g={g}, i={i}, j={j}) has area {int(plan.area[g, i, j])} but "
+                       f"assignment {int(a[g, i, j])}; every non-empty task needs a rank in [0, {P})")
+        else:
+            out.append("UNASSIGNED: a task with slice pieces but area 0 has no rank; "
+                       "the BlockAreas do not match the mask")
+    if status & IMBALANCED:
+        load = plan.metrics.load.double().cpu()
+        mean = load.mean().item()
+        r = int(load.argmax())
+        out.append(f"IMBALANCED: rank {r} load {int(load[r])} is {load[r].item() / mean:.3f} x the mean "
+                   f"{mean:.1f}, above imbalance_tol {plan.imbalance_tol}")
+    if status & CALC_OVERFLOW:
+        need, cap = plan.calc.needed_rows.cpu(), plan.calc.capacity
+        over = (need > cap).nonzero()
+        if over.numel():
+            r, s = over[0].tolist()
+            out.append(f"CALC_OVERFLOW: rank {r} stage {s} needs {int(need[r, s])} slice rows, capacity {cap}: "
+                       "raise SolverConfig.max_stage_slices")
+        else:
+            out.append(f"CALC_OVERFLOW: the mask has more slice pieces than the plan can hold with "
+                       f"capacity {cap}: raise SolverConfig.max_stage_slices")
+    if status & BUFFER_OVERFLOW:
+        m = plan.comm
+        for kind, rows, split in (("QO", m.qo_recv_rows, m.qo_split), ("KV", m.kv_recv_rows, m.kv_split)):
+            rows, sent = rows.cpu(), split.sum(1).cpu()
+            if (rows > m.recv_capacity).any():
+                r = int(rows.argmax())
+                out.append(f"BUFFER_OVERFLOW: rank {r} receives {int(rows[r])} {kind} rows, receive capacity "
+                           f"{m.recv_capacity}: raise recv_capacity")
+            if (sent > m.send_capacity).any():
+                r = int(sent.argmax())
+                out.append(f"BUFFER_OVERFLOW: rank {r} sends {int(sent[r])} {kind} rows, send capacity "
+                           f"{m.send_capacity}: raise send_capacity")
+    if status & NEED_MISMATCH:
+        out.append("NEED_MISMATCH: a slice piece lies outside its block's q_need/k_need (or in a block of "
+                   "area 0): build the BlockAreas from the same mask")
+    return out

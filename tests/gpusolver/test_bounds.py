@@ -1,0 +1,144 @@
+"""Load bound and the MILP bottleneck bound on tiny instances (brute force as oracle)."""
+import itertools
+import math
+
+import pytest
+import torch
+
+from gpusolver.bounds import load_lower_bound, milp_bottleneck
+from gpusolver.metrics import check_assignment, evaluate, owner_computes_assignment
+from gpusolver.problem import BlockAreas, CommCost
+from tests.gpusolver.test_metrics import areas_from_dense
+
+
+def doc_causal(S: int, doc_lens: list[int]) -> torch.Tensor:
+    """[S, S] bool: causal attention inside each packed document."""
+    dense = torch.zeros(S, S, dtype=torch.bool)
+    start = 0
+    for n in doc_lens:
+        dense[start:start + n, start:start + n] = torch.ones(n, n, dtype=torch.bool).tril()
+        start += n
+    assert start == S
+    return dense
+
+
+def window(S: int, w: int) -> torch.Tensor:
+    q = torch.arange(S)[:, None]
+    k = torch.arange(S)[None, :]
+    return (k <= q) & (k > q - w)
+
+
+def brute_force_best(areas: BlockAreas, cost: CommCost, mu: float, direction: str):
+    """Smallest exact bottleneck over every assignment meeting mu (None if none does)."""
+    tasks = [tuple(t) for t in (areas.area > 0).nonzero().tolist()]
+    P = areas.cp_size
+    cap = math.floor(mu * int(areas.area.sum()) / P + 1e-9)
+    best = None
+    for ranks in itertools.product(range(P), repeat=len(tasks)):
+        asg = torch.full(areas.area.shape, -1, dtype=torch.int32)
+        for (g, i, j), r in zip(tasks, ranks):
+            asg[g, i, j] = r
+        m = evaluate(areas, asg, cost)
+        if int(m.load.max()) > cap:
+            continue
+        b = int(getattr(m, f"{direction}_bottleneck"))
+        best = b if best is None else min(best, b)
+    return best
+
+
+def assert_meets_mu(areas, asg, mu):
+    load = torch.zeros(areas.cp_size, dtype=torch.int64)
+    for (g, i, j) in (areas.area > 0).nonzero().tolist():
+        load[asg[g, i, j]] += areas.area[g, i, j]
+    assert int(load.max()) * areas.cp_size <= mu * int(areas.area.sum()) + 1e-9
+
+
+def test_load_lower_bound():
+    area = torch.zeros(1, 3, 3, dtype=torch.int64)
+    area[0, 0, 0], area[0, 1, 0], area[0, 2, 2] = 2, 3, 5  # total 10 -> ceil(10/3) = 4 < 5
+    areas = BlockAreas(area, torch.zeros(1, 3, 3, 2, dtype=torch.int64), torch.zeros(1, 3, 3, 2, dtype=torch.int64), 4)
+    assert load_lower_bound(areas) == 5
+    area[0, 2, 2] = 1  # total 6 -> 2, largest 3
+    assert load_lower_bound(areas) == 3
+    area[0, 1, 0] = 2  # total 5 -> ceil(5/3) = 2 = largest
+    assert load_lower_bound(areas) == 2
+
+
+CASES = [  # (name, dense [G, S, S], P)
+    ("causal_P2_G1", torch.ones(1, 8, 8, dtype=torch.bool).tril(), 2),
+    ("docs_P3_G1", doc_causal(12, [5, 7])[None], 3),
+    ("full_P2_G2", torch.ones(2, 8, 8, dtype=torch.bool), 2),
+    ("docs_window_P2_G2", torch.stack([doc_causal(8, [3, 5]), window(8, 3)]), 2),
+]
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+@pytest.mark.parametrize("name,dense,P", CASES, ids=[c[0] for c in CASES])
+def test_milp_against_brute_force(name, dense, P, direction):
+    areas = areas_from_dense(dense, P)
+    G = areas.head_groups
+    cost = CommCost(4 * G, 2 * G, 2, 2, G)
+    mu = 1.5
+    res = milp_bottleneck(areas, cost, mu=mu, direction=direction, time_limit=10.0)
+    best = brute_force_best(areas, cost, mu, direction)
+    if best is None:
+        assert res.status == "infeasible" and res.lower_bound is None
+        return
+    assert res.status == "optimal"
+    check_assignment(areas, res.assignment)
+    assert_meets_mu(areas, res.assignment, mu)
+    exact = int(getattr(evaluate(areas, res.assignment, cost), f"{direction}_bottleneck"))
+    assert res.bottleneck == exact
+    assert 0 <= res.lower_bound <= best <= res.bottleneck
+    assert res.gap == pytest.approx(0.0 if exact == 0 else (exact - res.lower_bound) / exact)
+    if name.startswith("full"):  # every need is the whole chunk: hull == longest need, the MILP is exact
+        assert res.lower_bound == best == res.bottleneck
+
+
+@pytest.mark.parametrize("P,G", [(3, 1), (4, 2)])
+def test_milp_below_owner_computes(P, G):
+    S = 6 * P
+    dense = torch.stack([doc_causal(S, [S // 2 - 1, S // 2 + 1]), window(S, 5)][:G])
+    areas = areas_from_dense(dense, P)
+    cost = CommCost(8 * G, 2 * G, 2, 2, G)
+    owner = evaluate(areas, owner_computes_assignment(areas), cost)
+    mu = float(owner.imbalance) + 1e-6  # owner-computes meets this mu
+    for direction in ("fwd", "bwd"):
+        res = milp_bottleneck(areas, cost, mu=mu, direction=direction, time_limit=10.0)
+        assert res.status == "optimal"
+        assert_meets_mu(areas, res.assignment, mu)
+        assert res.lower_bound <= int(getattr(owner, f"{direction}_bottleneck"))
+        assert res.lower_bound <= res.bottleneck
+    # a tight mu keeps a valid, balanced assignment (or says infeasible)
+    res = milp_bottleneck(areas, cost, mu=1.10, time_limit=10.0)
+    if res.status != "infeasible":
+        assert_meets_mu(areas, res.assignment, 1.10)
+        assert res.lower_bound <= res.bottleneck
+
+
+def test_milp_infeasible_and_trivial():
+    # a single task cannot be split: max load = total > 1.1 * total / 2
+    dense = torch.zeros(1, 8, 8, dtype=torch.bool)
+    dense[0, 5, 1] = True
+    cost = CommCost(2, 1, 2, 2, 1)
+    res = milp_bottleneck(areas_from_dense(dense, 2), cost)
+    assert res.status == "infeasible" and res.lower_bound is None and res.assignment is None
+    res = milp_bottleneck(areas_from_dense(torch.zeros(1, 8, 8, dtype=torch.bool), 2), cost)
+    assert res.status == "optimal" and res.lower_bound == 0 and res.bottleneck == 0
+    assert int((res.assignment != -1).sum()) == 0
+
+
+def test_milp_rejects_large_or_bad_input():
+    def full(G, P, c=2):
+        return BlockAreas(torch.ones(G, P, P, dtype=torch.int64),
+                          torch.tensor([0, 1]).expand(G, P, P, 2).clone(),
+                          torch.tensor([0, 1]).expand(G, P, P, 2).clone(), c)
+
+    with pytest.raises(ValueError, match="P=9"):
+        milp_bottleneck(full(1, 9), CommCost(2, 1, 2, 2, 1))
+    with pytest.raises(ValueError, match="512 non-empty tasks"):
+        milp_bottleneck(full(8, 8), CommCost(8, 8, 2, 2, 8))
+    with pytest.raises(ValueError, match="direction"):
+        milp_bottleneck(full(1, 2), CommCost(2, 1, 2, 2, 1), direction="both")
+    with pytest.raises(ValueError, match="head_groups"):
+        milp_bottleneck(full(1, 2), CommCost(4, 2, 2, 2, 2))
