@@ -208,7 +208,6 @@ def _flex_bwd_dkdv_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    GROUP: tl.constexpr = HQ // HKV
     i_n, i_kvh = tl.program_id(0), tl.program_id(1)
     n0 = i_n * BLOCK_K
     o_k = n0 + tl.arange(0, BLOCK_K)
@@ -220,8 +219,8 @@ def _flex_bwd_dkdv_kernel(
     b_v = tl.load(p_v + o_kd, mask=m_k[:, None], other=0.0)
     b_dk = tl.zeros([BLOCK_K, HEAD_DIM], tl.float32)
     b_dv = tl.zeros([BLOCK_K, HEAD_DIM], tl.float32)
-    for i_g in range(0, GROUP):
-        i_h = i_kvh * GROUP + i_g
+    for i_g in range(0, HQ // HKV):
+        i_h = i_kvh * (HQ // HKV) + i_g
         for i_r in range(0, R):
             qs, qe, ks, ke, t = _slice_meta(p_qr, p_kr, p_type, i_r)
             k_lo = tl.maximum(ks, n0)

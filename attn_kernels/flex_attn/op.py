@@ -126,6 +126,22 @@ def _check(q, k, v, q_ranges, k_ranges, attn_type, softcap, backend) -> None:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
 
 
+def validate_slice_values(q_ranges: torch.Tensor, k_ranges: torch.Tensor, attn_type: torch.Tensor,
+                          seqlen_q: int, seqlen_k: int) -> None:
+    """Host-side value checks with row-precise messages (reads the tensors: not for the hot path).
+
+    q_ranges/k_ranges: [R, 2] int, attn_type: [R] int. Raises ValueError naming
+    the argument, the row and the value. Overlap between slices is not checked.
+    """
+    for name, rng, limit in (("q_ranges", q_ranges, seqlen_q), ("k_ranges", k_ranges, seqlen_k)):
+        for row, (s, e) in enumerate(rng.tolist()):
+            if not 0 <= s <= e <= limit:
+                raise ValueError(f"{name}[{row}] = [{s}, {e}) must satisfy 0 <= start <= end <= {limit}")
+    for row, t in enumerate(attn_type.tolist()):
+        if t not in (0, 1, 2, 3):
+            raise ValueError(f"attn_type[{row}] = {t} must be 0 FULL, 1 CAUSAL, 2 INV_CAUSAL or 3 BI_CAUSAL")
+
+
 def _resolve_backend(q: torch.Tensor, backend: str) -> str:
     if backend == "auto":
         return "triton" if q.is_cuda else "torch"
@@ -143,6 +159,7 @@ def flex_attn(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q_ranges: torch.Tensor, k_ranges: torch.Tensor, attn_type: torch.Tensor,
     softmax_scale: float | None = None, softcap: float = 0.0, *, backend: str = "auto",
+    validate: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over a slice mask; returns (out, lse). Differentiable in q, k, v.
 
@@ -156,6 +173,8 @@ def flex_attn(
         softmax_scale: defaults to D ** -0.5.
         softcap: > 0 caps scores as softcap * tanh(s / softcap); 0 disables.
         backend: "auto", "triton" or "torch" (see the module docstring).
+        validate: also check range and type values on the host, with
+            row-precise errors (reads the tensors; off on the hot path).
 
     Returns:
         out: [Tq, Hq, D] in q's dtype (0 for rows with no valid key).
@@ -163,6 +182,8 @@ def flex_attn(
             (-inf for rows with no valid key).
     """
     _check(q, k, v, q_ranges, k_ranges, attn_type, softcap, backend)
+    if validate:
+        validate_slice_values(q_ranges, k_ranges, attn_type, q.shape[0], k.shape[0])
     backend = _resolve_backend(q, backend)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     return flex_attn_fwd_op(

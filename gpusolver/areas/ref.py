@@ -104,7 +104,7 @@ def slice_block_terms(qs, qe, ks, ke, ty, r0, r1, c0, c1):
 
     valid = (Q1 > Q0) & (W > 0) & (a < b)
     area = torch.where(valid, count_below(b) - count_below(a), 0)
-    row_lo, row_hi = torch.maximum(Q0, L - b), torch.minimum(Q1, E - a)
+    row_lo, row_hi = torch.maximum(Q0, L - b + 1), torch.minimum(Q1, E - a)
     col_lo, col_hi = torch.maximum(L, Q0 + a), torch.minimum(E, Q1 + b - 1)
     return area, row_lo, row_hi, col_lo, col_hi
 

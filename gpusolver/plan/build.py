@@ -40,7 +40,8 @@ def _check_args(mask: AttnSlices, areas: BlockAreas, assignment: torch.Tensor, c
             raise ValueError(f"{name} is on {t.device} but assignment is on {assignment.device}")
 
 
-def plan_capacities(config: SolverConfig, num_slices: int, chunk: int, *, recv_capacity: int | None = None, send_capacity: int | None = None) -> tuple[int, int, int]:
+def plan_capacities(config: SolverConfig, num_slices: int, chunk: int, *, recv_capacity: int | None = None,
+                    send_capacity: int | None = None) -> tuple[int, int, int]:
     """Static capacities (stage slice rows, receive rows, send rows), host ints.
 
     stage:  ``config.max_stage_slices``, else ``default_stage_capacity(R, G, P)``

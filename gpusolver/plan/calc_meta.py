@@ -179,7 +179,7 @@ def build_calc_meta(mask: AttnSlices, areas: BlockAreas, assignment: torch.Tenso
         "calc_overflow": (needed > capacity).any() | (count > ncap).any(),
         "buffer_overflow": (placed & need_ok & range_ok & ~buf_ok).any(),
         "unassigned": (nonempty & ~task_has).any(),
-        "mismatch": (placed & ~(need_ok & range_ok)).any(),
+        "mismatch": (item & ~need_ok).any() | (placed & ~range_ok).any(),
     }
     calc = CalcMeta(q_ranges=out[..., 0:2].contiguous(), k_ranges=out[..., 2:4].contiguous(),
                     attn_type=out[..., 4].contiguous(),

@@ -262,11 +262,11 @@ def _explain_status(plan: Plan, ignore: int) -> list[str]:
             if (rows > m.recv_capacity).any():
                 r = int(rows.argmax())
                 out.append(f"BUFFER_OVERFLOW: rank {r} receives {int(rows[r])} {kind} rows, receive capacity "
-                           f"{m.recv_capacity}: raise recv_capacity")
+                           f"{m.recv_capacity}: raise build_plan(recv_capacity=...)")
             if (sent > m.send_capacity).any():
                 r = int(sent.argmax())
                 out.append(f"BUFFER_OVERFLOW: rank {r} sends {int(sent[r])} {kind} rows, send capacity "
-                           f"{m.send_capacity}: raise send_capacity")
+                           f"{m.send_capacity}: raise build_plan(send_capacity=...)")
     if status & NEED_MISMATCH:
         out.append("NEED_MISMATCH: a slice piece lies outside its block's q_need/k_need (or in a block of "
                    "area 0): build the BlockAreas from the same mask")

@@ -151,8 +151,8 @@ def candidate_edges(prob: HostProblem) -> EdgeSet:
 
 
 def edge_weights(prob: HostProblem, edges: EdgeSet, prev: np.ndarray | None, owner_load: np.ndarray,
-                 share_weight: float, smoothing: float) -> tuple[np.ndarray, np.ndarray]:
-    """Benefit W of every edge, and whether the last feasible assignment used it.
+                 share_weight: float, smoothing: float) -> np.ndarray:
+    """Benefit W of every edge.
 
     prev:       [G, P, P] int, the last feasible assignment, or None.
     owner_load: [P] int64, loads when every task runs on its query host.
@@ -163,7 +163,7 @@ def edge_weights(prob: HostProblem, edges: EdgeSet, prev: np.ndarray | None, own
     f = share_weight * over(host) * room(helper) + smoothing, where over is
     the fraction of the host's owner load above the mean (the area that cannot
     stay home) and room the helper's owner-load deficit as a fraction of the
-    mean. Returns (W [E] float64, used [E] bool).
+    mean. Returns W [E] float64.
     """
     P = prob.P
     if prev is None:
@@ -181,43 +181,48 @@ def edge_weights(prob: HostProblem, edges: EdgeSet, prev: np.ndarray | None, own
     over = np.maximum(owner_load - mean, 0) / np.maximum(owner_load, 1)
     room = np.maximum(mean - owner_load, 0) / mean
     f = np.where(edges.kind == EDGE_KV_PAIR, 1.0, share_weight * over[edges.u] * room[edges.r] + smoothing)
-    return a_prev + edges.unlock * f, a_prev > 0
+    return a_prev + edges.unlock * f
 
 
-def select_edges(prob: HostProblem, edges: EdgeSet, order: np.ndarray, used: np.ndarray,
-                 owner_load: np.ndarray, K: float) -> tuple[np.ndarray, ...]:
+def select_edges(prob: HostProblem, edges: EdgeSet, order: np.ndarray, prev: np.ndarray | None,
+                 owner_load: np.ndarray, K: float) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
     """Greedy edge acceptance in ``order`` under the per-rank budget K (bytes).
 
-    An edge is considered only when it is useful: the last feasible assignment
-    used it, or a task it serves is not yet executable anywhere, or (QO edges)
-    its host still has owner load above the mean to shed and its helper still
-    has room below the load cap. It is accepted when, with the range growths it
-    causes (hulls, as the collectives send them), every touched rank keeps
-    send <= K and recv <= K.
+    The scan keeps a plan: a rank for every task (initially its query host)
+    and the planned loads. An edge is considered only when it is useful: the
+    last feasible assignment ``prev`` placed one of its tasks on its helper
+    (those tasks are re-planned there), or a task it serves is not yet
+    executable anywhere, or (QO edges) it sheds load: the host's planned load
+    is above the mean and the helper stays within the cap after taking the
+    tasks still planned on the host (they are re-planned to the helper). It
+    is accepted when, with the range growths it causes (hulls, as the
+    collectives send them), every touched rank keeps send <= K and recv <= K.
 
-    Returns (q_lo, q_hi, k_lo, k_hi): [G, P(unit), P(r)] int64 accepted
-    ranges; hi <= lo where nothing travels.
+    Returns ((q_lo, q_hi, k_lo, k_hi), plan): accepted ranges, each
+    [G, P(unit), P(r)] int64 with hi <= lo where nothing travels, and
+    plan [G, P, P] int64, the planned rank of each task (-1 for empty tasks).
     """
     G, P = prob.G, prob.P
     n = G * P * P
     q_tok, o_tok, kv_tok = prob.q_tok, prob.o_tok, prob.kv_tok
-    area_f = prob.area.reshape(-1)
+    area_np = prob.area.reshape(-1)
+    area_f = area_np.tolist()
     tq_lo, tq_hi = prob.q_lo.reshape(-1).tolist(), prob.q_hi.reshape(-1).tolist()
     tk_lo, tk_hi = prob.k_lo.reshape(-1).tolist(), prob.k_hi.reshape(-1).tolist()
     row_q = edges.row_q.reshape(-1, 2).tolist()
+    prev_f = [-1] * n if prev is None else prev.reshape(-1).tolist()
     send, recv = [0] * P, [0] * P
     qlo, qhi, klo, khi = [0] * n, [0] * n, [0] * n, [0] * n
     # a task is "placed" once some accepted edge (or locality) makes it executable
     diag = np.zeros((G, P, P), dtype=bool)
     diag[:, np.arange(P), np.arange(P)] = True
-    placed = ((area_f == 0) | diag.reshape(-1)).tolist()
+    placed = ((area_np == 0) | diag.reshape(-1)).tolist()
     open_in_row = (~np.asarray(placed)).reshape(G * P, P).sum(axis=1).tolist()
-    mean = owner_load.sum() / P
-    rem_ex = np.maximum(owner_load - mean, 0).tolist()
-    rem_room = np.maximum(prob.cap - owner_load, 0).tolist()
-    row_area = prob.area.sum(axis=2).reshape(-1).tolist()
+    plan = np.where(prob.area > 0, np.arange(P)[None, :, None], -1).reshape(-1).tolist()
+    pload = owner_load.astype(np.float64).tolist()
+    mean, cap = float(owner_load.sum()) / P, prob.cap
     kinds, gs, us, rs = edges.kind.tolist(), edges.g.tolist(), edges.u.tolist(), edges.r.tolist()
-    unlock, used_l = edges.unlock.tolist(), used.tolist()
+    row_tasks = [tuple(row * P + j for j, _, _ in js) for row, js in enumerate(edges.row_js)]
 
     def grow(lo, hi, a, b):
         if hi <= lo:
@@ -230,12 +235,18 @@ def select_edges(prob: HostProblem, edges: EdgeSet, order: np.ndarray, used: np.
             placed[t] = True
             open_in_row[t // P] -= 1
 
+    def replan(ts, r):
+        for t in ts:
+            pload[plan[t]] -= area_f[t]
+            pload[r] += area_f[t]
+            plan[t] = r
+
     for e in order.tolist():
         kind, g, u, r = kinds[e], gs[e], us[e], rs[e]
         f = (g * P + u) * P + r  # range (unit u -> rank r)
         if kind == EDGE_KV_PAIR:
             t = (g * P + r) * P + u  # task (g, r, u)
-            if placed[t] and not used_l[e]:
+            if placed[t] and prev_f[t] != r:
                 continue
             nlo, nhi, dn = grow(klo[f], khi[f], tk_lo[t], tk_hi[t])
             if send[u] + dn * kv_tok > K or recv[r] + dn * kv_tok > K:
@@ -244,57 +255,58 @@ def select_edges(prob: HostProblem, edges: EdgeSet, order: np.ndarray, used: np.
             recv[r] += dn * kv_tok
             klo[f], khi[f] = nlo, nhi
             mark(t)
+            if prev_f[t] == r:
+                replan((t,), r)
             continue
-        shed = rem_ex[u] > 0 and rem_room[r] > 0
         if kind == EDGE_QO_PAIR:
-            t = f  # task (g, u, r)
-            if placed[t] and not used_l[e] and not shed:
-                continue
-            nlo, nhi, dn = grow(qlo[f], qhi[f], tq_lo[t], tq_hi[t])
-            if (send[u] + dn * q_tok > K or recv[u] + dn * o_tok > K
-                    or recv[r] + dn * q_tok > K or send[r] + dn * o_tok > K):
-                continue
-            send[u] += dn * q_tok
-            recv[u] += dn * o_tok
-            recv[r] += dn * q_tok
-            send[r] += dn * o_tok
-            qlo[f], qhi[f] = nlo, nhi
-            mark(t)
-            moved = unlock[e]
-        else:  # EDGE_QO_ROW
+            ts = (f,)  # task (g, u, r)
+        else:
             row = g * P + u
-            if not used_l[e] and not shed and open_in_row[row] == 0:
+            ts = row_tasks[row]
+        served = [t for t in ts if prev_f[t] == r or not placed[t]]
+        # shed: tasks still planned on an above-mean host, largest first,
+        # while the helper stays within the cap and the host above the mean
+        shed, room, excess = [], cap - pload[r], pload[u] - mean
+        if excess > 0 and room > 0:
+            for t in sorted((t for t in ts if plan[t] == u), key=lambda t: (-area_f[t], t)):
+                if excess <= 0:
+                    break
+                if area_f[t] <= room:
+                    shed.append(t)
+                    room -= area_f[t]
+                    excess -= area_f[t]
+        if shed:
+            served = sorted(set(served) | set(shed))
+        if not served:
+            continue
+        a, b = min(tq_lo[t] for t in served), max(tq_hi[t] for t in served)
+        nlo, nhi, dn = grow(qlo[f], qhi[f], a, b)
+        d_send = {u: dn * q_tok, r: dn * o_tok}
+        d_recv = {u: dn * o_tok, r: dn * q_tok}
+        growths = []
+        for t in served:
+            j = t % P
+            if j == r:
                 continue
-            nlo, nhi, dn = grow(qlo[f], qhi[f], row_q[row][0], row_q[row][1])
-            d_send = {u: dn * q_tok, r: dn * o_tok}
-            d_recv = {u: dn * o_tok, r: dn * q_tok}
-            growths = []
-            for j, a, b in edges.row_js[row]:
-                if j == r:
-                    continue
-                fk = (g * P + j) * P + r
-                klo_n, khi_n, dk = grow(klo[fk], khi[fk], a, b)
-                if dk:
-                    growths.append((fk, klo_n, khi_n))
-                    d_send[j] = d_send.get(j, 0) + dk * kv_tok
-                    d_recv[r] += dk * kv_tok
-            if any(send[x] + d > K for x, d in d_send.items()) or any(recv[x] + d > K for x, d in d_recv.items()):
-                continue
-            for x, d in d_send.items():
-                send[x] += d
-            for x, d in d_recv.items():
-                recv[x] += d
-            qlo[f], qhi[f] = nlo, nhi
-            for fk, a, b in growths:
-                klo[fk], khi[fk] = a, b
-            for j, _, _ in edges.row_js[row]:
-                mark(row * P + j)
-            moved = row_area[row]
-        # only the host's excess leaves it (the assignment keeps tasks home up
-        # to the cap), so that is what the helper's room pays for
-        spill = min(moved, max(rem_ex[u], 0.0))
-        rem_ex[u] -= spill
-        rem_room[r] -= spill
+            fk = (g * P + j) * P + r
+            klo_n, khi_n, dk = grow(klo[fk], khi[fk], tk_lo[t], tk_hi[t])
+            if dk:
+                growths.append((fk, klo_n, khi_n))
+                d_send[j] = d_send.get(j, 0) + dk * kv_tok
+                d_recv[r] += dk * kv_tok
+        if any(send[x] + d > K for x, d in d_send.items()) or any(recv[x] + d > K for x, d in d_recv.items()):
+            continue
+        for x, d in d_send.items():
+            send[x] += d
+        for x, d in d_recv.items():
+            recv[x] += d
+        qlo[f], qhi[f] = nlo, nhi
+        for fk, a, b in growths:
+            klo[fk], khi[fk] = a, b
+        for t in served:
+            mark(t)
+        replan([t for t in served if prev_f[t] == r or t in shed], r)
 
     shape = (G, P, P)
-    return tuple(np.asarray(x, dtype=np.int64).reshape(shape) for x in (qlo, qhi, klo, khi))
+    ranges = tuple(np.asarray(x, dtype=np.int64).reshape(shape) for x in (qlo, qhi, klo, khi))
+    return ranges, np.asarray(plan, dtype=np.int64).reshape(shape)

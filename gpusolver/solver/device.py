@@ -8,27 +8,28 @@ The algorithm (DESIGN.md, "The solver", family 2):
 
 * Start from owner-computes: every task on its query host (no Q/O traffic,
   usually unbalanced).
-* A batch of ``B`` variants runs side by side, one per communication
-  threshold ``T_b`` (a ladder of multiples of owner-computes' bottleneck,
-  the last one unbounded).
-* Each round, every rank offers ``K`` candidate tasks and every candidate is
-  scored against every destination rank with the exact marginal cost of the
-  move: what it adds to the destination's hull of the task's QO and KV units
-  and what it frees at the source (the hull of the unit's other tasks there),
-  in bytes at the four ranks it touches (query host, key host, source,
-  destination).
-* While a rank is over ``mu x mean`` (balance phase) moves off overloaded
-  ranks are chosen by least added bytes per unit of area, subject to every
-  touched rank staying under ``T_b``; once balanced (bottleneck phase) moves
-  are chosen that lower the volume of the bottleneck rank without pushing any
-  touched rank up to the bottleneck.
-* Selection is by segmented arg-min: each candidate task picks its best
-  destination, each destination accepts its best incoming candidate, and each
-  source keeps its accepted moves up to its excess load (a prefix sum).
-* The best state of each variant is tracked over the rounds (balanced first,
-  then the lowest forward bottleneck), and the best variant wins.
+* ``B`` variants run side by side, one per communication threshold ``T_b``
+  (a ladder of multiples of owner-computes' bottleneck; the last unbounded).
+* **Balance phase** (some rank above ``mu x mean``): every overloaded rank
+  offers its heaviest QO units; a move ships one unit's tasks from the source
+  to a destination as a *bundle*, taking the unit's tasks in order of area
+  while they fit the destination's headroom (a prefix sum), so the unit's
+  query rows travel once for as much work as possible. Its exact marginal
+  cost is the growth of the destination's hull of the unit's rows plus the
+  growth of its hull of each task's key columns, in bytes. Bundles are scored
+  by added bytes per unit of area; the source and destination must stay
+  under ``T_b``.
+* **Bottleneck phase** (balanced): single-task moves that lower the volume
+  of the bottleneck rank without pushing any rank they touch (query host, key
+  host, source, destination) to the bottleneck; the cost of a move counts
+  what it frees at the source (the hull of the unit's other tasks there).
+* Selection is by segmented arg-mins: each source proposes its best move,
+  each destination accepts proposals in score order while its load and
+  volume stay within limits (a prefix sum per destination).
+* Each variant keeps its best state over the rounds (balanced first, then the
+  lowest forward bottleneck); the best variant wins.
 
-All volumes are forward bytes, integers; ties break by index, so the result
+All volumes are forward bytes in int64; ties break by index, so the result
 is bit-identical on every rank.
 """
 from __future__ import annotations
@@ -41,11 +42,15 @@ from gpusolver.config import SolverConfig
 from gpusolver.problem import BlockAreas
 
 # Threshold ladder, as multiples of owner-computes' forward bottleneck; inf = unbounded.
-DEFAULT_THRESHOLD_SCALES = (1.0, 1.25, 1.5, 2.0, float("inf"))
-# Candidate tasks each rank offers per round.
-DEFAULT_CANDIDATES_PER_RANK = 16
-# Rounds of moves; each round moves at most one task into each rank.
-DEFAULT_ROUNDS = 48
+DEFAULT_THRESHOLD_SCALES = (1.0, 1.5, 2.0, 3.0, float("inf"))
+# Rounds of moves. Each round every source proposes one move.
+DEFAULT_ROUNDS = 40
+# Heaviest QO units each overloaded rank offers per round (balance phase).
+DEFAULT_UNITS_PER_RANK = 4
+# Destinations considered per bundle: the ranks with the most headroom.
+DEFAULT_BUNDLE_DESTS = 8
+# Candidate tasks each rank offers per round (bottleneck phase).
+DEFAULT_TASKS_PER_RANK = 8
 # mu is compared in integer arithmetic with this many parts per unit.
 _MU_SCALE = 1 << 20
 _BIG = 1 << 60
@@ -63,9 +68,9 @@ class DeviceSolveResult:
 
 
 class _Tasks:
-    """Flat task arrays [T], T = G * P * P, in (g, i, j) order."""
+    """Flat task arrays [T], T = G * P * P, in (g, i, j) order, plus static tables."""
 
-    def __init__(self, areas: BlockAreas):
+    def __init__(self, areas: BlockAreas, config: SolverConfig):
         G, P = areas.head_groups, areas.cp_size
         dev = areas.area.device
         self.G, self.P, self.T = G, P, G * P * P
@@ -79,291 +84,348 @@ class _Tasks:
         self.klo, self.khi = areas.k_need.reshape(-1, 2).unbind(-1)
         self.qo_unit = self.g * P + self.i  # [T] index of QO unit (g, i)
         self.kv_unit = self.g * P + self.j  # [T] index of KV unit (g, j)
+        cost = config.cost()
+        self.q, self.o, self.kv = cost.q_fwd, cost.o_fwd, cost.kv_fwd
+        # tasks of each QO unit ordered by area (descending, then j): [G*P, P] task ids
+        by_area = torch.sort(-areas.area.reshape(G * P, P), dim=1, stable=True).indices
+        self.unit_tasks = torch.arange(G * P, device=dev)[:, None] * P + by_area
+        # bottleneck-phase candidate priority: bytes to ship a task alone per unit area
+        alone = ((self.qhi - self.qlo) * (self.q + self.o) + (self.khi - self.klo) * self.kv).double()
+        prescore = torch.where(self.valid, alone / self.area.clamp(min=1).double(), float("inf"))
+        self.pre_rank = torch.empty_like(idx)
+        self.pre_rank[torch.sort(prescore, stable=True).indices] = idx
 
 
-class _Bytes:
-    """Forward bytes per token: Q out, O (+lse) back, K+V out."""
+@dataclass
+class _State:
+    """Per-variant quantities of one assignment A [B, T+1] (column T is a dummy)."""
 
-    def __init__(self, config: SolverConfig):
-        c = config.cost()
-        self.q, self.o, self.kv = c.q_fwd, c.o_fwd, c.kv_fwd
+    rank: torch.Tensor  # [B, T], P for empty tasks
+    q_lo: torch.Tensor  # [B, G*P, P] hull of each QO unit's rows at each rank
+    q_hi: torch.Tensor
+    k_lo: torch.Tensor  # [B, G*P, P] hull of each KV unit's columns at each rank
+    k_hi: torch.Tensor
+    qlen: torch.Tensor  # [B, G*P, P] tokens that travel (0 at the host)
+    klen: torch.Tensor
+    send: torch.Tensor  # [B, P] forward bytes
+    recv: torch.Tensor
+    vol: torch.Tensor  # [B, P] max(send, recv)
+    bottleneck: torch.Tensor  # [B]
+    load: torch.Tensor  # [B, P]
 
 
-def _hulls(tasks: _Tasks, rank: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-           unit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Hull [lo, hi) of the needs of each (unit, rank): [B, G*P, P] each.
-
-    rank: [B, T] with P for tasks that are empty (a dummy column, dropped).
-    A unit's range at its own host is not cleared here (callers mask it).
-    """
+def _scatter_hull(tasks: _Tasks, rank, lo, hi, unit):
+    """Hull [lo, hi) of the needs of each (unit, rank): [B, G*P, P] each."""
     B, P = rank.shape[0], tasks.P
-    key = unit * (P + 1) + rank  # [B, T]
+    key = unit * (P + 1) + rank
     n = tasks.G * P * (P + 1)
     h_lo = torch.full((B, n), _BIG, dtype=torch.int64, device=rank.device)
     h_hi = torch.zeros((B, n), dtype=torch.int64, device=rank.device)
     h_lo = h_lo.scatter_reduce(1, key, lo.expand(B, -1), "amin")
     h_hi = h_hi.scatter_reduce(1, key, hi.expand(B, -1), "amax")
-    h_lo = h_lo.view(B, tasks.G * P, P + 1)[..., :P]
-    h_hi = h_hi.view(B, tasks.G * P, P + 1)[..., :P]
-    return h_lo, h_hi
+    return h_lo.view(B, -1, P + 1)[..., :P], h_hi.view(B, -1, P + 1)[..., :P]
 
 
-def _hull_len(h_lo: torch.Tensor, h_hi: torch.Tensor, P: int) -> torch.Tensor:
-    """Token count of each (unit, rank) hull, 0 at the unit's host: [B, G*P, P]."""
-    host = torch.arange(h_lo.shape[1], device=h_lo.device) % P
-    at_host = host[:, None] == torch.arange(P, device=h_lo.device)
-    return torch.where(at_host, 0, (h_hi - h_lo).clamp(min=0))
-
-
-def _rank_volumes(qlen: torch.Tensor, klen: torch.Tensor, G: int, P: int,
-                  by: _Bytes) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward send and receive bytes per rank, [B, P] int64 each."""
-    B = qlen.shape[0]
-    q4 = qlen.view(B, G, P, P)  # [B, G, host, dest]
-    k4 = klen.view(B, G, P, P)
-    q_host = q4.sum(dim=(1, 3))  # tokens each host ships out
-    q_dest = q4.sum(dim=(1, 2))  # tokens each destination takes in
-    k_host = k4.sum(dim=(1, 3))
-    k_dest = k4.sum(dim=(1, 2))
-    send = q_host * by.q + q_dest * by.o + k_host * by.kv
-    recv = q_dest * by.q + q_host * by.o + k_dest * by.kv
-    return send, recv
-
-
-def _exclusive_hull(A: torch.Tensor, s: torch.Tensor, rows: torch.Tensor, skip: torch.Tensor,
-                    lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-    """Length of the hull of a unit's other tasks on the candidate's source rank.
-
-    A: [B, T+1] ranks; rows: [B, N, P] task indices of the unit's tasks;
-    skip: [B, N, P] True at the candidate itself; s: [B, N] source rank.
-    Returns [B, N] int64.
-    """
-    B, N, P = rows.shape
-    r = A.gather(1, rows.view(B, -1)).view(B, N, P)
-    mine = (r == s[..., None]) & ~skip
-    h_lo = torch.where(mine, lo[rows], _BIG).amin(-1)
-    h_hi = torch.where(mine, hi[rows], 0).amax(-1)
-    return (h_hi - h_lo).clamp(min=0)
+def _state(tasks: _Tasks, A: torch.Tensor) -> _State:
+    G, P, T = tasks.G, tasks.P, tasks.T
+    rank = A[:, :T]
+    B = rank.shape[0]
+    q_lo, q_hi = _scatter_hull(tasks, rank, tasks.qlo, tasks.qhi, tasks.qo_unit)
+    k_lo, k_hi = _scatter_hull(tasks, rank, tasks.klo, tasks.khi, tasks.kv_unit)
+    ranks = torch.arange(P, device=A.device)
+    at_host = (torch.arange(G * P, device=A.device) % P)[:, None] == ranks
+    qlen = torch.where(at_host, 0, (q_hi - q_lo).clamp(min=0))
+    klen = torch.where(at_host, 0, (k_hi - k_lo).clamp(min=0))
+    q4, k4 = qlen.view(B, G, P, P), klen.view(B, G, P, P)  # [B, G, host, dest]
+    q_out, q_in = q4.sum(dim=(1, 3)), q4.sum(dim=(1, 2))
+    k_out, k_in = k4.sum(dim=(1, 3)), k4.sum(dim=(1, 2))
+    send = q_out * tasks.q + q_in * tasks.o + k_out * tasks.kv
+    recv = q_in * tasks.q + q_out * tasks.o + k_in * tasks.kv
+    vol = torch.maximum(send, recv)
+    load = torch.zeros((B, P + 1), dtype=torch.int64, device=A.device)
+    load = load.scatter_add(1, rank, tasks.area.expand(B, -1))[:, :P]
+    return _State(rank, q_lo, q_hi, k_lo, k_hi, qlen, klen, send, recv, vol, vol.amax(1), load)
 
 
 def _union_growth(cur_lo, cur_hi, lo, hi):
-    """Tokens a hull [cur_lo, cur_hi) grows by when [lo, hi) joins it."""
+    """Tokens a hull [cur_lo, cur_hi) grows by when [lo, hi) joins it (lo < hi)."""
     cur_len = (cur_hi - cur_lo).clamp(min=0)
     u_lo = torch.where(cur_len > 0, torch.minimum(cur_lo, lo), lo)
     u_hi = torch.where(cur_len > 0, torch.maximum(cur_hi, hi), hi)
     return (u_hi - u_lo) - cur_len
 
 
+@dataclass
+class _Proposals:
+    """One proposed move per (variant, source rank): [B, P] each, tasks [B, P, M]."""
+
+    ok: torch.Tensor  # bool
+    score: torch.Tensor  # float64, lower is better
+    dest: torch.Tensor  # int64
+    area: torch.Tensor  # int64 area moved
+    dest_send: torch.Tensor  # int64 bytes added to the destination's send
+    dest_recv: torch.Tensor
+    tasks: torch.Tensor  # [B, P, M] task ids to move, T (dummy) where unused
+
+
+def _bundle_proposals(tasks: _Tasks, st: _State, cap, excess, limit, units_per_rank, n_dests) -> _Proposals:
+    """Balance phase: ship a prefix of one QO unit's tasks from each overloaded source."""
+    G, P, T = tasks.G, tasks.P, tasks.T
+    B, dev = st.rank.shape[0], st.rank.device
+    K, D = min(units_per_rank, G * P), min(n_dests, P)
+    # area of each QO unit on each rank, and each source's heaviest units
+    ua = torch.zeros((B, G * P * (P + 1)), dtype=torch.int64, device=dev)
+    ua = ua.scatter_add(1, tasks.qo_unit * (P + 1) + st.rank, tasks.area.expand(B, -1))
+    ua = ua.view(B, G * P, P + 1)[..., :P].transpose(1, 2)  # [B, P(s), G*P]
+    unit = torch.topk(ua, K, dim=2, sorted=True).indices  # [B, P, K]
+    # destinations: the D ranks with the most headroom (ties by rank)
+    headroom = cap - st.load  # [B, P]
+    dests = torch.sort(-headroom, dim=1, stable=True).indices[:, :D]  # [B, D]
+
+    # the unit's tasks on the source, by area: [B, P(s), K, P(order)]
+    tid = tasks.unit_tasks[unit]
+    s = torch.arange(P, device=dev).view(1, P, 1, 1)
+    mine = st.rank.gather(1, tid.view(B, -1)).view(B, P, K, P) == s
+    t_area = torch.where(mine, tasks.area[tid], 0)
+    after = torch.cumsum(t_area, 3)
+    before = after - t_area
+    # include a task while the bundle still fits the destination and the source is still over
+    room = headroom.gather(1, dests).view(B, 1, 1, D, 1)
+    inc = mine[:, :, :, None] & (after[:, :, :, None] <= room) & (before < excess.view(B, P, 1, 1))[:, :, :, None]
+    area = torch.where(inc, t_area[:, :, :, None], 0).sum(-1)  # [B, P, K, D]
+
+    # query rows the destination must receive (hull growth; nothing when it is the host)
+    i_of = unit % P  # [B, P, K]
+    qlo_t, qhi_t = tasks.qlo[tid][:, :, :, None], tasks.qhi[tid][:, :, :, None]
+    b_lo = torch.where(inc, qlo_t, _BIG).amin(-1)
+    b_hi = torch.where(inc, qhi_t, 0).amax(-1)
+    d_idx = dests.view(B, 1, 1, D)
+    cur = (unit * P)[..., None] + d_idx  # index into [B, G*P*P] hull tables
+    q_grow = _union_growth(st.q_lo.reshape(B, -1).gather(1, cur.view(B, -1)).view(B, P, K, D),
+                           st.q_hi.reshape(B, -1).gather(1, cur.view(B, -1)).view(B, P, K, D), b_lo, b_hi)
+    q_grow = torch.where((area > 0) & (d_idx != i_of[..., None]), q_grow, 0)
+    # key columns of each included task (hull growth of KV unit (g, j) at the destination)
+    kv_unit = tasks.kv_unit[tid]  # [B, P, K, P]
+    kcur = (kv_unit * P)[:, :, :, None, :] + d_idx[..., None]  # [B, P, K, D, P]
+    k_grow = _union_growth(st.k_lo.reshape(B, -1).gather(1, kcur.view(B, -1)).view(kcur.shape),
+                           st.k_hi.reshape(B, -1).gather(1, kcur.view(B, -1)).view(kcur.shape),
+                           tasks.klo[tid][:, :, :, None], tasks.khi[tid][:, :, :, None])
+    j_of = tasks.j[tid][:, :, :, None]
+    k_grow = torch.where(inc & (j_of != d_idx[..., None]), k_grow, 0).sum(-1)  # [B, P, K, D]
+
+    added = q_grow * (tasks.q + tasks.o) + k_grow * tasks.kv
+    dest_send = q_grow * tasks.o
+    dest_recv = q_grow * tasks.q + k_grow * tasks.kv
+    host = i_of[..., None].expand(-1, -1, -1, D)
+    host_send = st.send.gather(1, host.reshape(B, -1)).view(B, P, K, D) + q_grow * tasks.q
+    host_recv = st.recv.gather(1, host.reshape(B, -1)).view(B, P, K, D) + q_grow * tasks.o
+    d_send = st.send.gather(1, dests).view(B, 1, 1, D) + dest_send
+    d_recv = st.recv.gather(1, dests).view(B, 1, 1, D) + dest_recv
+    lim = limit.view(B, 1, 1, 1)
+    ok = ((area > 0) & (excess.view(B, P, 1, 1) > 0) & (d_idx != s)
+          & (torch.maximum(host_send, host_recv).double() <= lim)
+          & (torch.maximum(d_send, d_recv).double() <= lim))
+    score = torch.where(ok, added.double() / area.clamp(min=1).double(), float("inf"))
+
+    best = score.view(B, P, K * D).argmin(-1, keepdim=True)  # [B, P, 1], first on ties
+    pick = lambda x: x.reshape(B, P, K * D).gather(2, best).squeeze(2)  # noqa: E731
+    k_best, d_best = best.squeeze(2) // D, best.squeeze(2) % D
+    moved = inc.view(B, P, K * D, P).gather(2, best[..., None].expand(-1, -1, 1, P)).squeeze(2)
+    tid_best = tid.gather(2, k_best.view(B, P, 1, 1).expand(-1, -1, 1, P)).squeeze(2)
+    return _Proposals(ok=pick(ok), score=pick(score), dest=dests.gather(1, d_best),
+                      area=pick(area), dest_send=pick(dest_send), dest_recv=pick(dest_recv),
+                      tasks=torch.where(moved, tid_best, T))
+
+
+def _exclusive_hull_len(A, s, rows, skip, lo, hi):
+    """Hull length of a unit's other tasks on the source rank.
+
+    A: [B, T+1]; rows: [B, N, P] task ids of the unit's tasks; skip: [B, N, P]
+    True at the candidate itself; s: [B, N] source rank. Returns [B, N].
+    """
+    B, N, P = rows.shape
+    mine = (A.gather(1, rows.view(B, -1)).view(B, N, P) == s[..., None]) & ~skip
+    h_lo = torch.where(mine, lo[rows], _BIG).amin(-1)
+    h_hi = torch.where(mine, hi[rows], 0).amax(-1)
+    return (h_hi - h_lo).clamp(min=0)
+
+
+def _task_proposals(tasks: _Tasks, st: _State, A, cap, n_cands) -> _Proposals:
+    """Bottleneck phase: single-task moves that lower the bottleneck rank's volume."""
+    G, P, T = tasks.G, tasks.P, tasks.T
+    B, dev = st.rank.shape[0], st.rank.device
+    K = min(n_cands, T)
+    rank = st.rank
+    bn = st.vol.argmax(1)  # [B], first rank at the bottleneck
+    # candidates: tasks on each rank that touch the bottleneck rank first, cheapest first
+    involved = ((rank == bn[:, None]) | ((tasks.i == bn[:, None]) & (rank != tasks.i))
+                | ((tasks.j == bn[:, None]) & (rank != tasks.j)))
+    order = torch.sort((rank * 2 + (~involved).long()) * T + tasks.pre_rank, dim=1, stable=True).indices
+    count = torch.zeros((B, P + 1), dtype=torch.int64, device=dev)
+    count = count.scatter_add(1, rank, torch.ones_like(rank))[:, :P]
+    slot = torch.arange(K, device=dev)
+    pos = (torch.cumsum(count, 1) - count)[:, :, None] + slot  # [B, P, K]
+    cand_ok = slot < count[:, :, None]
+    cand = torch.where(cand_ok, order.gather(1, pos.clamp(max=T - 1).view(B, -1)).view(B, P, K), T)
+    ct = cand.clamp(max=T - 1)
+    cg, ci, cj, carea = tasks.g[ct], tasks.i[ct], tasks.j[ct], tasks.area[ct]
+    cand_ok = cand_ok & tasks.valid[ct]
+    ranks = torch.arange(P, device=dev)
+    s = ranks.view(1, P, 1).expand(B, P, K)
+    d = ranks.view(1, 1, 1, P)
+
+    # what the destination must receive
+    qu, ku = tasks.qo_unit[ct], tasks.kv_unit[ct]
+    at_d = lambda h, u: h.reshape(B, -1).gather(1, ((u * P)[..., None] + d).reshape(B, -1)).view(B, P, K, P)  # noqa: E731
+    n_qa = _union_growth(at_d(st.q_lo, qu), at_d(st.q_hi, qu), tasks.qlo[ct][..., None], tasks.qhi[ct][..., None])
+    n_qa = torch.where(d == ci[..., None], 0, n_qa)
+    n_ka = _union_growth(at_d(st.k_lo, ku), at_d(st.k_hi, ku), tasks.klo[ct][..., None], tasks.khi[ct][..., None])
+    n_ka = torch.where(d == cj[..., None], 0, n_ka)
+    # what leaving the source frees
+    qo_rows = (cg * P + ci)[..., None] * P + ranks  # tasks (g, i, *)
+    kv_rows = (cg * P * P + cj)[..., None] + ranks * P  # tasks (g, *, j)
+    s_flat = s.reshape(B, P * K)
+    q_excl = _exclusive_hull_len(A, s_flat, qo_rows.view(B, -1, P), (ranks == cj[..., None]).view(B, -1, P),
+                                 tasks.qlo, tasks.qhi).view(B, P, K)
+    k_excl = _exclusive_hull_len(A, s_flat, kv_rows.view(B, -1, P), (ranks == ci[..., None]).view(B, -1, P),
+                                 tasks.klo, tasks.khi).view(B, P, K)
+    q_cur = st.qlen.reshape(B, -1).gather(1, (qu * P + s).view(B, -1)).view(B, P, K)
+    k_cur = st.klen.reshape(B, -1).gather(1, (ku * P + s).view(B, -1)).view(B, P, K)
+    m_qf = torch.where(s == ci, 0, q_cur - q_excl)[..., None]
+    m_kf = torch.where(s == cj, 0, k_cur - k_excl)[..., None]
+
+    # byte deltas at the four touched ranks (query host, key host, source, destination)
+    dq, dk = n_qa - m_qf, n_ka - m_kf
+    full = (B, P, K, P)
+    roles = ((ci[..., None].expand(full), dq * tasks.q, dq * tasks.o),
+             (cj[..., None].expand(full), dk * tasks.kv, torch.zeros_like(dk)),
+             (s[..., None].expand(full), (-m_qf * tasks.o).expand(full), (-(m_qf * tasks.q + m_kf * tasks.kv)).expand(full)),
+             (d.expand(full), n_qa * tasks.o, n_qa * tasks.q + n_ka * tasks.kv))
+    new_max = torch.zeros(full, dtype=torch.int64, device=dev)
+    bn_new = torch.zeros(full, dtype=torch.int64, device=dev)
+    bn_touched = torch.zeros(full, dtype=torch.bool, device=dev)
+    for rx, _, _ in roles:
+        sx = st.send.gather(1, rx.reshape(B, -1)).view(full)
+        vx = st.recv.gather(1, rx.reshape(B, -1)).view(full)
+        for ry, dsy, dry in roles:
+            same = ry == rx
+            sx = sx + torch.where(same, dsy, 0)
+            vx = vx + torch.where(same, dry, 0)
+        new_x = torch.maximum(sx, vx)
+        new_max = torch.maximum(new_max, new_x)
+        at_bn = rx == bn.view(B, 1, 1, 1)
+        bn_touched = bn_touched | at_bn
+        bn_new = torch.where(at_bn, new_x, bn_new)
+
+    bnv = st.bottleneck.view(B, 1, 1, 1)
+    ok = ((st.load.view(B, 1, 1, P) + carea[..., None] <= cap) & (d != s[..., None]) & cand_ok[..., None]
+          & bn_touched & (bn_new < bnv) & (new_max < bnv))
+    added = dq * (tasks.q + tasks.o) + dk * tasks.kv
+    score = torch.where(ok, new_max.double() / bnv.clamp(min=1).double() + 1e-12 * added.double(), float("inf"))
+    best = score.view(B, P, K * P).argmin(-1, keepdim=True)
+    pick = lambda x: x.expand(full).reshape(B, P, K * P).gather(2, best).squeeze(2)  # noqa: E731
+    k_best = best.squeeze(2) // P
+    return _Proposals(ok=pick(ok), score=pick(score), dest=best.squeeze(2) % P,
+                      area=carea.gather(2, k_best[..., None]).squeeze(2),
+                      dest_send=pick(roles[3][1]), dest_recv=pick(roles[3][2]),
+                      tasks=cand.gather(2, k_best[..., None]))
+
+
+def _accept(prop: _Proposals, st: _State, cap, limit) -> torch.Tensor:
+    """Each destination accepts proposals in score order while load and volume fit: [B, P] bool."""
+    B, P = prop.ok.shape
+    dev = prop.ok.device
+    # global position of each proposal by score (stable: source index breaks ties)
+    pos = torch.empty((B, P), dtype=torch.int64, device=dev)
+    pos.scatter_(1, torch.sort(prop.score, dim=1, stable=True).indices, torch.arange(P, device=dev).expand(B, -1))
+    order = torch.sort(torch.where(prop.ok, prop.dest * P + pos, _BIG), dim=1, stable=True).indices
+    d_sorted = torch.where(prop.ok, prop.dest, P).gather(1, order)
+    new_seg = torch.cat((torch.ones_like(d_sorted[:, :1], dtype=torch.bool), d_sorted[:, 1:] != d_sorted[:, :-1]), 1)
+    seg_start = torch.cummax(torch.where(new_seg, torch.arange(P, device=dev).expand(B, -1), 0), 1).values
+
+    def running(x):  # running sum of x within each destination's segment
+        csum = torch.cumsum(torch.where(prop.ok, x, 0).gather(1, order), 1)
+        return csum - torch.where(seg_start > 0, csum.gather(1, (seg_start - 1).clamp(min=0)), 0)
+
+    pad = torch.zeros_like(st.load[:, :1])
+    at_d = lambda t: torch.cat((t, pad), 1).gather(1, d_sorted)  # noqa: E731
+    lim = limit[:, None]
+    fits = ((at_d(st.load) + running(prop.area) <= cap)
+            & ((at_d(st.send) + running(prop.dest_send)).double() <= lim)
+            & ((at_d(st.recv) + running(prop.dest_recv)).double() <= lim))
+    return torch.zeros_like(prop.ok).scatter(1, order, fits) & prop.ok
+
+
+def _merge(balance: torch.Tensor, a: _Proposals, b: _Proposals, dummy: int) -> _Proposals:
+    """Per variant, the balance-phase proposals where ``balance``, else the others."""
+    m = max(a.tasks.shape[2], b.tasks.shape[2])
+    ta = torch.nn.functional.pad(a.tasks, (0, m - a.tasks.shape[2]), value=dummy)
+    tb = torch.nn.functional.pad(b.tasks, (0, m - b.tasks.shape[2]), value=dummy)
+    sel = balance.view(-1, 1)
+    return _Proposals(*(torch.where(sel, x, y) for x, y in
+                        ((a.ok, b.ok), (a.score, b.score), (a.dest, b.dest), (a.area, b.area),
+                         (a.dest_send, b.dest_send), (a.dest_recv, b.dest_recv))),
+                      tasks=torch.where(sel[..., None], ta, tb))
+
+
 def solve_device(areas: BlockAreas, config: SolverConfig, *,
                  rounds: int = DEFAULT_ROUNDS,
-                 candidates_per_rank: int = DEFAULT_CANDIDATES_PER_RANK,
-                 threshold_scales: tuple[float, ...] = DEFAULT_THRESHOLD_SCALES) -> DeviceSolveResult:
+                 threshold_scales: tuple[float, ...] = DEFAULT_THRESHOLD_SCALES,
+                 units_per_rank: int = DEFAULT_UNITS_PER_RANK,
+                 bundle_dests: int = DEFAULT_BUNDLE_DESTS,
+                 tasks_per_rank: int = DEFAULT_TASKS_PER_RANK) -> DeviceSolveResult:
     """Assign every task to a rank, on the device of ``areas``, without host reads.
 
     areas:  BlockAreas (area [G, P, P] int64, q_need/k_need [G, P, P, 2] int64).
     config: SolverConfig (P, heads, D, dtype, imbalance_tol).
     Returns a DeviceSolveResult; ``assignment`` is [G, P, P] int32.
     """
-    tasks = _Tasks(areas)
-    G, P, T = tasks.G, tasks.P, tasks.T
+    G, P = areas.head_groups, areas.cp_size
     if P != config.cp_size:
         raise ValueError(f"areas are for P={P} ranks but config.cp_size={config.cp_size}")
     if G != config.head_groups:
         raise ValueError(f"areas have G={G} head groups but config.head_groups={config.head_groups}")
-    by = _Bytes(config)
-    dev = areas.area.device
+    if rounds < 0 or not threshold_scales:
+        raise ValueError(f"need rounds >= 0 and at least one threshold scale, got {rounds}, {threshold_scales}")
+    tasks = _Tasks(areas, config)
+    T, dev = tasks.T, areas.area.device
     B = len(threshold_scales)
-    K = min(candidates_per_rank, G * P * P)
     mu_num = int(round(config.imbalance_tol * _MU_SCALE))
+    cap = (mu_num * tasks.area.sum()) // (P * _MU_SCALE)  # largest balanced load
+    finite = torch.tensor([s if s != float("inf") else 0.0 for s in threshold_scales], dtype=torch.float64, device=dev)
+    unbounded = torch.tensor([s == float("inf") for s in threshold_scales], device=dev)
 
-    total = tasks.area.sum()
-    # load <= mu * total / P, in integers: load * P * SCALE <= mu_num * total
-    cap_lhs_scale = P * _MU_SCALE
-    cap = (mu_num * total) // cap_lhs_scale  # largest balanced load
-
-    # Static per-task candidate priority: bytes to ship the task alone per unit area.
-    alone = ((tasks.qhi - tasks.qlo) * (by.q + by.o) + (tasks.khi - tasks.klo) * by.kv).double()
-    prescore = torch.where(tasks.valid, alone / tasks.area.clamp(min=1).double(), float("inf"))
-    pre_rank = torch.empty_like(tasks.g)
-    pre_rank[torch.sort(prescore, stable=True).indices] = torch.arange(T, device=dev)
-
-    # A has one dummy column at T that absorbs writes of invalid candidates.
+    # owner-computes start; column T is a dummy that absorbs writes of unused slots
     A = torch.where(tasks.valid, tasks.i, P).expand(B, T)
     A = torch.cat((A, torch.full((B, 1), P, dtype=torch.int64, device=dev)), dim=1)
-    bidx = torch.arange(B, device=dev)[:, None]
-    ranks = torch.arange(P, device=dev)
-
     best_A = A.clone()
     best_key = torch.full((B,), _BIG, dtype=torch.int64, device=dev)
-    scales = torch.tensor([s if s != float("inf") else 0.0 for s in threshold_scales],
-                          dtype=torch.float64, device=dev)
-    unbounded = torch.tensor([s == float("inf") for s in threshold_scales], device=dev)
     threshold = None
-
-    # task index tables for exclusive hulls: the tasks of the candidate's QO unit (over j)
-    # and of its KV unit (over i)
-    j_row = ranks  # [P]
     for rnd in range(rounds + 1):
-        rank = A[:, :T]
-        q_lo_h, q_hi_h = _hulls(tasks, rank, tasks.qlo, tasks.qhi, tasks.qo_unit)
-        k_lo_h, k_hi_h = _hulls(tasks, rank, tasks.klo, tasks.khi, tasks.kv_unit)
-        qlen = _hull_len(q_lo_h, q_hi_h, P)
-        klen = _hull_len(k_lo_h, k_hi_h, P)
-        send, recv = _rank_volumes(qlen, klen, G, P, by)
-        vol = torch.maximum(send, recv)  # [B, P]
-        bottleneck = vol.amax(1)  # [B]
-        load = torch.zeros((B, P + 1), dtype=torch.int64, device=dev)
-        load = load.scatter_add(1, rank, tasks.area.expand(B, -1))[:, :P]
-        max_load = load.amax(1)
+        st = _state(tasks, A)
+        if threshold is None:  # round 0 is owner-computes, the ladder's base
+            threshold = torch.where(unbounded, float(_BIG), finite * st.bottleneck[0].double() + 1.0)
+        max_load = st.load.amax(1)
         balanced = max_load <= cap
-
-        if threshold is None:  # round 0 is owner-computes: the ladder's base
-            base = bottleneck[0].double()
-            threshold = torch.where(unbounded, float(_BIG), scales * base + 1.0)
-
-        # Keep the best state of each variant: balanced beats unbalanced, then lower bottleneck.
-        key = torch.where(balanced, bottleneck, _BIG // 2 + max_load)
+        # balanced beats unbalanced, then the lower bottleneck (or the lower max load)
+        key = torch.where(balanced, st.bottleneck, _BIG // 2 + max_load)
         better = key < best_key
         best_key = torch.where(better, key, best_key)
         best_A = torch.where(better[:, None], A, best_A)
         if rnd == rounds:
             break
-
-        over = load > cap  # [B, P]
-        phase_balance = over.any(1)  # [B]
-        bn_rank = vol.argmax(1)  # [B], first rank at the bottleneck
-
-        # --- candidates: K tasks per source rank, by phase-dependent priority ---
-        involved = ((rank == bn_rank[:, None])
-                    | ((tasks.i == bn_rank[:, None]) & (rank != tasks.i))
-                    | ((tasks.j == bn_rank[:, None]) & (rank != tasks.j)))
-        tier = torch.where(phase_balance[:, None], 0, (~involved).long())
-        sort_key = (rank * 2 + tier) * T + pre_rank
-        order = torch.sort(sort_key, dim=1, stable=True).indices  # [B, T]
-        count = torch.zeros((B, P + 1), dtype=torch.int64, device=dev)
-        count = count.scatter_add(1, rank, torch.ones_like(rank))[:, :P]
-        start = torch.cumsum(count, 1) - count
-        slot = torch.arange(K, device=dev)
-        pos = start[:, :, None] + slot  # [B, P, K]
-        cand_ok = slot < count[:, :, None]
-        cand = torch.where(cand_ok, order.gather(1, pos.clamp(max=T - 1).view(B, -1)).view(B, P, K), T)
-        ct = cand.clamp(max=T - 1)  # safe gather index; masked by cand_ok
-        cg, ci, cj = tasks.g[ct], tasks.i[ct], tasks.j[ct]
-        carea = tasks.area[ct]
-        s = ranks.view(1, P, 1).expand(B, P, K)
-        cand_ok = cand_ok & tasks.valid[ct]
-
-        # --- exact marginal cost of moving candidate (b, s, k) to each destination d ---
-        d = ranks.view(1, 1, 1, P)
-        qu, ku = tasks.qo_unit[ct], tasks.kv_unit[ct]  # [B, P, K]
-        q_lo_d = q_lo_h.gather(1, qu.view(B, -1, 1).expand(-1, -1, P).reshape(B, -1, P)).view(B, P, K, P)
-        q_hi_d = q_hi_h.gather(1, qu.view(B, -1, 1).expand(-1, -1, P).reshape(B, -1, P)).view(B, P, K, P)
-        k_lo_d = k_lo_h.gather(1, ku.view(B, -1, 1).expand(-1, -1, P).reshape(B, -1, P)).view(B, P, K, P)
-        k_hi_d = k_hi_h.gather(1, ku.view(B, -1, 1).expand(-1, -1, P).reshape(B, -1, P)).view(B, P, K, P)
-        n_qa = _union_growth(q_lo_d, q_hi_d, tasks.qlo[ct][..., None], tasks.qhi[ct][..., None])
-        n_qa = torch.where(d == ci[..., None], 0, n_qa)
-        n_ka = _union_growth(k_lo_d, k_hi_d, tasks.klo[ct][..., None], tasks.khi[ct][..., None])
-        n_ka = torch.where(d == cj[..., None], 0, n_ka)
-
-        # what leaving the source frees: current hull length minus the hull of the unit's other tasks
-        qo_rows = (cg * P + ci)[..., None] * P + j_row  # tasks (g, i, *): [B, P, K, P]
-        kv_rows = (cg * P * P + cj)[..., None] + j_row * P  # tasks (g, *, j)
-        s_flat = s.reshape(B, P * K)
-        q_excl = _exclusive_hull(A, s_flat, qo_rows.view(B, P * K, P),
-                                 (j_row == cj[..., None]).view(B, P * K, P), tasks.qlo, tasks.qhi).view(B, P, K)
-        k_excl = _exclusive_hull(A, s_flat, kv_rows.view(B, P * K, P),
-                                 (j_row == ci[..., None]).view(B, P * K, P), tasks.klo, tasks.khi).view(B, P, K)
-        q_cur_s = qlen.view(B, -1).gather(1, (qu * P + s).view(B, -1)).view(B, P, K)
-        k_cur_s = klen.view(B, -1).gather(1, (ku * P + s).view(B, -1)).view(B, P, K)
-        m_qf = torch.where(s == ci, 0, q_cur_s - q_excl)[..., None]  # [B, P, K, 1]
-        m_kf = torch.where(s == cj, 0, k_cur_s - k_excl)[..., None]
-
-        # byte deltas at the four touched ranks (they may coincide)
-        dq = n_qa - m_qf
-        dk = n_ka - m_kf
-        roles_rank = (ci[..., None].expand(-1, -1, -1, P), cj[..., None].expand(-1, -1, -1, P),
-                      s[..., None].expand(-1, -1, -1, P), d.expand(B, P, K, P))
-        roles_send = (dq * by.q, dk * by.kv, n_qa * by.o, (-m_qf * by.o).expand(-1, -1, -1, P))
-        roles_recv = (dq * by.o, torch.zeros_like(dk), n_qa * by.q + n_ka * by.kv,
-                      (-(m_qf * by.q + m_kf * by.kv)).expand(-1, -1, -1, P))
-        new_max = torch.zeros((B, P, K, P), dtype=torch.int64, device=dev)
-        bn_new = torch.zeros((B, P, K, P), dtype=torch.int64, device=dev)
-        bn_touched = torch.zeros((B, P, K, P), dtype=torch.bool, device=dev)
-        for x in range(4):
-            rx = roles_rank[x]
-            sx = send.gather(1, rx.reshape(B, -1)).view(B, P, K, P)
-            vx = recv.gather(1, rx.reshape(B, -1)).view(B, P, K, P)
-            for y in range(4):
-                same = roles_rank[y] == rx
-                sx = sx + torch.where(same, roles_send[y], 0)
-                vx = vx + torch.where(same, roles_recv[y], 0)
-            new_x = torch.maximum(sx, vx)
-            new_max = torch.maximum(new_max, new_x)
-            at_bn = rx == bn_rank.view(B, 1, 1, 1)
-            bn_touched = bn_touched | at_bn
-            bn_new = torch.where(at_bn, new_x, bn_new)
-
-        load_d = load.view(B, 1, 1, P)
-        fits = (load_d + carea[..., None] <= cap) & (d != s[..., None]) & cand_ok[..., None]
-        added = dq * (by.q + by.o) + dk * by.kv  # total bytes the move adds
-        # balance phase: least added bytes per area, every touched rank under T
-        ok_bal = fits & over[:, :, None, None] & (new_max.double() <= threshold.view(B, 1, 1, 1))
-        score_bal = added.double() / carea[..., None].clamp(min=1).double()
-        # bottleneck phase: the bottleneck rank goes down and no touched rank reaches it
-        bnv = bottleneck.view(B, 1, 1, 1)
-        ok_bn = fits & bn_touched & (bn_new < bnv) & (new_max < bnv)
-        score_bn = new_max.double() / bnv.clamp(min=1).double() + 1e-9 * added.double()
-        pb = phase_balance.view(B, 1, 1, 1)
-        ok = torch.where(pb, ok_bal, ok_bn)
-        score = torch.where(ok, torch.where(pb, score_bal, score_bn), float("inf"))
-
-        # --- selection by segmented arg-mins ---
-        best_score, best_d = score.min(-1)  # each candidate's best destination, [B, P, K]
-        dest_send = roles_send[2].gather(3, best_d[..., None]).squeeze(3)  # bytes the move adds at d
-        dest_recv = roles_recv[2].gather(3, best_d[..., None]).squeeze(3)
-        has = torch.isfinite(best_score)
-        # global order of all candidates by score (stable: index tie-break)
-        flat_score = best_score.view(B, -1)
-        rank_pos = torch.empty_like(flat_score, dtype=torch.int64)
-        rank_pos.scatter_(1, torch.sort(flat_score, dim=1, stable=True).indices,
-                          torch.arange(P * K, device=dev).expand(B, -1))
-        rank_pos = torch.where(has.view(B, -1), rank_pos, _BIG).view(B, P, K)
-        # each source proposes its best candidate (one move per source per round, so the
-        # next round prices the source's remaining tasks against the units it just shipped)
-        pick = rank_pos.argmin(-1, keepdim=True)  # [B, P, 1]
-        prop = has.gather(2, pick).squeeze(2)  # [B, P]
-        prop_d = best_d.gather(2, pick).squeeze(2)
-        prop_area = carea.gather(2, pick).squeeze(2)
-        prop_pos = rank_pos.gather(2, pick).squeeze(2)
-        prop_task = cand.gather(2, pick).squeeze(2)
-        prop_send = dest_send.gather(2, pick).squeeze(2)
-        prop_recv = dest_recv.gather(2, pick).squeeze(2)
-        # each destination accepts proposals in score order while they fit under the cap
-        order_d = torch.sort(torch.where(prop, prop_d * (P * K) + prop_pos, _BIG), dim=1, stable=True).indices
-        d_sorted = torch.where(prop, prop_d, P).gather(1, order_d)
-        a_sorted = torch.where(prop, prop_area, 0).gather(1, order_d)
-        seg_start = torch.cummax(torch.where(
-            torch.cat((torch.ones_like(d_sorted[:, :1], dtype=torch.bool), d_sorted[:, 1:] != d_sorted[:, :-1]), 1),
-            torch.arange(P, device=dev).expand(B, -1), 0), 1).values
-
-        def in_segment(x):  # running sum of x within each destination's segment
-            csum = torch.cumsum(x, 1)
-            return csum - torch.where(seg_start > 0, csum.gather(1, (seg_start - 1).clamp(min=0)), 0)
-
-        pad = torch.zeros_like(load[:, :1])
-        at_d = lambda t: torch.cat((t, pad), 1).gather(1, d_sorted)  # noqa: E731
-        limit = torch.where(phase_balance, threshold, bottleneck.double() - 1)[:, None]
-        s_sorted = torch.where(prop, prop_send, 0).gather(1, order_d)
-        r_sorted = torch.where(prop, prop_recv, 0).gather(1, order_d)
-        fits_sorted = ((at_d(load) + in_segment(a_sorted) <= cap)
-                       & ((at_d(send) + in_segment(s_sorted)).double() <= limit)
-                       & ((at_d(recv) + in_segment(r_sorted)).double() <= limit))
-        keep = torch.zeros_like(prop).scatter(1, order_d, fits_sorted) & prop
-        A = A.scatter(1, torch.where(keep, prop_task, T), torch.where(keep, prop_d, P))
+        excess = st.load - cap
+        balance = ~balanced
+        prop = _merge(balance,
+                      _bundle_proposals(tasks, st, cap, excess, threshold, units_per_rank, bundle_dests),
+                      _task_proposals(tasks, st, A, cap, tasks_per_rank), T)
+        limit = torch.where(balance, threshold, st.bottleneck.double() - 1)
+        keep = _accept(prop, st, cap, limit)
+        moving = torch.where(keep[..., None], prop.tasks, T)
+        A = A.scatter(1, moving.view(B, -1), prop.dest[..., None].expand_as(moving).reshape(B, -1))
 
     winner = best_key.argmin()
-    best = best_A[winner, :T]
-    assignment = torch.where(tasks.valid, best, -1).view(G, P, P).to(torch.int32)
-    return DeviceSolveResult(assignment=assignment, balanced=best_key[winner] < _BIG // 2,
-                             fwd_bottleneck=torch.where(best_key[winner] < _BIG // 2, best_key[winner], -1),
-                             variant=winner)
+    ok = best_key[winner] < _BIG // 2
+    assignment = torch.where(tasks.valid, best_A[winner, :T], -1).view(G, P, P).to(torch.int32)
+    return DeviceSolveResult(assignment=assignment, balanced=ok,
+                             fwd_bottleneck=torch.where(ok, best_key[winner], -1), variant=winner)

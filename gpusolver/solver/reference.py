@@ -55,7 +55,7 @@ SHARE_WEIGHT = 1.0    # weight of the owner-load excess a QO edge helps shed
 SMOOTHING = 0.01      # credit every edge gets per unit of area it serves
 
 # preference categories of an executable rank (lower is better)
-_BOTH_LOCAL, _QUERY_HOST, _AFFINITY, _KEY_HOST, _OTHER = range(5)
+_BOTH_LOCAL, _AFFINITY, _OTHER = range(3)
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,7 @@ def _executable(prob: HostProblem, ranges: tuple[np.ndarray, ...]) -> np.ndarray
     return q_ok & k_ok & (prob.area > 0)[..., None]
 
 
-def _assign_tasks(prob: HostProblem, ranges: tuple[np.ndarray, ...]) -> tuple[np.ndarray, bool]:
+def _assign_tasks(prob: HostProblem, ranges: tuple[np.ndarray, ...], plan: np.ndarray) -> tuple[np.ndarray, bool]:
     """Steps 2 and 3: greedy placement on executable ranks, then refinement.
 
     Returns (assign [G, P, P] int64 with -1 for empty and unplaceable tasks,
@@ -151,29 +151,24 @@ def _assign_tasks(prob: HostProblem, ranges: tuple[np.ndarray, ...]) -> tuple[np
     if (degree[tasks] == 0).any():
         return assign, False
     order = tasks[np.lexsort((tasks, -area_f[tasks], degree[tasks]))]
-    q_lo, q_hi = ranges[0], ranges[1]
-    widest = np.where(np.eye(P, dtype=bool)[None], -1, q_hi - q_lo)  # [G, P(i), P(r)]
-    affinity = np.where(widest.max(axis=2) > 0, widest.argmax(axis=2), -1).reshape(-1).tolist()  # per (g, i)
+    affinity = plan.reshape(-1).tolist()
 
     cap = prob.cap
     load = [0] * P
     asg = [-1] * (G * P * P)
     cand_lists = {}
     for t in order.tolist():
-        row = t // P
-        i, j = row % P, t % P
+        i, j = (t // P) % P, t % P
         a = int(area_f[t])
-        aff = affinity[row]
+        aff = affinity[t]
         cands = np.flatnonzero(flat_exec[t]).tolist()
         cand_lists[t] = cands
         best, best_key = -1, None
         for r in cands:
-            if r == i:
-                cat = _BOTH_LOCAL if i == j else _QUERY_HOST
+            if r == i == j:
+                cat = _BOTH_LOCAL
             elif r == aff:
                 cat = _AFFINITY
-            elif r == j:
-                cat = _KEY_HOST
             else:
                 cat = _OTHER
             key = (load[r] + a > cap, cat, load[r], r)
@@ -212,11 +207,11 @@ def _refine(asg: list, load: list, cand_lists: dict, area_f: np.ndarray, cap: in
 
 
 def _attempt(prob: HostProblem, edges, owner_load: np.ndarray, prev: np.ndarray | None, K: int) -> _Attempt:
-    w, used = edge_weights(prob, edges, prev, owner_load, SHARE_WEIGHT, SMOOTHING)
+    w = edge_weights(prob, edges, prev, owner_load, SHARE_WEIGHT, SMOOTHING)
     score = w / edges.cost
     order = np.lexsort((np.arange(score.size), -score))
-    ranges = select_edges(prob, edges, order, used, owner_load, K)
-    assign, complete = _assign_tasks(prob, ranges)
+    ranges, plan = select_edges(prob, edges, order, prev, owner_load, K)
+    assign, complete = _assign_tasks(prob, ranges, plan)
     if not complete:
         return _Attempt(assign, False, False, 0, float("inf"), K)
     send, recv = forward_volumes(prob, assign)

@@ -128,3 +128,14 @@ def test_bad_input_raises(kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         flex_attn(**args)
+
+
+@pytest.mark.parametrize("qr,kr,t,match", [
+    ([[0, 8], [5, 3]], [[0, 8], [0, 8]], [0, 0], r"q_ranges\[1\] = \[5, 3\)"),
+    ([[0, 8], [0, 8]], [[0, 9], [0, 8]], [0, 0], r"k_ranges\[0\] = \[0, 9\)"),
+    ([[0, 8], [0, 8]], [[0, 4], [4, 8]], [1, 7], r"attn_type\[1\] = 7"),
+])
+def test_validate_reports_row(qr, kr, t, match):
+    q, k, v = torch.randn(8, 2, 32), torch.randn(8, 1, 32), torch.randn(8, 1, 32)
+    with pytest.raises(ValueError, match=match):
+        flex_attn(q, k, v, *ranges(qr, kr, t), validate=True)
