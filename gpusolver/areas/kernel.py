@@ -90,7 +90,7 @@ def _block_areas_kernel(
         b_qlo = tl.minimum(b_qlo, tl.min(tl.where(has, tl.maximum(Q0, L - b + 1), _BIG), axis=0))
         b_qhi = tl.maximum(b_qhi, tl.max(tl.where(has, tl.minimum(Q1, E - a), -_BIG), axis=0))
         b_klo = tl.minimum(b_klo, tl.min(tl.where(has, tl.maximum(L, Q0 + a), _BIG), axis=0))
-        b_khi = tl.maximum(b_khi, tl.max(tl.where(has, tl.minimum(E, Q1 + b), -_BIG), axis=0))
+        b_khi = tl.maximum(b_khi, tl.max(tl.where(has, tl.minimum(E, Q1 + b - 1), -_BIG), axis=0))
 
     q_empty = b_qhi <= b_qlo
     k_empty = b_khi <= b_klo
