@@ -27,10 +27,6 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634  # 1/ln(2)
-LN2 = 0.6931471805599453  # ln(2)
-
-
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -137,7 +133,7 @@ def _flex_fwd_kernel(
             # [BLOCK_Q, BLOCK_K]
             b_s, _ = _scores(b_q, b_k, sm_scale, softcap, USE_SOFTCAP, DOT_PRECISION)
             m_s = _slice_mask(o_q, o_k, qs, qe, ks, ke, t) & m_k[None, :]
-            b_s = tl.where(m_s, b_s * 1.4426950408889634, float("-inf"))
+            b_s = tl.where(m_s, b_s * 1.4426950408889634, float("-inf"))  # 1/ln(2): base-2 softmax
             b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
             b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
             b_p = tl.exp2(b_s - b_m_safe[:, None])
@@ -147,6 +143,7 @@ def _flex_fwd_kernel(
             b_m = b_m_new
     m_row = b_l > 0.0
     b_o = b_acc / tl.where(m_row, b_l, 1.0)[:, None]
+    # back to natural log: lse = (m + log2 l) * ln(2)
     b_lse = tl.where(m_row, (b_m + tl.log2(tl.where(m_row, b_l, 1.0))) * 0.6931471805599453, float("-inf"))
     tl.store(p_o + (o_q.to(tl.int64)[:, None] * HQ + i_h) * HEAD_DIM + o_d[None, :],
              b_o.to(p_o.dtype.element_ty), mask=m_q[:, None])

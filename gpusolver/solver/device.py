@@ -49,8 +49,6 @@ DEFAULT_ROUNDS = 40
 DEFAULT_UNITS_PER_RANK = 4
 # Destinations considered per bundle: the ranks with the most headroom.
 DEFAULT_BUNDLE_DESTS = 8
-# Candidate tasks each rank offers per round (bottleneck phase).
-DEFAULT_TASKS_PER_RANK = 8
 # mu is compared in integer arithmetic with this many parts per unit.
 _MU_SCALE = 1 << 20
 _BIG = 1 << 60
@@ -107,6 +105,7 @@ class _State:
     k_hi: torch.Tensor
     qlen: torch.Tensor  # [B, G*P, P] tokens that travel (0 at the host)
     klen: torch.Tensor
+    kcount: torch.Tensor  # [B, G*P, P] tasks of each KV unit on each rank
     send: torch.Tensor  # [B, P] forward bytes
     recv: torch.Tensor
     vol: torch.Tensor  # [B, P] max(send, recv)
@@ -144,7 +143,10 @@ def _state(tasks: _Tasks, A: torch.Tensor) -> _State:
     vol = torch.maximum(send, recv)
     load = torch.zeros((B, P + 1), dtype=torch.int64, device=A.device)
     load = load.scatter_add(1, rank, tasks.area.expand(B, -1))[:, :P]
-    return _State(rank, q_lo, q_hi, k_lo, k_hi, qlen, klen, send, recv, vol, vol.amax(1), load)
+    kcount = torch.zeros((B, G * P * (P + 1)), dtype=torch.int64, device=A.device)
+    kcount = kcount.scatter_add(1, tasks.kv_unit * (P + 1) + rank, tasks.valid.long().expand(B, -1))
+    kcount = kcount.view(B, G * P, P + 1)[..., :P]
+    return _State(rank, q_lo, q_hi, k_lo, k_hi, qlen, klen, kcount, send, recv, vol, vol.amax(1), load)
 
 
 def _union_growth(cur_lo, cur_hi, lo, hi):
@@ -157,223 +159,199 @@ def _union_growth(cur_lo, cur_hi, lo, hi):
 
 @dataclass
 class _Proposals:
-    """One proposed move per (variant, source rank): [B, P] each, tasks [B, P, M]."""
+    """Proposed moves: [B, N] each, tasks [B, N, M] (M task slots, T = unused)."""
 
     ok: torch.Tensor  # bool
     score: torch.Tensor  # float64, lower is better
     dest: torch.Tensor  # int64
+    source: torch.Tensor  # int64
     area: torch.Tensor  # int64 area moved
     dest_send: torch.Tensor  # int64 bytes added to the destination's send
     dest_recv: torch.Tensor
     tasks: torch.Tensor  # [B, P, M] task ids to move, T (dummy) where unused
 
 
-def _bundle_proposals(tasks: _Tasks, st: _State, cap, excess, limit, units_per_rank, n_dests) -> _Proposals:
-    """Balance phase: ship a prefix of one QO unit's tasks from each overloaded source."""
+def _bundle_proposals(tasks: _Tasks, st: _State, cap, excess, balance, threshold,
+                      units_per_rank, n_dests) -> _Proposals:
+    """Ship a prefix of one QO unit's tasks (by area) from each source to one destination.
+
+    Balance phase (``balance`` [B] True): overloaded sources, the prefix stops
+    once the source's excess is covered, every touched rank stays under the
+    threshold, scored by added bytes per area. Bottleneck phase: any source,
+    the prefix is one task or all that fit the destination, the bottleneck
+    rank must go down and no touched rank may reach the bottleneck; scored by
+    the touched ranks' new maximum.
+    """
     G, P, T = tasks.G, tasks.P, tasks.T
     B, dev = st.rank.shape[0], st.rank.device
     K, D = min(units_per_rank, G * P), min(n_dests, P)
-    # area of each QO unit on each rank, and each source's heaviest units
+    ranks = torch.arange(P, device=dev)
+    # area of each QO unit on each rank; each source offers its heaviest units
     ua = torch.zeros((B, G * P * (P + 1)), dtype=torch.int64, device=dev)
     ua = ua.scatter_add(1, tasks.qo_unit * (P + 1) + st.rank, tasks.area.expand(B, -1))
     ua = ua.view(B, G * P, P + 1)[..., :P].transpose(1, 2)  # [B, P(s), G*P]
     unit = torch.topk(ua, K, dim=2, sorted=True).indices  # [B, P, K]
-    # destinations: the D ranks with the most headroom (ties by rank)
     headroom = cap - st.load  # [B, P]
-    dests = torch.sort(-headroom, dim=1, stable=True).indices[:, :D]  # [B, D]
+    # destinations: a window of the ranks with most headroom; the e-th most loaded source starts
+    # its window e*D/2 places down the list, so sources spread over the light ranks
+    by_room = torch.sort(-headroom, dim=1, stable=True).indices  # [B, P]
+    n_light = (headroom > 0).sum(1, keepdim=True).clamp(min=1)  # [B, 1]
+    e = torch.empty_like(by_room).scatter_(1, torch.sort(-st.load, dim=1, stable=True).indices,
+                                            ranks.expand(B, -1))  # load rank of each source
+    window = ((e * D) // 2)[..., None] + torch.arange(D, device=dev)  # [B, P, D]
+    dests = by_room.gather(1, (window % n_light[..., None]).view(B, -1)).view(B, P, D)
 
-    # the unit's tasks on the source, by area: [B, P(s), K, P(order)]
+    # the unit's tasks, by area: [B, P(s), K, P(order)]; mine = on the source
     tid = tasks.unit_tasks[unit]
-    s = torch.arange(P, device=dev).view(1, P, 1, 1)
-    mine = st.rank.gather(1, tid.view(B, -1)).view(B, P, K, P) == s
+    s4 = ranks.view(1, P, 1, 1)
+    mine = st.rank.gather(1, tid.view(B, -1)).view(B, P, K, P) == s4
     t_area = torch.where(mine, tasks.area[tid], 0)
     after = torch.cumsum(t_area, 3)
     before = after - t_area
-    # include a task while the bundle still fits the destination and the source is still over
-    room = headroom.gather(1, dests).view(B, 1, 1, D, 1)
-    inc = mine[:, :, :, None] & (after[:, :, :, None] <= room) & (before < excess.view(B, P, 1, 1))[:, :, :, None]
-    area = torch.where(inc, t_area[:, :, :, None], 0).sum(-1)  # [B, P, K, D]
+    first = mine & (torch.cumsum(mine.long(), 3) == 1)
+    # prefixes, [B, P, K, D, 2(size), P(order)]: size 0 = one task (bottleneck phase only),
+    # size 1 = while it fits the destination (and, balancing, until the excess is covered)
+    room = headroom.gather(1, dests.view(B, -1)).view(B, P, 1, D, 1)
+    fit = mine[:, :, :, None] & (after[:, :, :, None] <= room)
+    still_over = torch.where(balance.view(B, 1, 1, 1), before < excess.view(B, P, 1, 1), True)
+    inc = torch.stack((fit & first[:, :, :, None] & ~balance.view(B, 1, 1, 1, 1),
+                       fit & still_over[:, :, :, None]), dim=4)  # [B, P, K, D, 2, P]
+    area = torch.where(inc, t_area[:, :, :, None, None], 0).sum(-1)  # [B, P, K, D, 2]
+    shape = area.shape
 
-    # query rows the destination must receive (hull growth; nothing when it is the host)
-    i_of = unit % P  # [B, P, K]
-    qlo_t, qhi_t = tasks.qlo[tid][:, :, :, None], tasks.qhi[tid][:, :, :, None]
+    i_of = (unit % P)[..., None, None]  # [B, P, K, 1, 1] query host
+    d_of = dests.view(B, P, 1, D, 1)
+    s_of = ranks.view(1, P, 1, 1, 1)
+    gather_at = lambda table, idx: table.reshape(B, -1).gather(1, idx.reshape(B, -1)).view(idx.shape)  # noqa: E731
+
+    # query rows: growth of the destination's hull, and what the source frees when it is not the host
+    qlo_t, qhi_t = tasks.qlo[tid][:, :, :, None, None], tasks.qhi[tid][:, :, :, None, None]
     b_lo = torch.where(inc, qlo_t, _BIG).amin(-1)
     b_hi = torch.where(inc, qhi_t, 0).amax(-1)
-    d_idx = dests.view(B, 1, 1, D)
-    cur = (unit * P)[..., None] + d_idx  # index into [B, G*P*P] hull tables
-    q_grow = _union_growth(st.q_lo.reshape(B, -1).gather(1, cur.view(B, -1)).view(B, P, K, D),
-                           st.q_hi.reshape(B, -1).gather(1, cur.view(B, -1)).view(B, P, K, D), b_lo, b_hi)
-    q_grow = torch.where((area > 0) & (d_idx != i_of[..., None]), q_grow, 0)
-    # key columns of each included task (hull growth of KV unit (g, j) at the destination)
-    kv_unit = tasks.kv_unit[tid]  # [B, P, K, P]
-    kcur = (kv_unit * P)[:, :, :, None, :] + d_idx[..., None]  # [B, P, K, D, P]
-    k_grow = _union_growth(st.k_lo.reshape(B, -1).gather(1, kcur.view(B, -1)).view(kcur.shape),
-                           st.k_hi.reshape(B, -1).gather(1, kcur.view(B, -1)).view(kcur.shape),
-                           tasks.klo[tid][:, :, :, None], tasks.khi[tid][:, :, :, None])
-    j_of = tasks.j[tid][:, :, :, None]
-    k_grow = torch.where(inc & (j_of != d_idx[..., None]), k_grow, 0).sum(-1)  # [B, P, K, D]
+    at_d = (unit * P)[..., None, None] + d_of
+    q_grow = _union_growth(gather_at(st.q_lo, at_d.expand(shape)), gather_at(st.q_hi, at_d.expand(shape)), b_lo, b_hi)
+    q_grow = torch.where((area > 0) & (d_of != i_of), q_grow, 0)
+    rest = mine[:, :, :, None, None] & ~inc  # the unit's tasks that stay on the source
+    r_lo = torch.where(rest, qlo_t, _BIG).amin(-1)
+    r_hi = torch.where(rest, qhi_t, 0).amax(-1)
+    q_cur = gather_at(st.qlen, (unit * P)[..., None, None] + s_of).expand(shape)
+    q_free = torch.where((area > 0) & (s_of != i_of), q_cur - (r_hi - r_lo).clamp(min=0), 0)
 
-    added = q_grow * (tasks.q + tasks.o) + k_grow * tasks.kv
+    # key columns of each moved task: growth at the destination, freed at the source
+    kv_u = tasks.kv_unit[tid]  # [B, P, K, P(order)]
+    j_t = tasks.j[tid]
+    klo_t, khi_t = tasks.klo[tid], tasks.khi[tid]
+    kd = (kv_u * P)[:, :, :, None, :] + d_of  # [B, P, K, D, P]
+    k_grow = _union_growth(gather_at(st.k_lo, kd), gather_at(st.k_hi, kd),
+                           klo_t[:, :, :, None, :], khi_t[:, :, :, None, :])
+    k_grow = torch.where(j_t[:, :, :, None, :] == d_of, 0, k_grow)[:, :, :, :, None, :]  # [B,P,K,D,1,P]
+    # a KV unit's columns leave the source only with its last task there (a lower bound of
+    # what is freed: a unit shared with tasks that stay is counted as not shrinking)
+    k_cur = gather_at(st.klen, kv_u * P + s4)
+    sole = gather_at(st.kcount, kv_u * P + s4) == 1
+    k_free = torch.where(mine & sole, k_cur, 0)[:, :, :, None, None, :]
+    k_grow = torch.where(inc, k_grow, 0).sum(-1)
+    k_free = torch.where(inc, k_free, 0).sum(-1)
+    # (the KV hosts' sends change by k_grow - k_free; they are not part of the acceptance test)
+
+    # byte deltas of the three touched ranks (the query host may be the source or the destination)
+    dq = q_grow - q_free
+    h_ds, h_dr = dq * tasks.q, dq * tasks.o
+    s_ds, s_dr = -q_free * tasks.o, -q_free * tasks.q - k_free * tasks.kv
     dest_send = q_grow * tasks.o
     dest_recv = q_grow * tasks.q + k_grow * tasks.kv
-    host = i_of[..., None].expand(-1, -1, -1, D)
-    host_send = st.send.gather(1, host.reshape(B, -1)).view(B, P, K, D) + q_grow * tasks.q
-    host_recv = st.recv.gather(1, host.reshape(B, -1)).view(B, P, K, D) + q_grow * tasks.o
-    d_send = st.send.gather(1, dests).view(B, 1, 1, D) + dest_send
-    d_recv = st.recv.gather(1, dests).view(B, 1, 1, D) + dest_recv
-    lim = limit.view(B, 1, 1, 1)
-    ok = ((area > 0) & (excess.view(B, P, 1, 1) > 0) & (d_idx != s)
-          & (torch.maximum(host_send, host_recv).double() <= lim)
-          & (torch.maximum(d_send, d_recv).double() <= lim))
-    score = torch.where(ok, added.double() / area.clamp(min=1).double(), float("inf"))
+    s_is_h, d_is_h = s_of == i_of, d_of == i_of
+    at = lambda t, r: gather_at(t, r.expand(shape))  # noqa: E731
+    host_send = at(st.send, i_of) + h_ds + torch.where(s_is_h, s_ds, 0) + torch.where(d_is_h, dest_send, 0)
+    host_recv = at(st.recv, i_of) + h_dr + torch.where(s_is_h, s_dr, 0) + torch.where(d_is_h, dest_recv, 0)
+    src_send = st.send.view(B, P, 1, 1, 1) + s_ds + torch.where(s_is_h, h_ds, 0)
+    src_recv = st.recv.view(B, P, 1, 1, 1) + s_dr + torch.where(s_is_h, h_dr, 0)
+    d_send = at(st.send, d_of) + dest_send + torch.where(d_is_h, h_ds, 0)
+    d_recv = at(st.recv, d_of) + dest_recv + torch.where(d_is_h, h_dr, 0)
+    new_max = torch.maximum(torch.maximum(torch.maximum(host_send, host_recv), torch.maximum(src_send, src_recv)),
+                            torch.maximum(d_send, d_recv))
+    added = dq * (tasks.q + tasks.o) + (k_grow - k_free) * tasks.kv
 
-    best = score.view(B, P, K * D).argmin(-1, keepdim=True)  # [B, P, 1], first on ties
-    pick = lambda x: x.reshape(B, P, K * D).gather(2, best).squeeze(2)  # noqa: E731
-    k_best, d_best = best.squeeze(2) // D, best.squeeze(2) % D
-    moved = inc.view(B, P, K * D, P).gather(2, best[..., None].expand(-1, -1, 1, P)).squeeze(2)
-    tid_best = tid.gather(2, k_best.view(B, P, 1, 1).expand(-1, -1, 1, P)).squeeze(2)
-    return _Proposals(ok=pick(ok), score=pick(score), dest=dests.gather(1, d_best),
+    bal = balance.view(B, 1, 1, 1, 1)
+    bnv = st.bottleneck.view(B, 1, 1, 1, 1)
+    bn = st.vol.argmax(1).view(B, 1, 1, 1, 1)
+    bn_new = torch.where(s_of == bn, torch.maximum(src_send, src_recv),
+                         torch.where(i_of == bn, torch.maximum(host_send, host_recv), bnv))
+    ok_bal = (excess.view(B, P, 1, 1, 1) > 0) & (new_max.double() <= threshold.view(B, 1, 1, 1, 1))
+    ok_bn = (bn_new < bnv) & (new_max < bnv)
+    ok = (area > 0) & (d_of != s_of) & torch.where(bal, ok_bal, ok_bn)
+    score = torch.where(bal, added.double() / area.clamp(min=1).double(),
+                        new_max.double() / bnv.clamp(min=1).double() + 1e-12 * added.double())
+    score = torch.where(ok, score, float("inf"))
+
+    # each offered unit proposes its best (destination, size): proposals [B, P*K]
+    n = D * 2
+    best = score.view(B, P, K, n).argmin(-1, keepdim=True)  # first on ties
+    pick = lambda x: x.expand(shape).reshape(B, P, K, n).gather(3, best).reshape(B, P * K)  # noqa: E731
+    moved = inc.reshape(B, P, K, n, P).gather(3, best[..., None].expand(-1, -1, -1, 1, P)).squeeze(3)
+    d_best = dests.gather(2, best.squeeze(3) // 2)  # [B, P, K]
+    return _Proposals(ok=pick(ok), score=pick(score), dest=d_best.reshape(B, P * K),
+                      source=ranks.view(P, 1).expand(P, K).reshape(1, -1).expand(B, -1),
                       area=pick(area), dest_send=pick(dest_send), dest_recv=pick(dest_recv),
-                      tasks=torch.where(moved, tid_best, T))
+                      tasks=torch.where(moved, tid, T).view(B, P * K, P))
 
 
-def _exclusive_hull_len(A, s, rows, skip, lo, hi):
-    """Hull length of a unit's other tasks on the source rank.
+def _segment_running_sum(key: torch.Tensor, order_key: torch.Tensor, values: list[torch.Tensor]):
+    """Sort proposals by ``order_key``; for each value, its running sum within runs of equal ``key``.
 
-    A: [B, T+1]; rows: [B, N, P] task ids of the unit's tasks; skip: [B, N, P]
-    True at the candidate itself; s: [B, N] source rank. Returns [B, N].
+    Returns (order, [running sums in sorted order]).
     """
-    B, N, P = rows.shape
-    mine = (A.gather(1, rows.view(B, -1)).view(B, N, P) == s[..., None]) & ~skip
-    h_lo = torch.where(mine, lo[rows], _BIG).amin(-1)
-    h_hi = torch.where(mine, hi[rows], 0).amax(-1)
-    return (h_hi - h_lo).clamp(min=0)
+    B, N = key.shape
+    order = torch.sort(order_key, dim=1, stable=True).indices
+    k_sorted = key.gather(1, order)
+    idx = torch.arange(N, device=key.device).expand(B, -1)
+    new_seg = torch.cat((torch.ones_like(k_sorted[:, :1], dtype=torch.bool), k_sorted[:, 1:] != k_sorted[:, :-1]), 1)
+    seg_start = torch.cummax(torch.where(new_seg, idx, 0), 1).values
+    sums = []
+    for v in values:
+        csum = torch.cumsum(v.gather(1, order), 1)
+        sums.append(csum - torch.where(seg_start > 0, csum.gather(1, (seg_start - 1).clamp(min=0)), 0))
+    return order, sums
 
 
-def _task_proposals(tasks: _Tasks, st: _State, A, cap, n_cands) -> _Proposals:
-    """Bottleneck phase: single-task moves that lower the bottleneck rank's volume."""
-    G, P, T = tasks.G, tasks.P, tasks.T
-    B, dev = st.rank.shape[0], st.rank.device
-    K = min(n_cands, T)
-    rank = st.rank
-    bn = st.vol.argmax(1)  # [B], first rank at the bottleneck
-    # candidates: tasks on each rank that touch the bottleneck rank first, cheapest first
-    involved = ((rank == bn[:, None]) | ((tasks.i == bn[:, None]) & (rank != tasks.i))
-                | ((tasks.j == bn[:, None]) & (rank != tasks.j)))
-    order = torch.sort((rank * 2 + (~involved).long()) * T + tasks.pre_rank, dim=1, stable=True).indices
-    count = torch.zeros((B, P + 1), dtype=torch.int64, device=dev)
-    count = count.scatter_add(1, rank, torch.ones_like(rank))[:, :P]
-    slot = torch.arange(K, device=dev)
-    pos = (torch.cumsum(count, 1) - count)[:, :, None] + slot  # [B, P, K]
-    cand_ok = slot < count[:, :, None]
-    cand = torch.where(cand_ok, order.gather(1, pos.clamp(max=T - 1).view(B, -1)).view(B, P, K), T)
-    ct = cand.clamp(max=T - 1)
-    cg, ci, cj, carea = tasks.g[ct], tasks.i[ct], tasks.j[ct], tasks.area[ct]
-    cand_ok = cand_ok & tasks.valid[ct]
-    ranks = torch.arange(P, device=dev)
-    s = ranks.view(1, P, 1).expand(B, P, K)
-    d = ranks.view(1, 1, 1, P)
+def _accept(prop: _Proposals, st: _State, cap, limit, excess, balance) -> torch.Tensor:
+    """Which proposals to apply: [B, N] bool.
 
-    # what the destination must receive
-    qu, ku = tasks.qo_unit[ct], tasks.kv_unit[ct]
-    at_d = lambda h, u: h.reshape(B, -1).gather(1, ((u * P)[..., None] + d).reshape(B, -1)).view(B, P, K, P)  # noqa: E731
-    n_qa = _union_growth(at_d(st.q_lo, qu), at_d(st.q_hi, qu), tasks.qlo[ct][..., None], tasks.qhi[ct][..., None])
-    n_qa = torch.where(d == ci[..., None], 0, n_qa)
-    n_ka = _union_growth(at_d(st.k_lo, ku), at_d(st.k_hi, ku), tasks.klo[ct][..., None], tasks.khi[ct][..., None])
-    n_ka = torch.where(d == cj[..., None], 0, n_ka)
-    # what leaving the source frees
-    qo_rows = (cg * P + ci)[..., None] * P + ranks  # tasks (g, i, *)
-    kv_rows = (cg * P * P + cj)[..., None] + ranks * P  # tasks (g, *, j)
-    s_flat = s.reshape(B, P * K)
-    q_excl = _exclusive_hull_len(A, s_flat, qo_rows.view(B, -1, P), (ranks == cj[..., None]).view(B, -1, P),
-                                 tasks.qlo, tasks.qhi).view(B, P, K)
-    k_excl = _exclusive_hull_len(A, s_flat, kv_rows.view(B, -1, P), (ranks == ci[..., None]).view(B, -1, P),
-                                 tasks.klo, tasks.khi).view(B, P, K)
-    q_cur = st.qlen.reshape(B, -1).gather(1, (qu * P + s).view(B, -1)).view(B, P, K)
-    k_cur = st.klen.reshape(B, -1).gather(1, (ku * P + s).view(B, -1)).view(B, P, K)
-    m_qf = torch.where(s == ci, 0, q_cur - q_excl)[..., None]
-    m_kf = torch.where(s == cj, 0, k_cur - k_excl)[..., None]
-
-    # byte deltas at the four touched ranks (query host, key host, source, destination)
-    dq, dk = n_qa - m_qf, n_ka - m_kf
-    full = (B, P, K, P)
-    roles = ((ci[..., None].expand(full), dq * tasks.q, dq * tasks.o),
-             (cj[..., None].expand(full), dk * tasks.kv, torch.zeros_like(dk)),
-             (s[..., None].expand(full), (-m_qf * tasks.o).expand(full), (-(m_qf * tasks.q + m_kf * tasks.kv)).expand(full)),
-             (d.expand(full), n_qa * tasks.o, n_qa * tasks.q + n_ka * tasks.kv))
-    new_max = torch.zeros(full, dtype=torch.int64, device=dev)
-    bn_new = torch.zeros(full, dtype=torch.int64, device=dev)
-    bn_touched = torch.zeros(full, dtype=torch.bool, device=dev)
-    for rx, _, _ in roles:
-        sx = st.send.gather(1, rx.reshape(B, -1)).view(full)
-        vx = st.recv.gather(1, rx.reshape(B, -1)).view(full)
-        for ry, dsy, dry in roles:
-            same = ry == rx
-            sx = sx + torch.where(same, dsy, 0)
-            vx = vx + torch.where(same, dry, 0)
-        new_x = torch.maximum(sx, vx)
-        new_max = torch.maximum(new_max, new_x)
-        at_bn = rx == bn.view(B, 1, 1, 1)
-        bn_touched = bn_touched | at_bn
-        bn_new = torch.where(at_bn, new_x, bn_new)
-
-    bnv = st.bottleneck.view(B, 1, 1, 1)
-    ok = ((st.load.view(B, 1, 1, P) + carea[..., None] <= cap) & (d != s[..., None]) & cand_ok[..., None]
-          & bn_touched & (bn_new < bnv) & (new_max < bnv))
-    added = dq * (tasks.q + tasks.o) + dk * tasks.kv
-    score = torch.where(ok, new_max.double() / bnv.clamp(min=1).double() + 1e-12 * added.double(), float("inf"))
-    best = score.view(B, P, K * P).argmin(-1, keepdim=True)
-    pick = lambda x: x.expand(full).reshape(B, P, K * P).gather(2, best).squeeze(2)  # noqa: E731
-    k_best = best.squeeze(2) // P
-    return _Proposals(ok=pick(ok), score=pick(score), dest=best.squeeze(2) % P,
-                      area=carea.gather(2, k_best[..., None]).squeeze(2),
-                      dest_send=pick(roles[3][1]), dest_recv=pick(roles[3][2]),
-                      tasks=cand.gather(2, k_best[..., None]))
-
-
-def _accept(prop: _Proposals, st: _State, cap, limit) -> torch.Tensor:
-    """Each destination accepts proposals in score order while load and volume fit: [B, P] bool."""
-    B, P = prop.ok.shape
+    Each destination accepts proposals in score order while its load and
+    volume stay within limits; then, while balancing, each source keeps its
+    accepted proposals in score order until its excess is covered.
+    """
+    B, N = prop.ok.shape
+    P = st.load.shape[1]
     dev = prop.ok.device
-    # global position of each proposal by score (stable: source index breaks ties)
-    pos = torch.empty((B, P), dtype=torch.int64, device=dev)
-    pos.scatter_(1, torch.sort(prop.score, dim=1, stable=True).indices, torch.arange(P, device=dev).expand(B, -1))
-    order = torch.sort(torch.where(prop.ok, prop.dest * P + pos, _BIG), dim=1, stable=True).indices
-    d_sorted = torch.where(prop.ok, prop.dest, P).gather(1, order)
-    new_seg = torch.cat((torch.ones_like(d_sorted[:, :1], dtype=torch.bool), d_sorted[:, 1:] != d_sorted[:, :-1]), 1)
-    seg_start = torch.cummax(torch.where(new_seg, torch.arange(P, device=dev).expand(B, -1), 0), 1).values
-
-    def running(x):  # running sum of x within each destination's segment
-        csum = torch.cumsum(torch.where(prop.ok, x, 0).gather(1, order), 1)
-        return csum - torch.where(seg_start > 0, csum.gather(1, (seg_start - 1).clamp(min=0)), 0)
-
+    pos = torch.empty((B, N), dtype=torch.int64, device=dev)  # score order, index breaks ties
+    pos.scatter_(1, torch.sort(prop.score, dim=1, stable=True).indices, torch.arange(N, device=dev).expand(B, -1))
+    ok = prop.ok
+    dest = torch.where(ok, prop.dest, P)
+    zero = lambda x: torch.where(ok, x, 0)  # noqa: E731
+    order, (r_area, r_send, r_recv) = _segment_running_sum(
+        dest, dest * N + pos, [zero(prop.area), zero(prop.dest_send), zero(prop.dest_recv)])
     pad = torch.zeros_like(st.load[:, :1])
+    d_sorted = dest.gather(1, order)
     at_d = lambda t: torch.cat((t, pad), 1).gather(1, d_sorted)  # noqa: E731
     lim = limit[:, None]
-    fits = ((at_d(st.load) + running(prop.area) <= cap)
-            & ((at_d(st.send) + running(prop.dest_send)).double() <= lim)
-            & ((at_d(st.recv) + running(prop.dest_recv)).double() <= lim))
-    return torch.zeros_like(prop.ok).scatter(1, order, fits) & prop.ok
-
-
-def _merge(balance: torch.Tensor, a: _Proposals, b: _Proposals, dummy: int) -> _Proposals:
-    """Per variant, the balance-phase proposals where ``balance``, else the others."""
-    m = max(a.tasks.shape[2], b.tasks.shape[2])
-    ta = torch.nn.functional.pad(a.tasks, (0, m - a.tasks.shape[2]), value=dummy)
-    tb = torch.nn.functional.pad(b.tasks, (0, m - b.tasks.shape[2]), value=dummy)
-    sel = balance.view(-1, 1)
-    return _Proposals(*(torch.where(sel, x, y) for x, y in
-                        ((a.ok, b.ok), (a.score, b.score), (a.dest, b.dest), (a.area, b.area),
-                         (a.dest_send, b.dest_send), (a.dest_recv, b.dest_recv))),
-                      tasks=torch.where(sel[..., None], ta, tb))
+    fits = ((at_d(st.load) + r_area <= cap) & ((at_d(st.send) + r_send).double() <= lim)
+            & ((at_d(st.recv) + r_recv).double() <= lim))
+    ok = ok & torch.zeros_like(ok).scatter(1, order, fits)
+    # source side: stop once the excess is covered (balance phase only)
+    src = torch.where(ok, prop.source, P)
+    order, (r_src,) = _segment_running_sum(src, src * N + pos, [torch.where(ok, prop.area, 0)])
+    a_sorted = torch.where(ok, prop.area, 0).gather(1, order)
+    need = torch.cat((excess, pad), 1).gather(1, src.gather(1, order))
+    keep = (r_src - a_sorted < need) | ~balance[:, None]
+    return ok & torch.zeros_like(ok).scatter(1, order, keep)
 
 
 def solve_device(areas: BlockAreas, config: SolverConfig, *,
                  rounds: int = DEFAULT_ROUNDS,
                  threshold_scales: tuple[float, ...] = DEFAULT_THRESHOLD_SCALES,
                  units_per_rank: int = DEFAULT_UNITS_PER_RANK,
-                 bundle_dests: int = DEFAULT_BUNDLE_DESTS,
-                 tasks_per_rank: int = DEFAULT_TASKS_PER_RANK) -> DeviceSolveResult:
+                 bundle_dests: int = DEFAULT_BUNDLE_DESTS) -> DeviceSolveResult:
     """Assign every task to a rank, on the device of ``areas``, without host reads.
 
     areas:  BlockAreas (area [G, P, P] int64, q_need/k_need [G, P, P, 2] int64).
@@ -416,11 +394,9 @@ def solve_device(areas: BlockAreas, config: SolverConfig, *,
             break
         excess = st.load - cap
         balance = ~balanced
-        prop = _merge(balance,
-                      _bundle_proposals(tasks, st, cap, excess, threshold, units_per_rank, bundle_dests),
-                      _task_proposals(tasks, st, A, cap, tasks_per_rank), T)
+        prop = _bundle_proposals(tasks, st, cap, excess, balance, threshold, units_per_rank, bundle_dests)
         limit = torch.where(balance, threshold, st.bottleneck.double() - 1)
-        keep = _accept(prop, st, cap, limit)
+        keep = _accept(prop, st, cap, limit, excess, balance)
         moving = torch.where(keep[..., None], prop.tasks, T)
         A = A.scatter(1, moving.view(B, -1), prop.dest[..., None].expand_as(moving).reshape(B, -1))
 

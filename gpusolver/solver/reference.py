@@ -18,12 +18,14 @@ For each threshold K (bytes; a rank's forward max(send, recv)):
 2. **Assignment.** A task is executable on r when r holds or receives (a
    range covering its need of) both its units. Tasks go in order of
    (executable ranks ascending, area descending, index); each picks, among
-   its executable ranks under the load cap ``floor(mu * total / P)``, the
-   best by preference: both units local, query host (Q and O are the
-   expensive units), the head-group affinity rank (the helper receiving the
-   widest range of the task's QO unit, so a shipped group-row stays
-   together), key host, any other; then least loaded, then lowest index. A
-   task with no rank under the cap goes to its least-loaded executable rank.
+   its executable ranks under the load cap ``floor(mu * total / P)``: the
+   rank holding both units (i == j), then its head-group affinity rank, then
+   the least-loaded rank (lowest index on ties). The affinity rank is where
+   the edge step planned the task: its query host unless a QO edge shipped
+   it (with the rest of its group-row when a row edge did) to a helper, so
+   the tasks of one (head group, query chunk) row stay together and the row
+   travels once. A task with no rank under the cap goes to its
+   least-loaded executable rank.
 3. **Refinement.** Up to ``REFINE_PASSES`` passes move tasks off ranks above
    the cap to executable ranks with room.
 
