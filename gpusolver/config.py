@@ -21,6 +21,11 @@ class SolverConfig:
     max_stage_slices:   static capacity of each CalcMeta stage (slice rows per
                         rank per stage); None picks a default from P and the
                         mask's slice count.
+    max_recv_rows:      static capacity of each rank's QO and KV receive
+                        buffers (and send lists), in group-major rows; None
+                        is the worst case G * c * (P - 1). Plans hold the send
+                        lists of every rank, so at large P set this to what the
+                        masks need (overflow is reported, never dropped).
     """
 
     cp_size: int
@@ -31,6 +36,7 @@ class SolverConfig:
     imbalance_tol: float = 1.10
     head_group_flatten: bool = True
     max_stage_slices: int | None = None
+    max_recv_rows: int | None = None
 
     def __post_init__(self):
         for name in ("cp_size", "num_heads_q", "num_heads_kv", "head_dim"):

@@ -46,16 +46,18 @@ def plan_capacities(config: SolverConfig, num_slices: int, chunk: int, *, recv_c
 
     stage:  ``config.max_stage_slices``, else ``default_stage_capacity(R, G, P)``
             = ``3 * G * max(R, 2 * P)``.
-    recv / send: the worst case ``G * c * (P - 1)`` rows (every other rank's
-            whole chunk, or the whole local chunk to every other rank).
+    recv / send: ``config.max_recv_rows``, else the worst case ``G * c * (P - 1)``
+            rows (every other rank's whole chunk, or the whole local chunk to
+            every other rank).
     """
     G, P = config.head_groups, config.cp_size
     worst = G * chunk * (P - 1)
     stage = config.max_stage_slices
     if stage is None:
         stage = default_stage_capacity(num_slices, G, P)
-    recv = worst if recv_capacity is None else recv_capacity
-    send = worst if send_capacity is None else send_capacity
+    default = worst if config.max_recv_rows is None else config.max_recv_rows
+    recv = default if recv_capacity is None else recv_capacity
+    send = default if send_capacity is None else send_capacity
     for name, v in (("max_stage_slices", stage), ("recv_capacity", recv), ("send_capacity", send)):
         if not isinstance(v, int) or v < (1 if name == "max_stage_slices" else 0):
             raise ValueError(f"{name} must be a {'positive' if name == 'max_stage_slices' else 'non-negative'} "

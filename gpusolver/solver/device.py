@@ -400,8 +400,9 @@ def solve_device(areas: BlockAreas, config: SolverConfig, *,
         moving = torch.where(keep[..., None], prop.tasks, T)
         A = A.scatter(1, moving.view(B, -1), prop.dest[..., None].expand_as(moving).reshape(B, -1))
 
-    winner = best_key.argmin()
-    ok = best_key[winner] < _BIG // 2
-    assignment = torch.where(tasks.valid, best_A[winner, :T], -1).view(G, P, P).to(torch.int32)
-    return DeviceSolveResult(assignment=assignment, balanced=ok,
-                             fwd_bottleneck=torch.where(ok, best_key[winner], -1), variant=winner)
+    winner = best_key.argmin().view(1)  # first best variant; index_select keeps it on device
+    key = best_key.index_select(0, winner)[0]
+    ok = key < _BIG // 2
+    assignment = torch.where(tasks.valid, best_A.index_select(0, winner)[0, :T], -1).view(G, P, P)
+    return DeviceSolveResult(assignment=assignment.to(torch.int32), balanced=ok,
+                             fwd_bottleneck=torch.where(ok, key, -1), variant=winner[0])

@@ -1,0 +1,69 @@
+"""``solve``: mask tensors in, Plan out, on the mask's device, per layer.
+
+Shape legend: S tokens, P ranks, c = S / P, G head groups, R slices.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from gpusolver.areas import block_areas
+from gpusolver.config import SolverConfig
+from gpusolver.masks.slices import AttnSlices
+from gpusolver.plan import IMBALANCED, Plan, build_plan
+from gpusolver.problem import BlockAreas
+
+SOLVERS = ("device", "reference")
+
+
+def solve_assignment(areas: BlockAreas, config: SolverConfig, *, solver: str = "device") -> torch.Tensor:
+    """Assign every task: [G, P, P] int32 rank per task, -1 for empty tasks.
+
+    ``solver="device"`` is the sync-free parallel solver (any device, no host
+    reads); ``"reference"`` is the CPU yardstick (numpy, reads the areas).
+    """
+    if solver == "device":
+        from gpusolver.solver.device import solve_device
+
+        return solve_device(areas, config).assignment
+    if solver == "reference":
+        from gpusolver.solver.reference import solve_assignment as reference_assignment
+
+        return reference_assignment(areas, config)
+    raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}")
+
+
+def solve(mask: AttnSlices, config: SolverConfig, *, solver: str = "device", areas_impl: str = "auto",
+          validate: bool | None = None) -> Plan:
+    """Solve one layer: block areas, assignment, then the Plan's metas.
+
+    mask:       AttnSlices with q_ranges / k_ranges [R, 2] (or [G, R, 2]) int32
+                and attn_type [R] int32, self-attention with S divisible by P.
+    config:     SolverConfig (P, Hq, Hkv, D, dtype, mu, capacities).
+    solver:     "device" (default; sync-free) or "reference" (CPU yardstick).
+    areas_impl: "torch", "triton" or "auto" (Triton on CUDA).
+    validate:   host-side value checks of the mask and of the plan's status
+                (reads device values). Default: on for CPU tensors, off on GPU
+                so the per-layer path stays sync-free.
+
+    Returns a Plan; ``plan.status`` flags imbalance (mu not reached: the plan
+    keeps the best balance found) and capacity overflows.
+    """
+    if not isinstance(mask, AttnSlices):
+        raise TypeError(f"mask must be an AttnSlices, got {type(mask).__name__}; "
+                        "for block areas alone use solve_assignment(areas, config)")
+    config.check_seqlen(mask.total_seqlen_q)
+    if validate is None:
+        validate = mask.device.type == "cpu"
+    if validate:
+        mask.validate(cp_size=config.cp_size)
+    areas = block_areas(mask, config.cp_size, config.head_groups, impl=areas_impl)
+    assignment = solve_assignment(areas, config, solver=solver)
+    plan = build_plan(mask, areas, assignment, config)
+    if validate:
+        plan.validate(ignore=IMBALANCED)
+        if int(plan.status.item()) & IMBALANCED:
+            warnings.warn(f"imbalance_tol={config.imbalance_tol} not reached: the plan keeps the best "
+                          f"balance found, {plan.metrics.imbalance.item():.3f}", stacklevel=2)
+    return plan

@@ -1,0 +1,154 @@
+"""The device solver: sync-free, static shapes, deterministic, valid and balanced plans."""
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from gpusolver.areas import block_areas
+from gpusolver.config import SolverConfig
+from gpusolver.masks import causal_mask, packed_documents, varlen_causal_mask
+from gpusolver.metrics import evaluate, owner_computes_assignment
+from gpusolver.plan import IMBALANCED, build_plan
+from gpusolver.solve import solve, solve_assignment
+from gpusolver.solver.device import solve_device
+from gpusolver.solver.reference import assign as reference_assign
+from tests._testing import assert_close
+from tests.gpusolver.test_plan import _check_plan, _config as _plan_config, _random_mask
+
+
+def _config(P, G=2, **kw):
+    return _plan_config(P, G, **kw)  # the byte costs _check_plan recomputes with
+
+
+def _check_assignment(areas, asg):
+    P = areas.cp_size
+    assert asg.shape == areas.area.shape and asg.dtype == torch.int32
+    busy = areas.area > 0
+    assert ((asg >= 0) & (asg < P))[busy].all(), "a non-empty task has no rank"
+    assert (asg[~busy] == -1).all(), "an empty task was assigned"
+
+
+@settings(max_examples=12, deadline=None)
+@given(data=st.data(), P=st.integers(2, 5), c=st.integers(2, 6), G=st.integers(1, 2), grouped=st.booleans())
+def test_random_masks_give_valid_plans(data, P, c, G, grouped):
+    mask = _random_mask(data, P * c, G, grouped)
+    areas = block_areas(mask, P, G, impl="torch")
+    res = solve_device(areas, _config(P, G), rounds=8)
+    _check_assignment(areas, res.assignment)
+    plan = build_plan(mask, areas, res.assignment, _config(P, G))
+    _check_plan(mask, areas, res.assignment, plan)
+    m = evaluate(areas, res.assignment, _config(P, G).cost())
+    if bool(res.balanced):
+        assert int(res.fwd_bottleneck) == int(m.fwd_bottleneck)
+        assert m.load.max().item() <= 1.10 * m.load.double().mean().item() + 1e-6
+
+
+@pytest.mark.parametrize("P", [2, 4, 8])
+def test_packed_documents_balanced_and_no_worse_than_owner_when_balanced(P):
+    config = SolverConfig(cp_size=P)
+    mask = packed_documents(2048 * P, seed=P)
+    areas = block_areas(mask, P, config.head_groups, impl="torch")
+    res = solve_device(areas, config)
+    _check_assignment(areas, res.assignment)
+    m = evaluate(areas, res.assignment, config.cost())
+    ref = reference_assign(areas, config)
+    if ref.feasible:  # the device solver balances wherever the reference does
+        assert bool(res.balanced) and m.imbalance.item() <= config.imbalance_tol + 1e-9
+    owner = evaluate(areas, owner_computes_assignment(areas), config.cost())
+    if owner.imbalance.item() <= config.imbalance_tol:  # owner-computes is a candidate it starts from
+        assert m.fwd_bottleneck.item() <= owner.fwd_bottleneck.item()
+
+
+def test_balances_a_long_causal_document():
+    P = 4
+    config = _config(P, G=4)
+    mask = causal_mask(64 * P)
+    areas = block_areas(mask, P, config.head_groups, impl="torch")
+    owner = evaluate(areas, owner_computes_assignment(areas), config.cost())
+    assert owner.imbalance.item() > 1.5
+    res = solve_device(areas, config)
+    m = evaluate(areas, res.assignment, config.cost())
+    assert bool(res.balanced) and m.imbalance.item() <= 1.10
+
+
+def test_deterministic():
+    P = 4
+    config = SolverConfig(cp_size=P)
+    areas = block_areas(packed_documents(2048 * P, seed=3), P, config.head_groups, impl="torch")
+    first = solve_device(areas, config)
+    for _ in range(2):
+        again = solve_device(areas, config)
+        assert torch.equal(first.assignment, again.assignment)
+        assert torch.equal(first.fwd_bottleneck, again.fwd_bottleneck)
+
+
+def _meta_areas(areas):
+    return type(areas)(areas.area.to("meta"), areas.q_need.to("meta"), areas.k_need.to("meta"), areas.chunk)
+
+
+def test_runs_on_meta_and_shapes_depend_only_on_config():
+    P = 4
+    config = SolverConfig(cp_size=P)
+    areas = block_areas(packed_documents(1024 * P, seed=0), P, config.head_groups, impl="torch")
+    res = solve_device(_meta_areas(areas), config)
+    assert res.assignment.device.type == "meta"
+    assert res.assignment.shape == (config.head_groups, P, P)
+    other = block_areas(varlen_causal_mask([100, 3000, 996]), P, config.head_groups, impl="torch")
+    assert solve_device(other, config).assignment.shape == res.assignment.shape
+
+
+def test_runs_under_fake_tensor_mode():
+    P = 4
+    config = SolverConfig(cp_size=P)
+    areas = block_areas(packed_documents(1024 * P, seed=0), P, config.head_groups, impl="torch")
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        res = solve_device(areas, config)
+        assert res.assignment.shape == (config.head_groups, P, P)
+
+
+def test_whole_solve_runs_on_meta():
+    P = 4
+    config = SolverConfig(cp_size=P)
+    mask = packed_documents(1024 * P, seed=1, pad_to=64)
+    meta = type(mask)(mask.q_ranges.to("meta"), mask.k_ranges.to("meta"), mask.attn_type.to("meta"),
+                      mask.total_seqlen_q, mask.total_seqlen_k)
+    plan = solve(meta, config, areas_impl="torch")
+    real = solve(mask, config, areas_impl="torch")
+    assert plan.calc.q_ranges.device.type == "meta"
+    assert plan.calc.q_ranges.shape == real.calc.q_ranges.shape
+    assert plan.comm.qo_send_index.shape == real.comm.qo_send_index.shape
+
+
+def test_triton_and_torch_areas_give_identical_plans():
+    P = 3
+    config = _config(P, G=2)
+    mask = varlen_causal_mask([5, 13, 9, 3, 6])  # S = 36, chunk 12
+    a = solve(mask, config, areas_impl="torch")
+    b = solve(mask, config, areas_impl="triton")
+    assert_close("assignment", a.assignment, b.assignment)
+    assert_close("q_ranges", a.calc.q_ranges, b.calc.q_ranges)
+    assert_close("qo_send_index", a.comm.qo_send_index, b.comm.qo_send_index)
+
+
+def test_solve_reports_imbalance_it_cannot_fix():
+    # one block holds all the work: no assignment of whole tasks can balance it
+    P = 2
+    config = _config(P, G=1, head_group_flatten=False)
+    mask = varlen_causal_mask([16])  # causal over both chunks: blocks (0,0), (1,0), (1,1)
+    with pytest.warns(UserWarning, match="imbalance_tol"):
+        plan = solve(mask, config.__class__(**{**config.__dict__, "imbalance_tol": 1.0}))
+    assert int(plan.status) & IMBALANCED
+
+
+def test_solver_choice_and_errors():
+    P = 2
+    config = _config(P, G=1)
+    areas = block_areas(causal_mask(8 * P), P, 1, impl="torch")
+    ref = solve_assignment(areas, config, solver="reference")
+    _check_assignment(areas, ref)
+    with pytest.raises(ValueError, match="solver must be one of"):
+        solve_assignment(areas, config, solver="magic")
+    with pytest.raises(ValueError, match="cp_size"):
+        solve_device(areas, _config(4, G=1))
+    with pytest.raises(ValueError, match="head_groups"):
+        solve_device(areas, _config(P, G=2))
