@@ -1,1 +1,35 @@
-"""gpusolver."""
+"""gpusolver: a device-side dynamic attention solver for context parallelism.
+
+Per layer, from mask tensors on the device, it assigns every
+(query chunk, key chunk, head group) block of attention work to a rank of
+the context-parallel group so that compute is balanced and the bottleneck
+communication (Q/O and K/V) is small, and writes the metas the attention
+kernels and the group collectives consume. No host reads on the way.
+
+Shape legend:
+
+    S    total tokens (self-attention), divisible by P
+    P    ranks in the CP group (cp_size); rank p holds tokens [p*c, (p+1)*c)
+    c    S / P, tokens per chunk
+    G    head groups (G = Hkv with head-group flattening, else 1)
+    Hq, Hkv, D   query heads, KV heads, head dim
+    R    slices of a slice mask
+
+    mask.q_ranges / k_ranges  [R, 2] int32   (or [G, R, 2])
+    mask.attn_type            [R] int32      (or [G, R])
+    BlockAreas.area           [G, P, P] int64
+    Plan.assignment           [G, P, P] int32, rank of task (g, i, j), -1 empty
+
+Entry points: ``solve(mask, config) -> Plan`` and
+``solve_assignment(areas, config)``; ``block_areas`` for the per-block work.
+"""
+from gpusolver.areas import block_areas
+from gpusolver.config import SolverConfig
+from gpusolver.masks import AttnSlices
+from gpusolver.metrics import PlanMetrics, evaluate
+from gpusolver.plan import Plan
+from gpusolver.problem import BlockAreas, CommCost
+from gpusolver.solve import solve, solve_assignment
+
+__all__ = ["AttnSlices", "SolverConfig", "BlockAreas", "CommCost", "Plan", "PlanMetrics",
+           "block_areas", "evaluate", "solve", "solve_assignment"]

@@ -209,9 +209,14 @@ def _bundle_proposals(tasks: _Tasks, st: _State, cap, excess, balance, threshold
     after = torch.cumsum(t_area, 3)
     before = after - t_area
     first = mine & (torch.cumsum(mine.long(), 3) == 1)
+    j_t = tasks.j[tid]
+    # each unit also considers the key host of its heaviest task here: no K/V to ship for it
+    affinity = torch.where(first, j_t, 0).sum(3, keepdim=True)  # [B, P, K, 1]
+    dests = torch.cat((dests[:, :, None, :].expand(B, P, K, D), affinity), 3)  # [B, P, K, D1]
+    D1 = D + 1
     # prefixes, [B, P, K, D, 2(size), P(order)]: size 0 = one task (bottleneck phase only),
     # size 1 = while it fits the destination (and, balancing, until the excess is covered)
-    room = headroom.gather(1, dests.view(B, -1)).view(B, P, 1, D, 1)
+    room = headroom.gather(1, dests.view(B, -1)).view(B, P, K, D1, 1)
     fit = mine[:, :, :, None] & (after[:, :, :, None] <= room)
     still_over = torch.where(balance.view(B, 1, 1, 1), before < excess.view(B, P, 1, 1), True)
     inc = torch.stack((fit & first[:, :, :, None] & ~balance.view(B, 1, 1, 1, 1),
@@ -220,7 +225,7 @@ def _bundle_proposals(tasks: _Tasks, st: _State, cap, excess, balance, threshold
     shape = area.shape
 
     i_of = (unit % P)[..., None, None]  # [B, P, K, 1, 1] query host
-    d_of = dests.view(B, P, 1, D, 1)
+    d_of = dests.view(B, P, K, D1, 1)
     s_of = ranks.view(1, P, 1, 1, 1)
     gather_at = lambda table, idx: table.reshape(B, -1).gather(1, idx.reshape(B, -1)).view(idx.shape)  # noqa: E731
 
@@ -239,20 +244,27 @@ def _bundle_proposals(tasks: _Tasks, st: _State, cap, excess, balance, threshold
 
     # key columns of each moved task: growth at the destination, freed at the source
     kv_u = tasks.kv_unit[tid]  # [B, P, K, P(order)]
-    j_t = tasks.j[tid]
     klo_t, khi_t = tasks.klo[tid], tasks.khi[tid]
     kd = (kv_u * P)[:, :, :, None, :] + d_of  # [B, P, K, D, P]
     k_grow = _union_growth(gather_at(st.k_lo, kd), gather_at(st.k_hi, kd),
                            klo_t[:, :, :, None, :], khi_t[:, :, :, None, :])
-    k_grow = torch.where(j_t[:, :, :, None, :] == d_of, 0, k_grow)[:, :, :, :, None, :]  # [B,P,K,D,1,P]
+    k_grow = torch.where(j_t[:, :, :, None, :] == d_of, 0, k_grow)[:, :, :, :, None, :]  # [B,P,K,D1,1,P]
     # a KV unit's columns leave the source only with its last task there (a lower bound of
     # what is freed: a unit shared with tasks that stay is counted as not shrinking)
     k_cur = gather_at(st.klen, kv_u * P + s4)
     sole = gather_at(st.kcount, kv_u * P + s4) == 1
     k_free = torch.where(mine & sole, k_cur, 0)[:, :, :, None, None, :]
+    # each moved task's key host sends (k_grow - k_free) more columns
+    j6 = j_t[:, :, :, None, None, :]
+    i6, s6, d6 = (unit % P)[:, :, :, None, None, None], ranks.view(1, P, 1, 1, 1, 1), d_of[..., None]
+    kv_delta = torch.where(inc, (k_grow - k_free) * tasks.kv, 0)  # [B, P, K, D1, 2, P]
+    kv_to_src = torch.where(j6 == s6, kv_delta, 0).sum(-1)
+    kv_to_host = torch.where((j6 == i6) & (i6 != s6), kv_delta, 0).sum(-1)
+    elsewhere = inc & (j6 != s6) & (j6 != i6) & (j6 != d6)
+    j_send = st.send.gather(1, j_t.reshape(B, -1)).view(B, P, K, 1, 1, P)
+    kvh_max = torch.where(elsewhere, j_send + kv_delta, 0).amax(-1)  # busiest other key host after
     k_grow = torch.where(inc, k_grow, 0).sum(-1)
     k_free = torch.where(inc, k_free, 0).sum(-1)
-    # (the KV hosts' sends change by k_grow - k_free; they are not part of the acceptance test)
 
     # byte deltas of the three touched ranks (the query host may be the source or the destination)
     dq = q_grow - q_free
@@ -262,21 +274,25 @@ def _bundle_proposals(tasks: _Tasks, st: _State, cap, excess, balance, threshold
     dest_recv = q_grow * tasks.q + k_grow * tasks.kv
     s_is_h, d_is_h = s_of == i_of, d_of == i_of
     at = lambda t, r: gather_at(t, r.expand(shape))  # noqa: E731
-    host_send = at(st.send, i_of) + h_ds + torch.where(s_is_h, s_ds, 0) + torch.where(d_is_h, dest_send, 0)
+    host_send = (at(st.send, i_of) + h_ds + torch.where(s_is_h, s_ds + kv_to_src, kv_to_host)
+                 + torch.where(d_is_h, dest_send, 0))
     host_recv = at(st.recv, i_of) + h_dr + torch.where(s_is_h, s_dr, 0) + torch.where(d_is_h, dest_recv, 0)
-    src_send = st.send.view(B, P, 1, 1, 1) + s_ds + torch.where(s_is_h, h_ds, 0)
+    src_send = st.send.view(B, P, 1, 1, 1) + s_ds + kv_to_src + torch.where(s_is_h, h_ds, 0)
     src_recv = st.recv.view(B, P, 1, 1, 1) + s_dr + torch.where(s_is_h, h_dr, 0)
     d_send = at(st.send, d_of) + dest_send + torch.where(d_is_h, h_ds, 0)
     d_recv = at(st.recv, d_of) + dest_recv + torch.where(d_is_h, h_dr, 0)
     new_max = torch.maximum(torch.maximum(torch.maximum(host_send, host_recv), torch.maximum(src_send, src_recv)),
-                            torch.maximum(d_send, d_recv))
+                            torch.maximum(torch.maximum(d_send, d_recv), kvh_max))
     added = dq * (tasks.q + tasks.o) + (k_grow - k_free) * tasks.kv
 
     bal = balance.view(B, 1, 1, 1, 1)
     bnv = st.bottleneck.view(B, 1, 1, 1, 1)
     bn = st.vol.argmax(1).view(B, 1, 1, 1, 1)
+    bn_is_j = elsewhere & (j6 == bn[..., None])
+    bn_as_j = torch.maximum(at(st.send, bn) + torch.where(bn_is_j, kv_delta, 0).sum(-1), at(st.recv, bn))
     bn_new = torch.where(s_of == bn, torch.maximum(src_send, src_recv),
-                         torch.where(i_of == bn, torch.maximum(host_send, host_recv), bnv))
+                         torch.where(i_of == bn, torch.maximum(host_send, host_recv),
+                                     torch.where(bn_is_j.any(-1), bn_as_j, bnv)))
     ok_bal = (excess.view(B, P, 1, 1, 1) > 0) & (new_max.double() <= threshold.view(B, 1, 1, 1, 1))
     ok_bn = (bn_new < bnv) & (new_max < bnv)
     ok = (area > 0) & (d_of != s_of) & torch.where(bal, ok_bal, ok_bn)
@@ -285,11 +301,11 @@ def _bundle_proposals(tasks: _Tasks, st: _State, cap, excess, balance, threshold
     score = torch.where(ok, score, float("inf"))
 
     # each offered unit proposes its best (destination, size): proposals [B, P*K]
-    n = D * 2
+    n = D1 * 2
     best = score.view(B, P, K, n).argmin(-1, keepdim=True)  # first on ties
     pick = lambda x: x.expand(shape).reshape(B, P, K, n).gather(3, best).reshape(B, P * K)  # noqa: E731
     moved = inc.reshape(B, P, K, n, P).gather(3, best[..., None].expand(-1, -1, -1, 1, P)).squeeze(3)
-    d_best = dests.gather(2, best.squeeze(3) // 2)  # [B, P, K]
+    d_best = dests.gather(3, best // 2)  # [B, P, K, 1]
     return _Proposals(ok=pick(ok), score=pick(score), dest=d_best.reshape(B, P * K),
                       source=ranks.view(P, 1).expand(P, K).reshape(1, -1).expand(B, -1),
                       area=pick(area), dest_send=pick(dest_send), dest_recv=pick(dest_recv),

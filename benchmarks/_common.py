@@ -1,0 +1,279 @@
+"""Helpers shared by the solver benchmarks: masks, timing, launch counting, tables, JSON.
+
+- ``make_mask(kind, P, seed)``: the benchmark masks, packed documents drawn
+  from the shipped length histogram, ``tokens_per_rank * P`` tokens.
+- ``wall_time`` / ``cuda_time``: median seconds of repeated calls.
+- ``LaunchCounter``: counts the aten ops dispatched (each one a kernel launch
+  on a GPU, views aside), the host reads among them, and Triton launches.
+- ``markdown_table``, ``write_json``, ``median``, ``parse_list``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from gpusolver.masks import AttnSlices, packed_documents
+
+TOKENS_PER_RANK = 8192
+# mask kind -> (packed_documents' causal flag, description)
+KINDS = {"causal": (True, "packed causal documents"), "full": (False, "packed full documents")}
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# aten ops whose output size or value is read on the host: each one is a device -> host sync
+HOST_READ_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "_unique", "_unique2", "unique_dim",
+                 "unique_consecutive", "bincount")
+
+
+def make_mask(kind: str, cp_size: int, seed: int, tokens_per_rank: int = TOKENS_PER_RANK,
+              device="cpu") -> AttnSlices:
+    """Packed-document slice mask of ``tokens_per_rank * cp_size`` tokens (int32 tensors on ``device``).
+
+    kind: "causal" (varlen causal documents) or "full" (varlen full documents).
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {sorted(KINDS)}, got {kind!r}")
+    return packed_documents(tokens_per_rank * cp_size, seed=seed, causal=KINDS[kind][0], device=device)
+
+
+def parse_list(text: str, kind: type = int, allowed: Sequence | None = None, name: str = "value") -> list:
+    """``"8,16"`` -> ``[8, 16]``; raises ValueError naming ``name`` and the bad item."""
+    out = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        try:
+            v = kind(item)
+        except ValueError:
+            raise ValueError(f"{name}: {item!r} is not a {kind.__name__}") from None
+        if allowed is not None and v not in allowed:
+            raise ValueError(f"{name}: {item!r} is not one of {list(allowed)}")
+        if kind is int and v <= 0:
+            raise ValueError(f"{name}: {item!r} must be positive")
+        out.append(v)
+    if not out:
+        raise ValueError(f"{name}: empty list {text!r}")
+    return out
+
+
+def median(xs: Sequence[float | None]) -> float | None:
+    """Median of the non-None values, None when there are none."""
+    vals = [float(x) for x in xs if x is not None]
+    return statistics.median(vals) if vals else None
+
+
+def ratio(num, den) -> float | None:
+    """num / den as a float, None when den is 0 (or either is None)."""
+    if num is None or den is None or den == 0:
+        return None
+    return float(num) / float(den)
+
+
+def wall_time(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> tuple[float, Any]:
+    """Median wall seconds of ``repeats`` calls after ``warmup`` untimed ones; also the last result."""
+    out = None
+    for _ in range(warmup):
+        out = fn()
+    times = []
+    for _ in range(max(repeats, 1)):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def cuda_time(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> tuple[float, Any]:
+    """Median seconds of ``repeats`` calls between CUDA events, after ``warmup`` calls (GPU only)."""
+    out = None
+    for _ in range(warmup):
+        out = fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(max(repeats, 1)):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times), out
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts every op that reaches the Python dispatch key, by overload."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _triton_run_classes() -> list:
+    """The Triton classes whose ``run`` launches a kernel (compiled and interpreted)."""
+    classes = []
+    try:
+        from triton.runtime.jit import JITFunction
+        classes.append(JITFunction)
+    except Exception:  # noqa: BLE001 - no Triton, or a layout this code does not know
+        pass
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+        classes.append(InterpretedFunction)
+    except Exception:  # noqa: BLE001
+        pass
+    return classes
+
+
+@dataclass
+class LaunchCounter:
+    """Context manager counting what one block of code dispatches.
+
+    aten_ops:        ops seen by a TorchDispatchMode (aten and custom ops).
+    view_ops:        those among them that are views (no kernel on a GPU).
+    host_reads:      those that read a device value on the host (``.item()``,
+                     ``nonzero``, ...): must be 0 on the hot path.
+    triton_launches: calls of ``JITFunction.run`` / ``InterpretedFunction.run``
+                     with ``warmup=False`` (one per kernel launch; autotuning
+                     benchmark runs count too).
+    triton_hooked:   False when the Triton hook could not be installed (then
+                     ``triton_launches`` is 0 and ``note`` says why).
+
+    ``launches`` estimates the kernel launches on a GPU: non-view ops plus
+    Triton launches. A custom op that launches Triton kernels counts once as
+    an op and once per Triton launch, an over-estimate of one per call.
+    """
+
+    aten_ops: int = 0
+    view_ops: int = 0
+    host_reads: int = 0
+    triton_launches: int = 0
+    triton_hooked: bool = False
+    note: str = ""
+    by_op: Counter = field(default_factory=Counter)
+
+    @property
+    def launches(self) -> int:
+        return self.aten_ops - self.view_ops + self.triton_launches
+
+    def __enter__(self) -> "LaunchCounter":
+        self._patched = []
+        classes = _triton_run_classes()
+        try:
+            for cls in classes:
+                self._patch(cls)
+            self.triton_hooked = bool(classes)
+            if not classes:
+                self.note = "triton not importable: triton launches not counted"
+        except Exception as e:  # noqa: BLE001 - report 0 launches rather than fail the benchmark
+            self._unpatch()
+            self.triton_hooked = False
+            self.note = f"triton hook failed ({type(e).__name__}: {e}): triton launches not counted"
+        self._mode = _OpCounter()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
+        self._unpatch()
+        for func, n in self._mode.ops.items():
+            name = getattr(func, "__name__", str(func))
+            self.by_op[name] += n
+            self.aten_ops += n
+            if getattr(func, "is_view", False):
+                self.view_ops += n
+            if getattr(func, "_opname", name.split(".")[0]) in HOST_READ_OPS:
+                self.host_reads += n
+
+    def _patch(self, cls) -> None:
+        original = cls.__dict__["run"]
+        counter = self
+
+        def run(fn_self, *args, grid, warmup, **kwargs):
+            if not warmup:
+                counter.triton_launches += 1
+            return original(fn_self, *args, grid=grid, warmup=warmup, **kwargs)
+
+        cls.run = run
+        self._patched.append((cls, original))
+
+    def _unpatch(self) -> None:
+        for cls, original in reversed(self._patched):
+            cls.run = original
+        self._patched = []
+
+    def to_dict(self) -> dict:
+        return {"aten_ops": self.aten_ops, "view_ops": self.view_ops, "host_reads": self.host_reads,
+                "triton_launches": self.triton_launches, "triton_hooked": self.triton_hooked,
+                "launches": self.launches, "note": self.note, "top_ops": dict(self.by_op.most_common(12))}
+
+
+def fmt(v, spec: str = ".2f", missing: str = "—") -> str:
+    """Format a number for a table cell; ``missing`` for None or non-finite values."""
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return missing
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    return format(v, spec)
+
+
+def _cell(v, spec: str) -> str:
+    if v is None or isinstance(v, bool) or spec:
+        return fmt(v, spec)
+    return str(v)
+
+
+def markdown_table(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]]) -> str:
+    """A GitHub markdown table: ``columns`` are (header, row key, format spec) triples."""
+    head = "| " + " | ".join(h for h, _, _ in columns) + " |"
+    rule = "|" + "|".join("---:" if spec else ":---" for _, _, spec in columns) + "|"
+    body = ["| " + " | ".join(_cell(r.get(k), spec) for _, k, spec in columns) + " |" for r in rows]
+    return "\n".join([head, rule, *body])
+
+
+def _finite_or_none(obj):
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite_or_none(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite_or_none(v) for v in obj]
+    return obj
+
+
+def write_json(path: str | Path, payload: dict) -> Path:
+    """Write ``payload`` as indented JSON (non-finite floats become null), creating the folder."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_finite_or_none(payload), indent=1, allow_nan=False) + "\n")
+    return path
+
+
+def write_text(path: str | Path, text: str) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def environment() -> dict:
+    """Versions and hardware the numbers were taken on."""
+    try:
+        import triton
+        triton_version = triton.__version__
+    except Exception:  # noqa: BLE001
+        triton_version = None
+    cuda = torch.cuda.is_available()
+    return {"torch": torch.__version__, "triton": triton_version, "cuda": cuda,
+            "device": torch.cuda.get_device_name() if cuda else "cpu",
+            "torch_threads": torch.get_num_threads()}
