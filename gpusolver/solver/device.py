@@ -41,14 +41,8 @@ import torch
 from gpusolver.config import SolverConfig
 from gpusolver.problem import BlockAreas
 
-# Threshold ladder, as multiples of owner-computes' forward bottleneck; inf = unbounded.
-DEFAULT_THRESHOLD_SCALES = (1.0, 1.5, 2.0, 3.0, float("inf"))
-# Rounds of moves. Each round every source proposes one move.
-DEFAULT_ROUNDS = 40
-# Heaviest QO units each overloaded rank offers per round (balance phase).
-DEFAULT_UNITS_PER_RANK = 4
-# Destinations considered per bundle: the ranks with the most headroom.
-DEFAULT_BUNDLE_DESTS = 8
+# Rounds of moves; measured quality stops changing after about 20.
+DEFAULT_ROUNDS = 24
 # mu is compared in integer arithmetic with this many parts per unit.
 _MU_SCALE = 1 << 20
 _BIG = 1 << 60
@@ -210,10 +204,16 @@ def _bundle_proposals(tasks: _Tasks, st: _State, cap, excess, balance, threshold
     before = after - t_area
     first = mine & (torch.cumsum(mine.long(), 3) == 1)
     j_t = tasks.j[tid]
-    # each unit also considers the key host of its heaviest task here: no K/V to ship for it
-    affinity = torch.where(first, j_t, 0).sum(3, keepdim=True)  # [B, P, K, 1]
-    dests = torch.cat((dests[:, :, None, :].expand(B, P, K, D), affinity), 3)  # [B, P, K, D1]
-    D1 = D + 1
+    # each unit also considers: the key host of its heaviest task here (no K/V to ship for it),
+    # the unit's own host (moving home frees the transfer) and the other rank holding most of
+    # the unit's rows (merging two helpers of one unit saves one transfer)
+    key_host = torch.where(first, j_t, 0).sum(3, keepdim=True)  # [B, P, K, 1]
+    home = (unit % P)[..., None]
+    held = st.qlen.gather(1, unit.view(B, -1, 1).expand(-1, -1, P).reshape(B, -1, P)).view(B, P, K, P)
+    held = torch.where(ranks.view(1, P, 1, 1) == ranks, -1, held)  # not the source itself
+    holder = held.argmax(3, keepdim=True)
+    dests = torch.cat((dests[:, :, None, :].expand(B, P, K, D), key_host, home, holder), 3)  # [B, P, K, D1]
+    D1 = D + 3
     # prefixes, [B, P, K, D, 2(size), P(order)]: size 0 = one task (bottleneck phase only),
     # size 1 = while it fits the destination (and, balancing, until the excess is covered)
     room = headroom.gather(1, dests.view(B, -1)).view(B, P, K, D1, 1)
@@ -363,32 +363,35 @@ def _accept(prop: _Proposals, st: _State, cap, limit, excess, balance) -> torch.
     return ok & torch.zeros_like(ok).scatter(1, order, keep)
 
 
-def solve_device(areas: BlockAreas, config: SolverConfig, *,
-                 rounds: int = DEFAULT_ROUNDS,
-                 threshold_scales: tuple[float, ...] = DEFAULT_THRESHOLD_SCALES,
-                 units_per_rank: int = DEFAULT_UNITS_PER_RANK,
-                 bundle_dests: int = DEFAULT_BUNDLE_DESTS) -> DeviceSolveResult:
-    """Assign every task to a rank, on the device of ``areas``, without host reads.
+@dataclass(frozen=True)
+class Strategy:
+    """One batch of variants run side by side.
 
-    areas:  BlockAreas (area [G, P, P] int64, q_need/k_need [G, P, P, 2] int64).
-    config: SolverConfig (P, heads, D, dtype, imbalance_tol).
-    Returns a DeviceSolveResult; ``assignment`` is [G, P, P] int32.
+    threshold_scales: balance-phase limits on every touched rank's volume, as
+                      multiples of owner-computes' forward bottleneck (one
+                      variant each; inf = unbounded).
+    units_per_rank:   QO units each source offers per round.
+    bundle_dests:     destinations (by headroom) each unit is priced against.
     """
-    G, P = areas.head_groups, areas.cp_size
-    if P != config.cp_size:
-        raise ValueError(f"areas are for P={P} ranks but config.cp_size={config.cp_size}")
-    if G != config.head_groups:
-        raise ValueError(f"areas have G={G} head groups but config.head_groups={config.head_groups}")
-    if rounds < 0 or not threshold_scales:
-        raise ValueError(f"need rounds >= 0 and at least one threshold scale, got {rounds}, {threshold_scales}")
-    tasks = _Tasks(areas, config)
-    T, dev = tasks.T, areas.area.device
-    B = len(threshold_scales)
-    mu_num = int(round(config.imbalance_tol * _MU_SCALE))
-    cap = (mu_num * tasks.area.sum()) // (P * _MU_SCALE)  # largest balanced load
-    finite = torch.tensor([s if s != float("inf") else 0.0 for s in threshold_scales], dtype=torch.float64, device=dev)
-    unbounded = torch.tensor([s == float("inf") for s in threshold_scales], device=dev)
 
+    threshold_scales: tuple[float, ...] = (3.0, float("inf"))
+    units_per_rank: int = 4
+    bundle_dests: int = 8
+
+
+# Batches that differ in how widely they search; measured on packed-document
+# masks (benchmarks/solver_quality.py), the best of the three beats any one.
+DEFAULT_STRATEGIES = (Strategy(), Strategy((float("inf"),), units_per_rank=8),
+                      Strategy((float("inf"),), bundle_dests=16))
+
+
+def _run_batch(tasks: _Tasks, cap: torch.Tensor, strategy: Strategy, rounds: int):
+    """Run one strategy's variants for ``rounds`` rounds: best (A [B, T+1], key [B])."""
+    P, T, dev = tasks.P, tasks.T, tasks.area.device
+    scales = strategy.threshold_scales
+    B = len(scales)
+    finite = torch.tensor([x if x != float("inf") else 0.0 for x in scales], dtype=torch.float64, device=dev)
+    unbounded = torch.tensor([x == float("inf") for x in scales], device=dev)
     # owner-computes start; column T is a dummy that absorbs writes of unused slots
     A = torch.where(tasks.valid, tasks.i, P).expand(B, T)
     A = torch.cat((A, torch.full((B, 1), P, dtype=torch.int64, device=dev)), dim=1)
@@ -410,15 +413,43 @@ def solve_device(areas: BlockAreas, config: SolverConfig, *,
             break
         excess = st.load - cap
         balance = ~balanced
-        prop = _bundle_proposals(tasks, st, cap, excess, balance, threshold, units_per_rank, bundle_dests)
+        prop = _bundle_proposals(tasks, st, cap, excess, balance, threshold,
+                                 strategy.units_per_rank, strategy.bundle_dests)
         limit = torch.where(balance, threshold, st.bottleneck.double() - 1)
         keep = _accept(prop, st, cap, limit, excess, balance)
         moving = torch.where(keep[..., None], prop.tasks, T)
         A = A.scatter(1, moving.view(B, -1), prop.dest[..., None].expand_as(moving).reshape(B, -1))
+    return best_A, best_key
+
+
+def solve_device(areas: BlockAreas, config: SolverConfig, *, rounds: int = DEFAULT_ROUNDS,
+                 strategies: tuple[Strategy, ...] = DEFAULT_STRATEGIES) -> DeviceSolveResult:
+    """Assign every task to a rank, on the device of ``areas``, without host reads.
+
+    areas:      BlockAreas (area [G, P, P] int64, q_need/k_need [G, P, P, 2] int64).
+    config:     SolverConfig (P, heads, D, dtype, imbalance_tol).
+    rounds:     rounds of moves per variant (static).
+    strategies: batches of variants; the best state over all of them wins.
+    Returns a DeviceSolveResult; ``assignment`` is [G, P, P] int32 and
+    ``variant`` indexes the variants of all strategies in order.
+    """
+    G, P = areas.head_groups, areas.cp_size
+    if P != config.cp_size:
+        raise ValueError(f"areas are for P={P} ranks but config.cp_size={config.cp_size}")
+    if G != config.head_groups:
+        raise ValueError(f"areas have G={G} head groups but config.head_groups={config.head_groups}")
+    if rounds < 0 or not strategies or not all(st.threshold_scales for st in strategies):
+        raise ValueError(f"need rounds >= 0 and strategies with threshold scales, got {rounds}, {strategies}")
+    tasks = _Tasks(areas, config)
+    mu_num = int(round(config.imbalance_tol * _MU_SCALE))
+    cap = (mu_num * tasks.area.sum()) // (P * _MU_SCALE)  # largest balanced load
+    runs = [_run_batch(tasks, cap, strategy, rounds) for strategy in strategies]
+    best_A = torch.cat([a for a, _ in runs])
+    best_key = torch.cat([k for _, k in runs])
 
     winner = best_key.argmin().view(1)  # first best variant; index_select keeps it on device
     key = best_key.index_select(0, winner)[0]
     ok = key < _BIG // 2
-    assignment = torch.where(tasks.valid, best_A.index_select(0, winner)[0, :T], -1).view(G, P, P)
+    assignment = torch.where(tasks.valid, best_A.index_select(0, winner)[0, :tasks.T], -1).view(G, P, P)
     return DeviceSolveResult(assignment=assignment.to(torch.int32), balanced=ok,
                              fwd_bottleneck=torch.where(ok, key, -1), variant=winner[0])

@@ -1,0 +1,154 @@
+"""benchmarks/solver_quality.py and solver_latency.py: quick modes run in-process and
+write complete tables and JSON; the launch counter sees aten ops, host reads and Triton launches."""
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpusolver.areas import block_areas_torch, block_areas_triton
+from gpusolver.masks import packed_documents
+from tests._testing import assert_close
+
+_BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", _BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def benches():
+    saved_path, saved_threads = list(sys.path), torch.get_num_threads()
+    try:
+        yield {name: _load(name) for name in ("_common", "solver_quality", "solver_latency")}
+    finally:
+        sys.path[:] = saved_path
+        torch.set_num_threads(saved_threads)  # main() sets 1 thread
+        for name in ("_common", "solver_quality", "solver_latency"):
+            sys.modules.pop(f"_bench_{name}", None)
+
+
+def _header(text: str, first: str) -> list[str]:
+    line = next(ln for ln in text.splitlines() if ln.startswith(f"| {first} |"))
+    return [c.strip() for c in line.strip("|").split("|")]
+
+
+def _finite(row: dict, keys) -> None:
+    for k in keys:
+        assert isinstance(row[k], (int, float)) and math.isfinite(row[k]), f"{k} = {row[k]!r}"
+
+
+def test_quality_quick(benches, tmp_path, capsys):
+    mod = benches["solver_quality"]
+    path = tmp_path / "out" / "q.json"
+    payload = mod.main(["--quick", "--P", "4", "--json", str(path)])
+    text = capsys.readouterr().out
+    headers = [h for h, _, _ in mod.SUMMARY_COLUMNS]
+    assert _header(text, "kind") == headers  # the summary comes first
+    assert "fwd vs USP %" in headers and "dev/ref fwd" in headers and "balanced %" in headers
+    assert "−62…−70 %" in text and "Anchor" in text
+
+    data = json.loads(path.read_text())
+    assert data == json.loads(json.dumps(payload))
+    rows = data["rows"]
+    assert [(r["kind"], r["solver"]) for r in rows] == [
+        ("causal", "reference"), ("causal", "device"), ("full", "reference"), ("full", "device")]
+    for r in rows:
+        assert r["P"] == 4 and r["seed"] == 0
+        _finite(r, ("imbalance", "fwd_bytes", "bwd_bytes", "fwd_vs_usp_pct", "bwd_vs_usp_pct",
+                    "fwd_vs_owner", "bwd_vs_owner", "solve_ms", "usp_fwd_bytes", "owner_fwd_bytes"))
+        assert r["imbalance"] >= 1.0 and r["fwd_bytes"] > 0 and r["solve_ms"] > 0
+        assert r["fwd_vs_usp_pct"] == pytest.approx(100 * (r["fwd_bytes"] / r["usp_fwd_bytes"] - 1))
+        assert r["fwd_vs_owner"] == pytest.approx(r["fwd_bytes"] / r["owner_fwd_bytes"])
+    for ref, dev in zip(rows[::2], rows[1::2]):
+        assert dev["dev_over_ref_fwd"] == pytest.approx(dev["fwd_bytes"] / ref["fwd_bytes"])
+        assert ref["dev_over_ref_fwd"] is None
+
+    summary = data["summary"]
+    assert [(s["kind"], s["solver"]) for s in summary] == [
+        (k, s) for k in ("causal", "full") for s in ("reference", "device", "owner-computes", "usp")]
+    for s in summary:
+        _finite(s, ("fwd_mb", "bwd_mb", "fwd_vs_usp_pct", "fwd_vs_owner"))
+        assert s["runs"] == 1
+    by = {(s["kind"], s["solver"]): s for s in summary}
+    assert by["causal", "usp"]["fwd_vs_usp_pct"] == 0.0 and by["full", "owner-computes"]["fwd_vs_owner"] == 1.0
+    assert by["causal", "device"]["dev_over_ref_fwd"] == pytest.approx(rows[1]["dev_over_ref_fwd"])
+    assert by["causal", "device"]["balanced_pct"] == 100.0 * rows[1]["balanced"]
+
+
+def test_latency_quick(benches, tmp_path, capsys):
+    mod = benches["solver_latency"]
+    path = tmp_path / "l.json"
+    mod.main(["--quick", "--P", "4", "--repeats", "1", "--no-cuda", "--json", str(path)])
+    text = capsys.readouterr().out
+    assert _header(text, "kind") == [h for h, _, _ in mod.COLUMNS]
+    data = json.loads(path.read_text())
+    assert data["config"]["P"] == [4] and data["config"]["cuda"] is False
+    (row,) = data["rows"]
+    assert row["backend"] == "cpu/torch" and row["P"] == 4
+    _finite(row, ("areas_ms", "solve_ms", "total_ms", "ref_ms", "imbalance_device", "imbalance_reference",
+                  "fwd_dev_over_ref", "bwd_dev_over_ref"))
+    assert row["total_ms"] == pytest.approx(row["areas_ms"] + row["solve_ms"])
+    # the torch path is sync-free: no host reads anywhere from the mask to the assignment
+    assert row["host_reads"] == 0 and row["triton_launches"] == 0 and row["triton_hooked"]
+    assert row["areas_launches"] > 0 and row["solve_launches"] > 0
+    assert row["launches"] == row["areas_launches"] + row["solve_launches"]
+    assert row["solve_ops"]["aten_ops"] >= row["solve_ops"]["view_ops"] >= 0
+    assert row["fwd_dev_over_ref"] == pytest.approx(row["fwd_device_bytes"] / row["fwd_reference_bytes"])
+
+
+def test_launch_counter_counts_host_reads_and_views(benches):
+    LaunchCounter = benches["_common"].LaunchCounter
+    x = torch.arange(6.0)
+    with LaunchCounter() as c:
+        y = x.view(2, 3).sum()
+        y.item()
+        (x > 2).nonzero()
+    assert c.host_reads == 2  # .item() and nonzero
+    assert c.view_ops >= 1 and c.aten_ops >= 5
+    assert c.launches == c.aten_ops - c.view_ops
+
+
+def test_launch_counter_counts_triton_launches(benches):
+    common = benches["_common"]
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+    runs = (JITFunction.run, InterpretedFunction.run)
+    mask = packed_documents(64, seed=1)
+    with common.LaunchCounter() as c:
+        tri = block_areas_triton(mask, 2, 1)
+    assert c.triton_hooked and c.triton_launches == 1 and c.note == ""
+    assert (JITFunction.run, InterpretedFunction.run) == runs  # unpatched on exit
+    ref = block_areas_torch(mask, 2, 1)
+    assert_close("area", ref.area, tri.area)
+
+
+def test_markdown_and_json_helpers(benches, tmp_path):
+    common = benches["_common"]
+    table = common.markdown_table([{"a": "x", "b": 1.5, "c": None, "d": True}],
+                                  [("A", "a", ""), ("B", "b", ".2f"), ("C", "c", ".1f"), ("D", "d", "")])
+    assert table.splitlines() == ["| A | B | C | D |", "|:---|---:|---:|:---|", "| x | 1.50 | — | yes |"]
+    path = common.write_json(tmp_path / "new" / "x.json", {"v": float("inf"), "w": [1.0, float("nan")]})
+    assert json.loads(path.read_text()) == {"v": None, "w": [1.0, None]}
+    assert common.parse_list("8, 16", int) == [8, 16]
+    with pytest.raises(ValueError, match="--P: 'x'"):
+        common.parse_list("8,x", int, name="--P")
+    with pytest.raises(ValueError, match="'diag' is not one of"):
+        common.parse_list("causal,diag", str, allowed=("causal", "full"), name="--kinds")
+    with pytest.raises(ValueError, match="kind must be one of"):
+        common.make_mask("diag", 4, 0)
+
+
+def test_bad_cli_arguments_exit(benches):
+    with pytest.raises(SystemExit):
+        benches["solver_quality"].main(["--kinds", "causal,diag"])
+    with pytest.raises(SystemExit):
+        benches["solver_latency"].main(["--repeats", "0"])
