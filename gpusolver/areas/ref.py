@@ -129,8 +129,10 @@ def block_areas_torch(mask: AttnSlices, cp_size: int, head_groups: int = 1) -> B
     Static shapes, no host reads: runs on any device, including "meta".
     """
     chunk = check_block_areas_args(mask, cp_size, head_groups)
-    q_ranges, k_ranges, attn_type = mask.per_group(head_groups)  # [G, R, 2], [G, R, 2], [G, R]
-    G, R, P = head_groups, q_ranges.shape[1], cp_size
+    # an ungrouped mask is the same for every group: count once, expand at the end
+    G_mask = head_groups if mask.grouped else 1
+    q_ranges, k_ranges, attn_type = mask.per_group(G_mask)  # [G, R, 2], [G, R, 2], [G, R]
+    G, R, P = G_mask, q_ranges.shape[1], cp_size
     device = q_ranges.device
     starts = torch.arange(P, device=device, dtype=torch.int64) * chunk  # [P]
     r0, r1 = starts.view(P, 1), starts.view(P, 1) + chunk  # [P(i), 1]
@@ -157,4 +159,8 @@ def block_areas_torch(mask: AttnSlices, cp_size: int, head_groups: int = 1) -> B
 
     q_need = finish_needs(q_lo, q_hi, r0)
     k_need = finish_needs(k_lo, k_hi, c0)
+    if G != head_groups:
+        area = area.expand(head_groups, P, P).contiguous()
+        q_need = q_need.expand(head_groups, P, P, 2).contiguous()
+        k_need = k_need.expand(head_groups, P, P, 2).contiguous()
     return BlockAreas(area=area, q_need=q_need, k_need=k_need, chunk=chunk)
