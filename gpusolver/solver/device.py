@@ -396,8 +396,6 @@ def _run_batch(tasks: _Tasks, cap: torch.Tensor, strategy: Strategy, rounds: int
     P, T, dev = tasks.P, tasks.T, tasks.area.device
     scales = strategy.threshold_scales
     B = len(scales)
-    finite = torch.tensor([x if x != float("inf") else 0.0 for x in scales], dtype=torch.float64, device=dev)
-    unbounded = torch.tensor([x == float("inf") for x in scales], device=dev)
     # owner-computes start; column T is a dummy that absorbs writes of unused slots
     A = torch.where(tasks.valid, tasks.i, P).expand(B, T)
     A = torch.cat((A, torch.full((B, 1), P, dtype=torch.int64, device=dev)), dim=1)
@@ -407,7 +405,10 @@ def _run_batch(tasks: _Tasks, cap: torch.Tensor, strategy: Strategy, rounds: int
     for rnd in range(rounds + 1):
         st = _state(tasks, A)
         if threshold is None:  # round 0 is owner-computes, the ladder's base
-            threshold = torch.where(unbounded, float(_BIG), finite * st.bottleneck[0].double() + 1.0)
+            # built from device ops only: a tensor from a host list would be a copy (and a sync) on GPU
+            base = st.bottleneck[:1].double()
+            threshold = torch.cat([base.new_full((1,), float(_BIG)) if x == _INF else base * x + 1.0
+                                   for x in scales])
         max_load = st.load.amax(1)
         balanced = max_load <= cap
         # balanced beats unbalanced, then the lower bottleneck (or the lower max load)
