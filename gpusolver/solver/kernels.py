@@ -58,9 +58,9 @@ def _state_kernel(
     o_g = o_t // (P * P)
     o_qu = o_g * P + (o_t // P) % P
     o_ku = o_g * P + o_t % P
-    n_cell = B * (T // P)  # cells of one [B, G*P, P] buffer
-    o_q = i_b * (T // P) + o_qu * P + b_rank  # [BLOCK_T] cell (variant, QO unit, rank)
-    o_k = i_b * (T // P) + o_ku * P + b_rank
+    n_cell = B * T  # cells of one [B, G*P, P] buffer (G*P*P = T per variant)
+    o_q = i_b * T + o_qu * P + b_rank  # [BLOCK_T] cell (variant, QO unit, rank)
+    o_k = i_b * T + o_ku * P + b_rank
     tl.atomic_min(lo_ptr + o_q, b_qlo, mask=m_t)
     tl.atomic_max(acc_ptr + o_q, b_qhi, mask=m_t)
     tl.atomic_min(lo_ptr + n_cell + o_k, b_klo, mask=m_t)
