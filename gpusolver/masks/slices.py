@@ -93,6 +93,16 @@ class AttnSlices:
         validate_slices(self, cp_size=cp_size, check_overlap=check_overlap)
         return self
 
+    def value_error(self) -> torch.Tensor:
+        """0-dim bool on the mask's device: some range is reversed or outside
+        [0, S], or some type code is not 0..3. Sync-free (the device-side twin
+        of ``validate``, which names the row)."""
+        q, k, t = self.q_ranges, self.k_ranges, self.attn_type
+        bad_q = (q[..., 0] < 0) | (q[..., 0] > q[..., 1]) | (q[..., 1] > self.total_seqlen_q)
+        bad_k = (k[..., 0] < 0) | (k[..., 0] > k[..., 1]) | (k[..., 1] > self.total_seqlen_k)
+        bad_t = (t < FULL) | (t > BI_CAUSAL)
+        return (bad_q | bad_k | bad_t).any()
+
     def to_dense(self, head_group: int = 0) -> torch.Tensor:
         """The dense [S_q, S_k] bool mask of one head group (host-side, small masks)."""
         from gpusolver.masks.validation import slices_to_dense

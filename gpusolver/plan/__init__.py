@@ -17,11 +17,11 @@ head group g (see ``gpusolver.plan.meta``).
 """
 from gpusolver.plan.build import build_plan, plan_capacities
 from gpusolver.plan.calc_meta import default_stage_capacity, slice_pieces
-from gpusolver.plan.meta import (BUFFER_OVERFLOW, CALC_OVERFLOW, IMBALANCED, NEED_MISMATCH, UNASSIGNED,
+from gpusolver.plan.meta import (BUFFER_OVERFLOW, CALC_OVERFLOW, IMBALANCED, INVALID_MASK, NEED_MISMATCH, UNASSIGNED,
                                  CalcMeta, CommMeta, Plan, RankPlan, status_names)
 
 __all__ = [
     "build_plan", "plan_capacities", "default_stage_capacity", "slice_pieces",
     "Plan", "CommMeta", "CalcMeta", "RankPlan", "status_names",
-    "IMBALANCED", "CALC_OVERFLOW", "BUFFER_OVERFLOW", "UNASSIGNED", "NEED_MISMATCH",
+    "IMBALANCED", "CALC_OVERFLOW", "BUFFER_OVERFLOW", "UNASSIGNED", "NEED_MISMATCH", "INVALID_MASK",
 ]

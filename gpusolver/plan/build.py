@@ -12,7 +12,7 @@ from gpusolver.masks.slices import AttnSlices
 from gpusolver.metrics import evaluate
 from gpusolver.plan.calc_meta import build_calc_meta, default_stage_capacity
 from gpusolver.plan.comm_meta import build_comm_meta
-from gpusolver.plan.meta import (BUFFER_OVERFLOW, CALC_OVERFLOW, IMBALANCED, NEED_MISMATCH, UNASSIGNED,
+from gpusolver.plan.meta import (BUFFER_OVERFLOW, CALC_OVERFLOW, IMBALANCED, INVALID_MASK, NEED_MISMATCH, UNASSIGNED,
                                  Plan)
 from gpusolver.problem import BlockAreas
 
@@ -99,6 +99,7 @@ def build_plan(mask: AttnSlices, areas: BlockAreas, assignment: torch.Tensor, co
 
     status = (bit(metrics.imbalance > mu, IMBALANCED) | bit(flags["calc_overflow"], CALC_OVERFLOW)
               | bit(comm_overflow | flags["buffer_overflow"], BUFFER_OVERFLOW)
-              | bit(flags["unassigned"], UNASSIGNED) | bit(flags["mismatch"], NEED_MISMATCH))
+              | bit(flags["unassigned"], UNASSIGNED) | bit(flags["mismatch"], NEED_MISMATCH)
+              | bit(mask.value_error(), INVALID_MASK))
     return Plan(assignment=assignment, metrics=metrics, comm=comm, calc=calc, status=status,
                 area=areas.area, imbalance_tol=mu)

@@ -28,6 +28,7 @@ CALC_OVERFLOW = 2    # some rank/stage needs more slice rows than CalcMeta's cap
 BUFFER_OVERFLOW = 4  # some rank sends or receives more rows than the buffer capacity
 UNASSIGNED = 8       # a non-empty task has no valid rank in the assignment
 NEED_MISMATCH = 16   # a slice piece lies outside its block's needs: areas do not match the mask
+INVALID_MASK = 32    # a slice range is reversed or outside [0, S], or a type code is not 0..3
 
 STATUS_NAMES = {
     IMBALANCED: "IMBALANCED",
@@ -35,6 +36,7 @@ STATUS_NAMES = {
     BUFFER_OVERFLOW: "BUFFER_OVERFLOW",
     UNASSIGNED: "UNASSIGNED",
     NEED_MISMATCH: "NEED_MISMATCH",
+    INVALID_MASK: "INVALID_MASK",
 }
 
 
@@ -169,7 +171,7 @@ class Plan:
     comm:       CommMeta.
     calc:       CalcMeta.
     status:     [] int32 bitfield of IMBALANCED, CALC_OVERFLOW, BUFFER_OVERFLOW,
-                UNASSIGNED, NEED_MISMATCH (0 = usable and balanced).
+                UNASSIGNED, NEED_MISMATCH, INVALID_MASK (0 = usable and balanced).
     area:       [G, P, P] int64 — the block areas the plan was built from.
     imbalance_tol: mu the IMBALANCED bit was judged against (host float, config).
 
@@ -267,6 +269,9 @@ def _explain_status(plan: Plan, ignore: int) -> list[str]:
                 r = int(sent.argmax())
                 out.append(f"BUFFER_OVERFLOW: rank {r} sends {int(sent[r])} {kind} rows, send capacity "
                            f"{m.send_capacity}: raise build_plan(send_capacity=...)")
+    if status & INVALID_MASK:
+        out.append("INVALID_MASK: a slice range is reversed or outside [0, S), or a type code is not 0..3; "
+                   "mask.validate() names the row")
     if status & NEED_MISMATCH:
         out.append("NEED_MISMATCH: a slice piece lies outside its block's q_need/k_need (or in a block of "
                    "area 0): build the BlockAreas from the same mask")

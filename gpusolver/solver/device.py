@@ -391,8 +391,11 @@ DEFAULT_STRATEGIES = (Strategy((3.0, _INF), units_per_rank=4, bundle_dests=8),
                       Strategy((_INF,), units_per_rank=1, bundle_dests=4))
 
 
-def _run_batch(tasks: _Tasks, cap: torch.Tensor, strategy: Strategy, rounds: int):
+def _run_batch(tasks: _Tasks, cap: torch.Tensor, strategy: Strategy, rounds: int, impl: str = "auto"):
     """Run one strategy's variants for ``rounds`` rounds: best (A [B, T+1], key [B])."""
+    state_fn, propose_fn = _state, _bundle_proposals
+    if impl == "triton" or (impl == "auto" and tasks.area.is_cuda):  # fused kernels of the two heaviest steps
+        from gpusolver.solver.kernels import bundle_proposals_triton as propose_fn, state_triton as state_fn
     P, T, dev = tasks.P, tasks.T, tasks.area.device
     scales = strategy.threshold_scales
     B = len(scales)
@@ -403,7 +406,7 @@ def _run_batch(tasks: _Tasks, cap: torch.Tensor, strategy: Strategy, rounds: int
     best_key = torch.full((B,), _BIG, dtype=torch.int64, device=dev)
     threshold = None
     for rnd in range(rounds + 1):
-        st = _state(tasks, A)
+        st = state_fn(tasks, A)
         if threshold is None:  # round 0 is owner-computes, the ladder's base
             # built from device ops only: a tensor from a host list would be a copy (and a sync) on GPU
             base = st.bottleneck[:1].double()
@@ -420,7 +423,7 @@ def _run_batch(tasks: _Tasks, cap: torch.Tensor, strategy: Strategy, rounds: int
             break
         excess = st.load - cap
         balance = ~balanced
-        prop = _bundle_proposals(tasks, st, cap, excess, balance, threshold,
+        prop = propose_fn(tasks, st, cap, excess, balance, threshold,
                                  strategy.units_per_rank, strategy.bundle_dests)
         limit = torch.where(balance, threshold, st.bottleneck.double() - 1)
         keep = _accept(prop, st, cap, limit, excess, balance)
@@ -430,13 +433,14 @@ def _run_batch(tasks: _Tasks, cap: torch.Tensor, strategy: Strategy, rounds: int
 
 
 def solve_device(areas: BlockAreas, config: SolverConfig, *, rounds: int = DEFAULT_ROUNDS,
-                 strategies: tuple[Strategy, ...] = DEFAULT_STRATEGIES) -> DeviceSolveResult:
+                 strategies: tuple[Strategy, ...] = DEFAULT_STRATEGIES, impl: str = "auto") -> DeviceSolveResult:
     """Assign every task to a rank, on the device of ``areas``, without host reads.
 
     areas:      BlockAreas (area [G, P, P] int64, q_need/k_need [G, P, P, 2] int64).
     config:     SolverConfig (P, heads, D, dtype, imbalance_tol).
     rounds:     rounds of moves per variant (static).
     strategies: batches of variants; the best state over all of them wins.
+    impl:       "torch", "triton" (kernels in solver/kernels.py) or "auto" (triton on CUDA).
     Returns a DeviceSolveResult; ``assignment`` is [G, P, P] int32 and
     ``variant`` indexes the variants of all strategies in order.
     """
@@ -447,10 +451,12 @@ def solve_device(areas: BlockAreas, config: SolverConfig, *, rounds: int = DEFAU
         raise ValueError(f"areas have G={G} head groups but config.head_groups={config.head_groups}")
     if rounds < 0 or not strategies or not all(st.threshold_scales for st in strategies):
         raise ValueError(f"need rounds >= 0 and strategies with threshold scales, got {rounds}, {strategies}")
+    if impl not in ("torch", "triton", "auto"):
+        raise ValueError(f"impl must be 'torch', 'triton' or 'auto', got {impl!r}")
     tasks = _Tasks(areas, config)
     mu_num = int(round(config.imbalance_tol * _MU_SCALE))
     cap = (mu_num * tasks.area.sum()) // (P * _MU_SCALE)  # largest balanced load
-    runs = [_run_batch(tasks, cap, strategy, rounds) for strategy in strategies]
+    runs = [_run_batch(tasks, cap, strategy, rounds, impl) for strategy in strategies]
     best_A = torch.cat([a for a, _ in runs])
     best_key = torch.cat([k for _, k in runs])
 

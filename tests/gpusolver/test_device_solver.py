@@ -152,3 +152,22 @@ def test_solver_choice_and_errors():
         solve_device(areas, _config(4, G=1))
     with pytest.raises(ValueError, match="head_groups"):
         solve_device(areas, _config(P, G=2))
+
+
+def test_invalid_mask_values_flagged_without_host_reads():
+    from gpusolver.masks import AttnSlices
+    from gpusolver.plan import INVALID_MASK
+
+    P = 2
+    config = _config(P, G=1)
+    good = varlen_causal_mask([6, 10])
+    assert not bool(good.value_error())
+    bad = AttnSlices(torch.tensor([[0, 6], [6, 17]], dtype=torch.int32), good.k_ranges, good.attn_type, 16, 16)
+    assert bool(bad.value_error())  # q range ends past S
+    meta = AttnSlices(bad.q_ranges.to("meta"), bad.k_ranges.to("meta"), bad.attn_type.to("meta"), 16, 16)
+    assert meta.value_error().device.type == "meta"  # computed on device, no host read
+    flipped = AttnSlices(good.q_ranges, good.k_ranges, torch.tensor([1, 7], dtype=torch.int32), 16, 16)
+    plan = solve(flipped, config, validate=False)
+    assert int(plan.status) & INVALID_MASK
+    with pytest.raises(ValueError, match="INVALID_MASK"):
+        plan.validate()
