@@ -2,7 +2,8 @@
 
 ``demo`` solves a default packed causal-document mask (8K tokens per rank,
 GQA 64:8, D = 128, bf16, P = 8) with both solvers and prints how each plan
-compares with the classic context-parallel schemes.
+compares with the classic context-parallel schemes. ``solve`` builds one
+full plan (areas, assignment, metas) and prints its summary.
 """
 from __future__ import annotations
 
@@ -64,6 +65,16 @@ def demo(args) -> None:
     print(plan.summary())
 
 
+def solve_command(args) -> None:
+    torch.set_num_threads(1)
+    config = SolverConfig(cp_size=args.cp_size)
+    mask = packed_documents(args.tokens_per_rank * config.cp_size, seed=args.seed, causal=args.causal)
+    t0 = time.perf_counter()
+    plan = solve(mask, config, solver=args.solver)
+    print(f"solved P={config.cp_size} ({args.solver} solver) in {(time.perf_counter() - t0) * 1e3:.0f} ms")
+    print(plan.summary())
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="gpusolver", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -73,8 +84,10 @@ def main(argv=None) -> None:
         p.add_argument("--tokens-per-rank", type=int, default=8192)
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--full", dest="causal", action="store_false", help="full (bidirectional) documents")
+        if name == "solve":
+            p.add_argument("--solver", choices=SOLVERS, default="device")
     args = parser.parse_args(argv)
-    demo(args)
+    (demo if args.command == "demo" else solve_command)(args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,15 @@
+"""The command line: demo and solve print their tables."""
+from gpusolver.__main__ import main
+
+
+def test_demo_prints_quality_table(capsys):
+    main(["demo", "--cp-size", "4", "--tokens-per-rank", "1024"])
+    out = capsys.readouterr().out
+    assert "| gpusolver device |" in out and "| gpusolver reference |" in out and "| usp |" in out
+    assert "status: OK" in out
+
+
+def test_solve_prints_plan_summary(capsys):
+    main(["solve", "-P", "2", "--tokens-per-rank", "512", "--full", "--solver", "reference"])
+    out = capsys.readouterr().out
+    assert "reference solver" in out and "fwd bottleneck" in out
