@@ -165,6 +165,32 @@ class _Proposals:
     tasks: torch.Tensor  # [B, P, M] task ids to move, T (dummy) where unused
 
 
+def _offers(tasks: _Tasks, st: _State, cap, units_per_rank: int, n_dests: int):
+    """Each source's offered QO units and its destination window.
+
+    Returns (unit [B, P, K] heaviest units on each source, headroom [B, P]
+    = cap - load, dests [B, P, D]: a window of the ranks with most headroom;
+    the e-th most loaded source starts its window e*D/2 places down the list,
+    so sources spread over the light ranks).
+    """
+    G, P = tasks.G, tasks.P
+    B, dev = st.rank.shape[0], st.rank.device
+    K, D = min(units_per_rank, G * P), min(n_dests, P)
+    ranks = torch.arange(P, device=dev)
+    ua = torch.zeros((B, G * P * (P + 1)), dtype=torch.int64, device=dev)
+    ua = ua.scatter_add(1, tasks.qo_unit * (P + 1) + st.rank, tasks.area.expand(B, -1))
+    ua = ua.view(B, G * P, P + 1)[..., :P].transpose(1, 2)  # [B, P(s), G*P]
+    unit = torch.topk(ua, K, dim=2, sorted=True).indices  # [B, P, K]
+    headroom = cap - st.load  # [B, P]
+    by_room = torch.sort(-headroom, dim=1, stable=True).indices  # [B, P]
+    n_light = (headroom > 0).sum(1, keepdim=True).clamp(min=1)  # [B, 1]
+    e = torch.empty_like(by_room).scatter_(1, torch.sort(-st.load, dim=1, stable=True).indices,
+                                            ranks.expand(B, -1))  # load rank of each source
+    window = ((e * D) // 2)[..., None] + torch.arange(D, device=dev)  # [B, P, D]
+    dests = by_room.gather(1, (window % n_light[..., None]).view(B, -1)).view(B, P, D)
+    return unit, headroom, dests
+
+
 def _bundle_proposals(tasks: _Tasks, st: _State, cap, excess, balance, threshold,
                       units_per_rank, n_dests) -> _Proposals:
     """Ship a prefix of one QO unit's tasks (by area) from each source to one destination.
@@ -180,20 +206,7 @@ def _bundle_proposals(tasks: _Tasks, st: _State, cap, excess, balance, threshold
     B, dev = st.rank.shape[0], st.rank.device
     K, D = min(units_per_rank, G * P), min(n_dests, P)
     ranks = torch.arange(P, device=dev)
-    # area of each QO unit on each rank; each source offers its heaviest units
-    ua = torch.zeros((B, G * P * (P + 1)), dtype=torch.int64, device=dev)
-    ua = ua.scatter_add(1, tasks.qo_unit * (P + 1) + st.rank, tasks.area.expand(B, -1))
-    ua = ua.view(B, G * P, P + 1)[..., :P].transpose(1, 2)  # [B, P(s), G*P]
-    unit = torch.topk(ua, K, dim=2, sorted=True).indices  # [B, P, K]
-    headroom = cap - st.load  # [B, P]
-    # destinations: a window of the ranks with most headroom; the e-th most loaded source starts
-    # its window e*D/2 places down the list, so sources spread over the light ranks
-    by_room = torch.sort(-headroom, dim=1, stable=True).indices  # [B, P]
-    n_light = (headroom > 0).sum(1, keepdim=True).clamp(min=1)  # [B, 1]
-    e = torch.empty_like(by_room).scatter_(1, torch.sort(-st.load, dim=1, stable=True).indices,
-                                            ranks.expand(B, -1))  # load rank of each source
-    window = ((e * D) // 2)[..., None] + torch.arange(D, device=dev)  # [B, P, D]
-    dests = by_room.gather(1, (window % n_light[..., None]).view(B, -1)).view(B, P, D)
+    unit, headroom, dests = _offers(tasks, st, cap, units_per_rank, n_dests)
 
     # the unit's tasks, by area: [B, P(s), K, P(order)]; mine = on the source
     tid = tasks.unit_tasks[unit]

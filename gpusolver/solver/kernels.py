@@ -1,0 +1,390 @@
+"""Triton versions of the device solver's two heaviest steps.
+
+Each launcher has the signature and the result of its torch twin in
+``gpusolver/solver/device.py`` and equals it exactly (integers entry for
+entry, float64 scores bit for bit):
+
+* ``state_triton(tasks, A)`` — twin of ``_state``. One kernel over tiles of
+  the ``T = G * P * P`` tasks of each variant scatters every task into the
+  hulls of its (QO unit, rank) and (KV unit, rank) cells with integer atomic
+  min/max, and into the rank loads and KV-unit task counts with integer
+  atomic adds. Integer min/max/add commute, so the result does not depend on
+  the order the atomics land in. A second kernel, one program per (variant,
+  rank), turns the hulls of the units that rank hosts and receives into
+  travelling lengths and the rank's send/recv bytes, and folds the bottleneck
+  with an integer atomic max.
+* ``bundle_proposals_triton(tasks, st, ...)`` — twin of ``_bundle_proposals``.
+  The offered units (top-k by area) and the destination windows are chosen in
+  torch; one kernel with grid ``(B, P, K)`` then prices every (destination,
+  size) of one offered unit of one source in registers, as ``[D1, P]`` tiles
+  (D1 destinations, P task slots), and writes that unit's best proposal.
+
+Shape legend: B variants, G head groups, P ranks, T = G * P * P tasks,
+K units offered per source, D destinations per unit from the headroom window,
+D1 = D + 3 (plus the unit's first key host, its query host, and the helper
+holding most of its rows).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gpusolver.solver.device import _BIG, _Proposals, _State, _Tasks, _offers
+
+_BIG_T = tl.constexpr(_BIG)
+
+
+@triton.jit
+def _state_kernel(
+    rank_ptr,  # [B, T] int64 (row stride stride_rb), P for empty tasks
+    area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr,  # [T] int64 each (strided)
+    lo_ptr,  # [2, B, G*P, P] int64, _BIG-initialised: q_lo, k_lo
+    acc_ptr,  # [3, B, G*P, P] then [B, P] int64, zero-initialised: q_hi, k_hi, kcount, load
+    T, P, B,
+    stride_rb, stride_a, stride_q, stride_k,
+    BLOCK_T: tl.constexpr,
+):
+    i_t, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    o_t = (i_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # [BLOCK_T]
+    m_t = o_t < T
+    b_rank = tl.load(rank_ptr + i_b * stride_rb + o_t, mask=m_t, other=0)
+    # tasks on the dummy rank P fall into the discarded column of the torch twin: skip them
+    m_t = m_t & (b_rank < P)
+    b_area = tl.load(area_ptr + o_t * stride_a, mask=m_t, other=0)
+    b_qlo = tl.load(qlo_ptr + o_t * stride_q, mask=m_t, other=0)
+    b_qhi = tl.load(qhi_ptr + o_t * stride_q, mask=m_t, other=0)
+    b_klo = tl.load(klo_ptr + o_t * stride_k, mask=m_t, other=0)
+    b_khi = tl.load(khi_ptr + o_t * stride_k, mask=m_t, other=0)
+    # task (g, i, j): QO unit g*P + i, KV unit g*P + j
+    o_g = o_t // (P * P)
+    o_qu = o_g * P + (o_t // P) % P
+    o_ku = o_g * P + o_t % P
+    n_cell = B * T  # cells of one [B, G*P, P] buffer (G*P*P = T per variant)
+    o_q = i_b * T + o_qu * P + b_rank  # [BLOCK_T] cell (variant, QO unit, rank)
+    o_k = i_b * T + o_ku * P + b_rank
+    tl.atomic_min(lo_ptr + o_q, b_qlo, mask=m_t)
+    tl.atomic_max(acc_ptr + o_q, b_qhi, mask=m_t)
+    tl.atomic_min(lo_ptr + n_cell + o_k, b_klo, mask=m_t)
+    tl.atomic_max(acc_ptr + n_cell + o_k, b_khi, mask=m_t)
+    tl.atomic_add(acc_ptr + 2 * n_cell + o_k, (b_area > 0).to(tl.int64), mask=m_t)
+    tl.atomic_add(acc_ptr + 3 * n_cell + i_b * P + b_rank, b_area, mask=m_t)
+
+
+@triton.jit
+def _state_bytes_kernel(
+    lo_ptr,  # [2, B, G*P, P] int64: q_lo, k_lo
+    hi_ptr,  # [2, B, G*P, P] int64: q_hi, k_hi
+    len_ptr,  # [2, B, G*P, P] int64 out: qlen, klen
+    send_ptr, recv_ptr, vol_ptr,  # [B, P] int64 out
+    bneck_ptr,  # [B] int64, zero-initialised: max over ranks of vol
+    B, G, P,
+    Q_BYTES, O_BYTES, KV_BYTES,
+    BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    i_b, i_r = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    o_g = tl.arange(0, BLOCK_G).to(tl.int64)[:, None]  # [BLOCK_G, 1]
+    o_p = tl.arange(0, BLOCK_P).to(tl.int64)[None, :]  # [1, BLOCK_P]
+    m_gp = (o_g < G) & (o_p < P)
+    n_cell = B * G * P * P
+    # [BLOCK_G, BLOCK_P] cells: units hosted on rank r (all destinations), and every unit at rank r
+    o_row = i_b * G * P * P + (o_g * P + i_r) * P + o_p
+    o_col = i_b * G * P * P + (o_g * P + o_p) * P + i_r
+    at_host = o_p == i_r  # row: destination r is the host; column: host o_p is r. Nothing travels
+    q_row = tl.where(at_host, 0, tl.maximum(tl.load(hi_ptr + o_row, mask=m_gp, other=0)
+                                             - tl.load(lo_ptr + o_row, mask=m_gp, other=0), 0))
+    k_row = tl.where(at_host, 0, tl.maximum(tl.load(hi_ptr + n_cell + o_row, mask=m_gp, other=0)
+                                             - tl.load(lo_ptr + n_cell + o_row, mask=m_gp, other=0), 0))
+    q_col = tl.where(at_host, 0, tl.maximum(tl.load(hi_ptr + o_col, mask=m_gp, other=0)
+                                             - tl.load(lo_ptr + o_col, mask=m_gp, other=0), 0))
+    k_col = tl.where(at_host, 0, tl.maximum(tl.load(hi_ptr + n_cell + o_col, mask=m_gp, other=0)
+                                             - tl.load(lo_ptr + n_cell + o_col, mask=m_gp, other=0), 0))
+    tl.store(len_ptr + o_row, q_row, mask=m_gp)
+    tl.store(len_ptr + n_cell + o_row, k_row, mask=m_gp)
+    q_out = tl.sum(tl.sum(tl.where(m_gp, q_row, 0), axis=1), axis=0)
+    k_out = tl.sum(tl.sum(tl.where(m_gp, k_row, 0), axis=1), axis=0)
+    q_in = tl.sum(tl.sum(tl.where(m_gp, q_col, 0), axis=1), axis=0)
+    k_in = tl.sum(tl.sum(tl.where(m_gp, k_col, 0), axis=1), axis=0)
+    send = q_out * Q_BYTES + q_in * O_BYTES + k_out * KV_BYTES
+    recv = q_in * Q_BYTES + q_out * O_BYTES + k_in * KV_BYTES
+    vol = tl.maximum(send, recv)
+    tl.store(send_ptr + i_b * P + i_r, send)
+    tl.store(recv_ptr + i_b * P + i_r, recv)
+    tl.store(vol_ptr + i_b * P + i_r, vol)
+    tl.atomic_max(bneck_ptr + i_b, vol)
+
+
+def state_triton(tasks: _Tasks, A: torch.Tensor) -> _State:
+    """Hulls, lengths, loads and forward bytes of assignments A (Triton twin of ``_state``).
+
+    A: [B, T+1] int64 ranks in [0, P] (P = no rank; column T is a dummy).
+    Returns a _State whose tensors equal ``_state(tasks, A)``'s exactly:
+    q_lo/q_hi/k_lo/k_hi/qlen/klen/kcount [B, G*P, P] int64, send/recv/vol/load
+    [B, P] int64, bottleneck [B] int64, rank [B, T] int64 (a view of A).
+    Two kernels: the task scatter (atomics), then lengths and bytes per (variant, rank).
+    """
+    G, P, T = tasks.G, tasks.P, tasks.T
+    rank = A[:, :T]
+    B, dev = rank.shape[0], A.device
+    n = B * T  # cells of one [B, G*P, P] buffer
+    lo = torch.full((2 * n,), _BIG, dtype=torch.int64, device=dev)  # q_lo, k_lo
+    acc = torch.zeros(3 * n + B * P + B, dtype=torch.int64, device=dev)  # q_hi, k_hi, kcount, load, bottleneck
+    out = torch.empty(2 * n + 3 * B * P, dtype=torch.int64, device=dev)  # qlen, klen, send, recv, vol
+    block_t = min(1024, triton.next_power_of_2(T))
+    _state_kernel[(triton.cdiv(T, block_t), B)](
+        rank, tasks.area, tasks.qlo, tasks.qhi, tasks.klo, tasks.khi, lo, acc,
+        T, P, B,
+        rank.stride(0), tasks.area.stride(0), tasks.qlo.stride(0), tasks.klo.stride(0),
+        BLOCK_T=block_t,
+    )
+    bottleneck = acc[3 * n + B * P:]
+    _state_bytes_kernel[(B, P)](
+        lo, acc, out, out[2 * n:], out[2 * n + B * P:], out[2 * n + 2 * B * P:], bottleneck,
+        B, G, P, tasks.q, tasks.o, tasks.kv,
+        BLOCK_G=triton.next_power_of_2(G), BLOCK_P=triton.next_power_of_2(P),
+    )
+    cells = lambda buf, k: buf[k * n:(k + 1) * n].view(B, G * P, P)  # noqa: E731
+    ranks = lambda buf, k: buf[2 * n + k * B * P:2 * n + (k + 1) * B * P].view(B, P)  # noqa: E731
+    return _State(rank=rank, q_lo=cells(lo, 0), q_hi=cells(acc, 0), k_lo=cells(lo, 1), k_hi=cells(acc, 1),
+                  qlen=cells(out, 0), klen=cells(out, 1), kcount=cells(acc, 2),
+                  send=ranks(out, 0), recv=ranks(out, 1), vol=ranks(out, 2), bottleneck=bottleneck,
+                  load=acc[3 * n:3 * n + B * P].view(B, P))
+
+
+@triton.jit
+def _union_growth(cur_lo, cur_hi, lo, hi):
+    """Tokens a hull [cur_lo, cur_hi) grows by when [lo, hi) joins it."""
+    cur_len = tl.maximum(cur_hi - cur_lo, 0)
+    u_lo = tl.where(cur_len > 0, tl.minimum(cur_lo, lo), lo)
+    u_hi = tl.where(cur_len > 0, tl.maximum(cur_hi, hi), hi)
+    return (u_hi - u_lo) - cur_len
+
+
+@triton.jit
+def _price(
+    inc,  # [BLOCK_D, BLOCK_P] the moved tasks of each destination
+    mine, t_area, qlo_t, qhi_t, k_free_t, j_t, j_send,  # [1, BLOCK_P]
+    k_grow_t,  # [BLOCK_D, BLOCK_P]
+    d_of, qlo_d, qhi_d, send_d, recv_d,  # [BLOCK_D]
+    s, i, bn, q_cur, send_i, recv_i, send_s, recv_s, send_bn, recv_bn, bnv, bal, exc, thr,  # scalars
+    Q_BYTES, O_BYTES, KV_BYTES,
+):
+    """ok [BLOCK_D] bool, score [BLOCK_D] fp64, area, dest_send, dest_recv [BLOCK_D] int64 of one size."""
+    area = tl.sum(tl.where(inc, t_area, 0), axis=1)
+    # query rows: growth of the destination's hull, and what the source frees when it is not the host
+    b_lo = tl.min(tl.where(inc, qlo_t, _BIG_T), axis=1)
+    b_hi = tl.max(tl.where(inc, qhi_t, 0), axis=1)
+    q_grow = tl.where((area > 0) & (d_of != i), _union_growth(qlo_d, qhi_d, b_lo, b_hi), 0)
+    rest = mine & ~inc
+    r_lo = tl.min(tl.where(rest, qlo_t, _BIG_T), axis=1)
+    r_hi = tl.max(tl.where(rest, qhi_t, 0), axis=1)
+    q_free = tl.where((area > 0) & (s != i), q_cur - tl.maximum(r_hi - r_lo, 0), 0)
+    # key columns of the moved tasks, per key host
+    kv_delta = tl.where(inc, (k_grow_t - k_free_t) * KV_BYTES, 0)  # [BLOCK_D, BLOCK_P]
+    kv_to_src = tl.sum(tl.where(j_t == s, kv_delta, 0), axis=1)
+    kv_to_host = tl.sum(tl.where((j_t == i) & (i != s), kv_delta, 0), axis=1)
+    elsewhere = inc & (j_t != s) & (j_t != i) & (j_t != d_of[:, None])
+    kvh_max = tl.max(tl.where(elsewhere, j_send + kv_delta, 0), axis=1)
+    k_grow = tl.sum(tl.where(inc, k_grow_t, 0), axis=1)
+    k_free = tl.sum(tl.where(inc, k_free_t, 0), axis=1)
+
+    # byte deltas of the three touched ranks (the query host may be the source or the destination)
+    dq = q_grow - q_free
+    h_ds = dq * Q_BYTES
+    h_dr = dq * O_BYTES
+    s_ds = -q_free * O_BYTES
+    s_dr = -q_free * Q_BYTES - k_free * KV_BYTES
+    dest_send = q_grow * O_BYTES
+    dest_recv = q_grow * Q_BYTES + k_grow * KV_BYTES
+    s_is_h = s == i
+    d_is_h = d_of == i
+    host_send = (send_i + h_ds + tl.where(s_is_h, s_ds + kv_to_src, kv_to_host)
+                 + tl.where(d_is_h, dest_send, 0))
+    host_recv = recv_i + h_dr + tl.where(s_is_h, s_dr, 0) + tl.where(d_is_h, dest_recv, 0)
+    src_send = send_s + s_ds + kv_to_src + tl.where(s_is_h, h_ds, 0)
+    src_recv = recv_s + s_dr + tl.where(s_is_h, h_dr, 0)
+    d_send = send_d + dest_send + tl.where(d_is_h, h_ds, 0)
+    d_recv = recv_d + dest_recv + tl.where(d_is_h, h_dr, 0)
+    new_max = tl.maximum(tl.maximum(tl.maximum(host_send, host_recv), tl.maximum(src_send, src_recv)),
+                         tl.maximum(tl.maximum(d_send, d_recv), kvh_max))
+    added = dq * (Q_BYTES + O_BYTES) + (k_grow - k_free) * KV_BYTES
+
+    bn_is_j = elsewhere & (j_t == bn)
+    bn_as_j = tl.maximum(send_bn + tl.sum(tl.where(bn_is_j, kv_delta, 0), axis=1), recv_bn)
+    bn_any = tl.max(bn_is_j.to(tl.int32), axis=1) > 0
+    bn_new = tl.where(s == bn, tl.maximum(src_send, src_recv),
+                      tl.where(i == bn, tl.maximum(host_send, host_recv), tl.where(bn_any, bn_as_j, bnv)))
+    ok_bal = (exc > 0) & (new_max.to(tl.float64) <= thr)
+    ok_bn = (bn_new < bnv) & (new_max < bnv)
+    ok = (area > 0) & (d_of != s) & tl.where(bal, ok_bal, ok_bn)
+    eps = tl.full([], 1e-12, tl.float64)  # a float64 constant, as in the torch twin
+    score_bal = added.to(tl.float64) / tl.maximum(area, 1).to(tl.float64)
+    score_bn = new_max.to(tl.float64) / tl.maximum(bnv, 1).to(tl.float64) + eps * added.to(tl.float64)
+    score = tl.where(ok, tl.where(bal, score_bal, score_bn), float("inf"))
+    return ok, score, area, dest_send, dest_recv
+
+
+@triton.jit
+def _bundle_kernel(
+    rank_ptr,  # [B, T] int64 (row stride stride_rb)
+    area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr,  # [T] int64 (strided)
+    unit_tasks_ptr,  # [G*P, P] int64 contiguous: each QO unit's tasks by area
+    unit_ptr,  # [B, P, K] int64 contiguous: offered units
+    dests_ptr,  # [B, P, D] int64 contiguous: headroom-window destinations
+    headroom_ptr, excess_ptr, send_ptr, recv_ptr, vol_ptr,  # [B, P] int64 contiguous
+    bal_ptr, bneck_ptr, thr_ptr,  # [B] bool, int64, fp64
+    q_lo_ptr, q_hi_ptr, k_lo_ptr, k_hi_ptr, qlen_ptr, klen_ptr, kcount_ptr,  # [B, G*P, P] int64 contiguous
+    ok_ptr, score_ptr, dest_ptr, moved_area_ptr, dsend_ptr, drecv_ptr,  # [B, P*K] bool/fp64/int64
+    tasks_out_ptr,  # [B, P*K, P] int64
+    T, P, K, D, GP,
+    stride_rb, stride_a, stride_q, stride_k,
+    Q_BYTES, O_BYTES, KV_BYTES,
+    BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    i_b, i_s, i_k = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
+    o_p = tl.arange(0, BLOCK_P).to(tl.int64)  # task slots of the unit, and ranks
+    m_p = o_p < P
+    o_d = tl.arange(0, BLOCK_D).to(tl.int64)  # destinations
+    m_d = o_d < D + 3
+    o_row = i_b * P  # [B, P] row of this variant
+    o_cell = i_b * GP * P  # [B, G*P, P] slab of this variant
+    u = tl.load(unit_ptr + (o_row + i_s) * K + i_k)
+    i = u % P  # the unit's query host
+
+    # the unit's tasks by area; mine = on the source. [BLOCK_P]
+    tid = tl.load(unit_tasks_ptr + u * P + o_p, mask=m_p, other=0)
+    mine = (tl.load(rank_ptr + i_b * stride_rb + tid, mask=m_p, other=-1) == i_s) & m_p
+    t_area = tl.where(mine, tl.load(area_ptr + tid * stride_a, mask=m_p, other=0), 0)
+    after = tl.cumsum(t_area, axis=0)
+    before = after - t_area
+    first = mine & (tl.cumsum(mine.to(tl.int64), axis=0) == 1)
+    j_t = tid % P  # key host
+    kv_u = (tid // (P * P)) * P + j_t  # KV unit
+    qlo_t = tl.load(qlo_ptr + tid * stride_q, mask=m_p, other=0)
+    qhi_t = tl.load(qhi_ptr + tid * stride_q, mask=m_p, other=0)
+    klo_t = tl.load(klo_ptr + tid * stride_k, mask=m_p, other=0)
+    khi_t = tl.load(khi_ptr + tid * stride_k, mask=m_p, other=0)
+
+    # destinations [BLOCK_D]: the window, then the first key host, the query host, and the
+    # other rank holding most of the unit's rows (first on ties)
+    key_host = tl.sum(tl.where(first, j_t, 0), axis=0)
+    held = tl.load(qlen_ptr + o_cell + u * P + o_p, mask=m_p, other=0)
+    held = tl.where(m_p, tl.where(o_p == i_s, -1, held), -_BIG_T)
+    holder = tl.min(tl.where(held == tl.max(held, axis=0), o_p, BLOCK_P), axis=0)
+    d_win = tl.load(dests_ptr + (o_row + i_s) * D + o_d, mask=o_d < D, other=0)
+    d_of = tl.where(o_d == D, key_host, tl.where(o_d == D + 1, i, tl.where(o_d == D + 2, holder, d_win)))
+    d_of = tl.where(m_d, d_of, 0)
+
+    # prefixes [BLOCK_D, BLOCK_P]: size 0 = the first task (bottleneck phase only),
+    # size 1 = while it fits the destination (and, balancing, until the excess is covered)
+    bal = tl.load(bal_ptr + i_b).to(tl.int32) != 0
+    exc = tl.load(excess_ptr + o_row + i_s)
+    room = tl.load(headroom_ptr + o_row + d_of, mask=m_d, other=0)
+    fit = mine[None, :] & (after[None, :] <= room[:, None]) & m_d[:, None]
+    still_over = tl.where(bal, before < exc, True)
+    inc0 = fit & first[None, :] & (bal == 0)
+    inc1 = fit & still_over[None, :]
+
+    # key columns: growth of each task's KV unit hull at each destination, freed at the source
+    m_dp = m_d[:, None] & m_p[None, :]
+    o_kd = o_cell + kv_u[None, :] * P + d_of[:, None]  # [BLOCK_D, BLOCK_P]
+    k_grow_t = _union_growth(tl.load(k_lo_ptr + o_kd, mask=m_dp, other=0),
+                             tl.load(k_hi_ptr + o_kd, mask=m_dp, other=0), klo_t[None, :], khi_t[None, :])
+    k_grow_t = tl.where(j_t[None, :] == d_of[:, None], 0, k_grow_t)
+    o_ks = o_cell + kv_u * P + i_s  # [BLOCK_P]
+    sole = tl.load(kcount_ptr + o_ks, mask=m_p, other=0) == 1
+    k_free_t = tl.where(mine & sole, tl.load(klen_ptr + o_ks, mask=m_p, other=0), 0)
+    j_send = tl.load(send_ptr + o_row + j_t, mask=m_p, other=0)
+
+    # the bottleneck rank (first on ties) and the ranks' current bytes
+    vol = tl.load(vol_ptr + o_row + o_p, mask=m_p, other=-1)
+    bn = tl.min(tl.where(vol == tl.max(vol, axis=0), o_p, BLOCK_P), axis=0)
+    bnv = tl.load(bneck_ptr + i_b)
+    thr = tl.load(thr_ptr + i_b)
+    q_cur = tl.load(qlen_ptr + o_cell + u * P + i_s)
+    qlo_d = tl.load(q_lo_ptr + o_cell + u * P + d_of, mask=m_d, other=0)
+    qhi_d = tl.load(q_hi_ptr + o_cell + u * P + d_of, mask=m_d, other=0)
+    send_d = tl.load(send_ptr + o_row + d_of, mask=m_d, other=0)
+    recv_d = tl.load(recv_ptr + o_row + d_of, mask=m_d, other=0)
+    send_i, recv_i = tl.load(send_ptr + o_row + i), tl.load(recv_ptr + o_row + i)
+    send_s, recv_s = tl.load(send_ptr + o_row + i_s), tl.load(recv_ptr + o_row + i_s)
+    send_bn, recv_bn = tl.load(send_ptr + o_row + bn), tl.load(recv_ptr + o_row + bn)
+
+    ok0, score0, area0, ds0, dr0 = _price(
+        inc0, mine[None, :], t_area[None, :], qlo_t[None, :], qhi_t[None, :], k_free_t[None, :], j_t[None, :],
+        j_send[None, :], k_grow_t, d_of, qlo_d, qhi_d, send_d, recv_d,
+        i_s, i, bn, q_cur, send_i, recv_i, send_s, recv_s, send_bn, recv_bn, bnv, bal, exc, thr,
+        Q_BYTES, O_BYTES, KV_BYTES)
+    ok1, score1, area1, ds1, dr1 = _price(
+        inc1, mine[None, :], t_area[None, :], qlo_t[None, :], qhi_t[None, :], k_free_t[None, :], j_t[None, :],
+        j_send[None, :], k_grow_t, d_of, qlo_d, qhi_d, send_d, recv_d,
+        i_s, i, bn, q_cur, send_i, recv_i, send_s, recv_s, send_bn, recv_bn, bnv, bal, exc, thr,
+        Q_BYTES, O_BYTES, KV_BYTES)
+
+    # argmin over (destination, size) in the twin's order d * 2 + size, first index on ties
+    score0 = tl.where(m_d, score0, float("inf"))
+    score1 = tl.where(m_d, score1, float("inf"))
+    best_score = tl.minimum(tl.min(score0, axis=0), tl.min(score1, axis=0))
+    n_pad = 2 * BLOCK_D
+    best = tl.minimum(tl.min(tl.where(m_d & (score0 == best_score), 2 * o_d, n_pad), axis=0),
+                      tl.min(tl.where(m_d & (score1 == best_score), 2 * o_d + 1, n_pad), axis=0))
+    size1 = (best % 2) == 1
+    row = o_d == best // 2  # [BLOCK_D]
+    inc = tl.where(size1, inc1, inc0) & row[:, None]
+    moved = tl.max(inc.to(tl.int32), axis=0) > 0  # [BLOCK_P]
+
+    o_out = (o_row + i_s) * K + i_k  # proposal index s * K + k of variant b
+    tl.store(ok_ptr + o_out, tl.sum(tl.where(row, tl.where(size1, ok1, ok0), 0).to(tl.int32), axis=0) > 0)
+    tl.store(score_ptr + o_out, best_score)
+    tl.store(dest_ptr + o_out, tl.sum(tl.where(row, d_of, 0), axis=0))
+    tl.store(moved_area_ptr + o_out, tl.sum(tl.where(row, tl.where(size1, area1, area0), 0), axis=0))
+    tl.store(dsend_ptr + o_out, tl.sum(tl.where(row, tl.where(size1, ds1, ds0), 0), axis=0))
+    tl.store(drecv_ptr + o_out, tl.sum(tl.where(row, tl.where(size1, dr1, dr0), 0), axis=0))
+    tl.store(tasks_out_ptr + o_out * P + o_p, tl.where(moved, tid, T), mask=m_p)
+
+
+def bundle_proposals_triton(tasks: _Tasks, st: _State, cap, excess, balance, threshold,
+                            units_per_rank, n_dests) -> _Proposals:
+    """Each offered QO unit's best bundle move (Triton twin of ``_bundle_proposals``).
+
+    tasks:          _Tasks of the solve (T = G * P * P tasks).
+    st:             _State of the current assignments (B variants).
+    cap:            0-dim int64, the largest balanced load.
+    excess:         [B, P] int64 load above ``cap``.
+    balance:        [B] bool, True while the variant is unbalanced.
+    threshold:      [B] float64 balance-phase limit on any touched rank's bytes.
+    units_per_rank: host int, units each source offers (K = min(it, G*P)).
+    n_dests:        host int, window destinations per unit (D = min(it, P)).
+    Returns a _Proposals with N = P * K: ok [B, N] bool, score [B, N] float64,
+    dest/source/area/dest_send/dest_recv [B, N] int64, tasks [B, N, P] int64
+    (T where unused) — equal to the torch twin's.
+    """
+    G, P, T = tasks.G, tasks.P, tasks.T
+    B, dev = st.rank.shape[0], st.rank.device
+    K, D = min(units_per_rank, G * P), min(n_dests, P)
+    ranks = torch.arange(P, device=dev)
+    unit, headroom, dests = _offers(tasks, st, cap, units_per_rank, n_dests)  # shared with the twin
+    unit, headroom = unit.contiguous(), headroom.contiguous()
+
+    N = P * K
+    ok = torch.empty((B, N), dtype=torch.bool, device=dev)
+    score = torch.empty((B, N), dtype=torch.float64, device=dev)
+    dest, area, dest_send, dest_recv = (torch.empty((B, N), dtype=torch.int64, device=dev) for _ in range(4))
+    moved = torch.empty((B, N, P), dtype=torch.int64, device=dev)
+    c = lambda t: t.contiguous()  # noqa: E731  (no copy for the Triton state's tensors)
+    _bundle_kernel[(B, P, K)](
+        st.rank, tasks.area, tasks.qlo, tasks.qhi, tasks.klo, tasks.khi,
+        c(tasks.unit_tasks), unit, c(dests),
+        headroom, c(excess), c(st.send), c(st.recv), c(st.vol),
+        c(balance), c(st.bottleneck), c(threshold),
+        c(st.q_lo), c(st.q_hi), c(st.k_lo), c(st.k_hi), c(st.qlen), c(st.klen), c(st.kcount),
+        ok, score, dest, area, dest_send, dest_recv, moved,
+        T, P, K, D, G * P,
+        st.rank.stride(0), tasks.area.stride(0), tasks.qlo.stride(0), tasks.klo.stride(0),
+        tasks.q, tasks.o, tasks.kv,
+        BLOCK_P=triton.next_power_of_2(P), BLOCK_D=triton.next_power_of_2(D + 3),
+        enable_fp_fusion=False,  # no fused multiply-add: scores round like the twin's separate ops
+    )
+    source = ranks.repeat_interleave(K, output_size=N).expand(B, -1)
+    return _Proposals(ok=ok, score=score, dest=dest, source=source, area=area,
+                      dest_send=dest_send, dest_recv=dest_recv, tasks=moved)
