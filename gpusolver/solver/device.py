@@ -34,7 +34,7 @@ is bit-identical on every rank.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -165,13 +165,15 @@ class _Proposals:
     tasks: torch.Tensor  # [B, P, M] task ids to move, T (dummy) where unused
 
 
-def _offers(tasks: _Tasks, st: _State, cap, units_per_rank: int, n_dests: int):
+def _offers(tasks: _Tasks, st: _State, cap, units_per_rank: int, n_dests: int, dests_per_variant=None):
     """Each source's offered QO units and its destination window.
 
     Returns (unit [B, P, K] heaviest units on each source, headroom [B, P]
     = cap - load, dests [B, P, D]: a window of the ranks with most headroom;
-    the e-th most loaded source starts its window e*D/2 places down the list,
-    so sources spread over the light ranks).
+    the e-th most loaded source starts its window e*D_b/2 places down the list,
+    so sources spread over the light ranks). ``dests_per_variant`` [B] int64
+    (each <= D) narrows variant b's window to D_b ranks; its other slots
+    repeat the first, which prices the same move twice and changes nothing.
     """
     G, P = tasks.G, tasks.P
     B, dev = st.rank.shape[0], st.rank.device
@@ -180,19 +182,23 @@ def _offers(tasks: _Tasks, st: _State, cap, units_per_rank: int, n_dests: int):
     ua = torch.zeros((B, G * P * (P + 1)), dtype=torch.int64, device=dev)
     ua = ua.scatter_add(1, tasks.qo_unit * (P + 1) + st.rank, tasks.area.expand(B, -1))
     ua = ua.view(B, G * P, P + 1)[..., :P].transpose(1, 2)  # [B, P(s), G*P]
-    unit = torch.topk(ua, K, dim=2, sorted=True).indices  # [B, P, K]
+    # heaviest first, ties by unit index (topk's tie order is unspecified)
+    unit = torch.sort(-ua, dim=2, stable=True).indices[..., :K].contiguous()  # [B, P, K]
     headroom = cap - st.load  # [B, P]
     by_room = torch.sort(-headroom, dim=1, stable=True).indices  # [B, P]
     n_light = (headroom > 0).sum(1, keepdim=True).clamp(min=1)  # [B, 1]
     e = torch.empty_like(by_room).scatter_(1, torch.sort(-st.load, dim=1, stable=True).indices,
                                             ranks.expand(B, -1))  # load rank of each source
-    window = ((e * D) // 2)[..., None] + torch.arange(D, device=dev)  # [B, P, D]
+    slot = torch.arange(D, device=dev)
+    width = torch.full((B, 1, 1), D, dtype=torch.int64, device=dev) if dests_per_variant is None \
+        else dests_per_variant.view(B, 1, 1)
+    window = ((e[..., None] * width) // 2) + torch.where(slot < width, slot, 0)  # [B, P, D]
     dests = by_room.gather(1, (window % n_light[..., None]).view(B, -1)).view(B, P, D)
     return unit, headroom, dests
 
 
 def _bundle_proposals(tasks: _Tasks, st: _State, cap, excess, balance, threshold,
-                      units_per_rank, n_dests) -> _Proposals:
+                      units_per_rank, n_dests, dests_per_variant=None) -> _Proposals:
     """Ship a prefix of one QO unit's tasks (by area) from each source to one destination.
 
     Balance phase (``balance`` [B] True): overloaded sources, the prefix stops
@@ -206,7 +212,7 @@ def _bundle_proposals(tasks: _Tasks, st: _State, cap, excess, balance, threshold
     B, dev = st.rank.shape[0], st.rank.device
     K, D = min(units_per_rank, G * P), min(n_dests, P)
     ranks = torch.arange(P, device=dev)
-    unit, headroom, dests = _offers(tasks, st, cap, units_per_rank, n_dests)
+    unit, headroom, dests = _offers(tasks, st, cap, units_per_rank, n_dests, dests_per_variant)
 
     # the unit's tasks, by area: [B, P(s), K, P(order)]; mine = on the source
     tid = tasks.unit_tasks[unit]
@@ -404,14 +410,26 @@ DEFAULT_STRATEGIES = (Strategy((3.0, _INF), units_per_rank=4, bundle_dests=8),
                       Strategy((_INF,), units_per_rank=1, bundle_dests=4))
 
 
-def _run_batch(tasks: _Tasks, cap: torch.Tensor, strategy: Strategy, rounds: int, impl: str = "auto"):
-    """Run one strategy's variants for ``rounds`` rounds: best (A [B, T+1], key [B])."""
-    state_fn, propose_fn = _state, _bundle_proposals
-    if impl == "triton" or (impl == "auto" and tasks.area.is_cuda):  # fused kernels of the two heaviest steps
-        from gpusolver.solver.kernels import bundle_proposals_triton as propose_fn, state_triton as state_fn
+def _run_variants(tasks: _Tasks, cap: torch.Tensor, strategies: tuple[Strategy, ...], rounds: int,
+                  state_fn, propose_fn):
+    """Run the variants of ``strategies`` side by side: best (A [B, T+1], key [B]).
+
+    The strategies' search widths become per-variant limits inside one batch
+    (units beyond a variant's count are not proposed; its destination window
+    is narrowed to its own width). A variant's result does not depend on the
+    batch it runs in: proposals keep their relative order, and a narrowed
+    window only repeats a destination already priced first.
+    """
     P, T, dev = tasks.P, tasks.T, tasks.area.device
-    scales = strategy.threshold_scales
-    B = len(scales)
+    variants = [(x, st.units_per_rank, st.bundle_dests) for st in strategies for x in st.threshold_scales]
+    B = len(variants)
+    K = min(max(k for _, k, _ in variants), tasks.G * P)
+    D = min(max(d for _, _, d in variants), P)
+    # per-variant limits, built from device fills (a tensor from a host list is a copy on GPU)
+    col = lambda values: torch.cat([torch.full((1,), v, dtype=torch.int64, device=dev) for v in values])  # noqa: E731
+    units_b = col(min(k, K) for _, k, _ in variants)
+    dests_b = col(min(d, D) for _, _, d in variants)
+    offered = (torch.arange(P * K, device=dev) % K)[None, :] < units_b[:, None]  # [B, P*K]
     # owner-computes start; column T is a dummy that absorbs writes of unused slots
     A = torch.where(tasks.valid, tasks.i, P).expand(B, T)
     A = torch.cat((A, torch.full((B, 1), P, dtype=torch.int64, device=dev)), dim=1)
@@ -421,10 +439,9 @@ def _run_batch(tasks: _Tasks, cap: torch.Tensor, strategy: Strategy, rounds: int
     for rnd in range(rounds + 1):
         st = state_fn(tasks, A)
         if threshold is None:  # round 0 is owner-computes, the ladder's base
-            # built from device ops only: a tensor from a host list would be a copy (and a sync) on GPU
             base = st.bottleneck[:1].double()
             threshold = torch.cat([base.new_full((1,), float(_BIG)) if x == _INF else base * x + 1.0
-                                   for x in scales])
+                                   for x, _, _ in variants])
         max_load = st.load.amax(1)
         balanced = max_load <= cap
         # balanced beats unbalanced, then the lower bottleneck (or the lower max load)
@@ -436,8 +453,8 @@ def _run_batch(tasks: _Tasks, cap: torch.Tensor, strategy: Strategy, rounds: int
             break
         excess = st.load - cap
         balance = ~balanced
-        prop = propose_fn(tasks, st, cap, excess, balance, threshold,
-                                 strategy.units_per_rank, strategy.bundle_dests)
+        prop = propose_fn(tasks, st, cap, excess, balance, threshold, K, D, dests_b)
+        prop = replace(prop, ok=prop.ok & offered)
         limit = torch.where(balance, threshold, st.bottleneck.double() - 1)
         keep = _accept(prop, st, cap, limit, excess, balance)
         moving = torch.where(keep[..., None], prop.tasks, T)
@@ -469,9 +486,16 @@ def solve_device(areas: BlockAreas, config: SolverConfig, *, rounds: int = DEFAU
     tasks = _Tasks(areas, config)
     mu_num = int(round(config.imbalance_tol * _MU_SCALE))
     cap = (mu_num * tasks.area.sum()) // (P * _MU_SCALE)  # largest balanced load
-    runs = [_run_batch(tasks, cap, strategy, rounds, impl) for strategy in strategies]
-    best_A = torch.cat([a for a, _ in runs])
-    best_key = torch.cat([k for _, k in runs])
+    if impl == "triton" or (impl == "auto" and areas.area.is_cuda):
+        # fused kernels for the two heaviest steps; one batch for the whole portfolio (fewest launches)
+        from gpusolver.solver.kernels import bundle_proposals_triton, state_triton
+
+        best_A, best_key = _run_variants(tasks, cap, strategies, rounds, state_triton, bundle_proposals_triton)
+    else:
+        # torch (CPU): one batch per strategy, so narrow strategies do not pay for the widest one
+        runs = [_run_variants(tasks, cap, (strategy,), rounds, _state, _bundle_proposals) for strategy in strategies]
+        best_A = torch.cat([a for a, _ in runs])
+        best_key = torch.cat([k for _, k in runs])
 
     winner = best_key.argmin().view(1)  # first best variant; index_select keeps it on device
     key = best_key.index_select(0, winner)[0]

@@ -344,7 +344,7 @@ def _bundle_kernel(
 
 
 def bundle_proposals_triton(tasks: _Tasks, st: _State, cap, excess, balance, threshold,
-                            units_per_rank, n_dests) -> _Proposals:
+                            units_per_rank, n_dests, dests_per_variant=None) -> _Proposals:
     """Each offered QO unit's best bundle move (Triton twin of ``_bundle_proposals``).
 
     tasks:          _Tasks of the solve (T = G * P * P tasks).
@@ -363,7 +363,7 @@ def bundle_proposals_triton(tasks: _Tasks, st: _State, cap, excess, balance, thr
     B, dev = st.rank.shape[0], st.rank.device
     K, D = min(units_per_rank, G * P), min(n_dests, P)
     ranks = torch.arange(P, device=dev)
-    unit, headroom, dests = _offers(tasks, st, cap, units_per_rank, n_dests)  # shared with the twin
+    unit, headroom, dests = _offers(tasks, st, cap, units_per_rank, n_dests, dests_per_variant)  # as the twin
     unit, headroom = unit.contiguous(), headroom.contiguous()
 
     N = P * K

@@ -171,3 +171,18 @@ def test_invalid_mask_values_flagged_without_host_reads():
     assert int(plan.status) & INVALID_MASK
     with pytest.raises(ValueError, match="INVALID_MASK"):
         plan.validate()
+
+
+def test_a_variant_does_not_depend_on_its_batch():
+    # the Triton path runs the whole portfolio as one batch, the torch path one batch per strategy
+    import gpusolver.solver.device as dv
+
+    P = 4
+    config = SolverConfig(cp_size=P)
+    areas = block_areas(packed_documents(2048 * P, seed=5), P, config.head_groups, impl="torch")
+    tasks = dv._Tasks(areas, config)
+    cap = (int(round(config.imbalance_tol * dv._MU_SCALE)) * tasks.area.sum()) // (P * dv._MU_SCALE)
+    merged_A, merged_key = dv._run_variants(tasks, cap, dv.DEFAULT_STRATEGIES, 6, dv._state, dv._bundle_proposals)
+    runs = [dv._run_variants(tasks, cap, (s,), 6, dv._state, dv._bundle_proposals) for s in dv.DEFAULT_STRATEGIES]
+    assert_close("keys", torch.cat([k for _, k in runs]), merged_key)
+    assert_close("assignments", torch.cat([a for a, _ in runs]), merged_A)
