@@ -107,15 +107,21 @@ def cuda_time(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> tuple[flo
     return statistics.median(times), out
 
 
+# Ops that only allocate: no kernel runs on a GPU.
+ALLOC_OPS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "set_"})
+
+
 class _OpCounter(TorchDispatchMode):
     """Counts every op that reaches the Python dispatch key, by overload."""
 
     def __init__(self):
         super().__init__()
         self.ops: Counter = Counter()
+        self.paused = False  # inside a Triton launch: the interpreter's own tensor work is not ours
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[func] += 1
+        if not self.paused:
+            self.ops[func] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -141,6 +147,7 @@ class LaunchCounter:
 
     aten_ops:        ops seen by a TorchDispatchMode (aten and custom ops).
     view_ops:        those among them that are views (no kernel on a GPU).
+    alloc_ops:       those that only allocate (``empty`` and kin; no kernel).
     host_reads:      those that read a device value on the host (``.item()``,
                      ``nonzero``, ...): must be 0 on the hot path.
     triton_launches: calls of ``JITFunction.run`` / ``InterpretedFunction.run``
@@ -149,13 +156,15 @@ class LaunchCounter:
     triton_hooked:   False when the Triton hook could not be installed (then
                      ``triton_launches`` is 0 and ``note`` says why).
 
-    ``launches`` estimates the kernel launches on a GPU: non-view ops plus
-    Triton launches. A custom op that launches Triton kernels counts once as
+    ``launches`` estimates the kernel launches on a GPU: ops that are neither
+    views nor allocations, plus Triton launches (the Triton interpreter's own
+    tensor work inside a launch is not counted). A custom op that launches Triton kernels counts once as
     an op and once per Triton launch, an over-estimate of one per call.
     """
 
     aten_ops: int = 0
     view_ops: int = 0
+    alloc_ops: int = 0
     host_reads: int = 0
     triton_launches: int = 0
     triton_hooked: bool = False
@@ -164,7 +173,7 @@ class LaunchCounter:
 
     @property
     def launches(self) -> int:
-        return self.aten_ops - self.view_ops + self.triton_launches
+        return self.aten_ops - self.view_ops - self.alloc_ops + self.triton_launches
 
     def __enter__(self) -> "LaunchCounter":
         self._patched = []
@@ -192,6 +201,8 @@ class LaunchCounter:
             self.aten_ops += n
             if getattr(func, "is_view", False):
                 self.view_ops += n
+            elif getattr(func, "_opname", name.split(".")[0]) in ALLOC_OPS:
+                self.alloc_ops += n
             if getattr(func, "_opname", name.split(".")[0]) in HOST_READ_OPS:
                 self.host_reads += n
 
@@ -202,7 +213,14 @@ class LaunchCounter:
         def run(fn_self, *args, grid, warmup, **kwargs):
             if not warmup:
                 counter.triton_launches += 1
-            return original(fn_self, *args, grid=grid, warmup=warmup, **kwargs)
+            mode = getattr(counter, "_mode", None)
+            if mode is not None:
+                mode.paused = True
+            try:
+                return original(fn_self, *args, grid=grid, warmup=warmup, **kwargs)
+            finally:
+                if mode is not None:
+                    mode.paused = False
 
         cls.run = run
         self._patched.append((cls, original))
@@ -213,7 +231,8 @@ class LaunchCounter:
         self._patched = []
 
     def to_dict(self) -> dict:
-        return {"aten_ops": self.aten_ops, "view_ops": self.view_ops, "host_reads": self.host_reads,
+        return {"aten_ops": self.aten_ops, "view_ops": self.view_ops, "alloc_ops": self.alloc_ops,
+                "host_reads": self.host_reads,
                 "triton_launches": self.triton_launches, "triton_hooked": self.triton_hooked,
                 "launches": self.launches, "note": self.note, "top_ops": dict(self.by_op.most_common(12))}
 
