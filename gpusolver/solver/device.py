@@ -168,6 +168,7 @@ class _Proposals:
 def _offers(tasks: _Tasks, st: _State, cap, units_per_rank: int, n_dests: int, dests_per_variant=None):
     """Each source's offered QO units and its destination window.
 
+    ``cap``: 0-dim or [B, 1], the largest load a destination may take.
     Returns (unit [B, P, K] heaviest units on each source, headroom [B, P]
     = cap - load, dests [B, P, D]: a window of the ranks with most headroom;
     the e-th most loaded source starts its window e*D_b/2 places down the list,
@@ -349,7 +350,7 @@ def _segment_running_sum(key: torch.Tensor, order_key: torch.Tensor, values: lis
     return order, sums
 
 
-def _accept(prop: _Proposals, st: _State, cap, limit, excess, balance) -> torch.Tensor:
+def _accept(prop: _Proposals, st: _State, dest_cap, limit, excess, balance) -> torch.Tensor:
     """Which proposals to apply: [B, N] bool.
 
     Each destination accepts proposals in score order while its load and
@@ -370,7 +371,7 @@ def _accept(prop: _Proposals, st: _State, cap, limit, excess, balance) -> torch.
     d_sorted = dest.gather(1, order)
     at_d = lambda t: torch.cat((t, pad), 1).gather(1, d_sorted)  # noqa: E731
     lim = limit[:, None]
-    fits = ((at_d(st.load) + r_area <= cap) & ((at_d(st.send) + r_send).double() <= lim)
+    fits = ((at_d(st.load) + r_area <= dest_cap) & ((at_d(st.send) + r_send).double() <= lim)
             & ((at_d(st.recv) + r_recv).double() <= lim))
     ok = ok & torch.zeros_like(ok).scatter(1, order, fits)
     # source side: stop once the excess is covered (balance phase only)
@@ -436,6 +437,7 @@ def _run_variants(tasks: _Tasks, cap: torch.Tensor, strategies: tuple[Strategy, 
     best_A = A.clone()
     best_key = torch.full((B,), _BIG, dtype=torch.int64, device=dev)
     threshold = None
+    stuck = torch.zeros((B,), dtype=torch.bool, device=dev)
     for rnd in range(rounds + 1):
         st = state_fn(tasks, A)
         if threshold is None:  # round 0 is owner-computes, the ladder's base
@@ -453,10 +455,15 @@ def _run_variants(tasks: _Tasks, cap: torch.Tensor, strategies: tuple[Strategy, 
             break
         excess = st.load - cap
         balance = ~balanced
-        prop = propose_fn(tasks, st, cap, excess, balance, threshold, K, D, dests_b)
+        # a variant that found no move while unbalanced may fill destinations up to just below
+        # its current maximum load for a round: the maximum never rises, and the ranks pushed
+        # over the cap shed smaller tasks next round (a chain of moves instead of a swap)
+        dest_cap = torch.where(stuck, max_load - 1, cap).view(B, 1)
+        prop = propose_fn(tasks, st, dest_cap, excess, balance, threshold, K, D, dests_b)
         prop = replace(prop, ok=prop.ok & offered)
         limit = torch.where(balance, threshold, st.bottleneck.double() - 1)
-        keep = _accept(prop, st, cap, limit, excess, balance)
+        keep = _accept(prop, st, dest_cap, limit, excess, balance)
+        stuck = balance & ~keep.any(1)
         moving = torch.where(keep[..., None], prop.tasks, T)
         A = A.scatter(1, moving.view(B, -1), prop.dest[..., None].expand_as(moving).reshape(B, -1))
     return best_A, best_key

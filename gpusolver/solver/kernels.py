@@ -349,7 +349,7 @@ def bundle_proposals_triton(tasks: _Tasks, st: _State, cap, excess, balance, thr
 
     tasks:          _Tasks of the solve (T = G * P * P tasks).
     st:             _State of the current assignments (B variants).
-    cap:            0-dim int64, the largest balanced load.
+    cap:            0-dim or [B, 1] int64, the largest load a destination may take.
     excess:         [B, P] int64 load above ``cap``.
     balance:        [B] bool, True while the variant is unbalanced.
     threshold:      [B] float64 balance-phase limit on any touched rank's bytes.

@@ -186,3 +186,15 @@ def test_a_variant_does_not_depend_on_its_batch():
     runs = [dv._run_variants(tasks, cap, (s,), 6, dv._state, dv._bundle_proposals) for s in dv.DEFAULT_STRATEGIES]
     assert_close("keys", torch.cat([k for _, k in runs]), merged_key)
     assert_close("assignments", torch.cat([a for a, _ in runs]), merged_A)
+
+
+def test_chain_moves_balance_when_no_single_move_fits():
+    # packed causal documents, P = 8, seed 2: after the first moves the last overloaded rank holds
+    # only tasks larger than any other rank's headroom; a chain of moves (a destination briefly
+    # over the cap sheds a smaller task) still balances it
+    P = 8
+    config = SolverConfig(cp_size=P)
+    areas = block_areas(packed_documents(8192 * P, seed=2), P, config.head_groups, impl="torch")
+    res = solve_device(areas, config)
+    m = evaluate(areas, res.assignment, config.cost())
+    assert bool(res.balanced) and m.imbalance.item() <= config.imbalance_tol
