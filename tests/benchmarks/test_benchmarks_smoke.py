@@ -152,3 +152,19 @@ def test_bad_cli_arguments_exit(benches):
         benches["solver_quality"].main(["--kinds", "causal,diag"])
     with pytest.raises(SystemExit):
         benches["solver_latency"].main(["--repeats", "0"])
+
+
+def test_launches_static_loop(tmp_path):
+    saved_path, saved_threads = list(sys.path), torch.get_num_threads()
+    try:
+        payload = _load("solver_launches").main(["--P", "2", "--json", str(tmp_path / "l.json")])
+    finally:
+        sys.path[:] = saved_path
+        torch.set_num_threads(saved_threads)
+        sys.modules.pop("_bench_solver_launches", None)
+    rows = {r["path"]: r for r in payload["rows"]}
+    assert set(rows) == {"torch", "triton"}
+    for r in rows.values():
+        assert r["host_reads"] == 0 and r["per_round"] > 0 and r["per_solve"] == r["fixed"] + r["rounds"] * r["per_round"]
+    assert rows["triton"]["triton_per_solve"] == 3 * rows["triton"]["rounds"] + 2  # state x2 + proposals per round
+    assert rows["triton"]["per_solve"] < rows["torch"]["per_solve"]

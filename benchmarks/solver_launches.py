@@ -1,0 +1,86 @@
+"""Kernel launches per device solve, torch path next to Triton path.
+
+The solve's round loop is static: every round issues the same sequence of
+operations whatever the mask. So a solve of R rounds launches exactly
+``fixed + R * per_round`` kernels, and both terms are measured from two short
+solves (1 and 2 rounds) instead of a full one. Counting: every op seen by a
+``TorchDispatchMode`` that is neither a view nor a bare allocation, plus each
+Triton kernel launch (the interpreter's own tensor work inside a launch is
+not counted). Host reads (``.item()``, ``nonzero``, ...) are counted and must
+be 0.
+
+Without a GPU the Triton path runs in the Triton interpreter, which this
+script switches on before anything imports triton; launch counts do not
+depend on it, times do (none are reported here).
+
+    python benchmarks/solver_launches.py            # P = 4, 8
+    python benchmarks/solver_launches.py --P 8,16
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, run as a script or loaded by path
+
+from _common import (  # noqa: E402
+    RESULTS_DIR, LaunchCounter, environment, make_mask, markdown_table, parse_list, write_json,
+)
+from gpusolver.areas import block_areas  # noqa: E402
+from gpusolver.config import SolverConfig  # noqa: E402
+from gpusolver.solver.device import DEFAULT_ROUNDS, solve_device  # noqa: E402
+
+COLUMNS = [
+    ("P", "P", "d"), ("path", "path", ""), ("per round", "per_round", "d"), ("fixed", "fixed", "d"),
+    ("per solve", "per_solve", "d"), ("triton per solve", "triton_per_solve", "d"), ("host reads", "host_reads", "d"),
+]
+
+
+def count(areas, config, impl: str, rounds: int) -> LaunchCounter:
+    with LaunchCounter() as counter:
+        solve_device(areas, config, rounds=rounds, impl=impl)
+    return counter
+
+
+def measure(P: int, impl: str, device: str, rounds: int = DEFAULT_ROUNDS) -> dict:
+    config = SolverConfig(cp_size=P)
+    mask = make_mask("causal", P, seed=0, device=device)
+    areas = block_areas(mask, P, config.head_groups, impl="torch")
+    one, two = count(areas, config, impl, 1), count(areas, config, impl, 2)
+    per_round = two.launches - one.launches
+    fixed = one.launches - per_round
+    triton_round = two.triton_launches - one.triton_launches
+    return {"P": P, "path": impl, "per_round": per_round, "fixed": fixed, "rounds": rounds,
+            "per_solve": fixed + rounds * per_round,
+            "triton_per_solve": one.triton_launches - triton_round + rounds * triton_round,
+            "host_reads": two.host_reads}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--P", default="4,8", help="comma-separated CP sizes (default 4,8)")
+    p.add_argument("--json", default=str(RESULTS_DIR / "solver_launches.json"))
+    args = p.parse_args(argv)
+    try:
+        sizes = parse_list(args.P, int, name="--P")
+    except ValueError as e:
+        p.error(str(e))
+    torch.set_num_threads(1)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows = [measure(P, impl, device) for P in sizes for impl in ("torch", "triton")]
+    print(f"## Kernel launches per device solve ({DEFAULT_ROUNDS} rounds, default portfolio, device {device})\n")
+    print(markdown_table(rows, COLUMNS))
+    payload = {"benchmark": "solver_launches", "environment": environment(), "rows": rows}
+    write_json(args.json, payload)
+    return payload
+
+
+if __name__ == "__main__":
+    main()
