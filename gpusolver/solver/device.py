@@ -78,9 +78,14 @@ class _Tasks:
         self.kv_unit = self.g * P + self.j  # [T] index of KV unit (g, j)
         cost = config.cost()
         self.q, self.o, self.kv = cost.q_fwd, cost.o_fwd, cost.kv_fwd
-        # tasks of each QO unit ordered by area (descending, then j): [G*P, P] task ids
-        by_area = torch.sort(-areas.area.reshape(G * P, P), dim=1, stable=True).indices
-        self.unit_tasks = torch.arange(G * P, device=dev)[:, None] * P + by_area
+        # the tasks of each QO unit in the two orders a bundle may take them (TASK_ORDERS):
+        # [2, G*P, P] task ids; "area": largest first; "rows": fewest needed query rows first
+        # (then largest), so the rows a bundle ships grow as slowly as possible
+        area = areas.area.reshape(G * P, P)
+        q_len = (areas.q_need[..., 1] - areas.q_need[..., 0]).reshape(G * P, P)
+        by_area = torch.sort(-area, dim=1, stable=True).indices
+        by_rows = torch.sort(q_len * (areas.area.amax() + 1) - area, dim=1, stable=True).indices
+        self.unit_tasks = torch.arange(G * P, device=dev)[:, None] * P + torch.stack((by_area, by_rows))
         # bottleneck-phase candidate priority: bytes to ship a task alone per unit area
         alone = ((self.qhi - self.qlo) * (self.q + self.o) + (self.khi - self.klo) * self.kv).double()
         prescore = torch.where(self.valid, alone / self.area.clamp(min=1).double(), float("inf"))
@@ -199,7 +204,7 @@ def _offers(tasks: _Tasks, st: _State, cap, units_per_rank: int, n_dests: int, d
 
 
 def _bundle_proposals(tasks: _Tasks, st: _State, cap, excess, balance, threshold,
-                      units_per_rank, n_dests, dests_per_variant=None) -> _Proposals:
+                      units_per_rank, n_dests, dests_per_variant=None, order_per_variant=None) -> _Proposals:
     """Ship a prefix of one QO unit's tasks (by area) from each source to one destination.
 
     Balance phase (``balance`` [B] True): overloaded sources, the prefix stops
@@ -216,7 +221,8 @@ def _bundle_proposals(tasks: _Tasks, st: _State, cap, excess, balance, threshold
     unit, headroom, dests = _offers(tasks, st, cap, units_per_rank, n_dests, dests_per_variant)
 
     # the unit's tasks, by area: [B, P(s), K, P(order)]; mine = on the source
-    tid = tasks.unit_tasks[unit]
+    order_b = torch.zeros((B,), dtype=torch.int64, device=dev) if order_per_variant is None else order_per_variant
+    tid = tasks.unit_tasks[order_b.view(B, 1, 1), unit]
     s4 = ranks.view(1, P, 1, 1)
     mine = st.rank.gather(1, tid.view(B, -1)).view(B, P, K, P) == s4
     t_area = torch.where(mine, tasks.area[tid], 0)
@@ -392,23 +398,39 @@ class Strategy:
                       variant each; inf = unbounded).
     units_per_rank:   QO units each source offers per round.
     bundle_dests:     destinations (by headroom) each unit is priced against.
+    task_order:       the order a bundle takes a unit's tasks in: "area"
+                      (largest first) or "rows" (fewest needed query rows
+                      first: off-diagonal tasks that need a few rows travel
+                      without the unit's full chunk).
     """
 
     threshold_scales: tuple[float, ...] = (3.0, float("inf"))
     units_per_rank: int = 4
     bundle_dests: int = 8
+    task_order: str = "area"
+
+    def __post_init__(self):
+        if self.task_order not in TASK_ORDERS:
+            raise ValueError(f"task_order must be one of {TASK_ORDERS}, got {self.task_order!r}")
+        if not self.threshold_scales or self.units_per_rank < 1 or self.bundle_dests < 1:
+            raise ValueError(f"a strategy needs threshold scales and positive widths, got {self}")
 
 
-# Batches that differ in how widely they search. Measured on packed-document
-# masks (P = 8..64, causal and full, 3 seeds each), the best of this portfolio
-# beats every single strategy: wide destination lists win on full documents at
-# large P, narrow ones on small instances.
+TASK_ORDERS = ("area", "rows")
+
+
+# Batches that differ in how widely they search and in the order bundles take
+# a unit's tasks. Measured on packed-document masks (P = 4..64, causal and
+# full, 3 seeds each, benchmarks/solver_quality.py and optimality_gap.py), the
+# best of this portfolio beats every single strategy: wide destination lists
+# win on full documents at large P, narrow ones and the "rows" order on small
+# instances.
 _INF = float("inf")
 DEFAULT_STRATEGIES = (Strategy((3.0, _INF), units_per_rank=4, bundle_dests=8),
-                      Strategy((_INF,), units_per_rank=8, bundle_dests=8),
+                      Strategy((_INF,), units_per_rank=8, bundle_dests=8, task_order="rows"),
                       Strategy((_INF,), units_per_rank=4, bundle_dests=32),
-                      Strategy((_INF,), units_per_rank=2, bundle_dests=8),
-                      Strategy((_INF,), units_per_rank=1, bundle_dests=4))
+                      Strategy((_INF,), units_per_rank=2, bundle_dests=8, task_order="rows"),
+                      Strategy((_INF,), units_per_rank=1, bundle_dests=4, task_order="rows"))
 
 
 def _run_variants(tasks: _Tasks, cap: torch.Tensor, strategies: tuple[Strategy, ...], rounds: int,
@@ -422,14 +444,16 @@ def _run_variants(tasks: _Tasks, cap: torch.Tensor, strategies: tuple[Strategy, 
     window only repeats a destination already priced first.
     """
     P, T, dev = tasks.P, tasks.T, tasks.area.device
-    variants = [(x, st.units_per_rank, st.bundle_dests) for st in strategies for x in st.threshold_scales]
+    variants = [(x, st.units_per_rank, st.bundle_dests, TASK_ORDERS.index(st.task_order))
+                for st in strategies for x in st.threshold_scales]
     B = len(variants)
-    K = min(max(k for _, k, _ in variants), tasks.G * P)
-    D = min(max(d for _, _, d in variants), P)
+    K = min(max(v[1] for v in variants), tasks.G * P)
+    D = min(max(v[2] for v in variants), P)
     # per-variant limits, built from device fills (a tensor from a host list is a copy on GPU)
     col = lambda values: torch.cat([torch.full((1,), v, dtype=torch.int64, device=dev) for v in values])  # noqa: E731
-    units_b = col(min(k, K) for _, k, _ in variants)
-    dests_b = col(min(d, D) for _, _, d in variants)
+    units_b = col(min(v[1], K) for v in variants)
+    dests_b = col(min(v[2], D) for v in variants)
+    order_b = col(v[3] for v in variants)
     offered = (torch.arange(P * K, device=dev) % K)[None, :] < units_b[:, None]  # [B, P*K]
     # owner-computes start; column T is a dummy that absorbs writes of unused slots
     A = torch.where(tasks.valid, tasks.i, P).expand(B, T)
@@ -442,8 +466,8 @@ def _run_variants(tasks: _Tasks, cap: torch.Tensor, strategies: tuple[Strategy, 
         st = state_fn(tasks, A)
         if threshold is None:  # round 0 is owner-computes, the ladder's base
             base = st.bottleneck[:1].double()
-            threshold = torch.cat([base.new_full((1,), float(_BIG)) if x == _INF else base * x + 1.0
-                                   for x, _, _ in variants])
+            threshold = torch.cat([base.new_full((1,), float(_BIG)) if v[0] == _INF else base * v[0] + 1.0
+                                   for v in variants])
         max_load = st.load.amax(1)
         balanced = max_load <= cap
         # balanced beats unbalanced, then the lower bottleneck (or the lower max load)
@@ -459,7 +483,7 @@ def _run_variants(tasks: _Tasks, cap: torch.Tensor, strategies: tuple[Strategy, 
         # its current maximum load for a round: the maximum never rises, and the ranks pushed
         # over the cap shed smaller tasks next round (a chain of moves instead of a swap)
         dest_cap = torch.where(stuck, max_load - 1, cap).view(B, 1)
-        prop = propose_fn(tasks, st, dest_cap, excess, balance, threshold, K, D, dests_b)
+        prop = propose_fn(tasks, st, dest_cap, excess, balance, threshold, K, D, dests_b, order_b)
         prop = replace(prop, ok=prop.ok & offered)
         limit = torch.where(balance, threshold, st.bottleneck.double() - 1)
         keep = _accept(prop, st, dest_cap, limit, excess, balance)

@@ -228,7 +228,8 @@ def _price(
 def _bundle_kernel(
     rank_ptr,  # [B, T] int64 (row stride stride_rb)
     area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr,  # [T] int64 (strided)
-    unit_tasks_ptr,  # [G*P, P] int64 contiguous: each QO unit's tasks by area
+    unit_tasks_ptr,  # [2, G*P, P] int64 contiguous: each QO unit's tasks in each task order
+    order_ptr,  # [B] int64: the task order of each variant
     unit_ptr,  # [B, P, K] int64 contiguous: offered units
     dests_ptr,  # [B, P, D] int64 contiguous: headroom-window destinations
     headroom_ptr, excess_ptr, send_ptr, recv_ptr, vol_ptr,  # [B, P] int64 contiguous
@@ -252,7 +253,8 @@ def _bundle_kernel(
     i = u % P  # the unit's query host
 
     # the unit's tasks by area; mine = on the source. [BLOCK_P]
-    tid = tl.load(unit_tasks_ptr + u * P + o_p, mask=m_p, other=0)
+    order = tl.load(order_ptr + i_b)
+    tid = tl.load(unit_tasks_ptr + (order * GP + u) * P + o_p, mask=m_p, other=0)
     mine = (tl.load(rank_ptr + i_b * stride_rb + tid, mask=m_p, other=-1) == i_s) & m_p
     t_area = tl.where(mine, tl.load(area_ptr + tid * stride_a, mask=m_p, other=0), 0)
     after = tl.cumsum(t_area, axis=0)
@@ -344,7 +346,7 @@ def _bundle_kernel(
 
 
 def bundle_proposals_triton(tasks: _Tasks, st: _State, cap, excess, balance, threshold,
-                            units_per_rank, n_dests, dests_per_variant=None) -> _Proposals:
+                            units_per_rank, n_dests, dests_per_variant=None, order_per_variant=None) -> _Proposals:
     """Each offered QO unit's best bundle move (Triton twin of ``_bundle_proposals``).
 
     tasks:          _Tasks of the solve (T = G * P * P tasks).
@@ -355,6 +357,8 @@ def bundle_proposals_triton(tasks: _Tasks, st: _State, cap, excess, balance, thr
     threshold:      [B] float64 balance-phase limit on any touched rank's bytes.
     units_per_rank: host int, units each source offers (K = min(it, G*P)).
     n_dests:        host int, window destinations per unit (D = min(it, P)).
+    dests_per_variant, order_per_variant: optional [B] int64, each variant's
+                    window width and task order (index into TASK_ORDERS).
     Returns a _Proposals with N = P * K: ok [B, N] bool, score [B, N] float64,
     dest/source/area/dest_send/dest_recv [B, N] int64, tasks [B, N, P] int64
     (T where unused) — equal to the torch twin's.
@@ -366,6 +370,8 @@ def bundle_proposals_triton(tasks: _Tasks, st: _State, cap, excess, balance, thr
     unit, headroom, dests = _offers(tasks, st, cap, units_per_rank, n_dests, dests_per_variant)  # as the twin
     unit, headroom = unit.contiguous(), headroom.contiguous()
 
+    order_b = torch.zeros((B,), dtype=torch.int64, device=dev) if order_per_variant is None \
+        else order_per_variant.contiguous()
     N = P * K
     ok = torch.empty((B, N), dtype=torch.bool, device=dev)
     score = torch.empty((B, N), dtype=torch.float64, device=dev)
@@ -374,7 +380,7 @@ def bundle_proposals_triton(tasks: _Tasks, st: _State, cap, excess, balance, thr
     c = lambda t: t.contiguous()  # noqa: E731  (no copy for the Triton state's tensors)
     _bundle_kernel[(B, P, K)](
         st.rank, tasks.area, tasks.qlo, tasks.qhi, tasks.klo, tasks.khi,
-        c(tasks.unit_tasks), unit, c(dests),
+        c(tasks.unit_tasks), order_b, unit, c(dests),
         headroom, c(excess), c(st.send), c(st.recv), c(st.vol),
         c(balance), c(st.bottleneck), c(threshold),
         c(st.q_lo), c(st.q_hi), c(st.k_lo), c(st.k_hi), c(st.qlen), c(st.klen), c(st.kcount),

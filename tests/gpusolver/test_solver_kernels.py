@@ -97,7 +97,10 @@ def test_bundle_proposals_match_torch(P, G, B, K, D, seed):
     scale = torch.rand(B, generator=gen).double() * 3
     threshold = torch.where(torch.rand(B, generator=gen) < 0.3, float(device._BIG),
                             scale * ref_st.bottleneck.double() + 1.0)
-    args = (cap, excess, balance, threshold, K, D)
+    dests_b = torch.randint(1, D + 1, (B,), generator=gen)  # per-variant window widths and task orders
+    order_b = torch.randint(0, len(device.TASK_ORDERS), (B,), generator=gen)
+    cap = torch.where(torch.rand(B, 1, generator=gen) < 0.3, ref_st.load.amax(1, keepdim=True) - 1, cap)
+    args = (cap, excess, balance, threshold, K, D, dests_b, order_b)
     ref = device._bundle_proposals(tasks, ref_st, *args)
     _check_proposals(ref, bundle_proposals_triton(tasks, ref_st, *args))
     _check_proposals(ref, bundle_proposals_triton(tasks, tri_st, *args))

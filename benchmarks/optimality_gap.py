@@ -1,0 +1,80 @@
+"""How far the solvers are from optimal, on instances small enough for an exact MILP.
+
+For packed-document masks at P = 4 (G = 8 head groups) and P = 8 (G = 4:
+GQA 32:4), 4K tokens per rank, D = 128, bf16, mu = 1.10: the MILP of
+``gpusolver.bounds.milp_bottleneck`` gives a proven lower bound on the best
+possible forward bottleneck (and its own assignment, an upper bound); next to
+it the reference and device solvers' forward bottlenecks and their ratio to
+that lower bound (1.00 = provably optimal).
+
+    python benchmarks/optimality_gap.py                 # 3 seeds, 20 s MILP limit each
+    python benchmarks/optimality_gap.py --seeds 1 --time-limit 5
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, run as a script or loaded by path
+
+from _common import RESULTS_DIR, environment, make_mask, markdown_table, ratio, write_json  # noqa: E402
+from gpusolver.areas import block_areas  # noqa: E402
+from gpusolver.bounds import milp_bottleneck  # noqa: E402
+from gpusolver.config import SolverConfig  # noqa: E402
+from gpusolver.metrics import evaluate  # noqa: E402
+from gpusolver.solver.device import solve_device  # noqa: E402
+from gpusolver.solver.reference import assign  # noqa: E402
+
+TOKENS_PER_RANK = 4096
+CASES = ((4, 64, 8), (8, 32, 4))  # (P, Hq, Hkv): at most 256 non-empty tasks for the MILP
+MB = 1e6
+COLUMNS = [
+    ("kind", "kind", ""), ("P", "P", "d"), ("G", "G", "d"), ("seed", "seed", "d"), ("MILP status", "status", ""),
+    ("lower bound MB", "lower_mb", ".1f"), ("MILP plan MB", "milp_mb", ".1f"),
+    ("reference MB", "reference_mb", ".1f"), ("device MB", "device_mb", ".1f"),
+    ("reference / bound", "reference_gap", ".2f"), ("device / bound", "device_gap", ".2f"),
+    ("imb ref", "imbalance_reference", ".3f"), ("imb dev", "imbalance_device", ".3f"),
+]
+
+
+def row(kind: str, P: int, hq: int, hkv: int, seed: int, time_limit: float) -> dict:
+    config = SolverConfig(cp_size=P, num_heads_q=hq, num_heads_kv=hkv)
+    areas = block_areas(make_mask(kind, P, seed, TOKENS_PER_RANK), P, config.head_groups, impl="torch")
+    cost = config.cost()
+    milp = milp_bottleneck(areas, cost, mu=config.imbalance_tol, time_limit=time_limit)
+    ref = evaluate(areas, assign(areas, config).assignment, cost)
+    dev = evaluate(areas, solve_device(areas, config).assignment, cost)
+    lb = milp.lower_bound
+    mb = lambda v: None if v is None else v / MB  # noqa: E731
+    return {"kind": kind, "P": P, "G": config.head_groups, "seed": seed, "status": milp.status,
+            "lower_mb": mb(lb), "milp_mb": mb(milp.bottleneck),
+            "reference_mb": mb(ref.fwd_bottleneck.item()), "device_mb": mb(dev.fwd_bottleneck.item()),
+            "reference_gap": ratio(ref.fwd_bottleneck.item(), lb), "device_gap": ratio(dev.fwd_bottleneck.item(), lb),
+            "imbalance_reference": ref.imbalance.item(), "imbalance_device": dev.imbalance.item()}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--time-limit", type=float, default=20.0, help="seconds for each MILP")
+    p.add_argument("--kinds", default="causal,full")
+    p.add_argument("--json", default=str(RESULTS_DIR / "optimality_gap.json"))
+    args = p.parse_args(argv)
+    if args.seeds <= 0 or args.time_limit <= 0:
+        p.error(f"--seeds and --time-limit must be positive, got {args.seeds}, {args.time_limit}")
+    torch.set_num_threads(1)
+    rows = [row(kind, P, hq, hkv, seed, args.time_limit)
+            for kind in args.kinds.split(",") for P, hq, hkv in CASES for seed in range(args.seeds)]
+    print("## Optimality gap: forward bottleneck vs the MILP lower bound (packed documents, "
+          f"{TOKENS_PER_RANK} tokens per rank, D = 128, bf16, mu = 1.10)\n")
+    print(markdown_table(rows, COLUMNS))
+    payload = {"benchmark": "optimality_gap", "environment": environment(), "rows": rows}
+    write_json(args.json, payload)
+    return payload
+
+
+if __name__ == "__main__":
+    main()
