@@ -42,6 +42,15 @@ class BlockAreas:
     def cp_size(self) -> int:
         return self.area.shape[1]
 
+    def expand_groups(self, head_groups: int) -> "BlockAreas":
+        """The areas of a mask shared by all groups, computed once (G = 1), for ``head_groups`` groups."""
+        if self.head_groups == head_groups:
+            return self
+        P = self.cp_size
+        return BlockAreas(self.area.expand(head_groups, P, P).contiguous(),
+                          self.q_need.expand(head_groups, P, P, 2).contiguous(),
+                          self.k_need.expand(head_groups, P, P, 2).contiguous(), self.chunk)
+
     def validate(self) -> "BlockAreas":
         G, P = self.area.shape[0], self.area.shape[1]
         if self.area.shape != (G, P, P) or self.area.dtype != torch.int64:

@@ -122,10 +122,11 @@ def block_areas_triton(mask: AttnSlices, cp_size: int, head_groups: int = 1) -> 
 def launch_block_areas(mask: AttnSlices, cp_size: int, head_groups: int, block_r: int, block_j: int) -> BlockAreas:
     """``block_areas_triton`` with explicit tile sizes (powers of two; tests use small ones)."""
     chunk = check_block_areas_args(mask, cp_size, head_groups)
-    G, P = head_groups, cp_size
+    P = cp_size
     q, k, t = mask.q_ranges, mask.k_ranges, mask.attn_type
-    if not mask.grouped:  # one mask for every group: stride 0 over g
-        q, k, t = q[None].expand(G, -1, -1), k[None].expand(G, -1, -1), t[None].expand(G, -1)
+    if not mask.grouped:  # one mask for every group: count it once, expand at the end
+        q, k, t = q[None], k[None], t[None]
+    G = q.shape[0]
     R = q.shape[1]
     device = q.device
     area = torch.empty(G, P, P, dtype=torch.int64, device=device)
@@ -140,4 +141,4 @@ def launch_block_areas(mask: AttnSlices, cp_size: int, head_groups: int, block_r
         t.stride(0), t.stride(1),
         BLOCK_R=block_r, BLOCK_J=block_j,
     )
-    return BlockAreas(area=area, q_need=q_need, k_need=k_need, chunk=chunk)
+    return BlockAreas(area=area, q_need=q_need, k_need=k_need, chunk=chunk).expand_groups(head_groups)

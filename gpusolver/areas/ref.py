@@ -159,8 +159,4 @@ def block_areas_torch(mask: AttnSlices, cp_size: int, head_groups: int = 1) -> B
 
     q_need = finish_needs(q_lo, q_hi, r0)
     k_need = finish_needs(k_lo, k_hi, c0)
-    if G != head_groups:
-        area = area.expand(head_groups, P, P).contiguous()
-        q_need = q_need.expand(head_groups, P, P, 2).contiguous()
-        k_need = k_need.expand(head_groups, P, P, 2).contiguous()
-    return BlockAreas(area=area, q_need=q_need, k_need=k_need, chunk=chunk)
+    return BlockAreas(area=area, q_need=q_need, k_need=k_need, chunk=chunk).expand_groups(head_groups)
