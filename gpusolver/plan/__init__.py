@@ -7,7 +7,7 @@ cap slice rows per rank and stage, send_cap rows per send list.
     CommMeta.qo_range       [G, P(host), P(dest), 2] int64 chunk-local rows sent
     CommMeta.qo_recv_offset [G, P(host), P(dest)] int64 start in dest's buffer
     CommMeta.qo_split       [P(src), P(dst)] int64 all-to-all-v split sizes
-    CommMeta.qo_send_index  [P, send_cap] int64 gather indices, -1 padded
+    CommMeta.send_index(kind, r)  [send_cap] int64 gather indices of rank r, -1 padded
     CalcMeta.q_ranges       [P, 2(stage), cap, 2] int32 (k_ranges alike)
     CalcMeta.attn_type      [P, 2, cap] int32
     Plan.status             [] int32 bitfield (IMBALANCED, CALC_OVERFLOW, ...)

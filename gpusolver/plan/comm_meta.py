@@ -25,23 +25,23 @@ def _recv_offsets(length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return offset, incl[:, -1]
 
 
-def _send_index(rng: torch.Tensor, chunk: int, send_capacity: int) -> torch.Tensor:
-    """Gather indices into each source's group-major rows, in send order.
+def send_index(rng: torch.Tensor, chunk: int, send_capacity: int) -> torch.Tensor:
+    """Gather indices into one source's group-major rows, in send order.
 
-    rng: [G, P(src), P(dst), 2] int64 chunk-local ranges.
-    Returns [P(src), send_capacity] int64: segments ordered by (dst, g), rows of
+    rng: [G, P(dst), 2] int64 chunk-local ranges the source sends.
+    Returns [send_capacity] int64: segments ordered by (dst, g), rows of
     segment (dst, g) are ``g * c + lo + t``; -1 after the last row sent.
     """
     G, P = rng.shape[0], rng.shape[1]
-    lo = rng[..., 0].permute(1, 2, 0).reshape(P, P * G)      # [src, (dst, g)]
-    length = (rng[..., 1] - rng[..., 0]).permute(1, 2, 0).reshape(P, P * G)
-    ends = length.cumsum(dim=1)
+    lo = rng[..., 0].transpose(0, 1).reshape(P * G)  # [(dst, g)]
+    length = (rng[..., 1] - rng[..., 0]).transpose(0, 1).reshape(P * G)
+    ends = length.cumsum(dim=0)
     starts = ends - length
-    pos = torch.arange(send_capacity, device=rng.device).expand(P, send_capacity).contiguous()
+    pos = torch.arange(send_capacity, device=rng.device)
     seg = torch.searchsorted(ends, pos, right=True).clamp_(max=P * G - 1)  # segment holding pos
     g = seg % G
-    idx = g * chunk + lo.gather(1, seg) + pos - starts.gather(1, seg)
-    return torch.where(pos < ends[:, -1:], idx, -1)
+    idx = g * chunk + lo[seg] + pos - starts[seg]
+    return torch.where(pos < ends[-1:], idx, -1)
 
 
 def build_comm_meta(areas: BlockAreas, assignment: torch.Tensor, *,
@@ -68,7 +68,6 @@ def build_comm_meta(areas: BlockAreas, assignment: torch.Tensor, *,
     meta = CommMeta(
         qo_range=qo_range, kv_range=kv_range, qo_recv_offset=qo_off, kv_recv_offset=kv_off,
         qo_split=qo_split, kv_split=kv_split,
-        qo_send_index=_send_index(qo_range, areas.chunk, send_capacity),
-        kv_send_index=_send_index(kv_range, areas.chunk, send_capacity),
-        qo_recv_rows=qo_rows, kv_recv_rows=kv_rows, chunk=areas.chunk, recv_capacity=recv_capacity)
+        qo_recv_rows=qo_rows, kv_recv_rows=kv_rows, chunk=areas.chunk, recv_capacity=recv_capacity,
+        send_capacity=send_capacity)
     return meta, overflow

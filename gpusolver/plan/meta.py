@@ -61,9 +61,7 @@ class CommMeta:
                                     (exclusive prefix sum over (host, g) in that order).
     qo_split, kv_split:             [P(src), P(dst)] int64 — rows src sends to dst
                                     (the all-to-all-v split sizes).
-    qo_send_index, kv_send_index:   [P, send_cap] int64 — for each source rank, gather
-                                    indices into its group-major local rows, in send
-                                    order (dst ascending, then g, then token); -1 pads.
+    send_capacity:                  rows of each send list (host int, static).
     qo_recv_rows, kv_recv_rows:     [P] int64 — rows each rank receives (its buffer fill).
     chunk:                          c, tokens per chunk (host int).
     recv_capacity:                  rows of each receive buffer (host int, static).
@@ -80,16 +78,25 @@ class CommMeta:
     kv_recv_offset: torch.Tensor
     qo_split: torch.Tensor
     kv_split: torch.Tensor
-    qo_send_index: torch.Tensor
-    kv_send_index: torch.Tensor
     qo_recv_rows: torch.Tensor
     kv_recv_rows: torch.Tensor
     chunk: int
     recv_capacity: int
+    send_capacity: int
 
-    @property
-    def send_capacity(self) -> int:
-        return self.qo_send_index.shape[1]
+    def send_index(self, kind: str, rank: int) -> torch.Tensor:
+        """[send_cap] int64 gather indices into ``rank``'s group-major local rows of
+        the ``kind`` ("qo" or "kv") units it sends, in send order (dst ascending,
+        then g, then token); -1 pads. Built on demand (sync-free) so a plan never
+        holds the send lists of all P ranks."""
+        from gpusolver.plan.comm_meta import send_index
+
+        if kind not in ("qo", "kv"):
+            raise ValueError(f"kind must be 'qo' or 'kv', got {kind!r}")
+        if not 0 <= rank < self.cp_size:
+            raise ValueError(f"rank must be in [0, {self.cp_size}), got {rank}")
+        rng = self.qo_range if kind == "qo" else self.kv_range
+        return send_index(rng[:, rank], self.chunk, self.send_capacity)
 
     @property
     def head_groups(self) -> int:
@@ -140,7 +147,7 @@ class CalcMeta:
 
 @dataclass(frozen=True)
 class RankPlan:
-    """One rank's view of a Plan (tensor views, no copies, no host reads).
+    """One rank's view of a Plan (views, plus its send lists built on demand; no host reads).
 
     q_ranges, k_ranges: [2, cap, 2] int32; attn_type: [2, cap] int32;
     num_rows: [2] int32 — the rank's two CalcMeta stages.
@@ -196,7 +203,7 @@ class Plan:
         return RankPlan(
             rank=rank, q_ranges=c.q_ranges[rank], k_ranges=c.k_ranges[rank],
             attn_type=c.attn_type[rank], num_rows=c.num_rows[rank],
-            qo_send_index=m.qo_send_index[rank], kv_send_index=m.kv_send_index[rank],
+            qo_send_index=m.send_index("qo", rank), kv_send_index=m.send_index("kv", rank),
             qo_send_split=m.qo_split[rank], kv_send_split=m.kv_split[rank],
             qo_recv_split=m.qo_split[:, rank], kv_recv_split=m.kv_split[:, rank])
 

@@ -116,7 +116,8 @@ def test_whole_solve_runs_on_meta():
     real = solve(mask, config, areas_impl="torch")
     assert plan.calc.q_ranges.device.type == "meta"
     assert plan.calc.q_ranges.shape == real.calc.q_ranges.shape
-    assert plan.comm.qo_send_index.shape == real.comm.qo_send_index.shape
+    assert plan.comm.send_index("qo", 1).shape == real.comm.send_index("qo", 1).shape
+    assert plan.comm.send_index("qo", 1).device.type == "meta"
 
 
 def test_triton_and_torch_areas_give_identical_plans():
@@ -127,7 +128,7 @@ def test_triton_and_torch_areas_give_identical_plans():
     b = solve(mask, config, areas_impl="triton")
     assert_close("assignment", a.assignment, b.assignment)
     assert_close("q_ranges", a.calc.q_ranges, b.calc.q_ranges)
-    assert_close("qo_send_index", a.comm.qo_send_index, b.comm.qo_send_index)
+    assert_close("qo_send_index", a.comm.send_index("qo", 1), b.comm.send_index("qo", 1))
 
 
 def test_solve_reports_imbalance_it_cannot_fix():

@@ -59,7 +59,7 @@ def _simulate_buffers(plan: Plan, kind: str, G: int, P: int, c: int, S: int) -> 
     send lists, splits and offsets along the way.
     """
     m = plan.comm
-    send_index, split = getattr(m, f"{kind}_send_index"), getattr(m, f"{kind}_split")
+    split = getattr(m, f"{kind}_split")
     rng, off = getattr(m, f"{kind}_range"), getattr(m, f"{kind}_recv_offset")
     recv_rows = getattr(m, f"{kind}_recv_rows")
     g_of_row = torch.arange(G * c) // c
@@ -67,7 +67,7 @@ def _simulate_buffers(plan: Plan, kind: str, G: int, P: int, c: int, S: int) -> 
     pieces = [[None] * P for _ in range(P)]
     for s in range(P):
         total = int(split[s].sum())
-        idx = send_index[s]
+        idx = m.send_index(kind, s)
         assert (idx[total:] == -1).all(), f"{kind} send_index[{s}] not -1 padded after {total} rows"
         assert ((idx[:total] >= 0) & (idx[:total] < G * c)).all()
         sent = local[s][idx[:total]]
@@ -259,7 +259,9 @@ def test_for_rank_views():
     assert_close("q_ranges", plan.calc.q_ranges[2], v.q_ranges)
     assert_close("send split", plan.comm.qo_split[2], v.qo_send_split)
     assert_close("recv split", plan.comm.kv_split[:, 2], v.kv_recv_split)
-    assert_close("send index", plan.comm.kv_send_index[2], v.kv_send_index)
+    assert_close("send index", plan.comm.send_index("kv", 2), v.kv_send_index)
+    with pytest.raises(ValueError, match="kind must be"):
+        plan.comm.send_index("q", 0)
     with pytest.raises(ValueError, match="rank must be in"):
         plan.for_rank(4)
 
@@ -288,7 +290,8 @@ def test_shapes_depend_only_on_config():
     assert _shapes(plans[0]) == _shapes(plans[1])
     cap = default_stage_capacity(5, G, P)
     assert plans[0].calc.q_ranges.shape == (P, 2, cap, 2)
-    assert plans[0].comm.qo_send_index.shape == (P, G * (S // P) * (P - 1))
+    assert plans[0].comm.send_capacity == G * (S // P) * (P - 1)
+    assert plans[0].comm.send_index("qo", 1).shape == (G * (S // P) * (P - 1),)
 
 
 def test_build_plan_on_meta():
@@ -376,8 +379,9 @@ def test_buffer_overflow_never_out_of_bounds():
     asg = _random_assignment(areas, 5)
     plan = build_plan(mask, areas, asg, _config(4, 2), recv_capacity=3, send_capacity=2)
     assert int(plan.status) & BUFFER_OVERFLOW
-    assert plan.comm.qo_send_index.shape == (4, 2)
-    assert (plan.comm.kv_send_index < 2 * 4).all()
+    for r in range(4):
+        assert plan.comm.send_index("qo", r).shape == (2,)
+        assert (plan.comm.send_index("kv", r) < 2 * 4).all()
     limit = 2 * 4 + 3
     assert (plan.calc.q_ranges <= limit).all() and (plan.calc.k_ranges <= limit).all()
     with pytest.raises(ValueError, match=r"BUFFER_OVERFLOW: rank \d receives \d+ (QO|KV) rows, receive capacity 3"):
