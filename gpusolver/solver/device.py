@@ -431,6 +431,14 @@ DEFAULT_STRATEGIES = (Strategy((3.0, _INF), units_per_rank=4, bundle_dests=8),
                       Strategy((_INF,), units_per_rank=4, bundle_dests=32),
                       Strategy((_INF,), units_per_rank=2, bundle_dests=8, task_order="rows"),
                       Strategy((_INF,), units_per_rank=1, bundle_dests=4, task_order="rows"))
+# From P = 32 up the two narrow-window strategies above never won in those
+# measurements and cost half of the torch path's time; they are left out there.
+LARGE_P = 32
+
+
+def default_strategies(cp_size: int) -> tuple[Strategy, ...]:
+    """The portfolio ``solve_device`` runs for a CP group of ``cp_size`` ranks."""
+    return DEFAULT_STRATEGIES[2:] if cp_size >= LARGE_P else DEFAULT_STRATEGIES
 
 
 def _run_variants(tasks: _Tasks, cap: torch.Tensor, strategies: tuple[Strategy, ...], rounds: int,
@@ -494,13 +502,13 @@ def _run_variants(tasks: _Tasks, cap: torch.Tensor, strategies: tuple[Strategy, 
 
 
 def solve_device(areas: BlockAreas, config: SolverConfig, *, rounds: int = DEFAULT_ROUNDS,
-                 strategies: tuple[Strategy, ...] = DEFAULT_STRATEGIES, impl: str = "auto") -> DeviceSolveResult:
+                 strategies: tuple[Strategy, ...] | None = None, impl: str = "auto") -> DeviceSolveResult:
     """Assign every task to a rank, on the device of ``areas``, without host reads.
 
     areas:      BlockAreas (area [G, P, P] int64, q_need/k_need [G, P, P, 2] int64).
     config:     SolverConfig (P, heads, D, dtype, imbalance_tol).
     rounds:     rounds of moves per variant (static).
-    strategies: batches of variants; the best state over all of them wins.
+    strategies: batches of variants (default: ``default_strategies(P)``); the best state wins.
     impl:       "torch", "triton" (kernels in solver/kernels.py) or "auto" (triton on CUDA).
     Returns a DeviceSolveResult; ``assignment`` is [G, P, P] int32 and
     ``variant`` indexes the variants of all strategies in order.
@@ -510,6 +518,7 @@ def solve_device(areas: BlockAreas, config: SolverConfig, *, rounds: int = DEFAU
         raise ValueError(f"areas are for P={P} ranks but config.cp_size={config.cp_size}")
     if G != config.head_groups:
         raise ValueError(f"areas have G={G} head groups but config.head_groups={config.head_groups}")
+    strategies = default_strategies(P) if strategies is None else tuple(strategies)
     if rounds < 0 or not strategies or not all(st.threshold_scales for st in strategies):
         raise ValueError(f"need rounds >= 0 and strategies with threshold scales, got {rounds}, {strategies}")
     if impl not in ("torch", "triton", "auto"):
