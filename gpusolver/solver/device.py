@@ -8,26 +8,26 @@ The algorithm (DESIGN.md, "The solver", family 2):
 
 * Start from owner-computes: every task on its query host (no Q/O traffic,
   usually unbalanced).
-* ``B`` variants run side by side, one per communication threshold ``T_b``
-  (a ladder of multiples of owner-computes' bottleneck; the last unbounded).
-* **Balance phase** (some rank above ``mu x mean``): every overloaded rank
-  offers its heaviest QO units; a move ships one unit's tasks from the source
-  to a destination as a *bundle*, taking the unit's tasks in order of area
-  while they fit the destination's headroom (a prefix sum), so the unit's
-  query rows travel once for as much work as possible. Its exact marginal
-  cost is the growth of the destination's hull of the unit's rows plus the
-  growth of its hull of each task's key columns, in bytes. Bundles are scored
-  by added bytes per unit of area; the source and destination must stay
-  under ``T_b``.
-* **Bottleneck phase** (balanced): single-task moves that lower the volume
-  of the bottleneck rank without pushing any rank they touch (query host, key
-  host, source, destination) to the bottleneck; the cost of a move counts
-  what it frees at the source (the hull of the unit's other tasks there).
-* Selection is by segmented arg-mins: each source proposes its best move,
-  each destination accepts proposals in score order while its load and
-  volume stay within limits (a prefix sum per destination).
-* Each variant keeps its best state over the rounds (balanced first, then the
-  lowest forward bottleneck); the best variant wins.
+* Every round, each source rank offers its heaviest QO units; a *bundle
+  move* ships a prefix of one unit's tasks (in one of two task orders: largest
+  first, or fewest needed query rows first) to one destination: as much as
+  fits the destination's headroom, so the unit's rows travel once for as much
+  work as possible. Its exact marginal cost, in bytes at each rank it touches
+  (query host, source, destination, key hosts), is what it adds to the
+  destination's hulls of the unit's rows and of each task's key columns, and
+  what it frees at the source.
+* **Balance phase** (some rank above ``mu x mean``): moves off overloaded
+  ranks, scored by added bytes per unit of area, every touched rank under the
+  variant's threshold. A variant stuck with no move may, for one round, fill
+  destinations to just below its maximum load (chains instead of swaps).
+* **Bottleneck phase** (balanced): moves that lower the bottleneck rank's
+  volume without pushing any touched rank to the bottleneck.
+* Selection by segmented arg-mins and prefix sums: each offered unit picks its
+  best (destination, size); each destination accepts proposals in score order
+  while its load and volume fit; each source stops once its excess is covered.
+* A portfolio of strategies (search width, task order, threshold) runs as
+  variants side by side; each keeps its best state over the rounds (balanced
+  first, then the lowest forward bottleneck) and the best variant wins.
 
 All volumes are forward bytes in int64; ties break by index, so the result
 is bit-identical on every rank.
@@ -86,11 +86,6 @@ class _Tasks:
         by_area = torch.sort(-area, dim=1, stable=True).indices
         by_rows = torch.sort(q_len * (areas.area.amax() + 1) - area, dim=1, stable=True).indices
         self.unit_tasks = torch.arange(G * P, device=dev)[:, None] * P + torch.stack((by_area, by_rows))
-        # bottleneck-phase candidate priority: bytes to ship a task alone per unit area
-        alone = ((self.qhi - self.qlo) * (self.q + self.o) + (self.khi - self.klo) * self.kv).double()
-        prescore = torch.where(self.valid, alone / self.area.clamp(min=1).double(), float("inf"))
-        self.pre_rank = torch.empty_like(idx)
-        self.pre_rank[torch.sort(prescore, stable=True).indices] = idx
 
 
 @dataclass
