@@ -384,6 +384,50 @@ def _accept(prop: _Proposals, st: _State, dest_cap, limit, excess, balance) -> t
     return ok & torch.zeros_like(ok).scatter(1, order, keep)
 
 
+def _accept_apply(A: torch.Tensor, prop: _Proposals, st: _State, dest_cap, limit, excess, balance):
+    """``_accept`` and the moves it accepts, as the round loop applies them (torch twin).
+
+    A: [B, T+1] int64 assignment (column T is a dummy). Other arguments as
+    ``accept_triton``. Returns (A_next [B, T+1] int64: each kept proposal's
+    tasks on its destination, stuck [B] bool: balancing and nothing kept).
+    The dummy column of A_next is unspecified (the scatter parks unused task
+    slots there); columns [0, T) are what the twins agree on.
+    """
+    B, T = A.shape[0], A.shape[1] - 1
+    keep = _accept(prop, st, dest_cap, limit, excess, balance)
+    stuck = balance & ~keep.any(1)
+    moving = torch.where(keep[..., None], prop.tasks, T)
+    A = A.scatter(1, moving.view(B, -1), prop.dest[..., None].expand_as(moving).reshape(B, -1))
+    return A, stuck
+
+
+def _track(A: torch.Tensor, st: _State, cap: torch.Tensor, stuck: torch.Tensor, threshold: torch.Tensor,
+          best_A: torch.Tensor, best_key: torch.Tensor):
+    """Keep each variant's best state and set the round's limits (torch twin, the round loop's own lines).
+
+    A, best_A: [B, T+1] int64 assignments (current, best so far).
+    st:        _State of A; reads load [B, P] and bottleneck [B] int64.
+    cap:       0-dim int64, the largest balanced load.
+    stuck:     [B] bool, balancing variants that found no move last round.
+    threshold: [B] fp64, balance-phase limit on any touched rank's bytes.
+    best_key:  [B] int64 (balanced first, then the lower bottleneck).
+    Returns (best_A [B, T+1] int64, best_key [B] int64, excess [B, P] int64,
+    balance [B] bool, dest_cap [B, 1] int64, limit [B] fp64).
+    """
+    B = A.shape[0]
+    max_load = st.load.amax(1)
+    balanced = max_load <= cap
+    key = torch.where(balanced, st.bottleneck, _BIG // 2 + max_load)
+    better = key < best_key
+    best_key = torch.where(better, key, best_key)
+    best_A = torch.where(better[:, None], A, best_A)
+    excess = st.load - cap
+    balance = ~balanced
+    dest_cap = torch.where(stuck, max_load - 1, cap).view(B, 1)
+    limit = torch.where(balance, threshold, st.bottleneck.double() - 1)
+    return best_A, best_key, excess, balance, dest_cap, limit
+
+
 @dataclass(frozen=True)
 class Strategy:
     """One batch of variants run side by side.
@@ -437,8 +481,12 @@ def default_strategies(cp_size: int) -> tuple[Strategy, ...]:
 
 
 def _run_variants(tasks: _Tasks, cap: torch.Tensor, strategies: tuple[Strategy, ...], rounds: int,
-                  state_fn, propose_fn):
+                  state_fn=None, propose_fn=None, accept_apply_fn=None, track_fn=None):
     """Run the variants of ``strategies`` side by side: best (A [B, T+1], key [B]).
+
+    The four steps of a round default to the torch functions (``_state``,
+    ``_bundle_proposals``, ``_accept_apply``, ``_track``); the Triton path
+    passes its kernels' launchers, which are bit-equal twins.
 
     The strategies' search widths become per-variant limits inside one batch
     (units beyond a variant's count are not proposed; its destination window
@@ -446,6 +494,8 @@ def _run_variants(tasks: _Tasks, cap: torch.Tensor, strategies: tuple[Strategy, 
     batch it runs in: proposals keep their relative order, and a narrowed
     window only repeats a destination already priced first.
     """
+    state_fn, propose_fn = state_fn or _state, propose_fn or _bundle_proposals
+    accept_apply_fn, track_fn = accept_apply_fn or _accept_apply, track_fn or _track
     P, T, dev = tasks.P, tasks.T, tasks.area.device
     variants = [(x, st.units_per_rank, st.bundle_dests, TASK_ORDERS.index(st.task_order))
                 for st in strategies for x in st.threshold_scales]
@@ -471,28 +521,12 @@ def _run_variants(tasks: _Tasks, cap: torch.Tensor, strategies: tuple[Strategy, 
             base = st.bottleneck[:1].double()
             threshold = torch.cat([base.new_full((1,), float(_BIG)) if v[0] == _INF else base * v[0] + 1.0
                                    for v in variants])
-        max_load = st.load.amax(1)
-        balanced = max_load <= cap
-        # balanced beats unbalanced, then the lower bottleneck (or the lower max load)
-        key = torch.where(balanced, st.bottleneck, _BIG // 2 + max_load)
-        better = key < best_key
-        best_key = torch.where(better, key, best_key)
-        best_A = torch.where(better[:, None], A, best_A)
+        best_A, best_key, excess, balance, dest_cap, limit = track_fn(A, st, cap, stuck, threshold, best_A, best_key)
         if rnd == rounds:
             break
-        excess = st.load - cap
-        balance = ~balanced
-        # a variant that found no move while unbalanced may fill destinations up to just below
-        # its current maximum load for a round: the maximum never rises, and the ranks pushed
-        # over the cap shed smaller tasks next round (a chain of moves instead of a swap)
-        dest_cap = torch.where(stuck, max_load - 1, cap).view(B, 1)
         prop = propose_fn(tasks, st, dest_cap, excess, balance, threshold, K, D, dests_b, order_b)
         prop = replace(prop, ok=prop.ok & offered)
-        limit = torch.where(balance, threshold, st.bottleneck.double() - 1)
-        keep = _accept(prop, st, dest_cap, limit, excess, balance)
-        stuck = balance & ~keep.any(1)
-        moving = torch.where(keep[..., None], prop.tasks, T)
-        A = A.scatter(1, moving.view(B, -1), prop.dest[..., None].expand_as(moving).reshape(B, -1))
+        A, stuck = accept_apply_fn(A, prop, st, dest_cap, limit, excess, balance)
     return best_A, best_key
 
 
@@ -524,11 +558,13 @@ def solve_device(areas: BlockAreas, config: SolverConfig, *, rounds: int = DEFAU
     if impl == "triton" or (impl == "auto" and areas.area.is_cuda):
         # fused kernels for the two heaviest steps; one batch for the whole portfolio (fewest launches)
         from gpusolver.solver.kernels import bundle_proposals_triton, state_triton
+        from gpusolver.solver.kernels_accept import accept_apply_triton, track_triton
 
-        best_A, best_key = _run_variants(tasks, cap, strategies, rounds, state_triton, bundle_proposals_triton)
+        best_A, best_key = _run_variants(tasks, cap, strategies, rounds, state_triton, bundle_proposals_triton,
+                                         accept_apply_triton, track_triton)
     else:
         # torch (CPU): one batch per strategy, so narrow strategies do not pay for the widest one
-        runs = [_run_variants(tasks, cap, (strategy,), rounds, _state, _bundle_proposals) for strategy in strategies]
+        runs = [_run_variants(tasks, cap, (strategy,), rounds) for strategy in strategies]
         best_A = torch.cat([a for a, _ in runs])
         best_key = torch.cat([k for _, k in runs])
 

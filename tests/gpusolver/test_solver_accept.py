@@ -1,0 +1,200 @@
+"""The Triton acceptance step equals its torch twins exactly (interpreter on CPU)."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from gpusolver.areas import block_areas
+from gpusolver.config import SolverConfig
+from gpusolver.masks import causal_mask, packed_documents
+from gpusolver.metrics import owner_computes_assignment
+from gpusolver.problem import BlockAreas
+from gpusolver.solver import device
+from gpusolver.solver.device import Strategy, _Proposals, solve_device
+from gpusolver.solver.kernels_accept import accept_apply, accept_apply_triton, accept_triton, track, track_triton
+from tests._testing import assert_close
+
+
+def _random_round(seed, B, P, K, M=None, T=None):
+    """A random proposal set with many score ties and shared destinations, the state fields
+    _accept reads, and the round's limits: (prop, st, dest_cap, limit, excess, balance)."""
+    gen = torch.Generator().manual_seed(seed)
+    N = P * K
+    ri = lambda lo, hi, shape: torch.randint(lo, hi, shape, generator=gen)  # noqa: E731
+    score = ri(0, 4, (B, N)).double() / 2  # few distinct values: ties everywhere
+    score = torch.where(torch.rand((B, N), generator=gen) < 0.15, float("inf"), score)
+    M = M or P
+    T = T or N * M + 3
+    tasks = torch.randperm(T, generator=gen)[:N * M].view(1, N, M).expand(B, -1, -1).clone()
+    tasks = torch.where(torch.rand((B, N, M), generator=gen) < 0.4, T, tasks)
+    prop = _Proposals(ok=torch.rand((B, N), generator=gen) < 0.7, score=score, dest=ri(0, P, (B, N)),
+                      source=torch.arange(P).repeat_interleave(K).expand(B, -1),  # strided, as the kernels give it
+                      area=ri(0, 12, (B, N)), dest_send=ri(0, 40, (B, N)), dest_recv=ri(0, 40, (B, N)), tasks=tasks)
+    load = ri(0, 40, (B, P))
+    state = SimpleNamespace(load=load, send=ri(0, 80, (B, P)), recv=ri(0, 80, (B, P)))
+    cap = ri(20, 50, ())
+    dest_cap = torch.where(torch.rand((B, 1), generator=gen) < 0.5, cap, load.amax(1, keepdim=True) - 1)
+    limit = torch.where(torch.rand(B, generator=gen) < 0.2, float(device._BIG), ri(40, 140, (B,)).double())
+    balance = torch.rand(B, generator=gen) < 0.6
+    A = torch.cat((ri(0, P, (B, T)), torch.full((B, 1), P)), 1)
+    return A, (prop, state, dest_cap, limit, load - cap, balance)
+
+
+@settings(max_examples=12, deadline=None)
+@given(B=st.integers(1, 3), P=st.integers(1, 6), K=st.integers(1, 5), seed=st.integers(0, 2**31 - 1))
+def test_accept_matches_torch(B, P, K, seed):
+    _, args = _random_round(seed, B, P, K)
+    ref = device._accept(*args)
+    tri = accept_triton(*args)
+    assert_close("keep", ref, tri)
+
+
+def test_accept_over_several_chunks_and_shared_cap():
+    """N = 150 proposals: three chunks of 64 plus a ragged one; dest_cap a 0-dim tensor."""
+    _, (prop, state, _, limit, excess, balance) = _random_round(3, 2, 10, 15)
+    dest_cap = torch.tensor(35)
+    ref = device._accept(prop, state, dest_cap, limit, excess, balance)
+    assert bool(ref.any()) and not bool(ref.all())
+    assert_close("keep", ref, accept_triton(prop, state, dest_cap, limit, excess, balance))
+
+
+@settings(max_examples=8, deadline=None)
+@given(B=st.integers(1, 3), P=st.integers(2, 5), K=st.integers(1, 3), seed=st.integers(0, 2**31 - 1))
+def test_accept_apply_matches_torch(B, P, K, seed):
+    A, args = _random_round(seed, B, P, K)
+    T = A.shape[1] - 1
+    ref_A, ref_stuck = accept_apply(A, *args)
+    tri_A, tri_stuck = accept_apply_triton(A, *args)
+    assert_close("A", ref_A[:, :T], tri_A[:, :T])
+    assert_close("dummy column", A[:, T], tri_A[:, T])
+    assert_close("stuck", ref_stuck, tri_stuck)
+
+
+def test_accept_apply_moves_tasks():
+    """A round where some proposals are kept and some variant is stuck: both outputs carry information."""
+    A, args = _random_round(11, 3, 4, 2)
+    prop, balance = args[0], args[5]
+    T = A.shape[1] - 1
+    keep = device._accept(*args)
+    tri_A, tri_stuck = accept_apply_triton(A, *args)
+    moved = (keep[..., None] & (prop.tasks < T)).any(-1)
+    assert bool(moved.any()), "no task moved"
+    assert bool((tri_A[:, :T] != A[:, :T]).any())
+    assert_close("stuck", balance & ~keep.any(1), tri_stuck)
+
+
+def _random_track(seed, B, P, T):
+    """Arguments of track: loads around the cap, keys on both sides of the best so far."""
+    gen = torch.Generator().manual_seed(seed)
+    ri = lambda lo, hi, shape: torch.randint(lo, hi, shape, generator=gen)  # noqa: E731
+    A, best_A = ri(0, P + 1, (B, T + 1)), ri(0, P + 1, (B, T + 1))
+    load = ri(0, 30, (B, P))
+    cap = ri(15, 30, ())
+    state = SimpleNamespace(load=load, bottleneck=ri(0, 100, (B,)))
+    best_key = torch.where(torch.rand(B, generator=gen) < 0.5, ri(0, 100, (B,)), device._BIG // 2 + ri(0, 30, (B,)))
+    best_key = torch.where(torch.rand(B, generator=gen) < 0.2, device._BIG, best_key)
+    stuck = torch.rand(B, generator=gen) < 0.5
+    threshold = torch.where(torch.rand(B, generator=gen) < 0.3, float(device._BIG), torch.rand(B, generator=gen) * 200)
+    return A, state, cap, stuck, threshold.double(), best_A, best_key
+
+
+@settings(max_examples=12, deadline=None)
+@given(B=st.integers(1, 6), P=st.integers(1, 6), T=st.integers(1, 40), seed=st.integers(0, 2**31 - 1))
+def test_track_matches_torch(B, P, T, seed):
+    args = _random_track(seed, B, P, T)
+    ref, tri = track(*args), track_triton(*args)
+    for name, r, t in zip(("best_A", "best_key", "excess", "balance", "dest_cap", "limit"), ref, tri):
+        if name == "limit":  # bit-equal float64
+            assert r.dtype == t.dtype == torch.float64 and torch.equal(r, t), name
+        else:
+            assert_close(name, r, t)
+
+
+def test_track_over_several_chunks_keeps_and_replaces():
+    """T + 1 = 2501 columns (three copy steps); some variants improve and some do not."""
+    args = _random_track(5, 6, 4, 2500)
+    ref, tri = track(*args), track_triton(*args)
+    better = ref[1] != args[6]
+    assert bool(better.any()) and not bool(better.all())
+    for name, r, t in zip(("best_A", "best_key", "excess", "balance", "dest_cap", "limit"), ref, tri):
+        assert torch.equal(r, t), name
+
+
+@pytest.mark.parametrize("P,kind", [(4, "packed"), (4, "causal")])
+def test_solve_triton_equals_torch(P, kind):
+    config = SolverConfig(cp_size=P, num_heads_q=8, num_heads_kv=2)
+    mask = packed_documents(512 * P, seed=0) if kind == "packed" else causal_mask(64 * P)
+    areas = block_areas(mask, P, config.head_groups, impl="torch")
+    strategies = (Strategy((3.0, float("inf")), units_per_rank=2, bundle_dests=4),
+                  Strategy((float("inf"),), units_per_rank=1, bundle_dests=2, task_order="rows"))
+    ref = solve_device(areas, config, rounds=5, strategies=strategies, impl="torch")
+    tri = solve_device(areas, config, rounds=5, strategies=strategies, impl="triton")
+    assert_close("assignment", ref.assignment, tri.assignment)
+    assert_close("balanced", ref.balanced, tri.balanced)
+    assert_close("fwd_bottleneck", ref.fwd_bottleneck, tri.fwd_bottleneck)
+    assert_close("variant", ref.variant, tri.variant)
+    assert bool((tri.assignment != owner_computes_assignment(areas)).any()), "no move was made"
+
+
+class _NoLaunch:
+    """Stands in for a Triton kernel: records each launch's grid, computes nothing."""
+
+    def __init__(self):
+        self.grids = []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return lambda *args, **kwargs: None
+
+
+def test_triton_accept_runs_on_meta(monkeypatch):
+    """The launchers are free of host reads (they run on meta, where the kernel is skipped);
+    the solve calls the fused launcher once per round."""
+    from gpusolver.solver import kernels, kernels_accept
+
+    for name in ("_state_kernel", "_state_bytes_kernel", "_bundle_kernel"):
+        monkeypatch.setattr(kernels, name, _NoLaunch())
+    calls = []
+
+    def counted(A, *args):
+        calls.append(A.shape)
+        return accept_apply_triton(A, *args)
+
+    monkeypatch.setattr(kernels_accept, "accept_apply_triton", counted)
+    tracked = []
+
+    def counted_track(A, *args):
+        tracked.append(A.shape)
+        return track_triton(A, *args)
+
+    monkeypatch.setattr(kernels_accept, "track_triton", counted_track)
+    P, G, rounds = 4, 2, 3
+    config = SolverConfig(cp_size=P, num_heads_q=8, num_heads_kv=G)
+    areas = block_areas(packed_documents(256 * P, seed=0), P, G, impl="torch")
+    meta = BlockAreas(areas.area.to("meta"), areas.q_need.to("meta"), areas.k_need.to("meta"), areas.chunk)
+    strategies = (Strategy((3.0, float("inf")), units_per_rank=2, bundle_dests=4),)
+    res = solve_device(meta, config, rounds=rounds, strategies=strategies, impl="triton")
+    assert res.assignment.device.type == "meta" and res.assignment.shape == (G, P, P)
+    assert calls == [(2, G * P * P + 1)] * rounds and tracked == [(2, G * P * P + 1)] * (rounds + 1)
+    # the plain launcher too
+    _, args = _random_round(0, 2, 3, 2)
+    to_meta = lambda t: t.to("meta")  # noqa: E731
+    prop, state, dest_cap, limit, excess, balance = args
+    prop = _Proposals(**{k: to_meta(v) for k, v in vars(prop).items()})
+    state = SimpleNamespace(**{k: to_meta(v) for k, v in vars(state).items()})
+    keep = accept_triton(prop, state, to_meta(dest_cap), to_meta(limit), to_meta(excess), to_meta(balance))
+    assert keep.device.type == "meta" and keep.shape == (2, 6) and keep.dtype == torch.bool
+
+
+def test_accept_kernel_launches_once_per_call(monkeypatch):
+    from gpusolver.solver import kernels_accept
+
+    stub, track_stub = _NoLaunch(), _NoLaunch()
+    monkeypatch.setattr(kernels_accept, "_accept_kernel", stub)
+    monkeypatch.setattr(kernels_accept, "_track_kernel", track_stub)
+    A, args = _random_round(1, 3, 4, 2)
+    accept_triton(*args)
+    accept_apply_triton(A, *args)
+    track_triton(*_random_track(0, 3, 4, 10))
+    assert stub.grids == [(3,), (3,)] and track_stub.grids == [(3,)]
