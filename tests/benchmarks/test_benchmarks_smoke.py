@@ -166,5 +166,5 @@ def test_launches_static_loop(tmp_path):
     assert set(rows) == {"torch", "triton"}
     for r in rows.values():
         assert r["host_reads"] == 0 and r["per_round"] > 0 and r["per_solve"] == r["fixed"] + r["rounds"] * r["per_round"]
-    assert rows["triton"]["triton_per_solve"] == 3 * rows["triton"]["rounds"] + 2  # state x2 + proposals per round
-    assert rows["triton"]["per_solve"] < rows["torch"]["per_solve"]
+    assert rows["triton"]["triton_per_solve"] >= rows["triton"]["rounds"]  # fused kernels launch every round
+    assert 10 * rows["triton"]["per_round"] < rows["torch"]["per_round"]
