@@ -14,10 +14,11 @@ entry, float64 scores bit for bit):
   travelling lengths and the rank's send/recv bytes, and folds the bottleneck
   with an integer atomic max.
 * ``bundle_proposals_triton(tasks, st, ...)`` — twin of ``_bundle_proposals``.
-  The offered units (top-k by area) and the destination windows are chosen in
-  torch; one kernel with grid ``(B, P, K)`` then prices every (destination,
-  size) of one offered unit of one source in registers, as ``[D1, P]`` tiles
-  (D1 destinations, P task slots), and writes that unit's best proposal.
+  The offered units (top-k by area) and the destination windows come from
+  ``offers_triton`` (solver/kernels_offers.py, one launch); one kernel with
+  grid ``(B, P, K)`` then prices every (destination, size) of one offered
+  unit of one source in registers, as ``[D1, P]`` tiles (D1 destinations,
+  P task slots), and writes that unit's best proposal.
 
 Shape legend: B variants, G head groups, P ranks, T = G * P * P tasks,
 K units offered per source, D destinations per unit from the headroom window,
@@ -30,7 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from gpusolver.solver.device import _BIG, _Proposals, _State, _Tasks, _offers
+from gpusolver.solver.device import _BIG, _Proposals, _State, _Tasks
+from gpusolver.solver.kernels_offers import offers_triton
 
 _BIG_T = tl.constexpr(_BIG)
 
@@ -367,7 +369,7 @@ def bundle_proposals_triton(tasks: _Tasks, st: _State, cap, excess, balance, thr
     B, dev = st.rank.shape[0], st.rank.device
     K, D = min(units_per_rank, G * P), min(n_dests, P)
     ranks = torch.arange(P, device=dev)
-    unit, headroom, dests = _offers(tasks, st, cap, units_per_rank, n_dests, dests_per_variant)  # as the twin
+    unit, headroom, dests = offers_triton(tasks, st, cap, units_per_rank, n_dests, dests_per_variant)
     unit, headroom = unit.contiguous(), headroom.contiguous()
 
     order_b = torch.zeros((B,), dtype=torch.int64, device=dev) if order_per_variant is None \

@@ -9,11 +9,12 @@ Each launcher equals its torch twin exactly:
   moves the accepted tasks, as the round loop does it): the next assignment
   and the variants that found no move while unbalanced.
 * ``track_triton(A, st, cap, stuck, threshold, best_A, best_key)`` — twin of
-  ``track`` below (the round loop's own lines): each variant's best state so
+  ``track`` (device.py's ``_track``, the round loop's own lines): each variant's best state so
   far, and the round's excess, phase, destination cap and byte limit.
 
-With them a round of the Triton path is the state kernels, the offers (torch
-sorts), the bundle kernel, and one launch each for acceptance and tracking.
+With them a round of the Triton path is the state kernels, the offers kernel
+(``kernels_offers``), the bundle kernel, and one launch each for acceptance
+and tracking.
 On ``device="meta"`` the launchers allocate their outputs and skip the kernel.
 
 One program per variant holds all N proposals as one block. The torch twin
