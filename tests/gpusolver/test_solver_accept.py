@@ -14,6 +14,7 @@ from gpusolver.solver import device
 from gpusolver.solver.device import Strategy, _Proposals, solve_device
 from gpusolver.solver.kernels_accept import accept_apply, accept_apply_triton, accept_triton, track, track_triton
 from tests._testing import assert_close
+from tests.gpusolver.test_solver_kernels import _NoLaunch
 
 
 def _random_round(seed, B, P, K, M=None, T=None):
@@ -135,17 +136,6 @@ def test_solve_triton_equals_torch(P, kind):
     assert_close("fwd_bottleneck", ref.fwd_bottleneck, tri.fwd_bottleneck)
     assert_close("variant", ref.variant, tri.variant)
     assert bool((tri.assignment != owner_computes_assignment(areas)).any()), "no move was made"
-
-
-class _NoLaunch:
-    """Stands in for a Triton kernel: records each launch's grid, computes nothing."""
-
-    def __init__(self):
-        self.grids = []
-
-    def __getitem__(self, grid):
-        self.grids.append(grid)
-        return lambda *args, **kwargs: None
 
 
 def test_triton_accept_runs_on_meta(monkeypatch):
