@@ -23,9 +23,9 @@ class SolverConfig:
                         mask's slice count.
     max_recv_rows:      static capacity of each rank's QO and KV receive
                         buffers (and send lists), in group-major rows; None
-                        is the worst case G * c * (P - 1). Plans hold the send
-                        lists of every rank, so at large P set this to what the
-                        masks need (overflow is reported, never dropped).
+                        is the worst case G * c * (P - 1). A smaller value
+                        saves buffer memory; a plan that needs more reports
+                        BUFFER_OVERFLOW (work is never dropped).
     """
 
     cp_size: int
