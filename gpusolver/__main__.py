@@ -12,18 +12,17 @@ import time
 
 import torch
 
-from gpusolver.areas import block_areas
+from gpusolver.areas import block_areas, block_sparse_areas, token_topk_areas
 from gpusolver.baselines import baseline_table
 from gpusolver.config import SolverConfig
-from gpusolver.masks import packed_documents
+from gpusolver.masks import dsa_topk_indices, nsa_block_indices, packed_documents
 from gpusolver.metrics import evaluate
 from gpusolver.solve import SOLVERS, solve, solve_assignment
 
 MIB = 1 << 20
 
 
-def _quality_rows(mask, config: SolverConfig, solvers) -> list[str]:
-    areas = block_areas(mask, config.cp_size, config.head_groups, impl="torch")
+def _quality_rows(areas, config: SolverConfig, solvers) -> list[str]:
     base = baseline_table(areas, config)
     usp_f, usp_b = base["usp"]["fwd_bottleneck"], base["usp"]["bwd_bottleneck"]
     rows = ["| plan | imbalance | fwd bottleneck | bwd bottleneck | fwd vs USP | bwd vs USP | solve |",
@@ -49,15 +48,32 @@ def _quality_rows(mask, config: SolverConfig, solvers) -> list[str]:
     return rows
 
 
+def _sparse_areas(kind: str, seqlen: int, config: SolverConfig, seed: int):
+    """Block areas of a random NSA block selection or DSA token top-k (what an indexer would produce)."""
+    if kind == "nsa":  # 64-token blocks, top-16 per query and KV head
+        sel = nsa_block_indices(seqlen, config.num_heads_kv, block_size=64, top_n=16, seed=seed)
+        return block_sparse_areas(sel, 64, config.cp_size, config.head_groups)
+    topk = dsa_topk_indices(seqlen, topk=min(2048, seqlen), seed=seed)  # shared by all heads
+    return token_topk_areas(topk, config.cp_size, config.head_groups)
+
+
 def demo(args) -> None:
     torch.set_num_threads(1)  # the solve is many small ops: threads only add overhead on CPU
     config = SolverConfig(cp_size=args.cp_size)
     kind = "causal" if args.causal else "full"
-    print(f"packed {kind}-document mask: {args.tokens_per_rank} tokens per rank, P={config.cp_size}, "
+    what = {"docs": f"packed {kind}-document mask", "nsa": "NSA block selection (64-token blocks, top-16)",
+            "dsa": "DSA token top-k (k = 2048)"}[args.mask]
+    print(f"{what}: {args.tokens_per_rank} tokens per rank, P={config.cp_size}, "
           f"GQA {config.num_heads_q}:{config.num_heads_kv}, D={config.head_dim}, bf16, seed {args.seed}, "
           f"mu={config.imbalance_tol}")
-    mask = packed_documents(args.tokens_per_rank * config.cp_size, seed=args.seed, causal=args.causal)
-    print("\n".join(_quality_rows(mask, config, SOLVERS)))
+    S = args.tokens_per_rank * config.cp_size
+    if args.mask != "docs":  # sparse indexer masks: assignment quality only (plans need slices)
+        areas = _sparse_areas(args.mask, S, config, args.seed)
+        print("\n".join(_quality_rows(areas, config, SOLVERS)))
+        return
+    mask = packed_documents(S, seed=args.seed, causal=args.causal)
+    print("\n".join(_quality_rows(block_areas(mask, config.cp_size, config.head_groups, impl="torch"),
+                                   config, SOLVERS)))
     t0 = time.perf_counter()
     plan = solve(mask, config)
     print(f"\nfull solve (areas + device solver + plan metas, torch path on CPU): "
@@ -84,6 +100,9 @@ def main(argv=None) -> None:
         p.add_argument("--tokens-per-rank", type=int, default=8192)
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--full", dest="causal", action="store_false", help="full (bidirectional) documents")
+        if name == "demo":
+            p.add_argument("--mask", choices=("docs", "nsa", "dsa"), default="docs",
+                           help="packed documents (default), or a sparse indexer's selection")
         if name == "solve":
             p.add_argument("--solver", choices=SOLVERS, default="device")
     args = parser.parse_args(argv)

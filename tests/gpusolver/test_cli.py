@@ -13,3 +13,11 @@ def test_solve_prints_plan_summary(capsys):
     main(["solve", "-P", "2", "--tokens-per-rank", "512", "--full", "--solver", "reference"])
     out = capsys.readouterr().out
     assert "reference solver" in out and "fwd bottleneck" in out
+
+
+def test_demo_on_sparse_indexer_masks(capsys):
+    for kind, title in (("nsa", "NSA block selection"), ("dsa", "DSA token top-k")):
+        main(["demo", "--mask", kind, "--cp-size", "4", "--tokens-per-rank", "256"])
+        out = capsys.readouterr().out
+        assert out.startswith(title) and "| gpusolver device |" in out and "| usp |" in out
+        assert "status:" not in out  # sparse masks get assignments, not plans
