@@ -42,6 +42,10 @@ class BlockAreas:
     def cp_size(self) -> int:
         return self.area.shape[1]
 
+    def to(self, device) -> "BlockAreas":
+        """The same areas on ``device`` (e.g. "meta" to prove a consumer reads no values)."""
+        return BlockAreas(self.area.to(device), self.q_need.to(device), self.k_need.to(device), self.chunk)
+
     def expand_groups(self, head_groups: int) -> "BlockAreas":
         """The areas of a mask shared by all groups, computed once (G = 1), for ``head_groups`` groups."""
         if self.head_groups == head_groups:

@@ -9,12 +9,11 @@ from gpusolver.areas import block_areas
 from gpusolver.config import SolverConfig
 from gpusolver.masks import causal_mask, packed_documents
 from gpusolver.metrics import owner_computes_assignment
-from gpusolver.problem import BlockAreas
 from gpusolver.solver import device
 from gpusolver.solver.device import Strategy, _Proposals, solve_device
 from gpusolver.solver.kernels_accept import accept_apply, accept_apply_triton, accept_triton, track, track_triton
 from tests._testing import assert_close
-from tests.gpusolver.test_solver_kernels import _NoLaunch
+from tests.gpusolver.test_solver_kernels import _NoLaunch, meta_triton_solve
 
 
 def _random_round(seed, B, P, K, M=None, T=None):
@@ -160,12 +159,7 @@ def test_triton_accept_runs_on_meta(monkeypatch):
 
     monkeypatch.setattr(kernels_accept, "track_triton", counted_track)
     P, G, rounds = 4, 2, 3
-    config = SolverConfig(cp_size=P, num_heads_q=8, num_heads_kv=G)
-    areas = block_areas(packed_documents(256 * P, seed=0), P, G, impl="torch")
-    meta = BlockAreas(areas.area.to("meta"), areas.q_need.to("meta"), areas.k_need.to("meta"), areas.chunk)
-    strategies = (Strategy((3.0, float("inf")), units_per_rank=2, bundle_dests=4),)
-    res = solve_device(meta, config, rounds=rounds, strategies=strategies, impl="triton")
-    assert res.assignment.device.type == "meta" and res.assignment.shape == (G, P, P)
+    meta_triton_solve(P, G, rounds)
     assert calls == [(2, G * P * P + 1)] * rounds and tracked == [(2, G * P * P + 1)] * (rounds + 1)
     # the plain launcher too
     _, args = _random_round(0, 2, 3, 2)

@@ -163,6 +163,16 @@ class _NoLaunch:
         return lambda *args, **kwargs: None
 
 
+def meta_triton_solve(P: int, G: int, rounds: int):
+    """A Triton-path solve on meta areas (two variants, two units per source); checks its shape."""
+    config = SolverConfig(cp_size=P, num_heads_q=8, num_heads_kv=G)
+    areas = block_areas(packed_documents(256 * P, seed=0), P, G, impl="torch")
+    strategies = (Strategy((3.0, float("inf")), units_per_rank=2, bundle_dests=4),)
+    res = solve_device(areas.to("meta"), config, rounds=rounds, strategies=strategies, impl="triton")
+    assert res.assignment.device.type == "meta" and res.assignment.shape == (G, P, P)
+    return res
+
+
 def test_triton_path_launchers_run_on_meta(monkeypatch):
     """Everything around the kernels is free of host reads; each kernel launches once per round."""
     from gpusolver.solver import kernels
@@ -172,12 +182,7 @@ def test_triton_path_launchers_run_on_meta(monkeypatch):
     monkeypatch.setattr(kernels, "_state_bytes_kernel", bytes_k)
     monkeypatch.setattr(kernels, "_bundle_kernel", bundle_k)
     P, G, rounds = 4, 2, 3
-    config = SolverConfig(cp_size=P, num_heads_q=8, num_heads_kv=G)
-    areas = block_areas(packed_documents(256 * P, seed=0), P, G, impl="torch")
-    meta = BlockAreas(areas.area.to("meta"), areas.q_need.to("meta"), areas.k_need.to("meta"), areas.chunk)
-    strategies = (Strategy((3.0, float("inf")), units_per_rank=2, bundle_dests=4),)
-    res = solve_device(meta, config, rounds=rounds, strategies=strategies, impl="triton")
-    assert res.assignment.device.type == "meta" and res.assignment.shape == (G, P, P)
+    meta_triton_solve(P, G, rounds)
     assert len(state_k.grids) == len(bytes_k.grids) == rounds + 1 and len(bundle_k.grids) == rounds
     # grids: (task tiles, B), (B, P), (B, P, K)
     assert state_k.grids[0] == (1, 2) and bytes_k.grids[0] == (2, P) and bundle_k.grids[0] == (2, P, 2)
