@@ -456,6 +456,7 @@ class Strategy:
 
 
 TASK_ORDERS = ("area", "rows")
+IMPLS = ("torch", "triton", "persistent", "auto")
 
 
 # Batches that differ in how widely they search and in the order bundles take
@@ -480,6 +481,34 @@ def default_strategies(cp_size: int) -> tuple[Strategy, ...]:
     return DEFAULT_STRATEGIES[2:] if cp_size >= LARGE_P else DEFAULT_STRATEGIES
 
 
+def _variants(strategies: tuple[Strategy, ...], G: int, P: int):
+    """The variants of a portfolio: ([(scale, units, window, order index)] host tuples, K, D).
+
+    K = unit slots per source and D = window width of the widest variant; each
+    variant's own counts are clipped to them.
+    """
+    K = min(max(st.units_per_rank for st in strategies), G * P)
+    D = min(max(st.bundle_dests for st in strategies), P)
+    variants = [(x, min(st.units_per_rank, K), min(st.bundle_dests, D), TASK_ORDERS.index(st.task_order))
+                for st in strategies for x in st.threshold_scales]
+    return variants, K, D
+
+
+def _variant_tables(variants, dev) -> torch.Tensor:
+    """[3, B] int64 per-variant task order, window width and units offered.
+
+    Built from device fills: a tensor made from a host list is a host-to-device
+    copy on a GPU, which a CUDA graph cannot capture.
+    """
+    fill = lambda v: torch.full((1,), v, dtype=torch.int64, device=dev)  # noqa: E731
+    return torch.cat([fill(v[k]) for k in (3, 2, 1) for v in variants]).view(3, len(variants))
+
+
+def _variant_scales(variants, dev) -> torch.Tensor:
+    """[B] fp64 threshold scale of each variant (inf = unbounded)."""
+    return torch.cat([torch.full((1,), float(v[0]), dtype=torch.float64, device=dev) for v in variants])
+
+
 def _run_variants(tasks: _Tasks, cap: torch.Tensor, strategies: tuple[Strategy, ...], rounds: int,
                   state_fn=None, propose_fn=None, accept_apply_fn=None, track_fn=None):
     """Run the variants of ``strategies`` side by side: best (A [B, T+1], key [B]).
@@ -497,16 +526,9 @@ def _run_variants(tasks: _Tasks, cap: torch.Tensor, strategies: tuple[Strategy, 
     state_fn, propose_fn = state_fn or _state, propose_fn or _bundle_proposals
     accept_apply_fn, track_fn = accept_apply_fn or _accept_apply, track_fn or _track
     P, T, dev = tasks.P, tasks.T, tasks.area.device
-    variants = [(x, st.units_per_rank, st.bundle_dests, TASK_ORDERS.index(st.task_order))
-                for st in strategies for x in st.threshold_scales]
+    variants, K, D = _variants(strategies, tasks.G, P)
     B = len(variants)
-    K = min(max(v[1] for v in variants), tasks.G * P)
-    D = min(max(v[2] for v in variants), P)
-    # per-variant limits, built from device fills (a tensor from a host list is a copy on GPU)
-    col = lambda values: torch.cat([torch.full((1,), v, dtype=torch.int64, device=dev) for v in values])  # noqa: E731
-    units_b = col(min(v[1], K) for v in variants)
-    dests_b = col(min(v[2], D) for v in variants)
-    order_b = col(v[3] for v in variants)
+    order_b, dests_b, units_b = _variant_tables(variants, dev).unbind(0)
     offered = (torch.arange(P * K, device=dev) % K)[None, :] < units_b[:, None]  # [B, P*K]
     # owner-computes start; column T is a dummy that absorbs writes of unused slots
     A = torch.where(tasks.valid, tasks.i, P).expand(B, T)
@@ -531,14 +553,17 @@ def _run_variants(tasks: _Tasks, cap: torch.Tensor, strategies: tuple[Strategy, 
 
 
 def solve_device(areas: BlockAreas, config: SolverConfig, *, rounds: int = DEFAULT_ROUNDS,
-                 strategies: tuple[Strategy, ...] | None = None, impl: str = "auto") -> DeviceSolveResult:
+                 strategies: tuple[Strategy, ...] | None = None, impl: str = "auto",
+                 workers: int = 1) -> DeviceSolveResult:
     """Assign every task to a rank, on the device of ``areas``, without host reads.
 
     areas:      BlockAreas (area [G, P, P] int64, q_need/k_need [G, P, P, 2] int64).
     config:     SolverConfig (P, heads, D, dtype, imbalance_tol).
     rounds:     rounds of moves per variant (static).
     strategies: batches of variants (default: ``default_strategies(P)``); the best state wins.
-    impl:       "torch", "triton" (kernels in solver/kernels.py) or "auto" (triton on CUDA).
+    impl:       "torch"; "triton" (a few kernels per round, solver/kernels*.py); "persistent"
+                (one kernel for all rounds, solver/kernels_rounds.py); or "auto" (triton on CUDA).
+    workers:    programs per variant of the persistent kernel (1, or more on CUDA only).
     Returns a DeviceSolveResult; ``assignment`` is [G, P, P] int32 and
     ``variant`` indexes the variants of all strategies in order.
     """
@@ -550,12 +575,19 @@ def solve_device(areas: BlockAreas, config: SolverConfig, *, rounds: int = DEFAU
     strategies = default_strategies(P) if strategies is None else tuple(strategies)
     if rounds < 0 or not strategies or not all(st.threshold_scales for st in strategies):
         raise ValueError(f"need rounds >= 0 and strategies with threshold scales, got {rounds}, {strategies}")
-    if impl not in ("torch", "triton", "auto"):
-        raise ValueError(f"impl must be 'torch', 'triton' or 'auto', got {impl!r}")
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     tasks = _Tasks(areas, config)
     mu_num = int(round(config.imbalance_tol * _MU_SCALE))
     cap = (mu_num * tasks.area.sum()) // (P * _MU_SCALE)  # largest balanced load
-    if impl == "triton" or (impl == "auto" and areas.area.is_cuda):
+    if impl == "persistent":
+        from gpusolver.solver.kernels_rounds import solve_rounds_persistent
+
+        variants, K, D = _variants(strategies, G, P)
+        best_A, best_key = solve_rounds_persistent(tasks, cap, _variant_tables(variants, areas.area.device),
+                                                   _variant_scales(variants, areas.area.device), K, D, rounds,
+                                                   workers)
+    elif impl == "triton" or (impl == "auto" and areas.area.is_cuda):
         # fused kernels for the two heaviest steps; one batch for the whole portfolio (fewest launches)
         from gpusolver.solver.kernels import bundle_proposals_triton, state_triton
         from gpusolver.solver.kernels_accept import accept_apply_triton, track_triton

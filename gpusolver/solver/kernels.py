@@ -47,7 +47,15 @@ def _state_kernel(
     stride_rb, stride_a, stride_q, stride_k,
     BLOCK_T: tl.constexpr,
 ):
-    i_t, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    _state_tile(rank_ptr, area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr, lo_ptr, acc_ptr,
+                tl.program_id(0), tl.program_id(1).to(tl.int64), T, P, B,
+                stride_rb, stride_a, stride_q, stride_k, BLOCK_T)
+
+
+@triton.jit
+def _state_tile(rank_ptr, area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr, lo_ptr, acc_ptr,
+                i_t, i_b, T, P, B, stride_rb, stride_a, stride_q, stride_k, BLOCK_T: tl.constexpr):
+    """Tile ``i_t`` of variant ``i_b`` of ``_state_kernel`` (its arguments; i_b int64)."""
     o_t = (i_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # [BLOCK_T]
     m_t = o_t < T
     b_rank = tl.load(rank_ptr + i_b * stride_rb + o_t, mask=m_t, other=0)
@@ -84,7 +92,15 @@ def _state_bytes_kernel(
     Q_BYTES, O_BYTES, KV_BYTES,
     BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
-    i_b, i_r = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    _state_bytes_rank(lo_ptr, hi_ptr, len_ptr, send_ptr, recv_ptr, vol_ptr, bneck_ptr,
+                      tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), B, G, P,
+                      Q_BYTES, O_BYTES, KV_BYTES, BLOCK_G, BLOCK_P)
+
+
+@triton.jit
+def _state_bytes_rank(lo_ptr, hi_ptr, len_ptr, send_ptr, recv_ptr, vol_ptr, bneck_ptr, i_b, i_r, B, G, P,
+                      Q_BYTES, O_BYTES, KV_BYTES, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Rank ``i_r`` of variant ``i_b`` of ``_state_bytes_kernel`` (its arguments; indices int64)."""
     o_g = tl.arange(0, BLOCK_G).to(tl.int64)[:, None]  # [BLOCK_G, 1]
     o_p = tl.arange(0, BLOCK_P).to(tl.int64)[None, :]  # [1, BLOCK_P]
     m_gp = (o_g < G) & (o_p < P)
@@ -244,7 +260,27 @@ def _bundle_kernel(
     Q_BYTES, O_BYTES, KV_BYTES,
     BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    i_b, i_s, i_k = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
+    _bundle_unit(rank_ptr, area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr, unit_tasks_ptr, order_ptr, unit_ptr,
+                 dests_ptr, headroom_ptr, excess_ptr, send_ptr, recv_ptr, vol_ptr, bal_ptr, bneck_ptr, thr_ptr,
+                 q_lo_ptr, q_hi_ptr, k_lo_ptr, k_hi_ptr, qlen_ptr, klen_ptr, kcount_ptr,
+                 ok_ptr, score_ptr, dest_ptr, moved_area_ptr, dsend_ptr, drecv_ptr, tasks_out_ptr, order_ptr,
+                 tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64),
+                 T, P, K, D, GP, stride_rb, stride_a, stride_q, stride_k, Q_BYTES, O_BYTES, KV_BYTES,
+                 BLOCK_P, BLOCK_D, False)
+
+
+@triton.jit
+def _bundle_unit(
+    rank_ptr, area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr, unit_tasks_ptr, order_ptr, unit_ptr,
+    dests_ptr, headroom_ptr, excess_ptr, send_ptr, recv_ptr, vol_ptr, bal_ptr, bneck_ptr, thr_ptr,
+    q_lo_ptr, q_hi_ptr, k_lo_ptr, k_hi_ptr, qlen_ptr, klen_ptr, kcount_ptr,
+    ok_ptr, score_ptr, dest_ptr, moved_area_ptr, dsend_ptr, drecv_ptr, tasks_out_ptr,
+    units_ptr,  # [B] int64 (HAS_UNITS only): units variant b offers; slots past it propose nothing
+    i_b, i_s, i_k,  # int64: variant, source, offered-unit slot
+    T, P, K, D, GP, stride_rb, stride_a, stride_q, stride_k, Q_BYTES, O_BYTES, KV_BYTES,
+    BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, HAS_UNITS: tl.constexpr,
+):
+    """Program (i_b, i_s, i_k) of ``_bundle_kernel`` (its arguments, plus the per-variant unit count)."""
     o_p = tl.arange(0, BLOCK_P).to(tl.int64)  # task slots of the unit, and ranks
     m_p = o_p < P
     o_d = tl.arange(0, BLOCK_D).to(tl.int64)  # destinations
@@ -338,7 +374,10 @@ def _bundle_kernel(
     moved = tl.max(inc.to(tl.int32), axis=0) > 0  # [BLOCK_P]
 
     o_out = (o_row + i_s) * K + i_k  # proposal index s * K + k of variant b
-    tl.store(ok_ptr + o_out, tl.sum(tl.where(row, tl.where(size1, ok1, ok0), 0).to(tl.int32), axis=0) > 0)
+    best_ok = tl.sum(tl.where(row, tl.where(size1, ok1, ok0), 0).to(tl.int32), axis=0) > 0
+    if HAS_UNITS:
+        best_ok = best_ok & (i_k < tl.load(units_ptr + i_b))
+    tl.store(ok_ptr + o_out, best_ok)
     tl.store(score_ptr + o_out, best_score)
     tl.store(dest_ptr + o_out, tl.sum(tl.where(row, d_of, 0), axis=0))
     tl.store(moved_area_ptr + o_out, tl.sum(tl.where(row, tl.where(size1, area1, area0), 0), axis=0))

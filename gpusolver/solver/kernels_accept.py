@@ -74,8 +74,27 @@ def _accept_kernel(
     BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
     APPLY: tl.constexpr,
 ):
+    _accept_variant(score_ptr, ok_ptr, dest_ptr, source_ptr, area_ptr, dsend_ptr, drecv_ptr,
+                    load_ptr, send_ptr, recv_ptr, excess_ptr, cap_ptr, limit_ptr, bal_ptr, fits_ptr, keep_ptr,
+                    stuck_ptr, tasks_ptr, a_ptr, a_out_ptr, tl.program_id(0).to(tl.int64), N, P, M, T,
+                    stride_score, stride_ok, stride_dest, stride_src, stride_area, stride_ds, stride_dr,
+                    stride_load, stride_send, stride_recv, stride_exc, stride_cap, stride_a, stride_a_out,
+                    BLOCK_N, BLOCK_J, BLOCK_M, BLOCK_C, APPLY)
+
+
+@triton.jit
+def _accept_variant(
+    score_ptr, ok_ptr, dest_ptr, source_ptr, area_ptr, dsend_ptr, drecv_ptr,
+    load_ptr, send_ptr, recv_ptr, excess_ptr, cap_ptr, limit_ptr, bal_ptr, fits_ptr, keep_ptr,
+    stuck_ptr, tasks_ptr, a_ptr, a_out_ptr, i_b, N, P, M, T,
+    stride_score, stride_ok, stride_dest, stride_src, stride_area, stride_ds, stride_dr,
+    stride_load, stride_send, stride_recv, stride_exc, stride_cap, stride_a, stride_a_out,
+    BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+    APPLY: tl.constexpr,
+):
+    """Variant ``i_b`` (int64) of ``_accept_kernel`` (its arguments). With APPLY and ``a_out_ptr ==
+    a_ptr`` the moves land in place."""
     tl.static_assert(BLOCK_N % BLOCK_J == 0)
-    i_b = tl.program_id(0).to(tl.int64)
     o_i = tl.arange(0, BLOCK_N)  # [BLOCK_N] proposals i
     m_i = o_i < N
     # [BLOCK_N]
@@ -242,7 +261,18 @@ def _track_kernel(
     stride_a, stride_best_a, stride_load, stride_best_a_out,
     BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    i_b = tl.program_id(0).to(tl.int64)
+    _track_variant(a_ptr, best_a_ptr, load_ptr, bneck_ptr, cap_ptr, stuck_ptr, thr_ptr, best_key_ptr,
+                   best_a_out_ptr, best_key_out_ptr, dest_cap_ptr, balance_ptr, limit_ptr, excess_ptr,
+                   tl.program_id(0).to(tl.int64), P, T, stride_a, stride_best_a, stride_load, stride_best_a_out,
+                   BLOCK_P, BLOCK_C)
+
+
+@triton.jit
+def _track_variant(a_ptr, best_a_ptr, load_ptr, bneck_ptr, cap_ptr, stuck_ptr, thr_ptr, best_key_ptr,
+                   best_a_out_ptr, best_key_out_ptr, dest_cap_ptr, balance_ptr, limit_ptr, excess_ptr,
+                   i_b, P, T, stride_a, stride_best_a, stride_load, stride_best_a_out,
+                   BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Variant ``i_b`` (int64) of ``_track_kernel`` (its arguments); in place when the outputs are the inputs."""
     o_p = tl.arange(0, BLOCK_P)  # [BLOCK_P] ranks
     m_p = o_p < P
     b_load = tl.load(load_ptr + i_b * stride_load + o_p, mask=m_p, other=0)

@@ -56,8 +56,18 @@ def _offers_kernel(
     BLOCK_P: tl.constexpr, BLOCK_GP: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_WIDTH: tl.constexpr,
 ):
+    _offers_source(rank_ptr, area_ptr, load_ptr, cap_ptr, width_ptr, unit_ptr, headroom_ptr, dests_ptr,
+                   tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), P, GP, K, D,
+                   stride_rb, stride_a, stride_load, stride_cap, BLOCK_P, BLOCK_GP, BLOCK_U, BLOCK_D, HAS_WIDTH)
+
+
+@triton.jit
+def _offers_source(rank_ptr, area_ptr, load_ptr, cap_ptr, width_ptr, unit_ptr, headroom_ptr, dests_ptr,
+                   i_b, i_s, P, GP, K, D, stride_rb, stride_a, stride_load, stride_cap,
+                   BLOCK_P: tl.constexpr, BLOCK_GP: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_D: tl.constexpr,
+                   HAS_WIDTH: tl.constexpr):
+    """Program (i_b, i_s) of ``_offers_kernel`` (its arguments; indices int64)."""
     tl.static_assert(BLOCK_GP % BLOCK_U == 0)
-    i_b, i_s = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     o_row = i_b * P + i_s  # (variant, source)
 
     # area of every QO unit on the source: unit v's tasks are v * P + j, j in [0, P)

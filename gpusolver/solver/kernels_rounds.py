@@ -1,0 +1,258 @@
+"""The device solver's whole round loop in one persistent Triton kernel.
+
+``solve_rounds_persistent(tasks, cap, variants, rounds, workers)`` runs every
+round of every variant of ``device._run_variants`` in a single launch and
+equals it exactly (the best assignment and key of each variant). It calls
+the same kernel bodies the per-step launchers use (``kernels``,
+``kernels_offers``, ``kernels_accept``), one after the other, so the twins
+stay one piece of code:
+
+    init (owner-computes, unit slots) -> for each round:
+        reset state -> task scatter -> bytes per rank -> threshold (round 0), track
+        -> offers per source -> bundle per (source, unit slot) -> accept and apply
+
+The grid is ``(B * W,)``: W workers per variant split each step's programs
+(tiles, ranks, sources, unit slots) between them, and meet at a barrier
+between steps. With ``W == 1`` the barrier is a plain ``tl.debug_barrier``
+(the program's threads see each other's global writes). With ``W > 1`` it is
+also a counter per variant: each worker's first thread adds one with release
+semantics and spins on an acquire load until all W arrived; the launch is
+cooperative, so the runtime either makes every worker resident or refuses
+the launch (a spin barrier must never wait for a worker that is not
+running). The Triton interpreter runs programs one after the other, so it
+only runs ``W == 1``.
+
+Acceptance (one block of all N proposals per variant) and tracking run on
+worker 0 of each variant; the moves are applied to the assignment in place.
+
+Shape legend: B variants, W workers per variant, G head groups, P ranks,
+T = G * P * P tasks, K units offered per source, D window destinations,
+N = P * K proposals per variant.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from gpusolver.solver.device import _BIG, _Tasks
+from gpusolver.solver.kernels import _bundle_unit, _state_bytes_rank, _state_tile
+from gpusolver.solver.kernels_accept import _BLOCK_C, _BLOCK_J, _accept_variant, _track_variant
+from gpusolver.solver.kernels_offers import _TILE, _offers_source
+
+_BIG_T = tl.constexpr(_BIG)
+# Tasks per scatter tile.
+_BLOCK_T = 1024
+
+
+@triton.jit
+def _i64(x):
+    """x as an int64 scalar (loop indices are plain ints in the interpreter, int32 when compiled)."""
+    return tl.zeros([], tl.int64) + x
+
+
+@triton.jit
+def _sync(bar_ptr, phase, W: tl.constexpr):
+    """Barrier ``phase`` (1, 2, ...) of one variant's W workers."""
+    tl.debug_barrier()
+    if W > 1:
+        tl.atomic_add(bar_ptr, 1, sem="release")
+        while tl.atomic_add(bar_ptr, 0, sem="acquire") < phase * W:
+            pass
+        tl.debug_barrier()
+
+
+@triton.jit
+def _rounds_kernel(
+    a_ptr,  # [B, T+1] int64 scratch: the current assignment (column T is a dummy)
+    best_a_ptr,  # [B, T+1] int64 out: each variant's best assignment
+    best_key_ptr,  # [B] int64 out: its key (balanced first, then the lower bottleneck)
+    area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr,  # [T] int64 each (strided)
+    unit_tasks_ptr,  # [2, G*P, P] int64 contiguous
+    order_ptr, width_ptr, units_ptr,  # [B] int64: task order, window width, units offered
+    scale_ptr,  # [B] fp64: threshold scale of each variant (inf = unbounded)
+    cap_ptr,  # 0-dim int64: the largest balanced load
+    lo_ptr, acc_ptr, len_ptr,  # state scratch, laid out as in ``state_triton``
+    thr_ptr, limit_ptr,  # [B] fp64 scratch
+    excess_ptr, headroom_ptr,  # [B, P] int64 scratch
+    balance_ptr, stuck_ptr,  # [B] bool scratch
+    dest_cap_ptr,  # [B] int64 scratch
+    unit_ptr, dests_ptr,  # [B, P, K], [B, P, D] int64 scratch
+    ok_ptr, fits_ptr, keep_ptr,  # [B, N] bool scratch
+    score_ptr,  # [B, N] fp64 scratch
+    dest_ptr, source_ptr, parea_ptr, dsend_ptr, drecv_ptr,  # [B, N] int64 scratch
+    ptasks_ptr,  # [B, N, P] int64 scratch
+    bar_ptr,  # [B] int32, zero-initialised: barrier counters
+    ROUNDS, T, P, G, B, K, D,
+    stride_area, stride_q, stride_k,
+    Q_BYTES, O_BYTES, KV_BYTES,
+    W: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_GP: tl.constexpr,
+    BLOCK_U: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_J: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    i_b = (pid // W).to(tl.int64)
+    w = pid % W
+    GP = G * P
+    N = P * K
+    n = B * T  # cells of one [B, G*P, P] buffer
+    stride_a = T + 1
+    bar = bar_ptr + i_b
+    phase = 0
+    # buffers of the state (see state_triton): lo = q_lo, k_lo; acc = q_hi, k_hi, kcount, load, bottleneck;
+    # len = qlen, klen, send, recv, vol
+    load_ptr = acc_ptr + 3 * n
+    bneck_ptr = acc_ptr + 3 * n + B * P
+    send_ptr = len_ptr + 2 * n
+    recv_ptr = send_ptr + B * P
+    vol_ptr = recv_ptr + B * P
+
+    # owner-computes start (every task on its query host, P for empty ones) and each proposal's source
+    for c0 in range(w * BLOCK_C, T + 1, W * BLOCK_C):
+        o_c = (c0 + tl.arange(0, BLOCK_C)).to(tl.int64)
+        m_c = o_c < T + 1
+        b_area = tl.load(area_ptr + o_c * stride_area, mask=o_c < T, other=0)
+        tl.store(a_ptr + i_b * stride_a + o_c, tl.where(b_area > 0, (o_c // P) % P, P), mask=m_c)
+    for c0 in range(w * BLOCK_N, N, W * BLOCK_N):
+        o_c = c0 + tl.arange(0, BLOCK_N)
+        tl.store(source_ptr + i_b * N + o_c, _i64(o_c // K), mask=o_c < N)
+    if w == 0:
+        tl.store(stuck_ptr + i_b, False)
+        tl.store(best_key_ptr + i_b, _BIG_T)
+    phase += 1
+    _sync(bar, phase, W)
+
+    for rnd in range(0, ROUNDS + 1):
+        # state: reset this variant's hulls and sums, scatter its tasks, then bytes per rank
+        for c0 in range(w * BLOCK_C, T, W * BLOCK_C):
+            o_c = c0 + tl.arange(0, BLOCK_C)
+            m_c = o_c < T
+            o_cell = i_b * T + o_c
+            tl.store(lo_ptr + o_cell, tl.full([BLOCK_C], _BIG_T, tl.int64), mask=m_c)
+            tl.store(lo_ptr + n + o_cell, tl.full([BLOCK_C], _BIG_T, tl.int64), mask=m_c)
+            tl.store(acc_ptr + o_cell, tl.zeros([BLOCK_C], tl.int64), mask=m_c)
+            tl.store(acc_ptr + n + o_cell, tl.zeros([BLOCK_C], tl.int64), mask=m_c)
+            tl.store(acc_ptr + 2 * n + o_cell, tl.zeros([BLOCK_C], tl.int64), mask=m_c)
+        if w == 0:
+            o_p = tl.arange(0, BLOCK_P)
+            tl.store(load_ptr + i_b * P + o_p, tl.zeros([BLOCK_P], tl.int64), mask=o_p < P)
+            tl.store(bneck_ptr + i_b, 0)
+        phase += 1
+        _sync(bar, phase, W)
+        for i_t in range(w, tl.cdiv(T, BLOCK_T), W):
+            _state_tile(a_ptr, area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr, lo_ptr, acc_ptr,
+                        i_t, i_b, T, P, B, stride_a, stride_area, stride_q, stride_k, BLOCK_T)
+        phase += 1
+        _sync(bar, phase, W)
+        for i_r in range(w, P, W):
+            _state_bytes_rank(lo_ptr, acc_ptr, len_ptr, send_ptr, recv_ptr, vol_ptr, bneck_ptr,
+                              i_b, _i64(i_r), B, G, P, Q_BYTES, O_BYTES, KV_BYTES, BLOCK_G, BLOCK_P)
+        phase += 1
+        _sync(bar, phase, W)
+
+        # round 0 is owner-computes, the threshold ladder's base; then the best state and the round's limits
+        if w == 0:
+            if rnd == 0:
+                scale = tl.load(scale_ptr + i_b)
+                base = tl.load(bneck_ptr + i_b).to(tl.float64)
+                tl.store(thr_ptr + i_b, tl.where(scale == float("inf"), tl.full([], _BIG_T, tl.int64).to(tl.float64),
+                                                 base * scale + 1.0))
+                tl.debug_barrier()
+            _track_variant(a_ptr, best_a_ptr, load_ptr, bneck_ptr, cap_ptr, stuck_ptr, thr_ptr, best_key_ptr,
+                           best_a_ptr, best_key_ptr, dest_cap_ptr, balance_ptr, limit_ptr, excess_ptr,
+                           i_b, P, T, stride_a, stride_a, P, stride_a, BLOCK_P, BLOCK_C)
+        phase += 1
+        _sync(bar, phase, W)
+
+        if rnd < ROUNDS:
+            for i_s in range(w, P, W):
+                _offers_source(a_ptr, area_ptr, load_ptr, dest_cap_ptr, width_ptr, unit_ptr, headroom_ptr,
+                               dests_ptr, i_b, _i64(i_s), P, GP, K, D, stride_a, stride_area, P, 1,
+                               BLOCK_P, BLOCK_GP, BLOCK_U, BLOCK_W, True)
+            phase += 1
+            _sync(bar, phase, W)
+            for i_sk in range(w, N, W):
+                _bundle_unit(a_ptr, area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr, unit_tasks_ptr, order_ptr,
+                             unit_ptr, dests_ptr, headroom_ptr, excess_ptr, send_ptr, recv_ptr, vol_ptr,
+                             balance_ptr, bneck_ptr, thr_ptr,
+                             lo_ptr, acc_ptr, lo_ptr + n, acc_ptr + n, len_ptr, len_ptr + n, acc_ptr + 2 * n,
+                             ok_ptr, score_ptr, dest_ptr, parea_ptr, dsend_ptr, drecv_ptr, ptasks_ptr, units_ptr,
+                             i_b, _i64(i_sk // K), _i64(i_sk % K),
+                             T, P, K, D, GP, stride_a, stride_area, stride_q, stride_k, Q_BYTES, O_BYTES, KV_BYTES,
+                             BLOCK_P, BLOCK_D, True)
+            phase += 1
+            _sync(bar, phase, W)
+            if w == 0:
+                _accept_variant(score_ptr, ok_ptr, dest_ptr, source_ptr, parea_ptr, dsend_ptr, drecv_ptr,
+                                load_ptr, send_ptr, recv_ptr, excess_ptr, dest_cap_ptr, limit_ptr, balance_ptr,
+                                fits_ptr, keep_ptr, stuck_ptr, ptasks_ptr, a_ptr, a_ptr, i_b, N, P, P, T,
+                                N, N, N, N, N, N, N, P, P, P, P, 1, stride_a, stride_a,
+                                BLOCK_N, BLOCK_J, BLOCK_P, BLOCK_C, True)
+            phase += 1
+            _sync(bar, phase, W)
+
+
+def solve_rounds_persistent(tasks: _Tasks, cap: torch.Tensor, tables: torch.Tensor, scales: torch.Tensor,
+                            K: int, D: int, rounds: int, workers: int = 1):
+    """All rounds of all variants in one launch (Triton twin of ``device._run_variants``).
+
+    tasks:   _Tasks of the solve (T = G * P * P tasks).
+    cap:     0-dim int64, the largest balanced load.
+    tables:  [3, B] int64 per-variant task order (index into TASK_ORDERS),
+             window width (<= D) and units offered (<= K).
+    scales:  [B] fp64 threshold scales (inf = unbounded).
+    K, D:    host ints, unit slots per source and window destinations.
+    rounds:  host int, rounds of moves.
+    workers: host int W, programs per variant (1 under the Triton interpreter;
+             more needs a cooperative launch on a GPU).
+    Returns (best_A [B, T+1] int64, best_key [B] int64), equal to
+    ``_run_variants`` with the same strategies in columns [0, T) and in the key.
+    """
+    G, P, T = tasks.G, tasks.P, tasks.T
+    B, dev = scales.shape[0], scales.device
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    if workers > 1 and (dev.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"):
+        raise ValueError(f"workers={workers} needs a cooperative launch on a CUDA device; use workers=1 on {dev}")
+    N = P * K
+    empty = lambda *shape, dtype=torch.int64: torch.empty(shape, dtype=dtype, device=dev)  # noqa: E731
+    A, best_A = empty(B, T + 1), empty(B, T + 1)
+    best_key = empty(B)
+    if dev.type == "meta":  # shapes only: there is no data to run the kernel on
+        return best_A, best_key
+    n = B * T
+    lo, acc, lens = empty(2 * n), empty(3 * n + B * P + B), empty(2 * n + 3 * B * P)
+    thr, limit = empty(B, dtype=torch.float64), empty(B, dtype=torch.float64)
+    excess, headroom = empty(B, P), empty(B, P)
+    balance, stuck = empty(B, dtype=torch.bool), empty(B, dtype=torch.bool)
+    dest_cap = empty(B)
+    unit, dests = empty(B, P, K), empty(B, P, D)
+    ok, fits, keep = (empty(B, N, dtype=torch.bool) for _ in range(3))
+    score = empty(B, N, dtype=torch.float64)
+    dest, source, parea, dsend, drecv = (empty(B, N) for _ in range(5))
+    ptasks = empty(B, N, P)
+    bar = torch.zeros((B,), dtype=torch.int32, device=dev)
+    order, width, units = tables.contiguous().unbind(0)
+    block_gp = triton.next_power_of_2(G * P)
+    block_n = triton.next_power_of_2(N)
+    extra = {"launch_cooperative_grid": True} if workers > 1 else {}
+    _rounds_kernel[(B * workers,)](
+        A, best_A, best_key, tasks.area, tasks.qlo, tasks.qhi, tasks.klo, tasks.khi,
+        tasks.unit_tasks.contiguous(), order, width, units, scales.contiguous(), cap,
+        lo, acc, lens, thr, limit, excess, headroom, balance, stuck, dest_cap, unit, dests,
+        ok, fits, keep, score, dest, source, parea, dsend, drecv, ptasks, bar,
+        rounds, T, P, G, B, K, D,
+        tasks.area.stride(0), tasks.qlo.stride(0), tasks.klo.stride(0),
+        tasks.q, tasks.o, tasks.kv,
+        W=workers,
+        BLOCK_T=min(_BLOCK_T, triton.next_power_of_2(T)), BLOCK_G=triton.next_power_of_2(G),
+        BLOCK_P=triton.next_power_of_2(P), BLOCK_GP=block_gp, BLOCK_U=max(1, min(block_gp, _TILE // block_gp)),
+        BLOCK_W=triton.next_power_of_2(D), BLOCK_D=triton.next_power_of_2(D + 3), BLOCK_N=block_n,
+        BLOCK_J=min(_BLOCK_J, block_n), BLOCK_C=min(_BLOCK_C, triton.next_power_of_2(T + 1)),
+        enable_fp_fusion=False,  # no fused multiply-add: thresholds and scores round like the twin's
+        **extra,
+    )
+    return best_A, best_key

@@ -1,0 +1,59 @@
+"""The persistent round-loop kernel equals the torch round loop exactly (interpreter on CPU)."""
+import pytest
+import torch
+
+from gpusolver.areas import block_areas
+from gpusolver.config import SolverConfig
+from gpusolver.masks import causal_mask, packed_documents
+from gpusolver.solver import device
+from gpusolver.solver.device import Strategy, solve_device
+from gpusolver.solver.kernels_rounds import solve_rounds_persistent
+from tests._testing import assert_close
+
+_STRATEGIES = (Strategy((3.0, float("inf")), units_per_rank=2, bundle_dests=4),
+               Strategy((1.5,), units_per_rank=1, bundle_dests=2, task_order="rows"))
+
+
+def _problem(P, G, kind):
+    config = SolverConfig(cp_size=P, num_heads_q=4 * G, num_heads_kv=G)
+    mask = packed_documents(512 * P, seed=0) if kind == "packed" else causal_mask(64 * P)
+    areas = block_areas(mask, P, G, impl="torch")
+    tasks = device._Tasks(areas, config)
+    cap = (int(round(config.imbalance_tol * device._MU_SCALE)) * tasks.area.sum()) // (P * device._MU_SCALE)
+    return config, areas, tasks, cap
+
+
+@pytest.mark.parametrize("P,G,kind,rounds", [(4, 2, "packed", 3), (3, 1, "causal", 2)])
+def test_every_variant_equals_the_torch_loop(P, G, kind, rounds):
+    """Best assignment and key of every variant, not only the winner's."""
+    _, _, tasks, cap = _problem(P, G, kind)
+    ref_A, ref_key = device._run_variants(tasks, cap, _STRATEGIES, rounds)
+    variants, K, D = device._variants(_STRATEGIES, tasks.G, P)
+    A, key = solve_rounds_persistent(tasks, cap, device._variant_tables(variants, "cpu"),
+                                     device._variant_scales(variants, "cpu"), K, D, rounds)
+    assert_close("best_key", ref_key, key)
+    assert_close("best_A", ref_A[:, :tasks.T], A[:, :tasks.T])
+    assert bool((ref_A[:, :tasks.T] != torch.where(tasks.valid, tasks.i, P)).any()), "no variant moved a task"
+
+
+def test_solve_persistent_equals_torch():
+    config, areas, _, _ = _problem(4, 2, "packed")
+    ref = solve_device(areas, config, rounds=3, strategies=_STRATEGIES, impl="torch")
+    per = solve_device(areas, config, rounds=3, strategies=_STRATEGIES, impl="persistent")
+    for name in ("assignment", "balanced", "fwd_bottleneck", "variant"):
+        assert_close(name, getattr(ref, name), getattr(per, name))
+
+
+def test_persistent_runs_on_meta():
+    config, areas, _, _ = _problem(4, 2, "packed")
+    res = solve_device(areas.to("meta"), config, rounds=3, strategies=_STRATEGIES, impl="persistent")
+    assert res.assignment.device.type == "meta" and res.assignment.shape == (2, 4, 4)
+    assert res.assignment.dtype == torch.int32
+
+
+def test_workers_are_checked():
+    config, areas, _, _ = _problem(3, 1, "causal")
+    with pytest.raises(ValueError, match="workers=2"):
+        solve_device(areas, config, rounds=1, strategies=_STRATEGIES, impl="persistent", workers=2)
+    with pytest.raises(ValueError, match="workers must be >= 1"):
+        solve_device(areas, config, rounds=1, strategies=_STRATEGIES, impl="persistent", workers=0)
