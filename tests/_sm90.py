@@ -82,24 +82,31 @@ import importlib, json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-failures = []
+results = []
 for rec in json.load(sys.stdin):
     kernel = getattr(importlib.import_module(rec["module"]), rec["name"])
+    result = {"name": rec["name"], "error": None, "ptx": {}}
     try:
         src = ASTSource(kernel, rec["signature"], constexprs=rec["constexprs"])
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=rec["options"])
-        assert compiled.asm["cubin"]
+        assert compiled.asm["cubin"], "no cubin"
+        result["ptx"] = {text: text in compiled.asm["ptx"] for text in rec.get("expect_ptx", [])}
     except Exception as e:
-        failures.append(f"{rec['module']}.{rec['name']}: {type(e).__name__}: {e}")
-print(json.dumps(failures))
+        result["error"] = f"{type(e).__name__}: {e}"[-2000:]
+    results.append(result)
+print(json.dumps(results))
 """
 
 
-def compile_sm90(records: list[dict], timeout: float = 600.0) -> list[str]:
-    """Compile every record for sm_90 in a subprocess; returns one message per failure (empty: all compiled)."""
+def compile_sm90(records: list[dict], timeout: float = 600.0) -> list[dict]:
+    """Compile every record for sm_90 in a subprocess.
+
+    A record may list ``expect_ptx`` strings. Returns one dict per record:
+    name, error (None when it compiled to a cubin) and ptx ({string: found}).
+    """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", _COMPILER], input=json.dumps(records), env=env,
                          capture_output=True, text=True, timeout=timeout, check=False)
     if out.returncode != 0:
-        return [f"compiler process failed ({out.returncode}): {out.stderr[-2000:]}"]
+        raise RuntimeError(f"compiler process failed ({out.returncode}): {out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -1,0 +1,49 @@
+"""The solver's Triton kernels compile for an sm_90 target (H100/H200) without a GPU.
+
+The launches of a small interpreted solve are recorded (argument types,
+constexprs, options) and compiled by the real front end and ptxas in a
+subprocess with the interpreter off: the interpreter accepts code the
+compiler rejects. The persistent kernel is also compiled with several
+workers per variant, as a cooperative launch, and its barrier is checked in
+the PTX: a release add and an acquire poll at GPU scope.
+"""
+import copy
+
+import pytest
+
+from gpusolver.areas import block_areas
+from gpusolver.config import SolverConfig
+from gpusolver.masks import packed_documents
+from gpusolver.solver.device import Strategy, solve_device
+from tests._sm90 import capture_launches, compile_sm90
+
+_BARRIER_PTX = ("atom.global.gpu.release.add", "ld.global.gpu.acquire")
+
+
+@pytest.mark.slow
+def test_solver_kernels_compile_for_sm90():
+    P = 4
+    config = SolverConfig(cp_size=P, num_heads_q=8, num_heads_kv=2)
+    mask = packed_documents(512 * P, seed=0)
+    strategies = (Strategy((3.0, float("inf")), units_per_rank=2, bundle_dests=4),)
+    with capture_launches() as records:
+        areas = block_areas(mask, P, config.head_groups, impl="triton")
+        solve_device(areas, config, rounds=1, strategies=strategies, impl="triton")
+        solve_device(areas, config, rounds=1, strategies=strategies, impl="persistent")
+    names = sorted(r["name"] for r in records)
+    assert names == sorted(["_block_areas_kernel", "_state_kernel", "_state_bytes_kernel", "_offers_kernel",
+                            "_bundle_kernel", "_accept_kernel", "_track_kernel", "_rounds_kernel"]), names
+    persistent = next(r for r in records if r["name"] == "_rounds_kernel")
+    assert persistent["constexprs"]["W"] == 1
+    cooperative = copy.deepcopy(persistent)
+    cooperative["constexprs"]["W"] = 8
+    cooperative["options"]["launch_cooperative_grid"] = True
+    cooperative["expect_ptx"] = list(_BARRIER_PTX)
+    persistent["expect_ptx"] = list(_BARRIER_PTX)
+
+    results = compile_sm90(records + [cooperative])
+    failed = [f"{r['name']}: {r['error']}" for r in results if r["error"]]
+    assert not failed, "\n".join(failed)
+    single, multi = results[records.index(persistent)], results[-1]
+    assert all(multi["ptx"].values()), f"the W=8 barrier is missing from the PTX: {multi['ptx']}"
+    assert not any(single["ptx"].values()), f"W=1 needs no grid barrier: {single['ptx']}"
