@@ -5,8 +5,11 @@ bf16, G = 8) and backend:
 
 ``cpu/torch``   block areas (torch implementation) then ``solve_device`` on
                 CPU tensors; wall time, median of ``--repeats`` after a warm-up.
-``cuda/triton`` (only where ``torch.cuda.is_available()``) block areas
-                (Triton implementation) then ``solve_device`` on CUDA tensors:
+``cuda/...``    (only where ``torch.cuda.is_available()``) block areas
+                (Triton implementation) then ``solve_device`` on CUDA tensors,
+                for each Triton path (``CUDA_PATHS``: a few kernels per
+                round; the persistent kernel with 1 and with the default
+                number of workers per variant):
                 CUDA-event times after warm-up, the same pipeline captured in
                 a CUDA graph and replayed, and one run under
                 ``torch.cuda.set_sync_debug_mode("error")`` to prove it never
@@ -144,23 +147,29 @@ def _graph_replay(fn, repeats: int):
     return secs, out
 
 
+# The CUDA paths timed side by side: (impl, workers per variant of the persistent kernel, None = auto).
+CUDA_PATHS = (("triton", None), ("persistent", 1), ("persistent", None))
+
+
 def cuda_row(kind: str, cp_size: int, seed: int, repeats: int, tokens_per_rank: int, cpu: dict,
-             cpu_asg, ref_asg_cpu) -> dict:
-    """The Triton path on CUDA: event times, launches, CUDA-graph replay, sync-free check."""
+             cpu_asg, ref_asg_cpu, impl: str = "triton", workers: int | None = None) -> dict:
+    """One Triton path on CUDA: event times, launches, CUDA-graph replay, sync-free check."""
     config = SolverConfig(cp_size=cp_size)
     mask = make_mask(kind, cp_size, seed, tokens_per_rank, device="cuda")
     run_areas = lambda: block_areas(mask, cp_size, config.head_groups, impl="triton")  # noqa: E731
-    pipeline = lambda: solve_device(run_areas(), config)  # noqa: E731
+    solve = lambda areas: solve_device(areas, config, impl=impl, workers=workers)  # noqa: E731
+    pipeline = lambda: solve(run_areas())  # noqa: E731
+    backend = f"cuda/{impl}" + ("" if impl != "persistent" else f" W={workers or 'auto'}")
     for _ in range(2):  # compile the Triton kernels, warm the allocator
         pipeline()
     torch.cuda.synchronize()
     with LaunchCounter() as count_areas:
         areas = run_areas()
     with LaunchCounter() as count_solve:
-        solve_device(areas, config)
+        solve(areas)
     torch.cuda.synchronize()
     areas_s, areas = cuda_time(run_areas, repeats)
-    solve_s, res = cuda_time(lambda: solve_device(areas, config), repeats)
+    solve_s, res = cuda_time(lambda: solve(areas), repeats)
     sync_free, sync_err = _sync_free(pipeline)
     try:
         graph_s, graph_out = _graph_replay(pipeline, repeats)
@@ -170,7 +179,7 @@ def cuda_row(kind: str, cp_size: int, seed: int, repeats: int, tokens_per_rank: 
         graph_ms, graph_err, graph_same = None, f"{type(e).__name__}: {str(e).splitlines()[0]}", None
         torch.cuda.synchronize()
     ref_asg = ref_asg_cpu.to("cuda")
-    return {"kind": kind, "P": cp_size, "seed": seed, "backend": "cuda/triton", "num_slices": mask.num_slices,
+    return {"kind": kind, "P": cp_size, "seed": seed, "backend": backend, "num_slices": mask.num_slices,
             "areas_ms": 1e3 * areas_s, "solve_ms": 1e3 * solve_s, "total_ms": 1e3 * (areas_s + solve_s),
             "graph_ms": graph_ms, "graph_error": graph_err, "graph_matches_eager": graph_same,
             "sync_free": sync_free, "sync_error": sync_err, "ref_ms": cpu["ref_ms"],
@@ -214,7 +223,8 @@ def main(argv=None) -> dict:
             cpu, cpu_asg, ref_asg = cpu_row(kind, P, args.seed, args.repeats, args.tokens_per_rank)
             rows.append(cpu)
             if use_cuda:
-                rows.append(cuda_row(kind, P, args.seed, args.repeats, args.tokens_per_rank, cpu, cpu_asg, ref_asg))
+                rows.extend(cuda_row(kind, P, args.seed, args.repeats, args.tokens_per_rank, cpu, cpu_asg, ref_asg,
+                                     impl, workers) for impl, workers in CUDA_PATHS)
             print(f"# done {kind} P={P}", file=sys.stderr, flush=True)
     notes = sorted({r["note"] for r in rows if r["note"]} | {f"P={r['P']}: graph failed: {r['graph_error']}"
                                                             for r in rows if r.get("graph_error")}

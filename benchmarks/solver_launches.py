@@ -13,8 +13,12 @@ Without a GPU the Triton path runs in the Triton interpreter, which this
 script switches on before anything imports triton; launch counts do not
 depend on it, times do (none are reported here).
 
+The persistent path (``impl="persistent"``) runs every round in one Triton
+launch, so its per-round count is 0 and a solve is its fixed part plus one.
+
     python benchmarks/solver_launches.py            # P = 4, 8
     python benchmarks/solver_launches.py --P 8,16
+    python benchmarks/solver_launches.py --P 64 --paths persistent   # minutes: the interpreter runs it
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ from gpusolver.areas import block_areas  # noqa: E402
 from gpusolver.config import SolverConfig  # noqa: E402
 from gpusolver.solver.device import DEFAULT_ROUNDS, solve_device  # noqa: E402
 
+PATHS = ("torch", "triton", "persistent")
 COLUMNS = [
     ("P", "P", "d"), ("path", "path", ""), ("per round", "per_round", "d"), ("fixed", "fixed", "d"),
     ("per solve", "per_solve", "d"), ("triton per solve", "triton_per_solve", "d"), ("host reads", "host_reads", "d"),
@@ -66,15 +71,17 @@ def measure(P: int, impl: str, device: str, rounds: int = DEFAULT_ROUNDS) -> dic
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--P", default="4,8", help="comma-separated CP sizes (default 4,8)")
+    p.add_argument("--paths", default=",".join(PATHS), help=f"solver paths (default {','.join(PATHS)})")
     p.add_argument("--json", default=str(RESULTS_DIR / "solver_launches.json"))
     args = p.parse_args(argv)
     try:
         sizes = parse_list(args.P, int, name="--P")
+        paths = parse_list(args.paths, str, allowed=PATHS, name="--paths")
     except ValueError as e:
         p.error(str(e))
     torch.set_num_threads(1)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    rows = [measure(P, impl, device) for P in sizes for impl in ("torch", "triton")]
+    rows = [measure(P, impl, device) for P in sizes for impl in paths]
     print(f"## Kernel launches per device solve ({DEFAULT_ROUNDS} rounds, default portfolio, device {device})\n")
     print(markdown_table(rows, COLUMNS))
     payload = {"benchmark": "solver_launches", "environment": environment(), "rows": rows}

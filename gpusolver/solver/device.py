@@ -554,7 +554,7 @@ def _run_variants(tasks: _Tasks, cap: torch.Tensor, strategies: tuple[Strategy, 
 
 def solve_device(areas: BlockAreas, config: SolverConfig, *, rounds: int = DEFAULT_ROUNDS,
                  strategies: tuple[Strategy, ...] | None = None, impl: str = "auto",
-                 workers: int = 1) -> DeviceSolveResult:
+                 workers: int | None = None) -> DeviceSolveResult:
     """Assign every task to a rank, on the device of ``areas``, without host reads.
 
     areas:      BlockAreas (area [G, P, P] int64, q_need/k_need [G, P, P, 2] int64).
@@ -563,7 +563,8 @@ def solve_device(areas: BlockAreas, config: SolverConfig, *, rounds: int = DEFAU
     strategies: batches of variants (default: ``default_strategies(P)``); the best state wins.
     impl:       "torch"; "triton" (a few kernels per round, solver/kernels*.py); "persistent"
                 (one kernel for all rounds, solver/kernels_rounds.py); or "auto" (triton on CUDA).
-    workers:    programs per variant of the persistent kernel (1, or more on CUDA only).
+    workers:    programs per variant of the persistent kernel (None: 1 off CUDA, on CUDA as
+                many as keep every variant's programs resident, ``default_workers``).
     Returns a DeviceSolveResult; ``assignment`` is [G, P, P] int32 and
     ``variant`` indexes the variants of all strategies in order.
     """
@@ -581,12 +582,14 @@ def solve_device(areas: BlockAreas, config: SolverConfig, *, rounds: int = DEFAU
     mu_num = int(round(config.imbalance_tol * _MU_SCALE))
     cap = (mu_num * tasks.area.sum()) // (P * _MU_SCALE)  # largest balanced load
     if impl == "persistent":
-        from gpusolver.solver.kernels_rounds import solve_rounds_persistent
+        from gpusolver.solver.kernels_rounds import default_workers, solve_rounds_persistent
 
         variants, K, D = _variants(strategies, G, P)
-        best_A, best_key = solve_rounds_persistent(tasks, cap, _variant_tables(variants, areas.area.device),
-                                                   _variant_scales(variants, areas.area.device), K, D, rounds,
-                                                   workers)
+        dev = areas.area.device
+        if workers is None:
+            workers = default_workers(len(variants), P * K, dev)
+        best_A, best_key = solve_rounds_persistent(tasks, cap, _variant_tables(variants, dev),
+                                                   _variant_scales(variants, dev), K, D, rounds, workers)
     elif impl == "triton" or (impl == "auto" and areas.area.is_cuda):
         # fused kernels for the two heaviest steps; one batch for the whole portfolio (fewest launches)
         from gpusolver.solver.kernels import bundle_proposals_triton, state_triton

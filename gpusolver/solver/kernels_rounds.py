@@ -195,6 +195,16 @@ def _rounds_kernel(
             _sync(bar, phase, W)
 
 
+def default_workers(variants: int, proposals: int, device) -> int:
+    """Workers per variant: 1 off CUDA (or interpreted); on CUDA one program per SM for all variants
+    together (a cooperative launch must fit the device at once), at most one per proposal slot."""
+    device = torch.device(device)
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(proposals, sms // max(variants, 1)))
+
+
 def solve_rounds_persistent(tasks: _Tasks, cap: torch.Tensor, tables: torch.Tensor, scales: torch.Tensor,
                             K: int, D: int, rounds: int, workers: int = 1):
     """All rounds of all variants in one launch (Triton twin of ``device._run_variants``).

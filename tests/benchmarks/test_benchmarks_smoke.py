@@ -163,8 +163,12 @@ def test_launches_static_loop(tmp_path):
         torch.set_num_threads(saved_threads)
         sys.modules.pop("_bench_solver_launches", None)
     rows = {r["path"]: r for r in payload["rows"]}
-    assert set(rows) == {"torch", "triton"}
+    assert set(rows) == {"torch", "triton", "persistent"}
     for r in rows.values():
-        assert r["host_reads"] == 0 and r["per_round"] > 0 and r["per_solve"] == r["fixed"] + r["rounds"] * r["per_round"]
+        assert r["host_reads"] == 0 and r["per_solve"] == r["fixed"] + r["rounds"] * r["per_round"]
     assert rows["triton"]["triton_per_solve"] >= rows["triton"]["rounds"]  # fused kernels launch every round
     assert 10 * rows["triton"]["per_round"] < rows["torch"]["per_round"]
+    # the persistent kernel runs every round: one Triton launch per solve, nothing per round
+    persistent = rows["persistent"]
+    assert persistent["per_round"] == 0 and persistent["triton_per_solve"] == 1
+    assert persistent["per_solve"] <= 64
