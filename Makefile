@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo bench clean
+.PHONY: install test demo bench gpu-check clean
 
 install: $(STAMP)
 
@@ -25,6 +25,14 @@ demo: install
 
 bench: install
 	$(PY) benchmarks/solver_quality.py
+
+# On a CUDA machine with its own torch and triton (no venv): every solver path
+# timed side by side (CUDA events, CUDA-graph replay, sync-debug check, equality
+# with the CPU path) and the attention kernels. The timeout guards the
+# persistent kernel's grid barrier, which no CPU test can run.
+gpu-check:
+	timeout 420 $(PYTHON) benchmarks/solver_latency.py --P 8,64 --repeats 5 --md benchmarks/results/solver_latency_gpu.md
+	timeout 120 $(PYTHON) benchmarks/kernel_bench.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
