@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, run as a script or loaded by path
 
-from _common import RESULTS_DIR, environment, make_mask, markdown_table, ratio, write_json  # noqa: E402
+from _common import RESULTS_DIR, environment, make_mask, markdown_table, ratio, write_json, write_text  # noqa: E402
 from gpusolver.areas import block_areas  # noqa: E402
 from gpusolver.bounds import milp_bottleneck  # noqa: E402
 from gpusolver.config import SolverConfig  # noqa: E402
@@ -62,15 +62,18 @@ def main(argv=None) -> dict:
     p.add_argument("--time-limit", type=float, default=20.0, help="seconds for each MILP")
     p.add_argument("--kinds", default="causal,full")
     p.add_argument("--json", default=str(RESULTS_DIR / "optimality_gap.json"))
+    p.add_argument("--md", default=str(RESULTS_DIR / "optimality_gap.md"),
+                   help="the printed table, without the MILP solver's own log lines")
     args = p.parse_args(argv)
     if args.seeds <= 0 or args.time_limit <= 0:
         p.error(f"--seeds and --time-limit must be positive, got {args.seeds}, {args.time_limit}")
     torch.set_num_threads(1)
     rows = [row(kind, P, hq, hkv, seed, args.time_limit)
             for kind in args.kinds.split(",") for P, hq, hkv in CASES for seed in range(args.seeds)]
-    print("## Optimality gap: forward bottleneck vs the MILP lower bound (packed documents, "
-          f"{TOKENS_PER_RANK} tokens per rank, D = 128, bf16, mu = 1.10)\n")
-    print(markdown_table(rows, COLUMNS))
+    text = ("## Optimality gap: forward bottleneck vs the MILP lower bound (packed documents, "
+            f"{TOKENS_PER_RANK} tokens per rank, D = 128, bf16, mu = 1.10)\n\n{markdown_table(rows, COLUMNS)}\n")
+    print(text)
+    write_text(args.md, text)
     payload = {"benchmark": "optimality_gap", "environment": environment(), "rows": rows}
     write_json(args.json, payload)
     return payload

@@ -172,3 +172,24 @@ def test_launches_static_loop(tmp_path):
     persistent = rows["persistent"]
     assert persistent["per_round"] == 0 and persistent["triton_per_solve"] == 1
     assert persistent["per_solve"] <= 64
+
+
+def test_optimality_gap_quick(tmp_path):
+    saved_path, saved_threads = list(sys.path), torch.get_num_threads()
+    md = tmp_path / "gap.md"
+    try:
+        payload = _load("optimality_gap").main(["--seeds", "1", "--time-limit", "2", "--kinds", "causal",
+                                                "--json", str(tmp_path / "gap.json"), "--md", str(md)])
+    finally:
+        sys.path[:] = saved_path
+        torch.set_num_threads(saved_threads)
+        sys.modules.pop("_bench_optimality_gap", None)
+    rows = payload["rows"]
+    assert [(r["kind"], r["P"]) for r in rows] == [("causal", 4), ("causal", 8)]
+    for r in rows:
+        # a lower bound: no plan (the MILP's own, the reference's, the device solver's) moves less
+        plans = [v for v in (r["milp_mb"], r["reference_mb"], r["device_mb"]) if v is not None]
+        assert r["lower_mb"] <= min(plans) + 1e-9
+        assert r["device_gap"] >= 1.0 - 1e-9 and r["reference_gap"] >= 1.0 - 1e-9
+    text = md.read_text()
+    assert text.startswith("## Optimality gap") and text.count("| causal |") == 2
