@@ -17,16 +17,18 @@ from gpusolver.problem import BlockAreas
 SOLVERS = ("device", "reference")
 
 
-def solve_assignment(areas: BlockAreas, config: SolverConfig, *, solver: str = "device") -> torch.Tensor:
+def solve_assignment(areas: BlockAreas, config: SolverConfig, *, solver: str = "device",
+                     impl: str = "auto") -> torch.Tensor:
     """Assign every task: [G, P, P] int32 rank per task, -1 for empty tasks.
 
     ``solver="device"`` is the sync-free parallel solver (any device, no host
-    reads); ``"reference"`` is the CPU yardstick (numpy, reads the areas).
+    reads; ``impl`` picks its path, see ``solve_device``); ``"reference"`` is
+    the CPU yardstick (numpy, reads the areas).
     """
     if solver == "device":
         from gpusolver.solver.device import solve_device
 
-        return solve_device(areas, config).assignment
+        return solve_device(areas, config, impl=impl).assignment
     if solver == "reference":
         from gpusolver.solver.reference import solve_assignment as reference_assignment
 
@@ -35,7 +37,7 @@ def solve_assignment(areas: BlockAreas, config: SolverConfig, *, solver: str = "
 
 
 def solve(mask: AttnSlices, config: SolverConfig, *, solver: str = "device", areas_impl: str = "auto",
-          validate: bool | None = None) -> Plan:
+          impl: str = "auto", validate: bool | None = None) -> Plan:
     """Solve one layer: block areas, assignment, then the Plan's metas.
 
     mask:       AttnSlices with q_ranges / k_ranges [R, 2] (or [G, R, 2]) int32
@@ -43,6 +45,8 @@ def solve(mask: AttnSlices, config: SolverConfig, *, solver: str = "device", are
     config:     SolverConfig (P, Hq, Hkv, D, dtype, mu, capacities).
     solver:     "device" (default; sync-free) or "reference" (CPU yardstick).
     areas_impl: "torch", "triton" or "auto" (Triton on CUDA).
+    impl:       the device solver's path: "torch", "triton", "persistent" (one
+                kernel for all rounds) or "auto" (triton on CUDA, torch elsewhere).
     validate:   host-side value checks of the mask and of the plan's status
                 (reads device values). Default: on for CPU tensors, off on GPU
                 so the per-layer path stays sync-free.
@@ -59,7 +63,7 @@ def solve(mask: AttnSlices, config: SolverConfig, *, solver: str = "device", are
     if validate:
         mask.validate(cp_size=config.cp_size)
     areas = block_areas(mask, config.cp_size, config.head_groups, impl=areas_impl)
-    assignment = solve_assignment(areas, config, solver=solver)
+    assignment = solve_assignment(areas, config, solver=solver, impl=impl)
     plan = build_plan(mask, areas, assignment, config)
     if validate:
         plan.validate(ignore=IMBALANCED)

@@ -57,3 +57,22 @@ def test_workers_are_checked():
         solve_device(areas, config, rounds=1, strategies=_STRATEGIES, impl="persistent", workers=2)
     with pytest.raises(ValueError, match="workers must be >= 1"):
         solve_device(areas, config, rounds=1, strategies=_STRATEGIES, impl="persistent", workers=0)
+
+
+def test_solve_plans_are_identical_on_both_paths(monkeypatch):
+    """The whole layer solve (default rounds; a one-strategy portfolio to keep the interpreter quick)."""
+    from gpusolver import solve
+    from gpusolver.masks import varlen_causal_mask
+
+    monkeypatch.setattr(device, "default_strategies", lambda P: _STRATEGIES[:1])
+    config = SolverConfig(cp_size=3, num_heads_q=8, num_heads_kv=2)
+    mask = varlen_causal_mask([5, 13, 9, 3, 6])  # S = 36, chunk 12
+    a = solve(mask, config, impl="torch")
+    b = solve(mask, config, impl="persistent")
+    assert_close("assignment", a.assignment, b.assignment)
+    assert_close("status", a.status, b.status)
+    for name in ("q_ranges", "k_ranges", "attn_type"):
+        assert_close(name, getattr(a.calc, name), getattr(b.calc, name))
+    for rank in range(3):
+        for kind in ("qo", "kv"):
+            assert_close(f"{kind} send_index rank {rank}", a.comm.send_index(kind, rank), b.comm.send_index(kind, rank))
