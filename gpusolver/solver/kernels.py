@@ -280,24 +280,29 @@ def _bundle_unit(
     T, P, K, D, GP, stride_rb, stride_a, stride_q, stride_k, Q_BYTES, O_BYTES, KV_BYTES,
     BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, HAS_UNITS: tl.constexpr,
 ):
-    """Program (i_b, i_s, i_k) of ``_bundle_kernel`` (its arguments, plus the per-variant unit count)."""
-    o_p = tl.arange(0, BLOCK_P).to(tl.int64)  # task slots of the unit, and ranks
+    """Program (i_b, i_s, i_k) of ``_bundle_kernel`` (its arguments, plus the per-variant unit count).
+
+    Every per-task and per-rank vector is a ``[1, BLOCK_P]`` row, never 1-D: the
+    sm_90 compiler (Triton 3.7) fails on 1-D vectors from a gathered load that
+    are used both alone and broadcast against the ``[BLOCK_D, BLOCK_P]`` tiles.
+    """
+    o_p = tl.arange(0, BLOCK_P).to(tl.int64)[None, :]  # [1, BLOCK_P] task slots of the unit, and ranks
     m_p = o_p < P
-    o_d = tl.arange(0, BLOCK_D).to(tl.int64)  # destinations
+    o_d = tl.arange(0, BLOCK_D).to(tl.int64)  # [BLOCK_D] destinations
     m_d = o_d < D + 3
     o_row = i_b * P  # [B, P] row of this variant
     o_cell = i_b * GP * P  # [B, G*P, P] slab of this variant
     u = tl.load(unit_ptr + (o_row + i_s) * K + i_k)
     i = u % P  # the unit's query host
 
-    # the unit's tasks by area; mine = on the source. [BLOCK_P]
+    # the unit's tasks by area; mine = on the source. [1, BLOCK_P]
     order = tl.load(order_ptr + i_b)
     tid = tl.load(unit_tasks_ptr + (order * GP + u) * P + o_p, mask=m_p, other=0)
     mine = (tl.load(rank_ptr + i_b * stride_rb + tid, mask=m_p, other=-1) == i_s) & m_p
     t_area = tl.where(mine, tl.load(area_ptr + tid * stride_a, mask=m_p, other=0), 0)
-    after = tl.cumsum(t_area, axis=0)
+    after = tl.cumsum(t_area, axis=1)
     before = after - t_area
-    first = mine & (tl.cumsum(mine.to(tl.int64), axis=0) == 1)
+    first = mine & (tl.cumsum(mine.to(tl.int64), axis=1) == 1)
     j_t = tid % P  # key host
     kv_u = (tid // (P * P)) * P + j_t  # KV unit
     qlo_t = tl.load(qlo_ptr + tid * stride_q, mask=m_p, other=0)
@@ -307,10 +312,10 @@ def _bundle_unit(
 
     # destinations [BLOCK_D]: the window, then the first key host, the query host, and the
     # other rank holding most of the unit's rows (first on ties)
-    key_host = tl.sum(tl.where(first, j_t, 0), axis=0)
+    key_host = tl.sum(tl.sum(tl.where(first, j_t, 0), axis=1), axis=0)
     held = tl.load(qlen_ptr + o_cell + u * P + o_p, mask=m_p, other=0)
     held = tl.where(m_p, tl.where(o_p == i_s, -1, held), -_BIG_T)
-    holder = tl.min(tl.where(held == tl.max(held, axis=0), o_p, BLOCK_P), axis=0)
+    holder = tl.min(tl.min(tl.where(held == tl.max(tl.max(held, axis=1), axis=0), o_p, BLOCK_P), axis=1), axis=0)
     d_win = tl.load(dests_ptr + (o_row + i_s) * D + o_d, mask=o_d < D, other=0)
     d_of = tl.where(o_d == D, key_host, tl.where(o_d == D + 1, i, tl.where(o_d == D + 2, holder, d_win)))
     d_of = tl.where(m_d, d_of, 0)
@@ -320,25 +325,25 @@ def _bundle_unit(
     bal = tl.load(bal_ptr + i_b).to(tl.int32) != 0
     exc = tl.load(excess_ptr + o_row + i_s)
     room = tl.load(headroom_ptr + o_row + d_of, mask=m_d, other=0)
-    fit = mine[None, :] & (after[None, :] <= room[:, None]) & m_d[:, None]
+    fit = mine & (after <= room[:, None]) & m_d[:, None]
     still_over = tl.where(bal, before < exc, True)
-    inc0 = fit & first[None, :] & (bal == 0)
-    inc1 = fit & still_over[None, :]
+    inc0 = fit & first & (bal == 0)
+    inc1 = fit & still_over
 
     # key columns: growth of each task's KV unit hull at each destination, freed at the source
-    m_dp = m_d[:, None] & m_p[None, :]
-    o_kd = o_cell + kv_u[None, :] * P + d_of[:, None]  # [BLOCK_D, BLOCK_P]
+    m_dp = m_d[:, None] & m_p
+    o_kd = o_cell + kv_u * P + d_of[:, None]  # [BLOCK_D, BLOCK_P]
     k_grow_t = _union_growth(tl.load(k_lo_ptr + o_kd, mask=m_dp, other=0),
-                             tl.load(k_hi_ptr + o_kd, mask=m_dp, other=0), klo_t[None, :], khi_t[None, :])
-    k_grow_t = tl.where(j_t[None, :] == d_of[:, None], 0, k_grow_t)
-    o_ks = o_cell + kv_u * P + i_s  # [BLOCK_P]
+                             tl.load(k_hi_ptr + o_kd, mask=m_dp, other=0), klo_t, khi_t)
+    k_grow_t = tl.where(j_t == d_of[:, None], 0, k_grow_t)
+    o_ks = o_cell + kv_u * P + i_s  # [1, BLOCK_P]
     sole = tl.load(kcount_ptr + o_ks, mask=m_p, other=0) == 1
     k_free_t = tl.where(mine & sole, tl.load(klen_ptr + o_ks, mask=m_p, other=0), 0)
     j_send = tl.load(send_ptr + o_row + j_t, mask=m_p, other=0)
 
     # the bottleneck rank (first on ties) and the ranks' current bytes
     vol = tl.load(vol_ptr + o_row + o_p, mask=m_p, other=-1)
-    bn = tl.min(tl.where(vol == tl.max(vol, axis=0), o_p, BLOCK_P), axis=0)
+    bn = tl.min(tl.min(tl.where(vol == tl.max(tl.max(vol, axis=1), axis=0), o_p, BLOCK_P), axis=1), axis=0)
     bnv = tl.load(bneck_ptr + i_b)
     thr = tl.load(thr_ptr + i_b)
     q_cur = tl.load(qlen_ptr + o_cell + u * P + i_s)
@@ -351,13 +356,11 @@ def _bundle_unit(
     send_bn, recv_bn = tl.load(send_ptr + o_row + bn), tl.load(recv_ptr + o_row + bn)
 
     ok0, score0, area0, ds0, dr0 = _price(
-        inc0, mine[None, :], t_area[None, :], qlo_t[None, :], qhi_t[None, :], k_free_t[None, :], j_t[None, :],
-        j_send[None, :], k_grow_t, d_of, qlo_d, qhi_d, send_d, recv_d,
+        inc0, mine, t_area, qlo_t, qhi_t, k_free_t, j_t, j_send, k_grow_t, d_of, qlo_d, qhi_d, send_d, recv_d,
         i_s, i, bn, q_cur, send_i, recv_i, send_s, recv_s, send_bn, recv_bn, bnv, bal, exc, thr,
         Q_BYTES, O_BYTES, KV_BYTES)
     ok1, score1, area1, ds1, dr1 = _price(
-        inc1, mine[None, :], t_area[None, :], qlo_t[None, :], qhi_t[None, :], k_free_t[None, :], j_t[None, :],
-        j_send[None, :], k_grow_t, d_of, qlo_d, qhi_d, send_d, recv_d,
+        inc1, mine, t_area, qlo_t, qhi_t, k_free_t, j_t, j_send, k_grow_t, d_of, qlo_d, qhi_d, send_d, recv_d,
         i_s, i, bn, q_cur, send_i, recv_i, send_s, recv_s, send_bn, recv_bn, bnv, bal, exc, thr,
         Q_BYTES, O_BYTES, KV_BYTES)
 
@@ -371,7 +374,7 @@ def _bundle_unit(
     size1 = (best % 2) == 1
     row = o_d == best // 2  # [BLOCK_D]
     inc = tl.where(size1, inc1, inc0) & row[:, None]
-    moved = tl.max(inc.to(tl.int32), axis=0) > 0  # [BLOCK_P]
+    moved = tl.max(inc.to(tl.int32), axis=0)[None, :] > 0  # [1, BLOCK_P]
 
     o_out = (o_row + i_s) * K + i_k  # proposal index s * K + k of variant b
     best_ok = tl.sum(tl.where(row, tl.where(size1, ok1, ok0), 0).to(tl.int32), axis=0) > 0
