@@ -5,7 +5,8 @@ constexprs, options) and compiled by the real front end and ptxas in a
 subprocess with the interpreter off: the interpreter accepts code the
 compiler rejects. The persistent kernel is also compiled with several
 workers per variant, as a cooperative launch, and its barrier is checked in
-the PTX: a release add and an acquire poll at GPU scope.
+the PTX: a release add and an acquire poll at GPU scope. The two biggest
+kernels are also compiled with 32-rank blocks.
 """
 import copy
 
@@ -41,7 +42,16 @@ def test_solver_kernels_compile_for_sm90():
     cooperative["expect_ptx"] = list(_BARRIER_PTX)
     persistent["expect_ptx"] = list(_BARRIER_PTX)
 
-    results = compile_sm90(records + [cooperative])
+    # the same kernels with 32 ranks per block: the first size where a 1-D form of the bundle body
+    # broke the compiler's layout pass (P = 4 alone would not show it)
+    wide = []
+    for name in ("_bundle_kernel", "_rounds_kernel"):
+        record = copy.deepcopy(next(r for r in records if r["name"] == name))
+        record["constexprs"]["BLOCK_P"] = 32
+        record.pop("expect_ptx", None)
+        wide.append(record)
+
+    results = compile_sm90(records + wide + [cooperative])
     failed = [f"{r['name']}: {r['error']}" for r in results if r["error"]]
     assert not failed, "\n".join(failed)
     single, multi = results[records.index(persistent)], results[-1]
