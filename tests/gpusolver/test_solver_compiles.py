@@ -5,8 +5,8 @@ constexprs, options) and compiled by the real front end and ptxas in a
 subprocess with the interpreter off: the interpreter accepts code the
 compiler rejects. The persistent kernel is also compiled with several
 workers per variant, as a cooperative launch, and its barrier is checked in
-the PTX: a release add and an acquire poll at GPU scope. The two biggest
-kernels are also compiled with 32-rank blocks.
+the PTX: a release add and an acquire poll at GPU scope. The biggest
+kernels are also compiled with the tiles of large P.
 """
 import copy
 
@@ -45,9 +45,10 @@ def test_solver_kernels_compile_for_sm90():
     # the same kernels with 32 ranks per block: the first size where a 1-D form of the bundle body
     # broke the compiler's layout pass (P = 4 alone would not show it)
     wide = []
-    for name in ("_bundle_kernel", "_rounds_kernel"):
+    for name, blocks in (("_bundle_kernel", {"BLOCK_P": 32}), ("_rounds_kernel", {"BLOCK_P": 32}),
+                         ("_block_areas_kernel", {"BLOCK_J": 64})):  # block_areas_triton's tile at P = 64
         record = copy.deepcopy(next(r for r in records if r["name"] == name))
-        record["constexprs"]["BLOCK_P"] = 32
+        record["constexprs"].update(blocks)
         record.pop("expect_ptx", None)
         wide.append(record)
 
