@@ -1,9 +1,11 @@
 """Kernel launches per device solve, torch path next to Triton path.
 
 The solve's round loop is static: every round issues the same sequence of
-operations whatever the mask. So a solve of R rounds launches exactly
-``fixed + R * per_round`` kernels, and both terms are measured from two short
-solves (1 and 2 rounds) instead of a full one. Counting: every op seen by a
+operations whatever the mask, and so does every restart of the local search
+(rounds 8 and 16 below P = 32). So a solve of R rounds launches exactly
+``fixed + R * per_round + restarts * per_restart`` kernels, and the terms are
+measured from three short solves (1 and 2 rounds, and 2 rounds with a restart
+at round 1) instead of a full one. Counting: every op seen by a
 ``TorchDispatchMode`` that is neither a view nor a bare allocation, plus each
 Triton kernel launch (the interpreter's own tensor work inside a launch is
 not counted). Host reads (``.item()``, ``nonzero``, ...) are counted and must
@@ -39,33 +41,42 @@ from _common import (  # noqa: E402
 )
 from gpusolver.areas import block_areas  # noqa: E402
 from gpusolver.config import SolverConfig  # noqa: E402
-from gpusolver.solver.device import DEFAULT_ROUNDS, solve_device  # noqa: E402
+from gpusolver.solver.device import DEFAULT_ROUNDS, default_local_search, solve_device  # noqa: E402
 
 PATHS = ("torch", "triton", "persistent")
 COLUMNS = [
     ("P", "P", "d"), ("path", "path", ""), ("per round", "per_round", "d"), ("fixed", "fixed", "d"),
+    ("per restart", "per_restart", "d"), ("restarts", "restarts", "d"),
     ("per solve", "per_solve", "d"), ("triton per solve", "triton_per_solve", "d"), ("host reads", "host_reads", "d"),
 ]
 
 
-def count(areas, config, impl: str, rounds: int) -> LaunchCounter:
+def count(areas, config, impl: str, rounds: int, restart_every: int = 0) -> LaunchCounter:
     with LaunchCounter() as counter:
-        solve_device(areas, config, rounds=rounds, impl=impl)
+        solve_device(areas, config, rounds=rounds, impl=impl, restart_every=restart_every)
     return counter
 
 
 def measure(P: int, impl: str, device: str, rounds: int = DEFAULT_ROUNDS) -> dict:
+    """fixed + rounds * per_round + restarts * per_restart, each term from short solves."""
     config = SolverConfig(cp_size=P)
     mask = make_mask("causal", P, seed=0, device=device)
     areas = block_areas(mask, P, config.head_groups, impl="torch")
     one, two = count(areas, config, impl, 1), count(areas, config, impl, 2)
+    restarted = count(areas, config, impl, 2, restart_every=1)  # one restart, at round 1
     per_round = two.launches - one.launches
     fixed = one.launches - per_round
+    per_restart = restarted.launches - two.launches
     triton_round = two.triton_launches - one.triton_launches
+    triton_restart = restarted.triton_launches - two.triton_launches
+    every = default_local_search(P)[1]
+    restarts = len(range(every, rounds, every)) if every else 0
     return {"P": P, "path": impl, "per_round": per_round, "fixed": fixed, "rounds": rounds,
-            "per_solve": fixed + rounds * per_round,
-            "triton_per_solve": one.triton_launches - triton_round + rounds * triton_round,
-            "host_reads": two.host_reads}
+            "per_restart": per_restart, "restarts": restarts,
+            "per_solve": fixed + rounds * per_round + restarts * per_restart,
+            "triton_per_solve": (one.triton_launches - triton_round + rounds * triton_round
+                                 + restarts * triton_restart),
+            "host_reads": max(c.host_reads for c in (one, two, restarted))}
 
 
 def main(argv=None) -> dict:

@@ -43,6 +43,12 @@ from gpusolver.problem import BlockAreas
 
 # Rounds of moves; measured quality stops changing after about 20.
 DEFAULT_ROUNDS = 24
+# Below LARGE_P ranks the bottleneck phase also takes sideways moves, and every
+# RESTART_EVERY rounds (8 and 16 of 24) each variant restarts from its best
+# state with its bottleneck rank's moves undone. Measured on the benchmark
+# masks (seeds 0-5): both lower the P = 8 and 16 medians and raise none; at
+# P = 64 they cost quality (balancing still runs past round 8 there).
+RESTART_EVERY = 8
 # mu is compared in integer arithmetic with this many parts per unit.
 _MU_SCALE = 1 << 20
 _BIG = 1 << 60
@@ -199,7 +205,8 @@ def _offers(tasks: _Tasks, st: _State, cap, units_per_rank: int, n_dests: int, d
 
 
 def _bundle_proposals(tasks: _Tasks, st: _State, cap, excess, balance, threshold,
-                      units_per_rank, n_dests, dests_per_variant=None, order_per_variant=None) -> _Proposals:
+                      units_per_rank, n_dests, dests_per_variant=None, order_per_variant=None,
+                      sideways: bool = False) -> _Proposals:
     """Ship a prefix of one QO unit's tasks (by area) from each source to one destination.
 
     Balance phase (``balance`` [B] True): overloaded sources, the prefix stops
@@ -207,7 +214,10 @@ def _bundle_proposals(tasks: _Tasks, st: _State, cap, excess, balance, threshold
     threshold, scored by added bytes per area. Bottleneck phase: any source,
     the prefix is one task or all that fit the destination, the bottleneck
     rank must go down and no touched rank may reach the bottleneck; scored by
-    the touched ranks' new maximum.
+    the touched ranks' new maximum. With ``sideways`` (host bool) a move that
+    leaves the bottleneck as it is, keeps every touched rank below it and
+    lowers the total bytes is also allowed, ranked after every move that
+    lowers the bottleneck (score + 1); the total falls strictly, so no cycles.
     """
     G, P, T = tasks.G, tasks.P, tasks.T
     B, dev = st.rank.shape[0], st.rank.device
@@ -316,9 +326,11 @@ def _bundle_proposals(tasks: _Tasks, st: _State, cap, excess, balance, threshold
                                      torch.where(bn_is_j.any(-1), bn_as_j, bnv)))
     ok_bal = (excess.view(B, P, 1, 1, 1) > 0) & (new_max.double() <= threshold.view(B, 1, 1, 1, 1))
     ok_bn = (bn_new < bnv) & (new_max < bnv)
+    side = ~ok_bn & (bn_new <= bnv) & (new_max < bnv) & (added < 0) & sideways
+    ok_bn = ok_bn | side
     ok = (area > 0) & (d_of != s_of) & torch.where(bal, ok_bal, ok_bn)
     score = torch.where(bal, added.double() / area.clamp(min=1).double(),
-                        new_max.double() / bnv.clamp(min=1).double() + 1e-12 * added.double())
+                        new_max.double() / bnv.clamp(min=1).double() + 1e-12 * added.double() + side.double())
     score = torch.where(ok, score, float("inf"))
 
     # each offered unit proposes its best (destination, size): proposals [B, P*K]
@@ -485,6 +497,12 @@ def default_strategies(cp_size: int) -> tuple[Strategy, ...]:
     return LARGE_P_STRATEGIES if cp_size >= LARGE_P else DEFAULT_STRATEGIES
 
 
+def default_local_search(cp_size: int) -> tuple[bool, int]:
+    """(sideways, restart_every) ``solve_device`` uses for ``cp_size`` ranks (see RESTART_EVERY)."""
+    small = cp_size < LARGE_P
+    return small, (RESTART_EVERY if small else 0)
+
+
 def _variants(strategies: tuple[Strategy, ...], G: int, P: int):
     """The variants of a portfolio: ([(scale, units, window, order index)] host tuples, K, D).
 
@@ -513,9 +531,27 @@ def _variant_scales(variants, dev) -> torch.Tensor:
     return torch.cat([torch.full((1,), float(v[0]), dtype=torch.float64, device=dev) for v in variants])
 
 
+def _restart(tasks: _Tasks, best_A: torch.Tensor, vol: torch.Tensor) -> torch.Tensor:
+    """The restart state: ``best_A`` [B, T+1] with every task on its bottleneck rank, or hosted
+    there, back on its query host. vol: [B, P] int64 bytes of ``best_A``; the bottleneck is
+    the first rank of largest volume. Returns [B, T+1] int64."""
+    P, T = tasks.P, tasks.T
+    bn = vol.argmax(1, keepdim=True)  # [B, 1], first on ties
+    home = torch.where(tasks.valid, tasks.i, P)
+    back = (best_A[:, :T] == bn) | (home == bn)
+    return torch.cat((torch.where(back, home, best_A[:, :T]), best_A[:, T:]), 1)
+
+
 def _run_variants(tasks: _Tasks, cap: torch.Tensor, strategies: tuple[Strategy, ...], rounds: int,
-                  state_fn=None, propose_fn=None, accept_apply_fn=None, track_fn=None):
+                  state_fn=None, propose_fn=None, accept_apply_fn=None, track_fn=None,
+                  sideways: bool = False, restart_every: int = 0):
     """Run the variants of ``strategies`` side by side: best (A [B, T+1], key [B]).
+
+    ``sideways`` allows sideways bottleneck-phase moves (``_bundle_proposals``).
+    With ``restart_every = R > 0``, at rounds R, 2R, ... (before the last) each
+    variant restarts from its best state with its bottleneck rank's moves
+    undone (``_restart``): an iterated local search, since the moves settle
+    within a few rounds.
 
     The four steps of a round default to the torch functions (``_state``,
     ``_bundle_proposals``, ``_accept_apply``, ``_track``); the Triton path
@@ -550,7 +586,13 @@ def _run_variants(tasks: _Tasks, cap: torch.Tensor, strategies: tuple[Strategy, 
         best_A, best_key, excess, balance, dest_cap, limit = track_fn(A, st, cap, stuck, threshold, best_A, best_key)
         if rnd == rounds:
             break
-        prop = propose_fn(tasks, st, dest_cap, excess, balance, threshold, K, D, dests_b, order_b)
+        if restart_every > 0 and rnd > 0 and rnd % restart_every == 0:
+            A = _restart(tasks, best_A, state_fn(tasks, best_A).vol)
+            stuck = torch.zeros_like(stuck)
+            st = state_fn(tasks, A)
+            best_A, best_key, excess, balance, dest_cap, limit = track_fn(A, st, cap, stuck, threshold,
+                                                                          best_A, best_key)
+        prop = propose_fn(tasks, st, dest_cap, excess, balance, threshold, K, D, dests_b, order_b, sideways)
         prop = replace(prop, ok=prop.ok & offered)
         A, stuck = accept_apply_fn(A, prop, st, dest_cap, limit, excess, balance)
     return best_A, best_key
@@ -558,7 +600,8 @@ def _run_variants(tasks: _Tasks, cap: torch.Tensor, strategies: tuple[Strategy, 
 
 def solve_device(areas: BlockAreas, config: SolverConfig, *, rounds: int = DEFAULT_ROUNDS,
                  strategies: tuple[Strategy, ...] | None = None, impl: str = "auto",
-                 workers: int | None = None) -> DeviceSolveResult:
+                 workers: int | None = None, sideways: bool | None = None,
+                 restart_every: int | None = None) -> DeviceSolveResult:
     """Assign every task to a rank, on the device of ``areas``, without host reads.
 
     areas:      BlockAreas (area [G, P, P] int64, q_need/k_need [G, P, P, 2] int64).
@@ -569,6 +612,8 @@ def solve_device(areas: BlockAreas, config: SolverConfig, *, rounds: int = DEFAU
                 (one kernel for all rounds, solver/kernels_rounds.py); or "auto" (triton on CUDA).
     workers:    programs per variant of the persistent kernel (None: 1 off CUDA, on CUDA as
                 many as keep every variant's programs resident, ``default_workers``).
+    sideways, restart_every: the local search's extras (None: ``default_local_search(P)``);
+                see ``_run_variants``.
     Returns a DeviceSolveResult; ``assignment`` is [G, P, P] int32 and
     ``variant`` indexes the variants of all strategies in order.
     """
@@ -582,6 +627,11 @@ def solve_device(areas: BlockAreas, config: SolverConfig, *, rounds: int = DEFAU
         raise ValueError(f"need rounds >= 0 and strategies with threshold scales, got {rounds}, {strategies}")
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    default_sideways, default_restart = default_local_search(P)
+    sideways = default_sideways if sideways is None else bool(sideways)
+    restart_every = default_restart if restart_every is None else restart_every
+    if restart_every < 0:
+        raise ValueError(f"restart_every must be >= 0 (0: never), got {restart_every}")
     tasks = _Tasks(areas, config)
     mu_num = int(round(config.imbalance_tol * _MU_SCALE))
     cap = (mu_num * tasks.area.sum()) // (P * _MU_SCALE)  # largest balanced load
@@ -593,17 +643,19 @@ def solve_device(areas: BlockAreas, config: SolverConfig, *, rounds: int = DEFAU
         if workers is None:
             workers = default_workers(len(variants), P * K, dev)
         best_A, best_key = solve_rounds_persistent(tasks, cap, _variant_tables(variants, dev),
-                                                   _variant_scales(variants, dev), K, D, rounds, workers)
+                                                   _variant_scales(variants, dev), K, D, rounds, workers,
+                                                   sideways, restart_every)
     elif impl == "triton" or (impl == "auto" and areas.area.is_cuda):
         # fused kernels for the two heaviest steps; one batch for the whole portfolio (fewest launches)
         from gpusolver.solver.kernels import bundle_proposals_triton, state_triton
         from gpusolver.solver.kernels_accept import accept_apply_triton, track_triton
 
         best_A, best_key = _run_variants(tasks, cap, strategies, rounds, state_triton, bundle_proposals_triton,
-                                         accept_apply_triton, track_triton)
+                                         accept_apply_triton, track_triton, sideways, restart_every)
     else:
         # torch (CPU): one batch per strategy, so narrow strategies do not pay for the widest one
-        runs = [_run_variants(tasks, cap, (strategy,), rounds) for strategy in strategies]
+        runs = [_run_variants(tasks, cap, (strategy,), rounds, sideways=sideways, restart_every=restart_every)
+                for strategy in strategies]
         best_A = torch.cat([a for a, _ in runs])
         best_key = torch.cat([k for _, k in runs])
 

@@ -185,7 +185,7 @@ def _price(
     k_grow_t,  # [BLOCK_D, BLOCK_P]
     d_of, qlo_d, qhi_d, send_d, recv_d,  # [BLOCK_D]
     s, i, bn, q_cur, send_i, recv_i, send_s, recv_s, send_bn, recv_bn, bnv, bal, exc, thr,  # scalars
-    Q_BYTES, O_BYTES, KV_BYTES,
+    Q_BYTES, O_BYTES, KV_BYTES, SIDEWAYS: tl.constexpr,
 ):
     """ok [BLOCK_D] bool, score [BLOCK_D] fp64, area, dest_send, dest_recv [BLOCK_D] int64 of one size."""
     area = tl.sum(tl.where(inc, t_area, 0), axis=1)
@@ -234,10 +234,16 @@ def _price(
                       tl.where(i == bn, tl.maximum(host_send, host_recv), tl.where(bn_any, bn_as_j, bnv)))
     ok_bal = (exc > 0) & (new_max.to(tl.float64) <= thr)
     ok_bn = (bn_new < bnv) & (new_max < bnv)
+    if SIDEWAYS:  # the bottleneck stays, no touched rank reaches it, the total bytes fall
+        side = (ok_bn == 0) & (bn_new <= bnv) & (new_max < bnv) & (added < 0)
+    else:
+        side = ok_bn & (ok_bn == 0)
+    ok_bn = ok_bn | side
     ok = (area > 0) & (d_of != s) & tl.where(bal, ok_bal, ok_bn)
     eps = tl.full([], 1e-12, tl.float64)  # a float64 constant, as in the torch twin
     score_bal = added.to(tl.float64) / tl.maximum(area, 1).to(tl.float64)
-    score_bn = new_max.to(tl.float64) / tl.maximum(bnv, 1).to(tl.float64) + eps * added.to(tl.float64)
+    score_bn = (new_max.to(tl.float64) / tl.maximum(bnv, 1).to(tl.float64) + eps * added.to(tl.float64)
+                + side.to(tl.float64))
     score = tl.where(ok, tl.where(bal, score_bal, score_bn), float("inf"))
     return ok, score, area, dest_send, dest_recv
 
@@ -258,7 +264,7 @@ def _bundle_kernel(
     T, P, K, D, GP,
     stride_rb, stride_a, stride_q, stride_k,
     Q_BYTES, O_BYTES, KV_BYTES,
-    BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, SIDEWAYS: tl.constexpr,
 ):
     _bundle_unit(rank_ptr, area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr, unit_tasks_ptr, order_ptr, unit_ptr,
                  dests_ptr, headroom_ptr, excess_ptr, send_ptr, recv_ptr, vol_ptr, bal_ptr, bneck_ptr, thr_ptr,
@@ -266,7 +272,7 @@ def _bundle_kernel(
                  ok_ptr, score_ptr, dest_ptr, moved_area_ptr, dsend_ptr, drecv_ptr, tasks_out_ptr, order_ptr,
                  tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64),
                  T, P, K, D, GP, stride_rb, stride_a, stride_q, stride_k, Q_BYTES, O_BYTES, KV_BYTES,
-                 BLOCK_P, BLOCK_D, False)
+                 BLOCK_P, BLOCK_D, False, SIDEWAYS)
 
 
 @triton.jit
@@ -278,7 +284,7 @@ def _bundle_unit(
     units_ptr,  # [B] int64 (HAS_UNITS only): units variant b offers; slots past it propose nothing
     i_b, i_s, i_k,  # int64: variant, source, offered-unit slot
     T, P, K, D, GP, stride_rb, stride_a, stride_q, stride_k, Q_BYTES, O_BYTES, KV_BYTES,
-    BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, HAS_UNITS: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, HAS_UNITS: tl.constexpr, SIDEWAYS: tl.constexpr,
 ):
     """Program (i_b, i_s, i_k) of ``_bundle_kernel`` (its arguments, plus the per-variant unit count).
 
@@ -358,11 +364,11 @@ def _bundle_unit(
     ok0, score0, area0, ds0, dr0 = _price(
         inc0, mine, t_area, qlo_t, qhi_t, k_free_t, j_t, j_send, k_grow_t, d_of, qlo_d, qhi_d, send_d, recv_d,
         i_s, i, bn, q_cur, send_i, recv_i, send_s, recv_s, send_bn, recv_bn, bnv, bal, exc, thr,
-        Q_BYTES, O_BYTES, KV_BYTES)
+        Q_BYTES, O_BYTES, KV_BYTES, SIDEWAYS)
     ok1, score1, area1, ds1, dr1 = _price(
         inc1, mine, t_area, qlo_t, qhi_t, k_free_t, j_t, j_send, k_grow_t, d_of, qlo_d, qhi_d, send_d, recv_d,
         i_s, i, bn, q_cur, send_i, recv_i, send_s, recv_s, send_bn, recv_bn, bnv, bal, exc, thr,
-        Q_BYTES, O_BYTES, KV_BYTES)
+        Q_BYTES, O_BYTES, KV_BYTES, SIDEWAYS)
 
     # argmin over (destination, size) in the twin's order d * 2 + size, first index on ties
     score0 = tl.where(m_d, score0, float("inf"))
@@ -390,7 +396,8 @@ def _bundle_unit(
 
 
 def bundle_proposals_triton(tasks: _Tasks, st: _State, cap, excess, balance, threshold,
-                            units_per_rank, n_dests, dests_per_variant=None, order_per_variant=None) -> _Proposals:
+                            units_per_rank, n_dests, dests_per_variant=None, order_per_variant=None,
+                            sideways: bool = False) -> _Proposals:
     """Each offered QO unit's best bundle move (Triton twin of ``_bundle_proposals``).
 
     tasks:          _Tasks of the solve (T = G * P * P tasks).
@@ -403,6 +410,7 @@ def bundle_proposals_triton(tasks: _Tasks, st: _State, cap, excess, balance, thr
     n_dests:        host int, window destinations per unit (D = min(it, P)).
     dests_per_variant, order_per_variant: optional [B] int64, each variant's
                     window width and task order (index into TASK_ORDERS).
+    sideways:       host bool, sideways bottleneck-phase moves (as the twin).
     Returns a _Proposals with N = P * K: ok [B, N] bool, score [B, N] float64,
     dest/source/area/dest_send/dest_recv [B, N] int64, tasks [B, N, P] int64
     (T where unused) — equal to the torch twin's.
@@ -432,7 +440,7 @@ def bundle_proposals_triton(tasks: _Tasks, st: _State, cap, excess, balance, thr
         T, P, K, D, G * P,
         st.rank.stride(0), tasks.area.stride(0), tasks.qlo.stride(0), tasks.klo.stride(0),
         tasks.q, tasks.o, tasks.kv,
-        BLOCK_P=triton.next_power_of_2(P), BLOCK_D=triton.next_power_of_2(D + 3),
+        BLOCK_P=triton.next_power_of_2(P), BLOCK_D=triton.next_power_of_2(D + 3), SIDEWAYS=bool(sideways),
         enable_fp_fusion=False,  # no fused multiply-add: scores round like the twin's separate ops
     )
     source = ranks.repeat_interleave(K, output_size=N).expand(B, -1)

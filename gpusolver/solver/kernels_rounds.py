@@ -8,7 +8,9 @@ the same kernel bodies the per-step launchers use (``kernels``,
 stay one piece of code:
 
     init (owner-computes, unit slots) -> for each round:
-        reset state -> task scatter -> bytes per rank -> threshold (round 0), track
+        state (reset, task scatter, bytes per rank) -> threshold (round 0), track
+        -> [restart rounds: best state -> its state -> bottleneck rank's tasks home
+            -> state -> track]
         -> offers per source -> bundle per (source, unit slot) -> accept and apply
 
 The grid is ``(B * W,)``: W workers per variant split each step's programs
@@ -65,6 +67,46 @@ def _sync(bar_ptr, phase, W: tl.constexpr):
 
 
 @triton.jit
+def _state_pass(a_ptr, area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr, lo_ptr, acc_ptr, len_ptr, bar, phase,
+                i_b, w, T, P, G, B, stride_a, stride_area, stride_q, stride_k, Q_BYTES, O_BYTES, KV_BYTES,
+                W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr,
+                BLOCK_C: tl.constexpr):
+    """The state of variant i_b's assignment (``state_triton``'s buffers), by its W workers.
+
+    Resets the variant's hulls and sums, scatters its tasks, then bytes per rank;
+    three barriers. Returns the barrier phase reached."""
+    n = B * T
+    for c0 in range(w * BLOCK_C, T, W * BLOCK_C):
+        o_c = c0 + tl.arange(0, BLOCK_C)
+        m_c = o_c < T
+        o_cell = i_b * T + o_c
+        tl.store(lo_ptr + o_cell, tl.full([BLOCK_C], _BIG_T, tl.int64), mask=m_c)
+        tl.store(lo_ptr + n + o_cell, tl.full([BLOCK_C], _BIG_T, tl.int64), mask=m_c)
+        tl.store(acc_ptr + o_cell, tl.zeros([BLOCK_C], tl.int64), mask=m_c)
+        tl.store(acc_ptr + n + o_cell, tl.zeros([BLOCK_C], tl.int64), mask=m_c)
+        tl.store(acc_ptr + 2 * n + o_cell, tl.zeros([BLOCK_C], tl.int64), mask=m_c)
+    if w == 0:
+        o_p = tl.arange(0, BLOCK_P)
+        tl.store(acc_ptr + 3 * n + i_b * P + o_p, tl.zeros([BLOCK_P], tl.int64), mask=o_p < P)
+        tl.store(acc_ptr + 3 * n + B * P + i_b, 0)
+    phase += 1
+    _sync(bar, phase, W)
+    for i_t in range(w, tl.cdiv(T, BLOCK_T), W):
+        _state_tile(a_ptr, area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr, lo_ptr, acc_ptr,
+                    i_t, i_b, T, P, B, stride_a, stride_area, stride_q, stride_k, BLOCK_T)
+    phase += 1
+    _sync(bar, phase, W)
+    send_ptr = len_ptr + 2 * n
+    for i_r in range(w, P, W):
+        _state_bytes_rank(lo_ptr, acc_ptr, len_ptr, send_ptr, send_ptr + B * P, send_ptr + 2 * B * P,
+                          acc_ptr + 3 * n + B * P, i_b, _i64(i_r), B, G, P, Q_BYTES, O_BYTES, KV_BYTES,
+                          BLOCK_G, BLOCK_P)
+    phase += 1
+    _sync(bar, phase, W)
+    return phase
+
+
+@triton.jit
 def _rounds_kernel(
     a_ptr,  # [B, T+1] int64 scratch: the current assignment (column T is a dummy)
     best_a_ptr,  # [B, T+1] int64 out: each variant's best assignment
@@ -85,10 +127,10 @@ def _rounds_kernel(
     dest_ptr, source_ptr, parea_ptr, dsend_ptr, drecv_ptr,  # [B, N] int64 scratch
     ptasks_ptr,  # [B, N, P] int64 scratch
     bar_ptr,  # [B] int32, zero-initialised: barrier counters
-    ROUNDS, T, P, G, B, K, D,
+    ROUNDS, RESTART_EVERY, T, P, G, B, K, D,
     stride_area, stride_q, stride_k,
     Q_BYTES, O_BYTES, KV_BYTES,
-    W: tl.constexpr,
+    W: tl.constexpr, SIDEWAYS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_GP: tl.constexpr,
     BLOCK_U: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_J: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -126,32 +168,9 @@ def _rounds_kernel(
     _sync(bar, phase, W)
 
     for rnd in range(0, ROUNDS + 1):
-        # state: reset this variant's hulls and sums, scatter its tasks, then bytes per rank
-        for c0 in range(w * BLOCK_C, T, W * BLOCK_C):
-            o_c = c0 + tl.arange(0, BLOCK_C)
-            m_c = o_c < T
-            o_cell = i_b * T + o_c
-            tl.store(lo_ptr + o_cell, tl.full([BLOCK_C], _BIG_T, tl.int64), mask=m_c)
-            tl.store(lo_ptr + n + o_cell, tl.full([BLOCK_C], _BIG_T, tl.int64), mask=m_c)
-            tl.store(acc_ptr + o_cell, tl.zeros([BLOCK_C], tl.int64), mask=m_c)
-            tl.store(acc_ptr + n + o_cell, tl.zeros([BLOCK_C], tl.int64), mask=m_c)
-            tl.store(acc_ptr + 2 * n + o_cell, tl.zeros([BLOCK_C], tl.int64), mask=m_c)
-        if w == 0:
-            o_p = tl.arange(0, BLOCK_P)
-            tl.store(load_ptr + i_b * P + o_p, tl.zeros([BLOCK_P], tl.int64), mask=o_p < P)
-            tl.store(bneck_ptr + i_b, 0)
-        phase += 1
-        _sync(bar, phase, W)
-        for i_t in range(w, tl.cdiv(T, BLOCK_T), W):
-            _state_tile(a_ptr, area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr, lo_ptr, acc_ptr,
-                        i_t, i_b, T, P, B, stride_a, stride_area, stride_q, stride_k, BLOCK_T)
-        phase += 1
-        _sync(bar, phase, W)
-        for i_r in range(w, P, W):
-            _state_bytes_rank(lo_ptr, acc_ptr, len_ptr, send_ptr, recv_ptr, vol_ptr, bneck_ptr,
-                              i_b, _i64(i_r), B, G, P, Q_BYTES, O_BYTES, KV_BYTES, BLOCK_G, BLOCK_P)
-        phase += 1
-        _sync(bar, phase, W)
+        phase = _state_pass(a_ptr, area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr, lo_ptr, acc_ptr, len_ptr, bar,
+                            phase, i_b, w, T, P, G, B, stride_a, stride_area, stride_q, stride_k,
+                            Q_BYTES, O_BYTES, KV_BYTES, W, BLOCK_T, BLOCK_G, BLOCK_P, BLOCK_C)
 
         # round 0 is owner-computes, the threshold ladder's base; then the best state and the round's limits
         if w == 0:
@@ -166,6 +185,41 @@ def _rounds_kernel(
                            i_b, P, T, stride_a, stride_a, P, stride_a, BLOCK_P, BLOCK_C)
         phase += 1
         _sync(bar, phase, W)
+
+        if (rnd > 0) & (rnd < ROUNDS) & (rnd % RESTART_EVERY == 0):
+            # restart from the best state with its bottleneck rank's tasks, and those hosted there, back home
+            for c0 in range(w * BLOCK_C, T + 1, W * BLOCK_C):
+                o_c = c0 + tl.arange(0, BLOCK_C)
+                m_c = o_c < T + 1
+                tl.store(a_ptr + i_b * stride_a + o_c, tl.load(best_a_ptr + i_b * stride_a + o_c, mask=m_c), mask=m_c)
+            phase += 1
+            _sync(bar, phase, W)
+            phase = _state_pass(a_ptr, area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr, lo_ptr, acc_ptr, len_ptr, bar,
+                                phase, i_b, w, T, P, G, B, stride_a, stride_area, stride_q, stride_k,
+                                Q_BYTES, O_BYTES, KV_BYTES, W, BLOCK_T, BLOCK_G, BLOCK_P, BLOCK_C)
+            o_p = tl.arange(0, BLOCK_P)
+            b_vol = tl.load(vol_ptr + i_b * P + o_p, mask=o_p < P, other=-1)
+            bn = tl.min(tl.where(b_vol == tl.max(b_vol, axis=0), o_p, BLOCK_P), axis=0)  # first on ties
+            for c0 in range(w * BLOCK_C, T, W * BLOCK_C):
+                o_c = c0 + tl.arange(0, BLOCK_C)
+                m_c = o_c < T
+                b_a = tl.load(a_ptr + i_b * stride_a + o_c, mask=m_c, other=0)
+                b_area = tl.load(area_ptr + o_c * stride_area, mask=m_c, other=0)
+                home = tl.where(b_area > 0, (o_c // P) % P, P)
+                tl.store(a_ptr + i_b * stride_a + o_c, tl.where((b_a == bn) | (home == bn), home, b_a), mask=m_c)
+            if w == 0:
+                tl.store(stuck_ptr + i_b, False)
+            phase += 1
+            _sync(bar, phase, W)
+            phase = _state_pass(a_ptr, area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr, lo_ptr, acc_ptr, len_ptr, bar,
+                                phase, i_b, w, T, P, G, B, stride_a, stride_area, stride_q, stride_k,
+                                Q_BYTES, O_BYTES, KV_BYTES, W, BLOCK_T, BLOCK_G, BLOCK_P, BLOCK_C)
+            if w == 0:
+                _track_variant(a_ptr, best_a_ptr, load_ptr, bneck_ptr, cap_ptr, stuck_ptr, thr_ptr, best_key_ptr,
+                               best_a_ptr, best_key_ptr, dest_cap_ptr, balance_ptr, limit_ptr, excess_ptr,
+                               i_b, P, T, stride_a, stride_a, P, stride_a, BLOCK_P, BLOCK_C)
+            phase += 1
+            _sync(bar, phase, W)
 
         if rnd < ROUNDS:
             for i_s in range(w, P, W):
@@ -182,7 +236,7 @@ def _rounds_kernel(
                              ok_ptr, score_ptr, dest_ptr, parea_ptr, dsend_ptr, drecv_ptr, ptasks_ptr, units_ptr,
                              i_b, _i64(i_sk // K), _i64(i_sk % K),
                              T, P, K, D, GP, stride_a, stride_area, stride_q, stride_k, Q_BYTES, O_BYTES, KV_BYTES,
-                             BLOCK_P, BLOCK_D, True)
+                             BLOCK_P, BLOCK_D, True, SIDEWAYS)
             phase += 1
             _sync(bar, phase, W)
             if w == 0:
@@ -206,7 +260,8 @@ def default_workers(variants: int, proposals: int, device) -> int:
 
 
 def solve_rounds_persistent(tasks: _Tasks, cap: torch.Tensor, tables: torch.Tensor, scales: torch.Tensor,
-                            K: int, D: int, rounds: int, workers: int = 1):
+                            K: int, D: int, rounds: int, workers: int = 1, sideways: bool = False,
+                            restart_every: int = 0):
     """All rounds of all variants in one launch (Triton twin of ``device._run_variants``).
 
     tasks:   _Tasks of the solve (T = G * P * P tasks).
@@ -218,6 +273,7 @@ def solve_rounds_persistent(tasks: _Tasks, cap: torch.Tensor, tables: torch.Tens
     rounds:  host int, rounds of moves.
     workers: host int W, programs per variant (1 under the Triton interpreter;
              more needs a cooperative launch on a GPU).
+    sideways, restart_every: the local search's extras, as ``_run_variants``.
     Returns (best_A [B, T+1] int64, best_key [B] int64), equal to
     ``_run_variants`` with the same strategies in columns [0, T) and in the key.
     """
@@ -254,10 +310,10 @@ def solve_rounds_persistent(tasks: _Tasks, cap: torch.Tensor, tables: torch.Tens
         tasks.unit_tasks.contiguous(), order, width, units, scales.contiguous(), cap,
         lo, acc, lens, thr, limit, excess, headroom, balance, stuck, dest_cap, unit, dests,
         ok, fits, keep, score, dest, source, parea, dsend, drecv, ptasks, bar,
-        rounds, T, P, G, B, K, D,
+        rounds, restart_every if restart_every > 0 else rounds + 1, T, P, G, B, K, D,
         tasks.area.stride(0), tasks.qlo.stride(0), tasks.klo.stride(0),
         tasks.q, tasks.o, tasks.kv,
-        W=workers,
+        W=workers, SIDEWAYS=bool(sideways),
         BLOCK_T=min(_BLOCK_T, triton.next_power_of_2(T)), BLOCK_G=triton.next_power_of_2(G),
         BLOCK_P=triton.next_power_of_2(P), BLOCK_GP=block_gp, BLOCK_U=max(1, min(block_gp, _TILE // block_gp)),
         BLOCK_W=triton.next_power_of_2(D), BLOCK_D=triton.next_power_of_2(D + 3), BLOCK_N=block_n,

@@ -165,12 +165,15 @@ def test_launches_static_loop(tmp_path):
     rows = {r["path"]: r for r in payload["rows"]}
     assert set(rows) == {"torch", "triton", "persistent"}
     for r in rows.values():
-        assert r["host_reads"] == 0 and r["per_solve"] == r["fixed"] + r["rounds"] * r["per_round"]
+        assert r["host_reads"] == 0
+        assert r["per_solve"] == r["fixed"] + r["rounds"] * r["per_round"] + r["restarts"] * r["per_restart"]
+        assert r["restarts"] == 2  # rounds 8 and 16 of 24 at P = 2
     assert rows["triton"]["triton_per_solve"] >= rows["triton"]["rounds"]  # fused kernels launch every round
     assert 10 * rows["triton"]["per_round"] < rows["torch"]["per_round"]
     # the persistent kernel runs every round: one Triton launch per solve, nothing per round
     persistent = rows["persistent"]
-    assert persistent["per_round"] == 0 and persistent["triton_per_solve"] == 1
+    assert persistent["per_round"] == persistent["per_restart"] == 0 and persistent["triton_per_solve"] == 1
+    assert rows["torch"]["per_restart"] > 0 and rows["triton"]["per_restart"] > 0
     assert persistent["per_solve"] <= 64
 
 

@@ -82,8 +82,8 @@ def test_state_matches_torch_over_several_task_tiles():
 
 @settings(max_examples=8, deadline=None)
 @given(P=st.integers(3, 6), G=st.integers(1, 2), B=st.integers(2, 3), K=st.integers(1, 3),
-       D=st.integers(1, 8), seed=st.integers(0, 2**31 - 1))
-def test_bundle_proposals_match_torch(P, G, B, K, D, seed):
+       D=st.integers(1, 8), sideways=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_bundle_proposals_match_torch(P, G, B, K, D, sideways, seed):
     gen = torch.Generator().manual_seed(seed)
     areas = _random_areas(gen, P, G)
     tasks = device._Tasks(areas, _config(P, G))
@@ -100,7 +100,7 @@ def test_bundle_proposals_match_torch(P, G, B, K, D, seed):
     dests_b = torch.randint(1, D + 1, (B,), generator=gen)  # per-variant window widths and task orders
     order_b = torch.randint(0, len(device.TASK_ORDERS), (B,), generator=gen)
     cap = torch.where(torch.rand(B, 1, generator=gen) < 0.3, ref_st.load.amax(1, keepdim=True) - 1, cap)
-    args = (cap, excess, balance, threshold, K, D, dests_b, order_b)
+    args = (cap, excess, balance, threshold, K, D, dests_b, order_b, sideways)
     ref = device._bundle_proposals(tasks, ref_st, *args)
     _check_proposals(ref, bundle_proposals_triton(tasks, ref_st, *args))
     _check_proposals(ref, bundle_proposals_triton(tasks, tri_st, *args))
@@ -186,3 +186,25 @@ def test_triton_path_launchers_run_on_meta(monkeypatch):
     assert len(state_k.grids) == len(bytes_k.grids) == rounds + 1 and len(bundle_k.grids) == rounds
     # grids: (task tiles, B), (B, P), (B, P, K)
     assert state_k.grids[0] == (1, 2) and bytes_k.grids[0] == (2, P) and bundle_k.grids[0] == (2, P, 2)
+
+
+def test_sideways_proposals_match_torch():
+    """Bottleneck-phase instances with sideways moves (score in [1, 2)), the one rule only they exercise."""
+    P, G, B, K, D = 5, 2, 2, 3, 5
+    found = 0
+    for seed in range(40):
+        gen = torch.Generator().manual_seed(seed)
+        tasks = device._Tasks(_random_areas(gen, P, G, density=0.8), _config(P, G))
+        A = _random_assignments(gen, tasks, B)
+        st_ = device._state(tasks, A)
+        cap = st_.load.amax(1, keepdim=True)  # every rank may take work up to today's maximum
+        args = (cap, st_.load - cap, torch.zeros(B, dtype=torch.bool), torch.full((B,), float(device._BIG),
+                dtype=torch.float64), K, D, None, None, True)
+        ref = device._bundle_proposals(tasks, st_, *args)
+        side = ref.ok & (ref.score >= 1.0) & (ref.score < 2.0)
+        if bool(side.any()):
+            found += 1
+            _check_proposals(ref, bundle_proposals_triton(tasks, st_, *args))
+            without = device._bundle_proposals(tasks, st_, *args[:-1], False)
+            assert not bool((without.ok & (without.score >= 1.0)).any()), "sideways moves without the flag"
+    assert found >= 3, f"only {found} of 40 instances had a sideways move"

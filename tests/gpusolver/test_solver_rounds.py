@@ -14,23 +14,31 @@ _STRATEGIES = (Strategy((3.0, float("inf")), units_per_rank=2, bundle_dests=4),
                Strategy((1.5,), units_per_rank=1, bundle_dests=2, task_order="rows"))
 
 
-def _problem(P, G, kind):
+def _problem(P, G, kind, seed=0):
     config = SolverConfig(cp_size=P, num_heads_q=4 * G, num_heads_kv=G)
-    mask = packed_documents(512 * P, seed=0) if kind == "packed" else causal_mask(64 * P)
+    mask = packed_documents(512 * P, seed=seed) if kind == "packed" else causal_mask(64 * P)
     areas = block_areas(mask, P, G, impl="torch")
     tasks = device._Tasks(areas, config)
     cap = (int(round(config.imbalance_tol * device._MU_SCALE)) * tasks.area.sum()) // (P * device._MU_SCALE)
     return config, areas, tasks, cap
 
 
-@pytest.mark.parametrize("P,G,kind,rounds", [(4, 2, "packed", 3), (3, 1, "causal", 2)])
-def test_every_variant_equals_the_torch_loop(P, G, kind, rounds):
+@pytest.mark.parametrize("P,G,kind,seed,rounds,sideways,restart_every", [
+    (4, 2, "packed", 0, 3, False, 0), (3, 1, "causal", 0, 2, True, 0),
+    (6, 2, "packed", 2, 6, True, 3),  # the restart at round 3 changes this instance's result
+])
+def test_every_variant_equals_the_torch_loop(P, G, kind, seed, rounds, sideways, restart_every):
     """Best assignment and key of every variant, not only the winner's."""
-    _, _, tasks, cap = _problem(P, G, kind)
-    ref_A, ref_key = device._run_variants(tasks, cap, _STRATEGIES, rounds)
+    _, _, tasks, cap = _problem(P, G, kind, seed)
+    ref_A, ref_key = device._run_variants(tasks, cap, _STRATEGIES, rounds, sideways=sideways,
+                                          restart_every=restart_every)
+    if restart_every:
+        plain_A, _ = device._run_variants(tasks, cap, _STRATEGIES, rounds, sideways=sideways)
+        assert not torch.equal(plain_A[:, :tasks.T], ref_A[:, :tasks.T]), "the restart changed nothing here"
     variants, K, D = device._variants(_STRATEGIES, tasks.G, P)
     A, key = solve_rounds_persistent(tasks, cap, device._variant_tables(variants, "cpu"),
-                                     device._variant_scales(variants, "cpu"), K, D, rounds)
+                                     device._variant_scales(variants, "cpu"), K, D, rounds, 1, sideways,
+                                     restart_every)
     assert_close("best_key", ref_key, key)
     assert_close("best_A", ref_A[:, :tasks.T], A[:, :tasks.T])
     assert bool((ref_A[:, :tasks.T] != torch.where(tasks.valid, tasks.i, P)).any()), "no variant moved a task"
