@@ -26,11 +26,12 @@ demo: install
 bench: install
 	$(PY) benchmarks/solver_quality.py
 
-# On a CUDA machine with its own torch and triton (no venv): every solver path
-# timed side by side (CUDA events, CUDA-graph replay, sync-debug check, equality
-# with the CPU path) and the attention kernels. The timeout guards the
-# persistent kernel's grid barrier, which no CPU test can run.
+# On a CUDA machine with its own torch and triton (no venv): the CUDA tests
+# (every solver path equal to the CPU one, sync-free, CUDA-graph replay), then
+# every solver path timed side by side and the attention kernels. The timeouts
+# guard the persistent kernel's grid barrier, which no CPU test can run.
 gpu-check:
+	TRITON_INTERPRET=0 timeout 300 $(PYTHON) -m pytest tests/gpu -x
 	timeout 420 $(PYTHON) benchmarks/solver_latency.py --P 8,64 --repeats 5 --md benchmarks/results/solver_latency_gpu.md
 	timeout 120 $(PYTHON) benchmarks/kernel_bench.py
 

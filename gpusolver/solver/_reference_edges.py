@@ -57,7 +57,7 @@ def forward_volumes(prob: HostProblem, assign: np.ndarray) -> tuple[np.ndarray, 
     Returns (send, recv), each [P] int64. A rank computing several tasks of a
     unit receives the hull of their needs once (as ``transfer_ranges``).
     """
-    G, P = prob.G, prob.P
+    P = prob.P
     ranks = np.arange(P)
     on = (assign[..., None] == ranks) & (prob.area[..., None] > 0)  # [G, P(i), P(j), P(r)]
     big = np.iinfo(np.int64).max
@@ -209,7 +209,6 @@ def select_edges(prob: HostProblem, edges: EdgeSet, order: np.ndarray, prev: np.
     area_f = area_np.tolist()
     tq_lo, tq_hi = prob.q_lo.reshape(-1).tolist(), prob.q_hi.reshape(-1).tolist()
     tk_lo, tk_hi = prob.k_lo.reshape(-1).tolist(), prob.k_hi.reshape(-1).tolist()
-    row_q = edges.row_q.reshape(-1, 2).tolist()
     prev_f = [-1] * n if prev is None else prev.reshape(-1).tolist()
     send, recv = [0] * P, [0] * P
     qlo, qhi, klo, khi = [0] * n, [0] * n, [0] * n, [0] * n

@@ -125,7 +125,7 @@ def _host_problem(areas: BlockAreas, config: SolverConfig) -> HostProblem:
 
 def _executable(prob: HostProblem, ranges: tuple[np.ndarray, ...]) -> np.ndarray:
     """[G, P, P, P(r)] bool: non-empty task (g, i, j) can run on r with the accepted ranges."""
-    G, P = prob.G, prob.P
+    P = prob.P
     q_lo, q_hi, k_lo, k_hi = ranges  # [G, P(unit), P(r)]
     eye = np.eye(P, dtype=bool)
     q_ok = (eye[None, :, None, :]
