@@ -23,18 +23,18 @@ _DTYPES = {torch.int64: "i64", torch.int32: "i32", torch.int8: "i8", torch.bool:
 _OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion", "launch_cooperative_grid")
 
 
-def _arg_type(value):
-    """(signature type, constexpr value or None) of one non-constexpr argument."""
+def _arg_type(value) -> str:
+    """The signature type of one non-constexpr argument (None is passed as a constexpr)."""
     if isinstance(value, torch.Tensor):
-        return "*" + _DTYPES[value.dtype], None
+        return "*" + _DTYPES[value.dtype]
     if isinstance(value, bool):
-        return "i1", None
+        return "i1"
     if isinstance(value, int):
-        return ("i32" if -2**31 <= value < 2**31 else "i64"), None
+        return "i32" if -2**31 <= value < 2**31 else "i64"
     if isinstance(value, float):
-        return "fp32", None
+        return "fp32"
     if value is None:
-        return "constexpr", None
+        return "constexpr"
     raise TypeError(f"unsupported kernel argument {value!r}")
 
 
@@ -58,7 +58,7 @@ def capture_launches():
                 sig[name] = "constexpr"
                 const[name] = values[name]
             else:
-                sig[name], _ = _arg_type(values[name])
+                sig[name] = _arg_type(values[name])
                 if values[name] is None:
                     const[name] = None
         fn = self.fn
