@@ -25,6 +25,10 @@ The algorithm (DESIGN.md, "The solver", family 2):
 * Selection by segmented arg-mins and prefix sums: each offered unit picks its
   best (destination, size); each destination accepts proposals in score order
   while its load and volume fit; each source stops once its excess is covered.
+* Local search below P = 32: sideways bottleneck-phase moves (the bottleneck
+  stays, every touched rank stays below it, the total bytes fall), and at
+  rounds 8 and 16 a restart from the best state with the bottleneck rank's
+  moves undone.
 * A portfolio of strategies (search width, task order, threshold) runs as
   variants side by side; each keeps its best state over the rounds (balanced
   first, then the lowest forward bottleneck) and the best variant wins.
