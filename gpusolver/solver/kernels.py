@@ -35,6 +35,15 @@ from gpusolver.solver.device import _BIG, _Proposals, _State, _Tasks
 from gpusolver.solver.kernels_offers import offers_triton
 
 _BIG_T = tl.constexpr(_BIG)
+# Destinations priced at once by the bundle kernel. At P = 64 (window 64) with 8 warps, ptxas
+# (sm_90) reports 144 B of stack per thread for tiles of 8; a whole [128, 64] tile with 4
+# warps spilled 24 KB.
+_DEST_TILE = 8
+
+
+def dest_tile(n_dests: int) -> int:
+    """BLOCK_D of the bundle kernel for a window of ``n_dests`` (plus the 3 extra destinations)."""
+    return min(triton.next_power_of_2(n_dests + 3), _DEST_TILE)
 
 
 @triton.jit
@@ -288,14 +297,16 @@ def _bundle_unit(
 ):
     """Program (i_b, i_s, i_k) of ``_bundle_kernel`` (its arguments, plus the per-variant unit count).
 
+    The D + 3 destinations are priced in tiles of BLOCK_D, keeping the best
+    (destination, size) so far: a whole ``[D + 3, P]`` tile spills registers
+    to local memory on a GPU at large P (``_DEST_TILE``).
+
     Every per-task and per-rank vector is a ``[1, BLOCK_P]`` row, never 1-D: the
     sm_90 compiler (Triton 3.7) fails on 1-D vectors from a gathered load that
     are used both alone and broadcast against the ``[BLOCK_D, BLOCK_P]`` tiles.
     """
     o_p = tl.arange(0, BLOCK_P).to(tl.int64)[None, :]  # [1, BLOCK_P] task slots of the unit, and ranks
     m_p = o_p < P
-    o_d = tl.arange(0, BLOCK_D).to(tl.int64)  # [BLOCK_D] destinations
-    m_d = o_d < D + 3
     o_row = i_b * P  # [B, P] row of this variant
     o_cell = i_b * GP * P  # [B, G*P, P] slab of this variant
     u = tl.load(unit_ptr + (o_row + i_s) * K + i_k)
@@ -316,33 +327,22 @@ def _bundle_unit(
     klo_t = tl.load(klo_ptr + tid * stride_k, mask=m_p, other=0)
     khi_t = tl.load(khi_ptr + tid * stride_k, mask=m_p, other=0)
 
-    # destinations [BLOCK_D]: the window, then the first key host, the query host, and the
+    # the extra destinations after the window: the first key host, the query host, and the
     # other rank holding most of the unit's rows (first on ties)
     key_host = tl.sum(tl.sum(tl.where(first, j_t, 0), axis=1), axis=0)
     held = tl.load(qlen_ptr + o_cell + u * P + o_p, mask=m_p, other=0)
     held = tl.where(m_p, tl.where(o_p == i_s, -1, held), -_BIG_T)
     holder = tl.min(tl.min(tl.where(held == tl.max(tl.max(held, axis=1), axis=0), o_p, BLOCK_P), axis=1), axis=0)
-    d_win = tl.load(dests_ptr + (o_row + i_s) * D + o_d, mask=o_d < D, other=0)
-    d_of = tl.where(o_d == D, key_host, tl.where(o_d == D + 1, i, tl.where(o_d == D + 2, holder, d_win)))
-    d_of = tl.where(m_d, d_of, 0)
 
-    # prefixes [BLOCK_D, BLOCK_P]: size 0 = the first task (bottleneck phase only),
-    # size 1 = while it fits the destination (and, balancing, until the excess is covered)
+    # prefixes: size 0 = the first task (bottleneck phase only), size 1 = while it fits the
+    # destination (and, balancing, until the excess is covered)
     bal = tl.load(bal_ptr + i_b).to(tl.int32) != 0
     exc = tl.load(excess_ptr + o_row + i_s)
-    room = tl.load(headroom_ptr + o_row + d_of, mask=m_d, other=0)
-    fit = mine & (after <= room[:, None]) & m_d[:, None]
     still_over = tl.where(bal, before < exc, True)
-    inc0 = fit & first & (bal == 0)
-    inc1 = fit & still_over
+    first_only = first & (bal == 0)
 
-    # key columns: growth of each task's KV unit hull at each destination, freed at the source
-    m_dp = m_d[:, None] & m_p
-    o_kd = o_cell + kv_u * P + d_of[:, None]  # [BLOCK_D, BLOCK_P]
-    k_grow_t = _union_growth(tl.load(k_lo_ptr + o_kd, mask=m_dp, other=0),
-                             tl.load(k_hi_ptr + o_kd, mask=m_dp, other=0), klo_t, khi_t)
-    k_grow_t = tl.where(j_t == d_of[:, None], 0, k_grow_t)
-    o_ks = o_cell + kv_u * P + i_s  # [1, BLOCK_P]
+    # key columns freed at the source; the key hosts' current bytes. [1, BLOCK_P]
+    o_ks = o_cell + kv_u * P + i_s
     sole = tl.load(kcount_ptr + o_ks, mask=m_p, other=0) == 1
     k_free_t = tl.where(mine & sole, tl.load(klen_ptr + o_ks, mask=m_p, other=0), 0)
     j_send = tl.load(send_ptr + o_row + j_t, mask=m_p, other=0)
@@ -353,45 +353,82 @@ def _bundle_unit(
     bnv = tl.load(bneck_ptr + i_b)
     thr = tl.load(thr_ptr + i_b)
     q_cur = tl.load(qlen_ptr + o_cell + u * P + i_s)
-    qlo_d = tl.load(q_lo_ptr + o_cell + u * P + d_of, mask=m_d, other=0)
-    qhi_d = tl.load(q_hi_ptr + o_cell + u * P + d_of, mask=m_d, other=0)
-    send_d = tl.load(send_ptr + o_row + d_of, mask=m_d, other=0)
-    recv_d = tl.load(recv_ptr + o_row + d_of, mask=m_d, other=0)
     send_i, recv_i = tl.load(send_ptr + o_row + i), tl.load(recv_ptr + o_row + i)
     send_s, recv_s = tl.load(send_ptr + o_row + i_s), tl.load(recv_ptr + o_row + i_s)
     send_bn, recv_bn = tl.load(send_ptr + o_row + bn), tl.load(recv_ptr + o_row + bn)
 
-    ok0, score0, area0, ds0, dr0 = _price(
-        inc0, mine, t_area, qlo_t, qhi_t, k_free_t, j_t, j_send, k_grow_t, d_of, qlo_d, qhi_d, send_d, recv_d,
-        i_s, i, bn, q_cur, send_i, recv_i, send_s, recv_s, send_bn, recv_bn, bnv, bal, exc, thr,
-        Q_BYTES, O_BYTES, KV_BYTES, SIDEWAYS)
-    ok1, score1, area1, ds1, dr1 = _price(
-        inc1, mine, t_area, qlo_t, qhi_t, k_free_t, j_t, j_send, k_grow_t, d_of, qlo_d, qhi_d, send_d, recv_d,
-        i_s, i, bn, q_cur, send_i, recv_i, send_s, recv_s, send_bn, recv_bn, bnv, bal, exc, thr,
-        Q_BYTES, O_BYTES, KV_BYTES, SIDEWAYS)
+    # the best (destination, size) over the tiles, in the twin's order d * 2 + size, first index on
+    # ties: a tile replaces the best so far only with a lower score (tile 0 always, so a unit with
+    # no valid move reports destination 0, size 0 as the twin's argmin does)
+    best_score = tl.full([], float("inf"), tl.float64)
+    best_idx = tl.zeros([], tl.int64)
+    best_ok = tl.zeros([], tl.int32)
+    best_dest = tl.zeros([], tl.int64)
+    best_area = tl.zeros([], tl.int64)
+    best_ds = tl.zeros([], tl.int64)
+    best_dr = tl.zeros([], tl.int64)
+    for d0 in range(0, D + 3, BLOCK_D):
+        o_d = d0 + tl.arange(0, BLOCK_D).to(tl.int64)  # [BLOCK_D] destinations of this tile
+        m_d = o_d < D + 3
+        d_win = tl.load(dests_ptr + (o_row + i_s) * D + o_d, mask=o_d < D, other=0)
+        d_of = tl.where(o_d == D, key_host, tl.where(o_d == D + 1, i, tl.where(o_d == D + 2, holder, d_win)))
+        d_of = tl.where(m_d, d_of, 0)
+        room = tl.load(headroom_ptr + o_row + d_of, mask=m_d, other=0)
+        fit = mine & (after <= room[:, None]) & m_d[:, None]  # [BLOCK_D, BLOCK_P]
+        inc0 = fit & first_only
+        inc1 = fit & still_over
+        # key columns: growth of each task's KV unit hull at each destination
+        m_dp = m_d[:, None] & m_p
+        o_kd = o_cell + kv_u * P + d_of[:, None]  # [BLOCK_D, BLOCK_P]
+        k_grow_t = _union_growth(tl.load(k_lo_ptr + o_kd, mask=m_dp, other=0),
+                                 tl.load(k_hi_ptr + o_kd, mask=m_dp, other=0), klo_t, khi_t)
+        k_grow_t = tl.where(j_t == d_of[:, None], 0, k_grow_t)
+        qlo_d = tl.load(q_lo_ptr + o_cell + u * P + d_of, mask=m_d, other=0)
+        qhi_d = tl.load(q_hi_ptr + o_cell + u * P + d_of, mask=m_d, other=0)
+        send_d = tl.load(send_ptr + o_row + d_of, mask=m_d, other=0)
+        recv_d = tl.load(recv_ptr + o_row + d_of, mask=m_d, other=0)
 
-    # argmin over (destination, size) in the twin's order d * 2 + size, first index on ties
-    score0 = tl.where(m_d, score0, float("inf"))
-    score1 = tl.where(m_d, score1, float("inf"))
-    best_score = tl.minimum(tl.min(score0, axis=0), tl.min(score1, axis=0))
-    n_pad = 2 * BLOCK_D
-    best = tl.minimum(tl.min(tl.where(m_d & (score0 == best_score), 2 * o_d, n_pad), axis=0),
-                      tl.min(tl.where(m_d & (score1 == best_score), 2 * o_d + 1, n_pad), axis=0))
-    size1 = (best % 2) == 1
-    row = o_d == best // 2  # [BLOCK_D]
-    inc = tl.where(size1, inc1, inc0) & row[:, None]
-    moved = tl.max(inc.to(tl.int32), axis=0)[None, :] > 0  # [1, BLOCK_P]
+        ok0, score0, area0, ds0, dr0 = _price(
+            inc0, mine, t_area, qlo_t, qhi_t, k_free_t, j_t, j_send, k_grow_t, d_of, qlo_d, qhi_d, send_d, recv_d,
+            i_s, i, bn, q_cur, send_i, recv_i, send_s, recv_s, send_bn, recv_bn, bnv, bal, exc, thr,
+            Q_BYTES, O_BYTES, KV_BYTES, SIDEWAYS)
+        ok1, score1, area1, ds1, dr1 = _price(
+            inc1, mine, t_area, qlo_t, qhi_t, k_free_t, j_t, j_send, k_grow_t, d_of, qlo_d, qhi_d, send_d, recv_d,
+            i_s, i, bn, q_cur, send_i, recv_i, send_s, recv_s, send_bn, recv_bn, bnv, bal, exc, thr,
+            Q_BYTES, O_BYTES, KV_BYTES, SIDEWAYS)
+
+        score0 = tl.where(m_d, score0, float("inf"))
+        score1 = tl.where(m_d, score1, float("inf"))
+        t_score = tl.minimum(tl.min(score0, axis=0), tl.min(score1, axis=0))
+        n_pad = 2 * (D + 3)
+        t_idx = tl.minimum(tl.min(tl.where(m_d & (score0 == t_score), 2 * o_d, n_pad), axis=0),
+                           tl.min(tl.where(m_d & (score1 == t_score), 2 * o_d + 1, n_pad), axis=0))
+        size1 = (t_idx % 2) == 1
+        row = o_d == t_idx // 2  # [BLOCK_D]
+        take = (t_score < best_score) | (d0 == 0)
+        best_score = tl.where(take, t_score, best_score)
+        best_idx = tl.where(take, t_idx, best_idx)
+        best_ok = tl.where(take, tl.sum(tl.where(row, tl.where(size1, ok1, ok0), 0).to(tl.int32), axis=0),
+                           best_ok)
+        best_dest = tl.where(take, tl.sum(tl.where(row, d_of, 0), axis=0), best_dest)
+        best_area = tl.where(take, tl.sum(tl.where(row, tl.where(size1, area1, area0), 0), axis=0), best_area)
+        best_ds = tl.where(take, tl.sum(tl.where(row, tl.where(size1, ds1, ds0), 0), axis=0), best_ds)
+        best_dr = tl.where(take, tl.sum(tl.where(row, tl.where(size1, dr1, dr0), 0), axis=0), best_dr)
+
+    # the chosen bundle's tasks: the prefix of the best size at the best destination. [1, BLOCK_P]
+    fit = mine & (after <= tl.load(headroom_ptr + o_row + best_dest))
+    moved = tl.where((best_idx % 2) == 1, fit & still_over, fit & first_only)
 
     o_out = (o_row + i_s) * K + i_k  # proposal index s * K + k of variant b
-    best_ok = tl.sum(tl.where(row, tl.where(size1, ok1, ok0), 0).to(tl.int32), axis=0) > 0
+    ok_out = best_ok > 0
     if HAS_UNITS:
-        best_ok = best_ok & (i_k < tl.load(units_ptr + i_b))
-    tl.store(ok_ptr + o_out, best_ok)
+        ok_out = ok_out & (i_k < tl.load(units_ptr + i_b))
+    tl.store(ok_ptr + o_out, ok_out)
     tl.store(score_ptr + o_out, best_score)
-    tl.store(dest_ptr + o_out, tl.sum(tl.where(row, d_of, 0), axis=0))
-    tl.store(moved_area_ptr + o_out, tl.sum(tl.where(row, tl.where(size1, area1, area0), 0), axis=0))
-    tl.store(dsend_ptr + o_out, tl.sum(tl.where(row, tl.where(size1, ds1, ds0), 0), axis=0))
-    tl.store(drecv_ptr + o_out, tl.sum(tl.where(row, tl.where(size1, dr1, dr0), 0), axis=0))
+    tl.store(dest_ptr + o_out, best_dest)
+    tl.store(moved_area_ptr + o_out, best_area)
+    tl.store(dsend_ptr + o_out, best_ds)
+    tl.store(drecv_ptr + o_out, best_dr)
     tl.store(tasks_out_ptr + o_out * P + o_p, tl.where(moved, tid, T), mask=m_p)
 
 
@@ -440,7 +477,7 @@ def bundle_proposals_triton(tasks: _Tasks, st: _State, cap, excess, balance, thr
         T, P, K, D, G * P,
         st.rank.stride(0), tasks.area.stride(0), tasks.qlo.stride(0), tasks.klo.stride(0),
         tasks.q, tasks.o, tasks.kv,
-        BLOCK_P=triton.next_power_of_2(P), BLOCK_D=triton.next_power_of_2(D + 3), SIDEWAYS=bool(sideways),
+        BLOCK_P=triton.next_power_of_2(P), BLOCK_D=dest_tile(D), SIDEWAYS=bool(sideways), num_warps=8,
         enable_fp_fusion=False,  # no fused multiply-add: scores round like the twin's separate ops
     )
     source = ranks.repeat_interleave(K, output_size=N).expand(B, -1)

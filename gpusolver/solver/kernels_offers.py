@@ -165,5 +165,6 @@ def offers_triton(tasks: _Tasks, st: _State, cap, units_per_rank: int, n_dests: 
         rank.stride(0), tasks.area.stride(0), load.stride(0), cap_b.stride(0),
         BLOCK_P=triton.next_power_of_2(P), BLOCK_GP=block_gp, BLOCK_U=max(1, min(block_gp, _TILE // block_gp)),
         BLOCK_D=triton.next_power_of_2(D), HAS_WIDTH=dests_per_variant is not None,
+        num_warps=8,  # [BLOCK_U, BLOCK_GP] = [8, 512] tiles at P = 64: no spills with 8 warps (ptxas)
     )
     return unit, headroom, dests

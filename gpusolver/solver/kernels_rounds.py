@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from gpusolver.solver.device import _BIG, _Tasks
-from gpusolver.solver.kernels import _bundle_unit, _state_bytes_rank, _state_tile
+from gpusolver.solver.kernels import _bundle_unit, _state_bytes_rank, _state_tile, dest_tile
 from gpusolver.solver.kernels_accept import _BLOCK_C, _BLOCK_J, _accept_variant, _track_variant
 from gpusolver.solver.kernels_offers import _TILE, _offers_source
 
@@ -316,9 +316,10 @@ def solve_rounds_persistent(tasks: _Tasks, cap: torch.Tensor, tables: torch.Tens
         W=workers, SIDEWAYS=bool(sideways),
         BLOCK_T=min(_BLOCK_T, triton.next_power_of_2(T)), BLOCK_G=triton.next_power_of_2(G),
         BLOCK_P=triton.next_power_of_2(P), BLOCK_GP=block_gp, BLOCK_U=max(1, min(block_gp, _TILE // block_gp)),
-        BLOCK_W=triton.next_power_of_2(D), BLOCK_D=triton.next_power_of_2(D + 3), BLOCK_N=block_n,
+        BLOCK_W=triton.next_power_of_2(D), BLOCK_D=dest_tile(D), BLOCK_N=block_n,
         BLOCK_J=min(_BLOCK_J, block_n), BLOCK_C=min(_BLOCK_C, triton.next_power_of_2(T + 1)),
         enable_fp_fusion=False,  # no fused multiply-add: thresholds and scores round like the twin's
+        num_warps=8,  # with the bundle and accept tiles: < 1 KB of spills per thread at P = 64 (ptxas)
         **extra,
     )
     return best_A, best_key

@@ -5,7 +5,7 @@ import torch
 from gpusolver.areas import block_areas
 from gpusolver.config import SolverConfig
 from gpusolver.masks import causal_mask, packed_documents
-from gpusolver.solver import device
+from gpusolver.solver import device, kernels
 from gpusolver.solver.device import Strategy, solve_device
 from gpusolver.solver.kernels_rounds import solve_rounds_persistent
 from tests._testing import assert_close
@@ -27,8 +27,9 @@ def _problem(P, G, kind, seed=0):
     (4, 2, "packed", 0, 3, False, 0), (3, 1, "causal", 0, 2, True, 0),
     (6, 2, "packed", 2, 6, True, 3),  # the restart at round 3 changes this instance's result
 ])
-def test_every_variant_equals_the_torch_loop(P, G, kind, seed, rounds, sideways, restart_every):
-    """Best assignment and key of every variant, not only the winner's."""
+def test_every_variant_equals_the_torch_loop(P, G, kind, seed, rounds, sideways, restart_every, monkeypatch):
+    """Best assignment and key of every variant, not only the winner's (destinations in tiles of 2)."""
+    monkeypatch.setattr(kernels, "_DEST_TILE", 2)
     _, _, tasks, cap = _problem(P, G, kind, seed)
     ref_A, ref_key = device._run_variants(tasks, cap, _STRATEGIES, rounds, sideways=sideways,
                                           restart_every=restart_every)
