@@ -1,8 +1,8 @@
 """The device solver's whole round loop in one persistent Triton kernel.
 
-``solve_rounds_persistent(tasks, cap, variants, rounds, workers)`` runs every
-round of every variant of ``device._run_variants`` in a single launch and
-equals it exactly (the best assignment and key of each variant). It calls
+``solve_rounds_persistent`` runs every round of every variant of
+``device._run_variants`` (sideways moves and restarts included) in a single
+launch and equals it exactly (the best assignment and key of each variant). It calls
 the same kernel bodies the per-step launchers use (``kernels``,
 ``kernels_offers``, ``kernels_accept``), one after the other, so the twins
 stay one piece of code:
