@@ -135,6 +135,9 @@ def test_solve_triton_equals_torch(P, kind):
     assert_close("fwd_bottleneck", ref.fwd_bottleneck, tri.fwd_bottleneck)
     assert_close("variant", ref.variant, tri.variant)
     assert bool((tri.assignment != owner_computes_assignment(areas)).any()), "no move was made"
+    # "auto" takes the torch path off CUDA
+    auto = solve_device(areas, config, rounds=5, strategies=strategies)
+    assert_close("auto assignment", ref.assignment, auto.assignment)
 
 
 def test_triton_accept_runs_on_meta(monkeypatch):
