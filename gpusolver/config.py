@@ -18,6 +18,11 @@ class SolverConfig:
     dtype:              activation dtype, for byte counts.
     imbalance_tol:      mu; a plan is balanced when max load <= mu * mean load.
     head_group_flatten: split work per KV head group (G = Hkv) instead of G = 1.
+    chunk_tiles:        n, sub-chunk tiles per rank's chunk (default 1). With n > 1
+                        a task is a (query tile, key tile) pair of c / n tokens
+                        each, so the solver can split one chunk pair's work
+                        over several ranks and ship only the tiles a helper
+                        needs; S must be divisible by n * P.
     max_stage_slices:   static capacity of each CalcMeta stage (slice rows per
                         rank per stage); None picks a default from P and the
                         mask's slice count.
@@ -35,11 +40,12 @@ class SolverConfig:
     dtype: torch.dtype = torch.bfloat16
     imbalance_tol: float = 1.10
     head_group_flatten: bool = True
+    chunk_tiles: int = 1
     max_stage_slices: int | None = None
     max_recv_rows: int | None = None
 
     def __post_init__(self):
-        for name in ("cp_size", "num_heads_q", "num_heads_kv", "head_dim"):
+        for name in ("cp_size", "num_heads_q", "num_heads_kv", "head_dim", "chunk_tiles"):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -62,10 +68,17 @@ class SolverConfig:
         return CommCost(self.num_heads_q, self.num_heads_kv, self.head_dim,
                         self.dtype_bytes, self.head_groups)
 
+    @property
+    def num_units(self) -> int:
+        """U = chunk_tiles * P, units per head group."""
+        return self.chunk_tiles * self.cp_size
+
     def check_seqlen(self, total_seqlen: int) -> int:
-        """Chunk size c = S / P; raises when S is not divisible by P."""
-        if total_seqlen % self.cp_size:
-            raise ValueError(
-                f"total_seqlen={total_seqlen} must be divisible by cp_size={self.cp_size} "
-                f"(pad the sequence to a multiple of {self.cp_size})")
+        """Chunk size c = S / P; raises when S is not divisible by P (times chunk_tiles)."""
+        U = self.num_units
+        if total_seqlen % U:
+            what = f"cp_size={self.cp_size}" if self.chunk_tiles == 1 else \
+                f"cp_size * chunk_tiles={self.cp_size} * {self.chunk_tiles}"
+            raise ValueError(f"total_seqlen={total_seqlen} must be divisible by {what} "
+                             f"(pad the sequence to a multiple of {U})")
         return total_seqlen // self.cp_size

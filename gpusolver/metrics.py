@@ -100,20 +100,23 @@ def _fmt_bytes(n: int) -> str:
 
 def _check_meta(areas: BlockAreas, assignment: torch.Tensor) -> None:
     """Shape-only checks (host metadata, no value reads)."""
-    G, P = areas.head_groups, areas.cp_size
-    if tuple(assignment.shape) != (G, P, P):
-        raise ValueError(f"assignment must be [G, P, P] = {(G, P, P)}, got {tuple(assignment.shape)}")
+    G, U = areas.head_groups, areas.num_units
+    if tuple(assignment.shape) != (G, U, U):
+        dims = "[G, P, P]" if areas.tiles == 1 else "[G, U, U] (U = chunk tiles * P)"
+        raise ValueError(f"assignment must be {dims} = {(G, U, U)}, got {tuple(assignment.shape)}")
     if assignment.dtype.is_floating_point or assignment.dtype == torch.bool:
         raise ValueError(f"assignment must be an integer tensor, got {assignment.dtype}")
 
 
-def _volumes(qo_len: torch.Tensor, kv_len: torch.Tensor, cost: CommCost):
+def _volumes(qo_len: torch.Tensor, kv_len: torch.Tensor, cost: CommCost, tiles: int):
     """Per-rank (fwd_send, fwd_recv, bwd_send, bwd_recv), each [P] int64.
 
-    qo_len, kv_len: [G, P(host), P(dest)] int64 tokens moved per (unit, dest).
+    qo_len, kv_len: [G, U(unit), P(dest)] int64 tokens moved per (unit, dest);
+    unit u lives on rank u // tiles.
     """
-    qo_out, qo_in = qo_len.sum(dim=(0, 2)), qo_len.sum(dim=(0, 1))  # by host, by helper
-    kv_out, kv_in = kv_len.sum(dim=(0, 2)), kv_len.sum(dim=(0, 1))
+    by_host = lambda x: x.sum(dim=(0, 2)).view(-1, tiles).sum(1)  # noqa: E731
+    qo_out, qo_in = by_host(qo_len), qo_len.sum(dim=(0, 1))  # by host, by helper
+    kv_out, kv_in = by_host(kv_len), kv_len.sum(dim=(0, 1))
     fwd_send = qo_out * cost.q_fwd + qo_in * cost.o_fwd + kv_out * cost.kv_fwd
     fwd_recv = qo_out * cost.o_fwd + qo_in * cost.q_fwd + kv_in * cost.kv_fwd
     kv_bwd = (kv_out + kv_in) * cost.kv_fwd  # K, V out and dK, dV back: symmetric
@@ -129,8 +132,9 @@ def _bottleneck(send: torch.Tensor, recv: torch.Tensor) -> torch.Tensor:
 def evaluate(areas: BlockAreas, assignment: torch.Tensor, cost: CommCost) -> PlanMetrics:
     """Load, bytes moved and balance of an assignment. Sync-free.
 
-    areas:      BlockAreas, area [G, P, P] int64, q_need / k_need [G, P, P, 2] int64.
-    assignment: [G, P, P] int32/int64, rank computing task (g, i, j); -1 for
+    areas:      BlockAreas, area [G, U, U] int64, q_need / k_need [G, U, U, 2] int64
+                (U = P without tiling).
+    assignment: [G, U, U] int32/int64, rank computing task (g, i, j); -1 for
                 empty tasks (area 0). Values are not checked here (see
                 ``check_assignment``); a non-empty task set to -1 counts nowhere.
     cost:       CommCost with ``cost.head_groups == G``.
@@ -146,24 +150,26 @@ def evaluate(areas: BlockAreas, assignment: torch.Tensor, cost: CommCost) -> Pla
     ranks = torch.arange(P, device=asg.device)
 
     # load[r] = sum of area over tasks with asg == r; -1 (empty) adds nowhere
-    on_rank = asg[..., None] == ranks  # [G, P, P, P(r)]
+    on_rank = asg[..., None] == ranks  # [G, U, U, P(r)]
     load = torch.where(on_rank, area[..., None], 0).sum(dim=(0, 1, 2))
     total = area.sum()
 
     qo_range, kv_range = transfer_ranges(areas, assignment)
-    qo_len = qo_range[..., 1] - qo_range[..., 0]  # [G, P(i), P(r)]
-    kv_len = kv_range[..., 1] - kv_range[..., 0]  # [G, P(j), P(r)]
-    fwd_send, fwd_recv, bwd_send, bwd_recv = _volumes(qo_len, kv_len, cost)
-    # whole-chunk upper bound: every range that moves counts as c tokens
+    qo_len = qo_range[..., 1] - qo_range[..., 0]  # [G, U(i), P(r)]
+    kv_len = kv_range[..., 1] - kv_range[..., 0]  # [G, U(j), P(r)]
+    n = areas.tiles
+    fwd_send, fwd_recv, bwd_send, bwd_recv = _volumes(qo_len, kv_len, cost, n)
+    # whole-chunk upper bound: every range that moves counts as its whole unit (c tokens untiled)
     c = areas.chunk
-    cf_send, cf_recv, cb_send, cb_recv = _volumes((qo_len > 0).long() * c, (kv_len > 0).long() * c, cost)
+    cf_send, cf_recv, cb_send, cb_recv = _volumes((qo_len > 0).long() * c, (kv_len > 0).long() * c, cost, n)
 
     totf = total.double()
     has_work = total > 0
     one = torch.ones((), dtype=torch.float64, device=totf.device)
     imbalance = torch.where(has_work, load.amax().double() * P / totf.clamp(min=1.0), one)
-    diag = torch.diagonal(area, dim1=1, dim2=2)  # [G, P]: tasks (g, i, i)
-    local = torch.where(torch.diagonal(asg, dim1=1, dim2=2) == ranks, diag, 0).sum()
+    host = areas.unit_host()
+    both_here = (host[:, None] == host[None, :]) & (asg == host[:, None])  # [G, U, U]
+    local = torch.where(both_here, area, 0).sum()
     local_fraction = torch.where(has_work, local.double() / totf.clamp(min=1.0), one)
     return PlanMetrics(
         load=load, fwd_send=fwd_send, fwd_recv=fwd_recv, bwd_send=bwd_send, bwd_recv=bwd_recv,
@@ -174,20 +180,20 @@ def evaluate(areas: BlockAreas, assignment: torch.Tensor, cost: CommCost) -> Pla
 
 
 def owner_computes_assignment(areas: BlockAreas) -> torch.Tensor:
-    """Every non-empty task on its query host: [G, P, P] int32, -1 for empty tasks.
+    """Every non-empty task on its query host: [G, U, U] int32, -1 for empty tasks.
 
     The owner-computes baseline: no QO traffic, only the KV each query chunk
     needs travels. Sync-free.
     """
-    G, P = areas.head_groups, areas.cp_size
-    host = torch.arange(P, device=areas.area.device, dtype=torch.int32).view(1, P, 1).expand(G, P, P)
+    G, U = areas.head_groups, areas.num_units
+    host = areas.unit_host().to(torch.int32).view(1, U, 1).expand(G, U, U)
     return torch.where(areas.area > 0, host, torch.full_like(host, -1))
 
 
 def check_assignment(areas: BlockAreas, assignment: torch.Tensor) -> None:
     """Host-side validation (reads the tensors): raises ValueError naming the task.
 
-    assignment must be an integer [G, P, P] tensor; each non-empty task
+    assignment must be an integer [G, U, U] tensor (U = P untiled); each non-empty task
     (area > 0) on a rank in [0, P); each empty task -1.
     """
     _check_meta(areas, assignment)

@@ -1,10 +1,13 @@
 """The solver's problem: block areas, needed token intervals, and byte costs.
 
-Shape legend: G head groups, P ranks (CP size), c = S / P tokens per chunk.
+Shape legend: G head groups, P ranks (CP size), c = S / P tokens per chunk,
+n sub-chunk tiles per chunk, U = n * P units of c / n tokens per group.
 
-A task ``(g, i, j)`` is query chunk ``i`` against key chunk ``j`` for head
-group ``g``. QO unit ``(g, i)`` lives on rank ``i``; KV unit ``(g, j)`` on
-rank ``j``.
+A task ``(g, i, j)`` is query unit ``i`` against key unit ``j`` for head
+group ``g``. Without tiling (n = 1) a unit is a rank's whole chunk: QO unit
+``(g, i)`` lives on rank ``i`` and KV unit ``(g, j)`` on rank ``j``. With n
+tiles, unit ``u`` is tile ``u % n`` of rank ``u // n``'s chunk, so one
+chunk-pair's work splits into n x n tasks the solver may place apart.
 """
 from __future__ import annotations
 
@@ -17,12 +20,13 @@ import torch
 class BlockAreas:
     """Per-block work and needs, all device tensors.
 
-    area:   [G, P, P] int64 — exact count of valid (q, k) entries of block (g, i, j).
-    q_need: [G, P, P, 2] int64 — [lo, hi) rows of query chunk i (chunk-local,
-            0 <= lo <= hi <= c) that have at least one valid entry in the block.
-    k_need: [G, P, P, 2] int64 — [lo, hi) columns of key chunk j (chunk-local)
+    area:   [G, U, U] int64 — exact count of valid (q, k) entries of block (g, i, j).
+    q_need: [G, U, U, 2] int64 — [lo, hi) rows of query unit i (unit-local,
+            0 <= lo <= hi <= chunk) that have at least one valid entry in the block.
+    k_need: [G, U, U, 2] int64 — [lo, hi) columns of key unit j (unit-local)
             that some row of the block attends.
-    chunk:  c, tokens per chunk (host int).
+    chunk:  tokens per unit (host int): c = S / P without tiling, c / n with n tiles.
+    tiles:  n, units per rank (host int, default 1); U = n * P.
 
     An empty block has area 0 and needs [0, 0). The needs are bounding
     intervals: exact for document, window and causal masks, an upper bound
@@ -33,35 +37,85 @@ class BlockAreas:
     q_need: torch.Tensor
     k_need: torch.Tensor
     chunk: int
+    tiles: int = 1
+
+    def __post_init__(self):
+        if not isinstance(self.tiles, int) or self.tiles < 1 or self.area.dim() < 2 \
+                or self.area.shape[1] % self.tiles:
+            raise ValueError(f"tiles must be a positive int dividing the unit count, got tiles={self.tiles!r} "
+                             f"for area of shape {tuple(self.area.shape)}")
 
     @property
     def head_groups(self) -> int:
         return self.area.shape[0]
 
     @property
-    def cp_size(self) -> int:
+    def num_units(self) -> int:
+        """U = tiles * P, units per head group."""
         return self.area.shape[1]
+
+    @property
+    def cp_size(self) -> int:
+        return self.area.shape[1] // self.tiles
+
+    @property
+    def rank_tokens(self) -> int:
+        """c = S / P, tokens per rank."""
+        return self.chunk * self.tiles
+
+    def unit_host(self) -> torch.Tensor:
+        """[U] int64, the rank holding each unit (u // tiles)."""
+        return torch.arange(self.num_units, device=self.area.device) // self.tiles
+
+    def coarsen(self) -> "BlockAreas":
+        """The same work at one unit per rank (tiles = 1): [G, P, P] areas summed over tile
+        pairs, needs as chunk-local hulls of the tiles' needs ([0, 0) for empty blocks).
+        Sync-free; equal to the untiled areas of the mask when the tiles' needs are exact."""
+        if self.tiles == 1:
+            return self
+        G, P, n, c = self.head_groups, self.cp_size, self.tiles, self.chunk
+        area = self.area.view(G, P, n, P, n)
+        used = area > 0
+        offset = torch.arange(n, device=area.device) * c  # a tile's first token in its chunk
+
+        def hull(need, off):
+            lo = torch.where(used, need[..., 0] + off, P * n * c).amin(dim=(2, 4))
+            hi = torch.where(used, need[..., 1] + off, 0).amax(dim=(2, 4))
+            some = used.any(dim=4).any(dim=2)
+            return torch.stack((torch.where(some, lo, 0), torch.where(some, hi, 0)), dim=-1)
+
+        q = hull(self.q_need.view(G, P, n, P, n, 2), offset.view(1, 1, n, 1, 1))
+        k = hull(self.k_need.view(G, P, n, P, n, 2), offset.view(1, 1, 1, 1, n))
+        return BlockAreas(area.sum(dim=(2, 4)), q, k, c * n)
+
+    def refine(self, assignment: torch.Tensor) -> torch.Tensor:
+        """An assignment of the coarsened areas ([G, P, P], every tile pair of a chunk pair on
+        its rank) as an assignment of these: [G, U, U] int32, -1 for empty tasks. Sync-free."""
+        n = self.tiles
+        tiled = assignment.to(torch.int32).repeat_interleave(n, dim=1).repeat_interleave(n, dim=2)
+        return torch.where(self.area > 0, tiled, torch.full_like(tiled, -1))
 
     def to(self, device) -> "BlockAreas":
         """The same areas on ``device`` (e.g. "meta" to prove a consumer reads no values)."""
-        return BlockAreas(self.area.to(device), self.q_need.to(device), self.k_need.to(device), self.chunk)
+        return BlockAreas(self.area.to(device), self.q_need.to(device), self.k_need.to(device), self.chunk,
+                          self.tiles)
 
     def expand_groups(self, head_groups: int) -> "BlockAreas":
         """The areas of a mask shared by all groups, computed once (G = 1), for ``head_groups`` groups."""
         if self.head_groups == head_groups:
             return self
-        P = self.cp_size
-        return BlockAreas(self.area.expand(head_groups, P, P).contiguous(),
-                          self.q_need.expand(head_groups, P, P, 2).contiguous(),
-                          self.k_need.expand(head_groups, P, P, 2).contiguous(), self.chunk)
+        U = self.num_units
+        return BlockAreas(self.area.expand(head_groups, U, U).contiguous(),
+                          self.q_need.expand(head_groups, U, U, 2).contiguous(),
+                          self.k_need.expand(head_groups, U, U, 2).contiguous(), self.chunk, self.tiles)
 
     def validate(self) -> "BlockAreas":
-        G, P = self.area.shape[0], self.area.shape[1]
-        if self.area.shape != (G, P, P) or self.area.dtype != torch.int64:
-            raise ValueError(f"area must be int64 [G, P, P], got {self.area.dtype} {tuple(self.area.shape)}")
+        G, U = self.area.shape[0], self.area.shape[1]
+        if self.area.shape != (G, U, U) or self.area.dtype != torch.int64:
+            raise ValueError(f"area must be int64 [G, U, U], got {self.area.dtype} {tuple(self.area.shape)}")
         for name, t in (("q_need", self.q_need), ("k_need", self.k_need)):
-            if t.shape != (G, P, P, 2):
-                raise ValueError(f"{name} must be [G, P, P, 2] = {(G, P, P, 2)}, got {tuple(t.shape)}")
+            if t.shape != (G, U, U, 2):
+                raise ValueError(f"{name} must be [G, U, U, 2] = {(G, U, U, 2)}, got {tuple(t.shape)}")
         return self
 
 

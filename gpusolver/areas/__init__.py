@@ -12,6 +12,8 @@ function here is sync-free (static shapes, no host reads).
 """
 from __future__ import annotations
 
+import dataclasses
+
 from gpusolver.areas.kernel import block_areas_triton
 from gpusolver.areas.ref import block_areas_torch
 from gpusolver.areas.sparse import block_sparse_areas, token_topk_areas
@@ -23,7 +25,8 @@ __all__ = ["block_areas", "block_areas_torch", "block_areas_triton", "block_spar
 _IMPLS = ("auto", "torch", "triton")
 
 
-def block_areas(mask: AttnSlices, cp_size: int, head_groups: int = 1, impl: str = "auto") -> BlockAreas:
+def block_areas(mask: AttnSlices, cp_size: int, head_groups: int = 1, impl: str = "auto",
+                tiles: int = 1) -> BlockAreas:
     """Exact block areas and needed intervals of a slice mask.
 
     mask:        AttnSlices, q_ranges / k_ranges [R, 2] or [G, R, 2], attn_type
@@ -33,15 +36,22 @@ def block_areas(mask: AttnSlices, cp_size: int, head_groups: int = 1, impl: str 
     head_groups: G; a grouped mask's leading dim must equal it, an
                  ungrouped mask is shared by every group.
     impl:        "torch", "triton", or "auto" (Triton on CUDA, torch elsewhere).
+    tiles:       n sub-chunk tiles per rank's chunk (units of c / n tokens; S
+                 divisible by n * P).
 
-    Returns BlockAreas(area [G, P, P] int64, q_need / k_need [G, P, P, 2]
-    int64, chunk = S / P). Both implementations give identical integers.
+    Returns BlockAreas(area [G, U, U] int64, q_need / k_need [G, U, U, 2]
+    int64, chunk = S / U, tiles = n) with U = n * P. Both implementations give
+    identical integers.
     """
     if impl not in _IMPLS:
         raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
+    if not isinstance(tiles, int) or tiles < 1:
+        raise ValueError(f"tiles must be a positive int, got {tiles!r}")
     if impl == "auto":
         impl = "triton" if isinstance(mask, AttnSlices) and mask.device.type == "cuda" else "torch"
-    if impl == "triton":
-        return block_areas_triton(mask, cp_size, head_groups)
-    return block_areas_torch(mask, cp_size, head_groups)
+    # a tile is a chunk of a CP group n times larger; only the unit -> rank map differs
+    units = cp_size * tiles
+    areas = block_areas_triton(mask, units, head_groups) if impl == "triton" else \
+        block_areas_torch(mask, units, head_groups)
+    return areas if tiles == 1 else dataclasses.replace(areas, tiles=tiles)
 

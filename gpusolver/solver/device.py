@@ -7,7 +7,9 @@ fixed number of rounds, so the solve runs on any device without host reads
 The algorithm (DESIGN.md, "The solver", family 2):
 
 * Start from owner-computes: every task on its query host (no Q/O traffic,
-  usually unbalanced).
+  usually unbalanced). With sub-chunk tiles (``chunk_tiles`` n > 1, units of
+  c / n tokens, unit u on rank u // n) start instead from the plan solved for
+  whole chunks: tile moves then refine it (coarse to fine).
 * Every round, each source rank offers its heaviest QO units; a *bundle
   move* ships a prefix of one unit's tasks (in one of two task orders: largest
   first, or fewest needed query rows first) to one destination: as much as
@@ -60,7 +62,7 @@ _BIG = 1 << 60
 
 @dataclass(frozen=True)
 class DeviceSolveResult:
-    """assignment: [G, P, P] int32 (-1 empty task); balanced: 0-dim bool;
+    """assignment: [G, U, U] int32 (-1 empty task; U = P untiled); balanced: 0-dim bool;
     fwd_bottleneck: 0-dim int64 bytes of the chosen state; variant: 0-dim int64."""
 
     assignment: torch.Tensor
@@ -70,32 +72,38 @@ class DeviceSolveResult:
 
 
 class _Tasks:
-    """Flat task arrays [T], T = G * P * P, in (g, i, j) order, plus static tables."""
+    """Flat task arrays [T], T = G * U * U, in (g, i, j) order, plus static tables.
+
+    U = n * P units per group (n sub-chunk tiles per rank); unit u lives on rank u // n.
+    """
 
     def __init__(self, areas: BlockAreas, config: SolverConfig):
-        G, P = areas.head_groups, areas.cp_size
+        G, P, U, n = areas.head_groups, areas.cp_size, areas.num_units, areas.tiles
         dev = areas.area.device
-        self.G, self.P, self.T = G, P, G * P * P
+        self.G, self.P, self.U, self.T = G, P, U, G * U * U
         idx = torch.arange(self.T, device=dev)
-        self.g = idx // (P * P)
-        self.i = (idx // P) % P
-        self.j = idx % P
+        self.g = idx // (U * U)
+        self.i = (idx // U) % U
+        self.j = idx % U
         self.area = areas.area.reshape(-1)
         self.valid = self.area > 0
         self.qlo, self.qhi = areas.q_need.reshape(-1, 2).unbind(-1)
         self.klo, self.khi = areas.k_need.reshape(-1, 2).unbind(-1)
-        self.qo_unit = self.g * P + self.i  # [T] index of QO unit (g, i)
-        self.kv_unit = self.g * P + self.j  # [T] index of KV unit (g, j)
+        self.qo_unit = self.g * U + self.i  # [T] index of QO unit (g, i)
+        self.kv_unit = self.g * U + self.j  # [T] index of KV unit (g, j)
+        self.q_host = self.i // n  # [T] rank holding the task's query unit
+        self.k_host = self.j // n  # [T] rank holding its key unit
+        self.unit_host = (torch.arange(G * U, device=dev) % U) // n  # [G*U]
         cost = config.cost()
         self.q, self.o, self.kv = cost.q_fwd, cost.o_fwd, cost.kv_fwd
         # the tasks of each QO unit in the two orders a bundle may take them (TASK_ORDERS):
-        # [2, G*P, P] task ids; "area": largest first; "rows": fewest needed query rows first
+        # [2, G*U, U] task ids; "area": largest first; "rows": fewest needed query rows first
         # (then largest), so the rows a bundle ships grow as slowly as possible
-        area = areas.area.reshape(G * P, P)
-        q_len = (areas.q_need[..., 1] - areas.q_need[..., 0]).reshape(G * P, P)
+        area = areas.area.reshape(G * U, U)
+        q_len = (areas.q_need[..., 1] - areas.q_need[..., 0]).reshape(G * U, U)
         by_area = torch.sort(-area, dim=1, stable=True).indices
         by_rows = torch.sort(q_len * (areas.area.amax() + 1) - area, dim=1, stable=True).indices
-        self.unit_tasks = torch.arange(G * P, device=dev)[:, None] * P + torch.stack((by_area, by_rows))
+        self.unit_tasks = torch.arange(G * U, device=dev)[:, None] * U + torch.stack((by_area, by_rows))
 
 
 @dataclass
@@ -103,13 +111,13 @@ class _State:
     """Per-variant quantities of one assignment A [B, T+1] (column T is a dummy)."""
 
     rank: torch.Tensor  # [B, T], P for empty tasks
-    q_lo: torch.Tensor  # [B, G*P, P] hull of each QO unit's rows at each rank
+    q_lo: torch.Tensor  # [B, G*U, P] hull of each QO unit's rows at each rank
     q_hi: torch.Tensor
-    k_lo: torch.Tensor  # [B, G*P, P] hull of each KV unit's columns at each rank
+    k_lo: torch.Tensor  # [B, G*U, P] hull of each KV unit's columns at each rank
     k_hi: torch.Tensor
-    qlen: torch.Tensor  # [B, G*P, P] tokens that travel (0 at the host)
+    qlen: torch.Tensor  # [B, G*U, P] tokens that travel (0 at the host)
     klen: torch.Tensor
-    kcount: torch.Tensor  # [B, G*P, P] tasks of each KV unit on each rank
+    kcount: torch.Tensor  # [B, G*U, P] tasks of each KV unit on each rank
     send: torch.Tensor  # [B, P] forward bytes
     recv: torch.Tensor
     vol: torch.Tensor  # [B, P] max(send, recv)
@@ -118,10 +126,10 @@ class _State:
 
 
 def _scatter_hull(tasks: _Tasks, rank, lo, hi, unit):
-    """Hull [lo, hi) of the needs of each (unit, rank): [B, G*P, P] each."""
+    """Hull [lo, hi) of the needs of each (unit, rank): [B, G*U, P] each."""
     B, P = rank.shape[0], tasks.P
     key = unit * (P + 1) + rank
-    n = tasks.G * P * (P + 1)
+    n = tasks.G * tasks.U * (P + 1)
     h_lo = torch.full((B, n), _BIG, dtype=torch.int64, device=rank.device)
     h_hi = torch.zeros((B, n), dtype=torch.int64, device=rank.device)
     h_lo = h_lo.scatter_reduce(1, key, lo.expand(B, -1), "amin")
@@ -130,26 +138,26 @@ def _scatter_hull(tasks: _Tasks, rank, lo, hi, unit):
 
 
 def _state(tasks: _Tasks, A: torch.Tensor) -> _State:
-    G, P, T = tasks.G, tasks.P, tasks.T
+    G, P, U, T = tasks.G, tasks.P, tasks.U, tasks.T
     rank = A[:, :T]
     B = rank.shape[0]
     q_lo, q_hi = _scatter_hull(tasks, rank, tasks.qlo, tasks.qhi, tasks.qo_unit)
     k_lo, k_hi = _scatter_hull(tasks, rank, tasks.klo, tasks.khi, tasks.kv_unit)
     ranks = torch.arange(P, device=A.device)
-    at_host = (torch.arange(G * P, device=A.device) % P)[:, None] == ranks
+    at_host = tasks.unit_host[:, None] == ranks
     qlen = torch.where(at_host, 0, (q_hi - q_lo).clamp(min=0))
     klen = torch.where(at_host, 0, (k_hi - k_lo).clamp(min=0))
-    q4, k4 = qlen.view(B, G, P, P), klen.view(B, G, P, P)  # [B, G, host, dest]
-    q_out, q_in = q4.sum(dim=(1, 3)), q4.sum(dim=(1, 2))
-    k_out, k_in = k4.sum(dim=(1, 3)), k4.sum(dim=(1, 2))
+    q4, k4 = qlen.view(B, G, P, U // P, P), klen.view(B, G, P, U // P, P)  # [B, G, host, tile, dest]
+    q_out, q_in = q4.sum(dim=(1, 3, 4)), q4.sum(dim=(1, 2, 3))
+    k_out, k_in = k4.sum(dim=(1, 3, 4)), k4.sum(dim=(1, 2, 3))
     send = q_out * tasks.q + q_in * tasks.o + k_out * tasks.kv
     recv = q_in * tasks.q + q_out * tasks.o + k_in * tasks.kv
     vol = torch.maximum(send, recv)
     load = torch.zeros((B, P + 1), dtype=torch.int64, device=A.device)
     load = load.scatter_add(1, rank, tasks.area.expand(B, -1))[:, :P]
-    kcount = torch.zeros((B, G * P * (P + 1)), dtype=torch.int64, device=A.device)
+    kcount = torch.zeros((B, G * U * (P + 1)), dtype=torch.int64, device=A.device)
     kcount = kcount.scatter_add(1, tasks.kv_unit * (P + 1) + rank, tasks.valid.long().expand(B, -1))
-    kcount = kcount.view(B, G * P, P + 1)[..., :P]
+    kcount = kcount.view(B, G * U, P + 1)[..., :P]
     return _State(rank, q_lo, q_hi, k_lo, k_hi, qlen, klen, kcount, send, recv, vol, vol.amax(1), load)
 
 
@@ -188,11 +196,11 @@ def _offers(tasks: _Tasks, st: _State, cap, units_per_rank: int, n_dests: int, d
     """
     G, P = tasks.G, tasks.P
     B, dev = st.rank.shape[0], st.rank.device
-    K, D = min(units_per_rank, G * P), min(n_dests, P)
+    K, D = min(units_per_rank, G * tasks.U), min(n_dests, P)
     ranks = torch.arange(P, device=dev)
-    ua = torch.zeros((B, G * P * (P + 1)), dtype=torch.int64, device=dev)
+    ua = torch.zeros((B, G * tasks.U * (P + 1)), dtype=torch.int64, device=dev)
     ua = ua.scatter_add(1, tasks.qo_unit * (P + 1) + st.rank, tasks.area.expand(B, -1))
-    ua = ua.view(B, G * P, P + 1)[..., :P].transpose(1, 2)  # [B, P(s), G*P]
+    ua = ua.view(B, G * tasks.U, P + 1)[..., :P].transpose(1, 2)  # [B, P(s), G*U]
     # heaviest first, ties by unit index (topk's tie order is unspecified)
     unit = torch.sort(-ua, dim=2, stable=True).indices[..., :K].contiguous()  # [B, P, K]
     headroom = cap - st.load  # [B, P]
@@ -206,6 +214,25 @@ def _offers(tasks: _Tasks, st: _State, cap, units_per_rank: int, n_dests: int, d
     window = ((e[..., None] * width) // 2) + torch.where(slot < width, slot, 0)  # [B, P, D]
     dests = by_room.gather(1, (window % n_light[..., None]).view(B, -1)).view(B, P, D)
     return unit, headroom, dests
+
+
+def _busiest_key_host(send, key_host, elsewhere, kv_delta, tiles: int):
+    """The largest send of a key host other than the touched ranks after a move, 0 if none.
+
+    send: [B, P]; key_host, elsewhere, kv_delta: [..., M] per moved task (key_host broadcastable).
+    With one tile per rank each task's key unit has its own host; with n tiles up to n of a
+    bundle's tasks share one, and their deltas add up.
+    """
+    B, P = send.shape
+    lead = (B,) + (1,) * (elsewhere.dim() - 2)
+    if tiles == 1:
+        j_send = send.gather(1, key_host.expand(B, *key_host.shape[1:]).reshape(B, -1)).view(key_host.shape)
+        return torch.where(elsewhere, j_send + kv_delta, 0).amax(-1)
+    idx = key_host.expand_as(elsewhere)
+    per_host = torch.zeros(elsewhere.shape[:-1] + (P,), dtype=torch.int64, device=send.device)
+    per_host = per_host.scatter_add(-1, idx, torch.where(elsewhere, kv_delta, 0))
+    hit = torch.zeros_like(per_host).scatter_add(-1, idx, elsewhere.long()) > 0
+    return torch.where(hit, send.view(*lead, P) + per_host, 0).amax(-1)
 
 
 def _bundle_proposals(tasks: _Tasks, st: _State, cap, excess, balance, threshold,
@@ -223,43 +250,44 @@ def _bundle_proposals(tasks: _Tasks, st: _State, cap, excess, balance, threshold
     lowers the total bytes is also allowed, ranked after every move that
     lowers the bottleneck (score + 1); the total falls strictly, so no cycles.
     """
-    G, P, T = tasks.G, tasks.P, tasks.T
+    G, P, U, T = tasks.G, tasks.P, tasks.U, tasks.T
     B, dev = st.rank.shape[0], st.rank.device
-    K, D = min(units_per_rank, G * P), min(n_dests, P)
+    K, D = min(units_per_rank, G * U), min(n_dests, P)
     ranks = torch.arange(P, device=dev)
     unit, headroom, dests = _offers(tasks, st, cap, units_per_rank, n_dests, dests_per_variant)
+    u_host = tasks.unit_host[unit]  # [B, P, K] query host of each offered unit
 
-    # the unit's tasks, by area: [B, P(s), K, P(order)]; mine = on the source
+    # the unit's tasks, by area: [B, P(s), K, U(order)]; mine = on the source
     order_b = torch.zeros((B,), dtype=torch.int64, device=dev) if order_per_variant is None else order_per_variant
     tid = tasks.unit_tasks[order_b.view(B, 1, 1), unit]
     s4 = ranks.view(1, P, 1, 1)
-    mine = st.rank.gather(1, tid.view(B, -1)).view(B, P, K, P) == s4
+    mine = st.rank.gather(1, tid.view(B, -1)).view(B, P, K, U) == s4
     t_area = torch.where(mine, tasks.area[tid], 0)
     after = torch.cumsum(t_area, 3)
     before = after - t_area
     first = mine & (torch.cumsum(mine.long(), 3) == 1)
-    j_t = tasks.j[tid]
+    j_t = tasks.k_host[tid]  # key host of each task
     # each unit also considers: the key host of its heaviest task here (no K/V to ship for it),
     # the unit's own host (moving home frees the transfer) and the other rank holding most of
     # the unit's rows (merging two helpers of one unit saves one transfer)
     key_host = torch.where(first, j_t, 0).sum(3, keepdim=True)  # [B, P, K, 1]
-    home = (unit % P)[..., None]
+    home = u_host[..., None]
     held = st.qlen.gather(1, unit.view(B, -1, 1).expand(-1, -1, P).reshape(B, -1, P)).view(B, P, K, P)
     held = torch.where(ranks.view(1, P, 1, 1) == ranks, -1, held)  # not the source itself
     holder = held.argmax(3, keepdim=True)
     dests = torch.cat((dests[:, :, None, :].expand(B, P, K, D), key_host, home, holder), 3)  # [B, P, K, D1]
     D1 = D + 3
-    # prefixes, [B, P, K, D, 2(size), P(order)]: size 0 = one task (bottleneck phase only),
+    # prefixes, [B, P, K, D, 2(size), U(order)]: size 0 = one task (bottleneck phase only),
     # size 1 = while it fits the destination (and, balancing, until the excess is covered)
     room = headroom.gather(1, dests.view(B, -1)).view(B, P, K, D1, 1)
     fit = mine[:, :, :, None] & (after[:, :, :, None] <= room)
     still_over = torch.where(balance.view(B, 1, 1, 1), before < excess.view(B, P, 1, 1), True)
     inc = torch.stack((fit & first[:, :, :, None] & ~balance.view(B, 1, 1, 1, 1),
-                       fit & still_over[:, :, :, None]), dim=4)  # [B, P, K, D, 2, P]
+                       fit & still_over[:, :, :, None]), dim=4)  # [B, P, K, D, 2, U]
     area = torch.where(inc, t_area[:, :, :, None, None], 0).sum(-1)  # [B, P, K, D, 2]
     shape = area.shape
 
-    i_of = (unit % P)[..., None, None]  # [B, P, K, 1, 1] query host
+    i_of = u_host[..., None, None]  # [B, P, K, 1, 1] query host
     d_of = dests.view(B, P, K, D1, 1)
     s_of = ranks.view(1, P, 1, 1, 1)
     gather_at = lambda table, idx: table.reshape(B, -1).gather(1, idx.reshape(B, -1)).view(idx.shape)  # noqa: E731
@@ -278,12 +306,12 @@ def _bundle_proposals(tasks: _Tasks, st: _State, cap, excess, balance, threshold
     q_free = torch.where((area > 0) & (s_of != i_of), q_cur - (r_hi - r_lo).clamp(min=0), 0)
 
     # key columns of each moved task: growth at the destination, freed at the source
-    kv_u = tasks.kv_unit[tid]  # [B, P, K, P(order)]
+    kv_u = tasks.kv_unit[tid]  # [B, P, K, U(order)]
     klo_t, khi_t = tasks.klo[tid], tasks.khi[tid]
-    kd = (kv_u * P)[:, :, :, None, :] + d_of  # [B, P, K, D, P]
+    kd = (kv_u * P)[:, :, :, None, :] + d_of  # [B, P, K, D, U]
     k_grow = _union_growth(gather_at(st.k_lo, kd), gather_at(st.k_hi, kd),
                            klo_t[:, :, :, None, :], khi_t[:, :, :, None, :])
-    k_grow = torch.where(j_t[:, :, :, None, :] == d_of, 0, k_grow)[:, :, :, :, None, :]  # [B,P,K,D1,1,P]
+    k_grow = torch.where(j_t[:, :, :, None, :] == d_of, 0, k_grow)[:, :, :, :, None, :]  # [B,P,K,D1,1,U]
     # a KV unit's columns leave the source only with its last task there (a lower bound of
     # what is freed: a unit shared with tasks that stay is counted as not shrinking)
     k_cur = gather_at(st.klen, kv_u * P + s4)
@@ -291,13 +319,12 @@ def _bundle_proposals(tasks: _Tasks, st: _State, cap, excess, balance, threshold
     k_free = torch.where(mine & sole, k_cur, 0)[:, :, :, None, None, :]
     # each moved task's key host sends (k_grow - k_free) more columns
     j6 = j_t[:, :, :, None, None, :]
-    i6, s6, d6 = (unit % P)[:, :, :, None, None, None], ranks.view(1, P, 1, 1, 1, 1), d_of[..., None]
-    kv_delta = torch.where(inc, (k_grow - k_free) * tasks.kv, 0)  # [B, P, K, D1, 2, P]
+    i6, s6, d6 = u_host[:, :, :, None, None, None], ranks.view(1, P, 1, 1, 1, 1), d_of[..., None]
+    kv_delta = torch.where(inc, (k_grow - k_free) * tasks.kv, 0)  # [B, P, K, D1, 2, U]
     kv_to_src = torch.where(j6 == s6, kv_delta, 0).sum(-1)
     kv_to_host = torch.where((j6 == i6) & (i6 != s6), kv_delta, 0).sum(-1)
     elsewhere = inc & (j6 != s6) & (j6 != i6) & (j6 != d6)
-    j_send = st.send.gather(1, j_t.reshape(B, -1)).view(B, P, K, 1, 1, P)
-    kvh_max = torch.where(elsewhere, j_send + kv_delta, 0).amax(-1)  # busiest other key host after
+    kvh_max = _busiest_key_host(st.send, j6, elsewhere, kv_delta, tiles=U // P)
     k_grow = torch.where(inc, k_grow, 0).sum(-1)
     k_free = torch.where(inc, k_free, 0).sum(-1)
 
@@ -341,12 +368,12 @@ def _bundle_proposals(tasks: _Tasks, st: _State, cap, excess, balance, threshold
     n = D1 * 2
     best = score.view(B, P, K, n).argmin(-1, keepdim=True)  # first on ties
     pick = lambda x: x.expand(shape).reshape(B, P, K, n).gather(3, best).reshape(B, P * K)  # noqa: E731
-    moved = inc.reshape(B, P, K, n, P).gather(3, best[..., None].expand(-1, -1, -1, 1, P)).squeeze(3)
+    moved = inc.reshape(B, P, K, n, U).gather(3, best[..., None].expand(-1, -1, -1, 1, U)).squeeze(3)
     d_best = dests.gather(3, best // 2)  # [B, P, K, 1]
     return _Proposals(ok=pick(ok), score=pick(score), dest=d_best.reshape(B, P * K),
                       source=ranks.view(P, 1).expand(P, K).reshape(1, -1).expand(B, -1),
                       area=pick(area), dest_send=pick(dest_send), dest_recv=pick(dest_recv),
-                      tasks=torch.where(moved, tid, T).view(B, P * K, P))
+                      tasks=torch.where(moved, tid, T).view(B, P * K, U))
 
 
 def _segment_running_sum(key: torch.Tensor, order_key: torch.Tensor, values: list[torch.Tensor]):
@@ -513,13 +540,13 @@ def default_local_search(cp_size: int) -> tuple[bool, int]:
     return small, (RESTART_EVERY if small else 0)
 
 
-def _variants(strategies: tuple[Strategy, ...], G: int, P: int):
+def _variants(strategies: tuple[Strategy, ...], G: int, P: int, tiles: int = 1):
     """The variants of a portfolio: ([(scale, units, window, order index)] host tuples, K, D).
 
     K = unit slots per source and D = window width of the widest variant; each
     variant's own counts are clipped to them.
     """
-    K = min(max(st.units_per_rank for st in strategies), G * P)
+    K = min(max(st.units_per_rank for st in strategies), G * P * tiles)
     D = min(max(st.bundle_dests for st in strategies), P)
     variants = [(x, min(st.units_per_rank, K), min(st.bundle_dests, D), TASK_ORDERS.index(st.task_order))
                 for st in strategies for x in st.threshold_scales]
@@ -547,16 +574,18 @@ def _restart(tasks: _Tasks, best_A: torch.Tensor, vol: torch.Tensor) -> torch.Te
     the first rank of largest volume. Returns [B, T+1] int64."""
     P, T = tasks.P, tasks.T
     bn = vol.argmax(1, keepdim=True)  # [B, 1], first on ties
-    home = torch.where(tasks.valid, tasks.i, P)
+    home = torch.where(tasks.valid, tasks.q_host, P)
     back = (best_A[:, :T] == bn) | (home == bn)
     return torch.cat((torch.where(back, home, best_A[:, :T]), best_A[:, T:]), 1)
 
 
 def _run_variants(tasks: _Tasks, cap: torch.Tensor, strategies: tuple[Strategy, ...], rounds: int,
                   state_fn=None, propose_fn=None, accept_apply_fn=None, track_fn=None,
-                  sideways: bool = False, restart_every: int = 0):
+                  sideways: bool = False, restart_every: int = 0, start: torch.Tensor | None = None):
     """Run the variants of ``strategies`` side by side: best (A [B, T+1], key [B]).
 
+    ``start`` ([T] int64, the rank of each non-empty task; default owner-computes) is the
+    assignment every variant starts from and round 0's state.
     ``sideways`` allows sideways bottleneck-phase moves (``_bundle_proposals``).
     With ``restart_every = R > 0``, at rounds R, 2R, ... (before the last) each
     variant restarts from its best state with its bottleneck rank's moves
@@ -576,12 +605,12 @@ def _run_variants(tasks: _Tasks, cap: torch.Tensor, strategies: tuple[Strategy, 
     state_fn, propose_fn = state_fn or _state, propose_fn or _bundle_proposals
     accept_apply_fn, track_fn = accept_apply_fn or _accept_apply, track_fn or _track
     P, T, dev = tasks.P, tasks.T, tasks.area.device
-    variants, K, D = _variants(strategies, tasks.G, P)
+    variants, K, D = _variants(strategies, tasks.G, P, tasks.U // P)
     B = len(variants)
     order_b, dests_b, units_b = _variant_tables(variants, dev).unbind(0)
     offered = (torch.arange(P * K, device=dev) % K)[None, :] < units_b[:, None]  # [B, P*K]
-    # owner-computes start; column T is a dummy that absorbs writes of unused slots
-    A = torch.where(tasks.valid, tasks.i, P).expand(B, T)
+    # owner-computes (or the given) start; column T is a dummy that absorbs writes of unused slots
+    A = torch.where(tasks.valid, tasks.q_host if start is None else start, P).expand(B, T)
     A = torch.cat((A, torch.full((B, 1), P, dtype=torch.int64, device=dev)), dim=1)
     best_A = A.clone()
     best_key = torch.full((B,), _BIG, dtype=torch.int64, device=dev)
@@ -614,8 +643,10 @@ def solve_device(areas: BlockAreas, config: SolverConfig, *, rounds: int = DEFAU
                  restart_every: int | None = None) -> DeviceSolveResult:
     """Assign every task to a rank, on the device of ``areas``, without host reads.
 
-    areas:      BlockAreas (area [G, P, P] int64, q_need/k_need [G, P, P, 2] int64).
-    config:     SolverConfig (P, heads, D, dtype, imbalance_tol).
+    areas:      BlockAreas (area [G, U, U] int64, q_need/k_need [G, U, U, 2] int64; U = P,
+                or n * P with ``config.chunk_tiles = n`` sub-chunk tiles: then the chunks
+                are solved first, ``areas.coarsen()``, and that plan is refined with tiles).
+    config:     SolverConfig (P, heads, D, dtype, imbalance_tol, chunk_tiles).
     rounds:     rounds of moves per variant (static).
     strategies: batches of variants (default: ``default_strategies(P)``); the best state wins.
     impl:       "torch"; "triton" (a few kernels per round, solver/kernels*.py); "persistent"
@@ -624,7 +655,7 @@ def solve_device(areas: BlockAreas, config: SolverConfig, *, rounds: int = DEFAU
                 many as keep every variant's programs resident, ``default_workers``).
     sideways, restart_every: the local search's extras (None: ``default_local_search(P)``);
                 see ``_run_variants``.
-    Returns a DeviceSolveResult; ``assignment`` is [G, P, P] int32 and
+    Returns a DeviceSolveResult; ``assignment`` is [G, U, U] int32 and
     ``variant`` indexes the variants of all strategies in order.
     """
     G, P = areas.head_groups, areas.cp_size
@@ -632,6 +663,8 @@ def solve_device(areas: BlockAreas, config: SolverConfig, *, rounds: int = DEFAU
         raise ValueError(f"areas are for P={P} ranks but config.cp_size={config.cp_size}")
     if G != config.head_groups:
         raise ValueError(f"areas have G={G} head groups but config.head_groups={config.head_groups}")
+    if areas.tiles != config.chunk_tiles:
+        raise ValueError(f"areas have tiles={areas.tiles} per chunk but config.chunk_tiles={config.chunk_tiles}")
     strategies = default_strategies(P) if strategies is None else tuple(strategies)
     if rounds < 0 or not strategies or not all(st.threshold_scales for st in strategies):
         raise ValueError(f"need rounds >= 0 and strategies with threshold scales, got {rounds}, {strategies}")
@@ -642,36 +675,47 @@ def solve_device(areas: BlockAreas, config: SolverConfig, *, rounds: int = DEFAU
     restart_every = default_restart if restart_every is None else restart_every
     if restart_every < 0:
         raise ValueError(f"restart_every must be >= 0 (0: never), got {restart_every}")
+    start = None
+    if areas.tiles > 1 and (impl == "triton" or (impl == "auto" and areas.area.is_cuda)):
+        raise NotImplementedError("the triton path does not run sub-chunk tiles yet")
+    if areas.tiles > 1:
+        # coarse to fine: solve whole chunks first, then refine that plan with tile moves; the
+        # tiled search keeps its best state, so it never ends above the untiled plan
+        coarse = solve_device(areas.coarsen(), replace(config, chunk_tiles=1), rounds=rounds,
+                              strategies=strategies, impl=impl, workers=workers, sideways=sideways,
+                              restart_every=restart_every)
+        start = areas.refine(coarse.assignment).reshape(-1).long()
     tasks = _Tasks(areas, config)
     mu_num = int(round(config.imbalance_tol * _MU_SCALE))
     cap = (mu_num * tasks.area.sum()) // (P * _MU_SCALE)  # largest balanced load
     if impl == "persistent":
         from gpusolver.solver.kernels_rounds import default_workers, solve_rounds_persistent
 
-        variants, K, D = _variants(strategies, G, P)
+        variants, K, D = _variants(strategies, G, P, areas.tiles)
         dev = areas.area.device
         if workers is None:
             workers = default_workers(len(variants), P * K, dev)
         best_A, best_key = solve_rounds_persistent(tasks, cap, _variant_tables(variants, dev),
                                                    _variant_scales(variants, dev), K, D, rounds, workers,
-                                                   sideways, restart_every)
+                                                   sideways, restart_every, start=start)
     elif impl == "triton" or (impl == "auto" and areas.area.is_cuda):
         # fused kernels for the two heaviest steps; one batch for the whole portfolio (fewest launches)
         from gpusolver.solver.kernels import bundle_proposals_triton, state_triton
         from gpusolver.solver.kernels_accept import accept_apply_triton, track_triton
 
         best_A, best_key = _run_variants(tasks, cap, strategies, rounds, state_triton, bundle_proposals_triton,
-                                         accept_apply_triton, track_triton, sideways, restart_every)
+                                         accept_apply_triton, track_triton, sideways, restart_every, start)
     else:
         # torch (CPU): one batch per strategy, so narrow strategies do not pay for the widest one
-        runs = [_run_variants(tasks, cap, (strategy,), rounds, sideways=sideways, restart_every=restart_every)
-                for strategy in strategies]
+        runs = [_run_variants(tasks, cap, (strategy,), rounds, sideways=sideways, restart_every=restart_every,
+                              start=start) for strategy in strategies]
         best_A = torch.cat([a for a, _ in runs])
         best_key = torch.cat([k for _, k in runs])
 
     winner = best_key.argmin().view(1)  # first best variant; index_select keeps it on device
     key = best_key.index_select(0, winner)[0]
     ok = key < _BIG // 2
-    assignment = torch.where(tasks.valid, best_A.index_select(0, winner)[0, :tasks.T], -1).view(G, P, P)
+    U = tasks.U
+    assignment = torch.where(tasks.valid, best_A.index_select(0, winner)[0, :tasks.T], -1).view(G, U, U)
     return DeviceSolveResult(assignment=assignment.to(torch.int32), balanced=ok,
                              fwd_bottleneck=torch.where(ok, key, -1), variant=winner[0])

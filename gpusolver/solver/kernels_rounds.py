@@ -261,7 +261,7 @@ def default_workers(variants: int, proposals: int, device) -> int:
 
 def solve_rounds_persistent(tasks: _Tasks, cap: torch.Tensor, tables: torch.Tensor, scales: torch.Tensor,
                             K: int, D: int, rounds: int, workers: int = 1, sideways: bool = False,
-                            restart_every: int = 0):
+                            restart_every: int = 0, start: torch.Tensor | None = None):
     """All rounds of all variants in one launch (Triton twin of ``device._run_variants``).
 
     tasks:   _Tasks of the solve (T = G * P * P tasks).
@@ -278,6 +278,8 @@ def solve_rounds_persistent(tasks: _Tasks, cap: torch.Tensor, tables: torch.Tens
     ``_run_variants`` with the same strategies in columns [0, T) and in the key.
     """
     G, P, T = tasks.G, tasks.P, tasks.T
+    if start is not None or tasks.U != P:
+        raise NotImplementedError("the persistent kernel does not run sub-chunk tiles yet")
     B, dev = scales.shape[0], scales.device
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
