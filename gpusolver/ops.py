@@ -1,14 +1,15 @@
 """The solve as torch.library custom ops, for ``torch.compile(fullgraph=True)``.
 
 Two ops with fakes, so a compiled layer sees each as one opaque node with a
-static output shape (a function of P and G only):
+static output shape (a function of P, G and the tiles per chunk n only;
+U = n * P units):
 
     gpusolver::block_areas(q_ranges [R, 2] int32, k_ranges [R, 2] int32,
-                           attn_type [R] int32, seqlen, cp_size, head_groups, impl)
-        -> (area [G, P, P] int64, q_need [G, P, P, 2] int64, k_need [G, P, P, 2] int64)
-    gpusolver::solve_assignment(area, q_need, k_need, chunk, cp_size, num_heads_q,
+                           attn_type [R] int32, seqlen, cp_size, head_groups, tiles, impl)
+        -> (area [G, U, U] int64, q_need [G, U, U, 2] int64, k_need [G, U, U, 2] int64)
+    gpusolver::solve_assignment(area, q_need, k_need, chunk, cp_size, tiles, num_heads_q,
                                 num_heads_kv, head_dim, dtype, imbalance_tol, impl)
-        -> assignment [G, P, P] int32 (-1 for empty tasks)
+        -> assignment [G, U, U] int32 (-1 for empty tasks)
 
 Both run on the device of their inputs without host reads; ``impl`` is
 "auto", "torch" or "triton" as in ``block_areas`` and ``solve_device``.
@@ -25,39 +26,40 @@ from gpusolver.problem import BlockAreas
 
 @torch.library.custom_op("gpusolver::block_areas", mutates_args=())
 def block_areas_op(q_ranges: torch.Tensor, k_ranges: torch.Tensor, attn_type: torch.Tensor,
-                   seqlen: int, cp_size: int, head_groups: int, impl: str
+                   seqlen: int, cp_size: int, head_groups: int, tiles: int, impl: str
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    areas = _block_areas(AttnSlices(q_ranges, k_ranges, attn_type, seqlen, seqlen), cp_size, head_groups, impl)
+    areas = _block_areas(AttnSlices(q_ranges, k_ranges, attn_type, seqlen, seqlen), cp_size, head_groups, impl,
+                         tiles=tiles)
     return areas.area, areas.q_need, areas.k_need
 
 
 @block_areas_op.register_fake
-def _block_areas_fake(q_ranges, k_ranges, attn_type, seqlen, cp_size, head_groups, impl):
-    G, P = head_groups, cp_size
-    return (q_ranges.new_empty((G, P, P), dtype=torch.int64), q_ranges.new_empty((G, P, P, 2), dtype=torch.int64),
-            q_ranges.new_empty((G, P, P, 2), dtype=torch.int64))
+def _block_areas_fake(q_ranges, k_ranges, attn_type, seqlen, cp_size, head_groups, tiles, impl):
+    G, U = head_groups, cp_size * tiles
+    return (q_ranges.new_empty((G, U, U), dtype=torch.int64), q_ranges.new_empty((G, U, U, 2), dtype=torch.int64),
+            q_ranges.new_empty((G, U, U, 2), dtype=torch.int64))
 
 
 @torch.library.custom_op("gpusolver::solve_assignment", mutates_args=())
 def solve_assignment_op(area: torch.Tensor, q_need: torch.Tensor, k_need: torch.Tensor, chunk: int,
-                        cp_size: int, num_heads_q: int, num_heads_kv: int, head_dim: int,
+                        cp_size: int, tiles: int, num_heads_q: int, num_heads_kv: int, head_dim: int,
                         dtype: torch.dtype, imbalance_tol: float, impl: str) -> torch.Tensor:
     from gpusolver.solver.device import solve_device
 
     G = area.shape[0]
     config = SolverConfig(cp_size=cp_size, num_heads_q=num_heads_q, num_heads_kv=num_heads_kv, head_dim=head_dim,
-                          dtype=dtype, imbalance_tol=imbalance_tol, head_group_flatten=G != 1)
-    return solve_device(BlockAreas(area, q_need, k_need, chunk), config, impl=impl).assignment
+                          dtype=dtype, imbalance_tol=imbalance_tol, head_group_flatten=G != 1, chunk_tiles=tiles)
+    return solve_device(BlockAreas(area, q_need, k_need, chunk, tiles), config, impl=impl).assignment
 
 
 @solve_assignment_op.register_fake
-def _solve_assignment_fake(area, q_need, k_need, chunk, cp_size, num_heads_q, num_heads_kv, head_dim, dtype,
+def _solve_assignment_fake(area, q_need, k_need, chunk, cp_size, tiles, num_heads_q, num_heads_kv, head_dim, dtype,
                            imbalance_tol, impl):
     return area.new_empty(area.shape, dtype=torch.int32)
 
 
 def solve_assignment_compiled(mask: AttnSlices, config: SolverConfig, impl: str = "auto") -> torch.Tensor:
-    """Block areas and the device solve through the custom ops: [G, P, P] int32.
+    """Block areas and the device solve through the custom ops: [G, U, U] int32 (U = P untiled).
 
     The same result as ``solve_assignment(block_areas(mask, ...), config)``,
     traceable whole by ``torch.compile(fullgraph=True)``.
@@ -65,7 +67,8 @@ def solve_assignment_compiled(mask: AttnSlices, config: SolverConfig, impl: str 
     if mask.grouped:
         raise ValueError("solve_assignment_compiled takes an ungrouped mask ([R, 2] ranges)")
     area, q_need, k_need = block_areas_op(mask.q_ranges, mask.k_ranges, mask.attn_type, mask.total_seqlen_q,
-                                          config.cp_size, config.head_groups, impl)
-    return solve_assignment_op(area, q_need, k_need, config.check_seqlen(mask.total_seqlen_q), config.cp_size,
+                                          config.cp_size, config.head_groups, config.chunk_tiles, impl)
+    unit_tokens = config.check_seqlen(mask.total_seqlen_q) // config.chunk_tiles
+    return solve_assignment_op(area, q_need, k_need, unit_tokens, config.cp_size, config.chunk_tiles,
                                config.num_heads_q, config.num_heads_kv, config.head_dim, config.dtype,
                                config.imbalance_tol, impl)

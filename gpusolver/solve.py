@@ -5,6 +5,7 @@ Shape legend: S tokens, P ranks, c = S / P, G head groups, R slices.
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 
 import torch
 
@@ -19,11 +20,13 @@ SOLVERS = ("device", "reference")
 
 def solve_assignment(areas: BlockAreas, config: SolverConfig, *, solver: str = "device",
                      impl: str = "auto") -> torch.Tensor:
-    """Assign every task: [G, P, P] int32 rank per task, -1 for empty tasks.
+    """Assign every task: [G, U, U] int32 rank per task, -1 for empty tasks (U = P, or
+    n * P with ``config.chunk_tiles = n``).
 
     ``solver="device"`` is the sync-free parallel solver (any device, no host
     reads; ``impl`` picks its path, see ``solve_device``); ``"reference"`` is
-    the CPU yardstick (numpy, reads the areas).
+    the CPU yardstick (numpy, reads the areas; it places whole chunks, so with
+    tiles every tile pair of a chunk pair goes where the chunk pair goes).
     """
     if solver == "device":
         from gpusolver.solver.device import solve_device
@@ -32,6 +35,8 @@ def solve_assignment(areas: BlockAreas, config: SolverConfig, *, solver: str = "
     if solver == "reference":
         from gpusolver.solver.reference import solve_assignment as reference_assignment
 
+        if areas.tiles > 1:
+            return areas.refine(reference_assignment(areas.coarsen(), replace(config, chunk_tiles=1)))
         return reference_assignment(areas, config)
     raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}")
 
@@ -62,7 +67,7 @@ def solve(mask: AttnSlices, config: SolverConfig, *, solver: str = "device", are
         validate = mask.device.type == "cpu"
     if validate:
         mask.validate(cp_size=config.cp_size)
-    areas = block_areas(mask, config.cp_size, config.head_groups, impl=areas_impl)
+    areas = block_areas(mask, config.cp_size, config.head_groups, impl=areas_impl, tiles=config.chunk_tiles)
     assignment = solve_assignment(areas, config, solver=solver, impl=impl)
     plan = build_plan(mask, areas, assignment, config)
     if validate:

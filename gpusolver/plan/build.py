@@ -19,20 +19,22 @@ from gpusolver.problem import BlockAreas
 
 def _check_args(mask: AttnSlices, areas: BlockAreas, assignment: torch.Tensor, config: SolverConfig) -> None:
     """Shape / dtype / device checks (host metadata only)."""
-    G, P = config.head_groups, config.cp_size
-    if areas.head_groups != G or areas.cp_size != P:
-        raise ValueError(f"areas are for G={areas.head_groups}, P={areas.cp_size} but the config has "
-                         f"head_groups={G}, cp_size={P}")
+    G, P, n = config.head_groups, config.cp_size, config.chunk_tiles
+    if areas.head_groups != G or areas.cp_size != P or areas.tiles != n:
+        raise ValueError(f"areas are for G={areas.head_groups}, P={areas.cp_size}, tiles={areas.tiles} but the "
+                         f"config has head_groups={G}, cp_size={P}, chunk_tiles={n}")
     if mask.total_seqlen_q != mask.total_seqlen_k:
         raise ValueError(f"mask must be self-attention, got total_seqlen_q={mask.total_seqlen_q} "
                          f"!= total_seqlen_k={mask.total_seqlen_k}")
     c = config.check_seqlen(mask.total_seqlen_q)
-    if areas.chunk != c:
-        raise ValueError(f"areas.chunk={areas.chunk} but the mask gives c = S / P = {c}")
+    if areas.rank_tokens != c:
+        raise ValueError(f"areas have {areas.rank_tokens} tokens per rank but the mask gives c = S / P = {c}")
     if mask.grouped and mask.q_ranges.shape[0] != G:
         raise ValueError(f"mask has a head-group dim of {mask.q_ranges.shape[0]} but head_groups={G}")
-    if tuple(assignment.shape) != (G, P, P):
-        raise ValueError(f"assignment must be [G, P, P] = {(G, P, P)}, got {tuple(assignment.shape)}")
+    U = areas.num_units
+    if tuple(assignment.shape) != (G, U, U):
+        dims = "[G, P, P]" if n == 1 else "[G, U, U] (U = chunk_tiles * P)"
+        raise ValueError(f"assignment must be {dims} = {(G, U, U)}, got {tuple(assignment.shape)}")
     if assignment.dtype.is_floating_point or assignment.dtype == torch.bool:
         raise ValueError(f"assignment must be an integer tensor, got {assignment.dtype}")
     for name, t in (("mask", mask.q_ranges), ("areas", areas.area)):
@@ -44,8 +46,8 @@ def plan_capacities(config: SolverConfig, num_slices: int, chunk: int, *, recv_c
                     send_capacity: int | None = None) -> tuple[int, int, int]:
     """Static capacities (stage slice rows, receive rows, send rows), host ints.
 
-    stage:  ``config.max_stage_slices``, else ``default_stage_capacity(R, G, P)``
-            = ``3 * G * max(R, 2 * P)``.
+    stage:  ``config.max_stage_slices``, else ``default_stage_capacity(R, G, P, n)``
+            = ``3 * G * n * max(R, 2 * P)``.
     recv / send: ``config.max_recv_rows``, else the worst case ``G * c * (P - 1)``
             rows (every other rank's whole chunk, or the whole local chunk to
             every other rank).
@@ -54,7 +56,7 @@ def plan_capacities(config: SolverConfig, num_slices: int, chunk: int, *, recv_c
     worst = G * chunk * (P - 1)
     stage = config.max_stage_slices
     if stage is None:
-        stage = default_stage_capacity(num_slices, G, P)
+        stage = default_stage_capacity(num_slices, G, P, config.chunk_tiles)
     default = worst if config.max_recv_rows is None else config.max_recv_rows
     recv = default if recv_capacity is None else recv_capacity
     send = default if send_capacity is None else send_capacity
@@ -72,9 +74,9 @@ def build_plan(mask: AttnSlices, areas: BlockAreas, assignment: torch.Tensor, co
 
     mask:          AttnSlices, q_ranges / k_ranges [R, 2] or [G, R, 2], attn_type
                    [R] or [G, R]; self-attention with S = total_seqlen_q.
-    areas:         BlockAreas of that mask (area [G, P, P] int64, needs
-                   [G, P, P, 2] int64, chunk c = S / P).
-    assignment:    [G, P, P] integer, rank computing task (g, i, j); -1 for empty tasks.
+    areas:         BlockAreas of that mask (area [G, U, U] int64, needs
+                   [G, U, U, 2] int64; U = P, or n * P with ``config.chunk_tiles = n``).
+    assignment:    [G, U, U] integer, rank computing task (g, i, j); -1 for empty tasks.
     config:        SolverConfig (P, G, byte costs, mu, ``max_stage_slices``).
     imbalance_tol: mu for the IMBALANCED bit (default ``config.imbalance_tol``).
     recv_capacity, send_capacity: rows of each receive buffer / send list
@@ -86,7 +88,7 @@ def build_plan(mask: AttnSlices, areas: BlockAreas, assignment: torch.Tensor, co
     """
     _check_args(mask, areas, assignment, config)
     stage_cap, recv_cap, send_cap = plan_capacities(
-        config, mask.num_slices, areas.chunk, recv_capacity=recv_capacity, send_capacity=send_capacity)
+        config, mask.num_slices, areas.rank_tokens, recv_capacity=recv_capacity, send_capacity=send_capacity)
     mu = config.imbalance_tol if imbalance_tol is None else float(imbalance_tol)
     assignment = assignment.to(torch.int32)
 

@@ -1,7 +1,8 @@
 """CalcMeta: cut every slice at the block borders and deal the pieces to ranks.
 
 Shape legend: G head groups (Gm = G for a grouped mask, 1 otherwise), R
-slices, P ranks, c tokens per chunk, cap slice rows per rank and stage.
+slices, P ranks, c tokens per chunk, n sub-chunk tiles per chunk, U = n * P
+units of c / n tokens (blocks are unit pairs), cap slice rows per rank and stage.
 
 Decomposition of one slice inside one block. With rows ``[Q0, Q1)`` = the
 slice's q range ∩ the block's rows and cols ``[L, E)`` = its k range ∩ the
@@ -33,22 +34,24 @@ _BIG = 1 << 40  # finite stand-in for +-inf diagonal offsets (int64 math)
 PIECES = 3
 
 
-def default_stage_capacity(num_slices: int, head_groups: int, cp_size: int) -> int:
-    """Default slice rows per rank and stage: ``3 * G * max(R, 2 * P)``.
+def default_stage_capacity(num_slices: int, head_groups: int, cp_size: int, tiles: int = 1) -> int:
+    """Default slice rows per rank and stage: ``3 * G * n * max(R, 2 * P)``.
 
-    Stage 0 of a rank holds only block (r, r) of each group, at most 3 pieces
-    per slice, so ``3 * G * R`` always suffices there. Stage 1 may hold many
-    blocks; ``2 * P`` blocks per group covers one long slice (a causal or full
-    mask given as a single slice) dealt out with reasonable balance.
+    Without tiling stage 0 of a rank holds only block (r, r) of each group, at
+    most 3 pieces per slice, so ``3 * G * R`` always suffices there. Stage 1
+    may hold many blocks; ``2 * P`` blocks per group covers one long slice (a
+    causal or full mask given as a single slice) dealt out with reasonable
+    balance. With n tiles a slice is cut at n times as many borders per axis;
+    ``n`` times the room covers the masks whose slices stay within a few tiles.
     """
-    return PIECES * head_groups * max(num_slices, 2 * cp_size)
+    return PIECES * head_groups * tiles * max(num_slices, 2 * cp_size)
 
 
 def slice_pieces(qs, qe, ks, ke, attn_type, i, j, chunk: int):
     """Pieces of slices inside blocks (global coordinates), broadcasting all inputs.
 
     qs, qe, ks, ke, attn_type: int64 tensors (slice ranges and types).
-    i, j: int64 tensors, the query / key chunk of the block.
+    i, j: int64 tensors, the query / key unit of the block (``chunk`` tokens per unit).
     Returns (q0, q1, k0, k1, ptype, valid), each of the broadcast shape with a
     trailing dim of 3 (pieces in row order), int64 / bool. ``valid`` is false for
     empty pieces, whose other fields are meaningless.
@@ -86,8 +89,8 @@ def build_calc_meta(mask: AttnSlices, areas: BlockAreas, assignment: torch.Tenso
     """CalcMeta for all ranks, plus device flags.
 
     mask:       AttnSlices, ungrouped [R, 2] or grouped [G, R, 2].
-    areas:      BlockAreas of the same mask (q_need / k_need [G, P, P, 2] int64).
-    assignment: [G, P, P] integer, rank of task (g, i, j); -1 for empty tasks.
+    areas:      BlockAreas of the same mask (q_need / k_need [G, U, U, 2] int64, U = n * P).
+    assignment: [G, U, U] integer, rank of task (g, i, j); -1 for empty tasks.
     comm:       the CommMeta of the same assignment (buffer offsets).
     capacity:   cap, slice rows per rank and stage (static).
 
@@ -96,21 +99,23 @@ def build_calc_meta(mask: AttnSlices, areas: BlockAreas, assignment: torch.Tenso
     (no rank, outside its needs, past a buffer, past ``cap``) is left out and its
     flag set; nothing is written out of bounds. Sync-free.
     """
-    G, P, c = areas.head_groups, areas.cp_size, areas.chunk
+    G, P, U, n = areas.head_groups, areas.cp_size, areas.num_units, areas.tiles
+    c, cu = areas.rank_tokens, areas.chunk  # tokens per rank, per unit
     dev = assignment.device
     if mask.grouped:
         q, k, t = mask.per_group(G)
     else:
         q, k, t = mask.q_ranges.long()[None], mask.k_ranges.long()[None], mask.attn_type.long()[None]
     Gm, R = q.shape[0], q.shape[1]
-    M = P * P * R * PIECES
+    M = U * U * R * PIECES
 
-    # 1. candidate pieces on [Gm, P(i), P(j), R, 3]: only the valid flags survive.
-    ar = torch.arange(P, device=dev)
+    # 1. candidate pieces on [Gm, U(i), U(j), R, 3]: only the valid flags survive.
+    au = torch.arange(U, device=dev)
+    host = au // n
     sl = (slice(None), None, None, slice(None))  # [Gm, R] -> [Gm, 1, 1, R]
     *_, valid = slice_pieces(q[..., 0][sl], q[..., 1][sl], k[..., 0][sl], k[..., 1][sl], t[sl],
-                             ar.view(1, P, 1, 1), ar.view(1, 1, P, 1), c)
-    task_pieces = valid.sum(dim=(3, 4))                        # [Gm, P, P]
+                             au.view(1, U, 1, 1), au.view(1, 1, U, 1), cu)
+    task_pieces = valid.sum(dim=(3, 4))                        # [Gm, U, U]
     valid = valid.reshape(Gm, M)
 
     # 2. compact to a static capacity in (i, j, slice, piece) order.
@@ -121,10 +126,10 @@ def build_calc_meta(mask: AttnSlices, areas: BlockAreas, assignment: torch.Tenso
     src = torch.arange(M, device=dev).expand(Gm, M)
     flat = torch.zeros(Gm, ncap + 1, dtype=torch.long, device=dev).scatter_(1, dst, src)[:, :ncap]
     filled = torch.arange(ncap, device=dev) < count[:, None]   # [Gm, ncap]
-    i, j = flat // (P * R * PIECES), flat // (R * PIECES) % P
+    i, j = flat // (U * R * PIECES), flat // (R * PIECES) % U
     rho, piece = flat // PIECES % R, flat % PIECES
     gm = torch.arange(Gm, device=dev)[:, None]
-    fields = slice_pieces(q[gm, rho, 0], q[gm, rho, 1], k[gm, rho, 0], k[gm, rho, 1], t[gm, rho], i, j, c)
+    fields = slice_pieces(q[gm, rho, 0], q[gm, rho, 1], k[gm, rho, 0], k[gm, rho, 1], t[gm, rho], i, j, cu)
     q0, q1, k0, k1, ptype, ok = (f.gather(-1, piece[..., None])[..., 0] for f in fields)
     item = filled & ok
 
@@ -135,15 +140,16 @@ def build_calc_meta(mask: AttnSlices, areas: BlockAreas, assignment: torch.Tenso
     r = assign[g, i, j]
     has_rank = (r >= 0) & (r < P)
     r = r.clamp(0, P - 1)
-    stage = ((i != r) | (j != r)).long()
-    ql, kl, qn, kn = q0 - i * c, k0 - j * c, q1 - q0, k1 - k0
+    q_local, k_local = host[i] == r, host[j] == r
+    stage = (~(q_local & k_local)).long()
+    qu, ku, qn, kn = q0 - i * cu, k0 - j * cu, q1 - q0, k1 - k0  # unit-local starts
     qn_lo, qn_hi = areas.q_need[g, i, j, 0], areas.q_need[g, i, j, 1]
     kn_lo, kn_hi = areas.k_need[g, i, j, 0], areas.k_need[g, i, j, 1]
-    need_ok = ((ql >= qn_lo) & (ql + qn <= qn_hi) & (kl >= kn_lo) & (kl + kn <= kn_hi)
+    need_ok = ((qu >= qn_lo) & (qu + qn <= qn_hi) & (ku >= kn_lo) & (ku + kn <= kn_hi)
                & (areas.area[g, i, j] > 0))
+    ql, kl = q0 - host[i] * c, k0 - host[j] * c  # chunk-local starts
     qo_lo, qo_hi = comm.qo_range[g, i, r, 0], comm.qo_range[g, i, r, 1]
     kv_lo, kv_hi = comm.kv_range[g, j, r, 0], comm.kv_range[g, j, r, 1]
-    q_local, k_local = i == r, j == r
     range_ok = ((q_local | ((ql >= qo_lo) & (ql + qn <= qo_hi)))
                 & (k_local | ((kl >= kv_lo) & (kl + kn <= kv_hi))))
     qrow = torch.where(q_local, g * c + ql, G * c + comm.qo_recv_offset[g, i, r] + ql - qo_lo)
@@ -167,10 +173,10 @@ def build_calc_meta(mask: AttnSlices, areas: BlockAreas, assignment: torch.Tenso
     out = out[:-1].view(P, 2, capacity, 5).to(torch.int32)
 
     # 5. per-task counts (exact, independent of compaction) and flags.
-    pieces_g = task_pieces.expand(G, P, P)
+    pieces_g = task_pieces.expand(G, U, U)
     task_has = (assign >= 0) & (assign < P)
     task_r = assign.clamp(0, P - 1)
-    task_stage = ((ar.view(1, P, 1) != task_r) | (ar.view(1, 1, P) != task_r)).long()
+    task_stage = ((host.view(1, U, 1) != task_r) | (host.view(1, 1, U) != task_r)).long()
     task_key = torch.where(task_has, task_r * 2 + task_stage, nb).reshape(-1)
     needed = torch.zeros(nb + 1, dtype=torch.long, device=dev).scatter_add_(0, task_key, pieces_g.reshape(-1))
     needed = needed[:nb].view(P, 2)

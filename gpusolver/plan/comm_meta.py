@@ -1,7 +1,8 @@
 """CommMeta: ranges, offsets, split sizes and send gather lists (sync-free).
 
-Shape legend: G head groups, P ranks, c tokens per chunk, send_cap rows.
-See ``gpusolver.plan.meta`` for the group-major layout and buffer order.
+Shape legend: G head groups, P ranks, c tokens per chunk, n sub-chunk tiles
+per chunk, U = n * P units, send_cap rows. See ``gpusolver.plan.meta`` for the
+group-major layout and buffer order.
 """
 from __future__ import annotations
 
@@ -12,44 +13,59 @@ from gpusolver.problem import BlockAreas
 from gpusolver.transfers import transfer_ranges
 
 
-def _recv_offsets(length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exclusive prefix sums over (host, g) per destination.
+def _recv_offsets(length: torch.Tensor, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exclusive prefix sums over (host, g, tile) per destination.
 
-    length: [G, P(host), P(dest)] int64.
-    Returns (offset [G, P(host), P(dest)] int64, total [P(dest)] int64).
+    length: [G, U(unit), P(dest)] int64, unit u = tile u % n of host u // n.
+    Returns (offset [G, U, P(dest)] int64, total [P(dest)] int64).
     """
-    G, P, _ = length.shape
-    by_dest = length.permute(2, 1, 0).reshape(P, P * G)  # [dest, (host, g)]
+    G, U, P = length.shape
+    by_dest = length.view(G, P, tiles, P).permute(3, 1, 0, 2).reshape(P, U * G)  # [dest, (host, g, tile)]
     incl = by_dest.cumsum(dim=1)
-    offset = (incl - by_dest).reshape(P, P, G).permute(2, 1, 0).contiguous()
+    offset = (incl - by_dest).reshape(P, P, G, tiles).permute(2, 1, 3, 0).reshape(G, U, P).contiguous()
     return offset, incl[:, -1]
 
 
 def send_index(rng: torch.Tensor, chunk: int, send_capacity: int) -> torch.Tensor:
     """Gather indices into one source's group-major rows, in send order.
 
-    rng: [G, P(dst), 2] int64 chunk-local ranges the source sends.
-    Returns [send_capacity] int64: segments ordered by (dst, g), rows of
-    segment (dst, g) are ``g * c + lo + t``; -1 after the last row sent.
+    rng: [G, n, P(dst), 2] int64 chunk-local ranges of the source's n tiles
+         (or [G, P(dst), 2] without tiling).
+    Returns [send_capacity] int64: segments ordered by (dst, g, tile), rows of
+    segment (dst, g, tile) are ``g * c + lo + t``; -1 after the last row sent.
     """
-    G, P = rng.shape[0], rng.shape[1]
-    lo = rng[..., 0].transpose(0, 1).reshape(P * G)  # [(dst, g)]
-    length = (rng[..., 1] - rng[..., 0]).transpose(0, 1).reshape(P * G)
+    if rng.dim() == 3:
+        rng = rng[:, None]
+    G, n, P = rng.shape[0], rng.shape[1], rng.shape[2]
+    S = P * G * n
+    lo = rng[..., 0].permute(2, 0, 1).reshape(S)  # [(dst, g, tile)]
+    length = (rng[..., 1] - rng[..., 0]).permute(2, 0, 1).reshape(S)
     ends = length.cumsum(dim=0)
     starts = ends - length
     pos = torch.arange(send_capacity, device=rng.device)
-    seg = torch.searchsorted(ends, pos, right=True).clamp_(max=P * G - 1)  # segment holding pos
-    g = seg % G
+    seg = torch.searchsorted(ends, pos, right=True).clamp_(max=S - 1)  # segment holding pos
+    g = seg // n % G
     idx = g * chunk + lo[seg] + pos - starts[seg]
     return torch.where(pos < ends[-1:], idx, -1)
+
+
+def chunk_local(rng: torch.Tensor, areas: BlockAreas) -> torch.Tensor:
+    """Unit-local ranges [G, U, P, 2] -> rows of the host's chunk (tile u % n starts at
+    (u % n) * unit tokens); empty ranges stay [0, 0)."""
+    if areas.tiles == 1:
+        return rng
+    start = (torch.arange(areas.num_units, device=rng.device) % areas.tiles) * areas.chunk
+    moved = rng[..., 1] > rng[..., 0]
+    return torch.where(moved[..., None], rng + start.view(1, -1, 1, 1), 0)
 
 
 def build_comm_meta(areas: BlockAreas, assignment: torch.Tensor, *,
                     recv_capacity: int, send_capacity: int) -> tuple[CommMeta, torch.Tensor]:
     """CommMeta of an assignment, for all ranks, plus a buffer-overflow flag.
 
-    areas:         BlockAreas (area [G, P, P], q_need / k_need [G, P, P, 2] int64).
-    assignment:    [G, P, P] integer, rank of task (g, i, j), -1 for empty tasks.
+    areas:         BlockAreas (area [G, U, U], q_need / k_need [G, U, U, 2] int64; U = P
+                   without tiling).
+    assignment:    [G, U, U] integer, rank of task (g, i, j), -1 for empty tasks.
     recv_capacity: rows of each receive buffer (QO and KV alike), static.
     send_capacity: rows each rank can send per kind, static (length of the send lists).
 
@@ -57,17 +73,19 @@ def build_comm_meta(areas: BlockAreas, assignment: torch.Tensor, *,
     receives more than ``recv_capacity`` or sends more than ``send_capacity``
     rows of either kind. Sync-free: static shapes, no host reads.
     """
-    qo_range, kv_range = transfer_ranges(areas, assignment)
+    n, P = areas.tiles, areas.cp_size
+    qo_range, kv_range = (chunk_local(r, areas) for r in transfer_ranges(areas, assignment))
     qo_len = qo_range[..., 1] - qo_range[..., 0]
     kv_len = kv_range[..., 1] - kv_range[..., 0]
-    qo_off, qo_rows = _recv_offsets(qo_len)
-    kv_off, kv_rows = _recv_offsets(kv_len)
-    qo_split, kv_split = qo_len.sum(0), kv_len.sum(0)
+    qo_off, qo_rows = _recv_offsets(qo_len, n)
+    kv_off, kv_rows = _recv_offsets(kv_len, n)
+    by_source = lambda length: length.sum(0).view(P, n, P).sum(1)  # noqa: E731
+    qo_split, kv_split = by_source(qo_len), by_source(kv_len)
     overflow = ((qo_rows > recv_capacity).any() | (kv_rows > recv_capacity).any()
                 | (qo_split.sum(1) > send_capacity).any() | (kv_split.sum(1) > send_capacity).any())
     meta = CommMeta(
         qo_range=qo_range, kv_range=kv_range, qo_recv_offset=qo_off, kv_recv_offset=kv_off,
         qo_split=qo_split, kv_split=kv_split,
-        qo_recv_rows=qo_rows, kv_recv_rows=kv_rows, chunk=areas.chunk, recv_capacity=recv_capacity,
-        send_capacity=send_capacity)
+        qo_recv_rows=qo_rows, kv_recv_rows=kv_rows, chunk=areas.rank_tokens, recv_capacity=recv_capacity,
+        send_capacity=send_capacity, tiles=n)
     return meta, overflow

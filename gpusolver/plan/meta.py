@@ -1,15 +1,17 @@
 """The plan's frozen dataclasses: CommMeta, CalcMeta, Plan, RankPlan.
 
-Shape legend: G head groups, P ranks, c = S / P tokens per chunk,
-``cap`` = CalcMeta slice rows per rank and stage, ``send_cap`` = send rows
-per rank.
+Shape legend: G head groups, P ranks, c = S / P tokens per chunk, n
+sub-chunk tiles per chunk (``SolverConfig.chunk_tiles``, default 1), U = n * P
+units (unit u is tile u % n of rank u // n's chunk, rows [(u % n) * c / n,
+(u % n + 1) * c / n) of it), ``cap`` = CalcMeta slice rows per rank and stage,
+``send_cap`` = send rows per rank.
 
 Layout "group-major" (binding for every row coordinate in this package): a
 rank's local Q ``[c, Hq, D]`` is viewed as G blocks of c rows; row
 ``g * c + t`` is token ``t`` of the chunk with the ``Hq / G`` query heads of
 group ``g``. Local K and V are viewed the same way with ``Hkv / G`` heads.
 A receive buffer holds remote units back to back, ordered by host rank
-ascending, then group ascending, then token.
+ascending, then group ascending, then tile, then token.
 
 Every tensor describes all P ranks at once: every rank builds the same plan
 and picks its own rows (``Plan.for_rank``). Nothing here reads device values
@@ -49,25 +51,27 @@ def status_names(status: int) -> list[str]:
 class CommMeta:
     """Who sends which rows of which unit to whom, for QO and for KV.
 
-    Units: QO unit ``(g, h)`` and KV unit ``(g, h)`` live on host rank ``h``.
-    All ranges are chunk-local token rows of the unit, half-open.
+    Units: QO unit ``(g, u)`` and KV unit ``(g, u)`` live on host rank ``u // n``
+    (``u`` itself without tiling). All ranges are token rows of the host's
+    chunk (chunk-local), half-open, inside the unit's tile.
 
-    qo_range, kv_range:             [G, P(host), P(dest), 2] int64 — rows of unit
-                                    (g, host) that travel to dest (hulls from
+    qo_range, kv_range:             [G, U(unit), P(dest), 2] int64 — rows of unit
+                                    (g, u) that travel to dest (hulls from
                                     ``transfer_ranges``); [0, 0) when nothing travels
                                     (always for dest == host).
-    qo_recv_offset, kv_recv_offset: [G, P(host), P(dest)] int64 — where unit
-                                    (g, host)'s rows start in dest's receive buffer
-                                    (exclusive prefix sum over (host, g) in that order).
+    qo_recv_offset, kv_recv_offset: [G, U(unit), P(dest)] int64 — where unit
+                                    (g, u)'s rows start in dest's receive buffer
+                                    (exclusive prefix sum over (host, g, tile) in that order).
     qo_split, kv_split:             [P(src), P(dst)] int64 — rows src sends to dst
                                     (the all-to-all-v split sizes).
     send_capacity:                  rows of each send list (host int, static).
     qo_recv_rows, kv_recv_rows:     [P] int64 — rows each rank receives (its buffer fill).
     chunk:                          c, tokens per chunk (host int).
     recv_capacity:                  rows of each receive buffer (host int, static).
+    tiles:                          n, units per rank (host int, default 1).
 
-    A remote QO row ``t`` of unit (g, h) on dest r sits at buffer row
-    ``qo_recv_offset[g, h, r] + t - qo_range[g, h, r, 0]``. Rows beyond
+    A remote QO row ``t`` (chunk-local) of unit (g, u) on dest r sits at buffer row
+    ``qo_recv_offset[g, u, r] + t - qo_range[g, u, r, 0]``. Rows beyond
     ``recv_capacity`` or ``send_cap`` are never indexed: the plan's status gets
     BUFFER_OVERFLOW instead and the collectives must not run.
     """
@@ -83,11 +87,12 @@ class CommMeta:
     chunk: int
     recv_capacity: int
     send_capacity: int
+    tiles: int = 1
 
     def send_index(self, kind: str, rank: int) -> torch.Tensor:
         """[send_cap] int64 gather indices into ``rank``'s group-major local rows of
         the ``kind`` ("qo" or "kv") units it sends, in send order (dst ascending,
-        then g, then token); -1 pads. Built on demand (sync-free) so a plan never
+        then g, then tile, then token); -1 pads. Built on demand (sync-free) so a plan never
         holds the send lists of all P ranks."""
         from gpusolver.plan.comm_meta import send_index
 
@@ -96,7 +101,8 @@ class CommMeta:
         if not 0 <= rank < self.cp_size:
             raise ValueError(f"rank must be in [0, {self.cp_size}), got {rank}")
         rng = self.qo_range if kind == "qo" else self.kv_range
-        return send_index(rng[:, rank], self.chunk, self.send_capacity)
+        n = self.tiles
+        return send_index(rng[:, rank * n:(rank + 1) * n], self.chunk, self.send_capacity)
 
     @property
     def head_groups(self) -> int:
@@ -104,15 +110,19 @@ class CommMeta:
 
     @property
     def cp_size(self) -> int:
-        return self.qo_range.shape[1]
+        return self.qo_range.shape[2]
+
+    def unit_host(self) -> torch.Tensor:
+        """[U] int64, the rank holding each unit."""
+        return torch.arange(self.qo_range.shape[1], device=self.qo_range.device) // self.tiles
 
 
 @dataclass(frozen=True)
 class CalcMeta:
     """The slice lists the attention kernel runs, per rank and stage.
 
-    Stage 0 holds the pieces of tasks (g, r, r) on rank r (both units local);
-    stage 1 the rest of rank r's tasks.
+    Stage 0 holds the pieces of rank r's tasks whose two units are both hosted
+    on r (task (g, r, r) without tiling); stage 1 the rest of rank r's tasks.
 
     q_ranges:    [P, 2, cap, 2] int32 — query rows of each piece.
     k_ranges:    [P, 2, cap, 2] int32 — key rows of each piece.
@@ -123,13 +133,13 @@ class CalcMeta:
                  CALC_OVERFLOW (``num_rows`` is then clipped and work is missing).
 
     Coordinates. Stage 0: group-major local rows for both q and k
-    (``g * c + t``). Stage 1: q rows index ``concat(local Q [G*c rows], QO receive
-    buffer)`` — a remote row is ``G*c + qo_recv_offset[g, i, r] + t -
+    (``g * c + t``, t chunk-local). Stage 1: q rows index ``concat(local Q [G*c rows],
+    QO receive buffer)`` — a remote row is ``G*c + qo_recv_offset[g, i, r] + t -
     qo_range[g, i, r, 0]``; k rows index ``concat(local KV, KV receive buffer)``
     likewise. A kernel runs them as they are with ``Hq / G`` query and
     ``Hkv / G`` KV heads per row.
 
-    Each piece is the part of one slice inside one block (g, i, j), split into
+    Each piece is the part of one slice inside one block (g, i, j) of units, split into
     at most three rows so that each has a single type; the pieces of all ranks
     cover the mask exactly once.
     """
@@ -173,13 +183,13 @@ class RankPlan:
 class Plan:
     """A solved layer: who computes what, what moves, and what each kernel runs.
 
-    assignment: [G, P, P] int32 — rank computing task (g, i, j); -1 for an empty task.
+    assignment: [G, U, U] int32 — rank computing task (g, i, j); -1 for an empty task.
     metrics:    PlanMetrics (loads, volumes, bottlenecks, imbalance; tensors).
     comm:       CommMeta.
     calc:       CalcMeta.
     status:     [] int32 bitfield of IMBALANCED, CALC_OVERFLOW, BUFFER_OVERFLOW,
                 UNASSIGNED, NEED_MISMATCH, INVALID_MASK (0 = usable and balanced).
-    area:       [G, P, P] int64 — the block areas the plan was built from.
+    area:       [G, U, U] int64 — the block areas the plan was built from.
     imbalance_tol: mu the IMBALANCED bit was judged against (host float, config).
 
     ``validate()`` and ``summary()`` read the tensors on the host; everything
@@ -196,7 +206,7 @@ class Plan:
 
     def for_rank(self, rank: int) -> RankPlan:
         """Rank ``rank``'s CalcMeta stages and send/receive lists (views)."""
-        P = self.assignment.shape[1]
+        P = self.comm.cp_size
         if not 0 <= rank < P:
             raise ValueError(f"rank must be in [0, {P}), got {rank}")
         c, m = self.calc, self.comm
@@ -238,7 +248,7 @@ def _explain_status(plan: Plan, ignore: int) -> list[str]:
     status = int(plan.status.item()) & ~ignore
     out = []
     if status & UNASSIGNED:
-        P = plan.assignment.shape[1]
+        P = plan.comm.cp_size
         a = plan.assignment.long().cpu()
         bad = ((plan.area.cpu() > 0) & ((a < 0) | (a >= P))).nonzero()
         if bad.numel():

@@ -84,17 +84,18 @@ def simulate_forward(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         outs.append(merge_out_lse(o0, l0, o1[:G * c], l1[:G * c]))
         lses.append((o1[G * c:], l1[G * c:]))  # partials of received query rows, in buffer order
 
-    # partial results travel back to their hosts: rows of unit (g, h) on helper r sit at
-    # qo_recv_offset[g, h, r] in r's buffer and belong to host rows g * c + lo + t
+    # partial results travel back to their hosts: rows of unit (g, u) on helper r sit at
+    # qo_recv_offset[g, u, r] in r's buffer and belong to host u // n's rows g * c + lo + t
     merged = [list(o) for o in outs]
+    hosts = m.unit_host().tolist()
     for r in range(P):
         part_o, part_l = lses[r]
-        for h in range(P):
+        for u, h in enumerate(hosts):
             for g in range(G):
-                lo, hi = m.qo_range[g, h, r].tolist()
+                lo, hi = m.qo_range[g, u, r].tolist()
                 if hi <= lo:
                     continue
-                off = int(m.qo_recv_offset[g, h, r])
+                off = int(m.qo_recv_offset[g, u, r])
                 rows = slice(g * c + lo, g * c + hi)
                 o_acc, l_acc = merged[h]
                 new_o, new_l = merge_out_lse(o_acc[rows], l_acc[rows], part_o[off:off + hi - lo],

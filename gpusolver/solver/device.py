@@ -91,9 +91,12 @@ class _Tasks:
         self.klo, self.khi = areas.k_need.reshape(-1, 2).unbind(-1)
         self.qo_unit = self.g * U + self.i  # [T] index of QO unit (g, i)
         self.kv_unit = self.g * U + self.j  # [T] index of KV unit (g, j)
-        self.q_host = self.i // n  # [T] rank holding the task's query unit
-        self.k_host = self.j // n  # [T] rank holding its key unit
-        self.unit_host = (torch.arange(G * U, device=dev) % U) // n  # [G*U]
+        # rank holding each task's query unit, its key unit [T], and each unit [G*U]
+        # (untiled: the unit index itself, no extra launches)
+        self.q_host, self.k_host = (self.i, self.j) if n == 1 else (self.i // n, self.j // n)
+        self.unit_host = torch.arange(G * U, device=dev) % U
+        if n > 1:
+            self.unit_host = self.unit_host // n
         cost = config.cost()
         self.q, self.o, self.kv = cost.q_fwd, cost.o_fwd, cost.kv_fwd
         # the tasks of each QO unit in the two orders a bundle may take them (TASK_ORDERS):
@@ -676,8 +679,6 @@ def solve_device(areas: BlockAreas, config: SolverConfig, *, rounds: int = DEFAU
     if restart_every < 0:
         raise ValueError(f"restart_every must be >= 0 (0: never), got {restart_every}")
     start = None
-    if areas.tiles > 1 and (impl == "triton" or (impl == "auto" and areas.area.is_cuda)):
-        raise NotImplementedError("the triton path does not run sub-chunk tiles yet")
     if areas.tiles > 1:
         # coarse to fine: solve whole chunks first, then refine that plan with tile moves; the
         # tiled search keeps its best state, so it never ends above the untiled plan

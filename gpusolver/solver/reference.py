@@ -97,6 +97,9 @@ class _Attempt:
 
 def _host_problem(areas: BlockAreas, config: SolverConfig) -> HostProblem:
     areas.validate()
+    if areas.tiles != 1:
+        raise ValueError(f"areas have tiles={areas.tiles}; the reference solver places whole chunks: "
+                         "pass areas.coarsen() (solve_assignment(..., solver='reference') does)")
     G, P = areas.head_groups, areas.cp_size
     if P != config.cp_size:
         raise ValueError(f"areas has P={P} ranks but config.cp_size={config.cp_size}")

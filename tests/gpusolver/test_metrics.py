@@ -31,16 +31,19 @@ def areas_from_dense(dense: torch.Tensor, cp_size: int) -> BlockAreas:
     return BlockAreas(area, q_need, k_need, c).validate()
 
 
-def random_instance(seed: int, G: int, P: int, c: int, density: float = 0.6):
-    """Random areas / needs (area > 0 iff non-empty needs) and a random valid assignment."""
+def random_instance(seed: int, G: int, P: int, c: int, density: float = 0.6, tiles: int = 1):
+    """Random areas / needs (area > 0 iff non-empty needs) and a random valid assignment.
+
+    With ``tiles`` n: U = n * P units of c tokens each (unit u on rank u // n)."""
     rng = np.random.default_rng(seed)
-    area = torch.zeros(G, P, P, dtype=torch.int64)
-    q_need = torch.zeros(G, P, P, 2, dtype=torch.int64)
-    k_need = torch.zeros(G, P, P, 2, dtype=torch.int64)
-    asg = torch.full((G, P, P), -1, dtype=torch.int32)
+    U = P * tiles
+    area = torch.zeros(G, U, U, dtype=torch.int64)
+    q_need = torch.zeros(G, U, U, 2, dtype=torch.int64)
+    k_need = torch.zeros(G, U, U, 2, dtype=torch.int64)
+    asg = torch.full((G, U, U), -1, dtype=torch.int32)
     for g in range(G):
-        for i in range(P):
-            for j in range(P):
+        for i in range(U):
+            for j in range(U):
                 if rng.random() >= density:
                     continue
                 qlo, qhi = sorted(rng.choice(c + 1, size=2, replace=False).tolist())
@@ -49,49 +52,51 @@ def random_instance(seed: int, G: int, P: int, c: int, density: float = 0.6):
                 k_need[g, i, j] = torch.tensor([klo, khi])
                 area[g, i, j] = int(rng.integers(max(qhi - qlo, khi - klo), (qhi - qlo) * (khi - klo) + 1))
                 asg[g, i, j] = int(rng.integers(0, P))
-    return BlockAreas(area, q_need, k_need, c).validate(), asg
+    return BlockAreas(area, q_need, k_need, c, tiles).validate(), asg
 
 
 def brute_force(areas: BlockAreas, asg: torch.Tensor, cost: CommCost) -> dict:
-    """The metrics recomputed with Python loops over tasks."""
-    G, P, c = areas.head_groups, areas.cp_size, areas.chunk
+    """The metrics recomputed with Python loops over tasks (unit u lives on rank u // tiles)."""
+    G, P, c, n = areas.head_groups, areas.cp_size, areas.chunk, areas.tiles
+    U = P * n
     load = [0] * P
     local = 0
-    hull = {}  # (kind, g, host, dest) -> [lo, hi]
+    hull = {}  # (kind, g, unit, dest) -> [lo, hi]
     for g in range(G):
-        for i in range(P):
-            for j in range(P):
+        for i in range(U):
+            for j in range(U):
                 a = int(areas.area[g, i, j])
                 if a == 0:
                     continue
                 r = int(asg[g, i, j])
                 load[r] += a
-                if r == i == j:
+                if r == i // n == j // n:
                     local += a
-                for kind, host, need in (("qo", i, areas.q_need[g, i, j]), ("kv", j, areas.k_need[g, i, j])):
-                    if r == host:
+                for kind, unit, need in (("qo", i, areas.q_need[g, i, j]), ("kv", j, areas.k_need[g, i, j])):
+                    if r == unit // n:
                         continue
                     lo, hi = int(need[0]), int(need[1])
-                    old = hull.get((kind, g, host, r))
-                    hull[(kind, g, host, r)] = [lo, hi] if old is None else [min(old[0], lo), max(old[1], hi)]
+                    old = hull.get((kind, g, unit, r))
+                    hull[(kind, g, unit, r)] = [lo, hi] if old is None else [min(old[0], lo), max(old[1], hi)]
 
     def volumes(whole_chunk: bool):
         fs, fr, bs, br = [0] * P, [0] * P, [0] * P, [0] * P
-        for (kind, g, host, dest), (lo, hi) in hull.items():
-            n = hi - lo
-            if n <= 0:
+        for (kind, g, unit, dest), (lo, hi) in hull.items():
+            host = unit // n
+            rows = hi - lo
+            if rows <= 0:
                 continue
             if whole_chunk:
-                n = c
+                rows = c
             if kind == "qo":
-                fs[host] += n * cost.q_fwd; fr[dest] += n * cost.q_fwd
-                fs[dest] += n * cost.o_fwd; fr[host] += n * cost.o_fwd
-                bs[host] += n * cost.q_bwd; br[dest] += n * cost.q_bwd
-                bs[dest] += n * cost.dq_bwd; br[host] += n * cost.dq_bwd
+                fs[host] += rows * cost.q_fwd; fr[dest] += rows * cost.q_fwd
+                fs[dest] += rows * cost.o_fwd; fr[host] += rows * cost.o_fwd
+                bs[host] += rows * cost.q_bwd; br[dest] += rows * cost.q_bwd
+                bs[dest] += rows * cost.dq_bwd; br[host] += rows * cost.dq_bwd
             else:
-                fs[host] += n * cost.kv_fwd; fr[dest] += n * cost.kv_fwd
-                bs[host] += n * cost.kv_fwd; br[dest] += n * cost.kv_fwd
-                bs[dest] += n * cost.kv_fwd; br[host] += n * cost.kv_fwd
+                fs[host] += rows * cost.kv_fwd; fr[dest] += rows * cost.kv_fwd
+                bs[host] += rows * cost.kv_fwd; br[dest] += rows * cost.kv_fwd
+                bs[dest] += rows * cost.kv_fwd; br[host] += rows * cost.kv_fwd
         return fs, fr, bs, br
 
     fs, fr, bs, br = volumes(False)
@@ -121,9 +126,9 @@ def assert_matches(ref: dict, m: PlanMetrics):
 
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 2**31), G=st.integers(1, 3), P=st.integers(1, 5), c=st.integers(1, 9),
-       density=st.sampled_from([0.0, 0.3, 0.8, 1.0]))
-def test_evaluate_matches_brute_force(seed, G, P, c, density):
-    areas, asg = random_instance(seed, G, P, c, density)
+       density=st.sampled_from([0.0, 0.3, 0.8, 1.0]), tiles=st.sampled_from([1, 1, 2, 3]))
+def test_evaluate_matches_brute_force(seed, G, P, c, density, tiles):
+    areas, asg = random_instance(seed, G, P, c, density, tiles)
     cost = CommCost(num_heads_q=4 * G, num_heads_kv=2 * G, head_dim=3, dtype_bytes=2, head_groups=G)
     check_assignment(areas, asg)
     assert_matches(brute_force(areas, asg, cost), evaluate(areas, asg, cost))

@@ -46,8 +46,8 @@ def _config(P, G, **kw):
 
 def _random_assignment(areas: BlockAreas, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    G, P = areas.head_groups, areas.cp_size
-    r = torch.randint(0, P, (G, P, P), generator=gen, dtype=torch.int32)
+    G, P, U = areas.head_groups, areas.cp_size, areas.num_units
+    r = torch.randint(0, P, (G, U, U), generator=gen, dtype=torch.int32)
     return torch.where(areas.area > 0, r, -1).to(torch.int32)
 
 
@@ -56,9 +56,10 @@ def _simulate_buffers(plan: Plan, kind: str, G: int, P: int, c: int, S: int) -> 
 
     Returns per rank the codes of concat(local group-major rows, receive buffer),
     length G*c + recv_capacity, -1 where the buffer is unfilled. Asserts the
-    send lists, splits and offsets along the way.
+    send lists, splits and offsets along the way (buffer order: host, g, tile).
     """
     m = plan.comm
+    n = m.tiles
     split = getattr(m, f"{kind}_split")
     rng, off = getattr(m, f"{kind}_range"), getattr(m, f"{kind}_recv_offset")
     recv_rows = getattr(m, f"{kind}_recv_rows")
@@ -77,11 +78,11 @@ def _simulate_buffers(plan: Plan, kind: str, G: int, P: int, c: int, S: int) -> 
         buf = torch.cat([pieces[s][d] for s in range(P)])
         assert buf.numel() == int(recv_rows[d])
         expect = torch.full((m.recv_capacity,), -1, dtype=torch.long)
-        for h in range(P):
+        for u in range(P * n):
             for g in range(G):
-                lo, hi = rng[g, h, d].tolist()
-                o = int(off[g, h, d])
-                expect[o:o + hi - lo] = g * S + h * c + torch.arange(lo, hi)
+                lo, hi = rng[g, u, d].tolist()
+                o = int(off[g, u, d])
+                expect[o:o + hi - lo] = g * S + (u // n) * c + torch.arange(lo, hi)
         got = torch.full((m.recv_capacity,), -1, dtype=torch.long)
         got[:buf.numel()] = buf
         assert_close(f"{kind} recv buffer of rank {d}", expect, got)
@@ -123,22 +124,23 @@ def _calc_counts(plan: Plan, G: int, P: int, c: int, S: int) -> torch.Tensor:
 
 
 def _check_plan(mask: AttnSlices, areas: BlockAreas, asg: torch.Tensor, plan: Plan):
-    G, P, c = areas.head_groups, areas.cp_size, areas.chunk
+    G, P, n, cu = areas.head_groups, areas.cp_size, areas.tiles, areas.chunk
+    c = areas.rank_tokens
     S = mask.total_seqlen_q
     assert int(plan.status) & ~IMBALANCED == 0, status_names(int(plan.status))
     m = plan.comm
-    # every task on r != host has its needed rows inside the transferred range
+    # every task on r != host has its needed rows inside the transferred (chunk-local) range
     for g, i, j in (areas.area > 0).nonzero().tolist():
         r = int(asg[g, i, j])
-        if r != i:
+        if r != i // n:
             lo, hi = m.qo_range[g, i, r].tolist()
-            qlo, qhi = areas.q_need[g, i, j].tolist()
+            qlo, qhi = (x + (i % n) * cu for x in areas.q_need[g, i, j].tolist())
             assert lo <= qlo and qhi <= hi, f"task {(g, i, j)} on {r}: q need {(qlo, qhi)} not in {(lo, hi)}"
-        if r != j:
+        if r != j // n:
             lo, hi = m.kv_range[g, j, r].tolist()
-            klo, khi = areas.k_need[g, i, j].tolist()
+            klo, khi = (x + (j % n) * cu for x in areas.k_need[g, i, j].tolist())
             assert lo <= klo and khi <= hi, f"task {(g, i, j)} on {r}: k need {(klo, khi)} not in {(lo, hi)}"
-    # offsets are exclusive prefix sums over (host, g); splits are sums over g
+    # offsets are exclusive prefix sums over (host, g, tile); splits are sums over g and tiles
     for kind in ("qo", "kv"):
         rng, off = getattr(m, f"{kind}_range"), getattr(m, f"{kind}_recv_offset")
         ln = rng[..., 1] - rng[..., 0]
@@ -146,11 +148,16 @@ def _check_plan(mask: AttnSlices, areas: BlockAreas, asg: torch.Tensor, plan: Pl
             acc = 0
             for h in range(P):
                 for g in range(G):
-                    assert int(off[g, h, d]) == acc
-                    acc += int(ln[g, h, d])
+                    for t in range(n):
+                        assert int(off[g, h * n + t, d]) == acc
+                        acc += int(ln[g, h * n + t, d])
             assert int(getattr(m, f"{kind}_recv_rows")[d]) == acc
-        assert_close(f"{kind}_split", ln.sum(0), getattr(m, f"{kind}_split"))
-        assert (torch.diagonal(ln, dim1=1, dim2=2) == 0).all(), "a unit travels to its own host"
+        assert_close(f"{kind}_split", ln.sum(0).view(P, n, P).sum(1), getattr(m, f"{kind}_split"))
+        hosts = torch.arange(P * n) // n
+        assert (ln[:, torch.arange(P * n), hosts] == 0).all(), "a unit travels to its own host"
+        inside = (rng[..., 0] >= (torch.arange(P * n) % n * cu).view(1, -1, 1)) \
+            & (rng[..., 1] <= (torch.arange(P * n) % n * cu + cu).view(1, -1, 1))
+        assert (inside | (ln == 0)).all(), "a range leaves its unit's tile"
     # the metrics count exactly the rows the CommMeta moves
     cost = _config(P, G).cost()
     qo_sent = m.qo_split.sum(1)
@@ -159,7 +166,7 @@ def _check_plan(mask: AttnSlices, areas: BlockAreas, asg: torch.Tensor, plan: Pl
     # CalcMeta: per rank exactly the mask restricted to its tasks; all ranks: the mask once
     counts = _calc_counts(plan, G, P, c, S)
     oracle = _mask_counts(mask, G)
-    blk = torch.arange(S) // c
+    blk = torch.arange(S) // cu
     owner = asg.long()[:, blk][:, :, blk]  # [G, S, S] rank of each entry's task
     for r in range(P):
         assert_close(f"rank {r} pieces vs mask on its tasks", torch.where(owner == r, oracle, 0), counts[r])
@@ -223,19 +230,19 @@ def _random_mask(data, S, G, grouped):
 
 @settings(max_examples=15, deadline=None)
 @given(data=st.data(), P=st.integers(2, 4), c=st.integers(2, 5), G=st.integers(1, 2), grouped=st.booleans(),
-       owner=st.booleans(), seed=st.integers(0, 1000))
-def test_plan_random_slices(data, P, c, G, grouped, owner, seed):
-    S = P * c
+       owner=st.booleans(), seed=st.integers(0, 1000), tiles=st.sampled_from([1, 1, 2, 3]))
+def test_plan_random_slices(data, P, c, G, grouped, owner, seed, tiles):
+    S = P * c * tiles
     mask = _random_mask(data, S, G, grouped)
-    areas = block_areas(mask, P, G, impl="torch")
+    areas = block_areas(mask, P, G, impl="torch", tiles=tiles)
     asg = owner_computes_assignment(areas) if owner else _random_assignment(areas, seed)
-    plan = build_plan(mask, areas, asg, _config(P, G))
+    plan = build_plan(mask, areas, asg, _config(P, G, chunk_tiles=tiles))
     _check_plan(mask, areas, asg, plan)
 
 
 @pytest.mark.parametrize("name", ["varlen_causal", "varlen_full", "causal", "window"])
-@pytest.mark.parametrize("P,G", [(3, 2), (4, 1)])
-def test_plan_constructor_masks(name, P, G):
+@pytest.mark.parametrize("P,G,tiles", [(3, 2, 1), (4, 1, 1), (2, 2, 2), (2, 1, 4)])
+def test_plan_constructor_masks(name, P, G, tiles):
     S = 12 * P // 3 if P == 3 else 16
     mask = {
         "varlen_causal": lambda: varlen_causal_mask([3, 7, 1, S - 11]),
@@ -245,9 +252,9 @@ def test_plan_constructor_masks(name, P, G):
     }[name]()
     # the oracle of this file agrees with the package's own dense rebuild
     assert_close("dense oracle", slices_to_dense(mask).long(), _mask_counts(mask, 1)[0])
-    areas = block_areas(mask, P, G, impl="torch")
+    areas = block_areas(mask, P, G, impl="torch", tiles=tiles)
     for asg in (owner_computes_assignment(areas), _random_assignment(areas, 7)):
-        plan = build_plan(mask, areas, asg, _config(P, G))
+        plan = build_plan(mask, areas, asg, _config(P, G, chunk_tiles=tiles))
         _check_plan(mask, areas, asg, plan)
 
 
