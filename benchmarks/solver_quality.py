@@ -20,10 +20,16 @@ solver's tensors are small, and on CPU threading overhead dominates.
     python benchmarks/solver_quality.py                       # P = 8,16,32,64, 3 seeds
     python benchmarks/solver_quality.py --P 8 --kinds causal --solvers device
     python benchmarks/solver_quality.py --quick               # P = 8,16, 1 seed
+    python benchmarks/solver_quality.py --P 8,16 --tiles 1,2,4  # device rows per chunk_tiles
+
+With ``--tiles`` the device solver also runs with sub-chunk tiles
+(``SolverConfig.chunk_tiles`` n > 1: rows ``device t<n>``), its bytes and
+loads measured on the tiled units; the reference always places whole chunks.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -78,7 +84,7 @@ def _pct(v, base) -> float | None:
 
 
 def _solve(name: str, areas, config: SolverConfig) -> tuple[torch.Tensor, float]:
-    """(assignment [G, P, P] int32, wall seconds of the solve)."""
+    """(assignment [G, U, U] int32, wall seconds of the solve)."""
     sync = torch.cuda.synchronize if areas.area.is_cuda else (lambda: None)
     sync()
     t0 = time.perf_counter()
@@ -102,8 +108,10 @@ def _plan_row(areas, asg, config, usp, owner) -> dict:
     }
 
 
-def run_instance(kind: str, cp_size: int, seed: int, solvers, tokens_per_rank: int, device) -> list[dict]:
-    """Rows for one mask: one per solver, plus the baselines' bytes in each row."""
+def run_instance(kind: str, cp_size: int, seed: int, solvers, tokens_per_rank: int, device,
+                 tiles=(1,)) -> list[dict]:
+    """Rows for one mask: one per solver (the device solver once per tile count), plus the
+    baselines' bytes in each row."""
     config = SolverConfig(cp_size=cp_size)
     mask = make_mask(kind, cp_size, seed, tokens_per_rank, device=device)
     t0 = time.perf_counter()
@@ -118,8 +126,13 @@ def run_instance(kind: str, cp_size: int, seed: int, solvers, tokens_per_rank: i
               "owner_imbalance": owner_imb}
     rows = []
     for name in solvers:
-        asg, secs = _solve(name, areas, config)
-        rows.append({**common, "solver": name, **_plan_row(areas, asg, config, usp, owner), "solve_ms": 1e3 * secs})
+        for n in (tiles if name == "device" else (1,)):
+            cfg = config if n == 1 else dataclasses.replace(config, chunk_tiles=n)
+            units = areas if n == 1 else block_areas(mask, cp_size, config.head_groups, impl="auto", tiles=n)
+            asg, secs = _solve(name, units, cfg)
+            label = name if n == 1 else f"{name} t{n}"
+            rows.append({**common, "solver": label, "tiles": n, **_plan_row(units, asg, cfg, usp, owner),
+                         "solve_ms": 1e3 * secs})
     ref = next((r for r in rows if r["solver"] == "reference"), None)
     for r in rows:
         r["dev_over_ref_fwd"] = ratio(r["fwd_bytes"], ref["fwd_bytes"]) if ref and r["solver"] != "reference" else None
@@ -132,7 +145,7 @@ def summarize(rows: list[dict]) -> list[dict]:
     keys = sorted({(r["kind"], r["P"]) for r in rows}, key=lambda k: (list(KINDS).index(k[0]), k[1]))
     for kind, P in keys:
         group = [r for r in rows if r["kind"] == kind and r["P"] == P]
-        for solver in [s for s in SOLVERS if any(r["solver"] == s for r in group)]:
+        for solver in dict.fromkeys(r["solver"] for r in group):
             rs = [r for r in group if r["solver"] == solver]
             out.append({
                 "kind": kind, "P": P, "solver": solver, "runs": len(rs),
@@ -176,6 +189,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, default=None, help=f"seeds per (kind, P), 0..n-1 (default {FULL_SEEDS})")
     p.add_argument("--kinds", default=",".join(KINDS), help="mask kinds: causal, full")
     p.add_argument("--solvers", default=",".join(SOLVERS), help="solvers: reference, device")
+    p.add_argument("--tiles", default="1", help="device solver chunk_tiles values, comma-separated (default 1)")
     p.add_argument("--tokens-per-rank", type=int, default=TOKENS_PER_RANK)
     p.add_argument("--device", default="cpu", help="device of the masks, areas and device solve")
     p.add_argument("--json", default=str(RESULTS_DIR / "solver_quality.json"), help="JSON output path")
@@ -186,6 +200,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.P = parse_list(args.P, int, name="--P") if args.P else list(QUICK_P if args.quick else FULL_P)
         args.kinds = parse_list(args.kinds, str, allowed=tuple(KINDS), name="--kinds")
         args.solvers = parse_list(args.solvers, str, allowed=SOLVERS, name="--solvers")
+        args.tiles = parse_list(args.tiles, int, name="--tiles")
     except ValueError as e:
         p.error(str(e))
     if args.seeds is None:
@@ -203,7 +218,7 @@ def main(argv=None) -> dict:
     for kind in args.kinds:
         for P in args.P:
             for seed in range(args.seeds):
-                rows += run_instance(kind, P, seed, args.solvers, args.tokens_per_rank, args.device)
+                rows += run_instance(kind, P, seed, args.solvers, args.tokens_per_rank, args.device, args.tiles)
                 print(f"# done {kind} P={P} seed={seed}", file=sys.stderr, flush=True)
     summary = summarize(rows)
     text = "\n\n".join([
@@ -215,7 +230,7 @@ def main(argv=None) -> dict:
     print(text)
     payload = {
         "benchmark": "solver_quality",
-        "config": {"P": args.P, "seeds": args.seeds, "kinds": args.kinds, "solvers": args.solvers,
+        "config": {"P": args.P, "seeds": args.seeds, "kinds": args.kinds, "solvers": args.solvers, "tiles": args.tiles,
                    "tokens_per_rank": args.tokens_per_rank, "device": args.device, **_config_dict()},
         "environment": environment(), "anchors_vs_usp": ANCHORS,
         "summary": summary, "rows": rows,

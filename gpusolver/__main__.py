@@ -8,6 +8,7 @@ full plan (areas, assignment, metas) and prints its summary.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import torch
@@ -22,7 +23,9 @@ from gpusolver.solve import SOLVERS, solve, solve_assignment
 MIB = 1 << 20
 
 
-def _quality_rows(areas, config: SolverConfig, solvers) -> list[str]:
+def _quality_rows(areas, config: SolverConfig, solvers, tiled=None) -> list[str]:
+    """Markdown rows: each solver, the device solver on ``tiled`` (areas, config) if given,
+    owner-computes and the classic schemes."""
     base = baseline_table(areas, config)
     usp_f, usp_b = base["usp"]["fwd_bottleneck"], base["usp"]["bwd_bottleneck"]
     rows = ["| plan | imbalance | fwd bottleneck | bwd bottleneck | fwd vs USP | bwd vs USP | solve |",
@@ -40,6 +43,14 @@ def _quality_rows(areas, config: SolverConfig, solvers) -> list[str]:
         seconds = time.perf_counter() - t0
         m = evaluate(areas, assignment, config.cost())
         row(f"gpusolver {name}", m.imbalance.item(), m.fwd_bottleneck.item(), m.bwd_bottleneck.item(), seconds)
+    if tiled is not None:
+        t_areas, t_config = tiled
+        t0 = time.perf_counter()
+        assignment = solve_assignment(t_areas, t_config, solver="device")
+        seconds = time.perf_counter() - t0
+        m = evaluate(t_areas, assignment, t_config.cost())
+        row(f"gpusolver device, {t_config.chunk_tiles} tiles per chunk", m.imbalance.item(),
+            m.fwd_bottleneck.item(), m.bwd_bottleneck.item(), seconds)
     owner = evaluate(areas, torch.where(areas.area > 0, torch.arange(config.cp_size).view(1, -1, 1), -1),
                      config.cost())
     row("owner-computes", owner.imbalance.item(), owner.fwd_bottleneck.item(), owner.bwd_bottleneck.item(), None)
@@ -50,11 +61,15 @@ def _quality_rows(areas, config: SolverConfig, solvers) -> list[str]:
 
 def _sparse_areas(kind: str, seqlen: int, config: SolverConfig, seed: int):
     """Block areas of a random NSA block selection or DSA token top-k (what an indexer would produce)."""
+    n = config.chunk_tiles
+    units = config.cp_size * n  # a tile is a chunk of a group n times larger
     if kind == "nsa":  # 64-token blocks, top-16 per query and KV head
         sel = nsa_block_indices(seqlen, config.num_heads_kv, block_size=64, top_n=16, seed=seed)
-        return block_sparse_areas(sel, 64, config.cp_size, config.head_groups)
-    topk = dsa_topk_indices(seqlen, topk=min(2048, seqlen), seed=seed)  # shared by all heads
-    return token_topk_areas(topk, config.cp_size, config.head_groups)
+        areas = block_sparse_areas(sel, 64, units, config.head_groups)
+    else:
+        topk = dsa_topk_indices(seqlen, topk=min(2048, seqlen), seed=seed)  # shared by all heads
+        areas = token_topk_areas(topk, units, config.head_groups)
+    return areas if n == 1 else dataclasses.replace(areas, tiles=n)
 
 
 def demo(args) -> None:
@@ -67,13 +82,17 @@ def demo(args) -> None:
           f"GQA {config.num_heads_q}:{config.num_heads_kv}, D={config.head_dim}, bf16, seed {args.seed}, "
           f"mu={config.imbalance_tol}")
     S = args.tokens_per_rank * config.cp_size
+    tiled_config = dataclasses.replace(config, chunk_tiles=args.tiles) if args.tiles > 1 else None
     if args.mask != "docs":  # sparse indexer masks: assignment quality only (plans need slices)
         areas = _sparse_areas(args.mask, S, config, args.seed)
-        print("\n".join(_quality_rows(areas, config, SOLVERS)))
+        tiled = None if tiled_config is None else (_sparse_areas(args.mask, S, tiled_config, args.seed), tiled_config)
+        print("\n".join(_quality_rows(areas, config, SOLVERS, tiled)))
         return
     mask = packed_documents(S, seed=args.seed, causal=args.causal)
+    tiled = None if tiled_config is None else (
+        block_areas(mask, config.cp_size, config.head_groups, impl="torch", tiles=args.tiles), tiled_config)
     print("\n".join(_quality_rows(block_areas(mask, config.cp_size, config.head_groups, impl="torch"),
-                                   config, SOLVERS)))
+                                   config, SOLVERS, tiled)))
     t0 = time.perf_counter()
     plan = solve(mask, config)
     print(f"\nfull solve (areas + device solver + plan metas, torch path on CPU): "
@@ -83,7 +102,7 @@ def demo(args) -> None:
 
 def solve_command(args) -> None:
     torch.set_num_threads(1)
-    config = SolverConfig(cp_size=args.cp_size)
+    config = SolverConfig(cp_size=args.cp_size, chunk_tiles=args.tiles)
     mask = packed_documents(args.tokens_per_rank * config.cp_size, seed=args.seed, causal=args.causal)
     t0 = time.perf_counter()
     plan = solve(mask, config, solver=args.solver)
@@ -100,6 +119,8 @@ def main(argv=None) -> None:
         p.add_argument("--tokens-per-rank", type=int, default=8192)
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--full", dest="causal", action="store_false", help="full (bidirectional) documents")
+        p.add_argument("--tiles", type=int, default=1,
+                       help="sub-chunk tiles per rank's chunk (SolverConfig.chunk_tiles; demo: an extra row)")
         if name == "demo":
             p.add_argument("--mask", choices=("docs", "nsa", "dsa"), default="docs",
                            help="packed documents (default), or a sparse indexer's selection")

@@ -21,3 +21,13 @@ def test_demo_on_sparse_indexer_masks(capsys):
         out = capsys.readouterr().out
         assert out.startswith(title) and "| gpusolver device |" in out and "| usp |" in out
         assert "status:" not in out  # sparse masks get assignments, not plans
+
+
+def test_tiles_option(capsys):
+    main(["demo", "--cp-size", "2", "--tokens-per-rank", "256", "--tiles", "2"])
+    out = capsys.readouterr().out
+    assert "| gpusolver device, 2 tiles per chunk |" in out and "status:" in out
+    main(["solve", "-P", "2", "--tokens-per-rank", "256", "--tiles", "2"])
+    assert "fwd bottleneck" in capsys.readouterr().out
+    main(["demo", "--mask", "dsa", "--cp-size", "2", "--tokens-per-rank", "128", "--tiles", "2"])
+    assert "| gpusolver device, 2 tiles per chunk |" in capsys.readouterr().out
