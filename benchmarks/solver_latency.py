@@ -27,10 +27,12 @@ solver's tensors are small, and on CPU threading overhead dominates.
     python benchmarks/solver_latency.py                      # P = 8..128, 3 repeats
     python benchmarks/solver_latency.py --P 8,16 --repeats 5
     python benchmarks/solver_latency.py --quick              # P = 8,16, 1 repeat
+    python benchmarks/solver_latency.py --P 8 --tiles 4      # with sub-chunk tiles (chunk_tiles = 4)
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -55,7 +57,7 @@ ANCHOR_LINE = ("Anchor (MagiAttention host solver, GQA 64:8, 8K tokens per devic
                "launches per solve are the proxy (a few dozen fused launches fit well under 1 ms on an H200).")
 
 COLUMNS = [
-    ("kind", "kind", ""), ("P", "P", "d"), ("backend", "backend", ""),
+    ("kind", "kind", ""), ("P", "P", "d"), ("tiles", "tiles", "d"), ("backend", "backend", ""),
     ("areas ms", "areas_ms", ".1f"), ("solve ms", "solve_ms", ".1f"), ("total ms", "total_ms", ".1f"),
     ("graph ms", "graph_ms", ".3f"), ("sync-free", "sync_free", ""),
     ("areas launches", "areas_launches", "d"), ("solve launches", "solve_launches", "d"),
@@ -89,27 +91,31 @@ def _quality(areas, dev_asg, ref_asg, config) -> dict:
     }
 
 
-def cpu_row(kind: str, cp_size: int, seed: int, repeats: int, tokens_per_rank: int):
-    """The torch path on CPU and the reference solver.
+def cpu_row(kind: str, cp_size: int, seed: int, repeats: int, tokens_per_rank: int, tiles: int = 1):
+    """The torch path on CPU and the reference solver (on whole chunks).
 
-    Returns (row, device assignment, reference assignment), both [G, P, P] int32 on CPU.
+    Returns (row, device assignment, reference assignment), both [G, U, U] int32 on CPU
+    (U = tiles * P; the reference's chunk pairs spread over their tiles).
     """
-    config = SolverConfig(cp_size=cp_size)
+    config = SolverConfig(cp_size=cp_size, chunk_tiles=tiles)
     mask = make_mask(kind, cp_size, seed, tokens_per_rank)
-    run_areas = lambda: block_areas(mask, cp_size, config.head_groups, impl="torch")  # noqa: E731
+    run_areas = lambda: block_areas(mask, cp_size, config.head_groups, impl="torch", tiles=tiles)  # noqa: E731
     with LaunchCounter() as count_areas:  # doubles as the warm-up
         areas = run_areas()
     with LaunchCounter() as count_solve:
         solve_device(areas, config)
     areas_s, areas = wall_time(run_areas, repeats, warmup=0)
     solve_s, res = wall_time(lambda: solve_device(areas, config), repeats, warmup=0)
-    ref_s, ref = wall_time(lambda: assign(areas, config), repeats, warmup=0)
-    row = {"kind": kind, "P": cp_size, "seed": seed, "backend": "cpu/torch", "num_slices": mask.num_slices,
+    whole = areas.coarsen()
+    ref_s, ref = wall_time(lambda: assign(whole, dataclasses.replace(config, chunk_tiles=1)), repeats, warmup=0)
+    ref_asg = areas.refine(ref.assignment)
+    row = {"kind": kind, "P": cp_size, "tiles": tiles, "seed": seed, "backend": "cpu/torch",
+           "num_slices": mask.num_slices,
            "areas_ms": 1e3 * areas_s, "solve_ms": 1e3 * solve_s, "total_ms": 1e3 * (areas_s + solve_s),
            "graph_ms": None, "sync_free": None, "ref_ms": 1e3 * ref_s, "reference_feasible": ref.feasible,
            "balanced_device": bool(res.balanced), **_counts(count_areas, count_solve),
-           **_quality(areas, res.assignment, ref.assignment, config)}
-    return row, res.assignment, ref.assignment
+           **_quality(areas, res.assignment, ref_asg, config)}
+    return row, res.assignment, ref_asg
 
 
 def _sync_free(fn) -> tuple[bool, str]:
@@ -152,11 +158,11 @@ CUDA_PATHS = (("triton", None), ("persistent", 1), ("persistent", None))
 
 
 def cuda_row(kind: str, cp_size: int, seed: int, repeats: int, tokens_per_rank: int, cpu: dict,
-             cpu_asg, ref_asg_cpu, impl: str = "triton", workers: int | None = None) -> dict:
+             cpu_asg, ref_asg_cpu, impl: str = "triton", workers: int | None = None, tiles: int = 1) -> dict:
     """One Triton path on CUDA: event times, launches, CUDA-graph replay, sync-free check."""
-    config = SolverConfig(cp_size=cp_size)
+    config = SolverConfig(cp_size=cp_size, chunk_tiles=tiles)
     mask = make_mask(kind, cp_size, seed, tokens_per_rank, device="cuda")
-    run_areas = lambda: block_areas(mask, cp_size, config.head_groups, impl="triton")  # noqa: E731
+    run_areas = lambda: block_areas(mask, cp_size, config.head_groups, impl="triton", tiles=tiles)  # noqa: E731
     solve = lambda areas: solve_device(areas, config, impl=impl, workers=workers)  # noqa: E731
     pipeline = lambda: solve(run_areas())  # noqa: E731
     backend = f"cuda/{impl}" + ("" if impl != "persistent" else f" W={workers or 'auto'}")
@@ -179,7 +185,8 @@ def cuda_row(kind: str, cp_size: int, seed: int, repeats: int, tokens_per_rank: 
         graph_ms, graph_err, graph_same = None, f"{type(e).__name__}: {str(e).splitlines()[0]}", None
         torch.cuda.synchronize()
     ref_asg = ref_asg_cpu.to("cuda")
-    return {"kind": kind, "P": cp_size, "seed": seed, "backend": backend, "num_slices": mask.num_slices,
+    return {"kind": kind, "P": cp_size, "tiles": tiles, "seed": seed, "backend": backend,
+            "num_slices": mask.num_slices,
             "areas_ms": 1e3 * areas_s, "solve_ms": 1e3 * solve_s, "total_ms": 1e3 * (areas_s + solve_s),
             "graph_ms": graph_ms, "graph_error": graph_err, "graph_matches_eager": graph_same,
             "sync_free": sync_free, "sync_error": sync_err, "ref_ms": cpu["ref_ms"],
@@ -194,6 +201,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=None, help=f"timed repeats (default {FULL_REPEATS})")
     p.add_argument("--kinds", default="causal", help="mask kinds: causal, full (default causal)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tiles", type=int, default=1, help="sub-chunk tiles per chunk (SolverConfig.chunk_tiles)")
     p.add_argument("--tokens-per-rank", type=int, default=TOKENS_PER_RANK)
     p.add_argument("--no-cuda", action="store_true", help="skip the CUDA path even when a GPU is present")
     p.add_argument("--json", default=str(RESULTS_DIR / "solver_latency.json"), help="JSON output path")
@@ -209,6 +217,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.repeats = QUICK_REPEATS if args.quick else FULL_REPEATS
     if args.repeats <= 0:
         p.error(f"--repeats must be positive, got {args.repeats}")
+    if args.tiles <= 0:
+        p.error(f"--tiles must be positive, got {args.tiles}")
     return args
 
 
@@ -220,11 +230,11 @@ def main(argv=None) -> dict:
     rows = []
     for kind in args.kinds:
         for P in args.P:
-            cpu, cpu_asg, ref_asg = cpu_row(kind, P, args.seed, args.repeats, args.tokens_per_rank)
+            cpu, cpu_asg, ref_asg = cpu_row(kind, P, args.seed, args.repeats, args.tokens_per_rank, args.tiles)
             rows.append(cpu)
             if use_cuda:
                 rows.extend(cuda_row(kind, P, args.seed, args.repeats, args.tokens_per_rank, cpu, cpu_asg, ref_asg,
-                                     impl, workers) for impl, workers in CUDA_PATHS)
+                                     impl, workers, args.tiles) for impl, workers in CUDA_PATHS)
             print(f"# done {kind} P={P}", file=sys.stderr, flush=True)
     notes = sorted({r["note"] for r in rows if r["note"]} | {f"P={r['P']}: graph failed: {r['graph_error']}"
                                                             for r in rows if r.get("graph_error")}
@@ -238,7 +248,7 @@ def main(argv=None) -> dict:
     print(text)
     payload = {
         "benchmark": "solver_latency",
-        "config": {"P": args.P, "repeats": args.repeats, "kinds": args.kinds, "seed": args.seed,
+        "config": {"P": args.P, "repeats": args.repeats, "kinds": args.kinds, "seed": args.seed, "tiles": args.tiles,
                    "tokens_per_rank": args.tokens_per_rank, "cuda": use_cuda},
         "environment": environment(), "rows": rows,
     }
