@@ -33,6 +33,7 @@ bench: install
 gpu-check:
 	TRITON_INTERPRET=0 timeout 300 $(PYTHON) -m pytest tests/gpu -x
 	timeout 420 $(PYTHON) benchmarks/solver_latency.py --P 8,64 --repeats 5 --md benchmarks/results/solver_latency_gpu.md
+	timeout 240 $(PYTHON) benchmarks/solver_latency.py --P 8 --tiles 4 --repeats 5 --json benchmarks/results/solver_latency_gpu_tiles.json --md benchmarks/results/solver_latency_gpu_tiles.md
 	timeout 120 $(PYTHON) benchmarks/kernel_bench.py
 
 clean:

@@ -44,6 +44,18 @@ def test_every_path_equals_the_cpu_torch_path(P, causal):
             assert_close(f"{impl}/{workers} {name}", getattr(ref, name), getattr(res, name).cpu())
 
 
+@pytest.mark.parametrize("P,tiles", [(8, 4), (16, 2)])
+def test_tiled_solve_every_path_equals_the_cpu_torch_path(P, tiles):
+    config = SolverConfig(cp_size=P, chunk_tiles=tiles)
+    areas = block_areas(packed_documents(8192 * P), P, config.head_groups, impl="torch", tiles=tiles)
+    ref = solve_device(areas, config, impl="torch")
+    cuda_areas = block_areas(packed_documents(8192 * P, device="cuda"), P, config.head_groups, impl="triton",
+                             tiles=tiles)
+    for impl, workers in CUDA_PATHS:
+        res = solve_device(cuda_areas, config, impl=impl, workers=workers)
+        assert_close(f"{impl}/{workers} assignment", ref.assignment, res.assignment.cpu())
+
+
 def _cuda_mask(P: int):
     mask = packed_documents(8192 * P, seed=1, device="cuda")
     return SolverConfig(cp_size=P), mask
