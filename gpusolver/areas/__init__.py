@@ -4,6 +4,7 @@ Shape legend: S tokens (queries = keys), P ranks, c = S / P tokens per chunk,
 G head groups, R slices, T = S query tokens of a sparse selection.
 
     area:   [G, P, P]    int64, valid (q, k) entries of block (g, i, j)
+                         ([G, U, U] over units of c / n tokens with ``tiles=n``)
     q_need: [G, P, P, 2] int64, chunk-local [lo, hi) rows of query chunk i in use
     k_need: [G, P, P, 2] int64, chunk-local [lo, hi) columns of key chunk j in use
 

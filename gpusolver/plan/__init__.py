@@ -1,11 +1,12 @@
 """Plans: an assignment turned into the tensors the collectives and kernels consume.
 
 Shape legend: G head groups, P ranks, c = S / P tokens per chunk, R slices,
+U = n * P units (n sub-chunk tiles per chunk, default 1; unit u on rank u // n),
 cap slice rows per rank and stage, send_cap rows per send list.
 
-    Plan.assignment         [G, P, P] int32, rank of task (g, i, j), -1 empty
-    CommMeta.qo_range       [G, P(host), P(dest), 2] int64 chunk-local rows sent
-    CommMeta.qo_recv_offset [G, P(host), P(dest)] int64 start in dest's buffer
+    Plan.assignment         [G, U, U] int32, rank of task (g, i, j), -1 empty
+    CommMeta.qo_range       [G, U(unit), P(dest), 2] int64 chunk-local rows sent
+    CommMeta.qo_recv_offset [G, U(unit), P(dest)] int64 start in dest's buffer
     CommMeta.qo_split       [P(src), P(dst)] int64 all-to-all-v split sizes
     CommMeta.send_index(kind, r)  [send_cap] int64 gather indices of rank r, -1 padded
     CalcMeta.q_ranges       [P, 2(stage), cap, 2] int32 (k_ranges alike)
