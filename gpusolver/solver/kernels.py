@@ -5,7 +5,7 @@ Each launcher has the signature and the result of its torch twin in
 entry, float64 scores bit for bit):
 
 * ``state_triton(tasks, A)`` — twin of ``_state``. One kernel over tiles of
-  the ``T = G * P * P`` tasks of each variant scatters every task into the
+  the ``T = G * U * U`` tasks of each variant scatters every task into the
   hulls of its (QO unit, rank) and (KV unit, rank) cells with integer atomic
   min/max, and into the rank loads and KV-unit task counts with integer
   atomic adds. Integer min/max/add commute, so the result does not depend on
@@ -17,13 +17,14 @@ entry, float64 scores bit for bit):
   The offered units (top-k by area) and the destination windows come from
   ``offers_triton`` (solver/kernels_offers.py, one launch); one kernel with
   grid ``(B, P, K)`` then prices every (destination, size) of one offered
-  unit of one source in registers, as ``[D1, P]`` tiles (D1 destinations,
-  P task slots), and writes that unit's best proposal.
+  unit of one source in registers, as ``[D1, U]`` tiles (D1 destinations,
+  U task slots), and writes that unit's best proposal.
 
-Shape legend: B variants, G head groups, P ranks, T = G * P * P tasks,
-K units offered per source, D destinations per unit from the headroom window,
-D1 = D + 3 (plus the unit's first key host, its query host, and the helper
-holding most of its rows).
+Shape legend: B variants, G head groups, P ranks, n sub-chunk tiles per rank
+(TILES), U = n * P units per group (unit u on rank u // n), T = G * U * U
+tasks, K units offered per source, D destinations per unit from the headroom
+window, D1 = D + 3 (plus the unit's first key host, its query host, and the
+helper holding most of its rows). n = 1 compiles to the untiled kernels.
 """
 from __future__ import annotations
 
@@ -37,33 +38,36 @@ from gpusolver.solver.kernels_offers import offers_triton
 _BIG_T = tl.constexpr(_BIG)
 # Destinations priced at once by the bundle kernel. At P = 64 (window 64) with 8 warps, ptxas
 # (sm_90) reports 184 B of spill stores per thread for tiles of 8; a whole [128, 64] tile
-# with 4 warps: 23,936 B.
+# with 4 warps: 23,936 B. With n tiles a destination's row holds n times the task slots, so
+# the tile holds n times fewer destinations (n = 2: 172 B; [8, 128] tiles: 900 B).
 _DEST_TILE = 8
 
 
-def dest_tile(n_dests: int) -> int:
-    """BLOCK_D of the bundle kernel for a window of ``n_dests`` (plus the 3 extra destinations)."""
-    return min(triton.next_power_of_2(n_dests + 3), _DEST_TILE)
+def dest_tile(n_dests: int, tiles: int = 1) -> int:
+    """BLOCK_D of the bundle kernel for a window of ``n_dests`` (plus the 3 extra destinations)
+    and ``tiles`` units per rank."""
+    return min(triton.next_power_of_2(n_dests + 3), max(1, _DEST_TILE // triton.next_power_of_2(tiles)))
 
 
 @triton.jit
 def _state_kernel(
     rank_ptr,  # [B, T] int64 (row stride stride_rb), P for empty tasks
     area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr,  # [T] int64 each (strided)
-    lo_ptr,  # [2, B, G*P, P] int64, _BIG-initialised: q_lo, k_lo
-    acc_ptr,  # [3, B, G*P, P] then [B, P] int64, zero-initialised: q_hi, k_hi, kcount, load
+    lo_ptr,  # [2, B, G*U, P] int64, _BIG-initialised: q_lo, k_lo
+    acc_ptr,  # [3, B, G*U, P] then [B, P] int64, zero-initialised: q_hi, k_hi, kcount, load
     T, P, B,
     stride_rb, stride_a, stride_q, stride_k,
-    BLOCK_T: tl.constexpr,
+    BLOCK_T: tl.constexpr, TILES: tl.constexpr,
 ):
     _state_tile(rank_ptr, area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr, lo_ptr, acc_ptr,
                 tl.program_id(0), tl.program_id(1).to(tl.int64), T, P, B,
-                stride_rb, stride_a, stride_q, stride_k, BLOCK_T)
+                stride_rb, stride_a, stride_q, stride_k, BLOCK_T, TILES)
 
 
 @triton.jit
 def _state_tile(rank_ptr, area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr, lo_ptr, acc_ptr,
-                i_t, i_b, T, P, B, stride_rb, stride_a, stride_q, stride_k, BLOCK_T: tl.constexpr):
+                i_t, i_b, T, P, B, stride_rb, stride_a, stride_q, stride_k, BLOCK_T: tl.constexpr,
+                TILES: tl.constexpr):
     """Tile ``i_t`` of variant ``i_b`` of ``_state_kernel`` (its arguments; i_b int64)."""
     o_t = (i_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # [BLOCK_T]
     m_t = o_t < T
@@ -75,13 +79,15 @@ def _state_tile(rank_ptr, area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr, lo_ptr, 
     b_qhi = tl.load(qhi_ptr + o_t * stride_q, mask=m_t, other=0)
     b_klo = tl.load(klo_ptr + o_t * stride_k, mask=m_t, other=0)
     b_khi = tl.load(khi_ptr + o_t * stride_k, mask=m_t, other=0)
-    # task (g, i, j): QO unit g*P + i, KV unit g*P + j
-    o_g = o_t // (P * P)
-    o_qu = o_g * P + (o_t // P) % P
-    o_ku = o_g * P + o_t % P
-    n_cell = B * T  # cells of one [B, G*P, P] buffer (G*P*P = T per variant)
-    o_q = i_b * T + o_qu * P + b_rank  # [BLOCK_T] cell (variant, QO unit, rank)
-    o_k = i_b * T + o_ku * P + b_rank
+    # task (g, i, j) over U = TILES * P units: QO unit g*U + i, KV unit g*U + j
+    U = P * TILES
+    o_g = o_t // (U * U)
+    o_qu = o_g * U + (o_t // U) % U
+    o_ku = o_g * U + o_t % U
+    cells = T // TILES  # cells of one variant's [G*U, P] table (G*U*U = T)
+    n_cell = B * cells  # cells of one [B, G*U, P] buffer
+    o_q = i_b * cells + o_qu * P + b_rank  # [BLOCK_T] cell (variant, QO unit, rank)
+    o_k = i_b * cells + o_ku * P + b_rank
     tl.atomic_min(lo_ptr + o_q, b_qlo, mask=m_t)
     tl.atomic_max(acc_ptr + o_q, b_qhi, mask=m_t)
     tl.atomic_min(lo_ptr + n_cell + o_k, b_klo, mask=m_t)
@@ -92,46 +98,55 @@ def _state_tile(rank_ptr, area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr, lo_ptr, 
 
 @triton.jit
 def _state_bytes_kernel(
-    lo_ptr,  # [2, B, G*P, P] int64: q_lo, k_lo
-    hi_ptr,  # [2, B, G*P, P] int64: q_hi, k_hi
-    len_ptr,  # [2, B, G*P, P] int64 out: qlen, klen
+    lo_ptr,  # [2, B, G*U, P] int64: q_lo, k_lo
+    hi_ptr,  # [2, B, G*U, P] int64: q_hi, k_hi
+    len_ptr,  # [2, B, G*U, P] int64 out: qlen, klen
     send_ptr, recv_ptr, vol_ptr,  # [B, P] int64 out
     bneck_ptr,  # [B] int64, zero-initialised: max over ranks of vol
     B, G, P,
     Q_BYTES, O_BYTES, KV_BYTES,
-    BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, TILES: tl.constexpr,
 ):
     _state_bytes_rank(lo_ptr, hi_ptr, len_ptr, send_ptr, recv_ptr, vol_ptr, bneck_ptr,
                       tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), B, G, P,
-                      Q_BYTES, O_BYTES, KV_BYTES, BLOCK_G, BLOCK_P)
+                      Q_BYTES, O_BYTES, KV_BYTES, BLOCK_G, BLOCK_P, TILES)
 
 
 @triton.jit
 def _state_bytes_rank(lo_ptr, hi_ptr, len_ptr, send_ptr, recv_ptr, vol_ptr, bneck_ptr, i_b, i_r, B, G, P,
-                      Q_BYTES, O_BYTES, KV_BYTES, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr):
-    """Rank ``i_r`` of variant ``i_b`` of ``_state_bytes_kernel`` (its arguments; indices int64)."""
+                      Q_BYTES, O_BYTES, KV_BYTES, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr,
+                      TILES: tl.constexpr):
+    """Rank ``i_r`` of variant ``i_b`` of ``_state_bytes_kernel`` (its arguments; indices int64).
+
+    Unit ``u`` of a group lives on rank ``u // TILES``; one ``[BLOCK_G, BLOCK_P]`` tile per tile offset t."""
     o_g = tl.arange(0, BLOCK_G).to(tl.int64)[:, None]  # [BLOCK_G, 1]
     o_p = tl.arange(0, BLOCK_P).to(tl.int64)[None, :]  # [1, BLOCK_P]
     m_gp = (o_g < G) & (o_p < P)
-    n_cell = B * G * P * P
-    # [BLOCK_G, BLOCK_P] cells: units hosted on rank r (all destinations), and every unit at rank r
-    o_row = i_b * G * P * P + (o_g * P + i_r) * P + o_p
-    o_col = i_b * G * P * P + (o_g * P + o_p) * P + i_r
+    U = P * TILES
+    n_cell = B * G * U * P
     at_host = o_p == i_r  # row: destination r is the host; column: host o_p is r. Nothing travels
-    q_row = tl.where(at_host, 0, tl.maximum(tl.load(hi_ptr + o_row, mask=m_gp, other=0)
-                                             - tl.load(lo_ptr + o_row, mask=m_gp, other=0), 0))
-    k_row = tl.where(at_host, 0, tl.maximum(tl.load(hi_ptr + n_cell + o_row, mask=m_gp, other=0)
-                                             - tl.load(lo_ptr + n_cell + o_row, mask=m_gp, other=0), 0))
-    q_col = tl.where(at_host, 0, tl.maximum(tl.load(hi_ptr + o_col, mask=m_gp, other=0)
-                                             - tl.load(lo_ptr + o_col, mask=m_gp, other=0), 0))
-    k_col = tl.where(at_host, 0, tl.maximum(tl.load(hi_ptr + n_cell + o_col, mask=m_gp, other=0)
-                                             - tl.load(lo_ptr + n_cell + o_col, mask=m_gp, other=0), 0))
-    tl.store(len_ptr + o_row, q_row, mask=m_gp)
-    tl.store(len_ptr + n_cell + o_row, k_row, mask=m_gp)
-    q_out = tl.sum(tl.sum(tl.where(m_gp, q_row, 0), axis=1), axis=0)
-    k_out = tl.sum(tl.sum(tl.where(m_gp, k_row, 0), axis=1), axis=0)
-    q_in = tl.sum(tl.sum(tl.where(m_gp, q_col, 0), axis=1), axis=0)
-    k_in = tl.sum(tl.sum(tl.where(m_gp, k_col, 0), axis=1), axis=0)
+    q_out = tl.zeros([], tl.int64)
+    k_out = tl.zeros([], tl.int64)
+    q_in = tl.zeros([], tl.int64)
+    k_in = tl.zeros([], tl.int64)
+    for t in tl.static_range(TILES):
+        # [BLOCK_G, BLOCK_P] cells: unit t of rank r (all destinations), and unit t of every rank at rank r
+        o_row = i_b * G * U * P + (o_g * U + i_r * TILES + t) * P + o_p
+        o_col = i_b * G * U * P + (o_g * U + o_p * TILES + t) * P + i_r
+        q_row = tl.where(at_host, 0, tl.maximum(tl.load(hi_ptr + o_row, mask=m_gp, other=0)
+                                                 - tl.load(lo_ptr + o_row, mask=m_gp, other=0), 0))
+        k_row = tl.where(at_host, 0, tl.maximum(tl.load(hi_ptr + n_cell + o_row, mask=m_gp, other=0)
+                                                 - tl.load(lo_ptr + n_cell + o_row, mask=m_gp, other=0), 0))
+        q_col = tl.where(at_host, 0, tl.maximum(tl.load(hi_ptr + o_col, mask=m_gp, other=0)
+                                                 - tl.load(lo_ptr + o_col, mask=m_gp, other=0), 0))
+        k_col = tl.where(at_host, 0, tl.maximum(tl.load(hi_ptr + n_cell + o_col, mask=m_gp, other=0)
+                                                 - tl.load(lo_ptr + n_cell + o_col, mask=m_gp, other=0), 0))
+        tl.store(len_ptr + o_row, q_row, mask=m_gp)
+        tl.store(len_ptr + n_cell + o_row, k_row, mask=m_gp)
+        q_out += tl.sum(tl.sum(tl.where(m_gp, q_row, 0), axis=1), axis=0)
+        k_out += tl.sum(tl.sum(tl.where(m_gp, k_row, 0), axis=1), axis=0)
+        q_in += tl.sum(tl.sum(tl.where(m_gp, q_col, 0), axis=1), axis=0)
+        k_in += tl.sum(tl.sum(tl.where(m_gp, k_col, 0), axis=1), axis=0)
     send = q_out * Q_BYTES + q_in * O_BYTES + k_out * KV_BYTES
     recv = q_in * Q_BYTES + q_out * O_BYTES + k_in * KV_BYTES
     vol = tl.maximum(send, recv)
@@ -146,14 +161,15 @@ def state_triton(tasks: _Tasks, A: torch.Tensor) -> _State:
 
     A: [B, T+1] int64 ranks in [0, P] (P = no rank; column T is a dummy).
     Returns a _State whose tensors equal ``_state(tasks, A)``'s exactly:
-    q_lo/q_hi/k_lo/k_hi/qlen/klen/kcount [B, G*P, P] int64, send/recv/vol/load
+    q_lo/q_hi/k_lo/k_hi/qlen/klen/kcount [B, G*U, P] int64, send/recv/vol/load
     [B, P] int64, bottleneck [B] int64, rank [B, T] int64 (a view of A).
     Two kernels: the task scatter (atomics), then lengths and bytes per (variant, rank).
     """
-    G, P, T = tasks.G, tasks.P, tasks.T
+    G, P, U, T = tasks.G, tasks.P, tasks.U, tasks.T
+    tiles = U // P
     rank = A[:, :T]
     B, dev = rank.shape[0], A.device
-    n = B * T  # cells of one [B, G*P, P] buffer
+    n = B * G * U * P  # cells of one [B, G*U, P] buffer
     lo = torch.full((2 * n,), _BIG, dtype=torch.int64, device=dev)  # q_lo, k_lo
     acc = torch.zeros(3 * n + B * P + B, dtype=torch.int64, device=dev)  # q_hi, k_hi, kcount, load, bottleneck
     out = torch.empty(2 * n + 3 * B * P, dtype=torch.int64, device=dev)  # qlen, klen, send, recv, vol
@@ -162,15 +178,15 @@ def state_triton(tasks: _Tasks, A: torch.Tensor) -> _State:
         rank, tasks.area, tasks.qlo, tasks.qhi, tasks.klo, tasks.khi, lo, acc,
         T, P, B,
         rank.stride(0), tasks.area.stride(0), tasks.qlo.stride(0), tasks.klo.stride(0),
-        BLOCK_T=block_t,
+        BLOCK_T=block_t, TILES=tiles,
     )
     bottleneck = acc[3 * n + B * P:]
     _state_bytes_kernel[(B, P)](
         lo, acc, out, out[2 * n:], out[2 * n + B * P:], out[2 * n + 2 * B * P:], bottleneck,
         B, G, P, tasks.q, tasks.o, tasks.kv,
-        BLOCK_G=triton.next_power_of_2(G), BLOCK_P=triton.next_power_of_2(P),
+        BLOCK_G=triton.next_power_of_2(G), BLOCK_P=triton.next_power_of_2(P), TILES=tiles,
     )
-    cells = lambda buf, k: buf[k * n:(k + 1) * n].view(B, G * P, P)  # noqa: E731
+    cells = lambda buf, k: buf[k * n:(k + 1) * n].view(B, G * U, P)  # noqa: E731
     ranks = lambda buf, k: buf[2 * n + k * B * P:2 * n + (k + 1) * B * P].view(B, P)  # noqa: E731
     return _State(rank=rank, q_lo=cells(lo, 0), q_hi=cells(acc, 0), k_lo=cells(lo, 1), k_hi=cells(acc, 1),
                   qlen=cells(out, 0), klen=cells(out, 1), kcount=cells(acc, 2),
@@ -189,14 +205,19 @@ def _union_growth(cur_lo, cur_hi, lo, hi):
 
 @triton.jit
 def _price(
-    inc,  # [BLOCK_D, BLOCK_P] the moved tasks of each destination
-    mine, t_area, qlo_t, qhi_t, k_free_t, j_t, j_send,  # [1, BLOCK_P]
-    k_grow_t,  # [BLOCK_D, BLOCK_P]
+    inc,  # [BLOCK_D, BLOCK_S] the moved tasks of each destination (BLOCK_S task slots)
+    mine, t_area, qlo_t, qhi_t, k_free_t, j_t,  # [1, BLOCK_S]
+    j_send,  # [1, BLOCK_P]: send of each task's key host (TILES == 1), of each rank (TILES > 1)
+    k_grow_t,  # [BLOCK_D, BLOCK_S]
     d_of, qlo_d, qhi_d, send_d, recv_d,  # [BLOCK_D]
     s, i, bn, q_cur, send_i, recv_i, send_s, recv_s, send_bn, recv_bn, bnv, bal, exc, thr,  # scalars
     Q_BYTES, O_BYTES, KV_BYTES, SIDEWAYS: tl.constexpr,
+    TILES: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_TL: tl.constexpr,
 ):
-    """ok [BLOCK_D] bool, score [BLOCK_D] fp64, area, dest_send, dest_recv [BLOCK_D] int64 of one size."""
+    """ok [BLOCK_D] bool, score [BLOCK_D] fp64, area, dest_send, dest_recv [BLOCK_D] int64 of one size.
+
+    Every task term is a sum, min or max over the slots, so the slots may hold the tasks in any
+    order; with TILES > 1 they must be the key-host-major slots of ``_bundle_unit``."""
     area = tl.sum(tl.where(inc, t_area, 0), axis=1)
     # query rows: growth of the destination's hull, and what the source frees when it is not the host
     b_lo = tl.min(tl.where(inc, qlo_t, _BIG_T), axis=1)
@@ -207,11 +228,16 @@ def _price(
     r_hi = tl.max(tl.where(rest, qhi_t, 0), axis=1)
     q_free = tl.where((area > 0) & (s != i), q_cur - tl.maximum(r_hi - r_lo, 0), 0)
     # key columns of the moved tasks, per key host
-    kv_delta = tl.where(inc, (k_grow_t - k_free_t) * KV_BYTES, 0)  # [BLOCK_D, BLOCK_P]
+    kv_delta = tl.where(inc, (k_grow_t - k_free_t) * KV_BYTES, 0)  # [BLOCK_D, BLOCK_S]
     kv_to_src = tl.sum(tl.where(j_t == s, kv_delta, 0), axis=1)
     kv_to_host = tl.sum(tl.where((j_t == i) & (i != s), kv_delta, 0), axis=1)
     elsewhere = inc & (j_t != s) & (j_t != i) & (j_t != d_of[:, None])
-    kvh_max = tl.max(tl.where(elsewhere, j_send + kv_delta, 0), axis=1)
+    if TILES == 1:  # each task's key unit has its own host
+        kvh_max = tl.max(tl.where(elsewhere, j_send + kv_delta, 0), axis=1)
+    else:  # slot h * BLOCK_TL + t holds key host h's tile t: up to TILES deltas add up per host
+        per_host = tl.sum(tl.reshape(tl.where(elsewhere, kv_delta, 0), [BLOCK_D, BLOCK_P, BLOCK_TL]), axis=2)
+        hit = tl.max(tl.reshape(elsewhere.to(tl.int32), [BLOCK_D, BLOCK_P, BLOCK_TL]), axis=2) > 0
+        kvh_max = tl.max(tl.where(hit, j_send + per_host, 0), axis=1)
     k_grow = tl.sum(tl.where(inc, k_grow_t, 0), axis=1)
     k_free = tl.sum(tl.where(inc, k_free_t, 0), axis=1)
 
@@ -261,27 +287,28 @@ def _price(
 def _bundle_kernel(
     rank_ptr,  # [B, T] int64 (row stride stride_rb)
     area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr,  # [T] int64 (strided)
-    unit_tasks_ptr,  # [2, G*P, P] int64 contiguous: each QO unit's tasks in each task order
+    unit_tasks_ptr,  # [2, G*U, U] int64 contiguous: each QO unit's tasks in each task order
     order_ptr,  # [B] int64: the task order of each variant
     unit_ptr,  # [B, P, K] int64 contiguous: offered units
     dests_ptr,  # [B, P, D] int64 contiguous: headroom-window destinations
     headroom_ptr, excess_ptr, send_ptr, recv_ptr, vol_ptr,  # [B, P] int64 contiguous
     bal_ptr, bneck_ptr, thr_ptr,  # [B] bool, int64, fp64
-    q_lo_ptr, q_hi_ptr, k_lo_ptr, k_hi_ptr, qlen_ptr, klen_ptr, kcount_ptr,  # [B, G*P, P] int64 contiguous
+    q_lo_ptr, q_hi_ptr, k_lo_ptr, k_hi_ptr, qlen_ptr, klen_ptr, kcount_ptr,  # [B, G*U, P] int64 contiguous
     ok_ptr, score_ptr, dest_ptr, moved_area_ptr, dsend_ptr, drecv_ptr,  # [B, P*K] bool/fp64/int64
-    tasks_out_ptr,  # [B, P*K, P] int64
-    T, P, K, D, GP,
+    tasks_out_ptr,  # [B, P*K, U] int64
+    T, P, K, D, GU,
     stride_rb, stride_a, stride_q, stride_k,
     Q_BYTES, O_BYTES, KV_BYTES,
     BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, SIDEWAYS: tl.constexpr,
+    TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_TL: tl.constexpr,
 ):
     _bundle_unit(rank_ptr, area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr, unit_tasks_ptr, order_ptr, unit_ptr,
                  dests_ptr, headroom_ptr, excess_ptr, send_ptr, recv_ptr, vol_ptr, bal_ptr, bneck_ptr, thr_ptr,
                  q_lo_ptr, q_hi_ptr, k_lo_ptr, k_hi_ptr, qlen_ptr, klen_ptr, kcount_ptr,
                  ok_ptr, score_ptr, dest_ptr, moved_area_ptr, dsend_ptr, drecv_ptr, tasks_out_ptr, order_ptr,
                  tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64),
-                 T, P, K, D, GP, stride_rb, stride_a, stride_q, stride_k, Q_BYTES, O_BYTES, KV_BYTES,
-                 BLOCK_P, BLOCK_D, False, SIDEWAYS)
+                 T, P, K, D, GU, stride_rb, stride_a, stride_q, stride_k, Q_BYTES, O_BYTES, KV_BYTES,
+                 BLOCK_P, BLOCK_D, False, SIDEWAYS, TILES, BLOCK_M, BLOCK_TL)
 
 
 @triton.jit
@@ -292,8 +319,9 @@ def _bundle_unit(
     ok_ptr, score_ptr, dest_ptr, moved_area_ptr, dsend_ptr, drecv_ptr, tasks_out_ptr,
     units_ptr,  # [B] int64 (HAS_UNITS only): units variant b offers; slots past it propose nothing
     i_b, i_s, i_k,  # int64: variant, source, offered-unit slot
-    T, P, K, D, GP, stride_rb, stride_a, stride_q, stride_k, Q_BYTES, O_BYTES, KV_BYTES,
+    T, P, K, D, GU, stride_rb, stride_a, stride_q, stride_k, Q_BYTES, O_BYTES, KV_BYTES,
     BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, HAS_UNITS: tl.constexpr, SIDEWAYS: tl.constexpr,
+    TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_TL: tl.constexpr,
 ):
     """Program (i_b, i_s, i_k) of ``_bundle_kernel`` (its arguments, plus the per-variant unit count).
 
@@ -301,35 +329,76 @@ def _bundle_unit(
     (destination, size) so far: a whole ``[D + 3, P]`` tile spills registers
     to local memory on a GPU at large P (``_DEST_TILE``).
 
-    Every per-task and per-rank vector is a ``[1, BLOCK_P]`` row, never 1-D: the
+    Every per-task and per-rank vector is a ``[1, BLOCK]`` row, never 1-D: the
     sm_90 compiler (Triton 3.7) fails on 1-D vectors from a gathered load that
-    are used both alone and broadcast against the ``[BLOCK_D, BLOCK_P]`` tiles.
-    """
-    o_p = tl.arange(0, BLOCK_P).to(tl.int64)[None, :]  # [1, BLOCK_P] task slots of the unit, and ranks
-    m_p = o_p < P
-    o_row = i_b * P  # [B, P] row of this variant
-    o_cell = i_b * GP * P  # [B, G*P, P] slab of this variant
-    u = tl.load(unit_ptr + (o_row + i_s) * K + i_k)
-    i = u % P  # the unit's query host
+    are used both alone and broadcast against the ``[BLOCK_D, BLOCK]`` tiles.
 
-    # the unit's tasks by area; mine = on the source. [1, BLOCK_P]
+    Untiled (TILES == 1) the U = P task slots hold the unit's tasks in the
+    variant's order, and each task's key host is its own. With TILES > 1 the
+    prefixes are taken in that order (``[1, BLOCK_M]``, U slots), then each
+    task's prefix sum travels through the proposal's task row in memory to
+    key-host-major slots (h * BLOCK_TL + t: key unit h * TILES + t), where
+    the pricing sums each key host's TILES deltas in one reshape. BLOCK_S, the
+    task slots the pricing sees: BLOCK_P untiled, BLOCK_P * BLOCK_TL tiled.
+    """
+    o_p = tl.arange(0, BLOCK_P).to(tl.int64)[None, :]  # [1, BLOCK_P] ranks (untiled: also the task slots)
+    m_p = o_p < P
+    U = P * TILES
+    o_row = i_b * P  # [B, P] row of this variant
+    o_cell = i_b * GU * P  # [B, G*U, P] slab of this variant
+    u = tl.load(unit_ptr + (o_row + i_s) * K + i_k)
+    i = (u % U) // TILES  # the unit's query host
     order = tl.load(order_ptr + i_b)
-    tid = tl.load(unit_tasks_ptr + (order * GP + u) * P + o_p, mask=m_p, other=0)
-    mine = (tl.load(rank_ptr + i_b * stride_rb + tid, mask=m_p, other=-1) == i_s) & m_p
-    t_area = tl.where(mine, tl.load(area_ptr + tid * stride_a, mask=m_p, other=0), 0)
-    after = tl.cumsum(t_area, axis=1)
-    before = after - t_area
-    first = mine & (tl.cumsum(mine.to(tl.int64), axis=1) == 1)
-    j_t = tid % P  # key host
-    kv_u = (tid // (P * P)) * P + j_t  # KV unit
-    qlo_t = tl.load(qlo_ptr + tid * stride_q, mask=m_p, other=0)
-    qhi_t = tl.load(qhi_ptr + tid * stride_q, mask=m_p, other=0)
-    klo_t = tl.load(klo_ptr + tid * stride_k, mask=m_p, other=0)
-    khi_t = tl.load(khi_ptr + tid * stride_k, mask=m_p, other=0)
+
+    if TILES == 1:
+        # the unit's tasks by area; mine = on the source. [1, BLOCK_P]
+        m_t = m_p
+        tid = tl.load(unit_tasks_ptr + (order * GU + u) * P + o_p, mask=m_p, other=0)
+        mine = (tl.load(rank_ptr + i_b * stride_rb + tid, mask=m_p, other=-1) == i_s) & m_p
+        t_area = tl.where(mine, tl.load(area_ptr + tid * stride_a, mask=m_p, other=0), 0)
+        after = tl.cumsum(t_area, axis=1)
+        before = after - t_area
+        first = mine & (tl.cumsum(mine.to(tl.int64), axis=1) == 1)
+        j_t = tid % P  # key host
+        kv_u = (tid // (P * P)) * P + j_t  # KV unit
+        key_host = tl.sum(tl.sum(tl.where(first, j_t, 0), axis=1), axis=0)
+        j_send = tl.load(send_ptr + o_row + j_t, mask=m_p, other=0)
+    else:
+        # the unit's tasks in the variant's order (the prefixes'): [1, BLOCK_M] rows
+        o_m = tl.arange(0, BLOCK_M).to(tl.int64)[None, :]
+        m_m = o_m < U
+        tid_s = tl.load(unit_tasks_ptr + (order * GU + u) * U + o_m, mask=m_m, other=0)
+        mine_s = (tl.load(rank_ptr + i_b * stride_rb + tid_s, mask=m_m, other=-1) == i_s) & m_m
+        t_area_s = tl.where(mine_s, tl.load(area_ptr + tid_s * stride_a, mask=m_m, other=0), 0)
+        after_s = tl.cumsum(t_area_s, axis=1)
+        first_s = mine_s & (tl.cumsum(mine_s.to(tl.int64), axis=1) == 1)
+        key_host = tl.sum(tl.sum(tl.where(first_s, (tid_s % U) // TILES, 0), axis=1), axis=0)
+        # key-host-major slots [1, BLOCK_P * BLOCK_TL]: slot h * BLOCK_TL + t is task (u, h * TILES + t)
+        o_n = tl.arange(0, BLOCK_P * BLOCK_TL).to(tl.int64)[None, :]
+        j_t = o_n // BLOCK_TL  # key host
+        m_t = (j_t < P) & (o_n % BLOCK_TL < TILES)
+        j_u = j_t * TILES + o_n % BLOCK_TL  # key unit in the group
+        tid = u * U + j_u
+        kv_u = (u // U) * U + j_u  # KV unit
+        mine = (tl.load(rank_ptr + i_b * stride_rb + tid, mask=m_t, other=-1) == i_s) & m_t
+        t_area = tl.where(mine, tl.load(area_ptr + tid * stride_a, mask=m_t, other=0), 0)
+        # each task's prefix sum and first flag, from its place in the order to its key unit's slot
+        # through this proposal's task row (written last, below)
+        scratch = tasks_out_ptr + ((o_row + i_s) * K + i_k) * U
+        tl.store(scratch + tid_s % U, after_s * 2 + first_s.to(tl.int64), mask=m_m)
+        tl.debug_barrier()
+        after_first = tl.load(scratch + j_u, mask=m_t, other=0)
+        after = after_first // 2
+        first = (after_first % 2) == 1
+        before = after - t_area
+        j_send = tl.load(send_ptr + o_row + o_p, mask=m_p, other=0)  # every rank's, summed per key host
+    qlo_t = tl.load(qlo_ptr + tid * stride_q, mask=m_t, other=0)
+    qhi_t = tl.load(qhi_ptr + tid * stride_q, mask=m_t, other=0)
+    klo_t = tl.load(klo_ptr + tid * stride_k, mask=m_t, other=0)
+    khi_t = tl.load(khi_ptr + tid * stride_k, mask=m_t, other=0)
 
     # the extra destinations after the window: the first key host, the query host, and the
     # other rank holding most of the unit's rows (first on ties)
-    key_host = tl.sum(tl.sum(tl.where(first, j_t, 0), axis=1), axis=0)
     held = tl.load(qlen_ptr + o_cell + u * P + o_p, mask=m_p, other=0)
     held = tl.where(m_p, tl.where(o_p == i_s, -1, held), -_BIG_T)
     holder = tl.min(tl.min(tl.where(held == tl.max(tl.max(held, axis=1), axis=0), o_p, BLOCK_P), axis=1), axis=0)
@@ -341,11 +410,10 @@ def _bundle_unit(
     still_over = tl.where(bal, before < exc, True)
     first_only = first & (bal == 0)
 
-    # key columns freed at the source; the key hosts' current bytes. [1, BLOCK_P]
+    # key columns freed at the source. [1, BLOCK_S]
     o_ks = o_cell + kv_u * P + i_s
-    sole = tl.load(kcount_ptr + o_ks, mask=m_p, other=0) == 1
-    k_free_t = tl.where(mine & sole, tl.load(klen_ptr + o_ks, mask=m_p, other=0), 0)
-    j_send = tl.load(send_ptr + o_row + j_t, mask=m_p, other=0)
+    sole = tl.load(kcount_ptr + o_ks, mask=m_t, other=0) == 1
+    k_free_t = tl.where(mine & sole, tl.load(klen_ptr + o_ks, mask=m_t, other=0), 0)
 
     # the bottleneck rank (first on ties) and the ranks' current bytes
     vol = tl.load(vol_ptr + o_row + o_p, mask=m_p, other=-1)
@@ -374,12 +442,12 @@ def _bundle_unit(
         d_of = tl.where(o_d == D, key_host, tl.where(o_d == D + 1, i, tl.where(o_d == D + 2, holder, d_win)))
         d_of = tl.where(m_d, d_of, 0)
         room = tl.load(headroom_ptr + o_row + d_of, mask=m_d, other=0)
-        fit = mine & (after <= room[:, None]) & m_d[:, None]  # [BLOCK_D, BLOCK_P]
+        fit = mine & (after <= room[:, None]) & m_d[:, None]  # [BLOCK_D, BLOCK_S]
         inc0 = fit & first_only
         inc1 = fit & still_over
         # key columns: growth of each task's KV unit hull at each destination
-        m_dp = m_d[:, None] & m_p
-        o_kd = o_cell + kv_u * P + d_of[:, None]  # [BLOCK_D, BLOCK_P]
+        m_dp = m_d[:, None] & m_t
+        o_kd = o_cell + kv_u * P + d_of[:, None]  # [BLOCK_D, BLOCK_S]
         k_grow_t = _union_growth(tl.load(k_lo_ptr + o_kd, mask=m_dp, other=0),
                                  tl.load(k_hi_ptr + o_kd, mask=m_dp, other=0), klo_t, khi_t)
         k_grow_t = tl.where(j_t == d_of[:, None], 0, k_grow_t)
@@ -391,11 +459,11 @@ def _bundle_unit(
         ok0, score0, area0, ds0, dr0 = _price(
             inc0, mine, t_area, qlo_t, qhi_t, k_free_t, j_t, j_send, k_grow_t, d_of, qlo_d, qhi_d, send_d, recv_d,
             i_s, i, bn, q_cur, send_i, recv_i, send_s, recv_s, send_bn, recv_bn, bnv, bal, exc, thr,
-            Q_BYTES, O_BYTES, KV_BYTES, SIDEWAYS)
+            Q_BYTES, O_BYTES, KV_BYTES, SIDEWAYS, TILES, BLOCK_D, BLOCK_P, BLOCK_TL)
         ok1, score1, area1, ds1, dr1 = _price(
             inc1, mine, t_area, qlo_t, qhi_t, k_free_t, j_t, j_send, k_grow_t, d_of, qlo_d, qhi_d, send_d, recv_d,
             i_s, i, bn, q_cur, send_i, recv_i, send_s, recv_s, send_bn, recv_bn, bnv, bal, exc, thr,
-            Q_BYTES, O_BYTES, KV_BYTES, SIDEWAYS)
+            Q_BYTES, O_BYTES, KV_BYTES, SIDEWAYS, TILES, BLOCK_D, BLOCK_P, BLOCK_TL)
 
         score0 = tl.where(m_d, score0, float("inf"))
         score1 = tl.where(m_d, score1, float("inf"))
@@ -415,10 +483,6 @@ def _bundle_unit(
         best_ds = tl.where(take, tl.sum(tl.where(row, tl.where(size1, ds1, ds0), 0), axis=0), best_ds)
         best_dr = tl.where(take, tl.sum(tl.where(row, tl.where(size1, dr1, dr0), 0), axis=0), best_dr)
 
-    # the chosen bundle's tasks: the prefix of the best size at the best destination. [1, BLOCK_P]
-    fit = mine & (after <= tl.load(headroom_ptr + o_row + best_dest))
-    moved = tl.where((best_idx % 2) == 1, fit & still_over, fit & first_only)
-
     o_out = (o_row + i_s) * K + i_k  # proposal index s * K + k of variant b
     ok_out = best_ok > 0
     if HAS_UNITS:
@@ -429,7 +493,18 @@ def _bundle_unit(
     tl.store(moved_area_ptr + o_out, best_area)
     tl.store(dsend_ptr + o_out, best_ds)
     tl.store(drecv_ptr + o_out, best_dr)
-    tl.store(tasks_out_ptr + o_out * P + o_p, tl.where(moved, tid, T), mask=m_p)
+    # the chosen bundle's tasks, in the variant's order: the prefix of the best size at the best destination
+    room_best = tl.load(headroom_ptr + o_row + best_dest)
+    if TILES == 1:  # [1, BLOCK_P]
+        fit = mine & (after <= room_best)
+        moved = tl.where((best_idx % 2) == 1, fit & still_over, fit & first_only)
+        tl.store(tasks_out_ptr + o_out * P + o_p, tl.where(moved, tid, T), mask=m_p)
+    else:  # [1, BLOCK_M]
+        fit_s = mine_s & (after_s <= room_best)
+        still_s = tl.where(bal, after_s - t_area_s < exc, True)
+        moved_s = tl.where((best_idx % 2) == 1, fit_s & still_s, fit_s & first_s & (bal == 0))
+        tl.debug_barrier()  # every slot of the row was read back above
+        tl.store(tasks_out_ptr + o_out * U + o_m, tl.where(moved_s, tid_s, T), mask=m_m)
 
 
 def bundle_proposals_triton(tasks: _Tasks, st: _State, cap, excess, balance, threshold,
@@ -437,24 +512,25 @@ def bundle_proposals_triton(tasks: _Tasks, st: _State, cap, excess, balance, thr
                             sideways: bool = False) -> _Proposals:
     """Each offered QO unit's best bundle move (Triton twin of ``_bundle_proposals``).
 
-    tasks:          _Tasks of the solve (T = G * P * P tasks).
+    tasks:          _Tasks of the solve (T = G * U * U tasks, U = n * P units per group).
     st:             _State of the current assignments (B variants).
     cap:            0-dim or [B, 1] int64, the largest load a destination may take.
     excess:         [B, P] int64 load above ``cap``.
     balance:        [B] bool, True while the variant is unbalanced.
     threshold:      [B] float64 balance-phase limit on any touched rank's bytes.
-    units_per_rank: host int, units each source offers (K = min(it, G*P)).
+    units_per_rank: host int, units each source offers (K = min(it, G*U)).
     n_dests:        host int, window destinations per unit (D = min(it, P)).
     dests_per_variant, order_per_variant: optional [B] int64, each variant's
                     window width and task order (index into TASK_ORDERS).
     sideways:       host bool, sideways bottleneck-phase moves (as the twin).
     Returns a _Proposals with N = P * K: ok [B, N] bool, score [B, N] float64,
-    dest/source/area/dest_send/dest_recv [B, N] int64, tasks [B, N, P] int64
+    dest/source/area/dest_send/dest_recv [B, N] int64, tasks [B, N, U] int64
     (T where unused) — equal to the torch twin's.
     """
-    G, P, T = tasks.G, tasks.P, tasks.T
+    G, P, U, T = tasks.G, tasks.P, tasks.U, tasks.T
+    tiles = U // P
     B, dev = st.rank.shape[0], st.rank.device
-    K, D = min(units_per_rank, G * P), min(n_dests, P)
+    K, D = min(units_per_rank, G * U), min(n_dests, P)
     ranks = torch.arange(P, device=dev)
     unit, headroom, dests = offers_triton(tasks, st, cap, units_per_rank, n_dests, dests_per_variant)
     unit, headroom = unit.contiguous(), headroom.contiguous()
@@ -465,7 +541,7 @@ def bundle_proposals_triton(tasks: _Tasks, st: _State, cap, excess, balance, thr
     ok = torch.empty((B, N), dtype=torch.bool, device=dev)
     score = torch.empty((B, N), dtype=torch.float64, device=dev)
     dest, area, dest_send, dest_recv = (torch.empty((B, N), dtype=torch.int64, device=dev) for _ in range(4))
-    moved = torch.empty((B, N, P), dtype=torch.int64, device=dev)
+    moved = torch.empty((B, N, U), dtype=torch.int64, device=dev)
     c = lambda t: t.contiguous()  # noqa: E731  (no copy for the Triton state's tensors)
     _bundle_kernel[(B, P, K)](
         st.rank, tasks.area, tasks.qlo, tasks.qhi, tasks.klo, tasks.khi,
@@ -474,10 +550,11 @@ def bundle_proposals_triton(tasks: _Tasks, st: _State, cap, excess, balance, thr
         c(balance), c(st.bottleneck), c(threshold),
         c(st.q_lo), c(st.q_hi), c(st.k_lo), c(st.k_hi), c(st.qlen), c(st.klen), c(st.kcount),
         ok, score, dest, area, dest_send, dest_recv, moved,
-        T, P, K, D, G * P,
+        T, P, K, D, G * U,
         st.rank.stride(0), tasks.area.stride(0), tasks.qlo.stride(0), tasks.klo.stride(0),
         tasks.q, tasks.o, tasks.kv,
-        BLOCK_P=triton.next_power_of_2(P), BLOCK_D=dest_tile(D), SIDEWAYS=bool(sideways), num_warps=8,
+        BLOCK_P=triton.next_power_of_2(P), BLOCK_D=dest_tile(D, tiles), SIDEWAYS=bool(sideways),
+        TILES=tiles, BLOCK_M=triton.next_power_of_2(U), BLOCK_TL=triton.next_power_of_2(tiles), num_warps=8,
         enable_fp_fusion=False,  # no fused multiply-add: scores round like the twin's separate ops
     )
     source = ranks.repeat_interleave(K, output_size=N).expand(B, -1)

@@ -28,7 +28,8 @@ exact in any order, so the result does not depend on the chunking, and
 nothing is atomic.
 
 Shape legend: B variants, P ranks, T tasks, N proposals per variant
-(N = P * K), M task slots per proposal (M = P).
+(N = P * K), M task slots per proposal (M = U, the units per group: P, or
+n * P with n sub-chunk tiles per rank).
 """
 from __future__ import annotations
 

@@ -4,14 +4,14 @@
 is the twin of ``device._offers`` and equals it exactly, in one launch with
 one program per (variant, source rank):
 
-* The area of each QO unit on the source: unit ``u``'s tasks are the ``P``
-  consecutive tasks ``u * P + j``, so the program sums, for every unit at
+* The area of each QO unit on the source: unit ``u``'s tasks are the ``U``
+  consecutive tasks ``u * U + j``, so the program sums, for every unit at
   once, the areas of those that sit on the source. No atomics.
 * The heaviest units, ties by the lower index (the stable sort of the twin):
   unit ``u``'s place in that order is the count of units that are heavier, or
   as heavy with a lower index. Places are distinct, so the K first units are
   written to their places and every output slot is written once. The count is
-  taken over ``[BLOCK_U, BLOCK_GP]`` tiles of unit pairs.
+  taken over ``[BLOCK_U, BLOCK_GP]`` tiles of unit pairs (BLOCK_GP covers the G * U units).
 * The destination window: the same counting gives each rank's place by
   headroom (most first) and the source's place by load (most loaded first);
   window slot ``d`` holds the rank whose headroom place is
@@ -19,8 +19,9 @@ one program per (variant, source rank):
 
 Integer counts and sums are exact, so the result does not depend on the tiling.
 
-Shape legend: B variants, G head groups, P ranks, T = G * P * P tasks, G * P
-QO units, K units offered per source, D destinations per window.
+Shape legend: B variants, G head groups, P ranks, U = n * P units per group
+(n sub-chunk tiles per rank), T = G * U * U tasks, G * U QO units, K units
+offered per source, D destinations per window.
 """
 from __future__ import annotations
 
@@ -51,31 +52,31 @@ def _offers_kernel(
     unit_ptr,  # [B, P, K] int64 out
     headroom_ptr,  # [B, P] int64 out
     dests_ptr,  # [B, P, D] int64 out
-    P, GP, K, D,
+    P, U, GP, K, D,
     stride_rb, stride_a, stride_load, stride_cap,
     BLOCK_P: tl.constexpr, BLOCK_GP: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_WIDTH: tl.constexpr,
 ):
     _offers_source(rank_ptr, area_ptr, load_ptr, cap_ptr, width_ptr, unit_ptr, headroom_ptr, dests_ptr,
-                   tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), P, GP, K, D,
+                   tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), P, U, GP, K, D,
                    stride_rb, stride_a, stride_load, stride_cap, BLOCK_P, BLOCK_GP, BLOCK_U, BLOCK_D, HAS_WIDTH)
 
 
 @triton.jit
 def _offers_source(rank_ptr, area_ptr, load_ptr, cap_ptr, width_ptr, unit_ptr, headroom_ptr, dests_ptr,
-                   i_b, i_s, P, GP, K, D, stride_rb, stride_a, stride_load, stride_cap,
+                   i_b, i_s, P, U, GP, K, D, stride_rb, stride_a, stride_load, stride_cap,
                    BLOCK_P: tl.constexpr, BLOCK_GP: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_D: tl.constexpr,
                    HAS_WIDTH: tl.constexpr):
-    """Program (i_b, i_s) of ``_offers_kernel`` (its arguments; indices int64)."""
+    """Program (i_b, i_s) of ``_offers_kernel`` (its arguments; indices int64). GP = G * U units of U tasks."""
     tl.static_assert(BLOCK_GP % BLOCK_U == 0)
     o_row = i_b * P + i_s  # (variant, source)
 
-    # area of every QO unit on the source: unit v's tasks are v * P + j, j in [0, P)
+    # area of every QO unit on the source: unit v's tasks are v * U + j, j in [0, U)
     o_v = tl.arange(0, BLOCK_GP).to(tl.int64)  # [BLOCK_GP] units
     m_v = o_v < GP
     b_ua = tl.zeros([BLOCK_GP], dtype=tl.int64)
-    for j in range(0, P):
-        o_t = o_v * P + j  # [BLOCK_GP]
+    for j in range(0, U):
+        o_t = o_v * U + j  # [BLOCK_GP]
         b_rank = tl.load(rank_ptr + i_b * stride_rb + o_t, mask=m_v, other=-1)
         b_area = tl.load(area_ptr + o_t * stride_a, mask=m_v, other=0)
         b_ua += tl.where(b_rank == i_s, b_area, 0)
@@ -126,11 +127,11 @@ def _offers_source(rank_ptr, area_ptr, load_ptr, cap_ptr, width_ptr, unit_ptr, h
 def offers_triton(tasks: _Tasks, st: _State, cap, units_per_rank: int, n_dests: int, dests_per_variant=None):
     """Each source's offered QO units and destination window (Triton twin of ``device._offers``).
 
-    tasks:             _Tasks of the solve; reads G, P and area [T] int64.
+    tasks:             _Tasks of the solve; reads G, P, U and area [T] int64.
     st:                _State of the current assignments; reads rank [B, T]
                        and load [B, P] int64 (rows may be strided views).
     cap:               0-dim, [B] or [B, 1] int64, the largest load a destination may take.
-    units_per_rank:    host int, units each source offers (K = min(it, G*P)).
+    units_per_rank:    host int, units each source offers (K = min(it, G*U)).
     n_dests:           host int, window destinations (D = min(it, P)).
     dests_per_variant: optional [B] int64, each variant's window width (<= D).
     Returns (unit [B, P, K] int64: each source's heaviest units, ties by the
@@ -138,9 +139,9 @@ def offers_triton(tasks: _Tasks, st: _State, cap, units_per_rank: int, n_dests: 
     window of ranks by headroom), equal to the twin's. One kernel launch; on
     ``device="meta"`` only the outputs are allocated.
     """
-    G, P = tasks.G, tasks.P
+    G, P, U = tasks.G, tasks.P, tasks.U
     B, dev = st.rank.shape[0], st.rank.device
-    GP = G * P
+    GP = G * U
     K, D = min(units_per_rank, GP), min(n_dests, P)
     if K < 1 or D < 1:
         raise ValueError(f"units_per_rank and n_dests must be >= 1, got {units_per_rank}, {n_dests}")
@@ -161,7 +162,7 @@ def offers_triton(tasks: _Tasks, st: _State, cap, units_per_rank: int, n_dests: 
     block_gp = triton.next_power_of_2(GP)
     _offers_kernel[(B, P)](
         rank, tasks.area, load, cap_b, width, unit, headroom, dests,
-        P, GP, K, D,
+        P, U, GP, K, D,
         rank.stride(0), tasks.area.stride(0), load.stride(0), cap_b.stride(0),
         BLOCK_P=triton.next_power_of_2(P), BLOCK_GP=block_gp, BLOCK_U=max(1, min(block_gp, _TILE // block_gp)),
         BLOCK_D=triton.next_power_of_2(D), HAS_WIDTH=dests_per_variant is not None,

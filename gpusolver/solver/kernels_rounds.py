@@ -7,7 +7,7 @@ the same kernel bodies the per-step launchers use (``kernels``,
 ``kernels_offers``, ``kernels_accept``), one after the other, so the twins
 stay one piece of code:
 
-    init (owner-computes, unit slots) -> for each round:
+    init (the start assignment, unit slots) -> for each round:
         state (reset, task scatter, bytes per rank) -> threshold (round 0), track
         -> [restart rounds: best state -> its state -> bottleneck rank's tasks home
             -> state -> track]
@@ -28,8 +28,9 @@ Acceptance (one block of all N proposals per variant) and tracking run on
 worker 0 of each variant; the moves are applied to the assignment in place.
 
 Shape legend: B variants, W workers per variant, G head groups, P ranks,
-T = G * P * P tasks, K units offered per source, D window destinations,
-N = P * K proposals per variant.
+n sub-chunk tiles per rank (TILES), U = n * P units per group (unit u on rank
+u // n), T = G * U * U tasks, K units offered per source, D window
+destinations, N = P * K proposals per variant.
 """
 from __future__ import annotations
 
@@ -70,16 +71,17 @@ def _sync(bar_ptr, phase, W: tl.constexpr):
 def _state_pass(a_ptr, area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr, lo_ptr, acc_ptr, len_ptr, bar, phase,
                 i_b, w, T, P, G, B, stride_a, stride_area, stride_q, stride_k, Q_BYTES, O_BYTES, KV_BYTES,
                 W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr,
-                BLOCK_C: tl.constexpr):
+                BLOCK_C: tl.constexpr, TILES: tl.constexpr):
     """The state of variant i_b's assignment (``state_triton``'s buffers), by its W workers.
 
     Resets the variant's hulls and sums, scatters its tasks, then bytes per rank;
     three barriers. Returns the barrier phase reached."""
-    n = B * T
-    for c0 in range(w * BLOCK_C, T, W * BLOCK_C):
+    cells = T // TILES  # [G*U, P] cells per variant
+    n = B * cells
+    for c0 in range(w * BLOCK_C, cells, W * BLOCK_C):
         o_c = c0 + tl.arange(0, BLOCK_C)
-        m_c = o_c < T
-        o_cell = i_b * T + o_c
+        m_c = o_c < cells
+        o_cell = i_b * cells + o_c
         tl.store(lo_ptr + o_cell, tl.full([BLOCK_C], _BIG_T, tl.int64), mask=m_c)
         tl.store(lo_ptr + n + o_cell, tl.full([BLOCK_C], _BIG_T, tl.int64), mask=m_c)
         tl.store(acc_ptr + o_cell, tl.zeros([BLOCK_C], tl.int64), mask=m_c)
@@ -93,14 +95,14 @@ def _state_pass(a_ptr, area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr, lo_ptr, acc
     _sync(bar, phase, W)
     for i_t in range(w, tl.cdiv(T, BLOCK_T), W):
         _state_tile(a_ptr, area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr, lo_ptr, acc_ptr,
-                    i_t, i_b, T, P, B, stride_a, stride_area, stride_q, stride_k, BLOCK_T)
+                    i_t, i_b, T, P, B, stride_a, stride_area, stride_q, stride_k, BLOCK_T, TILES)
     phase += 1
     _sync(bar, phase, W)
     send_ptr = len_ptr + 2 * n
     for i_r in range(w, P, W):
         _state_bytes_rank(lo_ptr, acc_ptr, len_ptr, send_ptr, send_ptr + B * P, send_ptr + 2 * B * P,
                           acc_ptr + 3 * n + B * P, i_b, _i64(i_r), B, G, P, Q_BYTES, O_BYTES, KV_BYTES,
-                          BLOCK_G, BLOCK_P)
+                          BLOCK_G, BLOCK_P, TILES)
     phase += 1
     _sync(bar, phase, W)
     return phase
@@ -112,7 +114,8 @@ def _rounds_kernel(
     best_a_ptr,  # [B, T+1] int64 out: each variant's best assignment
     best_key_ptr,  # [B] int64 out: its key (balanced first, then the lower bottleneck)
     area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr,  # [T] int64 each (strided)
-    unit_tasks_ptr,  # [2, G*P, P] int64 contiguous
+    start_ptr,  # [T] int64 contiguous (HAS_START only): the start rank of each non-empty task
+    unit_tasks_ptr,  # [2, G*U, U] int64 contiguous
     order_ptr, width_ptr, units_ptr,  # [B] int64: task order, window width, units offered
     scale_ptr,  # [B] fp64: threshold scale of each variant (inf = unbounded)
     cap_ptr,  # 0-dim int64: the largest balanced load
@@ -125,7 +128,7 @@ def _rounds_kernel(
     ok_ptr, fits_ptr, keep_ptr,  # [B, N] bool scratch
     score_ptr,  # [B, N] fp64 scratch
     dest_ptr, source_ptr, parea_ptr, dsend_ptr, drecv_ptr,  # [B, N] int64 scratch
-    ptasks_ptr,  # [B, N, P] int64 scratch
+    ptasks_ptr,  # [B, N, U] int64 scratch
     bar_ptr,  # [B] int32, zero-initialised: barrier counters
     ROUNDS, RESTART_EVERY, T, P, G, B, K, D,
     stride_area, stride_q, stride_k,
@@ -134,13 +137,15 @@ def _rounds_kernel(
     BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_GP: tl.constexpr,
     BLOCK_U: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_J: tl.constexpr, BLOCK_C: tl.constexpr,
+    TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_TL: tl.constexpr, HAS_START: tl.constexpr,
 ):
     pid = tl.program_id(0)
     i_b = (pid // W).to(tl.int64)
     w = pid % W
-    GP = G * P
+    U = P * TILES
+    GU = G * U
     N = P * K
-    n = B * T  # cells of one [B, G*P, P] buffer
+    n = B * (T // TILES)  # cells of one [B, G*U, P] buffer
     stride_a = T + 1
     bar = bar_ptr + i_b
     phase = 0
@@ -152,12 +157,17 @@ def _rounds_kernel(
     recv_ptr = send_ptr + B * P
     vol_ptr = recv_ptr + B * P
 
-    # owner-computes start (every task on its query host, P for empty ones) and each proposal's source
+    # the start (the given ranks, or owner-computes: every task on its query host; P for empty
+    # tasks) and each proposal's source
     for c0 in range(w * BLOCK_C, T + 1, W * BLOCK_C):
         o_c = (c0 + tl.arange(0, BLOCK_C)).to(tl.int64)
         m_c = o_c < T + 1
         b_area = tl.load(area_ptr + o_c * stride_area, mask=o_c < T, other=0)
-        tl.store(a_ptr + i_b * stride_a + o_c, tl.where(b_area > 0, (o_c // P) % P, P), mask=m_c)
+        if HAS_START:
+            b_start = tl.load(start_ptr + o_c, mask=o_c < T, other=P)
+        else:
+            b_start = ((o_c // U) % U) // TILES
+        tl.store(a_ptr + i_b * stride_a + o_c, tl.where(b_area > 0, b_start, P), mask=m_c)
     for c0 in range(w * BLOCK_N, N, W * BLOCK_N):
         o_c = c0 + tl.arange(0, BLOCK_N)
         tl.store(source_ptr + i_b * N + o_c, _i64(o_c // K), mask=o_c < N)
@@ -170,7 +180,7 @@ def _rounds_kernel(
     for rnd in range(0, ROUNDS + 1):
         phase = _state_pass(a_ptr, area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr, lo_ptr, acc_ptr, len_ptr, bar,
                             phase, i_b, w, T, P, G, B, stride_a, stride_area, stride_q, stride_k,
-                            Q_BYTES, O_BYTES, KV_BYTES, W, BLOCK_T, BLOCK_G, BLOCK_P, BLOCK_C)
+                            Q_BYTES, O_BYTES, KV_BYTES, W, BLOCK_T, BLOCK_G, BLOCK_P, BLOCK_C, TILES)
 
         # round 0 is owner-computes, the threshold ladder's base; then the best state and the round's limits
         if w == 0:
@@ -187,7 +197,8 @@ def _rounds_kernel(
         _sync(bar, phase, W)
 
         if (rnd > 0) & (rnd < ROUNDS) & (rnd % RESTART_EVERY == 0):
-            # restart from the best state with its bottleneck rank's tasks, and those hosted there, back home
+            # restart from the best state with its bottleneck rank's tasks, and those whose query unit it
+            # hosts, back on their query host
             for c0 in range(w * BLOCK_C, T + 1, W * BLOCK_C):
                 o_c = c0 + tl.arange(0, BLOCK_C)
                 m_c = o_c < T + 1
@@ -196,7 +207,7 @@ def _rounds_kernel(
             _sync(bar, phase, W)
             phase = _state_pass(a_ptr, area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr, lo_ptr, acc_ptr, len_ptr, bar,
                                 phase, i_b, w, T, P, G, B, stride_a, stride_area, stride_q, stride_k,
-                                Q_BYTES, O_BYTES, KV_BYTES, W, BLOCK_T, BLOCK_G, BLOCK_P, BLOCK_C)
+                                Q_BYTES, O_BYTES, KV_BYTES, W, BLOCK_T, BLOCK_G, BLOCK_P, BLOCK_C, TILES)
             o_p = tl.arange(0, BLOCK_P)
             b_vol = tl.load(vol_ptr + i_b * P + o_p, mask=o_p < P, other=-1)
             bn = tl.min(tl.where(b_vol == tl.max(b_vol, axis=0), o_p, BLOCK_P), axis=0)  # first on ties
@@ -205,7 +216,7 @@ def _rounds_kernel(
                 m_c = o_c < T
                 b_a = tl.load(a_ptr + i_b * stride_a + o_c, mask=m_c, other=0)
                 b_area = tl.load(area_ptr + o_c * stride_area, mask=m_c, other=0)
-                home = tl.where(b_area > 0, (o_c // P) % P, P)
+                home = tl.where(b_area > 0, ((o_c // U) % U) // TILES, P)
                 tl.store(a_ptr + i_b * stride_a + o_c, tl.where((b_a == bn) | (home == bn), home, b_a), mask=m_c)
             if w == 0:
                 tl.store(stuck_ptr + i_b, False)
@@ -213,7 +224,7 @@ def _rounds_kernel(
             _sync(bar, phase, W)
             phase = _state_pass(a_ptr, area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr, lo_ptr, acc_ptr, len_ptr, bar,
                                 phase, i_b, w, T, P, G, B, stride_a, stride_area, stride_q, stride_k,
-                                Q_BYTES, O_BYTES, KV_BYTES, W, BLOCK_T, BLOCK_G, BLOCK_P, BLOCK_C)
+                                Q_BYTES, O_BYTES, KV_BYTES, W, BLOCK_T, BLOCK_G, BLOCK_P, BLOCK_C, TILES)
             if w == 0:
                 _track_variant(a_ptr, best_a_ptr, load_ptr, bneck_ptr, cap_ptr, stuck_ptr, thr_ptr, best_key_ptr,
                                best_a_ptr, best_key_ptr, dest_cap_ptr, balance_ptr, limit_ptr, excess_ptr,
@@ -224,7 +235,7 @@ def _rounds_kernel(
         if rnd < ROUNDS:
             for i_s in range(w, P, W):
                 _offers_source(a_ptr, area_ptr, load_ptr, dest_cap_ptr, width_ptr, unit_ptr, headroom_ptr,
-                               dests_ptr, i_b, _i64(i_s), P, GP, K, D, stride_a, stride_area, P, 1,
+                               dests_ptr, i_b, _i64(i_s), P, U, GU, K, D, stride_a, stride_area, P, 1,
                                BLOCK_P, BLOCK_GP, BLOCK_U, BLOCK_W, True)
             phase += 1
             _sync(bar, phase, W)
@@ -235,16 +246,16 @@ def _rounds_kernel(
                              lo_ptr, acc_ptr, lo_ptr + n, acc_ptr + n, len_ptr, len_ptr + n, acc_ptr + 2 * n,
                              ok_ptr, score_ptr, dest_ptr, parea_ptr, dsend_ptr, drecv_ptr, ptasks_ptr, units_ptr,
                              i_b, _i64(i_sk // K), _i64(i_sk % K),
-                             T, P, K, D, GP, stride_a, stride_area, stride_q, stride_k, Q_BYTES, O_BYTES, KV_BYTES,
-                             BLOCK_P, BLOCK_D, True, SIDEWAYS)
+                             T, P, K, D, GU, stride_a, stride_area, stride_q, stride_k, Q_BYTES, O_BYTES, KV_BYTES,
+                             BLOCK_P, BLOCK_D, True, SIDEWAYS, TILES, BLOCK_M, BLOCK_TL)
             phase += 1
             _sync(bar, phase, W)
             if w == 0:
                 _accept_variant(score_ptr, ok_ptr, dest_ptr, source_ptr, parea_ptr, dsend_ptr, drecv_ptr,
                                 load_ptr, send_ptr, recv_ptr, excess_ptr, dest_cap_ptr, limit_ptr, balance_ptr,
-                                fits_ptr, keep_ptr, stuck_ptr, ptasks_ptr, a_ptr, a_ptr, i_b, N, P, P, T,
+                                fits_ptr, keep_ptr, stuck_ptr, ptasks_ptr, a_ptr, a_ptr, i_b, N, P, U, T,
                                 N, N, N, N, N, N, N, P, P, P, P, 1, stride_a, stride_a,
-                                BLOCK_N, BLOCK_J, BLOCK_P, BLOCK_C, True)
+                                BLOCK_N, BLOCK_J, BLOCK_M, BLOCK_C, True)
             phase += 1
             _sync(bar, phase, W)
 
@@ -264,7 +275,7 @@ def solve_rounds_persistent(tasks: _Tasks, cap: torch.Tensor, tables: torch.Tens
                             restart_every: int = 0, start: torch.Tensor | None = None):
     """All rounds of all variants in one launch (Triton twin of ``device._run_variants``).
 
-    tasks:   _Tasks of the solve (T = G * P * P tasks).
+    tasks:   _Tasks of the solve (T = G * U * U tasks, U = n * P units per group).
     cap:     0-dim int64, the largest balanced load.
     tables:  [3, B] int64 per-variant task order (index into TASK_ORDERS),
              window width (<= D) and units offered (<= K).
@@ -274,13 +285,16 @@ def solve_rounds_persistent(tasks: _Tasks, cap: torch.Tensor, tables: torch.Tens
     workers: host int W, programs per variant (1 under the Triton interpreter;
              more needs a cooperative launch on a GPU).
     sideways, restart_every: the local search's extras, as ``_run_variants``.
+    start:   optional [T] int (int64 or int32) start rank of each non-empty task, as
+             ``_run_variants``'s; None: owner-computes (every task on its query host).
     Returns (best_A [B, T+1] int64, best_key [B] int64), equal to
     ``_run_variants`` with the same strategies in columns [0, T) and in the key.
     """
-    G, P, T = tasks.G, tasks.P, tasks.T
-    if start is not None or tasks.U != P:
-        raise NotImplementedError("the persistent kernel does not run sub-chunk tiles yet")
+    G, P, U, T = tasks.G, tasks.P, tasks.U, tasks.T
+    tiles = U // P
     B, dev = scales.shape[0], scales.device
+    if start is not None and (tuple(start.shape) != (T,) or start.dtype not in (torch.int64, torch.int32)):
+        raise ValueError(f"start must be an int64 or int32 [T] = [{T}] tensor, got {start.dtype} {tuple(start.shape)}")
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     if workers > 1 and (dev.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"):
@@ -291,7 +305,7 @@ def solve_rounds_persistent(tasks: _Tasks, cap: torch.Tensor, tables: torch.Tens
     best_key = empty(B)
     if dev.type == "meta":  # shapes only: there is no data to run the kernel on
         return best_A, best_key
-    n = B * T
+    n = B * G * U * P  # cells of one [B, G*U, P] buffer
     lo, acc, lens = empty(2 * n), empty(3 * n + B * P + B), empty(2 * n + 3 * B * P)
     thr, limit = empty(B, dtype=torch.float64), empty(B, dtype=torch.float64)
     excess, headroom = empty(B, P), empty(B, P)
@@ -301,14 +315,15 @@ def solve_rounds_persistent(tasks: _Tasks, cap: torch.Tensor, tables: torch.Tens
     ok, fits, keep = (empty(B, N, dtype=torch.bool) for _ in range(3))
     score = empty(B, N, dtype=torch.float64)
     dest, source, parea, dsend, drecv = (empty(B, N) for _ in range(5))
-    ptasks = empty(B, N, P)
+    ptasks = empty(B, N, U)
     bar = torch.zeros((B,), dtype=torch.int32, device=dev)
     order, width, units = tables.contiguous().unbind(0)
-    block_gp = triton.next_power_of_2(G * P)
+    block_gp = triton.next_power_of_2(G * U)
     block_n = triton.next_power_of_2(N)
     extra = {"launch_cooperative_grid": True} if workers > 1 else {}
     _rounds_kernel[(B * workers,)](
         A, best_A, best_key, tasks.area, tasks.qlo, tasks.qhi, tasks.klo, tasks.khi,
+        tasks.area if start is None else start.to(torch.int64).contiguous(),  # unused pointer when None
         tasks.unit_tasks.contiguous(), order, width, units, scales.contiguous(), cap,
         lo, acc, lens, thr, limit, excess, headroom, balance, stuck, dest_cap, unit, dests,
         ok, fits, keep, score, dest, source, parea, dsend, drecv, ptasks, bar,
@@ -318,8 +333,10 @@ def solve_rounds_persistent(tasks: _Tasks, cap: torch.Tensor, tables: torch.Tens
         W=workers, SIDEWAYS=bool(sideways),
         BLOCK_T=min(_BLOCK_T, triton.next_power_of_2(T)), BLOCK_G=triton.next_power_of_2(G),
         BLOCK_P=triton.next_power_of_2(P), BLOCK_GP=block_gp, BLOCK_U=max(1, min(block_gp, _TILE // block_gp)),
-        BLOCK_W=triton.next_power_of_2(D), BLOCK_D=dest_tile(D), BLOCK_N=block_n,
+        BLOCK_W=triton.next_power_of_2(D), BLOCK_D=dest_tile(D, tiles), BLOCK_N=block_n,
         BLOCK_J=min(_BLOCK_J, block_n), BLOCK_C=min(_BLOCK_C, triton.next_power_of_2(T + 1)),
+        TILES=tiles, BLOCK_M=triton.next_power_of_2(U), BLOCK_TL=triton.next_power_of_2(tiles),
+        HAS_START=start is not None,
         enable_fp_fusion=False,  # no fused multiply-add: thresholds and scores round like the twin's
         num_warps=8,  # with the bundle and accept tiles: < 1 KB of spills per thread at P = 64 (ptxas)
         **extra,

@@ -71,6 +71,20 @@ def test_accept_apply_matches_torch(B, P, K, seed):
     assert_close("stuck", ref_stuck, tri_stuck)
 
 
+@pytest.mark.parametrize("seed,tiles", [(8, 2), (1, 3)])
+def test_accept_apply_matches_torch_with_tiled_task_slots(seed, tiles):
+    """Proposals of a tiled solve carry U = tiles * P task slots (M != P)."""
+    B, P, K = 2, 3, 2
+    A, args = _random_round(seed, B, P, K, M=tiles * P)
+    assert args[0].tasks.shape == (B, P * K, tiles * P)
+    T = A.shape[1] - 1
+    ref_A, ref_stuck = accept_apply(A, *args)
+    tri_A, tri_stuck = accept_apply_triton(A, *args)
+    assert bool((ref_A[:, :T] != A[:, :T]).any()), "no task moved"
+    assert_close("A", ref_A[:, :T], tri_A[:, :T])
+    assert_close("stuck", ref_stuck, tri_stuck)
+
+
 def test_accept_apply_moves_tasks():
     """A round where some proposals are kept and some variant is stuck: both outputs carry information."""
     A, args = _random_round(11, 3, 4, 2)

@@ -5,8 +5,11 @@ constexprs, options) and compiled by the real front end and ptxas in a
 subprocess with the interpreter off: the interpreter accepts code the
 compiler rejects. The persistent kernel is also compiled with several
 workers per variant, as a cooperative launch, and its barrier is checked in
-the PTX: a release add and an acquire poll at GPU scope. The biggest
-kernels are also compiled with the tiles of large P.
+the PTX: a release add and an acquire poll at GPU scope (that record also
+runs 2 sub-chunk tiles per rank from a given start: one compile of the
+persistent kernel, the slowest, covers both). The biggest kernels are also
+compiled with the tiles of large P, and the kernels that depend on sub-chunk
+tiles with 2 and 3 tiles per rank.
 """
 import copy
 
@@ -19,6 +22,9 @@ from gpusolver.solver.device import Strategy, solve_device
 from tests._sm90 import capture_launches, compile_sm90
 
 _BARRIER_PTX = ("atom.global.gpu.release.add", "ld.global.gpu.acquire")
+# the persistent kernel's blocks at G = 2, P = 4 with 2 tiles per rank (U = 8, T = 128)
+_TILED_ROUNDS = {"TILES": 2, "BLOCK_M": 8, "BLOCK_TL": 2, "BLOCK_D": 4, "BLOCK_T": 128, "BLOCK_GP": 16,
+                 "BLOCK_U": 16, "BLOCK_C": 256}
 
 
 @pytest.mark.slow
@@ -39,6 +45,7 @@ def test_solver_kernels_compile_for_sm90():
     cooperative = copy.deepcopy(persistent)
     cooperative["constexprs"]["W"] = 8
     cooperative["options"]["launch_cooperative_grid"] = True
+    cooperative["constexprs"].update(HAS_START=True, **_TILED_ROUNDS)
     cooperative["expect_ptx"] = list(_BARRIER_PTX)
     persistent["expect_ptx"] = list(_BARRIER_PTX)
 
@@ -52,7 +59,18 @@ def test_solver_kernels_compile_for_sm90():
         record.pop("expect_ptx", None)
         wide.append(record)
 
-    results = compile_sm90(records + wide + [cooperative])
+    # sub-chunk tiles: U = TILES * P task slots per unit, key-host-major slots padded to BLOCK_TL
+    tiled = []
+    for name, blocks in (("_state_kernel", {"TILES": 2, "BLOCK_T": 128}), ("_state_bytes_kernel", {"TILES": 2}),
+                         ("_bundle_kernel", {"TILES": 2, "BLOCK_M": 8, "BLOCK_TL": 2, "BLOCK_D": 4}),
+                         ("_bundle_kernel", {"TILES": 3, "BLOCK_P": 32, "BLOCK_M": 128, "BLOCK_TL": 4, "BLOCK_D": 2})):
+        record = copy.deepcopy(next(r for r in records if r["name"] == name))
+        assert record["constexprs"]["TILES"] == 1
+        record["constexprs"].update(blocks)
+        record.pop("expect_ptx", None)
+        tiled.append(record)
+
+    results = compile_sm90(records + wide + tiled + [cooperative])
     failed = [f"{r['name']}: {r['error']}" for r in results if r["error"]]
     assert not failed, "\n".join(failed)
     single, multi = results[records.index(persistent)], results[-1]

@@ -19,23 +19,27 @@ _STATE_FIELDS = ("rank", "q_lo", "q_hi", "k_lo", "k_hi", "qlen", "klen", "kcount
 _PROPOSAL_FIELDS = ("ok", "score", "dest", "source", "area", "dest_send", "dest_recv", "tasks")
 
 
-def _config(P, G):
-    return SolverConfig(cp_size=P, num_heads_q=4 * G, num_heads_kv=G, head_dim=8, dtype=torch.float16)
+def _config(P, G, tiles=1):
+    return SolverConfig(cp_size=P, num_heads_q=4 * G, num_heads_kv=G, head_dim=8, dtype=torch.float16,
+                        chunk_tiles=tiles)
 
 
-def _random_areas(gen, P, G, chunk=16, density=0.6):
-    """Areas with consistent needs: a non-empty block needs non-empty intervals inside the chunk."""
-    busy = torch.rand((G, P, P), generator=gen) < density
+def _random_areas(gen, P, G, chunk=16, density=0.6, tiles=1):
+    """Areas with consistent needs: a non-empty block needs non-empty intervals inside the unit
+    (U = tiles * P units per group, unit-local needs)."""
+    U = tiles * P
+    busy = torch.rand((G, U, U), generator=gen) < density
     busy[:, 0, 0] = True  # at least one task
-    lo = torch.randint(0, chunk, (G, P, P, 2, 1), generator=gen)
-    ln = torch.randint(1, chunk + 1, (G, P, P, 2, 1), generator=gen)
+    lo = torch.randint(0, chunk, (G, U, U, 2, 1), generator=gen)
+    ln = torch.randint(1, chunk + 1, (G, U, U, 2, 1), generator=gen)
     hi = torch.minimum(lo + ln, torch.full_like(lo, chunk))
-    need = torch.where(busy[..., None, None], torch.cat((lo, hi), -1), 0)  # [G, P, P, 2(q/k), 2]
+    need = torch.where(busy[..., None, None], torch.cat((lo, hi), -1), 0)  # [G, U, U, 2(q/k), 2]
     qn, kn = need[..., 0, :], need[..., 1, :]
     area = torch.where(busy, (qn[..., 1] - qn[..., 0]) * (kn[..., 1] - kn[..., 0])
-                       - torch.randint(0, 3, (G, P, P), generator=gen), 0).clamp(min=0)
+                       - torch.randint(0, 3, (G, U, U), generator=gen), 0).clamp(min=0)
     area = torch.where(busy, area.clamp(min=1), 0)
-    return BlockAreas(area=area, q_need=qn.contiguous(), k_need=kn.contiguous(), chunk=chunk).validate()
+    return BlockAreas(area=area, q_need=qn.contiguous(), k_need=kn.contiguous(), chunk=chunk,
+                      tiles=tiles).validate()
 
 
 def _random_assignments(gen, tasks, B):
@@ -43,7 +47,7 @@ def _random_assignments(gen, tasks, B):
     P, T = tasks.P, tasks.T
     rand = torch.randint(0, P, (B, T), generator=gen)
     owner = torch.rand((B, T), generator=gen) < torch.linspace(0.0, 0.9, B)[:, None]
-    A = torch.where(tasks.valid, torch.where(owner, tasks.i, rand), P)
+    A = torch.where(tasks.valid, torch.where(owner, tasks.q_host, rand), P)
     return torch.cat((A, torch.full((B, 1), P, dtype=torch.int64)), 1)
 
 
@@ -72,6 +76,20 @@ def test_state_matches_torch(P, G, B, seed):
     _check_state(device._state(tasks, A), state_triton(tasks, A))
 
 
+@settings(max_examples=6, deadline=None)
+@given(P=st.integers(2, 4), G=st.integers(1, 2), tiles=st.sampled_from([2, 3, 4]), B=st.integers(2, 3),
+       seed=st.integers(0, 2**31 - 1))
+def test_state_matches_torch_tiled(P, G, tiles, B, seed):
+    """U = tiles * P units per group: hulls per (unit, rank), each rank's bytes summed over its units."""
+    gen = torch.Generator().manual_seed(seed)
+    areas = _random_areas(gen, P, G, chunk=8, tiles=tiles)
+    tasks = device._Tasks(areas, _config(P, G, tiles))
+    A = _random_assignments(gen, tasks, B)
+    ref, tri = device._state(tasks, A), state_triton(tasks, A)
+    assert tri.q_lo.shape == (B, G * tiles * P, P)
+    _check_state(ref, tri)
+
+
 def test_state_matches_torch_over_several_task_tiles():
     P, G, B = 24, 2, 2  # T = 1152 tasks: two tiles of 1024
     gen = torch.Generator().manual_seed(1)
@@ -81,15 +99,11 @@ def test_state_matches_torch_over_several_task_tiles():
     _check_state(device._state(tasks, A), state_triton(tasks, A))
 
 
-@settings(max_examples=8, deadline=None)
-@given(P=st.integers(3, 6), G=st.integers(1, 2), B=st.integers(2, 3), K=st.integers(1, 3),
-       D=st.integers(1, 8), sideways=st.booleans(), tile=st.sampled_from([2, 4, 16]),
-       seed=st.integers(0, 2**31 - 1))
-def test_bundle_proposals_match_torch(P, G, B, K, D, sideways, tile, seed):
-    """Destinations priced in tiles of ``tile`` (16 by default; smaller ones exercise the running best)."""
+def _bundle_case(P, G, B, K, D, sideways, tile, seed, tiles=1, states=("torch", "triton")):
+    """A random round's proposals from both twins, on the torch state and/or the Triton state."""
     gen = torch.Generator().manual_seed(seed)
-    areas = _random_areas(gen, P, G)
-    tasks = device._Tasks(areas, _config(P, G))
+    areas = _random_areas(gen, P, G, **({} if tiles == 1 else {"chunk": 8, "tiles": tiles}))
+    tasks = device._Tasks(areas, _config(P, G, tiles))
     A = _random_assignments(gen, tasks, B)
     ref_st = device._state(tasks, A)
     tri_st = state_triton(tasks, A)  # contiguous tensors where the twin's are strided views
@@ -106,8 +120,56 @@ def test_bundle_proposals_match_torch(P, G, B, K, D, sideways, tile, seed):
     args = (cap, excess, balance, threshold, K, D, dests_b, order_b, sideways)
     ref = device._bundle_proposals(tasks, ref_st, *args)
     with mock.patch.object(kernels, "_DEST_TILE", tile):
-        _check_proposals(ref, bundle_proposals_triton(tasks, ref_st, *args))
-        _check_proposals(ref, bundle_proposals_triton(tasks, tri_st, *args))
+        for state in states:
+            _check_proposals(ref, bundle_proposals_triton(tasks, ref_st if state == "torch" else tri_st, *args))
+    return ref
+
+
+@settings(max_examples=8, deadline=None)
+@given(P=st.integers(3, 6), G=st.integers(1, 2), B=st.integers(2, 3), K=st.integers(1, 3),
+       D=st.integers(1, 8), sideways=st.booleans(), tile=st.sampled_from([2, 4, 16]),
+       seed=st.integers(0, 2**31 - 1))
+def test_bundle_proposals_match_torch(P, G, B, K, D, sideways, tile, seed):
+    """Destinations priced in tiles of ``tile`` (16 by default; smaller ones exercise the running best)."""
+    _bundle_case(P, G, B, K, D, sideways, tile, seed)
+
+
+@settings(max_examples=4, deadline=None)
+@given(P=st.integers(2, 3), G=st.integers(1, 2), tiles=st.sampled_from([2, 3]), K=st.integers(1, 3),
+       D=st.integers(1, 3), sideways=st.booleans(), tile=st.sampled_from([4, 16]), seed=st.integers(0, 2**31 - 1))
+def test_bundle_proposals_match_torch_tiled(P, G, tiles, K, D, sideways, tile, seed):
+    """U = tiles * P task slots per unit (3 tiles: padded key-host slots), query host u // tiles;
+    with ``tile`` 4 the destinations come in several tiles (tile // tiles rounded to a power of 2)."""
+    ref = _bundle_case(P, G, 2, K, D, sideways, tile, seed, tiles=tiles, states=("triton",))
+    assert ref.tasks.shape == (2, P * min(K, G * tiles * P), tiles * P)
+
+
+def test_tiled_bundles_sum_key_host_deltas():
+    """Instances where a bundle moves several tasks of one key host and the busiest other key host
+    decides a score: the per-task maximum of the untiled kernel would differ there."""
+    P, G, B, tiles = 3, 1, 2, 2
+    per_task = device._busiest_key_host
+    found = 0
+    for seed in range(120):
+        gen = torch.Generator().manual_seed(seed)
+        tasks = device._Tasks(_random_areas(gen, P, G, chunk=8, density=0.9, tiles=tiles), _config(P, G, tiles))
+        A = _random_assignments(gen, tasks, B)
+        st_ = device._state(tasks, A)
+        cap = tasks.area.sum() * 11 // (10 * P)
+        balance = torch.tensor([True, False])
+        threshold = torch.where(balance, st_.bottleneck.double() * 1.02 + 1.0, float(device._BIG))
+        args = (cap, st_.load - cap, balance, threshold, 2, 2)
+        ref = device._bundle_proposals(tasks, st_, *args)
+        with mock.patch.object(device, "_busiest_key_host",
+                               lambda send, host, where, delta, tiles: per_task(send, host, where, delta, 1)):
+            untiled = device._bundle_proposals(tasks, st_, *args)
+        if torch.equal(ref.score, untiled.score):
+            continue
+        found += 1
+        _check_proposals(ref, bundle_proposals_triton(tasks, st_, *args))
+        if found == 2:
+            break
+    assert found == 2, f"only {found} of 120 instances sum deltas per key host"
 
 
 def test_bundle_proposals_find_moves_in_both_phases():
@@ -149,13 +211,14 @@ class _NoLaunch:
         return lambda *args, **kwargs: None
 
 
-def meta_triton_solve(P: int, G: int, rounds: int):
+def meta_triton_solve(P: int, G: int, rounds: int, tiles: int = 1):
     """A Triton-path solve on meta areas (two variants, two units per source); checks its shape."""
-    config = SolverConfig(cp_size=P, num_heads_q=8, num_heads_kv=G)
-    areas = block_areas(packed_documents(256 * P, seed=0), P, G, impl="torch")
+    config = SolverConfig(cp_size=P, num_heads_q=8, num_heads_kv=G, chunk_tiles=tiles)
+    areas = block_areas(packed_documents(256 * P, seed=0), P, G, impl="torch", tiles=tiles)
     strategies = (Strategy((3.0, float("inf")), units_per_rank=2, bundle_dests=4),)
     res = solve_device(areas.to("meta"), config, rounds=rounds, strategies=strategies, impl="triton")
-    assert res.assignment.device.type == "meta" and res.assignment.shape == (G, P, P)
+    U = tiles * P
+    assert res.assignment.device.type == "meta" and res.assignment.shape == (G, U, U)
     return res
 
 
@@ -172,6 +235,19 @@ def test_triton_path_launchers_run_on_meta(monkeypatch):
     assert len(state_k.grids) == len(bytes_k.grids) == rounds + 1 and len(bundle_k.grids) == rounds
     # grids: (task tiles, B), (B, P), (B, P, K)
     assert state_k.grids[0] == (1, 2) and bytes_k.grids[0] == (2, P) and bundle_k.grids[0] == (2, P, 2)
+
+
+def test_triton_path_runs_tiled_on_meta(monkeypatch):
+    """A tiled solve on meta: the chunks' solve, then the tiles' from its refined plan, both without host reads."""
+    state_k, bytes_k, bundle_k = _NoLaunch(), _NoLaunch(), _NoLaunch()
+    monkeypatch.setattr(kernels, "_state_kernel", state_k)
+    monkeypatch.setattr(kernels, "_state_bytes_kernel", bytes_k)
+    monkeypatch.setattr(kernels, "_bundle_kernel", bundle_k)
+    P, G, rounds, tiles = 4, 2, 2, 2
+    meta_triton_solve(P, G, rounds, tiles)
+    assert len(state_k.grids) == len(bytes_k.grids) == 2 * (rounds + 1) and len(bundle_k.grids) == 2 * rounds
+    # the tiled solve's launches come second: T = G * (2P)^2 = 128 tasks in one tile, grids as untiled
+    assert state_k.grids[-1] == (1, 2) and bytes_k.grids[-1] == (2, P) and bundle_k.grids[-1] == (2, P, 2)
 
 
 def test_sideways_proposals_match_torch():

@@ -12,14 +12,16 @@ from gpusolver.solver.kernels_offers import offers_triton
 from tests._testing import assert_close
 
 
-def _tasks(gen, P, G, max_area=3):
-    """_Tasks over small areas in [0, max_area]: many units of equal area on a rank."""
-    area = torch.randint(0, max_area + 1, (G, P, P), generator=gen)
+def _tasks(gen, P, G, max_area=3, tiles=1):
+    """_Tasks over small areas in [0, max_area]: many units of equal area on a rank (U = tiles * P units)."""
+    U = tiles * P
+    area = torch.randint(0, max_area + 1, (G, U, U), generator=gen)
     area[:, 0, 0] = 1  # at least one task
     busy = (area > 0)[..., None]
-    need = torch.where(busy, torch.tensor([0, 4]), 0)  # [G, P, P, 2]
-    areas = BlockAreas(area=area, q_need=need, k_need=need.clone(), chunk=4).validate()
-    config = SolverConfig(cp_size=P, num_heads_q=4 * G, num_heads_kv=G, head_dim=8, dtype=torch.float16)
+    need = torch.where(busy, torch.tensor([0, 4]), 0)  # [G, U, U, 2]
+    areas = BlockAreas(area=area, q_need=need, k_need=need.clone(), chunk=4, tiles=tiles).validate()
+    config = SolverConfig(cp_size=P, num_heads_q=4 * G, num_heads_kv=G, head_dim=8, dtype=torch.float16,
+                          chunk_tiles=tiles)
     return device._Tasks(areas, config)
 
 
@@ -28,7 +30,7 @@ def _state(gen, tasks, B, tied_loads):
     P, T = tasks.P, tasks.T
     rand = torch.randint(0, P, (B, T), generator=gen)
     owner = torch.rand((B, T), generator=gen) < torch.linspace(0.0, 0.9, B)[:, None]
-    A = torch.where(tasks.valid, torch.where(owner, tasks.i, rand), P)
+    A = torch.where(tasks.valid, torch.where(owner, tasks.q_host, rand), P)
     A = torch.cat((A, torch.full((B, 1), P, dtype=torch.int64)), 1)
     state = device._state(tasks, A)  # rank and load are strided views, as the round loop passes them
     if tied_loads:
@@ -56,6 +58,23 @@ def test_offers_match_torch(P, G, B, K, D, cap_kind, widths, tied_loads, seed):
         cap = torch.where(torch.rand((B, 1), generator=gen) < 0.5, state.load.amax(1, keepdim=True) - 1, cap)
     dests_b = torch.randint(1, D + 1, (B,), generator=gen) if widths else None
     ref = device._offers(tasks, state, cap, K, D, dests_b)
+    _check(ref, offers_triton(tasks, state, cap, K, D, dests_b))
+
+
+@pytest.mark.parametrize("P,G,tiles,K,D,seed", [(2, 1, 2, 3, 2, 0), (3, 2, 2, 16, 3, 1), (2, 2, 3, 5, 2, 2),
+                                                 (3, 1, 4, 12, 3, 3)])
+def test_offers_match_torch_tiled(P, G, tiles, K, D, seed):
+    """G * U offered units of U tasks each (K up to all of them), windows over the P ranks."""
+    gen = torch.Generator().manual_seed(seed)
+    tasks = _tasks(gen, P, G, tiles=tiles)
+    B = 3
+    state = _state(gen, tasks, B, tied_loads=seed % 2 == 1)
+    K, D = min(K, G * tiles * P), min(D, P)
+    cap = torch.where(torch.rand((B, 1), generator=gen) < 0.5, state.load.amax(1, keepdim=True) - 1,
+                      state.load.sum(1, keepdim=True) // P)
+    dests_b = torch.randint(1, D + 1, (B,), generator=gen)
+    ref = device._offers(tasks, state, cap, K, D, dests_b)
+    assert ref[0].shape == (B, P, K)
     _check(ref, offers_triton(tasks, state, cap, K, D, dests_b))
 
 
@@ -91,7 +110,7 @@ def test_offers_on_meta():
     P, G, B = 4, 2, 3
     tasks = _tasks(torch.Generator().manual_seed(0), P, G)
     meta = device._Tasks.__new__(device._Tasks)
-    meta.G, meta.P, meta.T, meta.area = G, P, tasks.T, tasks.area.to("meta")
+    meta.G, meta.P, meta.U, meta.T, meta.area = G, P, P, tasks.T, tasks.area.to("meta")
     state = device._State(*(torch.empty(0, device="meta") for _ in range(13)))
     state = replace(state, rank=torch.zeros((B, tasks.T), dtype=torch.int64, device="meta"),
                     load=torch.zeros((B, P), dtype=torch.int64, device="meta"))

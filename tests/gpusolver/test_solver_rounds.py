@@ -1,4 +1,6 @@
 """The persistent round-loop kernel equals the torch round loop exactly (interpreter on CPU)."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -14,10 +16,10 @@ _STRATEGIES = (Strategy((3.0, float("inf")), units_per_rank=2, bundle_dests=4),
                Strategy((1.5,), units_per_rank=1, bundle_dests=2, task_order="rows"))
 
 
-def _problem(P, G, kind, seed=0):
-    config = SolverConfig(cp_size=P, num_heads_q=4 * G, num_heads_kv=G)
+def _problem(P, G, kind, seed=0, tiles=1):
+    config = SolverConfig(cp_size=P, num_heads_q=4 * G, num_heads_kv=G, chunk_tiles=tiles)
     mask = packed_documents(512 * P, seed=seed) if kind == "packed" else causal_mask(64 * P)
-    areas = block_areas(mask, P, G, impl="torch")
+    areas = block_areas(mask, P, G, impl="torch", tiles=tiles)
     tasks = device._Tasks(areas, config)
     cap = (int(round(config.imbalance_tol * device._MU_SCALE)) * tasks.area.sum()) // (P * device._MU_SCALE)
     return config, areas, tasks, cap
@@ -58,6 +60,59 @@ def test_persistent_runs_on_meta():
     res = solve_device(areas.to("meta"), config, rounds=3, strategies=_STRATEGIES, impl="persistent")
     assert res.assignment.device.type == "meta" and res.assignment.shape == (2, 4, 4)
     assert res.assignment.dtype == torch.int32
+
+
+@pytest.mark.parametrize("impl", ["triton", "persistent"])
+def test_tiled_solve_equals_torch(impl):
+    """Two tiles per rank: the chunks' solve, then the tiles' from its refined plan, on each path."""
+    config, areas, _, _ = _problem(2, 1, "causal", tiles=2)
+    strategies = (Strategy((float("inf"),), units_per_rank=2, bundle_dests=4),
+                  Strategy((float("inf"),), units_per_rank=1, bundle_dests=2, task_order="rows"))
+    ref = solve_device(areas, config, rounds=2, strategies=strategies, impl="torch")
+    res = solve_device(areas, config, rounds=2, strategies=strategies, impl=impl)
+    for name in ("assignment", "balanced", "fwd_bottleneck", "variant"):
+        assert_close(name, getattr(ref, name), getattr(res, name))
+    coarse = solve_device(areas.coarsen(), replace(config, chunk_tiles=1), rounds=2, strategies=strategies,
+                          impl="torch")
+    assert res.assignment.shape == (1, 4, 4) and bool(res.balanced) and not bool(coarse.balanced)
+    assert not torch.equal(res.assignment, areas.refine(coarse.assignment)), "no tile moved"
+
+
+def test_persistent_start_equals_the_torch_loop():
+    """A given start assignment (random ranks) on a tiled problem, with a restart sending tasks
+    back to their query hosts (u // tiles): every variant's best state and key."""
+    _, _, tasks, cap = _problem(2, 1, "packed", seed=2, tiles=2)
+    strategies = (Strategy((float("inf"),), units_per_rank=1, bundle_dests=2),
+                  Strategy((1.5,), units_per_rank=1, bundle_dests=2, task_order="rows"))
+    start = torch.randint(0, 2, (tasks.T,), generator=torch.Generator().manual_seed(0))
+    rounds, restart_every = 3, 2
+    ref_A, ref_key = device._run_variants(tasks, cap, strategies, rounds, sideways=True,
+                                          restart_every=restart_every, start=start)
+    plain_A, _ = device._run_variants(tasks, cap, strategies, rounds, sideways=True, start=start)
+    own_A, _ = device._run_variants(tasks, cap, strategies, rounds, sideways=True, restart_every=restart_every)
+    assert not torch.equal(own_A[:, :tasks.T], ref_A[:, :tasks.T]), "the start changed nothing"
+    assert not torch.equal(plain_A[:, :tasks.T], ref_A[:, :tasks.T]), "the restart changed nothing"
+    variants, K, D = device._variants(strategies, tasks.G, tasks.P, tiles=2)
+    A, key = solve_rounds_persistent(tasks, cap, device._variant_tables(variants, "cpu"),
+                                     device._variant_scales(variants, "cpu"), K, D, rounds, 1, True,
+                                     restart_every, start=start.int())
+    assert_close("best_key", ref_key, key)
+    assert_close("best_A", ref_A[:, :tasks.T], A[:, :tasks.T])
+
+
+def test_persistent_runs_tiled_on_meta():
+    config, areas, _, _ = _problem(4, 2, "packed", tiles=2)
+    res = solve_device(areas.to("meta"), config, rounds=3, strategies=_STRATEGIES, impl="persistent")
+    assert res.assignment.device.type == "meta" and res.assignment.shape == (2, 8, 8)
+
+
+def test_start_is_checked():
+    _, _, tasks, cap = _problem(3, 1, "causal")
+    variants, K, D = device._variants(_STRATEGIES, tasks.G, tasks.P)
+    args = (tasks, cap, device._variant_tables(variants, "cpu"), device._variant_scales(variants, "cpu"), K, D, 1)
+    for bad in (torch.zeros(tasks.T + 1, dtype=torch.int64), torch.zeros(tasks.T)):
+        with pytest.raises(ValueError, match="start"):
+            solve_rounds_persistent(*args, start=bad)
 
 
 def test_workers_are_checked():
