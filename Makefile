@@ -17,8 +17,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
+# two workers: the interpreted Triton tests are CPU-bound and independent
 test: install
-	TRITON_INTERPRET=1 $(PY) -m pytest tests
+	TRITON_INTERPRET=1 $(PY) -m pytest -n 2 tests
 
 demo: install
 	$(PY) -m gpusolver demo

@@ -40,6 +40,7 @@ is bit-identical on every rank.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -91,12 +92,9 @@ class _Tasks:
         self.klo, self.khi = areas.k_need.reshape(-1, 2).unbind(-1)
         self.qo_unit = self.g * U + self.i  # [T] index of QO unit (g, i)
         self.kv_unit = self.g * U + self.j  # [T] index of KV unit (g, j)
-        # rank holding each task's query unit, its key unit [T], and each unit [G*U]
-        # (untiled: the unit index itself, no extra launches)
+        # rank holding each task's query unit and its key unit [T] (untiled: the unit index itself)
         self.q_host, self.k_host = (self.i, self.j) if n == 1 else (self.i // n, self.j // n)
-        self.unit_host = torch.arange(G * U, device=dev) % U
-        if n > 1:
-            self.unit_host = self.unit_host // n
+        self.tiles = n
         cost = config.cost()
         self.q, self.o, self.kv = cost.q_fwd, cost.o_fwd, cost.kv_fwd
         # the tasks of each QO unit in the two orders a bundle may take them (TASK_ORDERS):
@@ -107,6 +105,13 @@ class _Tasks:
         by_area = torch.sort(-area, dim=1, stable=True).indices
         by_rows = torch.sort(q_len * (areas.area.amax() + 1) - area, dim=1, stable=True).indices
         self.unit_tasks = torch.arange(G * U, device=dev)[:, None] * U + torch.stack((by_area, by_rows))
+
+    @functools.cached_property
+    def unit_host(self) -> torch.Tensor:
+        """[G*U] rank holding each QO / KV unit index g*U + u; built on first use (the kernels
+        compute it in place, so their paths launch nothing for it)."""
+        host = torch.arange(self.G * self.U, device=self.area.device) % self.U
+        return host if self.tiles == 1 else host // self.tiles
 
 
 @dataclass
@@ -150,7 +155,8 @@ def _state(tasks: _Tasks, A: torch.Tensor) -> _State:
     at_host = tasks.unit_host[:, None] == ranks
     qlen = torch.where(at_host, 0, (q_hi - q_lo).clamp(min=0))
     klen = torch.where(at_host, 0, (k_hi - k_lo).clamp(min=0))
-    q4, k4 = qlen.view(B, G, P, U // P, P), klen.view(B, G, P, U // P, P)  # [B, G, host, tile, dest]
+    n = tasks.tiles
+    q4, k4 = qlen.view(B, G, P, n, P), klen.view(B, G, P, n, P)  # [B, G, host, tile, dest]
     q_out, q_in = q4.sum(dim=(1, 3, 4)), q4.sum(dim=(1, 2, 3))
     k_out, k_in = k4.sum(dim=(1, 3, 4)), k4.sum(dim=(1, 2, 3))
     send = q_out * tasks.q + q_in * tasks.o + k_out * tasks.kv
@@ -327,7 +333,7 @@ def _bundle_proposals(tasks: _Tasks, st: _State, cap, excess, balance, threshold
     kv_to_src = torch.where(j6 == s6, kv_delta, 0).sum(-1)
     kv_to_host = torch.where((j6 == i6) & (i6 != s6), kv_delta, 0).sum(-1)
     elsewhere = inc & (j6 != s6) & (j6 != i6) & (j6 != d6)
-    kvh_max = _busiest_key_host(st.send, j6, elsewhere, kv_delta, tiles=U // P)
+    kvh_max = _busiest_key_host(st.send, j6, elsewhere, kv_delta, tasks.tiles)
     k_grow = torch.where(inc, k_grow, 0).sum(-1)
     k_free = torch.where(inc, k_free, 0).sum(-1)
 
@@ -608,7 +614,7 @@ def _run_variants(tasks: _Tasks, cap: torch.Tensor, strategies: tuple[Strategy, 
     state_fn, propose_fn = state_fn or _state, propose_fn or _bundle_proposals
     accept_apply_fn, track_fn = accept_apply_fn or _accept_apply, track_fn or _track
     P, T, dev = tasks.P, tasks.T, tasks.area.device
-    variants, K, D = _variants(strategies, tasks.G, P, tasks.U // P)
+    variants, K, D = _variants(strategies, tasks.G, P, tasks.tiles)
     B = len(variants)
     order_b, dests_b, units_b = _variant_tables(variants, dev).unbind(0)
     offered = (torch.arange(P * K, device=dev) % K)[None, :] < units_b[:, None]  # [B, P*K]
