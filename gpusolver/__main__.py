@@ -62,14 +62,14 @@ def _quality_rows(areas, config: SolverConfig, solvers, tiled=None) -> list[str]
 def _sparse_areas(kind: str, seqlen: int, config: SolverConfig, seed: int):
     """Block areas of a random NSA block selection or DSA token top-k (what an indexer would produce)."""
     n = config.chunk_tiles
-    units = config.cp_size * n  # a tile is a chunk of a group n times larger
+    units = config.cp_size * n  # computed for n * P ranks, read as n tiles per rank
     if kind == "nsa":  # 64-token blocks, top-16 per query and KV head
         sel = nsa_block_indices(seqlen, config.num_heads_kv, block_size=64, top_n=16, seed=seed)
         areas = block_sparse_areas(sel, 64, units, config.head_groups)
     else:
         topk = dsa_topk_indices(seqlen, topk=min(2048, seqlen), seed=seed)  # shared by all heads
         areas = token_topk_areas(topk, units, config.head_groups)
-    return areas if n == 1 else dataclasses.replace(areas, tiles=n)
+    return areas.as_tiles(n)
 
 
 def demo(args) -> None:

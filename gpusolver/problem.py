@@ -67,6 +67,14 @@ class BlockAreas:
         """[U] int64, the rank holding each unit (u // tiles)."""
         return torch.arange(self.num_units, device=self.area.device) // self.tiles
 
+    def as_tiles(self, tiles: int) -> "BlockAreas":
+        """Untiled areas computed for ``tiles * P`` ranks, read as ``tiles`` sub-chunk tiles per
+        rank of a P-rank group: the same tensors, unit u on rank u // tiles (a tile is a chunk
+        of a group ``tiles`` times larger)."""
+        if self.tiles != 1:
+            raise ValueError(f"as_tiles takes untiled areas, got tiles={self.tiles}")
+        return self if tiles == 1 else BlockAreas(self.area, self.q_need, self.k_need, self.chunk, tiles)
+
     def coarsen(self) -> "BlockAreas":
         """The same work at one unit per rank (tiles = 1): [G, P, P] areas summed over tile
         pairs, needs as chunk-local hulls of the tiles' needs ([0, 0) for empty blocks).

@@ -13,8 +13,6 @@ function here is sync-free (static shapes, no host reads).
 """
 from __future__ import annotations
 
-import dataclasses
-
 from gpusolver.areas.kernel import block_areas_triton
 from gpusolver.areas.ref import block_areas_torch
 from gpusolver.areas.sparse import block_sparse_areas, token_topk_areas
@@ -50,9 +48,8 @@ def block_areas(mask: AttnSlices, cp_size: int, head_groups: int = 1, impl: str 
         raise ValueError(f"tiles must be a positive int, got {tiles!r}")
     if impl == "auto":
         impl = "triton" if isinstance(mask, AttnSlices) and mask.device.type == "cuda" else "torch"
-    # a tile is a chunk of a CP group n times larger; only the unit -> rank map differs
     units = cp_size * tiles
     areas = block_areas_triton(mask, units, head_groups) if impl == "triton" else \
         block_areas_torch(mask, units, head_groups)
-    return areas if tiles == 1 else dataclasses.replace(areas, tiles=tiles)
+    return areas.as_tiles(tiles)
 

@@ -166,7 +166,7 @@ def state_triton(tasks: _Tasks, A: torch.Tensor) -> _State:
     Two kernels: the task scatter (atomics), then lengths and bytes per (variant, rank).
     """
     G, P, U, T = tasks.G, tasks.P, tasks.U, tasks.T
-    tiles = U // P
+    tiles = tasks.tiles
     rank = A[:, :T]
     B, dev = rank.shape[0], A.device
     n = B * G * U * P  # cells of one [B, G*U, P] buffer
@@ -528,7 +528,7 @@ def bundle_proposals_triton(tasks: _Tasks, st: _State, cap, excess, balance, thr
     (T where unused) — equal to the torch twin's.
     """
     G, P, U, T = tasks.G, tasks.P, tasks.U, tasks.T
-    tiles = U // P
+    tiles = tasks.tiles
     B, dev = st.rank.shape[0], st.rank.device
     K, D = min(units_per_rank, G * U), min(n_dests, P)
     ranks = torch.arange(P, device=dev)

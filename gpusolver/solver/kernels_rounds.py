@@ -291,7 +291,7 @@ def solve_rounds_persistent(tasks: _Tasks, cap: torch.Tensor, tables: torch.Tens
     ``_run_variants`` with the same strategies in columns [0, T) and in the key.
     """
     G, P, U, T = tasks.G, tasks.P, tasks.U, tasks.T
-    tiles = U // P
+    tiles = tasks.tiles
     B, dev = scales.shape[0], scales.device
     if start is not None and (tuple(start.shape) != (T,) or start.dtype not in (torch.int64, torch.int32)):
         raise ValueError(f"start must be an int64 or int32 [T] = [{T}] tensor, got {start.dtype} {tuple(start.shape)}")

@@ -128,5 +128,7 @@ def test_tile_errors_name_the_argument():
         solve_device(areas, config)
     with pytest.raises(ValueError, match="tiles=2 but the config has"):
         build_plan(mask, areas, areas.refine(torch.zeros(8, 2, 2, dtype=torch.int32)), config)
+    with pytest.raises(ValueError, match="as_tiles takes untiled areas, got tiles=2"):
+        areas.as_tiles(2)
     with pytest.raises(ValueError, match="tiles must be a positive int dividing the unit count"):
         type(areas)(areas.area, areas.q_need, areas.k_need, areas.chunk, 3)
