@@ -485,7 +485,7 @@ class Strategy:
     """One batch of variants run side by side.
 
     threshold_scales: balance-phase limits on every touched rank's volume, as
-                      multiples of owner-computes' forward bottleneck (one
+                      multiples of the start's forward bottleneck (one
                       variant each; inf = unbounded).
     units_per_rank:   QO units each source offers per round.
     bundle_dests:     destinations (by headroom) each unit is priced against.
@@ -493,21 +493,31 @@ class Strategy:
                       (largest first) or "rows" (fewest needed query rows
                       first: off-diagonal tasks that need a few rows travel
                       without the unit's full chunk).
+    start:            the assignment the variants start from: "owner"
+                      (owner-computes) or "transpose" (``_transpose_start``:
+                      rows with many remote key columns go to their head
+                      group's rank of an aligned block of G ranks, as in
+                      Ulysses). A solve given a start (the tiled refine)
+                      starts every variant there.
     """
 
     threshold_scales: tuple[float, ...] = (3.0, float("inf"))
     units_per_rank: int = 4
     bundle_dests: int = 8
     task_order: str = "area"
+    start: str = "owner"
 
     def __post_init__(self):
         if self.task_order not in TASK_ORDERS:
             raise ValueError(f"task_order must be one of {TASK_ORDERS}, got {self.task_order!r}")
+        if self.start not in STARTS:
+            raise ValueError(f"start must be one of {STARTS}, got {self.start!r}")
         if not self.threshold_scales or self.units_per_rank < 1 or self.bundle_dests < 1:
             raise ValueError(f"a strategy needs threshold scales and positive widths, got {self}")
 
 
 TASK_ORDERS = ("area", "rows")
+STARTS = ("owner", "transpose")
 IMPLS = ("torch", "triton", "persistent", "auto")
 
 
@@ -523,19 +533,26 @@ IMPLS = ("torch", "triton", "persistent", "auto")
 # 2K..8K tokens per rank, G = 4 and 8, both kinds, 4 seeds: 144 masks) the
 # first four leave two masks above mu that the reference balances, and only a
 # finite threshold or a narrow rows-first window balances them; with all six,
-# none is left.
+# none is left. Each portfolio ends with a strategy that starts transposed
+# (Strategy.start): on documents that span many ranks owner-computes gathers
+# K/V from all of them, and no sequence of single moves leaves that state
+# cheaply. Measured (seeds 0-5): full documents at P = 64 drop from a median
+# of 0.95x the reference to 0.75x; one full-attention sequence over P = 64
+# ranks from 4.2x USP's bytes to 1.0x.
 _INF = float("inf")
 DEFAULT_STRATEGIES = (Strategy((_INF,), units_per_rank=16, bundle_dests=16),
                       Strategy((_INF,), units_per_rank=16, bundle_dests=8, task_order="rows"),
                       Strategy((_INF,), units_per_rank=1, bundle_dests=8),
                       Strategy((_INF,), units_per_rank=2, bundle_dests=16, task_order="rows"),
                       Strategy((3.0,), units_per_rank=4, bundle_dests=8),
-                      Strategy((_INF,), units_per_rank=1, bundle_dests=4, task_order="rows"))
+                      Strategy((_INF,), units_per_rank=1, bundle_dests=4, task_order="rows"),
+                      Strategy((_INF,), units_per_rank=16, bundle_dests=16, start="transpose"))
 # From P = 32 up: wide destination windows win (full documents), and the
-# torch path at P = 64 stays under 2 s on 2 CPU cores.
+# torch path at P = 64 stays near 2 s on 2 CPU cores.
 LARGE_P = 32
 LARGE_P_STRATEGIES = (Strategy((_INF,), units_per_rank=4, bundle_dests=32),
-                      Strategy((_INF,), units_per_rank=1, bundle_dests=64, task_order="rows"))
+                      Strategy((_INF,), units_per_rank=1, bundle_dests=64, task_order="rows"),
+                      Strategy((_INF,), units_per_rank=4, bundle_dests=32, start="transpose"))
 
 
 def default_strategies(cp_size: int) -> tuple[Strategy, ...]:
@@ -550,15 +567,16 @@ def default_local_search(cp_size: int) -> tuple[bool, int]:
 
 
 def _variants(strategies: tuple[Strategy, ...], G: int, P: int, tiles: int = 1):
-    """The variants of a portfolio: ([(scale, units, window, order index)] host tuples, K, D).
+    """The variants of a portfolio: ([(scale, units, window, order index, start index)] host
+    tuples, K, D).
 
     K = unit slots per source and D = window width of the widest variant; each
     variant's own counts are clipped to them.
     """
     K = min(max(st.units_per_rank for st in strategies), G * P * tiles)
     D = min(max(st.bundle_dests for st in strategies), P)
-    variants = [(x, min(st.units_per_rank, K), min(st.bundle_dests, D), TASK_ORDERS.index(st.task_order))
-                for st in strategies for x in st.threshold_scales]
+    variants = [(x, min(st.units_per_rank, K), min(st.bundle_dests, D), TASK_ORDERS.index(st.task_order),
+                 STARTS.index(st.start)) for st in strategies for x in st.threshold_scales]
     return variants, K, D
 
 
@@ -568,13 +586,66 @@ def _variant_tables(variants, dev) -> torch.Tensor:
     Built from device fills: a tensor made from a host list is a host-to-device
     copy on a GPU, which a CUDA graph cannot capture.
     """
-    fill = lambda v: torch.full((1,), v, dtype=torch.int64, device=dev)  # noqa: E731
+    fill = _fills(torch.int64, dev)
     return torch.cat([fill(v[k]) for k in (3, 2, 1) for v in variants]).view(3, len(variants))
 
 
 def _variant_scales(variants, dev) -> torch.Tensor:
     """[B] fp64 threshold scale of each variant (inf = unbounded)."""
-    return torch.cat([torch.full((1,), float(v[0]), dtype=torch.float64, device=dev) for v in variants])
+    fill = _fills(torch.float64, dev)
+    return torch.cat([fill(float(v[0])) for v in variants])
+
+
+def _fills(dtype, dev):
+    """A function giving a 1-element ``dtype`` tensor of a value, one fill per distinct value
+    (each fill is a launch on a GPU)."""
+    made = {}
+
+    def fill(v):
+        if v not in made:
+            made[v] = torch.full((1,), v, dtype=dtype, device=dev)
+        return made[v]
+    return fill
+
+
+def _transpose_start(tasks: _Tasks) -> torch.Tensor:
+    """The "transpose" start: [T] int64, the start rank of each task (torch twin of
+    ``kernels_start.transpose_start_triton``).
+
+    A QO unit (g, u) whose tasks need more remote key tokens than its own rows,
+    priced in forward bytes (K/V there against Q there and O back), starts with
+    all its tasks on rank b + g % s of the aligned block of s = min(G, P - b)
+    ranks b = G * (host // G), ... that holds it: within a block every rank
+    computes one head group of every such row, as Ulysses does. Other units
+    start on their query host. Long documents make owner-computes gather K/V
+    from every rank they span; transposed, a rank receives the rows of one
+    head group from its block and that group's K/V, which costs less once a
+    document spans more than about G * (q + o) / kv / (G - 1) ranks
+    (P = 16 and up for GQA 64:8).
+    """
+    G, U = tasks.G, tasks.U
+    remote = tasks.valid & (tasks.k_host != tasks.q_host)
+    kv_tokens = torch.where(remote, tasks.khi - tasks.klo, 0).view(G * U, U).sum(1)
+    q_lo = torch.where(tasks.valid, tasks.qlo, _BIG).view(G * U, U).amin(1)
+    q_hi = torch.where(tasks.valid, tasks.qhi, 0).view(G * U, U).amax(1)
+    flip = kv_tokens * tasks.kv > (q_hi - q_lo).clamp(min=0) * (tasks.q + tasks.o)
+    host = tasks.q_host.view(G * U, U)[:, 0]  # [G*U] rank of each QO unit
+    block = (host // G) * G
+    target = block + (tasks.g.view(G * U, U)[:, 0] % (tasks.P - block).clamp(max=G))
+    return torch.where(flip, target, host)[tasks.qo_unit]
+
+
+def _variant_starts(tasks: _Tasks, variants, start: torch.Tensor | None = None, transpose_fn=None):
+    """The start rank of each task for ``variants``: ``start`` ([T], shared) when given, None
+    when every variant starts from owner-computes, else [B, T] int64 (``transpose_fn``,
+    default ``_transpose_start``, for "transpose" variants; the query host for the others)."""
+    if start is not None:
+        return start
+    kinds = [v[4] for v in variants]
+    if not any(kinds):
+        return None
+    transposed = (transpose_fn or _transpose_start)(tasks)
+    return torch.stack([transposed if k else tasks.q_host for k in kinds])
 
 
 def _restart(tasks: _Tasks, best_A: torch.Tensor, vol: torch.Tensor) -> torch.Tensor:
@@ -590,11 +661,13 @@ def _restart(tasks: _Tasks, best_A: torch.Tensor, vol: torch.Tensor) -> torch.Te
 
 def _run_variants(tasks: _Tasks, cap: torch.Tensor, strategies: tuple[Strategy, ...], rounds: int,
                   state_fn=None, propose_fn=None, accept_apply_fn=None, track_fn=None,
-                  sideways: bool = False, restart_every: int = 0, start: torch.Tensor | None = None):
+                  sideways: bool = False, restart_every: int = 0, start: torch.Tensor | None = None,
+                  start_fn=None):
     """Run the variants of ``strategies`` side by side: best (A [B, T+1], key [B]).
 
-    ``start`` ([T] int64, the rank of each non-empty task; default owner-computes) is the
-    assignment every variant starts from and round 0's state.
+    ``start`` ([T] int64, the rank of each non-empty task) is the assignment every
+    variant starts from and round 0's state; by default each variant starts as its
+    strategy says (``_variant_starts``; ``start_fn`` computes the "transpose" start).
     ``sideways`` allows sideways bottleneck-phase moves (``_bundle_proposals``).
     With ``restart_every = R > 0``, at rounds R, 2R, ... (before the last) each
     variant restarts from its best state with its bottleneck rank's moves
@@ -618,8 +691,10 @@ def _run_variants(tasks: _Tasks, cap: torch.Tensor, strategies: tuple[Strategy, 
     B = len(variants)
     order_b, dests_b, units_b = _variant_tables(variants, dev).unbind(0)
     offered = (torch.arange(P * K, device=dev) % K)[None, :] < units_b[:, None]  # [B, P*K]
-    # owner-computes (or the given) start; column T is a dummy that absorbs writes of unused slots
-    A = torch.where(tasks.valid, tasks.q_host if start is None else start, P).expand(B, T)
+    # the start (owner-computes unless given or transposed); column T is a dummy that absorbs
+    # writes of unused slots
+    starts = _variant_starts(tasks, variants, start, start_fn)
+    A = torch.where(tasks.valid, tasks.q_host if starts is None else starts, P).expand(B, T)
     A = torch.cat((A, torch.full((B, 1), P, dtype=torch.int64, device=dev)), dim=1)
     best_A = A.clone()
     best_key = torch.full((B,), _BIG, dtype=torch.int64, device=dev)
@@ -627,10 +702,9 @@ def _run_variants(tasks: _Tasks, cap: torch.Tensor, strategies: tuple[Strategy, 
     stuck = torch.zeros((B,), dtype=torch.bool, device=dev)
     for rnd in range(rounds + 1):
         st = state_fn(tasks, A)
-        if threshold is None:  # round 0 is owner-computes, the ladder's base
-            base = st.bottleneck[:1].double()
-            threshold = torch.cat([base.new_full((1,), float(_BIG)) if v[0] == _INF else base * v[0] + 1.0
-                                   for v in variants])
+        if threshold is None:  # round 0, each variant's start, is the base of its threshold
+            scale = _variant_scales(variants, dev)
+            threshold = torch.where(scale == _INF, float(_BIG), st.bottleneck.double() * scale + 1.0)
         best_A, best_key, excess, balance, dest_cap, limit = track_fn(A, st, cap, stuck, threshold, best_A, best_key)
         if rnd == rounds:
             break
@@ -698,20 +772,26 @@ def solve_device(areas: BlockAreas, config: SolverConfig, *, rounds: int = DEFAU
     if impl == "persistent":
         from gpusolver.solver.kernels_rounds import default_workers, solve_rounds_persistent
 
+        from gpusolver.solver.kernels_start import transpose_start_triton
+
         variants, K, D = _variants(strategies, G, P, areas.tiles)
         dev = areas.area.device
         if workers is None:
             workers = default_workers(len(variants), P * K, dev)
         best_A, best_key = solve_rounds_persistent(tasks, cap, _variant_tables(variants, dev),
                                                    _variant_scales(variants, dev), K, D, rounds, workers,
-                                                   sideways, restart_every, start=start)
+                                                   sideways, restart_every,
+                                                   start=_variant_starts(tasks, variants, start,
+                                                                         transpose_start_triton))
     elif impl == "triton" or (impl == "auto" and areas.area.is_cuda):
         # fused kernels for the two heaviest steps; one batch for the whole portfolio (fewest launches)
         from gpusolver.solver.kernels import bundle_proposals_triton, state_triton
         from gpusolver.solver.kernels_accept import accept_apply_triton, track_triton
+        from gpusolver.solver.kernels_start import transpose_start_triton
 
         best_A, best_key = _run_variants(tasks, cap, strategies, rounds, state_triton, bundle_proposals_triton,
-                                         accept_apply_triton, track_triton, sideways, restart_every, start)
+                                         accept_apply_triton, track_triton, sideways, restart_every, start,
+                                         transpose_start_triton)
     else:
         # torch (CPU): one batch per strategy, so narrow strategies do not pay for the widest one
         runs = [_run_variants(tasks, cap, (strategy,), rounds, sideways=sideways, restart_every=restart_every,

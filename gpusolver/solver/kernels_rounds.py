@@ -114,7 +114,8 @@ def _rounds_kernel(
     best_a_ptr,  # [B, T+1] int64 out: each variant's best assignment
     best_key_ptr,  # [B] int64 out: its key (balanced first, then the lower bottleneck)
     area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr,  # [T] int64 each (strided)
-    start_ptr,  # [T] int64 contiguous (HAS_START only): the start rank of each non-empty task
+    start_ptr,  # [T] or [B, T] int64 contiguous (HAS_START only): the start rank of each non-empty task
+    stride_start,  # T for a start per variant, 0 for a shared one
     unit_tasks_ptr,  # [2, G*U, U] int64 contiguous
     order_ptr, width_ptr, units_ptr,  # [B] int64: task order, window width, units offered
     scale_ptr,  # [B] fp64: threshold scale of each variant (inf = unbounded)
@@ -164,7 +165,7 @@ def _rounds_kernel(
         m_c = o_c < T + 1
         b_area = tl.load(area_ptr + o_c * stride_area, mask=o_c < T, other=0)
         if HAS_START:
-            b_start = tl.load(start_ptr + o_c, mask=o_c < T, other=P)
+            b_start = tl.load(start_ptr + i_b * stride_start + o_c, mask=o_c < T, other=P)
         else:
             b_start = ((o_c // U) % U) // TILES
         tl.store(a_ptr + i_b * stride_a + o_c, tl.where(b_area > 0, b_start, P), mask=m_c)
@@ -182,7 +183,7 @@ def _rounds_kernel(
                             phase, i_b, w, T, P, G, B, stride_a, stride_area, stride_q, stride_k,
                             Q_BYTES, O_BYTES, KV_BYTES, W, BLOCK_T, BLOCK_G, BLOCK_P, BLOCK_C, TILES)
 
-        # round 0 is owner-computes, the threshold ladder's base; then the best state and the round's limits
+        # round 0, the variant's start, is its threshold's base; then the best state and the round's limits
         if w == 0:
             if rnd == 0:
                 scale = tl.load(scale_ptr + i_b)
@@ -285,16 +286,18 @@ def solve_rounds_persistent(tasks: _Tasks, cap: torch.Tensor, tables: torch.Tens
     workers: host int W, programs per variant (1 under the Triton interpreter;
              more needs a cooperative launch on a GPU).
     sideways, restart_every: the local search's extras, as ``_run_variants``.
-    start:   optional [T] int (int64 or int32) start rank of each non-empty task, as
-             ``_run_variants``'s; None: owner-computes (every task on its query host).
+    start:   optional [T] (shared) or [B, T] (per variant) int64 or int32 start rank of
+             each non-empty task, as ``_variant_starts`` gives; None: owner-computes (every
+             task on its query host).
     Returns (best_A [B, T+1] int64, best_key [B] int64), equal to
     ``_run_variants`` with the same strategies in columns [0, T) and in the key.
     """
     G, P, U, T = tasks.G, tasks.P, tasks.U, tasks.T
     tiles = tasks.tiles
     B, dev = scales.shape[0], scales.device
-    if start is not None and (tuple(start.shape) != (T,) or start.dtype not in (torch.int64, torch.int32)):
-        raise ValueError(f"start must be an int64 or int32 [T] = [{T}] tensor, got {start.dtype} {tuple(start.shape)}")
+    if start is not None and (tuple(start.shape) not in ((T,), (B, T)) or start.dtype not in (torch.int64, torch.int32)):
+        raise ValueError(f"start must be an int64 or int32 [T] = [{T}] or [B, T] = [{B}, {T}] tensor, "
+                         f"got {start.dtype} {tuple(start.shape)}")
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     if workers > 1 and (dev.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"):
@@ -324,6 +327,7 @@ def solve_rounds_persistent(tasks: _Tasks, cap: torch.Tensor, tables: torch.Tens
     _rounds_kernel[(B * workers,)](
         A, best_A, best_key, tasks.area, tasks.qlo, tasks.qhi, tasks.klo, tasks.khi,
         tasks.area if start is None else start.to(torch.int64).contiguous(),  # unused pointer when None
+        T if start is not None and start.dim() == 2 else 0,  # start row stride: 0 when shared
         tasks.unit_tasks.contiguous(), order, width, units, scales.contiguous(), cap,
         lo, acc, lens, thr, limit, excess, headroom, balance, stuck, dest_cap, unit, dests,
         ok, fits, keep, score, dest, source, parea, dsend, drecv, ptasks, bar,

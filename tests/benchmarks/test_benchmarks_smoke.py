@@ -170,9 +170,10 @@ def test_launches_static_loop(tmp_path):
         assert r["restarts"] == 2  # rounds 8 and 16 of 24 at P = 2
     assert rows["triton"]["triton_per_solve"] >= rows["triton"]["rounds"]  # fused kernels launch every round
     assert 10 * rows["triton"]["per_round"] < rows["torch"]["per_round"]
-    # the persistent kernel runs every round: one Triton launch per solve, nothing per round
+    # the persistent kernel runs every round: two Triton launches per solve (it and the transposed
+    # start), nothing per round
     persistent = rows["persistent"]
-    assert persistent["per_round"] == persistent["per_restart"] == 0 and persistent["triton_per_solve"] == 1
+    assert persistent["per_round"] == persistent["per_restart"] == 0 and persistent["triton_per_solve"] == 2
     assert rows["torch"]["per_restart"] > 0 and rows["triton"]["per_restart"] > 0
     assert persistent["per_solve"] <= 64
 

@@ -7,7 +7,8 @@ compiler rejects. The persistent kernel is also compiled with several
 workers per variant, as a cooperative launch, and its barrier is checked in
 the PTX: a release add and an acquire poll at GPU scope (that record also
 runs 2 sub-chunk tiles per rank from a given start: one compile of the
-persistent kernel, the slowest, covers both). The biggest kernels are also
+persistent kernel, the slowest, covers both). The transposed start's kernel
+is compiled too. The biggest kernels are also
 compiled with the tiles of large P, and the kernels that depend on sub-chunk
 tiles with 2 and 3 tiles per rank.
 """
@@ -40,6 +41,12 @@ def test_solver_kernels_compile_for_sm90():
     names = sorted(r["name"] for r in records)
     assert names == sorted(["_block_areas_kernel", "_state_kernel", "_state_bytes_kernel", "_offers_kernel",
                             "_bundle_kernel", "_accept_kernel", "_track_kernel", "_rounds_kernel"]), names
+    # the transposed start's kernel (a portfolio with a transposed variant runs it once per solve)
+    with capture_launches() as started:
+        solve_device(areas, config, rounds=0, impl="persistent",
+                     strategies=strategies + (Strategy((float("inf"),), 1, 2, start="transpose"),))
+    records += [r for r in started if r["name"] == "_transpose_start_kernel"]
+    assert len(records) == len(names) + 1, [r["name"] for r in started]
     persistent = next(r for r in records if r["name"] == "_rounds_kernel")
     assert persistent["constexprs"]["W"] == 1
     cooperative = copy.deepcopy(persistent)
