@@ -1,7 +1,8 @@
 """Helpers shared by the solver benchmarks: masks, timing, launch counting, tables, JSON.
 
 - ``make_mask(kind, P, seed)``: the benchmark masks, packed documents drawn
-  from the shipped length histogram, ``tokens_per_rank * P`` tokens.
+  from the shipped length histogram (or one sequence: ``*-seq``),
+  ``tokens_per_rank * P`` tokens.
 - ``wall_time`` / ``cuda_time``: median seconds of repeated calls.
 - ``LaunchCounter``: counts the aten ops dispatched (each one a kernel launch
   on a GPU, views aside), the host reads among them, and Triton launches.
@@ -21,11 +22,14 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gpusolver.masks import AttnSlices, packed_documents
+from gpusolver.masks import AttnSlices, causal_mask, full_mask, packed_documents
 
 TOKENS_PER_RANK = 8192
-# mask kind -> (packed_documents' causal flag, description)
-KINDS = {"causal": (True, "packed causal documents"), "full": (False, "packed full documents")}
+# mask kind -> (causal flag, description)
+KINDS = {"causal": (True, "packed causal documents"), "full": (False, "packed full documents"),
+         "causal-seq": (True, "one causal sequence"), "full-seq": (False, "one full-attention sequence")}
+# the default benchmark masks
+PACKED_KINDS = ("causal", "full")
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 # aten ops whose output size or value is read on the host: each one is a device -> host sync
 HOST_READ_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "_unique", "_unique2", "unique_dim",
@@ -36,11 +40,15 @@ def make_mask(kind: str, cp_size: int, seed: int, tokens_per_rank: int = TOKENS_
               device="cpu") -> AttnSlices:
     """Packed-document slice mask of ``tokens_per_rank * cp_size`` tokens (int32 tensors on ``device``).
 
-    kind: "causal" (varlen causal documents) or "full" (varlen full documents).
+    kind: "causal" (varlen causal documents), "full" (varlen full documents), or
+          "causal-seq" / "full-seq" (one sequence over all ranks; the seed is unused).
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {sorted(KINDS)}, got {kind!r}")
-    return packed_documents(tokens_per_rank * cp_size, seed=seed, causal=KINDS[kind][0], device=device)
+    causal = KINDS[kind][0]
+    if kind.endswith("-seq"):
+        return (causal_mask if causal else full_mask)(tokens_per_rank * cp_size, device=device)
+    return packed_documents(tokens_per_rank * cp_size, seed=seed, causal=causal, device=device)
 
 
 def parse_list(text: str, kind: type = int, allowed: Sequence | None = None, name: str = "value") -> list:

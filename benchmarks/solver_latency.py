@@ -199,7 +199,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--P", default=None, help=f"CP sizes, comma-separated (default {','.join(map(str, FULL_P))})")
     p.add_argument("--repeats", type=int, default=None, help=f"timed repeats (default {FULL_REPEATS})")
-    p.add_argument("--kinds", default="causal", help="mask kinds: causal, full (default causal)")
+    p.add_argument("--kinds", default="causal", help="mask kinds: causal, full, causal-seq, full-seq (default causal)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiles", type=int, default=1, help="sub-chunk tiles per chunk (SolverConfig.chunk_tiles)")
     p.add_argument("--tokens-per-rank", type=int, default=TOKENS_PER_RANK)

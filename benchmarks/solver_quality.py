@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, run as a script or loaded by path
 
 from _common import (  # noqa: E402
-    KINDS, RESULTS_DIR, TOKENS_PER_RANK, environment, make_mask, markdown_table, median, parse_list, ratio,
+    KINDS, PACKED_KINDS, RESULTS_DIR, TOKENS_PER_RANK, environment, make_mask, markdown_table, median, parse_list, ratio,
     write_json, write_text,
 )
 from gpusolver.areas import block_areas  # noqa: E402
@@ -154,7 +154,7 @@ def summarize(rows: list[dict]) -> list[dict]:
                 **{k: median([r[k] for r in rs]) for k in (
                     "fwd_mb", "bwd_mb", "fwd_vs_usp_pct", "bwd_vs_usp_pct", "fwd_vs_owner", "bwd_vs_owner",
                     "dev_over_ref_fwd", "solve_ms")},
-                "anchor_fwd": ANCHORS[kind]["fwd"], "anchor_bwd": ANCHORS[kind]["bwd"],
+                "anchor_fwd": ANCHORS.get(kind, {}).get("fwd", ""), "anchor_bwd": ANCHORS.get(kind, {}).get("bwd", ""),
             })
         firsts = {(r["seed"]): r for r in group}.values()  # one row per seed carries the baselines
         owner_imb = median([r["owner_imbalance"] for r in firsts])
@@ -187,7 +187,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--P", default=None, help=f"CP sizes, comma-separated (default {','.join(map(str, FULL_P))})")
     p.add_argument("--seeds", type=int, default=None, help=f"seeds per (kind, P), 0..n-1 (default {FULL_SEEDS})")
-    p.add_argument("--kinds", default=",".join(KINDS), help="mask kinds: causal, full")
+    p.add_argument("--kinds", default=",".join(PACKED_KINDS),
+                   help="mask kinds: causal, full (packed documents; default), causal-seq, full-seq (one sequence)")
     p.add_argument("--solvers", default=",".join(SOLVERS), help="solvers: reference, device")
     p.add_argument("--tiles", default="1", help="device solver chunk_tiles values, comma-separated (default 1)")
     p.add_argument("--tokens-per-rank", type=int, default=TOKENS_PER_RANK)
@@ -222,7 +223,8 @@ def main(argv=None) -> dict:
                 print(f"# done {kind} P={P} seed={seed}", file=sys.stderr, flush=True)
     summary = summarize(rows)
     text = "\n\n".join([
-        f"## Solver quality: packed documents, {args.tokens_per_rank} tokens per rank, Hq:Hkv = 64:8, D = 128, "
+        f"## Solver quality: {', '.join(KINDS[k][1] for k in args.kinds)}, {args.tokens_per_rank} tokens per rank, "
+        f"Hq:Hkv = 64:8, D = 128, "
         f"bf16, G = 8, mu = 1.10",
         "### Summary (medians over seeds)", markdown_table(summary, SUMMARY_COLUMNS), ANCHOR_LINE,
         "### Runs", markdown_table(rows, RUN_COLUMNS),

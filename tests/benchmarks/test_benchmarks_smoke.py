@@ -145,6 +145,10 @@ def test_markdown_and_json_helpers(benches, tmp_path):
         common.parse_list("causal,diag", str, allowed=("causal", "full"), name="--kinds")
     with pytest.raises(ValueError, match="kind must be one of"):
         common.make_mask("diag", 4, 0)
+    # one sequence over all ranks: a single slice of the whole length
+    seq = common.make_mask("causal-seq", 4, 0, tokens_per_rank=16)
+    assert seq.q_ranges.tolist() == [[0, 64]] and seq.k_ranges.tolist() == [[0, 64]]
+    assert seq.attn_type.tolist() != common.make_mask("full-seq", 4, 0, tokens_per_rank=16).attn_type.tolist()
 
 
 def test_bad_cli_arguments_exit(benches):
