@@ -6,7 +6,7 @@ import torch
 from gpusolver.areas import block_areas
 from gpusolver.baselines import baseline_table
 from gpusolver.config import SolverConfig
-from gpusolver.masks import causal_mask, full_mask, packed_documents, varlen_causal_mask, varlen_full_mask
+from gpusolver.masks import causal_mask, full_mask, varlen_causal_mask, varlen_full_mask
 from gpusolver.metrics import evaluate
 from gpusolver.solver import device
 from gpusolver.solver.device import Strategy, solve_device
