@@ -537,8 +537,9 @@ IMPLS = ("torch", "triton", "persistent", "auto")
 # (Strategy.start): on documents that span many ranks owner-computes gathers
 # K/V from all of them, and no sequence of single moves leaves that state
 # cheaply. Measured (seeds 0-5): full documents at P = 64 drop from a median
-# of 0.95x the reference to 0.75x; one full-attention sequence over P = 64
-# ranks from 4.2x USP's bytes to 1.0x.
+# of 0.90x the reference to 0.74x, and no other median of P = 32 and 64
+# rises; one full-attention sequence over P = 64 ranks from 4.2x USP's bytes
+# to 1.0x.
 _INF = float("inf")
 DEFAULT_STRATEGIES = (Strategy((_INF,), units_per_rank=16, bundle_dests=16),
                       Strategy((_INF,), units_per_rank=16, bundle_dests=8, task_order="rows"),
