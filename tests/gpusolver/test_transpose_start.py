@@ -120,3 +120,11 @@ def test_one_long_sequence_costs_no_more_than_usp():
     assert bool(res.balanced)
     assert fwd <= 1.02 * base["usp"]["fwd_bottleneck"], (fwd, base["usp"]["fwd_bottleneck"])
     assert fwd < 0.65 * base["owner_computes"]["fwd_bottleneck"], (fwd, base["owner_computes"]["fwd_bottleneck"])
+
+
+def test_transposed_variants_run_on_meta():
+    P, G = 6, 2
+    config, areas, _, _ = _tasks(full_mask(32 * P), P, G, heads_per_group=1)
+    for impl in ("torch", "persistent"):
+        res = solve_device(areas.to("meta"), config, rounds=2, strategies=_MIXED, impl=impl)
+        assert res.assignment.device.type == "meta" and res.assignment.shape == (G, P, P)
