@@ -550,8 +550,8 @@ DEFAULT_STRATEGIES = (Strategy((_INF,), units_per_rank=16, bundle_dests=16),
                       Strategy((3.0,), units_per_rank=4, bundle_dests=8),
                       Strategy((_INF,), units_per_rank=1, bundle_dests=4, task_order="rows"),
                       Strategy((_INF,), units_per_rank=4, bundle_dests=8, start="transpose"))
-# From P = 32 up: wide destination windows win (full documents), and the
-# torch path at P = 64 stays near 2 s on 2 CPU cores.
+# From P = 32 up: wide destination windows win (full documents), and three
+# strategies keep the torch path at P = 64 to seconds on 2 CPU cores.
 LARGE_P = 32
 LARGE_P_STRATEGIES = (Strategy((_INF,), units_per_rank=4, bundle_dests=32),
                       Strategy((_INF,), units_per_rank=1, bundle_dests=64, task_order="rows"),
@@ -617,14 +617,14 @@ def _transpose_start(tasks: _Tasks) -> torch.Tensor:
 
     A QO unit (g, u) whose tasks need more remote key tokens than its own rows,
     priced in forward bytes (K/V there against Q there and O back), starts with
-    all its tasks on rank b + g % s of the aligned block of s = min(G, P - b)
-    ranks b = G * (host // G), ... that holds it: within a block every rank
-    computes one head group of every such row, as Ulysses does. Other units
-    start on their query host. Long documents make owner-computes gather K/V
-    from every rank they span; transposed, a rank receives the rows of one
-    head group from its block and that group's K/V, which costs less once a
-    document spans more than about G * (q + o) / kv / (G - 1) ranks
-    (P = 16 and up for GQA 64:8).
+    all its tasks on rank b + g % s, where b = G * (host // G) is the first rank
+    of the aligned block holding the unit and s = min(G, P - b) its size:
+    within a block every rank computes one head group of every such row, as
+    Ulysses does. Other units start on their query host. Long documents make
+    owner-computes gather all G groups' K/V from every rank they span;
+    transposed, a rank receives G - 1 rows of its head group from its block
+    and only that group's K/V, which costs less once a document spans more
+    than 1 + (q + o) / kv ranks (9 for GQA 64:8).
     """
     G, U = tasks.G, tasks.U
     remote = tasks.valid & (tasks.k_host != tasks.q_host)
@@ -774,7 +774,6 @@ def solve_device(areas: BlockAreas, config: SolverConfig, *, rounds: int = DEFAU
     cap = (mu_num * tasks.area.sum()) // (P * _MU_SCALE)  # largest balanced load
     if impl == "persistent":
         from gpusolver.solver.kernels_rounds import default_workers, solve_rounds_persistent
-
         from gpusolver.solver.kernels_start import transpose_start_triton
 
         variants, K, D = _variants(strategies, G, P, areas.tiles)
