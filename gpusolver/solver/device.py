@@ -632,7 +632,7 @@ def _transpose_start(tasks: _Tasks) -> torch.Tensor:
     q_lo = torch.where(tasks.valid, tasks.qlo, _BIG).view(G * U, U).amin(1)
     q_hi = torch.where(tasks.valid, tasks.qhi, 0).view(G * U, U).amax(1)
     flip = kv_tokens * tasks.kv > (q_hi - q_lo).clamp(min=0) * (tasks.q + tasks.o)
-    host = tasks.q_host.view(G * U, U)[:, 0]  # [G*U] rank of each QO unit
+    host = tasks.unit_host  # [G*U] rank of each QO unit
     block = (host // G) * G
     target = block + (tasks.g.view(G * U, U)[:, 0] % (tasks.P - block).clamp(max=G))
     return torch.where(flip, target, host)[tasks.qo_unit]
