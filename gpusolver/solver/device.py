@@ -107,6 +107,13 @@ class _Tasks:
         self.unit_tasks = torch.arange(G * U, device=dev)[:, None] * U + torch.stack((by_area, by_rows))
 
     @functools.cached_property
+    def unit_pos(self) -> torch.Tensor:
+        """[2, G*U, U] position of key unit j in each QO unit's task order (``unit_tasks``
+        inverted); built on first use (the torch proposals read it, the kernels do not)."""
+        pos = torch.empty_like(self.unit_tasks)
+        return pos.scatter_(2, self.unit_tasks % self.U, torch.arange(self.U, device=pos.device).expand_as(pos))
+
+    @functools.cached_property
     def unit_host(self) -> torch.Tensor:
         """[G*U] rank holding each QO / KV unit index g*U + u; built on first use (the kernels
         compute it in place, so their paths launch nothing for it)."""
@@ -244,6 +251,18 @@ def _busiest_key_host(send, key_host, elsewhere, kv_delta, tiles: int):
     return torch.where(hit, send.view(*lead, P) + per_host, 0).amax(-1)
 
 
+def _at_cut(running: torch.Tensor, cut: torch.Tensor, empty: int, suffix: bool = False) -> torch.Tensor:
+    """Read ``running`` [..., U] (prefix values along a unit's order, or suffix values with
+    ``suffix``) at ``cut`` [..., C] in 0..U: the value over positions [0, cut) (or [cut, U)),
+    ``empty`` where that range is empty. A 4-D ``running`` [B, P, K, U] is shared by every
+    destination of a 5-D ``cut`` [B, P, K, D, C]."""
+    pad = torch.full_like(running[..., :1], empty)
+    table = torch.cat((running, pad) if suffix else (pad, running), -1)
+    if table.dim() == cut.dim():
+        return table.gather(-1, cut)
+    return table.gather(-1, cut.flatten(-2)).view(cut.shape)
+
+
 def _bundle_proposals(tasks: _Tasks, st: _State, cap, excess, balance, threshold,
                       units_per_rank, n_dests, dests_per_variant=None, order_per_variant=None,
                       sideways: bool = False) -> _Proposals:
@@ -258,42 +277,50 @@ def _bundle_proposals(tasks: _Tasks, st: _State, cap, excess, balance, threshold
     leaves the bottleneck as it is, keeps every touched rank below it and
     lowers the total bytes is also allowed, ranked after every move that
     lowers the bottleneck (score + 1); the total falls strictly, so no cycles.
+
+    Both sizes take the source's tasks among the first ``cut`` positions of the
+    unit's order, so every sum over a bundle is a running sum read at its cut,
+    and the tasks of one key host sit at known positions (``_Tasks.unit_pos``).
     """
-    G, P, U, T = tasks.G, tasks.P, tasks.U, tasks.T
+    G, P, U, T, n = tasks.G, tasks.P, tasks.U, tasks.T, tasks.tiles
     B, dev = st.rank.shape[0], st.rank.device
     K, D = min(units_per_rank, G * U), min(n_dests, P)
     ranks = torch.arange(P, device=dev)
+    upos = torch.arange(U, device=dev)
     unit, headroom, dests = _offers(tasks, st, cap, units_per_rank, n_dests, dests_per_variant)
     u_host = tasks.unit_host[unit]  # [B, P, K] query host of each offered unit
 
-    # the unit's tasks, by area: [B, P(s), K, U(order)]; mine = on the source
+    # the unit's tasks in the variant's order: [B, P(s), K, U(position)]; mine = on the source
     order_b = torch.zeros((B,), dtype=torch.int64, device=dev) if order_per_variant is None else order_per_variant
     tid = tasks.unit_tasks[order_b.view(B, 1, 1), unit]
     s4 = ranks.view(1, P, 1, 1)
     mine = st.rank.gather(1, tid.view(B, -1)).view(B, P, K, U) == s4
-    t_area = torch.where(mine, tasks.area[tid], 0)
+    t_area = tasks.area[tid] * mine
     after = torch.cumsum(t_area, 3)
     before = after - t_area
-    first = mine & (torch.cumsum(mine.long(), 3) == 1)
+    first = (torch.cumsum(mine, 3) == 0).sum(3)  # [B, P, K] position of the first task here, U if none
+    first_at = first.clamp(max=U - 1)[..., None]
     j_t = tasks.k_host[tid]  # key host of each task
     # each unit also considers: the key host of its heaviest task here (no K/V to ship for it),
     # the unit's own host (moving home frees the transfer) and the other rank holding most of
     # the unit's rows (merging two helpers of one unit saves one transfer)
-    key_host = torch.where(first, j_t, 0).sum(3, keepdim=True)  # [B, P, K, 1]
+    key_host = j_t.gather(3, first_at) * (first < U)[..., None]  # [B, P, K, 1]
     home = u_host[..., None]
     held = st.qlen.gather(1, unit.view(B, -1, 1).expand(-1, -1, P).reshape(B, -1, P)).view(B, P, K, P)
     held = torch.where(ranks.view(1, P, 1, 1) == ranks, -1, held)  # not the source itself
     holder = held.argmax(3, keepdim=True)
     dests = torch.cat((dests[:, :, None, :].expand(B, P, K, D), key_host, home, holder), 3)  # [B, P, K, D1]
     D1 = D + 3
-    # prefixes, [B, P, K, D, 2(size), U(order)]: size 0 = one task (bottleneck phase only),
-    # size 1 = while it fits the destination (and, balancing, until the excess is covered)
-    room = headroom.gather(1, dests.view(B, -1)).view(B, P, K, D1, 1)
-    fit = mine[:, :, :, None] & (after[:, :, :, None] <= room)
-    still_over = torch.where(balance.view(B, 1, 1, 1), before < excess.view(B, P, 1, 1), True)
-    inc = torch.stack((fit & first[:, :, :, None] & ~balance.view(B, 1, 1, 1, 1),
-                       fit & still_over[:, :, :, None]), dim=4)  # [B, P, K, D, 2, U]
-    area = torch.where(inc, t_area[:, :, :, None, None], 0).sum(-1)  # [B, P, K, D, 2]
+    # each size ships the source's tasks before a cut of the order, [B, P, K, D1, 2(size)]:
+    # size 0 = the first task here if it fits the destination (bottleneck phase only);
+    # size 1 = while the running area fits (and, balancing, until the excess is covered)
+    room = headroom.gather(1, dests.view(B, -1)).view(B, P, K, D1)
+    fits = torch.searchsorted(after, room, right=True)  # positions whose running area fits
+    over = torch.where(balance.view(B, 1, 1), (before < excess.view(B, P, 1, 1)).sum(3), U)
+    cut1 = torch.minimum(fits, over[..., None])
+    cut0 = torch.where(~balance.view(B, 1, 1, 1) & (fits > first[..., None]), first[..., None] + 1, 0)
+    cut = torch.stack((cut0, cut1), 4)
+    area = _at_cut(after, cut, 0)  # [B, P, K, D1, 2]
     shape = area.shape
 
     i_of = u_host[..., None, None]  # [B, P, K, 1, 1] query host
@@ -302,40 +329,63 @@ def _bundle_proposals(tasks: _Tasks, st: _State, cap, excess, balance, threshold
     gather_at = lambda table, idx: table.reshape(B, -1).gather(1, idx.reshape(B, -1)).view(idx.shape)  # noqa: E731
 
     # query rows: growth of the destination's hull, and what the source frees when it is not the host
-    qlo_t, qhi_t = tasks.qlo[tid][:, :, :, None, None], tasks.qhi[tid][:, :, :, None, None]
-    b_lo = torch.where(inc, qlo_t, _BIG).amin(-1)
-    b_hi = torch.where(inc, qhi_t, 0).amax(-1)
+    lo_here = torch.where(mine, tasks.qlo[tid], _BIG)
+    hi_here = tasks.qhi[tid] * mine
+    b_lo = _at_cut(lo_here.cummin(3).values, cut, _BIG)
+    b_hi = _at_cut(hi_here.cummax(3).values, cut, 0)
     at_d = (unit * P)[..., None, None] + d_of
     q_grow = _union_growth(gather_at(st.q_lo, at_d.expand(shape)), gather_at(st.q_hi, at_d.expand(shape)), b_lo, b_hi)
     q_grow = torch.where((area > 0) & (d_of != i_of), q_grow, 0)
-    rest = mine[:, :, :, None, None] & ~inc  # the unit's tasks that stay on the source
-    r_lo = torch.where(rest, qlo_t, _BIG).amin(-1)
-    r_hi = torch.where(rest, qhi_t, 0).amax(-1)
+    # the unit's tasks that stay on the source: those at or after the cut
+    r_lo = _at_cut(lo_here.flip(3).cummin(3).values.flip(3), cut, _BIG, suffix=True)
+    r_hi = _at_cut(hi_here.flip(3).cummax(3).values.flip(3), cut, 0, suffix=True)
     q_cur = gather_at(st.qlen, (unit * P)[..., None, None] + s_of).expand(shape)
     q_free = torch.where((area > 0) & (s_of != i_of), q_cur - (r_hi - r_lo).clamp(min=0), 0)
 
-    # key columns of each moved task: growth at the destination, freed at the source
-    kv_u = tasks.kv_unit[tid]  # [B, P, K, U(order)]
-    klo_t, khi_t = tasks.klo[tid], tasks.khi[tid]
-    kd = (kv_u * P)[:, :, :, None, :] + d_of  # [B, P, K, D, U]
-    k_grow = _union_growth(gather_at(st.k_lo, kd), gather_at(st.k_hi, kd),
-                           klo_t[:, :, :, None, :], khi_t[:, :, :, None, :])
-    k_grow = torch.where(j_t[:, :, :, None, :] == d_of, 0, k_grow)[:, :, :, :, None, :]  # [B,P,K,D1,1,U]
+    # key columns of each task here: growth at the destination (none when the destination is
+    # the key host), freed at the source
+    kv_u = tasks.kv_unit[tid]  # [B, P, K, U]
+    kd = (kv_u * P)[:, :, :, None, :] + d_of  # [B, P, K, D1, U]
+    j5 = j_t[:, :, :, None, :]
+    kg_t = _union_growth(gather_at(st.k_lo, kd), gather_at(st.k_hi, kd),
+                         tasks.klo[tid][:, :, :, None, :], tasks.khi[tid][:, :, :, None, :])
+    kg_t = kg_t * (mine[:, :, :, None, :] & (j5 != d_of))  # [B, P, K, D1, U]
     # a KV unit's columns leave the source only with its last task there (a lower bound of
     # what is freed: a unit shared with tasks that stay is counted as not shrinking)
     k_cur = gather_at(st.klen, kv_u * P + s4)
     sole = gather_at(st.kcount, kv_u * P + s4) == 1
-    k_free = torch.where(mine & sole, k_cur, 0)[:, :, :, None, None, :]
-    # each moved task's key host sends (k_grow - k_free) more columns
-    j6 = j_t[:, :, :, None, None, :]
-    i6, s6, d6 = u_host[:, :, :, None, None, None], ranks.view(1, P, 1, 1, 1, 1), d_of[..., None]
-    kv_delta = torch.where(inc, (k_grow - k_free) * tasks.kv, 0)  # [B, P, K, D1, 2, U]
-    kv_to_src = torch.where(j6 == s6, kv_delta, 0).sum(-1)
-    kv_to_host = torch.where((j6 == i6) & (i6 != s6), kv_delta, 0).sum(-1)
-    elsewhere = inc & (j6 != s6) & (j6 != i6) & (j6 != d6)
-    kvh_max = _busiest_key_host(st.send, j6, elsewhere, kv_delta, tasks.tiles)
-    k_grow = torch.where(inc, k_grow, 0).sum(-1)
-    k_free = torch.where(inc, k_free, 0).sum(-1)
+    kf_t = k_cur * (mine & sole)  # [B, P, K, U]
+
+    def on_host(r):
+        """Token change (k_grow - k_free) of the bundle's tasks whose key host is rank ``r``
+        [B, P, K] (n positions each): ([B, P, K, D1, 2] sum, [B, P, K, D1, 2] any)."""
+        pos = tasks.unit_pos[order_b.view(B, 1, 1, 1), unit[..., None],
+                             r[..., None] * n + torch.arange(n, device=dev)]  # [B, P, K, n]
+        inc = mine.gather(3, pos)[:, :, :, None, None, :] & (pos[:, :, :, None, None, :] < cut[..., None])
+        delta = kg_t.gather(4, pos[:, :, :, None, :].expand(B, P, K, D1, n)) - kf_t.gather(3, pos)[:, :, :, None, :]
+        return (delta[:, :, :, :, None, :] * inc).sum(-1), inc.any(-1)
+
+    kv_to_src = on_host(ranks.view(1, P, 1).expand(B, P, K))[0] * tasks.kv
+    kv_to_host = torch.where(i_of != s_of, on_host(u_host)[0] * tasks.kv, 0)
+    # the busiest key host other than the touched ranks after the move
+    if n == 1:
+        # one task per key host: its send plus its own change, for the tasks whose key host is
+        # neither the source, the query host nor the destination; a prefix maximum per cut
+        base = st.send.gather(1, j_t.view(B, -1)).view(B, P, K, U) - kf_t * tasks.kv
+        other = mine & (j_t != s4) & (j_t != u_host[..., None])
+        val = (base[:, :, :, None, :] + kg_t * tasks.kv) * (other[:, :, :, None, :] & (j5 != d_of))
+        kvh1 = (val * (upos < cut1[..., None])).amax(-1)
+        kvh0 = val.gather(4, first_at[:, :, :, None, :].expand(B, P, K, D1, 1)).squeeze(4) * (cut0 > 0)
+        kvh_max = torch.stack((kvh0, kvh1), 4)
+    else:
+        # up to n tasks per key host: their changes add up (``_busiest_key_host``)
+        inc = mine[:, :, :, None, None, :] & (upos < cut[..., None])  # [B, P, K, D1, 2, U]
+        kv_delta = inc * ((kg_t - kf_t[:, :, :, None, :]) * tasks.kv)[:, :, :, :, None, :]
+        j6 = j_t[:, :, :, None, None, :]
+        elsewhere = inc & (j6 != s_of[..., None]) & (j6 != i_of[..., None]) & (j6 != d_of[..., None])
+        kvh_max = _busiest_key_host(st.send, j6, elsewhere, kv_delta, n)
+    k_grow = _at_cut(kg_t.cumsum(4), cut, 0)  # [B, P, K, D1, 2] tokens over each bundle
+    k_free = _at_cut(kf_t.cumsum(3), cut, 0)
 
     # byte deltas of the three touched ranks (the query host may be the source or the destination)
     dq = q_grow - q_free
@@ -359,11 +409,13 @@ def _bundle_proposals(tasks: _Tasks, st: _State, cap, excess, balance, threshold
     bal = balance.view(B, 1, 1, 1, 1)
     bnv = st.bottleneck.view(B, 1, 1, 1, 1)
     bn = st.vol.argmax(1).view(B, 1, 1, 1, 1)
-    bn_is_j = elsewhere & (j6 == bn[..., None])
-    bn_as_j = torch.maximum(at(st.send, bn) + torch.where(bn_is_j, kv_delta, 0).sum(-1), at(st.recv, bn))
+    # the bottleneck rank as a key host of moved tasks (not otherwise touched)
+    to_bn, any_bn = on_host(bn.view(B, 1, 1).expand(B, P, K))
+    bn_is_j = any_bn & (bn != s_of) & (bn != i_of) & (bn != d_of)
+    bn_as_j = torch.maximum(at(st.send, bn) + to_bn * tasks.kv, at(st.recv, bn))
     bn_new = torch.where(s_of == bn, torch.maximum(src_send, src_recv),
                          torch.where(i_of == bn, torch.maximum(host_send, host_recv),
-                                     torch.where(bn_is_j.any(-1), bn_as_j, bnv)))
+                                     torch.where(bn_is_j, bn_as_j, bnv)))
     ok_bal = (excess.view(B, P, 1, 1, 1) > 0) & (new_max.double() <= threshold.view(B, 1, 1, 1, 1))
     ok_bn = (bn_new < bnv) & (new_max < bnv)
     side = ~ok_bn & (bn_new <= bnv) & (new_max < bnv) & (added < 0) & sideways
@@ -374,10 +426,10 @@ def _bundle_proposals(tasks: _Tasks, st: _State, cap, excess, balance, threshold
     score = torch.where(ok, score, float("inf"))
 
     # each offered unit proposes its best (destination, size): proposals [B, P*K]
-    n = D1 * 2
-    best = score.view(B, P, K, n).argmin(-1, keepdim=True)  # first on ties
-    pick = lambda x: x.expand(shape).reshape(B, P, K, n).gather(3, best).reshape(B, P * K)  # noqa: E731
-    moved = inc.reshape(B, P, K, n, U).gather(3, best[..., None].expand(-1, -1, -1, 1, U)).squeeze(3)
+    n_opts = D1 * 2
+    best = score.view(B, P, K, n_opts).argmin(-1, keepdim=True)  # first on ties
+    pick = lambda x: x.expand(shape).reshape(B, P, K, n_opts).gather(3, best).reshape(B, P * K)  # noqa: E731
+    moved = mine & (upos < cut.reshape(B, P, K, n_opts).gather(3, best))
     d_best = dests.gather(3, best // 2)  # [B, P, K, 1]
     return _Proposals(ok=pick(ok), score=pick(score), dest=d_best.reshape(B, P * K),
                       source=ranks.view(P, 1).expand(P, K).reshape(1, -1).expand(B, -1),
