@@ -59,6 +59,9 @@ RESTART_EVERY = 8
 # mu is compared in integer arithmetic with this many parts per unit.
 _MU_SCALE = 1 << 20
 _BIG = 1 << 60
+# Unit-local token positions stay below this, so the torch proposals price the [.., D, U]
+# key hulls in int32 (half the memory traffic of int64), with it as the empty-hull bound.
+_TOKEN_LIMIT = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,8 @@ class _Tasks:
 
     def __init__(self, areas: BlockAreas, config: SolverConfig):
         G, P, U, n = areas.head_groups, areas.cp_size, areas.num_units, areas.tiles
+        if areas.chunk >= _TOKEN_LIMIT:
+            raise ValueError(f"areas.chunk must be below {_TOKEN_LIMIT} tokens per unit, got {areas.chunk}")
         dev = areas.area.device
         self.G, self.P, self.U, self.T = G, P, U, G * U * U
         idx = torch.arange(self.T, device=dev)
@@ -178,11 +183,14 @@ def _state(tasks: _Tasks, A: torch.Tensor) -> _State:
 
 
 def _union_growth(cur_lo, cur_hi, lo, hi):
-    """Tokens a hull [cur_lo, cur_hi) grows by when [lo, hi) joins it (lo < hi)."""
-    cur_len = (cur_hi - cur_lo).clamp(min=0)
-    u_lo = torch.where(cur_len > 0, torch.minimum(cur_lo, lo), lo)
-    u_hi = torch.where(cur_len > 0, torch.maximum(cur_hi, hi), hi)
-    return (u_hi - u_lo) - cur_len
+    """Tokens a hull [cur_lo, cur_hi) grows by when [lo, hi) joins it (lo < hi).
+
+    An empty hull is (``_BIG``, 0) (``_scatter_hull``), so the hull formula needs no branch
+    for it: max(0, hi) - min(_BIG, lo) = hi - lo. The kernels' twin branches on it instead.
+    """
+    out = torch.maximum(cur_hi, hi)
+    out -= torch.minimum(cur_lo, lo)
+    return out.sub_((cur_hi - cur_lo).clamp_(min=0))
 
 
 @dataclass
@@ -346,10 +354,11 @@ def _bundle_proposals(tasks: _Tasks, st: _State, cap, excess, balance, threshold
     # the key host), freed at the source
     kv_u = tasks.kv_unit[tid]  # [B, P, K, U]
     kd = (kv_u * P)[:, :, :, None, :] + d_of  # [B, P, K, D1, U]
-    j5 = j_t[:, :, :, None, :]
-    kg_t = _union_growth(gather_at(st.k_lo, kd), gather_at(st.k_hi, kd),
-                         tasks.klo[tid][:, :, :, None, :], tasks.khi[tid][:, :, :, None, :])
-    kg_t = kg_t * (mine[:, :, :, None, :] & (j5 != d_of))  # [B, P, K, D1, U]
+    k_lo32, k_hi32 = st.k_lo.clamp(max=_TOKEN_LIMIT).int(), st.k_hi.int()  # int32, empty = (_TOKEN_LIMIT, 0)
+    not_d = j_t[:, :, :, None, :] != d_of  # [B, P, K, D1, U] the destination is not the key host
+    kg_t = _union_growth(gather_at(k_lo32, kd), gather_at(k_hi32, kd),
+                         tasks.klo[tid].int()[:, :, :, None, :], tasks.khi[tid].int()[:, :, :, None, :])
+    kg_t *= mine[:, :, :, None, :] & not_d  # [B, P, K, D1, U]
     # a KV unit's columns leave the source only with its last task there (a lower bound of
     # what is freed: a unit shared with tasks that stay is counted as not shrinking)
     k_cur = gather_at(st.klen, kv_u * P + s4)
@@ -373,9 +382,11 @@ def _bundle_proposals(tasks: _Tasks, st: _State, cap, excess, balance, threshold
         # neither the source, the query host nor the destination; a prefix maximum per cut
         base = st.send.gather(1, j_t.view(B, -1)).view(B, P, K, U) - kf_t * tasks.kv
         other = mine & (j_t != s4) & (j_t != u_host[..., None])
-        val = (base[:, :, :, None, :] + kg_t * tasks.kv) * (other[:, :, :, None, :] & (j5 != d_of))
-        kvh1 = (val * (upos < cut1[..., None])).amax(-1)
-        kvh0 = val.gather(4, first_at[:, :, :, None, :].expand(B, P, K, D1, 1)).squeeze(4) * (cut0 > 0)
+        val = base[:, :, :, None, :] + kg_t.long() * tasks.kv  # [B, P, K, D1, U]
+        elsewhere = other[:, :, :, None, :] & not_d
+        kvh1 = (val * (elsewhere & (upos < cut1[..., None]))).amax(-1)
+        at_first = first_at[:, :, :, None, :].expand(B, P, K, D1, 1)
+        kvh0 = (val.gather(4, at_first) * elsewhere.gather(4, at_first)).squeeze(4) * (cut0 > 0)
         kvh_max = torch.stack((kvh0, kvh1), 4)
     else:
         # up to n tasks per key host: their changes add up (``_busiest_key_host``)
@@ -384,7 +395,7 @@ def _bundle_proposals(tasks: _Tasks, st: _State, cap, excess, balance, threshold
         j6 = j_t[:, :, :, None, None, :]
         elsewhere = inc & (j6 != s_of[..., None]) & (j6 != i_of[..., None]) & (j6 != d_of[..., None])
         kvh_max = _busiest_key_host(st.send, j6, elsewhere, kv_delta, n)
-    k_grow = _at_cut(kg_t.cumsum(4), cut, 0)  # [B, P, K, D1, 2] tokens over each bundle
+    k_grow = _at_cut(kg_t.long().cumsum(4), cut, 0)  # [B, P, K, D1, 2] tokens over each bundle
     k_free = _at_cut(kf_t.cumsum(3), cut, 0)
 
     # byte deltas of the three touched ranks (the query host may be the source or the destination)
