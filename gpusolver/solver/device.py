@@ -385,11 +385,11 @@ def _bundle_proposals(tasks: _Tasks, st: _State, cap, excess, balance, threshold
         # neither the source, the query host nor the destination; a prefix maximum per cut
         base = st.send.gather(1, j_t.view(B, -1)).view(B, P, K, U) - kf_t * tasks.kv
         other = mine & (j_t != s4) & (j_t != u_host[..., None])
-        val = base[:, :, :, None, :] + kg_t.long() * tasks.kv  # [B, P, K, D1, U]
+        val = kg_t.long().mul_(tasks.kv).add_(base[:, :, :, None, :])  # [B, P, K, D1, U]
         elsewhere = other[:, :, :, None, :] & not_d
-        kvh1 = (val * (elsewhere & (upos < cut1[..., None]))).amax(-1)
         at_first = first_at[:, :, :, None, :].expand(B, P, K, D1, 1)
         kvh0 = (val.gather(4, at_first) * elsewhere.gather(4, at_first)).squeeze(4) * (cut0 > 0)
+        kvh1 = val.mul_(elsewhere & (upos < cut1[..., None])).amax(-1)
         kvh_max = torch.stack((kvh0, kvh1), 4)
     else:
         # up to n tasks per key host: their changes add up (``_busiest_key_host``)
