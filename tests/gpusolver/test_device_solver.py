@@ -1,4 +1,6 @@
 """The device solver: sync-free, static shapes, deterministic, valid and balanced plans."""
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -149,6 +151,8 @@ def test_solver_choice_and_errors():
         solve_device(areas, _config(4, G=1))
     with pytest.raises(ValueError, match="head_groups"):
         solve_device(areas, _config(P, G=2))
+    with pytest.raises(ValueError, match="areas.chunk must be below"):  # int32 token arithmetic
+        solve_device(dataclasses.replace(areas, chunk=1 << 30), config)
 
 
 def test_invalid_mask_values_flagged_without_host_reads():
@@ -171,7 +175,8 @@ def test_invalid_mask_values_flagged_without_host_reads():
 
 
 def test_a_variant_does_not_depend_on_its_batch():
-    # the Triton path runs the whole portfolio as one batch, the torch path one batch per strategy
+    # the Triton path (and the torch path below TORCH_BATCH_RANKS) runs the whole portfolio as one
+    # batch, the torch path from there one batch per strategy
     import gpusolver.solver.device as dv
 
     P = 4
