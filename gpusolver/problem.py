@@ -75,32 +75,38 @@ class BlockAreas:
             raise ValueError(f"as_tiles takes untiled areas, got tiles={self.tiles}")
         return self if tiles == 1 else BlockAreas(self.area, self.q_need, self.k_need, self.chunk, tiles)
 
-    def coarsen(self) -> "BlockAreas":
-        """The same work at one unit per rank (tiles = 1): [G, P, P] areas summed over tile
-        pairs, needs as chunk-local hulls of the tiles' needs ([0, 0) for empty blocks).
-        Sync-free; equal to the untiled areas of the mask when the tiles' needs are exact."""
-        if self.tiles == 1:
+    def coarsen(self, tiles: int = 1) -> "BlockAreas":
+        """The same work at ``tiles`` units per rank (default 1, whole chunks; it must divide
+        ``self.tiles``): areas summed over the merged tile pairs, needs as hulls of the merged
+        tiles' needs in the new units' coordinates ([0, 0) for empty blocks). Sync-free; equal
+        to the areas of the mask at ``tiles`` when the tiles' needs are exact."""
+        n = self.tiles
+        if not isinstance(tiles, int) or tiles < 1 or n % tiles:
+            raise ValueError(f"tiles must be a positive int dividing {n}, got {tiles!r}")
+        if tiles == n:
             return self
-        G, P, n, c = self.head_groups, self.cp_size, self.tiles, self.chunk
-        area = self.area.view(G, P, n, P, n)
+        G, P, c, f = self.head_groups, self.cp_size, self.chunk, n // tiles
+        m = P * tiles  # units after merging f tiles into one
+        area = self.area.view(G, m, f, m, f)
         used = area > 0
-        offset = torch.arange(n, device=area.device) * c  # a tile's first token in its chunk
+        offset = torch.arange(f, device=area.device) * c  # a tile's first token in its merged unit
 
         def hull(need, off):
-            lo = torch.where(used, need[..., 0] + off, P * n * c).amin(dim=(2, 4))
+            lo = torch.where(used, need[..., 0] + off, f * c).amin(dim=(2, 4))
             hi = torch.where(used, need[..., 1] + off, 0).amax(dim=(2, 4))
             some = used.any(dim=4).any(dim=2)
             return torch.stack((torch.where(some, lo, 0), torch.where(some, hi, 0)), dim=-1)
 
-        q = hull(self.q_need.view(G, P, n, P, n, 2), offset.view(1, 1, n, 1, 1))
-        k = hull(self.k_need.view(G, P, n, P, n, 2), offset.view(1, 1, 1, 1, n))
-        return BlockAreas(area.sum(dim=(2, 4)), q, k, c * n)
+        q = hull(self.q_need.view(G, m, f, m, f, 2), offset.view(1, 1, f, 1, 1))
+        k = hull(self.k_need.view(G, m, f, m, f, 2), offset.view(1, 1, 1, 1, f))
+        return BlockAreas(area.sum(dim=(2, 4)), q, k, c * f, tiles)
 
     def refine(self, assignment: torch.Tensor) -> torch.Tensor:
-        """An assignment of the coarsened areas ([G, P, P], every tile pair of a chunk pair on
-        its rank) as an assignment of these: [G, U, U] int32, -1 for empty tasks. Sync-free."""
-        n = self.tiles
-        tiled = assignment.to(torch.int32).repeat_interleave(n, dim=1).repeat_interleave(n, dim=2)
+        """An assignment of coarsened areas ([G, V, V] with V dividing U, e.g. [G, P, P] of whole
+        chunks; every merged tile pair on its block's rank) as an assignment of these:
+        [G, U, U] int32, -1 for empty tasks. Sync-free."""
+        f = self.num_units // assignment.shape[1]
+        tiled = assignment.to(torch.int32).repeat_interleave(f, dim=1).repeat_interleave(f, dim=2)
         return torch.where(self.area > 0, tiled, torch.full_like(tiled, -1))
 
     def to(self, device) -> "BlockAreas":

@@ -728,6 +728,11 @@ def _restart(tasks: _Tasks, best_A: torch.Tensor, vol: torch.Tensor) -> torch.Te
     return torch.cat((torch.where(back, home, best_A[:, :T]), best_A[:, T:]), 1)
 
 
+def coarser_tiles(tiles: int) -> int:
+    """The tiles per chunk a tiled solve starts from: half of an even count, else 1."""
+    return tiles // 2 if tiles % 2 == 0 else 1
+
+
 def _run_variants(tasks: _Tasks, cap: torch.Tensor, strategies: tuple[Strategy, ...], rounds: int,
                   state_fn=None, propose_fn=None, accept_apply_fn=None, track_fn=None,
                   sideways: bool = False, restart_every: int = 0, start: torch.Tensor | None = None,
@@ -796,8 +801,8 @@ def solve_device(areas: BlockAreas, config: SolverConfig, *, rounds: int = DEFAU
     """Assign every task to a rank, on the device of ``areas``, without host reads.
 
     areas:      BlockAreas (area [G, U, U] int64, q_need/k_need [G, U, U, 2] int64; U = P,
-                or n * P with ``config.chunk_tiles = n`` sub-chunk tiles: then the chunks
-                are solved first, ``areas.coarsen()``, and that plan is refined with tiles).
+                or n * P with ``config.chunk_tiles = n`` sub-chunk tiles: then the areas at
+                ``coarser_tiles(n)`` tiles are solved first and that plan is refined).
     config:     SolverConfig (P, heads, D, dtype, imbalance_tol, chunk_tiles).
     rounds:     rounds of moves per variant (static).
     strategies: batches of variants (default: ``default_strategies(P)``); the best state wins.
@@ -829,11 +834,13 @@ def solve_device(areas: BlockAreas, config: SolverConfig, *, rounds: int = DEFAU
         raise ValueError(f"restart_every must be >= 0 (0: never), got {restart_every}")
     start = None
     if areas.tiles > 1:
-        # coarse to fine: solve whole chunks first, then refine that plan with tile moves; the
-        # tiled search keeps its best state, so it never ends above the untiled plan
-        coarse = solve_device(areas.coarsen(), replace(config, chunk_tiles=1), rounds=rounds,
-                              strategies=strategies, impl=impl, workers=workers, sideways=sideways,
-                              restart_every=restart_every)
+        # coarse to fine: solve at half the tiles (whole chunks for an odd count) first, then
+        # refine that plan with tile moves; each level keeps its best state, so n tiles never
+        # end above n / 2 tiles or whole chunks
+        coarse_tiles = coarser_tiles(areas.tiles)
+        coarse = solve_device(areas.coarsen(coarse_tiles), replace(config, chunk_tiles=coarse_tiles),
+                              rounds=rounds, strategies=strategies, impl=impl, workers=workers,
+                              sideways=sideways, restart_every=restart_every)
         start = areas.refine(coarse.assignment).reshape(-1).long()
     tasks = _Tasks(areas, config)
     mu_num = int(round(config.imbalance_tol * _MU_SCALE))

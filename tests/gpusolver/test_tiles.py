@@ -18,17 +18,25 @@ from tests.gpusolver.test_plan import _check_plan, _config, _random_mask
 
 
 @settings(max_examples=15, deadline=None)
-@given(data=st.data(), P=st.integers(1, 3), c=st.integers(1, 4), tiles=st.integers(2, 3), G=st.integers(1, 2),
-       grouped=st.booleans())
-def test_coarsen_equals_untiled_areas(data, P, c, tiles, G, grouped):
+@given(data=st.data(), P=st.integers(1, 3), c=st.integers(1, 4), tiles=st.sampled_from([2, 3, 4]),
+       G=st.integers(1, 2), grouped=st.booleans())
+def test_coarsen_equals_areas_at_fewer_tiles(data, P, c, tiles, G, grouped):
     mask = _random_mask(data, P * c * tiles, G, grouped)
     fine = block_areas(mask, P, G, impl="torch", tiles=tiles)
     assert fine.area.shape == (G, P * tiles, P * tiles) and fine.chunk == c and fine.rank_tokens == c * tiles
-    whole = block_areas(mask, P, G, impl="torch")
-    coarse = fine.coarsen()
-    assert coarse.tiles == 1 and coarse.chunk == whole.chunk
-    for name in ("area", "q_need", "k_need"):
-        assert torch.equal(getattr(coarse, name), getattr(whole, name)), name
+    for fewer in [t for t in range(1, tiles) if tiles % t == 0]:
+        direct = block_areas(mask, P, G, impl="torch", tiles=fewer)
+        coarse = fine.coarsen() if fewer == 1 else fine.coarsen(fewer)
+        assert coarse.tiles == fewer and coarse.chunk == direct.chunk
+        for name in ("area", "q_need", "k_need"):
+            assert torch.equal(getattr(coarse, name), getattr(direct, name)), (fewer, name)
+
+
+def test_coarsen_rejects_a_tile_count_that_does_not_divide():
+    fine = block_areas(causal_mask(64), 2, 1, impl="torch", tiles=4)
+    for bad in (0, 3, 8, 2.0):
+        with pytest.raises(ValueError, match="tiles must be a positive int dividing 4"):
+            fine.coarsen(bad)
 
 
 def test_refine_keeps_loads_and_never_moves_more():
@@ -63,6 +71,10 @@ def test_tiled_solve_valid_and_no_worse_than_whole_chunks(P, n):
     untiled = evaluate(whole, solve_device(whole, whole_cfg).assignment, whole_cfg.cost())
     assert bool(res.balanced) and m.imbalance.item() <= config.imbalance_tol
     assert int(res.fwd_bottleneck) == int(m.fwd_bottleneck) <= int(untiled.fwd_bottleneck)
+    if n % 2 == 0:  # n tiles start from the plan at n / 2 tiles, so never end above it
+        half_cfg = SolverConfig(cp_size=P, chunk_tiles=n // 2)
+        half = block_areas(mask, P, half_cfg.head_groups, impl="torch", tiles=n // 2)
+        assert int(res.fwd_bottleneck) <= int(solve_device(half, half_cfg).fwd_bottleneck)
     again = solve_device(fine, config)
     assert torch.equal(again.assignment, asg)  # deterministic
 
