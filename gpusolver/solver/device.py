@@ -188,8 +188,9 @@ def _state(tasks: _Tasks, A: torch.Tensor) -> _State:
 def _union_growth(cur_lo, cur_hi, lo, hi):
     """Tokens a hull [cur_lo, cur_hi) grows by when [lo, hi) joins it (lo < hi).
 
-    An empty hull is (``_BIG``, 0) (``_scatter_hull``), so the hull formula needs no branch
-    for it: max(0, hi) - min(_BIG, lo) = hi - lo. The kernels' twin branches on it instead.
+    An empty hull is (``_BIG``, 0) (``_scatter_hull``; (``_TOKEN_LIMIT``, 0) in int32), so the
+    hull formula needs no branch for it: max(0, hi) - min(_BIG, lo) = hi - lo. The kernels'
+    twin branches on it instead.
     """
     out = torch.maximum(cur_hi, hi)
     out -= torch.minimum(cur_lo, lo)
