@@ -65,6 +65,9 @@ _BIG = 1 << 60
 # Unit-local token positions stay below this, so the torch proposals price the [.., D, U]
 # key hulls in int32 (half the memory traffic of int64), with it as the empty-hull bound.
 _TOKEN_LIMIT = 1 << 30
+# A bundle's key-hull growth is at most one unit per task, so the whole sequence (U units)
+# bounds its running sum: below this, that sum is int32 too.
+_SEQUENCE_LIMIT = 1 << 31
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,9 @@ class _Tasks:
         G, P, U, n = areas.head_groups, areas.cp_size, areas.num_units, areas.tiles
         if areas.chunk >= _TOKEN_LIMIT:
             raise ValueError(f"areas.chunk must be below {_TOKEN_LIMIT} tokens per unit, got {areas.chunk}")
+        if areas.chunk * U >= _SEQUENCE_LIMIT:
+            raise ValueError(f"areas: the sequence (chunk {areas.chunk} x {U} units) must be below "
+                             f"{_SEQUENCE_LIMIT} tokens")
         dev = areas.area.device
         self.G, self.P, self.U, self.T = G, P, U, G * U * U
         idx = torch.arange(self.T, device=dev)
@@ -268,11 +274,15 @@ def _at_cut(running: torch.Tensor, cut: torch.Tensor, empty: int, suffix: bool =
     ``suffix``) at ``cut`` [..., C] in 0..U: the value over positions [0, cut) (or [cut, U)),
     ``empty`` where that range is empty. A 4-D ``running`` [B, P, K, U] is shared by every
     destination of a 5-D ``cut`` [B, P, K, D, C]."""
-    pad = torch.full_like(running[..., :1], empty)
-    table = torch.cat((running, pad) if suffix else (pad, running), -1)
-    if table.dim() == cut.dim():
-        return table.gather(-1, cut)
-    return table.gather(-1, cut.flatten(-2)).view(cut.shape)
+    # read the last position inside the range (the first with ``suffix``), clamped, then blank
+    # empty ranges: no padded copy of ``running``
+    U = running.shape[-1]
+    at, empty_range = (cut.clamp(max=U - 1), cut == U) if suffix else ((cut - 1).clamp(min=0), cut == 0)
+    if running.dim() == cut.dim():
+        value = running.gather(-1, at)
+    else:
+        value = running.gather(-1, at.flatten(-2)).view(cut.shape)
+    return value.masked_fill_(empty_range, empty)
 
 
 def _bundle_proposals(tasks: _Tasks, st: _State, cap, excess, balance, threshold,
@@ -399,7 +409,7 @@ def _bundle_proposals(tasks: _Tasks, st: _State, cap, excess, balance, threshold
         j6 = j_t[:, :, :, None, None, :]
         elsewhere = inc & (j6 != s_of[..., None]) & (j6 != i_of[..., None]) & (j6 != d_of[..., None])
         kvh_max = _busiest_key_host(st.send, j6, elsewhere, kv_delta, n)
-    k_grow = _at_cut(kg_t.long().cumsum(4), cut, 0)  # [B, P, K, D1, 2] tokens over each bundle
+    k_grow = _at_cut(kg_t.cumsum(4, dtype=torch.int32), cut, 0).long()  # [B, P, K, D1, 2] bundle tokens
     k_free = _at_cut(kf_t.cumsum(3), cut, 0)
 
     # byte deltas of the three touched ranks (the query host may be the source or the destination)
