@@ -21,13 +21,16 @@ every Triton kernel launch. Host reads (``.item()``, ``nonzero``, ...) are
 counted too and must be 0. On CPU the times are not GPU latency; the launch
 count is the proxy for it. Next to each row: the CPU reference solver's time
 on the same mask, and quality (both imbalances, device / reference forward
-and backward bottleneck). ``torch.set_num_threads(1)`` is set first: the
-solver's tensors are small, and on CPU threading overhead dominates.
+and backward bottleneck). The torch path runs with ``torch.set_num_threads(1)``
+(the fair comparison with the single-threaded reference, which always runs
+so); ``--threads 1,2`` adds a row per thread count, e.g. both cores of a
+2-core machine.
 
     python benchmarks/solver_latency.py                      # P = 8..128, 3 repeats
     python benchmarks/solver_latency.py --P 8,16 --repeats 5
     python benchmarks/solver_latency.py --quick              # P = 8,16, 1 repeat
     python benchmarks/solver_latency.py --P 8 --tiles 4      # with sub-chunk tiles (chunk_tiles = 4)
+    python benchmarks/solver_latency.py --P 64 --threads 1,2 # the torch path on 1 and on 2 threads
 """
 from __future__ import annotations
 
@@ -91,8 +94,10 @@ def _quality(areas, dev_asg, ref_asg, config) -> dict:
     }
 
 
-def cpu_row(kind: str, cp_size: int, seed: int, repeats: int, tokens_per_rank: int, tiles: int = 1):
-    """The torch path on CPU and the reference solver (on whole chunks).
+def cpu_row(kind: str, cp_size: int, seed: int, repeats: int, tokens_per_rank: int, tiles: int = 1,
+            threads: int = 1):
+    """The torch path on CPU (``threads`` intra-op threads) and the reference solver (on whole
+    chunks, one thread).
 
     Returns (row, device assignment, reference assignment), both [G, U, U] int32 on CPU
     (U = tiles * P; the reference's chunk pairs spread over their tiles).
@@ -104,12 +109,17 @@ def cpu_row(kind: str, cp_size: int, seed: int, repeats: int, tokens_per_rank: i
         areas = run_areas()
     with LaunchCounter() as count_solve:
         solve_device(areas, config)
-    areas_s, areas = wall_time(run_areas, repeats, warmup=0)
-    solve_s, res = wall_time(lambda: solve_device(areas, config), repeats, warmup=0)
+    torch.set_num_threads(threads)
+    try:
+        areas_s, areas = wall_time(run_areas, repeats, warmup=0)
+        solve_s, res = wall_time(lambda: solve_device(areas, config), repeats, warmup=0)
+    finally:
+        torch.set_num_threads(1)
     whole = areas.coarsen()
     ref_s, ref = wall_time(lambda: assign(whole, dataclasses.replace(config, chunk_tiles=1)), repeats, warmup=0)
     ref_asg = areas.refine(ref.assignment)
-    row = {"kind": kind, "P": cp_size, "tiles": tiles, "seed": seed, "backend": "cpu/torch",
+    row = {"kind": kind, "P": cp_size, "tiles": tiles, "seed": seed,
+           "backend": "cpu/torch" + ("" if threads == 1 else f" {threads} threads"), "threads": threads,
            "num_slices": mask.num_slices,
            "areas_ms": 1e3 * areas_s, "solve_ms": 1e3 * solve_s, "total_ms": 1e3 * (areas_s + solve_s),
            "graph_ms": None, "sync_free": None, "ref_ms": 1e3 * ref_s, "reference_feasible": ref.feasible,
@@ -203,6 +213,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiles", type=int, default=1, help="sub-chunk tiles per chunk (SolverConfig.chunk_tiles)")
     p.add_argument("--tokens-per-rank", type=int, default=TOKENS_PER_RANK)
+    p.add_argument("--threads", default="1", help="torch-path thread counts, comma-separated (default 1)")
     p.add_argument("--no-cuda", action="store_true", help="skip the CUDA path even when a GPU is present")
     p.add_argument("--json", default=str(RESULTS_DIR / "solver_latency.json"), help="JSON output path")
     p.add_argument("--md", default=None, help="also write the printed tables to this markdown file")
@@ -211,6 +222,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     try:
         args.P = parse_list(args.P, int, name="--P") if args.P else list(QUICK_P if args.quick else FULL_P)
         args.kinds = parse_list(args.kinds, str, allowed=tuple(KINDS), name="--kinds")
+        args.threads = parse_list(args.threads, int, name="--threads")
     except ValueError as e:
         p.error(str(e))
     if args.repeats is None:
@@ -230,8 +242,10 @@ def main(argv=None) -> dict:
     rows = []
     for kind in args.kinds:
         for P in args.P:
-            cpu, cpu_asg, ref_asg = cpu_row(kind, P, args.seed, args.repeats, args.tokens_per_rank, args.tiles)
-            rows.append(cpu)
+            cpu_rows = [cpu_row(kind, P, args.seed, args.repeats, args.tokens_per_rank, args.tiles, threads)
+                        for threads in args.threads]
+            rows.extend(row for row, _, _ in cpu_rows)
+            cpu, cpu_asg, ref_asg = cpu_rows[0]
             if use_cuda:
                 rows.extend(cuda_row(kind, P, args.seed, args.repeats, args.tokens_per_rank, cpu, cpu_asg, ref_asg,
                                      impl, workers, args.tiles) for impl, workers in CUDA_PATHS)
@@ -249,6 +263,7 @@ def main(argv=None) -> dict:
     payload = {
         "benchmark": "solver_latency",
         "config": {"P": args.P, "repeats": args.repeats, "kinds": args.kinds, "seed": args.seed, "tiles": args.tiles,
+                   "threads": args.threads,
                    "tokens_per_rank": args.tokens_per_rank, "cuda": use_cuda},
         "environment": environment(), "rows": rows,
     }

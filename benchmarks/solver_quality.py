@@ -109,10 +109,11 @@ def _plan_row(areas, asg, config, usp, owner) -> dict:
 
 
 def run_instance(kind: str, cp_size: int, seed: int, solvers, tokens_per_rank: int, device,
-                 tiles=(1,)) -> list[dict]:
+                 tiles=(1,), heads: tuple[int, int] | None = None) -> list[dict]:
     """Rows for one mask: one per solver (the device solver once per tile count), plus the
-    baselines' bytes in each row."""
-    config = SolverConfig(cp_size=cp_size)
+    baselines' bytes in each row. ``heads`` (Hq, Hkv) overrides the config's 64:8."""
+    config = SolverConfig(cp_size=cp_size) if heads is None else \
+        SolverConfig(cp_size=cp_size, num_heads_q=heads[0], num_heads_kv=heads[1])
     mask = make_mask(kind, cp_size, seed, tokens_per_rank, device=device)
     t0 = time.perf_counter()
     areas = block_areas(mask, cp_size, config.head_groups, impl="auto")

@@ -30,7 +30,8 @@ The algorithm (DESIGN.md, "The solver", family 2):
 * Local search below P = 32: sideways bottleneck-phase moves (the bottleneck
   stays, every touched rank stays below it, the total bytes fall), and at
   rounds 8 and 16 a restart from the best state with the bottleneck rank's
-  moves undone.
+  moves undone. Below P = 8 the balance phase may also ship a unit's first
+  task alone.
 * A portfolio of strategies (search width, task order, threshold) runs as
   variants side by side; each keeps its best state over the rounds (balanced
   first, then the lowest forward bottleneck) and the best variant wins.
@@ -56,6 +57,13 @@ DEFAULT_ROUNDS = 24
 # masks (seeds 0-5): both lower the P = 8 and 16 medians and raise none; at
 # P = 64 they cost quality (balancing still runs past round 8 there).
 RESTART_EVERY = 8
+# Below SINGLES_P ranks the balance phase may also ship a unit's first task alone (without it,
+# only the prefix that covers the source's excess). Measured with the portfolio on packed
+# documents (both kinds, GQA 64:8, 4K and 8K tokens per rank, 4 seeds): masks above the
+# reference's bytes 6 -> 3 of 16 at P = 2, 1 -> 1 at P = 3, 13 -> 8 of 48 at P = 4 (2K-8K
+# tokens, GQA 32:4 too), 2 -> 1 at P = 6; at P = 8 no gain, and on the quality benchmark's
+# masks it raised one P = 32 and one P = 64 mask by 11-15 %.
+SINGLES_P = 8
 # The torch path runs the whole portfolio as one batch below this many ranks (measured side
 # by side: 2.5x faster at P = 8, 1.1-1.3x with tiles there; the same at P = 16, slower at 32).
 TORCH_BATCH_RANKS = 16
@@ -287,7 +295,7 @@ def _at_cut(running: torch.Tensor, cut: torch.Tensor, empty: int, suffix: bool =
 
 def _bundle_proposals(tasks: _Tasks, st: _State, cap, excess, balance, threshold,
                       units_per_rank, n_dests, dests_per_variant=None, order_per_variant=None,
-                      sideways: bool = False) -> _Proposals:
+                      sideways: bool = False, singles: bool = False) -> _Proposals:
     """Ship a prefix of one QO unit's tasks (by area) from each source to one destination.
 
     Balance phase (``balance`` [B] True): overloaded sources, the prefix stops
@@ -299,6 +307,7 @@ def _bundle_proposals(tasks: _Tasks, st: _State, cap, excess, balance, threshold
     leaves the bottleneck as it is, keeps every touched rank below it and
     lowers the total bytes is also allowed, ranked after every move that
     lowers the bottleneck (score + 1); the total falls strictly, so no cycles.
+    With ``singles`` (host bool) the balance phase also offers the one-task bundle.
 
     Both sizes take the source's tasks among the first ``cut`` positions of the
     unit's order, so every sum over a bundle is a running sum read at its cut,
@@ -334,13 +343,14 @@ def _bundle_proposals(tasks: _Tasks, st: _State, cap, excess, balance, threshold
     dests = torch.cat((dests[:, :, None, :].expand(B, P, K, D), key_host, home, holder), 3)  # [B, P, K, D1]
     D1 = D + 3
     # each size ships the source's tasks before a cut of the order, [B, P, K, D1, 2(size)]:
-    # size 0 = the first task here if it fits the destination (bottleneck phase only);
+    # size 0 = the first task here if it fits the destination (bottleneck phase, or ``singles``);
     # size 1 = while the running area fits (and, balancing, until the excess is covered)
     room = headroom.gather(1, dests.view(B, -1)).view(B, P, K, D1)
     fits = torch.searchsorted(after, room, right=True)  # positions whose running area fits
     over = torch.where(balance.view(B, 1, 1), (before < excess.view(B, P, 1, 1)).sum(3), U)
     cut1 = torch.minimum(fits, over[..., None])
-    cut0 = torch.where(~balance.view(B, 1, 1, 1) & (fits > first[..., None]), first[..., None] + 1, 0)
+    single_ok = ~balance.view(B, 1, 1, 1) | singles
+    cut0 = torch.where(single_ok & (fits > first[..., None]), first[..., None] + 1, 0)
     cut = torch.stack((cut0, cut1), 4)
     area = _at_cut(after, cut, 0)  # [B, P, K, D1, 2]
     shape = area.shape
@@ -640,10 +650,11 @@ def default_strategies(cp_size: int) -> tuple[Strategy, ...]:
     return LARGE_P_STRATEGIES if cp_size >= LARGE_P else DEFAULT_STRATEGIES
 
 
-def default_local_search(cp_size: int) -> tuple[bool, int]:
-    """(sideways, restart_every) ``solve_device`` uses for ``cp_size`` ranks (see RESTART_EVERY)."""
+def default_local_search(cp_size: int) -> tuple[bool, int, bool]:
+    """(sideways, restart_every, singles) ``solve_device`` uses for ``cp_size`` ranks (see
+    RESTART_EVERY and SINGLES_P)."""
     small = cp_size < LARGE_P
-    return small, (RESTART_EVERY if small else 0)
+    return small, (RESTART_EVERY if small else 0), cp_size < SINGLES_P
 
 
 def _variants(strategies: tuple[Strategy, ...], G: int, P: int, tiles: int = 1):
@@ -747,13 +758,14 @@ def coarser_tiles(tiles: int) -> int:
 def _run_variants(tasks: _Tasks, cap: torch.Tensor, strategies: tuple[Strategy, ...], rounds: int,
                   state_fn=None, propose_fn=None, accept_apply_fn=None, track_fn=None,
                   sideways: bool = False, restart_every: int = 0, start: torch.Tensor | None = None,
-                  start_fn=None):
+                  start_fn=None, singles: bool = False):
     """Run the variants of ``strategies`` side by side: best (A [B, T+1], key [B]).
 
     ``start`` ([T] int64, the rank of each non-empty task) is the assignment every
     variant starts from and round 0's state; by default each variant starts as its
     strategy says (``_variant_starts``; ``start_fn`` computes the "transpose" start).
-    ``sideways`` allows sideways bottleneck-phase moves (``_bundle_proposals``).
+    ``sideways`` allows sideways bottleneck-phase moves, ``singles`` one-task bundles
+    while balancing (``_bundle_proposals``).
     With ``restart_every = R > 0``, at rounds R, 2R, ... (before the last) each
     variant restarts from its best state with its bottleneck rank's moves
     undone (``_restart``): an iterated local search, since the moves settle
@@ -799,7 +811,8 @@ def _run_variants(tasks: _Tasks, cap: torch.Tensor, strategies: tuple[Strategy, 
             st = state_fn(tasks, A)
             best_A, best_key, excess, balance, dest_cap, limit = track_fn(A, st, cap, stuck, threshold,
                                                                           best_A, best_key)
-        prop = propose_fn(tasks, st, dest_cap, excess, balance, threshold, K, D, dests_b, order_b, sideways)
+        prop = propose_fn(tasks, st, dest_cap, excess, balance, threshold, K, D, dests_b, order_b, sideways,
+                          singles)
         prop = replace(prop, ok=prop.ok & offered)
         A, stuck = accept_apply_fn(A, prop, st, dest_cap, limit, excess, balance)
     return best_A, best_key
@@ -808,7 +821,7 @@ def _run_variants(tasks: _Tasks, cap: torch.Tensor, strategies: tuple[Strategy, 
 def solve_device(areas: BlockAreas, config: SolverConfig, *, rounds: int = DEFAULT_ROUNDS,
                  strategies: tuple[Strategy, ...] | None = None, impl: str = "auto",
                  workers: int | None = None, sideways: bool | None = None,
-                 restart_every: int | None = None) -> DeviceSolveResult:
+                 restart_every: int | None = None, singles: bool | None = None) -> DeviceSolveResult:
     """Assign every task to a rank, on the device of ``areas``, without host reads.
 
     areas:      BlockAreas (area [G, U, U] int64, q_need/k_need [G, U, U, 2] int64; U = P,
@@ -821,8 +834,8 @@ def solve_device(areas: BlockAreas, config: SolverConfig, *, rounds: int = DEFAU
                 (one kernel for all rounds, solver/kernels_rounds.py); or "auto" (triton on CUDA).
     workers:    programs per variant of the persistent kernel (None: 1 off CUDA, on CUDA as
                 many as keep every variant's programs resident, ``default_workers``).
-    sideways, restart_every: the local search's extras (None: ``default_local_search(P)``);
-                see ``_run_variants``.
+    sideways, restart_every, singles: the local search's extras (None:
+                ``default_local_search(P)``); see ``_run_variants``.
     Returns a DeviceSolveResult; ``assignment`` is [G, U, U] int32 and
     ``variant`` indexes the variants of all strategies in order.
     """
@@ -838,8 +851,9 @@ def solve_device(areas: BlockAreas, config: SolverConfig, *, rounds: int = DEFAU
         raise ValueError(f"need rounds >= 0 and strategies with threshold scales, got {rounds}, {strategies}")
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    default_sideways, default_restart = default_local_search(P)
+    default_sideways, default_restart, default_singles = default_local_search(P)
     sideways = default_sideways if sideways is None else bool(sideways)
+    singles = default_singles if singles is None else bool(singles)
     restart_every = default_restart if restart_every is None else restart_every
     if restart_every < 0:
         raise ValueError(f"restart_every must be >= 0 (0: never), got {restart_every}")
@@ -851,7 +865,7 @@ def solve_device(areas: BlockAreas, config: SolverConfig, *, rounds: int = DEFAU
         coarse_tiles = coarser_tiles(areas.tiles)
         coarse = solve_device(areas.coarsen(coarse_tiles), replace(config, chunk_tiles=coarse_tiles),
                               rounds=rounds, strategies=strategies, impl=impl, workers=workers,
-                              sideways=sideways, restart_every=restart_every)
+                              sideways=sideways, restart_every=restart_every, singles=singles)
         start = areas.refine(coarse.assignment).reshape(-1).long()
     tasks = _Tasks(areas, config)
     mu_num = int(round(config.imbalance_tol * _MU_SCALE))
@@ -868,7 +882,8 @@ def solve_device(areas: BlockAreas, config: SolverConfig, *, rounds: int = DEFAU
                                                    _variant_scales(variants, dev), K, D, rounds, workers,
                                                    sideways, restart_every,
                                                    start=_variant_starts(tasks, variants, start,
-                                                                         transpose_start_triton))
+                                                                         transpose_start_triton),
+                                                   singles=singles)
     elif impl == "triton" or (impl == "auto" and areas.area.is_cuda):
         # fused kernels for the two heaviest steps; one batch for the whole portfolio (fewest launches)
         from gpusolver.solver.kernels import bundle_proposals_triton, state_triton
@@ -877,14 +892,14 @@ def solve_device(areas: BlockAreas, config: SolverConfig, *, rounds: int = DEFAU
 
         best_A, best_key = _run_variants(tasks, cap, strategies, rounds, state_triton, bundle_proposals_triton,
                                          accept_apply_triton, track_triton, sideways, restart_every, start,
-                                         transpose_start_triton)
+                                         transpose_start_triton, singles)
     else:
         # torch (CPU): with few ranks each op is small and its dispatch dominates, so the portfolio
         # runs as one batch; from TORCH_BATCH_RANKS up, one batch per strategy, so narrow strategies
         # do not pay for the widest one (either way each variant's result is the same)
         batches = (strategies,) if P < TORCH_BATCH_RANKS else tuple((st,) for st in strategies)
         runs = [_run_variants(tasks, cap, batch, rounds, sideways=sideways, restart_every=restart_every,
-                              start=start) for batch in batches]
+                              start=start, singles=singles) for batch in batches]
         best_A = torch.cat([a for a, _ in runs])
         best_key = torch.cat([k for _, k in runs])
 

@@ -299,7 +299,7 @@ def _bundle_kernel(
     T, P, K, D, GU,
     stride_rb, stride_a, stride_q, stride_k,
     Q_BYTES, O_BYTES, KV_BYTES,
-    BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, SIDEWAYS: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, SIDEWAYS: tl.constexpr, SINGLES: tl.constexpr,
     TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_TL: tl.constexpr,
 ):
     _bundle_unit(rank_ptr, area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr, unit_tasks_ptr, order_ptr, unit_ptr,
@@ -308,7 +308,7 @@ def _bundle_kernel(
                  ok_ptr, score_ptr, dest_ptr, moved_area_ptr, dsend_ptr, drecv_ptr, tasks_out_ptr, order_ptr,
                  tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64),
                  T, P, K, D, GU, stride_rb, stride_a, stride_q, stride_k, Q_BYTES, O_BYTES, KV_BYTES,
-                 BLOCK_P, BLOCK_D, False, SIDEWAYS, TILES, BLOCK_M, BLOCK_TL)
+                 BLOCK_P, BLOCK_D, False, SIDEWAYS, SINGLES, TILES, BLOCK_M, BLOCK_TL)
 
 
 @triton.jit
@@ -321,7 +321,7 @@ def _bundle_unit(
     i_b, i_s, i_k,  # int64: variant, source, offered-unit slot
     T, P, K, D, GU, stride_rb, stride_a, stride_q, stride_k, Q_BYTES, O_BYTES, KV_BYTES,
     BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, HAS_UNITS: tl.constexpr, SIDEWAYS: tl.constexpr,
-    TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_TL: tl.constexpr,
+    SINGLES: tl.constexpr, TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_TL: tl.constexpr,
 ):
     """Program (i_b, i_s, i_k) of ``_bundle_kernel`` (its arguments, plus the per-variant unit count).
 
@@ -403,12 +403,13 @@ def _bundle_unit(
     held = tl.where(m_p, tl.where(o_p == i_s, -1, held), -_BIG_T)
     holder = tl.min(tl.min(tl.where(held == tl.max(tl.max(held, axis=1), axis=0), o_p, BLOCK_P), axis=1), axis=0)
 
-    # prefixes: size 0 = the first task (bottleneck phase only), size 1 = while it fits the
-    # destination (and, balancing, until the excess is covered)
+    # prefixes: size 0 = the first task (bottleneck phase only, unless SINGLES), size 1 = while
+    # it fits the destination (and, balancing, until the excess is covered)
     bal = tl.load(bal_ptr + i_b).to(tl.int32) != 0
     exc = tl.load(excess_ptr + o_row + i_s)
     still_over = tl.where(bal, before < exc, True)
-    first_only = first & (bal == 0)
+    single_ok = (bal == 0) | SINGLES
+    first_only = first & single_ok
 
     # key columns freed at the source. [1, BLOCK_S]
     o_ks = o_cell + kv_u * P + i_s
@@ -502,14 +503,14 @@ def _bundle_unit(
     else:  # [1, BLOCK_M]
         fit_s = mine_s & (after_s <= room_best)
         still_s = tl.where(bal, after_s - t_area_s < exc, True)
-        moved_s = tl.where((best_idx % 2) == 1, fit_s & still_s, fit_s & first_s & (bal == 0))
+        moved_s = tl.where((best_idx % 2) == 1, fit_s & still_s, fit_s & first_s & single_ok)
         tl.debug_barrier()  # every slot of the row was read back above
         tl.store(tasks_out_ptr + o_out * U + o_m, tl.where(moved_s, tid_s, T), mask=m_m)
 
 
 def bundle_proposals_triton(tasks: _Tasks, st: _State, cap, excess, balance, threshold,
                             units_per_rank, n_dests, dests_per_variant=None, order_per_variant=None,
-                            sideways: bool = False) -> _Proposals:
+                            sideways: bool = False, singles: bool = False) -> _Proposals:
     """Each offered QO unit's best bundle move (Triton twin of ``_bundle_proposals``).
 
     tasks:          _Tasks of the solve (T = G * U * U tasks, U = n * P units per group).
@@ -523,6 +524,7 @@ def bundle_proposals_triton(tasks: _Tasks, st: _State, cap, excess, balance, thr
     dests_per_variant, order_per_variant: optional [B] int64, each variant's
                     window width and task order (index into TASK_ORDERS).
     sideways:       host bool, sideways bottleneck-phase moves (as the twin).
+    singles:        host bool, balance-phase single-task bundles (as the twin).
     Returns a _Proposals with N = P * K: ok [B, N] bool, score [B, N] float64,
     dest/source/area/dest_send/dest_recv [B, N] int64, tasks [B, N, U] int64
     (T where unused) — equal to the torch twin's.
@@ -554,7 +556,7 @@ def bundle_proposals_triton(tasks: _Tasks, st: _State, cap, excess, balance, thr
         st.rank.stride(0), tasks.area.stride(0), tasks.qlo.stride(0), tasks.klo.stride(0),
         tasks.q, tasks.o, tasks.kv,
         BLOCK_P=triton.next_power_of_2(P), BLOCK_D=dest_tile(D, tiles), SIDEWAYS=bool(sideways),
-        TILES=tiles, BLOCK_M=triton.next_power_of_2(U), BLOCK_TL=triton.next_power_of_2(tiles), num_warps=8,
+        SINGLES=bool(singles), TILES=tiles, BLOCK_M=triton.next_power_of_2(U), BLOCK_TL=triton.next_power_of_2(tiles), num_warps=8,
         enable_fp_fusion=False,  # no fused multiply-add: scores round like the twin's separate ops
     )
     source = ranks.repeat_interleave(K, output_size=N).expand(B, -1)

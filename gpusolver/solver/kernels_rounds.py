@@ -134,7 +134,7 @@ def _rounds_kernel(
     ROUNDS, RESTART_EVERY, T, P, G, B, K, D,
     stride_area, stride_q, stride_k,
     Q_BYTES, O_BYTES, KV_BYTES,
-    W: tl.constexpr, SIDEWAYS: tl.constexpr,
+    W: tl.constexpr, SIDEWAYS: tl.constexpr, SINGLES: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_GP: tl.constexpr,
     BLOCK_U: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_J: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -248,7 +248,7 @@ def _rounds_kernel(
                              ok_ptr, score_ptr, dest_ptr, parea_ptr, dsend_ptr, drecv_ptr, ptasks_ptr, units_ptr,
                              i_b, _i64(i_sk // K), _i64(i_sk % K),
                              T, P, K, D, GU, stride_a, stride_area, stride_q, stride_k, Q_BYTES, O_BYTES, KV_BYTES,
-                             BLOCK_P, BLOCK_D, True, SIDEWAYS, TILES, BLOCK_M, BLOCK_TL)
+                             BLOCK_P, BLOCK_D, True, SIDEWAYS, SINGLES, TILES, BLOCK_M, BLOCK_TL)
             phase += 1
             _sync(bar, phase, W)
             if w == 0:
@@ -273,7 +273,7 @@ def default_workers(variants: int, proposals: int, device) -> int:
 
 def solve_rounds_persistent(tasks: _Tasks, cap: torch.Tensor, tables: torch.Tensor, scales: torch.Tensor,
                             K: int, D: int, rounds: int, workers: int = 1, sideways: bool = False,
-                            restart_every: int = 0, start: torch.Tensor | None = None):
+                            restart_every: int = 0, start: torch.Tensor | None = None, singles: bool = False):
     """All rounds of all variants in one launch (Triton twin of ``device._run_variants``).
 
     tasks:   _Tasks of the solve (T = G * U * U tasks, U = n * P units per group).
@@ -285,7 +285,7 @@ def solve_rounds_persistent(tasks: _Tasks, cap: torch.Tensor, tables: torch.Tens
     rounds:  host int, rounds of moves.
     workers: host int W, programs per variant (1 under the Triton interpreter;
              more needs a cooperative launch on a GPU).
-    sideways, restart_every: the local search's extras, as ``_run_variants``.
+    sideways, restart_every, singles: the local search's extras, as ``_run_variants``.
     start:   optional [T] (shared) or [B, T] (per variant) int64 or int32 start rank of
              each non-empty task, as ``_variant_starts`` gives; None: owner-computes (every
              task on its query host).
@@ -334,7 +334,7 @@ def solve_rounds_persistent(tasks: _Tasks, cap: torch.Tensor, tables: torch.Tens
         rounds, restart_every if restart_every > 0 else rounds + 1, T, P, G, B, K, D,
         tasks.area.stride(0), tasks.qlo.stride(0), tasks.klo.stride(0),
         tasks.q, tasks.o, tasks.kv,
-        W=workers, SIDEWAYS=bool(sideways),
+        W=workers, SIDEWAYS=bool(sideways), SINGLES=bool(singles),
         BLOCK_T=min(_BLOCK_T, triton.next_power_of_2(T)), BLOCK_G=triton.next_power_of_2(G),
         BLOCK_P=triton.next_power_of_2(P), BLOCK_GP=block_gp, BLOCK_U=max(1, min(block_gp, _TILE // block_gp)),
         BLOCK_W=triton.next_power_of_2(D), BLOCK_D=dest_tile(D, tiles), BLOCK_N=block_n,

@@ -1,4 +1,4 @@
-"""benchmarks/solver_quality.py and solver_latency.py: quick modes run in-process and
+"""benchmarks/solver_quality.py, solver_latency.py and solver_sweep.py: quick modes run in-process and
 write complete tables and JSON; the launch counter sees aten ops, host reads and Triton launches."""
 import importlib.util
 import json
@@ -28,11 +28,11 @@ def _load(name: str):
 def benches():
     saved_path, saved_threads = list(sys.path), torch.get_num_threads()
     try:
-        yield {name: _load(name) for name in ("_common", "solver_quality", "solver_latency")}
+        yield {name: _load(name) for name in ("_common", "solver_quality", "solver_latency", "solver_sweep")}
     finally:
         sys.path[:] = saved_path
         torch.set_num_threads(saved_threads)  # main() sets 1 thread
-        for name in ("_common", "solver_quality", "solver_latency"):
+        for name in ("_common", "solver_quality", "solver_latency", "solver_sweep"):
             sys.modules.pop(f"_bench_{name}", None)
 
 
@@ -87,13 +87,14 @@ def test_quality_quick(benches, tmp_path, capsys):
 def test_latency_quick(benches, tmp_path, capsys):
     mod = benches["solver_latency"]
     path = tmp_path / "l.json"
-    mod.main(["--quick", "--P", "4", "--repeats", "1", "--no-cuda", "--json", str(path)])
+    mod.main(["--quick", "--P", "4", "--repeats", "1", "--no-cuda", "--threads", "1,2", "--json", str(path)])
     text = capsys.readouterr().out
     assert _header(text, "kind") == [h for h, _, _ in mod.COLUMNS]
     data = json.loads(path.read_text())
-    assert data["config"]["P"] == [4] and data["config"]["cuda"] is False
-    (row,) = data["rows"]
-    assert row["backend"] == "cpu/torch" and row["P"] == 4
+    assert data["config"]["P"] == [4] and data["config"]["cuda"] is False and data["config"]["threads"] == [1, 2]
+    row, row2 = data["rows"]
+    assert row["backend"] == "cpu/torch" and row["P"] == 4 and row2["backend"] == "cpu/torch 2 threads"
+    assert row2["fwd_device_bytes"] == row["fwd_device_bytes"] and torch.get_num_threads() == 1
     _finite(row, ("areas_ms", "solve_ms", "total_ms", "ref_ms", "imbalance_device", "imbalance_reference",
                   "fwd_dev_over_ref", "bwd_dev_over_ref"))
     assert row["total_ms"] == pytest.approx(row["areas_ms"] + row["solve_ms"])
@@ -151,9 +152,30 @@ def test_markdown_and_json_helpers(benches, tmp_path):
     assert seq.attn_type.tolist() != common.make_mask("full-seq", 4, 0, tokens_per_rank=16).attn_type.tolist()
 
 
+def test_sweep_counts_masks_above_the_reference(benches, tmp_path, capsys):
+    mod = benches["solver_sweep"]
+    path = tmp_path / "s.json"
+    payload = mod.main(["--P", "2,3", "--seeds", "2", "--tokens-per-rank", "1024", "--heads", "8:2",
+                        "--json", str(path)])
+    text = capsys.readouterr().out
+    assert _header(text, "P") == [h for h, _, _ in mod.SUMMARY_COLUMNS]
+    rows, summary = payload["rows"], payload["summary"]
+    assert json.loads(path.read_text())["rows"] == json.loads(json.dumps(rows))
+    assert len(rows) == 2 * 2 * 2 and [s["P"] for s in summary] == [2, 3]
+    for s in summary:
+        rs = [r for r in rows if r["P"] == s["P"]]
+        assert s["masks"] == 4 and s["above"] == sum(r["dev_fwd_bytes"] > r["ref_fwd_bytes"] for r in rs)
+        assert s["ref_balanced"] == sum(r["ref_balanced"] for r in rs)
+    for r in rows:  # no ratio where the reference moves nothing
+        assert r["ratio"] == (pytest.approx(r["dev_fwd_bytes"] / r["ref_fwd_bytes"]) if r["ref_fwd_bytes"] else None)
+    assert any(r["ref_fwd_bytes"] for r in rows)
+
+
 def test_bad_cli_arguments_exit(benches):
     with pytest.raises(SystemExit):
         benches["solver_quality"].main(["--kinds", "causal,diag"])
+    with pytest.raises(SystemExit):
+        benches["solver_sweep"].main(["--heads", "64"])
     with pytest.raises(SystemExit):
         benches["solver_latency"].main(["--repeats", "0"])
 

@@ -11,8 +11,8 @@ from gpusolver.masks import packed_documents
 from gpusolver.problem import BlockAreas
 from gpusolver.solver import device, kernels
 from gpusolver.solver.device import Strategy, solve_device
-from gpusolver.solver.kernels import bundle_proposals_triton, state_triton
 from tests._testing import assert_close
+from gpusolver.solver.kernels import bundle_proposals_triton, state_triton
 
 _STATE_FIELDS = ("rank", "q_lo", "q_hi", "k_lo", "k_hi", "qlen", "klen", "kcount",
                  "send", "recv", "vol", "bottleneck", "load")
@@ -99,7 +99,7 @@ def test_state_matches_torch_over_several_task_tiles():
     _check_state(device._state(tasks, A), state_triton(tasks, A))
 
 
-def _bundle_case(P, G, B, K, D, sideways, tile, seed, tiles=1, states=("torch", "triton")):
+def _bundle_case(P, G, B, K, D, sideways, tile, seed, tiles=1, states=("torch", "triton"), singles=False):
     """A random round's proposals from both twins, on the torch state and/or the Triton state."""
     gen = torch.Generator().manual_seed(seed)
     areas = _random_areas(gen, P, G, **({} if tiles == 1 else {"chunk": 8, "tiles": tiles}))
@@ -117,7 +117,7 @@ def _bundle_case(P, G, B, K, D, sideways, tile, seed, tiles=1, states=("torch", 
     dests_b = torch.randint(1, D + 1, (B,), generator=gen)  # per-variant window widths and task orders
     order_b = torch.randint(0, len(device.TASK_ORDERS), (B,), generator=gen)
     cap = torch.where(torch.rand(B, 1, generator=gen) < 0.3, ref_st.load.amax(1, keepdim=True) - 1, cap)
-    args = (cap, excess, balance, threshold, K, D, dests_b, order_b, sideways)
+    args = (cap, excess, balance, threshold, K, D, dests_b, order_b, sideways, singles)
     ref = device._bundle_proposals(tasks, ref_st, *args)
     with mock.patch.object(kernels, "_DEST_TILE", tile):
         for state in states:
@@ -127,20 +127,21 @@ def _bundle_case(P, G, B, K, D, sideways, tile, seed, tiles=1, states=("torch", 
 
 @settings(max_examples=8, deadline=None)
 @given(P=st.integers(3, 6), G=st.integers(1, 2), B=st.integers(2, 3), K=st.integers(1, 3),
-       D=st.integers(1, 8), sideways=st.booleans(), tile=st.sampled_from([2, 4, 16]),
+       D=st.integers(1, 8), sideways=st.booleans(), singles=st.booleans(), tile=st.sampled_from([2, 4, 16]),
        seed=st.integers(0, 2**31 - 1))
-def test_bundle_proposals_match_torch(P, G, B, K, D, sideways, tile, seed):
+def test_bundle_proposals_match_torch(P, G, B, K, D, sideways, singles, tile, seed):
     """Destinations priced in tiles of ``tile`` (16 by default; smaller ones exercise the running best)."""
-    _bundle_case(P, G, B, K, D, sideways, tile, seed)
+    _bundle_case(P, G, B, K, D, sideways, tile, seed, singles=singles)
 
 
 @settings(max_examples=4, deadline=None)
 @given(P=st.integers(2, 3), G=st.integers(1, 2), tiles=st.sampled_from([2, 3]), K=st.integers(1, 3),
-       D=st.integers(1, 3), sideways=st.booleans(), tile=st.sampled_from([4, 16]), seed=st.integers(0, 2**31 - 1))
-def test_bundle_proposals_match_torch_tiled(P, G, tiles, K, D, sideways, tile, seed):
+       D=st.integers(1, 3), sideways=st.booleans(), singles=st.booleans(), tile=st.sampled_from([4, 16]),
+       seed=st.integers(0, 2**31 - 1))
+def test_bundle_proposals_match_torch_tiled(P, G, tiles, K, D, sideways, singles, tile, seed):
     """U = tiles * P task slots per unit (3 tiles: padded key-host slots), query host u // tiles;
     with ``tile`` 4 the destinations come in several tiles (tile // tiles rounded to a power of 2)."""
-    ref = _bundle_case(P, G, 2, K, D, sideways, tile, seed, tiles=tiles, states=("triton",))
+    ref = _bundle_case(P, G, 2, K, D, sideways, tile, seed, tiles=tiles, states=("triton",), singles=singles)
     assert ref.tasks.shape == (2, P * min(K, G * tiles * P), tiles * P)
 
 
@@ -190,6 +191,39 @@ def test_bundle_proposals_find_moves_in_both_phases():
     assert bool(ref.ok[0].any()) and bool(ref.ok[1].any())
     assert bool((ref.tasks < tasks.T).any())
     _check_proposals(ref, tri)
+
+
+@pytest.mark.parametrize("tiles", [1, 2])
+def test_singles_offer_one_task_bundles_while_balancing(tiles):
+    """With ``singles`` a balancing variant may propose a unit's first task alone: on some of these
+    instances a valid proposal changes to a one-task bundle; the bottleneck-phase variant's
+    proposals never change. Both twins agree wherever one changed."""
+    P, G, B = 4, 2, 2
+    found = 0
+    for seed in range(40):
+        gen = torch.Generator().manual_seed(seed)
+        areas = _random_areas(gen, P, G, density=0.9, **({} if tiles == 1 else {"chunk": 8, "tiles": tiles}))
+        tasks = device._Tasks(areas, _config(P, G, tiles))
+        A = torch.cat((torch.where(tasks.valid, tasks.q_host, P).expand(B, -1),
+                       torch.full((B, 1), P, dtype=torch.int64)), 1)
+        st_ = device._state(tasks, A)
+        cap = tasks.area.sum() * 11 // (10 * P)
+        balance = torch.tensor([True, False])
+        threshold = torch.full((B,), float(device._BIG), dtype=torch.float64)
+        args = (cap, st_.load - cap, balance, threshold, 4, 4, None, None, False)
+        plain = device._bundle_proposals(tasks, st_, *args, False)
+        single = device._bundle_proposals(tasks, st_, *args, True)
+        for name in ("ok", "score", "tasks"):
+            assert_close(name, getattr(plain, name)[1], getattr(single, name)[1])
+        moved = lambda prop: (prop.tasks[0] < tasks.T).sum(-1)  # noqa: E731  tasks per proposal, variant 0
+        changed = (single.ok[0] != plain.ok[0]) | (moved(single) != moved(plain))
+        if not bool((changed & single.ok[0] & (moved(single) == 1)).any()):
+            continue
+        found += 1
+        _check_proposals(single, bundle_proposals_triton(tasks, st_, *args, True))
+        if found == 2:
+            break
+    assert found == 2, f"only {found} of 40 instances take a one-task bundle while balancing"
 
 
 def test_impl_is_checked():

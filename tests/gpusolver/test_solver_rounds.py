@@ -14,6 +14,7 @@ from tests._testing import assert_close
 
 _STRATEGIES = (Strategy((3.0, float("inf")), units_per_rank=2, bundle_dests=4),
                Strategy((1.5,), units_per_rank=1, bundle_dests=2, task_order="rows"))
+_ROWS_FIRST = (Strategy((float("inf"),), units_per_rank=2, bundle_dests=4, task_order="rows"),)
 
 
 def _problem(P, G, kind, seed=0, tiles=1):
@@ -25,23 +26,30 @@ def _problem(P, G, kind, seed=0, tiles=1):
     return config, areas, tasks, cap
 
 
-@pytest.mark.parametrize("P,G,kind,seed,rounds,sideways,restart_every", [
-    (4, 2, "packed", 0, 3, False, 0), (3, 1, "causal", 0, 2, True, 0),
-    (6, 2, "packed", 2, 6, True, 3),  # the restart at round 3 changes this instance's result
+@pytest.mark.parametrize("P,G,kind,seed,rounds,sideways,restart_every,singles", [
+    (4, 2, "packed", 0, 3, False, 0, False), (3, 1, "causal", 0, 2, True, 0, False),
+    (6, 2, "packed", 2, 6, True, 3, False),  # the restart at round 3 changes this instance's result
+    (2, 8, "packed", 2, 2, True, 0, True),  # one-task balance bundles change this one's (rows first)
 ])
-def test_every_variant_equals_the_torch_loop(P, G, kind, seed, rounds, sideways, restart_every, monkeypatch):
+def test_every_variant_equals_the_torch_loop(P, G, kind, seed, rounds, sideways, restart_every, singles,
+                                              monkeypatch):
     """Best assignment and key of every variant, not only the winner's (destinations in tiles of 2)."""
     monkeypatch.setattr(kernels, "_DEST_TILE", 2)
     _, _, tasks, cap = _problem(P, G, kind, seed)
-    ref_A, ref_key = device._run_variants(tasks, cap, _STRATEGIES, rounds, sideways=sideways,
-                                          restart_every=restart_every)
+    strategies = _STRATEGIES + (_ROWS_FIRST if singles else ())
+    ref_A, ref_key = device._run_variants(tasks, cap, strategies, rounds, sideways=sideways,
+                                          restart_every=restart_every, singles=singles)
     if restart_every:
-        plain_A, _ = device._run_variants(tasks, cap, _STRATEGIES, rounds, sideways=sideways)
+        plain_A, _ = device._run_variants(tasks, cap, strategies, rounds, sideways=sideways, singles=singles)
         assert not torch.equal(plain_A[:, :tasks.T], ref_A[:, :tasks.T]), "the restart changed nothing here"
-    variants, K, D = device._variants(_STRATEGIES, tasks.G, P)
+    if singles:
+        plain_A, _ = device._run_variants(tasks, cap, strategies, rounds, sideways=sideways,
+                                          restart_every=restart_every)
+        assert not torch.equal(plain_A[:, :tasks.T], ref_A[:, :tasks.T]), "singles changed nothing here"
+    variants, K, D = device._variants(strategies, tasks.G, P)
     A, key = solve_rounds_persistent(tasks, cap, device._variant_tables(variants, "cpu"),
                                      device._variant_scales(variants, "cpu"), K, D, rounds, 1, sideways,
-                                     restart_every)
+                                     restart_every, singles=singles)
     assert_close("best_key", ref_key, key)
     assert_close("best_A", ref_A[:, :tasks.T], A[:, :tasks.T])
     assert bool((ref_A[:, :tasks.T] != torch.where(tasks.valid, tasks.i, P)).any()), "no variant moved a task"
