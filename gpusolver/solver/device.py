@@ -220,7 +220,7 @@ class _Proposals:
     dest: torch.Tensor  # int64
     source: torch.Tensor  # int64
     area: torch.Tensor  # int64 area moved
-    dest_send: torch.Tensor  # int64 bytes added to the destination's send
+    dest_send: torch.Tensor  # int64 change of the destination's send (< 0 when it stops shipping K/V)
     dest_recv: torch.Tensor
     tasks: torch.Tensor  # [B, P, M] task ids to move, T (dummy) where unused
 
@@ -391,15 +391,19 @@ def _bundle_proposals(tasks: _Tasks, st: _State, cap, excess, balance, threshold
 
     def on_host(r):
         """Token change (k_grow - k_free) of the bundle's tasks whose key host is rank ``r``
-        [B, P, K] (n positions each): ([B, P, K, D1, 2] sum, [B, P, K, D1, 2] any)."""
-        pos = tasks.unit_pos[order_b.view(B, 1, 1, 1), unit[..., None],
-                             r[..., None] * n + torch.arange(n, device=dev)]  # [B, P, K, n]
-        inc = mine.gather(3, pos)[:, :, :, None, None, :] & (pos[:, :, :, None, None, :] < cut[..., None])
-        delta = kg_t.gather(4, pos[:, :, :, None, :].expand(B, P, K, D1, n)) - kf_t.gather(3, pos)[:, :, :, None, :]
+        [B, P, K, R] (one rank per unit, R = 1, or per destination, R = D1; n positions each):
+        ([B, P, K, D1, 2] sum, [B, P, K, D1, 2] any)."""
+        pos = tasks.unit_pos[order_b.view(B, 1, 1, 1, 1), unit[..., None, None],
+                             r[..., None] * n + torch.arange(n, device=dev)]  # [B, P, K, R, n]
+        flat = pos.flatten(3)
+        inc = mine.gather(3, flat).view(pos.shape)[:, :, :, :, None, :] & (pos[:, :, :, :, None, :] < cut[..., None])
+        delta = kg_t.gather(4, pos.expand(B, P, K, D1, n)) - kf_t.gather(3, flat).view(pos.shape)
         return (delta[:, :, :, :, None, :] * inc).sum(-1), inc.any(-1)
 
-    kv_to_src = on_host(ranks.view(1, P, 1).expand(B, P, K))[0] * tasks.kv
-    kv_to_host = torch.where(i_of != s_of, on_host(u_host)[0] * tasks.kv, 0)
+    kv_to_src = on_host(ranks.view(1, P, 1, 1).expand(B, P, K, 1))[0] * tasks.kv
+    kv_to_host = torch.where(i_of != s_of, on_host(u_host[..., None])[0] * tasks.kv, 0)
+    # the destination as key host: it no longer sends the K/V it ships to the source alone
+    kv_to_dest = on_host(dests)[0] * tasks.kv
     # the busiest key host other than the touched ranks after the move
     if n == 1:
         # one task per key host: its send plus its own change, for the tasks whose key host is
@@ -435,7 +439,7 @@ def _bundle_proposals(tasks: _Tasks, st: _State, cap, excess, balance, threshold
     host_recv = at(st.recv, i_of) + h_dr + torch.where(s_is_h, s_dr, 0) + torch.where(d_is_h, dest_recv, 0)
     src_send = st.send.view(B, P, 1, 1, 1) + s_ds + kv_to_src + torch.where(s_is_h, h_ds, 0)
     src_recv = st.recv.view(B, P, 1, 1, 1) + s_dr + torch.where(s_is_h, h_dr, 0)
-    d_send = at(st.send, d_of) + dest_send + torch.where(d_is_h, h_ds, 0)
+    d_send = at(st.send, d_of) + dest_send + torch.where(d_is_h, h_ds, 0) + kv_to_dest
     d_recv = at(st.recv, d_of) + dest_recv + torch.where(d_is_h, h_dr, 0)
     new_max = torch.maximum(torch.maximum(torch.maximum(host_send, host_recv), torch.maximum(src_send, src_recv)),
                             torch.maximum(torch.maximum(d_send, d_recv), kvh_max))
@@ -445,12 +449,13 @@ def _bundle_proposals(tasks: _Tasks, st: _State, cap, excess, balance, threshold
     bnv = st.bottleneck.view(B, 1, 1, 1, 1)
     bn = st.vol.argmax(1).view(B, 1, 1, 1, 1)
     # the bottleneck rank as a key host of moved tasks (not otherwise touched)
-    to_bn, any_bn = on_host(bn.view(B, 1, 1).expand(B, P, K))
+    to_bn, any_bn = on_host(bn.view(B, 1, 1, 1).expand(B, P, K, 1))
     bn_is_j = any_bn & (bn != s_of) & (bn != i_of) & (bn != d_of)
     bn_as_j = torch.maximum(at(st.send, bn) + to_bn * tasks.kv, at(st.recv, bn))
     bn_new = torch.where(s_of == bn, torch.maximum(src_send, src_recv),
                          torch.where(i_of == bn, torch.maximum(host_send, host_recv),
-                                     torch.where(bn_is_j, bn_as_j, bnv)))
+                                     torch.where(d_of == bn, torch.maximum(d_send, d_recv),
+                                                 torch.where(bn_is_j, bn_as_j, bnv))))
     ok_bal = (excess.view(B, P, 1, 1, 1) > 0) & (new_max.double() <= threshold.view(B, 1, 1, 1, 1))
     ok_bn = (bn_new < bnv) & (new_max < bnv)
     side = ~ok_bn & (bn_new <= bnv) & (new_max < bnv) & (added < 0) & sideways
@@ -468,7 +473,7 @@ def _bundle_proposals(tasks: _Tasks, st: _State, cap, excess, balance, threshold
     d_best = dests.gather(3, best // 2)  # [B, P, K, 1]
     return _Proposals(ok=pick(ok), score=pick(score), dest=d_best.reshape(B, P * K),
                       source=ranks.view(P, 1).expand(P, K).reshape(1, -1).expand(B, -1),
-                      area=pick(area), dest_send=pick(dest_send), dest_recv=pick(dest_recv),
+                      area=pick(area), dest_send=pick(dest_send + kv_to_dest), dest_recv=pick(dest_recv),
                       tasks=torch.where(moved, tid, T).view(B, P * K, U))
 
 

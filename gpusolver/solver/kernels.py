@@ -231,6 +231,8 @@ def _price(
     kv_delta = tl.where(inc, (k_grow_t - k_free_t) * KV_BYTES, 0)  # [BLOCK_D, BLOCK_S]
     kv_to_src = tl.sum(tl.where(j_t == s, kv_delta, 0), axis=1)
     kv_to_host = tl.sum(tl.where((j_t == i) & (i != s), kv_delta, 0), axis=1)
+    # the destination as key host: it no longer sends the K/V it ships to the source alone
+    kv_to_dest = tl.sum(tl.where(j_t == d_of[:, None], kv_delta, 0), axis=1)
     elsewhere = inc & (j_t != s) & (j_t != i) & (j_t != d_of[:, None])
     if TILES == 1:  # each task's key unit has its own host
         kvh_max = tl.max(tl.where(elsewhere, j_send + kv_delta, 0), axis=1)
@@ -256,7 +258,7 @@ def _price(
     host_recv = recv_i + h_dr + tl.where(s_is_h, s_dr, 0) + tl.where(d_is_h, dest_recv, 0)
     src_send = send_s + s_ds + kv_to_src + tl.where(s_is_h, h_ds, 0)
     src_recv = recv_s + s_dr + tl.where(s_is_h, h_dr, 0)
-    d_send = send_d + dest_send + tl.where(d_is_h, h_ds, 0)
+    d_send = send_d + dest_send + tl.where(d_is_h, h_ds, 0) + kv_to_dest
     d_recv = recv_d + dest_recv + tl.where(d_is_h, h_dr, 0)
     new_max = tl.maximum(tl.maximum(tl.maximum(host_send, host_recv), tl.maximum(src_send, src_recv)),
                          tl.maximum(tl.maximum(d_send, d_recv), kvh_max))
@@ -266,7 +268,8 @@ def _price(
     bn_as_j = tl.maximum(send_bn + tl.sum(tl.where(bn_is_j, kv_delta, 0), axis=1), recv_bn)
     bn_any = tl.max(bn_is_j.to(tl.int32), axis=1) > 0
     bn_new = tl.where(s == bn, tl.maximum(src_send, src_recv),
-                      tl.where(i == bn, tl.maximum(host_send, host_recv), tl.where(bn_any, bn_as_j, bnv)))
+                      tl.where(i == bn, tl.maximum(host_send, host_recv),
+                               tl.where(d_of == bn, tl.maximum(d_send, d_recv), tl.where(bn_any, bn_as_j, bnv))))
     ok_bal = (exc > 0) & (new_max.to(tl.float64) <= thr)
     ok_bn = (bn_new < bnv) & (new_max < bnv)
     if SIDEWAYS:  # the bottleneck stays, no touched rank reaches it, the total bytes fall
@@ -280,7 +283,7 @@ def _price(
     score_bn = (new_max.to(tl.float64) / tl.maximum(bnv, 1).to(tl.float64) + eps * added.to(tl.float64)
                 + side.to(tl.float64))
     score = tl.where(ok, tl.where(bal, score_bal, score_bn), float("inf"))
-    return ok, score, area, dest_send, dest_recv
+    return ok, score, area, dest_send + kv_to_dest, dest_recv
 
 
 @triton.jit

@@ -220,3 +220,22 @@ def test_balances_masks_the_reference_balances(tokens_per_rank, causal, seed):
     dev = evaluate(areas, res.assignment, config.cost())
     assert ref.imbalance.item() <= config.imbalance_tol
     assert bool(res.balanced) and dev.imbalance.item() <= config.imbalance_tol
+
+
+def test_a_light_task_moves_to_its_key_host():
+    """Two ranks, full documents: one document crosses the chunk border, so under owner-computes
+    rank 0 gathers 906 key columns from rank 1 for 48 query rows (and rank 1 sends them). Moving
+    such a task to rank 1 ships 48 rows of Q and O instead; it also lowers what rank 1 sends,
+    which the destination's price must count, or no move ever looks better than the start."""
+    P = 2
+    config = SolverConfig(cp_size=P, num_heads_q=32, num_heads_kv=4)
+    areas = block_areas(packed_documents(4096 * P, seed=0, causal=False), P, config.head_groups, impl="torch")
+    assert areas.k_need[0, 0, 1].tolist() == [0, 906] and areas.q_need[0, 0, 1].tolist() == [4048, 4096]
+    cost = config.cost()
+    owner = evaluate(areas, owner_computes_assignment(areas), cost)
+    ref = evaluate(areas, reference_assign(areas, config).assignment, cost)
+    res = solve_device(areas, config)
+    dev = evaluate(areas, res.assignment, cost)
+    assert bool(res.balanced) and float(dev.imbalance) <= config.imbalance_tol
+    assert int(dev.fwd_bottleneck) <= int(ref.fwd_bottleneck) < int(owner.fwd_bottleneck)
+    assert bool((res.assignment[:, 0, 1] == 1).any()), "no cross task moved to its key host"
