@@ -389,28 +389,30 @@ def _bundle_proposals(tasks: _Tasks, st: _State, cap, excess, balance, threshold
     sole = gather_at(st.kcount, kv_u * P + s4) == 1
     kf_t = k_cur * (mine & sole)  # [B, P, K, U]
 
-    def on_host(r):
-        """Token change (k_grow - k_free) of the bundle's tasks whose key host is rank ``r``
-        [B, P, K, R] (one rank per unit, R = 1, or per destination, R = D1; n positions each):
-        ([B, P, K, D1, 2] sum, [B, P, K, D1, 2] any)."""
-        pos = tasks.unit_pos[order_b.view(B, 1, 1, 1, 1), unit[..., None, None],
-                             r[..., None] * n + torch.arange(n, device=dev)]  # [B, P, K, R, n]
-        flat = pos.flatten(3)
-        inc = mine.gather(3, flat).view(pos.shape)[:, :, :, :, None, :] & (pos[:, :, :, :, None, :] < cut[..., None])
-        delta = kg_t.gather(4, pos.expand(B, P, K, D1, n)) - kf_t.gather(3, flat).view(pos.shape)
-        return (delta[:, :, :, :, None, :] * inc).sum(-1), inc.any(-1)
-
-    kv_to_src = on_host(ranks.view(1, P, 1, 1).expand(B, P, K, 1))[0] * tasks.kv
-    kv_to_host = torch.where(i_of != s_of, on_host(u_host[..., None])[0] * tasks.kv, 0)
+    # token change (k_grow - k_free) of the bundle's tasks whose key host is the source, the
+    # query host, the bottleneck rank or the destination, in one pass (the n positions of each
+    # key host in the unit's order): [B, P, K, 4, D1, 2] sum and any
+    bn = st.vol.argmax(1).view(B, 1, 1, 1)
+    per_unit = torch.cat((ranks.view(1, P, 1, 1).expand(B, P, K, 1), u_host[..., None], bn.expand(B, P, K, 1)), 3)
+    hosts = torch.cat((per_unit[..., None].expand(B, P, K, 3, D1), dests[:, :, :, None, :]), 3)  # [B, P, K, 4, D1]
+    pos = tasks.unit_pos[order_b.view(B, 1, 1, 1, 1, 1), unit[..., None, None, None],
+                         hosts[..., None] * n + torch.arange(n, device=dev)]  # [B, P, K, 4, D1, n]
+    flat = pos.flatten(3)
+    inc = mine.gather(3, flat).view(pos.shape)[..., None, :] & (pos[..., None, :] < cut[:, :, :, None, :, :, None])
+    delta = (kg_t[:, :, :, None].expand(B, P, K, 4, D1, U).gather(5, pos)
+             - kf_t.gather(3, flat).view(pos.shape))
+    tok_on, any_on = (delta[..., None, :] * inc).sum(-1).unbind(3), inc.any(-1).unbind(3)
+    kv_to_src = tok_on[0] * tasks.kv
+    kv_to_host = torch.where(i_of != s_of, tok_on[1] * tasks.kv, 0)
     # the destination as key host: it no longer sends the K/V it ships to the source alone
-    kv_to_dest = on_host(dests)[0] * tasks.kv
+    kv_to_dest = tok_on[3] * tasks.kv
     # the busiest key host other than the touched ranks after the move
     if n == 1:
         # one task per key host: its send plus its own change, for the tasks whose key host is
         # neither the source, the query host nor the destination; a prefix maximum per cut
         base = st.send.gather(1, j_t.view(B, -1)).view(B, P, K, U) - kf_t * tasks.kv
         other = mine & (j_t != s4) & (j_t != u_host[..., None])
-        val = kg_t.long().mul_(tasks.kv).add_(base[:, :, :, None, :])  # [B, P, K, D1, U]
+        val = torch.add(base[:, :, :, None, :], kg_t, alpha=tasks.kv)  # [B, P, K, D1, U] int64
         elsewhere = other[:, :, :, None, :] & not_d
         at_first = first_at[:, :, :, None, :].expand(B, P, K, D1, 1)
         kvh0 = (val.gather(4, at_first) * elsewhere.gather(4, at_first)).squeeze(4) * (cut0 > 0)
@@ -447,9 +449,9 @@ def _bundle_proposals(tasks: _Tasks, st: _State, cap, excess, balance, threshold
 
     bal = balance.view(B, 1, 1, 1, 1)
     bnv = st.bottleneck.view(B, 1, 1, 1, 1)
-    bn = st.vol.argmax(1).view(B, 1, 1, 1, 1)
+    bn = bn.view(B, 1, 1, 1, 1)
     # the bottleneck rank as a key host of moved tasks (not otherwise touched)
-    to_bn, any_bn = on_host(bn.view(B, 1, 1, 1).expand(B, P, K, 1))
+    to_bn, any_bn = tok_on[2], any_on[2]
     bn_is_j = any_bn & (bn != s_of) & (bn != i_of) & (bn != d_of)
     bn_as_j = torch.maximum(at(st.send, bn) + to_bn * tasks.kv, at(st.recv, bn))
     bn_new = torch.where(s_of == bn, torch.maximum(src_send, src_recv),
