@@ -37,9 +37,9 @@ from gpusolver.solver.kernels_offers import offers_triton
 
 _BIG_T = tl.constexpr(_BIG)
 # Destinations priced at once by the bundle kernel. At P = 64 (window 64) with 8 warps, ptxas
-# (sm_90) reports 184 B of spill stores per thread for tiles of 8; a whole [128, 64] tile
-# with 4 warps: 23,936 B. With n tiles a destination's row holds n times the task slots, so
-# the tile holds n times fewer destinations (n = 2: 172 B; [8, 128] tiles: 900 B).
+# (sm_90a) reports no spill stores for tiles of 8 (184 B before the destination's key-host
+# term; a whole [128, 64] tile with 4 warps: 23,936 B). With n tiles a destination's row
+# holds n times the task slots, so the tile holds n times fewer destinations (n = 2: none).
 _DEST_TILE = 8
 
 

@@ -342,7 +342,7 @@ def solve_rounds_persistent(tasks: _Tasks, cap: torch.Tensor, tables: torch.Tens
         TILES=tiles, BLOCK_M=triton.next_power_of_2(U), BLOCK_TL=triton.next_power_of_2(tiles),
         HAS_START=start is not None,
         enable_fp_fusion=False,  # no fused multiply-add: thresholds and scores round like the twin's
-        num_warps=8,  # with the bundle and accept tiles: < 1 KB of spills per thread at P = 64 (ptxas)
+        num_warps=8,  # with the bundle and accept tiles: about 1 KB of spills per thread at P = 64 (ptxas)
         **extra,
     )
     return best_A, best_key
