@@ -293,6 +293,13 @@ def write_text(path: str | Path, text: str) -> Path:
     return path
 
 
+def write_results(json_path: str | Path, payload: dict, md_path: str | Path | None, text: str) -> None:
+    """A benchmark's outputs: the JSON payload, and the printed tables when ``md_path`` is given."""
+    write_json(json_path, payload)
+    if md_path:
+        write_text(md_path, text)
+
+
 def environment() -> dict:
     """Versions and hardware the numbers were taken on."""
     try:

@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, run as a sc
 
 from _common import (  # noqa: E402
     KINDS, RESULTS_DIR, TOKENS_PER_RANK, LaunchCounter, cuda_time, environment, make_mask, markdown_table,
-    parse_list, ratio, wall_time, write_json, write_text,
+    parse_list, ratio, wall_time, write_results,
 )
 from gpusolver.areas import block_areas  # noqa: E402
 from gpusolver.config import SolverConfig  # noqa: E402
@@ -267,9 +267,7 @@ def main(argv=None) -> dict:
                    "tokens_per_rank": args.tokens_per_rank, "cuda": use_cuda},
         "environment": environment(), "rows": rows,
     }
-    write_json(args.json, payload)
-    if args.md:
-        write_text(args.md, text)
+    write_results(args.json, payload, args.md, text)
     return payload
 
 

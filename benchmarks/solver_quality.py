@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, run as a sc
 
 from _common import (  # noqa: E402
     KINDS, PACKED_KINDS, RESULTS_DIR, TOKENS_PER_RANK, environment, make_mask, markdown_table, median, parse_list, ratio,
-    write_json, write_text,
+    write_results,
 )
 from gpusolver.areas import block_areas  # noqa: E402
 from gpusolver.baselines import baseline_table  # noqa: E402
@@ -238,9 +238,7 @@ def main(argv=None) -> dict:
         "environment": environment(), "anchors_vs_usp": ANCHORS,
         "summary": summary, "rows": rows,
     }
-    write_json(args.json, payload)
-    if args.md:
-        write_text(args.md, text)
+    write_results(args.json, payload, args.md, text)
     return payload
 
 

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, solver_quality as a script or by path
 
-from _common import RESULTS_DIR, environment, markdown_table, median, parse_list, write_json, write_text  # noqa: E402
+from _common import RESULTS_DIR, environment, markdown_table, median, parse_list, write_results  # noqa: E402
 from solver_quality import run_instance  # noqa: E402
 
 DEFAULT_P = (2, 4, 6, 8)
@@ -122,9 +122,7 @@ def main(argv=None) -> dict:
                "config": {"P": args.P, "kinds": args.kinds, "tokens_per_rank": args.tokens_per_rank,
                           "heads": [list(h) for h in args.heads], "seeds": args.seeds},
                "environment": environment(), "summary": summary, "rows": rows}
-    write_json(args.json, payload)
-    if args.md:
-        write_text(args.md, text)
+    write_results(args.json, payload, args.md, text)
     return payload
 
 
