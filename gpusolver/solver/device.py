@@ -117,6 +117,7 @@ class _Tasks:
         # rank holding each task's query unit and its key unit [T] (untiled: the unit index itself)
         self.q_host, self.k_host = (self.i, self.j) if n == 1 else (self.i // n, self.j // n)
         self.tiles = n
+        self.chunk = areas.chunk  # tokens per unit
         cost = config.cost()
         self.q, self.o, self.kv = cost.q_fwd, cost.o_fwd, cost.kv_fwd
         # the tasks of each QO unit in the two orders a bundle may take them (TASK_ORDERS):
@@ -243,8 +244,15 @@ def _offers(tasks: _Tasks, st: _State, cap, units_per_rank: int, n_dests: int, d
     ua = torch.zeros((B, G * tasks.U * (P + 1)), dtype=torch.int64, device=dev)
     ua = ua.scatter_add(1, tasks.qo_unit * (P + 1) + st.rank, tasks.area.expand(B, -1))
     ua = ua.view(B, G * tasks.U, P + 1)[..., :P].transpose(1, 2)  # [B, P(s), G*U]
-    # heaviest first, ties by unit index (topk's tie order is unspecified)
-    unit = torch.sort(-ua, dim=2, stable=True).indices[..., :K].contiguous()  # [B, P, K]
+    # heaviest first, ties by unit index: a top-k over keys made unique by the index (topk's
+    # own tie order is unspecified), 10x faster than a stable sort; a unit's area is at most
+    # U * chunk^2, so the keys fit in int64 unless the chunks are huge
+    GU = G * tasks.U
+    if tasks.U * tasks.chunk ** 2 * GU < 1 << 62:
+        rev = GU - 1 - torch.arange(GU, device=dev)
+        unit = GU - 1 - (ua * GU + rev).topk(K, dim=2).values % GU  # [B, P, K]
+    else:
+        unit = torch.sort(-ua, dim=2, stable=True).indices[..., :K].contiguous()
     headroom = cap - st.load  # [B, P]
     by_room = torch.sort(-headroom, dim=1, stable=True).indices  # [B, P]
     n_light = (headroom > 0).sum(1, keepdim=True).clamp(min=1)  # [B, 1]

@@ -131,3 +131,20 @@ def test_offers_check_arguments():
         offers_triton(tasks, state, torch.tensor(4), 2, 2, torch.ones(B + 1, dtype=torch.int64))
     with pytest.raises(ValueError, match="units_per_rank"):
         offers_triton(tasks, state, torch.tensor(4), 0, 2)
+
+
+def test_offered_units_are_the_same_by_topk_and_by_sort():
+    """Units of equal area on a source (ties by index): the top-k over unique keys picks what the
+    stable sort that huge chunks fall back to picks (``tasks.chunk`` only bounds the keys)."""
+    gen = torch.Generator().manual_seed(5)
+    tasks = _tasks(gen, 4, 2)
+    state = _state(gen, tasks, 3, tied_loads=False)
+    by_topk = device._offers(tasks, state, state.load.sum(1).amax() // 4, 5, 3)
+    tasks.chunk = 1 << 29  # U * chunk^2 * G * U >= 2^62: the sort path
+    by_sort = device._offers(tasks, state, state.load.sum(1).amax() // 4, 5, 3)
+    for name, a, b in zip(("unit", "headroom", "dests"), by_topk, by_sort):
+        assert_close(name, a, b)
+    ua = torch.zeros((3, 2 * 4, 4), dtype=torch.int64).index_put_(
+        (torch.arange(3)[:, None].expand(3, tasks.T), tasks.qo_unit.expand(3, -1), state.rank.clamp(max=3)),
+        torch.where(state.rank < 4, tasks.area, 0).expand(3, -1), accumulate=True)
+    assert bool((ua.transpose(1, 2).gather(2, by_topk[0]).diff(dim=2) <= 0).all()), "not heaviest first"
