@@ -58,11 +58,10 @@ DEFAULT_ROUNDS = 24
 # P = 64 they cost quality (balancing still runs past round 8 there).
 RESTART_EVERY = 8
 # Below SINGLES_P ranks the balance phase may also ship a unit's first task alone (without it,
-# only the prefix that covers the source's excess). Measured with the portfolio on packed
-# documents (both kinds, GQA 64:8, 4K and 8K tokens per rank, 4 seeds): masks above the
-# reference's bytes 6 -> 3 of 16 at P = 2, 1 -> 1 at P = 3, 13 -> 8 of 48 at P = 4 (2K-8K
-# tokens, GQA 32:4 too), 2 -> 1 at P = 6; at P = 8 no gain, and on the quality benchmark's
-# masks it raised one P = 32 and one P = 64 mask by 11-15 %.
+# only the prefix that covers the source's excess). Measured on the grid of
+# benchmarks/solver_sweep.py (48 masks per P), masks above the reference's bytes with / without:
+# P = 2: 0 / 1, P = 4: 3 / 9, P = 6: 6 / 8, but P = 8: 4 / 2; on the quality benchmark's masks
+# it raised one P = 32 and one P = 64 mask by 11-15 %.
 SINGLES_P = 8
 # The torch path runs the whole portfolio as one batch below this many ranks (measured side
 # by side: 2.5x faster at P = 8, 1.1-1.3x with tiles there; the same at P = 16, slower at 32).
