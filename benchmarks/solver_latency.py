@@ -94,13 +94,13 @@ def _quality(areas, dev_asg, ref_asg, config) -> dict:
     }
 
 
-def cpu_row(kind: str, cp_size: int, seed: int, repeats: int, tokens_per_rank: int, tiles: int = 1,
-            threads: int = 1):
-    """The torch path on CPU (``threads`` intra-op threads) and the reference solver (on whole
-    chunks, one thread).
+def cpu_rows(kind: str, cp_size: int, seed: int, repeats: int, tokens_per_rank: int, tiles: int = 1,
+             threads=(1,)):
+    """The torch path on CPU, timed with each of ``threads`` intra-op thread counts, and the
+    reference solver (on whole chunks, one thread, timed once for all rows).
 
-    Returns (row, device assignment, reference assignment), both [G, U, U] int32 on CPU
-    (U = tiles * P; the reference's chunk pairs spread over their tiles).
+    Returns (one row per thread count, device assignment, reference assignment), both
+    [G, U, U] int32 on CPU (U = tiles * P; the reference's chunk pairs spread over their tiles).
     """
     config = SolverConfig(cp_size=cp_size, chunk_tiles=tiles)
     mask = make_mask(kind, cp_size, seed, tokens_per_rank)
@@ -109,23 +109,26 @@ def cpu_row(kind: str, cp_size: int, seed: int, repeats: int, tokens_per_rank: i
         areas = run_areas()
     with LaunchCounter() as count_solve:
         solve_device(areas, config)
-    torch.set_num_threads(threads)
-    try:
-        areas_s, areas = wall_time(run_areas, repeats, warmup=0)
-        solve_s, res = wall_time(lambda: solve_device(areas, config), repeats, warmup=0)
-    finally:
-        torch.set_num_threads(1)
+    times = []
+    for n in threads:
+        torch.set_num_threads(n)
+        try:
+            areas_s, areas = wall_time(run_areas, repeats, warmup=0)
+            solve_s, res = wall_time(lambda: solve_device(areas, config), repeats, warmup=0)
+        finally:
+            torch.set_num_threads(1)
+        times.append((n, areas_s, solve_s))
     whole = areas.coarsen()
     ref_s, ref = wall_time(lambda: assign(whole, dataclasses.replace(config, chunk_tiles=1)), repeats, warmup=0)
     ref_asg = areas.refine(ref.assignment)
-    row = {"kind": kind, "P": cp_size, "tiles": tiles, "seed": seed,
-           "backend": "cpu/torch" + ("" if threads == 1 else f" {threads} threads"), "threads": threads,
-           "num_slices": mask.num_slices,
-           "areas_ms": 1e3 * areas_s, "solve_ms": 1e3 * solve_s, "total_ms": 1e3 * (areas_s + solve_s),
-           "graph_ms": None, "sync_free": None, "ref_ms": 1e3 * ref_s, "reference_feasible": ref.feasible,
-           "balanced_device": bool(res.balanced), **_counts(count_areas, count_solve),
-           **_quality(areas, res.assignment, ref_asg, config)}
-    return row, res.assignment, ref_asg
+    common = {"kind": kind, "P": cp_size, "tiles": tiles, "seed": seed, "num_slices": mask.num_slices,
+              "graph_ms": None, "sync_free": None, "ref_ms": 1e3 * ref_s, "reference_feasible": ref.feasible,
+              "balanced_device": bool(res.balanced), **_counts(count_areas, count_solve),
+              **_quality(areas, res.assignment, ref_asg, config)}
+    rows = [{**common, "backend": "cpu/torch" + ("" if n == 1 else f" {n} threads"), "threads": n,
+             "areas_ms": 1e3 * areas_s, "solve_ms": 1e3 * solve_s, "total_ms": 1e3 * (areas_s + solve_s)}
+            for n, areas_s, solve_s in times]
+    return rows, res.assignment, ref_asg
 
 
 def _sync_free(fn) -> tuple[bool, str]:
@@ -242,10 +245,10 @@ def main(argv=None) -> dict:
     rows = []
     for kind in args.kinds:
         for P in args.P:
-            cpu_rows = [cpu_row(kind, P, args.seed, args.repeats, args.tokens_per_rank, args.tiles, threads)
-                        for threads in args.threads]
-            rows.extend(row for row, _, _ in cpu_rows)
-            cpu, cpu_asg, ref_asg = cpu_rows[0]
+            cpus, cpu_asg, ref_asg = cpu_rows(kind, P, args.seed, args.repeats, args.tokens_per_rank, args.tiles,
+                                              args.threads)
+            rows.extend(cpus)
+            cpu = cpus[0]
             if use_cuda:
                 rows.extend(cuda_row(kind, P, args.seed, args.repeats, args.tokens_per_rank, cpu, cpu_asg, ref_asg,
                                      impl, workers, args.tiles) for impl, workers in CUDA_PATHS)
