@@ -37,7 +37,7 @@ class MilpResult:
     lower_bound: int bytes, a valid lower bound on the optimal bottleneck
                  under the load constraint (the MILP's proven dual bound);
                  None when infeasible or nothing was proven.
-    assignment:  [G, P, P] int32 CPU tensor, the MILP's best assignment (-1 for
+    assignment:  [G, U, U] int32 CPU tensor (U = P untiled), the MILP's best assignment (-1 for
                  empty tasks); None when it found none.
     bottleneck:  int bytes, that assignment's exact bottleneck by ``evaluate``
                  (an upper bound on the optimum); None without an assignment.
@@ -67,24 +67,26 @@ def _coeffs(cost: CommCost, direction: str) -> tuple[int, int, int, int]:
 
 
 def milp_bottleneck(areas: BlockAreas, cost: CommCost, mu: float = 1.10, direction: str = "fwd",
-                    time_limit: float = 30.0) -> MilpResult:
+                    time_limit: float = 30.0, max_tasks: int = MAX_MILP_TASKS) -> MilpResult:
     """Exact-ish minimum of the forward or backward bottleneck under max load <= mu * mean.
 
-    areas:      BlockAreas with P <= 8 and at most 256 non-empty tasks
-                (ValueError above).
+    areas:      BlockAreas with P <= 8 and at most ``max_tasks`` non-empty tasks
+                (ValueError above); whole chunks or sub-chunk tiles (unit u
+                on rank u // tiles), so the bound also covers tiled plans.
     cost:       CommCost with ``cost.head_groups == G``.
     mu:         balance tolerance; infeasible when mu is too tight for whole
                 tasks (e.g. one task larger than mu * total / P): then the
                 status is "infeasible" and no bound is returned.
     direction:  "fwd" or "bwd".
     time_limit: seconds for HiGHS.
+    max_tasks:  refuse larger programs (their bound is weak within any time limit).
 
-    The program, over non-empty tasks t = (g, i, j) and ranks r:
+    The program, over non-empty tasks t = (g, i, j) and ranks r (h(u): the rank of unit u):
 
         x[t, r] in {0, 1},  sum_r x[t, r] = 1
         sum_t area_t * x[t, r] <= floor(mu * total / P)        (loads are ints)
-        vq[(g, i), r] >= qlen_t * x[t, r]   for tasks of QO unit (g, i), r != i
-        vk[(g, j), r] >= klen_t * x[t, r]   for tasks of KV unit (g, j), r != j
+        vq[(g, i), r] >= qlen_t * x[t, r]   for tasks of QO unit (g, i), r != h(i)
+        vk[(g, j), r] >= klen_t * x[t, r]   for tasks of KV unit (g, j), r != h(j)
         send_r <= z,  recv_r <= z,  minimise z
 
     with send_r / recv_r the CommCost byte factors applied to the vq, vk a
@@ -98,7 +100,7 @@ def milp_bottleneck(areas: BlockAreas, cost: CommCost, mu: float = 1.10, directi
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_matrix
 
-    G, P = areas.head_groups, areas.cp_size
+    G, P, U, n = areas.head_groups, areas.cp_size, areas.num_units, areas.tiles
     if cost.head_groups != G:
         raise ValueError(f"cost.head_groups={cost.head_groups} must equal areas' G={G}")
     if P > MAX_MILP_RANKS:
@@ -114,9 +116,9 @@ def milp_bottleneck(areas: BlockAreas, cost: CommCost, mu: float = 1.10, directi
     kn = areas.k_need.detach().cpu().numpy()
     tasks = [tuple(int(x) for x in t) for t in np.argwhere(area > 0)]
     T = len(tasks)
-    if T > MAX_MILP_TASKS:
-        raise ValueError(f"milp_bottleneck is for small instances: {T} non-empty tasks > {MAX_MILP_TASKS}")
-    empty = torch.full((G, P, P), -1, dtype=torch.int32)
+    if T > max_tasks:
+        raise ValueError(f"milp_bottleneck is for small instances: {T} non-empty tasks > max_tasks={max_tasks}")
+    empty = torch.full((G, U, U), -1, dtype=torch.int32)
     if T == 0:
         return MilpResult(0, empty, 0, "optimal", 0.0, 0.0)
     total = int(area.sum())
@@ -151,26 +153,26 @@ def milp_bottleneck(areas: BlockAreas, cost: CommCost, mu: float = 1.10, directi
     for t, (g, i, j) in enumerate(tasks):  # v >= need length * x, only for remote ranks
         qlen, klen = float(qn[g, i, j, 1] - qn[g, i, j, 0]), float(kn[g, i, j, 1] - kn[g, i, j, 0])
         for r in range(P):
-            if r != i and qlen > 0:
+            if r != i // n and qlen > 0:
                 add_row([(qo_idx[(g, i)] + r, 1.0), (t * P + r, -qlen)], 0.0, np.inf)
-            if r != j and klen > 0:
+            if r != j // n and klen > 0:
                 add_row([(kv_idx[(g, j)] + r, 1.0), (t * P + r, -klen)], 0.0, np.inf)
     for r in range(P):  # send_r - z <= 0, recv_r - z <= 0
         send, recv = [], []
         for (g, i), base in qo_idx.items():
             for d in range(P):
-                if i == r and d != r:
+                if i // n == r and d != r:
                     send.append((base + d, float(q_host_send)))
                     recv.append((base + d, float(q_host_recv)))
-                elif i != r and d == r:
+                elif i // n != r and d == r:
                     send.append((base + d, float(q_host_recv)))
                     recv.append((base + d, float(q_host_send)))
         for (g, j), base in kv_idx.items():
             for d in range(P):
-                if j == r and d != r:
+                if j // n == r and d != r:
                     send.append((base + d, float(kv_host_send)))
                     recv.append((base + d, float(kv_host_recv)))
-                elif j != r and d == r:
+                elif j // n != r and d == r:
                     send.append((base + d, float(kv_host_recv)))
                     recv.append((base + d, float(kv_host_send)))
         add_row(send + [(iz, -1.0)], -np.inf, 0.0)
@@ -185,9 +187,9 @@ def milp_bottleneck(areas: BlockAreas, cost: CommCost, mu: float = 1.10, directi
     ub[:nx] = 1.0
     # vq / vk to a unit's own host never appear in a row; pin them to 0
     for (g, i), base in qo_idx.items():
-        ub[base + i] = 0.0
+        ub[base + i // n] = 0.0
     for (g, j), base in kv_idx.items():
-        ub[base + j] = 0.0
+        ub[base + j // n] = 0.0
     res = milp(c_obj, constraints=LinearConstraint(A, lo, hi), integrality=integrality,
                bounds=Bounds(np.zeros(nvar), ub),
                options={"time_limit": float(time_limit), "mip_rel_gap": 1e-6})

@@ -95,6 +95,25 @@ def test_milp_against_brute_force(name, dense, P, direction):
         assert res.lower_bound == best == res.bottleneck
 
 
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+def test_milp_on_tiles_against_brute_force(direction):
+    # 2 ranks, 2 tiles each (units of 2 tokens): a tile lives on rank u // 2, so tasks
+    # between tiles of one rank move nothing, and the bound covers tiled plans
+    dense = doc_causal(8, [3, 5])[None]
+    areas = areas_from_dense(dense, 4).as_tiles(2)
+    cost = CommCost(4, 2, 2, 2, 1)
+    mu = 1.2
+    res = milp_bottleneck(areas, cost, mu=mu, direction=direction, time_limit=10.0)
+    best = brute_force_best(areas, cost, mu, direction)
+    assert res.status == "optimal" and res.assignment.shape == (1, 4, 4)
+    check_assignment(areas, res.assignment)
+    assert_meets_mu(areas, res.assignment, mu)
+    assert 0 <= res.lower_bound <= best <= res.bottleneck
+    # whole chunks of the same mask cannot do better than the tiles
+    whole = milp_bottleneck(areas.coarsen(), cost, mu=mu, direction=direction, time_limit=10.0)
+    assert whole.status == "optimal" and best <= whole.bottleneck
+
+
 @pytest.mark.parametrize("P,G", [(3, 1), (4, 2)])
 def test_milp_below_owner_computes(P, G):
     S = 6 * P
@@ -136,8 +155,10 @@ def test_milp_rejects_large_or_bad_input():
 
     with pytest.raises(ValueError, match="P=9"):
         milp_bottleneck(full(1, 9), CommCost(2, 1, 2, 2, 1))
-    with pytest.raises(ValueError, match="512 non-empty tasks"):
+    with pytest.raises(ValueError, match="512 non-empty tasks > max_tasks=256"):
         milp_bottleneck(full(8, 8), CommCost(8, 8, 2, 2, 8))
+    with pytest.raises(ValueError, match="4 non-empty tasks > max_tasks=3"):
+        milp_bottleneck(full(1, 2), CommCost(2, 1, 2, 2, 1), max_tasks=3)
     with pytest.raises(ValueError, match="direction"):
         milp_bottleneck(full(1, 2), CommCost(2, 1, 2, 2, 1), direction="both")
     with pytest.raises(ValueError, match="head_groups"):
