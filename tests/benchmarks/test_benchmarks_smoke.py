@@ -204,11 +204,13 @@ def test_launches_static_loop(tmp_path):
     assert persistent["per_solve"] <= 64
 
 
-def test_optimality_gap_quick(tmp_path):
+@pytest.mark.parametrize("bound_tiles", [1, 2])
+def test_optimality_gap_quick(tmp_path, bound_tiles):
     saved_path, saved_threads = list(sys.path), torch.get_num_threads()
     md = tmp_path / "gap.md"
+    tiled = ["--tiles", "2", "--bound-tiles", "2"] if bound_tiles == 2 else []
     try:
-        payload = _load("optimality_gap").main(["--seeds", "1", "--time-limit", "2", "--kinds", "causal",
+        payload = _load("optimality_gap").main(["--seeds", "1", "--time-limit", "2", "--kinds", "causal", *tiled,
                                                 "--json", str(tmp_path / "gap.json"), "--md", str(md)])
     finally:
         sys.path[:] = saved_path
@@ -218,8 +220,11 @@ def test_optimality_gap_quick(tmp_path):
     assert [(r["kind"], r["P"]) for r in rows] == [("causal", 4), ("causal", 8)]
     for r in rows:
         # a lower bound: no plan (the MILP's own, the reference's, the device solver's) moves less
-        plans = [v for v in (r["milp_mb"], r["reference_mb"], r["device_mb"]) if v is not None]
+        plans = [v for v in (r["milp_mb"], r["reference_mb"], r["device_mb"], r.get("tiled_mb")) if v is not None]
+        assert r["bound_tiles"] == bound_tiles
         assert r["lower_mb"] <= min(plans) + 1e-9
+        if bound_tiles == 2:  # the tiled plan has its own gap to the tiled bound
+            assert r["lower_mb"] > 0 and r["tiled_gap"] == pytest.approx(r["tiled_mb"] / r["lower_mb"])
         assert r["device_gap"] >= 1.0 - 1e-9 and r["reference_gap"] >= 1.0 - 1e-9
     text = md.read_text()
     assert text.startswith("## Optimality gap") and text.count("| causal |") == 2
