@@ -290,7 +290,7 @@ def _price(
 def _bundle_kernel(
     rank_ptr,  # [B, T] int64 (row stride stride_rb)
     area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr,  # [T] int64 (strided)
-    unit_tasks_ptr,  # [2, G*U, U] int64 contiguous: each QO unit's tasks in each task order
+    unit_tasks_ptr,  # [len(TASK_ORDERS), G*U, U] int64 contiguous: each QO unit's tasks per order
     order_ptr,  # [B] int64: the task order of each variant
     unit_ptr,  # [B, P, K] int64 contiguous: offered units
     dests_ptr,  # [B, P, D] int64 contiguous: headroom-window destinations

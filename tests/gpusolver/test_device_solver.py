@@ -239,3 +239,56 @@ def test_a_light_task_moves_to_its_key_host():
     assert bool(res.balanced) and float(dev.imbalance) <= config.imbalance_tol
     assert int(dev.fwd_bottleneck) <= int(ref.fwd_bottleneck) < int(owner.fwd_bottleneck)
     assert bool((res.assignment[:, 0, 1] == 1).any()), "no cross task moved to its key host"
+
+
+def test_a_rank_just_above_the_cap_sheds_its_small_task():
+    """P = 6, causal documents, GQA 32:4: rank 4 is 0.18 M above the cap and each of its units
+    holds a 2.1 M diagonal task and a 0.83 M task whose keys live on rank 3, and both need all
+    the unit's rows. Largest first, or fewest rows first, a bundle can only ship the diagonal
+    task, which fits no rank, so the solve chained moves and ended at 2.07x the reference;
+    smallest first ships the small task to rank 3, its key host."""
+    from gpusolver.solver.device import Strategy
+
+    P = 6
+    config = SolverConfig(cp_size=P, num_heads_q=32, num_heads_kv=4)
+    areas = block_areas(packed_documents(2048 * P, seed=1, causal=True), P, config.head_groups, impl="torch")
+    assert areas.area[0, 4, 3:5].tolist() == [831488, 2098176]
+    assert areas.q_need[0, 4, 3].tolist() == areas.q_need[0, 4, 4].tolist() == [0, 2048]
+    cost = config.cost()
+    ref = evaluate(areas, reference_assign(areas, config).assignment, cost)
+    inf = float("inf")
+    largest = solve_device(areas, config, strategies=(Strategy((inf,), units_per_rank=16, bundle_dests=16),))
+    smallest = solve_device(areas, config, strategies=(Strategy((inf,), units_per_rank=16, bundle_dests=16,
+                                                                task_order="small"),))
+    assert int(largest.assignment[:, 4, 3].eq(3).sum()) == 0  # the small task never reaches its key host
+    assert int(smallest.assignment[:, 4, 3].eq(3).sum()) >= 1
+    assert bool(smallest.balanced)
+    assert int(smallest.fwd_bottleneck) < 0.7 * int(largest.fwd_bottleneck)
+    res = solve_device(areas, config)  # the default portfolio holds the smallest-first strategy
+    dev = evaluate(areas, res.assignment, cost)
+    assert bool(res.balanced) and int(dev.fwd_bottleneck) <= 1.25 * int(ref.fwd_bottleneck)
+
+
+def test_task_orders_are_permutations_in_their_order():
+    from gpusolver.solver.device import TASK_ORDERS, _Tasks
+
+    P, G = 4, 2
+    config = SolverConfig(cp_size=P, num_heads_q=4 * G, num_heads_kv=G)
+    areas = block_areas(varlen_causal_mask([100, 60 * P - 100, 4 * P]), P, G, impl="torch")
+    tasks = _Tasks(areas, config)
+    U = tasks.U
+    assert tasks.unit_tasks.shape == (len(TASK_ORDERS), G * U, U)
+    area = tasks.area[tasks.unit_tasks]  # [orders, G*U, U] areas in each order
+    rows = (tasks.qhi - tasks.qlo)[tasks.unit_tasks]
+    assert torch.equal(torch.sort(tasks.unit_tasks % U, dim=2).values, torch.arange(U).expand_as(tasks.unit_tasks))
+    assert torch.equal(tasks.unit_tasks // U, torch.arange(G * U)[None, :, None].expand_as(tasks.unit_tasks))
+    busy = area > 0
+    by = {name: k for k, name in enumerate(TASK_ORDERS)}
+    assert (area[by["area"], :, 1:] <= area[by["area"], :, :-1]).all()  # largest first
+    small, small_busy = area[by["small"]], busy[by["small"]]
+    assert (small_busy[:, 1:] <= small_busy[:, :-1]).all()  # empty tasks last
+    assert ((small[:, 1:] >= small[:, :-1]) | ~small_busy[:, 1:]).all()  # then smallest first
+    r, a, b = rows[by["rows"]], area[by["rows"]], busy[by["rows"]]
+    later = b[:, 1:] & b[:, :-1]  # fewest rows first among non-empty tasks, ties by largest
+    assert ((r[:, 1:] > r[:, :-1]) | ((r[:, 1:] == r[:, :-1]) & (a[:, 1:] <= a[:, :-1])))[later].all()
+    assert bool((area[by["small"]] != area[by["area"]]).any())

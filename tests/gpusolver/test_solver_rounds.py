@@ -15,6 +15,7 @@ from tests._testing import assert_close
 _STRATEGIES = (Strategy((3.0, float("inf")), units_per_rank=2, bundle_dests=4),
                Strategy((1.5,), units_per_rank=1, bundle_dests=2, task_order="rows"))
 _ROWS_FIRST = (Strategy((float("inf"),), units_per_rank=2, bundle_dests=4, task_order="rows"),)
+_SMALL_FIRST = (Strategy((float("inf"),), units_per_rank=2, bundle_dests=4, task_order="small"),)
 
 
 def _problem(P, G, kind, seed=0, tiles=1):
@@ -30,13 +31,14 @@ def _problem(P, G, kind, seed=0, tiles=1):
     (4, 2, "packed", 0, 3, False, 0, False), (3, 1, "causal", 0, 2, True, 0, False),
     (6, 2, "packed", 2, 6, True, 3, False),  # the restart at round 3 changes this instance's result
     (2, 8, "packed", 2, 2, True, 0, True),  # one-task balance bundles change this one's (rows first)
+    (3, 2, "packed", 1, 3, True, 0, False),  # with the smallest-first order
 ])
 def test_every_variant_equals_the_torch_loop(P, G, kind, seed, rounds, sideways, restart_every, singles,
                                               monkeypatch):
     """Best assignment and key of every variant, not only the winner's (destinations in tiles of 2)."""
     monkeypatch.setattr(kernels, "_DEST_TILE", 2)
     _, _, tasks, cap = _problem(P, G, kind, seed)
-    strategies = _STRATEGIES + (_ROWS_FIRST if singles else ())
+    strategies = _STRATEGIES + (_ROWS_FIRST if singles else ()) + (_SMALL_FIRST if P == 3 and G == 2 else ())
     ref_A, ref_key = device._run_variants(tasks, cap, strategies, rounds, sideways=sideways,
                                           restart_every=restart_every, singles=singles)
     if restart_every:
@@ -46,6 +48,8 @@ def test_every_variant_equals_the_torch_loop(P, G, kind, seed, rounds, sideways,
         plain_A, _ = device._run_variants(tasks, cap, strategies, rounds, sideways=sideways,
                                           restart_every=restart_every)
         assert not torch.equal(plain_A[:, :tasks.T], ref_A[:, :tasks.T]), "singles changed nothing here"
+    if P == 3 and G == 2:  # smallest first (last variant) ends elsewhere than largest first (variant 1)
+        assert not torch.equal(ref_A[-1, :tasks.T], ref_A[1, :tasks.T])
     variants, K, D = device._variants(strategies, tasks.G, P)
     A, key = solve_rounds_persistent(tasks, cap, device._variant_tables(variants, "cpu"),
                                      device._variant_scales(variants, "cpu"), K, D, rounds, 1, sideways,
