@@ -14,10 +14,10 @@ The algorithm (DESIGN.md, "The solver", family 2):
   move* ships a prefix of one unit's tasks (in one of three task orders:
   largest first, fewest needed query rows first, or smallest first) to one
   destination: as much as fits the destination's headroom, so the unit's rows
-  travel once for as much work as possible. Its exact marginal cost, in bytes at each rank it touches
-  (query host, source, destination, key hosts), is what it adds to the
-  destination's hulls of the unit's rows and of each task's key columns, and
-  what it frees at the source.
+  travel once for as much work as possible. Its exact marginal cost, in bytes
+  at each rank it touches (query host, source, destination, key hosts), is
+  what it adds to the destination's hulls of the unit's rows and of each
+  task's key columns, and what it frees at the source.
 * **Balance phase** (some rank above ``mu x mean``): moves off overloaded
   ranks, scored by added bytes per unit of area, every touched rank under the
   variant's threshold. A variant stuck with no move may, for one round, fill
@@ -127,8 +127,7 @@ class _Tasks:
         q_len = (areas.q_need[..., 1] - areas.q_need[..., 0]).reshape(G * U, U)
         by_area = torch.sort(-area, dim=1, stable=True).indices
         by_rows = torch.sort(q_len * (areas.area.amax() + 1) - area, dim=1, stable=True).indices
-        by_small = torch.sort(torch.where(area > 0, area, areas.area.amax() + 1), dim=1,
-                              stable=True).indices  # empty tasks last
+        by_small = torch.sort(torch.where(area > 0, area, _BIG), dim=1, stable=True).indices  # empty last
         self.unit_tasks = torch.arange(G * U, device=dev)[:, None] * U + torch.stack((by_area, by_rows, by_small))
 
     @functools.cached_property
@@ -648,16 +647,18 @@ IMPLS = ("torch", "triton", "persistent", "auto")
 # rises; one full-attention sequence over P = 64 ranks from 4.2x USP's bytes
 # to 1.0x. Below P = 32 a narrow window does as well on one long sequence
 # (P = 16) at a third of the cost of the widest; from P = 32 up the wide one
-# wins on full documents. The last below P = 32, smallest task first, came from the small-P
-# sweep (benchmarks/solver_sweep.py, 192 masks): there a rank just above the cap
-# whose unit's largest task fits no rank could only move that task, and the
-# worst mask (P = 6) ended at 2.07x the reference; with it, 1.30x at worst, the
-# P = 8 median 0.849 -> 0.839, 17 masks lower and none higher (a variant more
-# never raises a mask); on the quality masks (P = 8, 16, seeds 0-5) no median
-# moves by more than 0.01. A 16-wide window does no better on any of the 192
-# masks and costs 22 % more time at P = 16 (this one: 8 %). From P = 32 up a
-# smallest-first strategy (4 units on 32 destinations, or 1 on 64) lowers no
-# median of the quality masks (seeds 0-2) and would cost a third more time.
+# wins on full documents. The last strategy below P = 32, smallest task
+# first, came from the small-P sweep (benchmarks/solver_sweep.py, 192 masks):
+# there a rank just above the cap whose unit's largest task fits no rank could
+# only move that task, and the worst mask (P = 6) ended at 2.07x the
+# reference; with it, 1.30x at worst, the P = 8 median 0.849 -> 0.839, 17
+# masks lower and none higher (a variant more never raises a mask); on the
+# quality masks (P = 8, 16, seeds 0-5) no median moves by more than 0.01. It
+# costs 15-30 % more torch time at P = 8 and 16 (side by side; a 16-wide
+# window, no better on any of the 192 masks, costs more at P = 16). From
+# P = 32 up a smallest-first strategy (4 units on 32 destinations, or 1 on
+# 64) lowers no median of the quality masks (seeds 0-2) and would cost a third
+# more time.
 _INF = float("inf")
 DEFAULT_STRATEGIES = (Strategy((_INF,), units_per_rank=16, bundle_dests=16),
                       Strategy((_INF,), units_per_rank=16, bundle_dests=8, task_order="rows"),
