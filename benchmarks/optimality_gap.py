@@ -59,13 +59,18 @@ def row(kind: str, P: int, hq: int, hkv: int, seed: int, time_limit: float, toke
         tiles: int = 1, bound_tiles: int = 1) -> dict:
     config = SolverConfig(cp_size=P, num_heads_q=hq, num_heads_kv=hkv)
     mask = make_mask(kind, P, seed, tokens_per_rank)
-    areas = block_areas(mask, P, config.head_groups, impl="torch")
+    units = {}  # the areas at each tile count, computed once
+
+    def areas_at(n: int):
+        if n not in units:
+            units[n] = block_areas(mask, P, config.head_groups, impl="torch", tiles=n)
+        return units[n]
+
+    areas = areas_at(1)
     cost = config.cost()
     # a plan at n tiles is also a plan at every multiple of n, measured there with no more
     # bytes (per-tile hulls nest in the chunk's), so the bound at m tiles holds for it
-    milp_areas = areas if bound_tiles == 1 else block_areas(mask, P, config.head_groups, impl="torch",
-                                                            tiles=bound_tiles)
-    milp = milp_bottleneck(milp_areas, cost, mu=config.imbalance_tol, time_limit=time_limit, max_tasks=1 << 16)
+    milp = milp_bottleneck(areas_at(bound_tiles), cost, mu=config.imbalance_tol, time_limit=time_limit, max_tasks=1 << 16)
     ref = evaluate(areas, assign(areas, config).assignment, cost)
     dev = evaluate(areas, solve_device(areas, config).assignment, cost)
     lb = milp.lower_bound
@@ -79,7 +84,7 @@ def row(kind: str, P: int, hq: int, hkv: int, seed: int, time_limit: float, toke
            "imbalance_reference": ref.imbalance.item(), "imbalance_device": dev.imbalance.item()}
     if tiles > 1:
         t_config = dataclasses.replace(config, chunk_tiles=tiles)
-        t_areas = block_areas(mask, P, config.head_groups, impl="torch", tiles=tiles)
+        t_areas = areas_at(tiles)
         tiled = evaluate(t_areas, solve_device(t_areas, t_config).assignment, cost)
         out.update(tiled_mb=mb(tiled.fwd_bottleneck.item()),
                    tiled_over_reference=ratio(tiled.fwd_bottleneck.item(), ref.fwd_bottleneck.item()),

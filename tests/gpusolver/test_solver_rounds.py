@@ -27,18 +27,18 @@ def _problem(P, G, kind, seed=0, tiles=1):
     return config, areas, tasks, cap
 
 
-@pytest.mark.parametrize("P,G,kind,seed,rounds,sideways,restart_every,singles", [
-    (4, 2, "packed", 0, 3, False, 0, False), (3, 1, "causal", 0, 2, True, 0, False),
-    (6, 2, "packed", 2, 6, True, 3, False),  # the restart at round 3 changes this instance's result
-    (2, 8, "packed", 2, 2, True, 0, True),  # one-task balance bundles change this one's (rows first)
-    (3, 2, "packed", 1, 3, True, 0, False),  # with the smallest-first order
+@pytest.mark.parametrize("P,G,kind,seed,rounds,sideways,restart_every,singles,extra", [
+    (4, 2, "packed", 0, 3, False, 0, False, ()), (3, 1, "causal", 0, 2, True, 0, False, ()),
+    (6, 2, "packed", 2, 6, True, 3, False, ()),  # the restart at round 3 changes this instance's result
+    (2, 8, "packed", 2, 2, True, 0, True, _ROWS_FIRST),  # one-task balance bundles change this one's
+    (3, 2, "packed", 1, 3, True, 0, False, _SMALL_FIRST),
 ])
-def test_every_variant_equals_the_torch_loop(P, G, kind, seed, rounds, sideways, restart_every, singles,
+def test_every_variant_equals_the_torch_loop(P, G, kind, seed, rounds, sideways, restart_every, singles, extra,
                                               monkeypatch):
     """Best assignment and key of every variant, not only the winner's (destinations in tiles of 2)."""
     monkeypatch.setattr(kernels, "_DEST_TILE", 2)
     _, _, tasks, cap = _problem(P, G, kind, seed)
-    strategies = _STRATEGIES + (_ROWS_FIRST if singles else ()) + (_SMALL_FIRST if P == 3 and G == 2 else ())
+    strategies = _STRATEGIES + extra
     ref_A, ref_key = device._run_variants(tasks, cap, strategies, rounds, sideways=sideways,
                                           restart_every=restart_every, singles=singles)
     if restart_every:
@@ -48,7 +48,7 @@ def test_every_variant_equals_the_torch_loop(P, G, kind, seed, rounds, sideways,
         plain_A, _ = device._run_variants(tasks, cap, strategies, rounds, sideways=sideways,
                                           restart_every=restart_every)
         assert not torch.equal(plain_A[:, :tasks.T], ref_A[:, :tasks.T]), "singles changed nothing here"
-    if P == 3 and G == 2:  # smallest first (last variant) ends elsewhere than largest first (variant 1)
+    if extra == _SMALL_FIRST:  # smallest first (last variant) ends elsewhere than largest first (variant 1)
         assert not torch.equal(ref_A[-1, :tasks.T], ref_A[1, :tasks.T])
     variants, K, D = device._variants(strategies, tasks.G, P)
     A, key = solve_rounds_persistent(tasks, cap, device._variant_tables(variants, "cpu"),
