@@ -15,12 +15,17 @@ Shape legend:
     out            [Tq, Hq, D]   q's dtype, 0 for rows with no valid key
     lse            [Tq, Hq] fp32 natural log, -inf for rows with no valid key
 
-Public names: ``flex_attn`` (forward + autograd), ``merge_out_lse`` and its
-in-place ``merge_out_lse_`` (log-sum-exp merge of partial results), and the
-``reference`` module (dense-mask oracle for tests).
+    dout           [Tq, Hq, D]   gradient of the final out, q's dtype
+    delta          [Tq, Hq] fp32 rowsum(dout * out) - dlse of the final out
+
+Public names: ``flex_attn`` (forward + autograd), ``flex_attn_backward`` (the
+backward of a part of each row's keys from the row's final lse and delta),
+``row_delta`` (that delta, computed where the row's final out lives),
+``merge_out_lse`` and its in-place ``merge_out_lse_`` (log-sum-exp merge of
+partial results), and the ``reference`` module (dense-mask oracle for tests).
 """
 from attn_kernels import reference
-from attn_kernels.flex_attn.op import flex_attn
+from attn_kernels.flex_attn.op import flex_attn, flex_attn_backward, row_delta
 from attn_kernels.merge import merge_out_lse, merge_out_lse_
 
-__all__ = ["flex_attn", "merge_out_lse", "merge_out_lse_", "reference"]
+__all__ = ["flex_attn", "flex_attn_backward", "merge_out_lse", "merge_out_lse_", "reference", "row_delta"]

@@ -16,6 +16,11 @@ Every grid depends on shapes only (Tq, Tk, Hq, Hkv), never on range values:
 Mask of slice r (qs, qe, ks, ke, t) at (q, k), see ``attn_kernels.reference``:
 ``qs <= q < qe``, ``ks <= k < ke``, and ``k <= q + ke - qe`` for CAUSAL (1) /
 BI_CAUSAL (3), ``k >= q + ks - qs`` for INV_CAUSAL (2) / BI_CAUSAL (3).
+The backward takes the row delta ``rowsum(dO * O) - dlse`` ([Tq, Hq] fp32,
+``row_delta``) and the final lse of each row, so a rank that computed part of
+a row's keys gets its share of dQ and its dK, dV from (dO, lse, delta) alone
+(``flex_attn_bwd_from_delta``); ``flex_attn_bwd`` computes delta, then calls it.
+
 The launchers expect contiguous tensors and int32 ranges (``op.py`` prepares
 them); they read no tensor value on the host.
 """
@@ -249,6 +254,29 @@ def _flex_bwd_dkdv_kernel(
     tl.store(p_dv + o_kd, b_dv.to(p_dv.dtype.element_ty), mask=m_k[:, None])
 
 
+@triton.jit
+def _row_delta_kernel(
+    p_do, p_o, p_dlse, p_delta, N,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DLSE: tl.constexpr,
+):
+    # N = Tq * Hq rows of HEAD_DIM elements; one fp32 sum per row.
+    tl.static_assert(BLOCK_D >= HEAD_DIM)
+    i_n = tl.program_id(0)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_d = tl.arange(0, BLOCK_D)
+    m_n = o_n < N
+    m_nd = m_n[:, None] & (o_d[None, :] < HEAD_DIM)
+    o_nd = o_n.to(tl.int64)[:, None] * HEAD_DIM + o_d[None, :]
+    # [BLOCK_N, BLOCK_D]
+    b_do = tl.load(p_do + o_nd, mask=m_nd, other=0.0).to(tl.float32)
+    b_o = tl.load(p_o + o_nd, mask=m_nd, other=0.0).to(tl.float32)
+    # [BLOCK_N]
+    b_delta = tl.sum(b_do * b_o, 1)
+    if HAS_DLSE:
+        b_delta -= tl.load(p_dlse + o_n, mask=m_n, other=0.0)
+    tl.store(p_delta + o_n, b_delta, mask=m_n)
+
+
 def _blocks(q: torch.Tensor, block_q: int | None, block_k: int | None, backward: bool) -> tuple[int, int]:
     if q.is_cuda:
         default = (64, 64) if backward else (128, 64)
@@ -293,6 +321,27 @@ def flex_attn_fwd(
     return out, lse
 
 
+def row_delta(dout: torch.Tensor, out: torch.Tensor, dlse: torch.Tensor | None = None) -> torch.Tensor:
+    """delta = rowsum(dout * out) - dlse: [Tq, Hq] fp32, one Triton launch, no [Tq, Hq, D] temporaries.
+
+    dout/out: [Tq, Hq, D] contiguous (any float dtype, summed in fp32);
+    dlse: [Tq, Hq] fp32 contiguous, the gradient reaching lse (None: zero).
+    d lse_i / d s_ij = p_ij, so dlse folds into the softmax term as -dlse.
+    """
+    Tq, HQ, D = dout.shape
+    delta = torch.empty((Tq, HQ), dtype=torch.float32, device=dout.device)
+    N = Tq * HQ
+    if N == 0:
+        return delta
+    block_d = triton.next_power_of_2(D)
+    block_n = 128 if _interpreting() else max(1, 4096 // block_d)  # interpreter: few, big programs
+    _row_delta_kernel[(triton.cdiv(N, block_n),)](
+        dout, out, delta if dlse is None else dlse, delta, N,
+        HEAD_DIM=D, BLOCK_N=block_n, BLOCK_D=block_d, HAS_DLSE=dlse is not None, num_warps=4,
+    )
+    return delta
+
+
 def flex_attn_bwd(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor,
@@ -300,19 +349,39 @@ def flex_attn_bwd(
     softmax_scale: float, softcap: float,
     *, block_q: int | None = None, block_k: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward launcher: two kernels (dQ over query blocks, dK/dV over key blocks), no atomics.
+    """Backward from (out, dlse): ``row_delta`` then ``flex_attn_bwd_from_delta``.
 
     dout/out: [Tq, Hq, D]; lse/dlse: [Tq, Hq] fp32 (dlse is the gradient that
     reaches lse, zeros when lse is unused); other inputs as in ``flex_attn_fwd``.
     Returns dq [Tq, Hq, D], dk/dv [Tk, Hkv, D] (summed over each KV head's
     query heads), in the dtypes of q, k, v.
     """
+    delta = row_delta(dout, out, dlse)
+    return flex_attn_bwd_from_delta(dout, q, k, v, lse, delta, q_ranges, k_ranges, attn_type,
+                                    softmax_scale, softcap, block_q=block_q, block_k=block_k)
+
+
+def flex_attn_bwd_from_delta(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    lse: torch.Tensor, delta: torch.Tensor,
+    q_ranges: torch.Tensor, k_ranges: torch.Tensor, attn_type: torch.Tensor,
+    softmax_scale: float, softcap: float,
+    *, block_q: int | None = None, block_k: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward launcher: two kernels (dQ over query blocks, dK/dV over key blocks), no atomics.
+
+    dout: [Tq, Hq, D] in q's dtype; lse: [Tq, Hq] fp32, the FINAL lse of each
+    row (over all its keys, wherever computed); delta: [Tq, Hq] fp32,
+    ``row_delta`` of the final output. With them ``P = exp(s - lse)`` and
+    ``dS = P * (dP - delta)`` are the exact terms of the whole row, so the
+    gradients of a call over part of a row's keys sum to the whole row's.
+    Other inputs as in ``flex_attn_fwd``. Returns dq [Tq, Hq, D] (this call's
+    share), dk/dv [Tk, Hkv, D], in the dtypes of q, k, v.
+    """
     Tq, HQ, D = q.shape
     Tk, HKV, _ = k.shape
     R = q_ranges.shape[0]
     block_q, block_k = _blocks(q, block_q, block_k, backward=True)
-    # delta_i = sum_d dO*O - dlse: d lse_i / d s_ij = p_ij folds into the usual softmax term.
-    delta = ((dout.float() * out.float()).sum(-1) - dlse.float()).contiguous()
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)

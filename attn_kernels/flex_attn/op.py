@@ -1,9 +1,16 @@
 """``flex_attn``: the slice-attention custom ops and their public entry point.
 
-Two ops, ``attn_kernels::flex_attn_fwd`` and ``attn_kernels::flex_attn_bwd``,
-each with ``register_fake``; the forward has ``register_autograd`` (its
-backward calls the backward op), so a layer traces whole under
-``torch.compile(fullgraph=True)`` and runs on meta tensors.
+Four ops, each with ``register_fake``, so a layer traces whole under
+``torch.compile(fullgraph=True)`` and runs on meta tensors:
+
+- ``attn_kernels::flex_attn_fwd`` (with ``register_autograd``: its backward
+  calls ``attn_kernels::flex_attn_bwd``, which takes out and dlse);
+- ``attn_kernels::row_delta`` and ``attn_kernels::flex_attn_bwd_delta``: the
+  backward split the way the distributed runtime runs it. The rank hosting a
+  query row computes ``delta = rowsum(dO * O) - dlse`` from the row's final
+  O (``row_delta``) and sends dO, lse and delta, never O; a rank that
+  computed part of the row's keys then gets its share of dQ and its dK, dV
+  from them (``flex_attn_backward``).
 
 Backend choice (the ``backend`` argument, resolved on the host from the
 tensors' device, never from their values):
@@ -72,6 +79,40 @@ def flex_attn_bwd_fake(
     softmax_scale: float, softcap: float, backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+@torch.library.custom_op("attn_kernels::flex_attn_bwd_delta", mutates_args=())
+def flex_attn_bwd_delta_op(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    lse: torch.Tensor, delta: torch.Tensor,
+    q_ranges: torch.Tensor, k_ranges: torch.Tensor, attn_type: torch.Tensor,
+    softmax_scale: float, softcap: float, backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dout: [Tq, Hq, D], lse/delta: [Tq, Hq] fp32 -> dq [Tq, Hq, D], dk/dv [Tk, Hkv, D]."""
+    bwd = kernel.flex_attn_bwd_from_delta if backend == "triton" else ref.flex_attn_bwd_from_delta_ref
+    return bwd(dout, q, k, v, lse, delta, q_ranges, k_ranges, attn_type, softmax_scale, softcap)
+
+
+@flex_attn_bwd_delta_op.register_fake
+def flex_attn_bwd_delta_fake(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    lse: torch.Tensor, delta: torch.Tensor,
+    q_ranges: torch.Tensor, k_ranges: torch.Tensor, attn_type: torch.Tensor,
+    softmax_scale: float, softcap: float, backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+@torch.library.custom_op("attn_kernels::row_delta", mutates_args=())
+def row_delta_op(dout: torch.Tensor, out: torch.Tensor, dlse: torch.Tensor | None, backend: str) -> torch.Tensor:
+    """dout/out: [Tq, Hq, D], dlse: [Tq, Hq] fp32 or None -> delta [Tq, Hq] fp32."""
+    fn = kernel.row_delta if backend == "triton" else ref.row_delta_ref
+    return fn(dout, out, dlse)
+
+
+@row_delta_op.register_fake
+def row_delta_fake(dout: torch.Tensor, out: torch.Tensor, dlse: torch.Tensor | None, backend: str) -> torch.Tensor:
+    return dout.new_empty(dout.shape[:2], dtype=torch.float32)
 
 
 def _setup_context(ctx, inputs, output):
@@ -190,3 +231,88 @@ def flex_attn(
         q.contiguous(), k.contiguous(), v.contiguous(),
         q_ranges.to(torch.int32).contiguous(), k_ranges.to(torch.int32).contiguous(),
         attn_type.to(torch.int32).contiguous(), scale, float(softcap), backend)
+
+
+def _check_row_stat(name: str, t: torch.Tensor, q: torch.Tensor, q_name: str = "q") -> None:
+    """A per-row statistic (lse, delta, dlse) must be [Tq, Hq] fp32 on the device of q (or dout)."""
+    want = tuple(q.shape[:2])
+    if tuple(t.shape) != want:
+        raise ValueError(f"{name} must be [Tq, Hq] = {list(want)}, got {list(t.shape)}")
+    if t.dtype != torch.float32:
+        raise ValueError(f"{name} must be fp32, got {t.dtype}")
+    if t.device != q.device:
+        raise ValueError(f"{name} is on {t.device} but {q_name} is on {q.device}")
+
+
+def flex_attn_backward(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    lse: torch.Tensor, delta: torch.Tensor,
+    q_ranges: torch.Tensor, k_ranges: torch.Tensor, attn_type: torch.Tensor,
+    softmax_scale: float | None = None, softcap: float = 0.0, *, backend: str = "auto",
+    validate: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of ``flex_attn`` over these slices, from each row's final lse and delta.
+
+    ``P = exp(s - lse)``, ``dS = P * (dP - delta)``: with the row's FINAL lse
+    and delta (over all its keys, wherever they were computed), this call's
+    gradients are its exact share, so a row's dq summed over the calls that
+    cover its keys, and each call's dk, dv, equal the whole-mask backward.
+
+    Args:
+        dout: [Tq, Hq, D] gradient of the row's final output, in q's dtype.
+        q, k, v, q_ranges, k_ranges, attn_type, softmax_scale, softcap,
+            backend, validate: as in ``flex_attn`` (the same slices and
+            tensors this call's forward used).
+        lse: [Tq, Hq] fp32 final lse of each row (natural log, -inf for
+            rows with no valid key anywhere).
+        delta: [Tq, Hq] fp32 ``row_delta(dout, out, dlse)`` of the final
+            output out and the gradient dlse reaching the final lse.
+
+    Returns:
+        dq: [Tq, Hq, D] in q's dtype (this call's share).
+        dk, dv: [Tk, Hkv, D] in k's dtype (summed over each KV head's query heads).
+    """
+    _check(q, k, v, q_ranges, k_ranges, attn_type, softcap, backend)
+    if tuple(dout.shape) != tuple(q.shape) or dout.dtype != q.dtype or dout.device != q.device:
+        raise ValueError(f"dout must match q: got {tuple(dout.shape)} {dout.dtype} on {dout.device}, "
+                         f"q is {tuple(q.shape)} {q.dtype} on {q.device}")
+    _check_row_stat("lse", lse, q)
+    _check_row_stat("delta", delta, q)
+    if validate:
+        validate_slice_values(q_ranges, k_ranges, attn_type, q.shape[0], k.shape[0])
+    backend = _resolve_backend(q, backend)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    return flex_attn_bwd_delta_op(
+        dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
+        lse.contiguous(), delta.contiguous(),
+        q_ranges.to(torch.int32).contiguous(), k_ranges.to(torch.int32).contiguous(),
+        attn_type.to(torch.int32).contiguous(), scale, float(softcap), backend)
+
+
+def row_delta(dout: torch.Tensor, out: torch.Tensor, dlse: torch.Tensor | None = None,
+              *, backend: str = "auto") -> torch.Tensor:
+    """Row delta of the attention backward: ``rowsum(dout * out) - dlse``, summed in fp32.
+
+    Args:
+        dout: [Tq, Hq, D] gradient of the final output (fp16/bf16/fp32).
+        out: [Tq, Hq, D] the final output (merged over all of a row's keys),
+            same dtype and device as dout.
+        dlse: [Tq, Hq] fp32 gradient reaching the final lse, or None (zero).
+        backend: "auto", "triton" or "torch" (see the module docstring).
+
+    Returns:
+        delta: [Tq, Hq] fp32, the ``delta`` argument of ``flex_attn_backward``.
+    """
+    if dout.dim() != 3:
+        raise ValueError(f"dout must be [Tq, Hq, D], got shape {tuple(dout.shape)}")
+    if dout.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"dout must be fp16, bf16 or fp32, got {dout.dtype}")
+    if tuple(out.shape) != tuple(dout.shape) or out.dtype != dout.dtype or out.device != dout.device:
+        raise ValueError(f"out must match dout: got {tuple(out.shape)} {out.dtype} on {out.device}, "
+                         f"dout is {tuple(dout.shape)} {dout.dtype} on {dout.device}")
+    if dlse is not None:
+        _check_row_stat("dlse", dlse, dout, "dout")
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    backend = _resolve_backend(dout, backend)
+    return row_delta_op(dout.contiguous(), out.contiguous(), None if dlse is None else dlse.contiguous(), backend)

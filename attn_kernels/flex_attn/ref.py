@@ -30,8 +30,8 @@ def slices_mask(q_ranges: torch.Tensor, k_ranges: torch.Tensor, attn_type: torch
     return m.any(0)
 
 
-def _probs(q, k, mask, softmax_scale, softcap):
-    """p [Hkv, G, Tq, Tk] fp32, tanh of the capped scores (or None), lse [Tq, Hq] fp32."""
+def _scores(q, k, mask, softmax_scale, softcap):
+    """Masked scores s [Hkv, G, Tq, Tk] fp32 (-inf outside the mask), tanh of the capped scores (or None)."""
     Tq, HQ, D = q.shape
     Tk, HKV, _ = k.shape
     G = HQ // HKV
@@ -41,11 +41,13 @@ def _probs(q, k, mask, softmax_scale, softcap):
     if softcap > 0:
         th = torch.tanh(s / softcap)
         s = softcap * th
-    s = s.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)  # [Hkv, G, Tq], -inf for empty rows
+    return s.masked_fill(~mask, float("-inf")), th
+
+
+def _probs_from_lse(s, mask, lse):
+    """p [Hkv, G, Tq, Tk] fp32 = exp(s - lse) inside the mask; lse [Hkv, G, Tq], -inf for empty rows."""
     lse_safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    p = torch.exp(s - lse_safe[..., None]).masked_fill(~mask, 0.0)
-    return p, th, lse.reshape(HQ, Tq).t()
+    return torch.exp(s - lse_safe[..., None]).masked_fill(~mask, 0.0)
 
 
 def flex_attn_fwd_ref(
@@ -62,9 +64,19 @@ def flex_attn_fwd_ref(
     Tq, HQ, D = q.shape
     Tk, HKV, _ = k.shape
     mask = slices_mask(q_ranges, k_ranges, attn_type, Tq, Tk)
-    p, _, lse = _probs(q, k, mask, softmax_scale, softcap)
+    s, _ = _scores(q, k, mask, softmax_scale, softcap)
+    lse = torch.logsumexp(s, dim=-1)  # [Hkv, G, Tq], -inf for empty rows
+    p = _probs_from_lse(s, mask, lse)
     out = torch.einsum("hgqk,khd->qhgd", p, v.float()).reshape(Tq, HQ, D)
-    return out.to(q.dtype), lse.contiguous()
+    return out.to(q.dtype), lse.reshape(HQ, Tq).t().contiguous()
+
+
+def row_delta_ref(dout: torch.Tensor, out: torch.Tensor, dlse: torch.Tensor | None = None) -> torch.Tensor:
+    """Twin of ``kernel.row_delta``: rowsum(dout * out) - dlse, [Tq, Hq] fp32."""
+    delta = (dout.float() * out.float()).sum(-1)
+    if dlse is not None:
+        delta = delta - dlse.float()
+    return delta.contiguous()
 
 
 def flex_attn_bwd_ref(
@@ -76,17 +88,34 @@ def flex_attn_bwd_ref(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Twin of ``kernel.flex_attn_bwd``: returns dq [Tq, Hq, D], dk/dv [Tk, Hkv, D].
 
-    Recomputes p from q, k and the mask (the given lse is the same value the
-    forward produced); dlse [Tq, Hq] fp32 is the gradient reaching lse.
+    dlse [Tq, Hq] fp32 is the gradient reaching lse; ``row_delta_ref`` then
+    ``flex_attn_bwd_from_delta_ref``.
+    """
+    delta = row_delta_ref(dout, out, dlse)
+    return flex_attn_bwd_from_delta_ref(dout, q, k, v, lse, delta, q_ranges, k_ranges, attn_type,
+                                        softmax_scale, softcap, block_q=block_q, block_k=block_k)
+
+
+def flex_attn_bwd_from_delta_ref(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    lse: torch.Tensor, delta: torch.Tensor,
+    q_ranges: torch.Tensor, k_ranges: torch.Tensor, attn_type: torch.Tensor,
+    softmax_scale: float, softcap: float,
+    *, block_q: int | None = None, block_k: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Twin of ``kernel.flex_attn_bwd_from_delta``: returns dq [Tq, Hq, D], dk/dv [Tk, Hkv, D].
+
+    p = exp(s - lse) uses the GIVEN lse [Tq, Hq] fp32 (the row's final lse,
+    which may cover keys outside this call), delta [Tq, Hq] fp32 as given.
     """
     Tq, HQ, D = q.shape
     Tk, HKV, _ = k.shape
     G = HQ // HKV
     mask = slices_mask(q_ranges, k_ranges, attn_type, Tq, Tk)
-    p, th, _ = _probs(q, k, mask, softmax_scale, softcap)
+    s, th = _scores(q, k, mask, softmax_scale, softcap)
+    p = _probs_from_lse(s, mask, lse.float().t().reshape(HKV, G, Tq))
     do = dout.float().reshape(Tq, HKV, G, D)
-    delta = (dout.float() * out.float()).sum(-1) - dlse.float()  # [Tq, Hq]
-    delta = delta.t().reshape(HKV, G, Tq)
+    delta = delta.float().t().reshape(HKV, G, Tq)
     dv = torch.einsum("hgqk,qhgd->khd", p, do)
     dp = torch.einsum("qhgd,khd->hgqk", do, v.float())
     ds = p * (dp - delta[..., None])

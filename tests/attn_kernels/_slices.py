@@ -46,3 +46,42 @@ def ranges(q, k, t):
     """Slice tensors from Python lists: ([[qs, qe]..], [[ks, ke]..], [t..]) -> int32 tensors."""
     return (torch.tensor(q, dtype=torch.int32).reshape(-1, 2), torch.tensor(k, dtype=torch.int32).reshape(-1, 2),
             torch.tensor(t, dtype=torch.int32))
+
+
+def split_keys(q_ranges, k_ranges, attn_type, m: int):
+    """Cut a slice list at key m into the part over keys [0, m) and the part over [m, Tk).
+
+    Returns two slice lists (as ``ranges`` gives them); the second one's key
+    ranges are relative to m, as a rank holding only keys [m, Tk) sees them.
+    A CAUSAL bound cut by m leaves some rows with all keys of the left part
+    (those become FULL, or INV_CAUSAL re-anchored at their first row), and
+    likewise an INV_CAUSAL bound on the right part. Empty pieces are dropped.
+    """
+    left, right = [], []
+    for (qs, qe), (ks, ke), t in zip(q_ranges.tolist(), k_ranges.tolist(), attn_type.tolist()):
+        if qs >= qe or ks >= ke:
+            continue
+        if ke <= m:
+            left.append((qs, qe, ks, ke, t))
+            continue
+        if ks >= m:
+            right.append((qs, qe, ks - m, ke - m, t))
+            continue
+        causal, inv = t in (1, 3), t in (2, 3)
+        d_hi, d_lo = ke - qe, ks - qs  # causal: k <= q + d_hi; inv: k >= q + d_lo
+        # left, keys [ks, m): the causal bound binds on rows q < q1 only
+        q1 = min(max(m - 1 - d_hi, qs), qe) if causal else qs
+        if q1 > qs and q1 + d_hi > ks:
+            left.append((qs, q1, ks, q1 + d_hi, t))
+        ks1 = q1 + d_lo if inv else ks  # keeps k >= q + d_lo for rows from q1
+        if q1 < qe and ks1 < m:
+            left.append((q1, qe, ks1, m, 2 if inv else 0))
+        # right, keys [m, ke): the inv bound binds on rows q >= q2 only
+        q2 = min(max(m - d_lo + 1, qs), qe) if inv else qe
+        if q2 < qe and q2 + d_lo < ke:
+            right.append((q2, qe, q2 + d_lo - m, ke - m, t))
+        ke2 = q2 + d_hi if causal else ke  # keeps k <= q + d_hi for rows before q2
+        if q2 > qs and ke2 > m:
+            right.append((qs, q2, 0, ke2 - m, 1 if causal else 0))
+    return tuple(ranges([r[:2] for r in rows], [r[2:4] for r in rows], [r[4] for r in rows])
+                 for rows in (left, right))

@@ -52,6 +52,8 @@ def _check(q, k, v, qr, kr, t, scale=0.3, cap=0.0, block=32, atol=2e-5, twin=Tru
 def test_launcher_and_twin_share_signatures():
     assert inspect.signature(kernel.flex_attn_fwd) == inspect.signature(ref.flex_attn_fwd_ref)
     assert inspect.signature(kernel.flex_attn_bwd) == inspect.signature(ref.flex_attn_bwd_ref)
+    assert inspect.signature(kernel.flex_attn_bwd_from_delta) == inspect.signature(ref.flex_attn_bwd_from_delta_ref)
+    assert inspect.signature(kernel.row_delta) == inspect.signature(ref.row_delta_ref)
 
 
 @pytest.mark.parametrize("attn_type", [0, 1, 2, 3], ids=["full", "causal", "inv_causal", "bi_causal"])

@@ -17,14 +17,16 @@ _SCRIPT = textwrap.dedent("""
     from triton.compiler import ASTSource
     from attn_kernels.flex_attn import kernel as K
 
-    consts = dict(HQ=16, HKV=8, HEAD_DIM=128, BLOCK_Q=64, BLOCK_K=64, USE_SOFTCAP=True, DOT_PRECISION="tf32")
-    scalars = dict(Tq="i32", Tk="i32", R="i32", sm_scale="fp32", softcap="fp32")
-    ptrs = {
-        K._flex_fwd_kernel: "q k v o lse:f qr:i kr:i type:i",
-        K._flex_bwd_dq_kernel: "q k v do lse:f delta:f dq qr:i kr:i type:i",
-        K._flex_bwd_dkdv_kernel: "q k v do lse:f delta:f dk dv qr:i kr:i type:i",
-    }
-    for fn, spec in ptrs.items():
+    attn_consts = dict(HQ=16, HKV=8, HEAD_DIM=128, BLOCK_Q=64, BLOCK_K=64, USE_SOFTCAP=True, DOT_PRECISION="tf32")
+    attn_scalars = dict(Tq="i32", Tk="i32", R="i32", sm_scale="fp32", softcap="fp32")
+    kernels = [
+        (K._flex_fwd_kernel, "q k v o lse:f qr:i kr:i type:i", attn_scalars, attn_consts),
+        (K._flex_bwd_dq_kernel, "q k v do lse:f delta:f dq qr:i kr:i type:i", attn_scalars, attn_consts),
+        (K._flex_bwd_dkdv_kernel, "q k v do lse:f delta:f dk dv qr:i kr:i type:i", attn_scalars, attn_consts),
+        (K._row_delta_kernel, "do o dlse:f delta:f", dict(N="i32"),
+         dict(HEAD_DIM=128, BLOCK_N=32, BLOCK_D=128, HAS_DLSE=True)),
+    ]
+    for fn, spec, scalars, consts in kernels:
         sig = {}
         for p in spec.split():
             name, _, kind = p.partition(":")
@@ -47,4 +49,4 @@ def test_kernels_compile_for_sm90():
     if res.returncode != 0 and ("ptxas" in res.stderr and "not found" in res.stderr.lower()):
         pytest.skip("no ptxas in this Triton install")
     assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.count("compiled") == 3
+    assert res.stdout.count("compiled") == 4
