@@ -13,11 +13,23 @@ causal mask they still send every shard (no causal skipping is modelled).
 Owner-computes is mask-aware: it is ``evaluate`` of the assignment that puts
 every task on its query host, so only the needed KV tokens travel.
 
-Backward conventions, shared by all schemes so their figures compare: K and V
-are not kept from the forward on ranks that do not own them, so they travel
-again; dK and dV are the size of K and V (activation dtype) and travel back
-to their owner; tensors a scheme keeps in its own layout between forward and
-backward (USP's head-sharded Q, K, V, O, lse) do not travel again.
+Backward: each scheme is priced under its own protocol, as implementations
+run it. dQ, dK and dV are the size of Q, K and V (activation dtype) and go
+back to their owners; what a scheme keeps from its forward does not travel
+again, and nothing is counted as kept that a real implementation re-sends:
+
+- owner-computes follows the runtime's protocol (``CommCost``): a rank keeps
+  the K, V it received in the forward (``keep_forward_buffers``, default), so
+  only dK, dV travel back; with ``keep_forward_buffers=False`` K, V travel
+  again as well.
+- ring re-circulates K, V: a rank holds one remote shard at a time, so there
+  is no forward buffer to keep; each shard goes round again with its dK, dV.
+- all-gather KV re-gathers K, V (as TransformerEngine's KV all-gather CP
+  does) rather than hold the whole sequence's K, V between the passes, then
+  reduce-scatters dK, dV.
+- USP keeps its head-sharded Q, K, V, O and lse (the attention's own saved
+  inputs and outputs), so only dO goes out and dQ, dK, dV come back through
+  the all-to-all; its ring part re-circulates K, V as ring attention does.
 """
 from __future__ import annotations
 
@@ -73,9 +85,10 @@ def ring_attention(*, seqlen: int, cp_size: int, num_heads_kv: int, head_dim: in
 
         fwd = (P - 1) * c * kv
 
-    Backward: K, V go around the ring again, and each shard's partial dK, dV
-    travels with it and returns to its owner (P - 1 hops in all when the
-    accumulator starts at the first remote rank):
+    Backward: K, V go around the ring again (a rank held one remote shard at
+    a time, so none was kept), and each shard's partial dK, dV travels with
+    it and returns to its owner (P - 1 hops in all when the accumulator
+    starts at the first remote rank):
 
         bwd = 2 * (P - 1) * c * kv
 
@@ -96,8 +109,10 @@ def all_gather_kv(*, seqlen: int, cp_size: int, num_heads_kv: int, head_dim: int
 
         fwd = (P - 1) * c * kv
 
-    Backward: re-gather K, V, then reduce-scatter dK, dV (each rank sends
-    P - 1 partial shards of c tokens and receives P - 1 for its own):
+    Backward: re-gather K, V (the gathered copy is not kept between the
+    passes: it would hold the whole sequence's K, V per layer), then
+    reduce-scatter dK, dV (each rank sends P - 1 partial shards of c tokens
+    and receives P - 1 for its own):
 
         bwd = 2 * (P - 1) * c * kv
 
@@ -136,9 +151,10 @@ def usp(*, seqlen: int, cp_size: int, num_heads_q: int, num_heads_kv: int, head_
 
         fwd = (u - 1)/u * c * (q + kv + q) + (r - 1) * c * kv
 
-    Backward (Q, K, V, O, lse kept head-sharded from the forward): all-to-all
-    of dO in, ring of K, V and of dK, dV (as ``ring_attention`` over r ranks),
-    all-to-all of dQ, dK, dV back:
+    Backward (Q, K, V, O, lse kept head-sharded from the forward, so the
+    row delta is local): all-to-all of dO in, ring of K, V and of dK, dV (as
+    ``ring_attention`` over r ranks: the ring keeps no K, V), all-to-all of
+    dQ, dK, dV back:
 
         bwd = (u - 1)/u * c * (q + q + kv) + 2 * (r - 1) * c * kv
 
@@ -165,7 +181,9 @@ def owner_computes(areas: BlockAreas, cost: CommCost) -> BaselineVolumes:
     The volumes are ``evaluate(areas, owner_computes_assignment(areas), cost)``
     (host-side copy): for each KV unit (g, j) and each rank r != j whose tasks
     need it, the hull of the needed columns travels j -> r; forward
-    ``kv_fwd`` per token, backward ``kv_fwd`` out plus ``kv_fwd`` (dK, dV) back.
+    ``kv_fwd`` per token; backward ``dkv_bwd`` (dK, dV) back r -> j, plus
+    ``kv_bwd`` (K, V again) out only when ``cost.keep_forward_buffers`` is
+    False. No Q/O travels in either pass.
     """
     m = evaluate(areas, owner_computes_assignment(areas), cost).to_dict()
     return BaselineVolumes(m["fwd_send"], m["fwd_recv"], m["bwd_send"], m["bwd_recv"],
@@ -177,7 +195,9 @@ def baseline_table(areas: BlockAreas, config: SolverConfig) -> dict[str, dict]:
 
     areas:  BlockAreas of the mask (G may be 1 or ``config.num_heads_kv``);
             S = P * areas.chunk.
-    config: SolverConfig giving P, Hq, Hkv, D and the dtype.
+    config: SolverConfig giving P, Hq, Hkv, D, the dtype and whether helpers
+            keep their forward buffers (owner-computes only; the other
+            schemes keep what their own protocol keeps).
 
     Returns ``{name: BaselineVolumes.to_dict()}`` for ``owner_computes``,
     ``ring``, ``all_gather_kv`` and ``usp``; each dict has ``fwd_bottleneck``
@@ -188,7 +208,7 @@ def baseline_table(areas: BlockAreas, config: SolverConfig) -> dict[str, dict]:
     dims = dict(seqlen=areas.cp_size * areas.chunk, cp_size=config.cp_size, num_heads_q=config.num_heads_q,
                 num_heads_kv=config.num_heads_kv, head_dim=config.head_dim, dtype_bytes=config.dtype_bytes)
     cost = CommCost(config.num_heads_q, config.num_heads_kv, config.head_dim, config.dtype_bytes,
-                    areas.head_groups)
+                    areas.head_groups, config.keep_forward_buffers)
     return {
         "owner_computes": owner_computes(areas, cost).to_dict(),
         "ring": ring_attention(**dims).to_dict(),

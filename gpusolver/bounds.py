@@ -58,11 +58,13 @@ class MilpResult:
 
 
 def _coeffs(cost: CommCost, direction: str) -> tuple[int, int, int, int]:
-    """(host send, host recv) per QO token, (host send, host recv) per KV token."""
+    """(host send, host recv) per QO token, (host send, host recv) per KV token; a helper
+    receives what the host sends and sends what it receives. The backward's KV factors are
+    asymmetric (nothing out when buffers are kept, dK and dV back), as the forward's are."""
     if direction == "fwd":
         return cost.q_fwd, cost.o_fwd, cost.kv_fwd, 0
     if direction == "bwd":
-        return cost.q_bwd, cost.dq_bwd, cost.kv_fwd, cost.kv_fwd
+        return cost.q_bwd, cost.dq_bwd, cost.kv_bwd, cost.dkv_bwd
     raise ValueError(f"direction must be 'fwd' or 'bwd', got {direction!r}")
 
 
@@ -89,8 +91,10 @@ def milp_bottleneck(areas: BlockAreas, cost: CommCost, mu: float = 1.10, directi
         vk[(g, j), r] >= klen_t * x[t, r]   for tasks of KV unit (g, j), r != h(j)
         send_r <= z,  recv_r <= z,  minimise z
 
-    with send_r / recv_r the CommCost byte factors applied to the vq, vk a
-    rank sends as host or receives as helper (see ``metrics``). A rank really
+    with send_r / recv_r the CommCost byte factors of ``direction`` applied to
+    the vq, vk a rank hosts or receives as helper (see ``metrics``), each unit
+    kind's host-send and host-recv factors priced separately: the backward
+    follows ``cost.keep_forward_buffers``. A rank really
     receives the hull of its tasks' needs, which is at least the longest
     need, so vq, vk under-estimate the volume: the optimum is a valid lower
     bound on the true optimal bottleneck, and ``evaluate`` of the returned

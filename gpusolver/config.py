@@ -31,6 +31,11 @@ class SolverConfig:
                         is the worst case G * c * (P - 1). A smaller value
                         saves buffer memory; a plan that needs more reports
                         BUFFER_OVERFLOW (work is never dropped).
+    keep_forward_buffers: in the backward, helpers reuse the Q, K and V they
+                        received in the forward (default), so only dO, lse,
+                        delta go out and dQ, dK, dV come back. False re-sends
+                        Q and K, V in the backward: less activation memory,
+                        more bytes (see ``CommCost``).
     """
 
     cp_size: int
@@ -43,6 +48,7 @@ class SolverConfig:
     chunk_tiles: int = 1
     max_stage_slices: int | None = None
     max_recv_rows: int | None = None
+    keep_forward_buffers: bool = True
 
     def __post_init__(self):
         for name in ("cp_size", "num_heads_q", "num_heads_kv", "head_dim", "chunk_tiles"):
@@ -52,6 +58,8 @@ class SolverConfig:
         if self.num_heads_q % self.num_heads_kv:
             raise ValueError(
                 f"num_heads_q={self.num_heads_q} must be a multiple of num_heads_kv={self.num_heads_kv}")
+        if not isinstance(self.keep_forward_buffers, bool):
+            raise ValueError(f"keep_forward_buffers must be a bool, got {self.keep_forward_buffers!r}")
         if not self.imbalance_tol >= 1.0:
             raise ValueError(f"imbalance_tol must be >= 1.0, got {self.imbalance_tol}")
 
@@ -66,7 +74,7 @@ class SolverConfig:
 
     def cost(self) -> CommCost:
         return CommCost(self.num_heads_q, self.num_heads_kv, self.head_dim,
-                        self.dtype_bytes, self.head_groups)
+                        self.dtype_bytes, self.head_groups, self.keep_forward_buffers)
 
     @property
     def num_units(self) -> int:

@@ -8,17 +8,23 @@ are host-side.
 
 Byte counts per transferred range of ``n`` tokens (``CommCost`` factors):
 
-    ===========  ======================  ======================
-    unit, pass   host (i or j)           helper rank r
-    ===========  ======================  ======================
-    QO fwd       send n*q_fwd,           recv n*q_fwd,
-                 recv n*o_fwd            send n*o_fwd
-    KV fwd       send n*kv_fwd           recv n*kv_fwd
-    QO bwd       send n*q_bwd,           recv n*q_bwd,
-                 recv n*dq_bwd           send n*dq_bwd
-    KV bwd       send n*kv_fwd (K, V),   recv n*kv_fwd,
-                 recv n*kv_fwd (dK, dV)  send n*kv_fwd
-    ===========  ======================  ======================
+    ===========  ========================  ======================
+    unit, pass   host (i or j)             helper rank r
+    ===========  ========================  ======================
+    QO fwd       send n*q_fwd (Q),         recv n*q_fwd,
+                 recv n*o_fwd (O, lse)     send n*o_fwd
+    KV fwd       send n*kv_fwd (K, V)      recv n*kv_fwd
+    QO bwd       send n*q_bwd (dO, lse,    recv n*q_bwd,
+                 delta; Q if re-cast),
+                 recv n*dq_bwd (dQ)        send n*dq_bwd
+    KV bwd       send n*kv_bwd (K, V if    recv n*kv_bwd,
+                 re-cast, else 0),
+                 recv n*dkv_bwd (dK, dV)   send n*dkv_bwd
+    ===========  ========================  ======================
+
+With the default ``keep_forward_buffers`` the backward's KV direction is the
+forward's reversed (KV hosts receive dK, dV and send nothing), so a plan
+with a small forward bottleneck need not have a small backward one.
 
 The ranges are those of ``transfer_ranges`` (hull of the needed tokens per
 (unit, destination)), so the volumes are the bytes the plan really moves. The
@@ -119,9 +125,8 @@ def _volumes(qo_len: torch.Tensor, kv_len: torch.Tensor, cost: CommCost, tiles: 
     kv_out, kv_in = by_host(kv_len), kv_len.sum(dim=(0, 1))
     fwd_send = qo_out * cost.q_fwd + qo_in * cost.o_fwd + kv_out * cost.kv_fwd
     fwd_recv = qo_out * cost.o_fwd + qo_in * cost.q_fwd + kv_in * cost.kv_fwd
-    kv_bwd = (kv_out + kv_in) * cost.kv_fwd  # K, V out and dK, dV back: symmetric
-    bwd_send = qo_out * cost.q_bwd + qo_in * cost.dq_bwd + kv_bwd
-    bwd_recv = qo_out * cost.dq_bwd + qo_in * cost.q_bwd + kv_bwd
+    bwd_send = qo_out * cost.q_bwd + qo_in * cost.dq_bwd + kv_out * cost.kv_bwd + kv_in * cost.dkv_bwd
+    bwd_recv = qo_out * cost.dq_bwd + qo_in * cost.q_bwd + kv_out * cost.dkv_bwd + kv_in * cost.kv_bwd
     return fwd_send, fwd_recv, bwd_send, bwd_recv
 
 

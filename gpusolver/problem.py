@@ -138,18 +138,27 @@ class CommCost:
     """Bytes per transferred token of each unit kind, per head group.
 
     With G head groups a group carries ``hq = Hq / G`` query heads and
-    ``hkv = Hkv / G`` KV heads (one with head-group flattening). Sending
-    ``n`` tokens of a unit from its host to a helper rank costs:
+    ``hkv = Hkv / G`` KV heads (one with head-group flattening); ``D`` is the
+    head dim and ``b`` the activation dtype's bytes. Sending ``n`` tokens of a
+    unit from its host to a helper rank costs:
 
     forward
-        QO: host -> helper ``n * q_fwd`` (Q), helper -> host ``n * o_fwd``
-            (partial O in the activation dtype plus fp32 lse).
-        KV: host -> helper ``n * kv_fwd`` (K and V).
+        QO: host -> helper ``n * q_fwd`` (Q, ``hq*D*b``), helper -> host
+            ``n * o_fwd`` (partial O plus fp32 lse, ``hq*(D*b + 4)``).
+        KV: host -> helper ``n * kv_fwd`` (K and V, ``2*hkv*D*b``).
     backward
-        QO: host -> helper ``n * q_bwd`` (Q, O, dO, fp32 lse),
-            helper -> host ``n * dq_bwd`` (partial dQ).
-        KV: host -> helper ``n * kv_fwd`` (K, V), helper -> host
-            ``n * kv_fwd`` (partial dK, dV).
+        QO: host -> helper ``n * q_bwd`` (dO plus fp32 lse and fp32 delta,
+            ``hq*(D*b + 8)``; plus Q again, ``hq*D*b``, when buffers are not
+            kept), helper -> host ``n * dq_bwd`` (partial dQ, ``hq*D*b``).
+        KV: host -> helper ``n * kv_bwd`` (nothing when buffers are kept,
+            else K and V again, ``kv_fwd``), helper -> host ``n * dkv_bwd``
+            (partial dK and dV, ``kv_fwd``).
+
+    The backward follows the runtime's protocol: the QO host computes the row
+    delta ``rowsum(dO * O)`` itself, so O never travels. With
+    ``keep_forward_buffers`` (default) a helper keeps the Q, K and V it
+    received in the forward; without it they are sent again (fewer saved
+    activations, more bytes).
     """
 
     num_heads_q: int
@@ -157,6 +166,7 @@ class CommCost:
     head_dim: int
     dtype_bytes: int
     head_groups: int
+    keep_forward_buffers: bool = True
 
     def __post_init__(self):
         if self.num_heads_q % self.num_heads_kv:
@@ -186,8 +196,17 @@ class CommCost:
 
     @property
     def q_bwd(self) -> int:
-        return self.hq * (3 * self.head_dim * self.dtype_bytes + 4)
+        again = 0 if self.keep_forward_buffers else self.q_fwd  # Q re-sent
+        return self.hq * (self.head_dim * self.dtype_bytes + 8) + again  # dO, fp32 lse and delta
 
     @property
     def dq_bwd(self) -> int:
         return self.hq * self.head_dim * self.dtype_bytes
+
+    @property
+    def kv_bwd(self) -> int:
+        return 0 if self.keep_forward_buffers else self.kv_fwd
+
+    @property
+    def dkv_bwd(self) -> int:
+        return self.kv_fwd

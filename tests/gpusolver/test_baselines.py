@@ -65,21 +65,29 @@ def test_usp_bad_degree():
 
 
 @pytest.mark.parametrize("G", [1, 2])
-def test_owner_computes_full_mask_equals_ring(G):
-    # a full mask needs every KV chunk everywhere: owner-computes moves what ring moves
+def test_owner_computes_full_mask_vs_ring(G):
+    # a full mask needs every KV chunk everywhere: owner-computes moves what ring moves forward;
+    # backward, re-cast K, V make it ring's bytes, kept K, V leave only dK, dV (half of them)
     S, P, Hq, Hkv, D = 12, 3, 4, 2, 2
     areas = areas_from_dense(torch.ones(G, S, S, dtype=torch.bool), P)
+    ring = ring_attention(**dims(S, P, Hq, Hkv, D))
+    assert owner_computes(areas, CommCost(Hq, Hkv, D, 2, G, keep_forward_buffers=False)) == ring
     oc = owner_computes(areas, CommCost(Hq, Hkv, D, 2, G))
-    assert oc == ring_attention(**dims(S, P, Hq, Hkv, D))
+    assert (oc.fwd_send, oc.fwd_recv, oc.fwd_bottleneck) == (ring.fwd_send, ring.fwd_recv, ring.fwd_bottleneck)
+    assert oc.bwd_send == oc.bwd_recv == ring.fwd_send and 2 * oc.bwd_bottleneck == ring.bwd_bottleneck
 
 
-def test_owner_computes_causal_hand_case():
+@pytest.mark.parametrize("keep", [True, False], ids=["kept", "recast"])
+def test_owner_computes_causal_hand_case(keep):
     # causal, P=2, c=4, G=1: rank 1 needs all of KV chunk 0; rank 0 needs nothing remote
     S, P = 8, 2
     areas = areas_from_dense(torch.ones(1, S, S, dtype=torch.bool).tril(), P)
-    oc = owner_computes(areas, CommCost(2, 1, 2, 2, 1))  # kv_fwd = 8
+    oc = owner_computes(areas, CommCost(2, 1, 2, 2, 1, keep_forward_buffers=keep))  # kv_fwd = 8
     assert oc.fwd_send == [32, 0] and oc.fwd_recv == [0, 32]
-    assert oc.bwd_send == [32, 32] and oc.bwd_recv == [32, 32]
+    if keep:  # dK, dV of 4 tokens back 1 -> 0, nothing out
+        assert oc.bwd_send == [0, 32] and oc.bwd_recv == [32, 0]
+    else:  # K, V out again as well
+        assert oc.bwd_send == [32, 32] and oc.bwd_recv == [32, 32]
     assert (oc.fwd_bottleneck, oc.bwd_bottleneck) == (32, 32)
 
 
@@ -98,8 +106,19 @@ def test_baseline_table():
     # causal owner-computes: the last rank receives the 3 earlier KV chunks, like ring
     assert table["owner_computes"]["fwd_bottleneck"] == table["ring"]["fwd_bottleneck"]
     assert table["owner_computes"]["fwd_recv"] == [0, 8 * kv, 16 * kv, 24 * kv]
+    # kept buffers (default): owner-computes moves dK, dV back only; the last rank sends 24 chunks' worth
+    assert table["owner_computes"]["bwd_send"] == [0, 8 * kv, 16 * kv, 24 * kv]
+    assert table["owner_computes"]["bwd_recv"] == [24 * kv, 16 * kv, 8 * kv, 0]
+    # re-cast: K, V out again; the closed-form schemes keep their own protocols
+    recast = baseline_table(areas, SolverConfig(cp_size=P, num_heads_q=8, num_heads_kv=2, head_dim=4,
+                                                dtype=torch.float16, keep_forward_buffers=False))
+    assert recast["owner_computes"]["bwd_send"] == [24 * kv, 24 * kv, 24 * kv, 24 * kv]
+    assert {k: v for k, v in recast.items() if k != "owner_computes"} == \
+        {k: v for k, v in table.items() if k != "owner_computes"}
     with pytest.raises(ValueError, match="cp_size"):
         baseline_table(areas, SolverConfig(cp_size=2, num_heads_q=8, num_heads_kv=2))
+    with pytest.raises(ValueError, match="keep_forward_buffers"):
+        SolverConfig(cp_size=P, keep_forward_buffers=None)
 
 
 def test_uniform():

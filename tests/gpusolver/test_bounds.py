@@ -72,12 +72,17 @@ CASES = [  # (name, dense [G, S, S], P)
 ]
 
 
-@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+# (direction, keep_forward_buffers): the forward, and the backward under both protocols
+PASSES = [("fwd", True), ("bwd", True), ("bwd", False)]
+PASS_IDS = ["fwd", "bwd-kept", "bwd-recast"]
+
+
+@pytest.mark.parametrize("direction,keep", PASSES, ids=PASS_IDS)
 @pytest.mark.parametrize("name,dense,P", CASES, ids=[c[0] for c in CASES])
-def test_milp_against_brute_force(name, dense, P, direction):
+def test_milp_against_brute_force(name, dense, P, direction, keep):
     areas = areas_from_dense(dense, P)
     G = areas.head_groups
-    cost = CommCost(4 * G, 2 * G, 2, 2, G)
+    cost = CommCost(4 * G, 2 * G, 2, 2, G, keep_forward_buffers=keep)
     mu = 1.5
     res = milp_bottleneck(areas, cost, mu=mu, direction=direction, time_limit=10.0)
     best = brute_force_best(areas, cost, mu, direction)
@@ -95,13 +100,13 @@ def test_milp_against_brute_force(name, dense, P, direction):
         assert res.lower_bound == best == res.bottleneck
 
 
-@pytest.mark.parametrize("direction", ["fwd", "bwd"])
-def test_milp_on_tiles_against_brute_force(direction):
+@pytest.mark.parametrize("direction,keep", PASSES, ids=PASS_IDS)
+def test_milp_on_tiles_against_brute_force(direction, keep):
     # 2 ranks, 2 tiles each (units of 2 tokens): a tile lives on rank u // 2, so tasks
     # between tiles of one rank move nothing, and the bound covers tiled plans
     dense = doc_causal(8, [3, 5])[None]
     areas = areas_from_dense(dense, 4).as_tiles(2)
-    cost = CommCost(4, 2, 2, 2, 1)
+    cost = CommCost(4, 2, 2, 2, 1, keep_forward_buffers=keep)
     mu = 1.2
     res = milp_bottleneck(areas, cost, mu=mu, direction=direction, time_limit=10.0)
     best = brute_force_best(areas, cost, mu, direction)
@@ -119,20 +124,35 @@ def test_milp_below_owner_computes(P, G):
     S = 6 * P
     dense = torch.stack([doc_causal(S, [S // 2 - 1, S // 2 + 1]), window(S, 5)][:G])
     areas = areas_from_dense(dense, P)
-    cost = CommCost(8 * G, 2 * G, 2, 2, G)
-    owner = evaluate(areas, owner_computes_assignment(areas), cost)
+    owner = evaluate(areas, owner_computes_assignment(areas), CommCost(8 * G, 2 * G, 2, 2, G))
     mu = float(owner.imbalance) + 1e-6  # owner-computes meets this mu
-    for direction in ("fwd", "bwd"):
+    for direction, keep in PASSES:
+        cost = CommCost(8 * G, 2 * G, 2, 2, G, keep_forward_buffers=keep)
+        owner = evaluate(areas, owner_computes_assignment(areas), cost)
         res = milp_bottleneck(areas, cost, mu=mu, direction=direction, time_limit=10.0)
         assert res.status == "optimal"
         assert_meets_mu(areas, res.assignment, mu)
         assert res.lower_bound <= int(getattr(owner, f"{direction}_bottleneck"))
         assert res.lower_bound <= res.bottleneck
     # a tight mu keeps a valid, balanced assignment (or says infeasible)
-    res = milp_bottleneck(areas, cost, mu=1.10, time_limit=10.0)
+    res = milp_bottleneck(areas, CommCost(8 * G, 2 * G, 2, 2, G), mu=1.10, time_limit=10.0)
     if res.status != "infeasible":
         assert_meets_mu(areas, res.assignment, 1.10)
         assert res.lower_bound <= res.bottleneck
+
+
+def test_milp_backward_kv_is_one_way():
+    # causal, P=2, c=4, any balance (mu=2): rank 1 needs all of KV chunk 0 (4 tokens) or all of
+    # QO chunk 1 travels to rank 0. hq=2, hkv=1, D=2, b=2: kv_fwd = 8, q_bwd = 24 kept / 32 re-cast.
+    # Owner-computes is optimal in both protocols: kept, rank 1 sends dK, dV (32) and rank 0 sends
+    # nothing; re-cast, rank 0 also sends K, V (32) again, a separate direction, so still 32.
+    areas = areas_from_dense(torch.ones(1, 8, 8, dtype=torch.bool).tril(), 2)
+    for keep, sends in ((True, [0, 32]), (False, [32, 32])):
+        cost = CommCost(2, 1, 2, 2, 1, keep_forward_buffers=keep)
+        res = milp_bottleneck(areas, cost, mu=2.0, direction="bwd", time_limit=10.0)
+        assert res.status == "optimal" and res.lower_bound == res.bottleneck == 32
+        m = evaluate(areas, res.assignment, cost)
+        assert m.to_dict()["bwd_send"] == sends and m.to_dict()["bwd_recv"] == sends[::-1]
 
 
 def test_milp_infeasible_and_trivial():

@@ -95,8 +95,8 @@ def brute_force(areas: BlockAreas, asg: torch.Tensor, cost: CommCost) -> dict:
                 bs[dest] += rows * cost.dq_bwd; br[host] += rows * cost.dq_bwd
             else:
                 fs[host] += rows * cost.kv_fwd; fr[dest] += rows * cost.kv_fwd
-                bs[host] += rows * cost.kv_fwd; br[dest] += rows * cost.kv_fwd
-                bs[dest] += rows * cost.kv_fwd; br[host] += rows * cost.kv_fwd
+                bs[host] += rows * cost.kv_bwd; br[dest] += rows * cost.kv_bwd
+                bs[dest] += rows * cost.dkv_bwd; br[host] += rows * cost.dkv_bwd
         return fs, fr, bs, br
 
     fs, fr, bs, br = volumes(False)
@@ -126,10 +126,11 @@ def assert_matches(ref: dict, m: PlanMetrics):
 
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 2**31), G=st.integers(1, 3), P=st.integers(1, 5), c=st.integers(1, 9),
-       density=st.sampled_from([0.0, 0.3, 0.8, 1.0]), tiles=st.sampled_from([1, 1, 2, 3]))
-def test_evaluate_matches_brute_force(seed, G, P, c, density, tiles):
+       density=st.sampled_from([0.0, 0.3, 0.8, 1.0]), tiles=st.sampled_from([1, 1, 2, 3]), keep=st.booleans())
+def test_evaluate_matches_brute_force(seed, G, P, c, density, tiles, keep):
     areas, asg = random_instance(seed, G, P, c, density, tiles)
-    cost = CommCost(num_heads_q=4 * G, num_heads_kv=2 * G, head_dim=3, dtype_bytes=2, head_groups=G)
+    cost = CommCost(num_heads_q=4 * G, num_heads_kv=2 * G, head_dim=3, dtype_bytes=2, head_groups=G,
+                    keep_forward_buffers=keep)
     check_assignment(areas, asg)
     assert_matches(brute_force(areas, asg, cost), evaluate(areas, asg, cost))
 
@@ -144,17 +145,46 @@ def test_evaluate_hand_case():
     k_need[0, 0, 1] = torch.tensor([0, 4])
     areas = BlockAreas(area, q_need, k_need, 4)
     cost = CommCost(num_heads_q=2, num_heads_kv=1, head_dim=2, dtype_bytes=2, head_groups=1)
-    # q_fwd = 8, o_fwd = 2 * (4 + 4) = 16, q_bwd = 2 * (12 + 4) = 32, dq_bwd = 8
-    assert (cost.q_fwd, cost.o_fwd, cost.q_bwd, cost.dq_bwd, cost.kv_fwd) == (8, 16, 32, 8, 8)
+    # q_fwd = 8, o_fwd = 2 * (4 + 4) = 16, q_bwd = 2 * (4 + 8) = 24 (dO, lse, delta), dq_bwd = 8
+    assert (cost.q_fwd, cost.o_fwd, cost.q_bwd, cost.dq_bwd, cost.kv_fwd) == (8, 16, 24, 8, 8)
     asg = torch.tensor([[[-1, 1], [-1, -1]]], dtype=torch.int32)
     m = evaluate(areas, asg, cost)
     # 2 Q rows 0 -> 1: rank 0 sends 16 (Q), receives 32 (O); KV stays on rank 1
     assert m.to_dict()["fwd_send"] == [16, 32] and m.to_dict()["fwd_recv"] == [32, 16]
-    assert m.to_dict()["bwd_send"] == [64, 16] and m.to_dict()["bwd_recv"] == [16, 64]
-    assert int(m.fwd_bottleneck) == 32 and int(m.bwd_bottleneck) == 64
+    assert m.to_dict()["bwd_send"] == [48, 16] and m.to_dict()["bwd_recv"] == [16, 48]
+    assert int(m.fwd_bottleneck) == 32 and int(m.bwd_bottleneck) == 48
     # whole chunk: 4 rows instead of 2
-    assert int(m.fwd_bottleneck_chunk) == 64 and int(m.bwd_bottleneck_chunk) == 128
+    assert int(m.fwd_bottleneck_chunk) == 64 and int(m.bwd_bottleneck_chunk) == 96
     assert m.to_dict()["load"] == [0, 5] and float(m.imbalance) == 2.0 and float(m.local_fraction) == 0.0
+
+
+@pytest.mark.parametrize("keep", [True, False], ids=["kept", "recast"])
+def test_evaluate_backward_protocols(keep):
+    # P=2, G=1, c=4, hq=2, hkv=1, D=2, b=2. Rank 1 computes two tasks of rank 0's units:
+    # (0, 0, 1) needs Q rows [1, 3) of chunk 0 (2 QO tokens 0 -> 1; its KV is local) and
+    # (0, 1, 0) needs K columns [1, 4) of chunk 0 (3 KV tokens 0 -> 1; its QO is local)
+    area = torch.zeros(1, 2, 2, dtype=torch.int64)
+    q_need = torch.zeros(1, 2, 2, 2, dtype=torch.int64)
+    k_need = torch.zeros(1, 2, 2, 2, dtype=torch.int64)
+    area[0, 0, 1], q_need[0, 0, 1], k_need[0, 0, 1] = 5, torch.tensor([1, 3]), torch.tensor([0, 4])
+    area[0, 1, 0], q_need[0, 1, 0], k_need[0, 1, 0] = 6, torch.tensor([0, 4]), torch.tensor([1, 4])
+    areas = BlockAreas(area, q_need, k_need, 4)
+    cost = CommCost(2, 1, 2, 2, 1, keep_forward_buffers=keep)
+    asg = torch.tensor([[[-1, 1], [1, -1]]], dtype=torch.int32)
+    d = evaluate(areas, asg, cost).to_dict()
+    # forward: rank 0 sends 2 * 8 (Q) + 3 * 8 (K, V) = 40 and receives 2 * 16 (O, lse) = 32
+    assert d["fwd_send"] == [40, 32] and d["fwd_recv"] == [32, 40]
+    if keep:
+        # rank 0 sends 2 * 2 * (4 + 8) = 48 (dO, lse, delta) and no K, V; it receives
+        # 2 * 8 (dQ) + 3 * 8 (dK, dV) = 40
+        assert (cost.q_bwd, cost.dq_bwd, cost.kv_bwd, cost.dkv_bwd) == (24, 8, 0, 8)
+        assert d["bwd_send"] == [48, 40] and d["bwd_recv"] == [40, 48]
+        assert d["bwd_bottleneck"] == 48 and d["bwd_bottleneck_chunk"] == 4 * 24
+    else:
+        # Q (2 * 8) and K, V (3 * 8) go out again: 48 + 16 + 24 = 88
+        assert (cost.q_bwd, cost.dq_bwd, cost.kv_bwd, cost.dkv_bwd) == (32, 8, 8, 8)
+        assert d["bwd_send"] == [88, 40] and d["bwd_recv"] == [40, 88]
+        assert d["bwd_bottleneck"] == 88 and d["bwd_bottleneck_chunk"] == 4 * 32 + 4 * 8
 
 
 def test_evaluate_on_meta():
@@ -177,8 +207,9 @@ def test_evaluate_on_meta():
         assert t.device.type == "meta" and t.shape == () and t.dtype == torch.float64, key
 
 
+@pytest.mark.parametrize("keep", [True, False], ids=["kept", "recast"])
 @pytest.mark.parametrize("G,P,S", [(1, 4, 32), (2, 3, 21)])
-def test_owner_computes_no_qo_traffic(G, P, S):
+def test_owner_computes_no_qo_traffic(G, P, S, keep):
     dense = torch.ones(S, S, dtype=torch.bool).tril()[None].repeat(G, 1, 1)
     dense[-1, :, : S // 3] = False  # groups differ
     areas = areas_from_dense(dense, P)
@@ -188,12 +219,16 @@ def test_owner_computes_no_qo_traffic(G, P, S):
     assert_close("owner asg", torch.where(areas.area > 0, ref, -1).int(), asg)
     qo_range, kv_range = transfer_ranges(areas, asg)
     assert int(qo_range.abs().sum()) == 0
-    cost = CommCost(4 * G, 2 * G, 4, 2, G)
+    cost = CommCost(4 * G, 2 * G, 4, 2, G, keep_forward_buffers=keep)
     m = evaluate(areas, asg, cost)
     kv_tokens = int((kv_range[..., 1] - kv_range[..., 0]).sum())
     assert kv_tokens > 0
     assert int(m.fwd_send.sum()) == int(m.fwd_recv.sum()) == kv_tokens * cost.kv_fwd
-    assert int(m.bwd_send.sum()) == int(m.bwd_recv.sum()) == 2 * kv_tokens * cost.kv_fwd
+    if keep:  # only dK, dV, the forward's K, V reversed
+        assert_close("bwd_send", m.fwd_recv, m.bwd_send)
+        assert_close("bwd_recv", m.fwd_send, m.bwd_recv)
+    else:
+        assert int(m.bwd_send.sum()) == int(m.bwd_recv.sum()) == 2 * kv_tokens * cost.kv_fwd
     assert_close("owner load", areas.area.sum(dim=(0, 2)), m.load)
     assert_matches(brute_force(areas, asg, cost), m)
 

@@ -8,7 +8,7 @@ from gpusolver.areas import block_areas
 from gpusolver.config import SolverConfig
 from gpusolver.masks import causal_mask, slices_to_dense, sliding_window_mask, varlen_causal_mask, varlen_full_mask
 from gpusolver.masks.slices import AttnSlices
-from gpusolver.metrics import owner_computes_assignment
+from gpusolver.metrics import evaluate, owner_computes_assignment
 from gpusolver.plan import (BUFFER_OVERFLOW, CALC_OVERFLOW, IMBALANCED, NEED_MISMATCH, UNASSIGNED, Plan,
                             build_plan, default_stage_capacity, slice_pieces, status_names)
 from gpusolver.problem import BlockAreas
@@ -163,6 +163,17 @@ def _check_plan(mask: AttnSlices, areas: BlockAreas, asg: torch.Tensor, plan: Pl
     qo_sent = m.qo_split.sum(1)
     fwd_recv = qo_sent * cost.o_fwd + m.qo_recv_rows * cost.q_fwd + m.kv_recv_rows * cost.kv_fwd
     assert_close("fwd_recv from CommMeta", plan.metrics.fwd_recv, fwd_recv)
+    # backward under both protocols: dO, lse, delta (plus Q, K, V when re-cast) out; dQ, dK, dV back
+    kv_sent = m.kv_split.sum(1)
+    for keep in (True, False):
+        cost = _config(P, G, keep_forward_buffers=keep).cost()
+        got = plan.metrics if keep else evaluate(areas, asg, cost)
+        bwd_send = qo_sent * cost.q_bwd + m.qo_recv_rows * cost.dq_bwd \
+            + kv_sent * cost.kv_bwd + m.kv_recv_rows * cost.dkv_bwd
+        bwd_recv = qo_sent * cost.dq_bwd + m.qo_recv_rows * cost.q_bwd \
+            + kv_sent * cost.dkv_bwd + m.kv_recv_rows * cost.kv_bwd
+        assert_close(f"bwd_send from CommMeta (keep={keep})", got.bwd_send, bwd_send)
+        assert_close(f"bwd_recv from CommMeta (keep={keep})", got.bwd_recv, bwd_recv)
     # CalcMeta: per rank exactly the mask restricted to its tasks; all ranks: the mask once
     counts = _calc_counts(plan, G, P, c, S)
     oracle = _mask_counts(mask, G)
