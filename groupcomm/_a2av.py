@@ -1,0 +1,164 @@
+"""``TorchGroup``: group collectives as one ``torch.distributed`` all-to-all-v per call.
+
+gloo on CPU, NCCL on GPU. ``all_to_all_single`` takes its split sizes as
+host lists, so this backend needs the split matrix on the host: that is the
+one sync point of the layer, made once by ``host_splits`` and shared by every
+cast and reduce (forward and backward) that passes it as ``host_split``.
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ._base import CollectiveError, HostTraffic, Work
+from ._pack import pack, row_layout, unpack
+from ._reduce import reduce_rows
+from ._routing import put_targets
+
+
+class HostSplits:
+    """The ``[P, P]`` split matrix on the host, copied once without blocking.
+
+    On CUDA the copy goes into pinned memory behind an event; ``get()`` waits
+    for it and returns the matrix as a list of lists (cached).
+    """
+
+    def __init__(self, split: torch.Tensor):
+        if split.dim() != 2 or split.shape[0] != split.shape[1]:
+            raise ValueError(f"host_splits: split must be [P, P], got {tuple(split.shape)}")
+        self._event = None
+        self._rows: list[list[int]] | None = None
+        if split.is_cuda:
+            self._host = torch.empty(split.shape, dtype=torch.int64, pin_memory=True)
+            self._host.copy_(split, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = split.detach().to(torch.int64, copy=True)
+
+    def get(self) -> list[list[int]]:
+        if self._rows is None:
+            if self._event is not None:
+                # THE sync point of the all-to-all-v backend: NCCL and gloo take split sizes as
+                # host lists. One P x P copy per layer, awaited when the first collective starts.
+                self._event.synchronize()
+            self._rows = self._host.tolist()
+        return self._rows
+
+
+def host_splits(split: torch.Tensor) -> HostSplits:
+    """Start the one device-to-host copy of ``split [P, P]``; pass the result as ``host_split=``."""
+    return HostSplits(split)
+
+
+class TorchGroup:
+    """One rank of a ``torch.distributed`` process group (default: the world).
+
+    ``timeout`` bounds each wait (default: the process group's own timeout);
+    a failed or timed-out exchange raises ``CollectiveError``.
+    ``traffic(phase)`` returns this rank's (sent, recv) bytes as host ints.
+    """
+
+    batched = False
+
+    def __init__(self, process_group=None, timeout: timedelta | None = None):
+        if not dist.is_initialized():
+            raise ValueError("TorchGroup: torch.distributed is not initialized (call init_process_group)")
+        self.process_group = process_group
+        self.rank = dist.get_rank(process_group)
+        self.size = dist.get_world_size(process_group)
+        self.timeout = timeout
+        self._traffic = HostTraffic()
+
+    def __repr__(self) -> str:
+        return f"TorchGroup(rank={self.rank}, P={self.size})"
+
+    def _host_matrix(self, split: torch.Tensor, host_split) -> list[list[int]]:
+        if host_split is None:
+            host_split = HostSplits(split)  # blocking here: no copy was started ahead
+        rows = host_split.get() if isinstance(host_split, HostSplits) else host_split
+        P = self.size
+        if len(rows) != P or any(len(r) != P for r in rows):
+            raise ValueError(f"host_split must be [P, P] = [{P}, {P}], got {len(rows)} rows")
+        return rows
+
+    def _exchange(self, out: torch.Tensor, inp: torch.Tensor, out_sizes: list[int], in_sizes: list[int],
+                  phase: str):
+        """Start the all-to-all-v; returns the function that waits for it."""
+        def fail(e: Exception) -> CollectiveError:
+            return CollectiveError(f"rank {self.rank}: {phase} all-to-all over {self.size} ranks failed: {e}")
+
+        try:
+            work = dist.all_to_all_single(out, inp, out_sizes, in_sizes, group=self.process_group,
+                                          async_op=True)
+        except Exception as e:
+            raise fail(e) from e
+
+        def wait() -> None:
+            try:
+                if self.timeout is None:
+                    work.wait()
+                else:
+                    work.wait(self.timeout)
+            except Exception as e:
+                raise fail(e) from e
+
+        return wait
+
+    def _sizes(self, rows: list[list[int]], send_cap: int, recv_capacity: int, what: str):
+        r = self.rank
+        send = list(rows[r])
+        recv = [rows[s][r] for s in range(self.size)]
+        if sum(send) > send_cap:
+            raise ValueError(f"rank {r}: split row {r} sends {sum(send)} rows, more than send_index holds "
+                             f"({send_cap})")
+        if sum(recv) > recv_capacity:
+            raise ValueError(f"rank {r}: split column {r} receives {sum(recv)} rows, more than {what} "
+                             f"({recv_capacity})")
+        return send, recv
+
+    def _cast(self, tensors, send_index, split, recv_capacity, phase, host_split):
+        rows = self._host_matrix(split, host_split)
+        send, recv = self._sizes(rows, send_index.shape[0], recv_capacity, "recv_capacity")
+        n_send, n_recv, self_rows = sum(send), sum(recv), rows[self.rank][self.rank]
+        layout = row_layout(tensors, 0)
+        idx = send_index[:n_send]
+        inp = pack([t.index_select(0, idx) for t in tensors], 0)
+        out = torch.zeros(recv_capacity, layout.row_bytes, dtype=torch.uint8, device=tensors[0].device)
+        wait = self._exchange(out[:n_recv], inp, recv, send, phase)
+        self._traffic.add(phase, (n_send - self_rows) * layout.row_bytes, (n_recv - self_rows) * layout.row_bytes)
+
+        def finish():
+            wait()
+            return unpack(out, layout)
+        return Work(finish)
+
+    def _reduce(self, partials, send_index, split, acc, op, phase, host_split, deterministic):
+        rows = self._host_matrix(split, host_split)
+        capacity = partials[0].shape[0]
+        send, recv = self._sizes(rows, send_index.shape[0], capacity, "the partials' rows")
+        n_send, n_recv, self_rows = sum(send), sum(recv), rows[self.rank][self.rank]
+        layout = row_layout(partials, 0)
+        # the way back: each filled receive row returns to its source, in buffer order
+        inp = pack([p[:n_recv] for p in partials], 0)
+        back = torch.zeros(send_index.shape[0], layout.row_bytes, dtype=torch.uint8, device=acc[0].device)
+        wait = self._exchange(back[:n_send], inp, send, recv, phase)
+        self._traffic.add(phase, (n_recv - self_rows) * layout.row_bytes, (n_send - self_rows) * layout.row_bytes)
+
+        def finish():
+            ranks = torch.full((1,), self.rank, dtype=torch.int64, device=split.device)
+            dest, _ = put_targets(split, send_index[None], ranks, capacity)
+            wait()
+            ret = [t[None] for t in unpack(back, layout)]
+            out = reduce_rows([a[None] for a in acc], ret, send_index[None], dest, op, self.size, deterministic)
+            return [t[0] for t in out]
+        return Work(finish)
+
+    def traffic(self, phase: str) -> tuple[int, int]:
+        """(sent, recv) bytes this rank moved to / from other ranks in ``phase``."""
+        return self._traffic.get(phase)
+
+    def reset_traffic(self) -> None:
+        self._traffic.reset()

@@ -1,0 +1,97 @@
+"""Shape, dtype and device checks at the entry points (host metadata only, never values).
+
+``lead`` is 1 for ``LocalGroup`` (every per-rank tensor starts with a rank
+dim of size P) and 0 for a real rank.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+_INT = (torch.int64, torch.int32)
+
+
+def _shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def check_tensors(tensors, name: str, lead: int, P: int) -> list[torch.Tensor]:
+    """A non-empty list of tensors with a common row count; returns it as a list."""
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence) or len(tensors) == 0:
+        raise ValueError(f"{name} must be a non-empty list of tensors, got {type(tensors).__name__}")
+    tensors = list(tensors)
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}[{i}] must be a tensor, got {type(t).__name__}")
+        if t.dim() < lead + 1:
+            want = "[P, N, *f]" if lead else "[N, *f]"
+            raise ValueError(f"{name}[{i}] must be {want}, got shape {_shape(t)}")
+        if lead and t.shape[0] != P:
+            raise ValueError(f"{name}[{i}] has leading dim {t.shape[0]}, but LocalGroup has P = {P} ranks "
+                             f"(shape {_shape(t)})")
+        if t.device != tensors[0].device:
+            raise ValueError(f"{name}[{i}] is on {t.device}, {name}[0] on {tensors[0].device}")
+    rows = {t.shape[lead] for t in tensors}
+    if len(rows) > 1:
+        raise ValueError(f"{name} must share one row count, got shapes {[_shape(t) for t in tensors]}")
+    return tensors
+
+
+def check_split(split, P: int, device: torch.device) -> torch.Tensor:
+    """``[P, P]`` integer tensor on the rows' device; returned as int64."""
+    if not isinstance(split, torch.Tensor) or split.dtype not in _INT:
+        raise ValueError(f"split must be an int64 [P, P] tensor, got {getattr(split, 'dtype', type(split))}")
+    if _shape(split) != (P, P):
+        raise ValueError(f"split must be [P, P] = [{P}, {P}], got {_shape(split)}")
+    if split.device != device:
+        raise ValueError(f"split is on {split.device}, the rows on {device}: keep it on the rows' device")
+    return split.long()
+
+
+def check_send_index(send_index, lead: int, P: int, device: torch.device) -> torch.Tensor:
+    """``[send_cap]`` (or ``[P, send_cap]`` with a rank dim) integer tensor; returned as int64."""
+    want = "[P, send_cap]" if lead else "[send_cap]"
+    if not isinstance(send_index, torch.Tensor) or send_index.dtype not in _INT:
+        raise ValueError(f"send_index must be an int64 {want} tensor, got "
+                         f"{getattr(send_index, 'dtype', type(send_index))}")
+    if send_index.dim() != lead + 1 or (lead and send_index.shape[0] != P):
+        raise ValueError(f"send_index must be {want} with P = {P}, got {_shape(send_index)}")
+    if send_index.device != device:
+        raise ValueError(f"send_index is on {send_index.device}, the rows on {device}")
+    return send_index.long()
+
+
+def check_capacity(recv_capacity) -> int:
+    if isinstance(recv_capacity, bool) or not isinstance(recv_capacity, int) or recv_capacity < 0:
+        raise ValueError(f"recv_capacity must be a host int >= 0, got {recv_capacity!r}")
+    return recv_capacity
+
+
+def check_reduce(partials: list[torch.Tensor], acc: list[torch.Tensor], op: str, lead: int) -> None:
+    """Partials ``[.., recv_capacity, *f]`` pair with acc ``[.., N, *f]``: same count and trailing shapes."""
+    if op not in ("sum", "lse"):
+        raise ValueError(f"op must be 'sum' or 'lse', got {op!r}")
+    if len(partials) != len(acc):
+        raise ValueError(f"partials and acc must pair up, got {len(partials)} partials and {len(acc)} acc")
+    for i, (p, a) in enumerate(zip(partials, acc)):
+        if p.shape[lead + 1:] != a.shape[lead + 1:]:
+            raise ValueError(f"partials[{i}] {_shape(p)} and acc[{i}] {_shape(a)} differ in trailing shape")
+        if p.device != a.device:
+            raise ValueError(f"partials[{i}] is on {p.device}, acc[{i}] on {a.device}")
+    if op == "lse":
+        if len(acc) != 2:
+            raise ValueError(f"op='lse' takes (out, lse) pairs, got {len(acc)} tensors")
+        out, lse = acc
+        if out.dim() != lead + 3 or lse.shape != out.shape[:-1]:
+            raise ValueError(f"op='lse' needs out [.., N, h, D] and lse [.., N, h], got "
+                             f"{_shape(out)} and {_shape(lse)}")
+        for name, t in (("partials[1]", partials[1]), ("acc[1]", lse)):
+            if not t.dtype.is_floating_point:
+                raise ValueError(f"{name} (lse) must be floating point (fp32), got {t.dtype}")
+
+
+def check_phase(phase) -> str:
+    if not isinstance(phase, str) or not phase:
+        raise ValueError(f"phase must be a non-empty str, got {phase!r}")
+    return phase

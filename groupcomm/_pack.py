@@ -1,0 +1,63 @@
+"""Several row tensors travel as one: each row becomes bytes, rows are concatenated.
+
+A tensor ``[*lead, n, *f]`` of any dtype is viewed as ``[*lead, n, bytes(f)]``
+uint8; the packed row is the concatenation over tensors, in call order.
+Unpacking slices the byte columns back and views them as the original dtype.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+import torch
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """dtype, trailing shape and byte width of each packed tensor, in order."""
+    dtypes: tuple[torch.dtype, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    widths: tuple[int, ...]
+
+    @property
+    def row_bytes(self) -> int:
+        return sum(self.widths)
+
+
+def row_layout(tensors: list[torch.Tensor], lead: int) -> RowLayout:
+    """Layout of tensors whose rows sit at dim ``lead`` (0 per rank, 1 with a rank dim)."""
+    shapes = tuple(tuple(t.shape[lead + 1:]) for t in tensors)
+    dtypes = tuple(t.dtype for t in tensors)
+    widths = tuple(prod(f) * t.element_size() for f, t in zip(shapes, tensors))
+    return RowLayout(dtypes, shapes, widths)
+
+
+def as_bytes(t: torch.Tensor, lead: int) -> torch.Tensor:
+    """``[*lead, n, *f]`` -> ``[*lead, n, bytes(f)]`` uint8 (a view when t is contiguous)."""
+    return t.reshape(*t.shape[:lead + 1], -1).contiguous().view(torch.uint8)
+
+
+def pack(tensors: list[torch.Tensor], lead: int) -> torch.Tensor:
+    """``[*lead, n, row_bytes]`` uint8: the rows of all tensors side by side."""
+    parts = [as_bytes(t, lead) for t in tensors]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+
+def unpack(buf: torch.Tensor, layout: RowLayout) -> list[torch.Tensor]:
+    """Inverse of ``pack``: ``[*lead, n, row_bytes]`` uint8 -> one tensor per layout entry."""
+    out, start = [], 0
+    for dtype, shape, width in zip(layout.dtypes, layout.shapes, layout.widths):
+        cols = buf[..., start:start + width]
+        start += width
+        if len(layout.widths) > 1:
+            cols = cols.contiguous()
+        out.append(cols.view(dtype).reshape(*buf.shape[:-1], *shape))
+    return out
+
+
+def word_dtype(row_bytes: int) -> torch.dtype:
+    """Widest integer word that divides the row: rows move as words, not bytes."""
+    for size, dtype in ((8, torch.int64), (4, torch.int32), (2, torch.int16)):
+        if row_bytes % size == 0:
+            return dtype
+    return torch.uint8

@@ -1,0 +1,74 @@
+"""Routing arithmetic on device tensors: where each sent row lands.
+
+Pure torch, static shapes, no host reads. Every function takes a leading
+batch dim B of sending ranks (B = P in ``LocalGroup``, B = 1 on a real rank)
+and their rank ids ``ranks [B]``.
+
+For split ``[P(src), P(dst)]``:
+- ``send_off[s, d] = sum(split[s, :d])``: first send position of s's rows for d;
+- ``recv_off[s, d] = sum(split[:s, d])``: first receive row, on d, of s's rows.
+Send position p of rank s (destination d, ``q = p - send_off[s, d]``) lands
+on rank d at row ``recv_off[s, d] + q``.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def split_offsets(split: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(send_off, recv_off), both ``[P, P]`` int64 exclusive prefix sums (see module doc)."""
+    send_off = split.cumsum(1) - split
+    recv_off = split.cumsum(0) - split
+    return send_off, recv_off
+
+
+def put_targets(split: torch.Tensor, send_index: torch.Tensor, ranks: torch.Tensor,
+                recv_capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Destination rank and row of every send position.
+
+    split: ``[P, P]`` int64; send_index: ``[B, C]`` int64 (``-1`` = padding);
+    ranks: ``[B]`` int64, the sending rank of each batch row.
+    Returns ``peer [B, C]`` int64 (``-1``: nothing sent from this position:
+    padding, past the rank's row count, or past ``recv_capacity`` on the
+    destination) and ``row [B, C]`` int64 (0 where ``peer`` is -1).
+    """
+    B, C = send_index.shape
+    P = split.shape[0]
+    own = split.index_select(0, ranks)                        # [B, P]
+    incl = own.cumsum(1)                                      # [B, P]
+    pos = torch.arange(C, device=split.device, dtype=torch.int64).expand(B, C)
+    # destination of position p: the number of destinations whose block ends at or before p
+    dest = torch.searchsorted(incl, pos.contiguous(), right=True)
+    valid = (dest < P) & (send_index >= 0)
+    dest = dest.clamp(max=P - 1)
+    _, recv_off = split_offsets(split)
+    start = (incl - own).gather(1, dest)                      # send_off[rank, dest]
+    row = recv_off.index_select(0, ranks).gather(1, dest) + (pos - start)
+    valid &= row < recv_capacity
+    peer = torch.where(valid, dest, torch.full_like(dest, -1))
+    row = torch.where(valid, row, torch.zeros_like(row))
+    return peer, row
+
+
+def return_index(split: torch.Tensor, ranks: torch.Tensor, recv_capacity: int) -> torch.Tensor:
+    """Send index of the reverse move (reduce): ``[B, recv_capacity]`` int64.
+
+    A reduce sends each filled receive row back to its source, in buffer
+    order, so it is a cast with ``split.T`` whose send index is the identity
+    over the rank's fill (``sum(split[:, rank])``) and ``-1`` after it.
+    """
+    fill = split.sum(0).index_select(0, ranks)                # [B]
+    rows = torch.arange(recv_capacity, device=split.device, dtype=torch.int64)
+    rows = rows.expand(ranks.shape[0], recv_capacity)
+    return torch.where(rows < fill[:, None], rows, torch.full_like(rows, -1))
+
+
+def fill_mask(split: torch.Tensor, ranks: torch.Tensor, recv_capacity: int) -> torch.Tensor:
+    """``[B, recv_capacity]`` bool: receive rows that hold data (below the rank's fill)."""
+    return return_index(split, ranks, recv_capacity) >= 0
+
+
+def traffic_rows(split: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows each rank sends to / receives from other ranks in a cast: ``([P], [P])`` int64."""
+    off = split - torch.diag_embed(torch.diagonal(split))
+    return off.sum(1), off.sum(0)

@@ -1,0 +1,98 @@
+"""``LocalGroup``: P simulated ranks in one process, every per-rank tensor with a leading rank dim.
+
+Sync-free: no host reads, so it runs on ``device="meta"``. ``impl="torch"``
+moves rows with ``put_rows_ref``; ``impl="triton"`` with the put kernel over
+one stacked ``[P, capacity, W]`` buffer (the indexing the GPU backend uses
+with peer pointers). Both give the same bits.
+"""
+from __future__ import annotations
+
+import torch
+
+from ._base import Work
+from ._pack import pack, row_layout, unpack, word_dtype
+from ._put_ref import put_rows_ref
+from ._reduce import reduce_rows
+from ._routing import put_targets, return_index, traffic_rows
+
+
+class LocalGroup:
+    """P ranks simulated in one process (tests, simulation).
+
+    Per-rank tensors carry a leading rank dim: rows ``[P, N, *f]``,
+    ``send_index [P, send_cap]``, results ``[P, recv_capacity, *f]``; ``split``
+    is the shared ``[P, P]`` matrix. ``traffic(phase)`` returns ``[P]`` int64
+    device tensors (sent, recv), accumulated on device.
+    """
+
+    batched = True
+
+    def __init__(self, P: int, impl: str = "torch"):
+        if isinstance(P, bool) or not isinstance(P, int) or P < 1:
+            raise ValueError(f"LocalGroup: P must be an int >= 1, got {P!r}")
+        if impl not in ("torch", "triton"):
+            raise ValueError(f"LocalGroup: impl must be 'torch' or 'triton', got {impl!r}")
+        self.size = P
+        self.impl = impl
+        self._traffic: dict[str, torch.Tensor] = {}
+
+    def __repr__(self) -> str:
+        return f"LocalGroup(P={self.size}, impl={self.impl!r})"
+
+    # -- moving rows ---------------------------------------------------------------------------
+
+    def _move(self, rows: torch.Tensor, send_index: torch.Tensor, split: torch.Tensor,
+              capacity: int) -> torch.Tensor:
+        """``rows [P, N, W]`` uint8 -> receive buffers ``[P, capacity, W]`` uint8 (zero past the fill)."""
+        P, _, W = rows.shape
+        ranks = torch.arange(P, device=rows.device)
+        peer, row = put_targets(split, send_index, ranks, capacity)
+        if self.impl == "torch":
+            return put_rows_ref(rows, send_index, peer, row, rows.new_zeros(P, capacity, W))
+        from ._put_kernel import put_rows
+        word = word_dtype(W)
+        src = rows.contiguous().view(word)
+        out = torch.zeros(P, capacity, src.shape[-1], dtype=word, device=rows.device)
+        put_rows(src, send_index, peer, row, out)
+        return out.view(torch.uint8)
+
+    def _count(self, phase: str, split: torch.Tensor, row_bytes: int, back: bool) -> None:
+        sent, recv = traffic_rows(split)
+        if back:
+            sent, recv = recv, sent
+        step = torch.stack([sent, recv]) * row_bytes
+        prev = self._traffic.get(phase)
+        self._traffic[phase] = step if prev is None else prev + step.to(prev.device)
+
+    # -- the two collectives (arguments already checked by the entry points) -------------------
+
+    def _cast(self, tensors, send_index, split, recv_capacity, phase, host_split):
+        layout = row_layout(tensors, 1)
+        buf = self._move(pack(tensors, 1), send_index, split, recv_capacity)
+        self._count(phase, split, layout.row_bytes, back=False)
+        return Work.done(unpack(buf, layout))
+
+    def _reduce(self, partials, send_index, split, acc, op, phase, host_split, deterministic):
+        P = self.size
+        capacity = partials[0].shape[1]
+        layout = row_layout(partials, 1)
+        ranks = torch.arange(P, device=split.device)
+        # the way back is a cast with split.T, each helper sending its filled rows in buffer order
+        back = self._move(pack(partials, 1), return_index(split, ranks, capacity), split.t().contiguous(),
+                          send_index.shape[1])
+        dest, _ = put_targets(split, send_index, ranks, capacity)
+        out = reduce_rows(acc, unpack(back, layout), send_index, dest, op, P, deterministic)
+        self._count(phase, split, layout.row_bytes, back=True)
+        return Work.done(out)
+
+    # -- byte counters -------------------------------------------------------------------------
+
+    def traffic(self, phase: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sent, recv) bytes of each rank in ``phase``: ``[P]`` int64 each, to/from other ranks."""
+        t = self._traffic.get(phase)
+        if t is None:
+            t = torch.zeros(2, self.size, dtype=torch.int64)
+        return t[0], t[1]
+
+    def reset_traffic(self) -> None:
+        self._traffic.clear()
