@@ -34,7 +34,7 @@ def row_layout(tensors: list[torch.Tensor], lead: int) -> RowLayout:
 
 def as_bytes(t: torch.Tensor, lead: int) -> torch.Tensor:
     """``[*lead, n, *f]`` -> ``[*lead, n, bytes(f)]`` uint8 (a view when t is contiguous)."""
-    return t.reshape(*t.shape[:lead + 1], -1).contiguous().view(torch.uint8)
+    return t.reshape(*t.shape[:lead + 1], prod(t.shape[lead + 1:])).contiguous().view(torch.uint8)
 
 
 def pack(tensors: list[torch.Tensor], lead: int) -> torch.Tensor:
