@@ -68,7 +68,8 @@ def group_reduce(partials, send_index: torch.Tensor, split: torch.Tensor, acc, g
             merged with the log-sum-exp correction; a row whose every lse is
             -inf gives out 0 and lse -inf).
         deterministic: sum destination by destination, no float atomics
-            (bit-identical across runs); False allows ``index_add_``.
+            (bit-identical across runs); False allows ``index_add_``. Both
+            assume a row is sent to each destination at most once.
 
     Returns new tensors shaped and typed like ``acc`` (``acc`` is not modified).
     """

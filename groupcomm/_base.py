@@ -32,8 +32,7 @@ class Work:
 
     @staticmethod
     def done(result: list[torch.Tensor]) -> "Work":
-        work = Work(lambda: result)
-        return work
+        return Work(lambda: result)
 
 
 class HostTraffic:

@@ -62,7 +62,7 @@ class LocalGroup:
             sent, recv = recv, sent
         step = torch.stack([sent, recv]) * row_bytes
         prev = self._traffic.get(phase)
-        self._traffic[phase] = step if prev is None else prev + step.to(prev.device)
+        self._traffic[phase] = step if prev is None else prev + step
 
     # -- the two collectives (arguments already checked by the entry points) -------------------
 
@@ -88,7 +88,10 @@ class LocalGroup:
     # -- byte counters -------------------------------------------------------------------------
 
     def traffic(self, phase: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sent, recv) bytes of each rank in ``phase``: ``[P]`` int64 each, to/from other ranks."""
+        """(sent, recv) bytes of each rank in ``phase``: ``[P]`` int64 each, to/from other ranks.
+
+        A phase never seen gives CPU zeros.
+        """
         t = self._traffic.get(phase)
         if t is None:
             t = torch.zeros(2, self.size, dtype=torch.int64)

@@ -71,14 +71,21 @@ class SymmMemGroup:
 
     ``traffic(phase)`` returns this rank's (sent, recv) bytes as host ints;
     the counters accumulate on device and are read only when asked.
+    Buffers are symmetric, so ``recv_capacity`` and ``send_cap`` must be the
+    same on every rank (static configuration). The first call per (capacity,
+    row bytes) allocates and rendezvouses (collective, host work): make it
+    before capturing a CUDA graph.
     """
 
     batched = False
 
     def __init__(self, process_group=None, timeout: timedelta | None = None):
+        self._setup(process_group, dist.get_rank(process_group), dist.get_world_size(process_group), timeout)
+
+    def _setup(self, process_group, rank: int, size: int, timeout: timedelta | None) -> None:
         self.process_group = process_group
-        self.rank = dist.get_rank(process_group)
-        self.size = dist.get_world_size(process_group)
+        self.rank = rank
+        self.size = size
         self.timeout_ms = 0 if timeout is None else int(timeout.total_seconds() * 1000)
         self._buffers: dict[tuple[int, int], tuple] = {}
         self._traffic: dict[str, torch.Tensor] = {}
@@ -89,6 +96,8 @@ class SymmMemGroup:
     def _buffer(self, rows: int, row_bytes: int, device):
         key = (rows, row_bytes)
         if key not in self._buffers:
+            if torch.device(device).type != "cuda":
+                raise ValueError(f"SymmMemGroup needs CUDA tensors, got {device}")
             from torch.distributed import _symmetric_memory as symm_mem
             word = word_dtype(row_bytes)
             width = row_bytes // torch.empty((), dtype=word).element_size()
@@ -102,8 +111,6 @@ class SymmMemGroup:
               capacity: int) -> torch.Tensor:
         """``rows [N, W]`` uint8 of this rank -> its receive buffer ``[capacity, W]`` uint8."""
         from ._put_kernel import put_rows
-        if not rows.is_cuda:
-            raise ValueError(f"SymmMemGroup needs CUDA tensors, got {rows.device}")
         W = rows.shape[-1]
         buf, handle, table = self._buffer(capacity, W, rows.device)
         src = rows.contiguous().view(buf.dtype)

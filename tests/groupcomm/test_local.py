@@ -205,3 +205,35 @@ def test_bad_arguments_raise_value_error():
         with pytest.raises(ValueError, match=None) as info:
             fn()
         assert text in str(info.value), f"{text!r} not in {info.value}"
+
+
+def test_fake_tensor_mode_without_shape_env():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    P, N, cap, send_cap = 3, 5, 7, 6
+    with FakeTensorMode():
+        split = torch.zeros(P, P, dtype=torch.int64)
+        send_index = torch.zeros(P, send_cap, dtype=torch.int64)
+        x = torch.zeros(P, N, 2, 4)
+        lse = torch.zeros(P, N, 2)
+        got = group_cast([x, lse], send_index, split, cap, LocalGroup(P))
+        out, l2 = group_reduce(got, send_index, split, [x, lse], LocalGroup(P), op="lse")
+    assert got[0].shape == (P, cap, 2, 4) and out.shape == x.shape and l2.shape == lse.shape
+
+
+def test_package_imports_only_torch_triton_and_stdlib():
+    import ast
+    import pathlib
+    import sys
+
+    import groupcomm
+    allowed = {"torch", "triton", "groupcomm"} | set(sys.stdlib_module_names)
+    for path in pathlib.Path(groupcomm.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                assert name.split(".")[0] in allowed, f"{path.name} imports {name}"

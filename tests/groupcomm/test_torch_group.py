@@ -126,3 +126,23 @@ def test_host_splits_on_cpu():
 def test_torch_group_needs_initialized_distributed():
     with pytest.raises(ValueError, match="not initialized"):
         TorchGroup()
+
+
+def _pick_default(rank, P):
+    import logging
+
+    from groupcomm import default_group
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("groupcomm")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    group = default_group()
+    return type(group).__name__, [r.getMessage() for r in records]
+
+
+def test_default_group_on_cpu_is_torch_group():
+    for name, messages in run_ranks(_pick_default, 2, timeout=30):
+        assert name == "TorchGroup"
+        assert len(messages) == 1 and "TorchGroup" in messages[0], messages
