@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gpusolver.limits import CONFIG_LIMITS, MAX_IMBALANCE_TOL, check_seqlen_limit
 from gpusolver.problem import CommCost
 
 
@@ -62,6 +63,13 @@ class SolverConfig:
             raise ValueError(f"keep_forward_buffers must be a bool, got {self.keep_forward_buffers!r}")
         if not self.imbalance_tol >= 1.0:
             raise ValueError(f"imbalance_tol must be >= 1.0, got {self.imbalance_tol}")
+        for name, (limit_name, limit) in CONFIG_LIMITS.items():
+            if getattr(self, name) > limit:
+                raise ValueError(f"{name}={getattr(self, name)} is past the supported {limit_name} = {limit} "
+                                 "(see gpusolver.limits)")
+        if self.imbalance_tol > MAX_IMBALANCE_TOL:
+            raise ValueError(f"imbalance_tol={self.imbalance_tol} is past the supported MAX_IMBALANCE_TOL = "
+                             f"{MAX_IMBALANCE_TOL} (see gpusolver.limits)")
 
     @property
     def head_groups(self) -> int:
@@ -84,6 +92,7 @@ class SolverConfig:
     def check_seqlen(self, total_seqlen: int) -> int:
         """Chunk size c = S / P; raises when S is not divisible by P (times chunk_tiles)."""
         U = self.num_units
+        check_seqlen_limit("total_seqlen", total_seqlen)
         if total_seqlen % U:
             what = f"cp_size={self.cp_size}" if self.chunk_tiles == 1 else \
                 f"cp_size * chunk_tiles={self.cp_size} * {self.chunk_tiles}"

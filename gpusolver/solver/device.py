@@ -47,6 +47,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from gpusolver.config import SolverConfig
+from gpusolver.limits import balanced_load_cap, check_problem_limits
 from gpusolver.problem import BlockAreas
 
 # Rounds of moves; measured quality stops changing after about 20.
@@ -96,11 +97,9 @@ class _Tasks:
 
     def __init__(self, areas: BlockAreas, config: SolverConfig):
         G, P, U, n = areas.head_groups, areas.cp_size, areas.num_units, areas.tiles
-        if areas.chunk >= _TOKEN_LIMIT:
-            raise ValueError(f"areas.chunk must be below {_TOKEN_LIMIT} tokens per unit, got {areas.chunk}")
-        if areas.chunk * U >= _SEQUENCE_LIMIT:
-            raise ValueError(f"areas: the sequence (chunk {areas.chunk} x {U} units) must be below "
-                             f"{_SEQUENCE_LIMIT} tokens")
+        check_problem_limits(areas.chunk * U, P, G, n)
+        # within MAX_SEQLEN every token position stays below _TOKEN_LIMIT and every bundle sum
+        # below _SEQUENCE_LIMIT, so the int32 fast paths hold
         dev = areas.area.device
         self.G, self.P, self.U, self.T = G, P, U, G * U * U
         idx = torch.arange(self.T, device=dev)
@@ -126,7 +125,8 @@ class _Tasks:
         area = areas.area.reshape(G * U, U)
         q_len = (areas.q_need[..., 1] - areas.q_need[..., 0]).reshape(G * U, U)
         by_area = torch.sort(-area, dim=1, stable=True).indices
-        by_rows = torch.sort(q_len * (areas.area.amax() + 1) - area, dim=1, stable=True).indices
+        # two stable sorts, not one product key: q_len * max area passes 2^63 on long sequences
+        by_rows = by_area.gather(1, torch.sort(q_len.gather(1, by_area), dim=1, stable=True).indices)
         by_small = torch.sort(torch.where(area > 0, area, _BIG), dim=1, stable=True).indices  # empty last
         self.unit_tasks = torch.arange(G * U, device=dev)[:, None] * U + torch.stack((by_area, by_rows, by_small))
 
@@ -899,8 +899,7 @@ def solve_device(areas: BlockAreas, config: SolverConfig, *, rounds: int = DEFAU
                               sideways=sideways, restart_every=restart_every, singles=singles)
         start = areas.refine(coarse.assignment).reshape(-1).long()
     tasks = _Tasks(areas, config)
-    mu_num = int(round(config.imbalance_tol * _MU_SCALE))
-    cap = (mu_num * tasks.area.sum()) // (P * _MU_SCALE)  # largest balanced load
+    cap = balanced_load_cap(tasks.area.sum(), config.imbalance_tol, P, _MU_SCALE)  # largest balanced load
     if impl == "persistent":
         from gpusolver.solver.kernels_rounds import default_workers, solve_rounds_persistent
         from gpusolver.solver.kernels_start import transpose_start_triton

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from gpusolver.config import SolverConfig
+from gpusolver.limits import balanced_load_cap
 from gpusolver.problem import BlockAreas
 from gpusolver.solver._reference_edges import (HostProblem, candidate_edges, edge_weights, forward_volumes,
                                                loads, select_edges)
@@ -121,7 +122,7 @@ def _host_problem(areas: BlockAreas, config: SolverConfig) -> HostProblem:
                              f"[0, chunk={areas.chunk}] for a non-empty task (empty tasks: lo <= hi)")
     cost = config.cost()
     total = int(area.sum())
-    cap = int(np.floor(config.imbalance_tol * total / P + 1e-9))
+    cap = balanced_load_cap(total, config.imbalance_tol, P)  # exact: mu * total passes 2^53 on long sequences
     return HostProblem(area=area, q_lo=qn[..., 0], q_hi=qn[..., 1], k_lo=kn[..., 0], k_hi=kn[..., 1],
                        q_tok=cost.q_fwd, o_tok=cost.o_fwd, kv_tok=cost.kv_fwd, cap=cap)
 

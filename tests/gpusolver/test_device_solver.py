@@ -151,11 +151,8 @@ def test_solver_choice_and_errors():
         solve_device(areas, _config(4, G=1))
     with pytest.raises(ValueError, match="head_groups"):
         solve_device(areas, _config(P, G=2))
-    with pytest.raises(ValueError, match="areas.chunk must be below"):  # int32 token arithmetic
+    with pytest.raises(ValueError, match="past the supported MAX_SEQLEN"):  # int32 token arithmetic
         solve_device(dataclasses.replace(areas, chunk=1 << 30), config)
-    areas4 = block_areas(causal_mask(8 * 4), 4, 1, impl="torch")
-    with pytest.raises(ValueError, match="must be below 2147483648 tokens"):  # int32 bundle sums
-        solve_device(dataclasses.replace(areas4, chunk=1 << 29), _config(4, G=1))
 
 
 def test_invalid_mask_values_flagged_without_host_reads():

@@ -1,0 +1,71 @@
+"""The sizes gpusolver supports, in one place, and the checks that refuse the rest.
+
+Every integer in the solve is int64 (areas, loads, bytes, scaled costs) except
+a few int32 fast paths over token positions. The limits below keep every
+intermediate below 2^62 with margin, so a plan is never quietly wrong from an
+overflow; past a limit the entry points raise a ValueError that names it.
+
+    MAX_SEQLEN        S <= 2^25 tokens (33.5M). Areas and loads are at most
+                      G * S^2 <= 2^57; mu * total, computed split (``balanced_load_cap``),
+                      stays below 2^60; token positions fit the int32 paths (2^30).
+    MAX_CP_SIZE       P <= 256 ranks (balance is tested to P = 128 at S = 2^24).
+    MAX_HEAD_GROUPS   G <= 128 (Hkv <= 128 with head-group flattening).
+    MAX_CHUNK_TILES   n <= 16 sub-chunk tiles per rank (the task count G * (n P)^2 sets memory).
+    MAX_HEADS_Q       Hq <= 1024, MAX_HEAD_DIM D <= 1024: bytes per token stay below 2^24,
+                      so per-rank volumes stay below 2^50.
+    MAX_IMBALANCE_TOL mu <= 4.
+
+The attention kernels take head dims 32, 64 and 128 (``attn_kernels``); the
+solver only prices bytes and takes any D up to MAX_HEAD_DIM.
+"""
+from __future__ import annotations
+
+MAX_SEQLEN = 1 << 25
+MAX_CP_SIZE = 256
+MAX_HEAD_GROUPS = 128
+MAX_CHUNK_TILES = 16
+MAX_HEADS_Q = 1024
+MAX_HEAD_DIM = 1024
+MAX_IMBALANCE_TOL = 4.0
+
+# what each SolverConfig field may be at most, with the limit's name for the message
+CONFIG_LIMITS = {
+    "cp_size": ("MAX_CP_SIZE", MAX_CP_SIZE),
+    "num_heads_q": ("MAX_HEADS_Q", MAX_HEADS_Q),
+    "num_heads_kv": ("MAX_HEAD_GROUPS", MAX_HEAD_GROUPS),
+    "head_dim": ("MAX_HEAD_DIM", MAX_HEAD_DIM),
+    "chunk_tiles": ("MAX_CHUNK_TILES", MAX_CHUNK_TILES),
+}
+
+
+def check_seqlen_limit(name: str, seqlen: int) -> None:
+    """Raise when a sequence of ``seqlen`` tokens is past MAX_SEQLEN."""
+    if seqlen > MAX_SEQLEN:
+        raise ValueError(f"{name}={seqlen} tokens is past the supported MAX_SEQLEN = {MAX_SEQLEN} (2^25) "
+                         "(see gpusolver.limits)")
+
+
+def check_problem_limits(seqlen: int, cp_size: int, head_groups: int, tiles: int) -> None:
+    """Raise when a problem (block areas) is past a supported limit; host ints only."""
+    check_seqlen_limit("sequence length S", seqlen)
+    for name, value, limit_name, limit in (("cp_size P", cp_size, "MAX_CP_SIZE", MAX_CP_SIZE),
+                                           ("head groups G", head_groups, "MAX_HEAD_GROUPS", MAX_HEAD_GROUPS),
+                                           ("chunk tiles n", tiles, "MAX_CHUNK_TILES", MAX_CHUNK_TILES)):
+        if value > limit:
+            raise ValueError(f"{name}={value} is past the supported {limit_name} = {limit} (see gpusolver.limits)")
+
+
+def balanced_load_cap(total, imbalance_tol: float, cp_size: int, scale: int = 1 << 20):
+    """The largest balanced load ``floor(mu * total / P)``, exact in integer arithmetic.
+
+    ``total`` is the summed area (a 0-dim int64 tensor or a Python int); mu is
+    taken in ``scale`` parts. ``mu * total`` itself passes 2^63 on long
+    sequences (a 2M-token causal sequence over 8 head groups sums to about
+    2^44, times mu in 2^20 parts), so the product is split as
+    ``(q * den + r) * mu_num / den`` with ``r < den``: each term stays below
+    2^62 within the limits above.
+    """
+    mu_num = int(round(imbalance_tol * scale))
+    den = cp_size * scale
+    q, r = total // den, total % den
+    return q * mu_num + (r * mu_num) // den
