@@ -1,0 +1,244 @@
+"""``dist_attn``: one attention layer over a CP group, forward and backward, from a Plan.
+
+Shape legend: P ranks, c tokens per rank, G head groups, Hq / Hkv query / KV
+heads (hq = Hq / G, hkv = Hkv / G per group), D head dim, cap = the plan's
+receive capacity in group-major rows.
+
+Forward, per rank (DESIGN.md, "Data flow of one layer"):
+
+1. the local shards become group-major rows ``[G * c, h, D]``;
+2. the cast of remote Q (phase ``fwd.qo``) and of K with V (``fwd.kv``)
+   starts, and stage 0 (tasks whose units are both local) runs while it is
+   in flight;
+3. stage 1 runs on ``concat(local rows, receive buffer)``;
+4. the partial (out, lse) of received query rows go back to their host and
+   are merged there with the log-sum-exp correction (``fwd.o``).
+
+Backward moves as little as it can: the host computes the row delta
+``rowsum(dO * O) - dlse`` itself and casts dO, lse and delta (``bwd.qo``),
+never O; the Q, K and V a helper received in the forward are kept
+(``keep_forward_buffers``; otherwise cast again, ``bwd.q`` / ``bwd.kv``);
+partial dQ is summed back to the QO host (``bwd.dq``), dK and dV to the KV
+host (``bwd.dkv``). These are the volumes ``PlanMetrics`` prices
+(``CommCost``), and the groups' byte counters equal them.
+
+Host reads: none with ``LocalGroup`` and ``SymmMemGroup`` (the layer runs on
+``device="meta"``); with ``TorchGroup`` only the plan's two ``[P, P]`` split
+matrices, copied once without blocking (``host_splits``) and awaited when
+the first collective starts; backward reuses the copy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from attn_kernels import flex_attn, flex_attn_backward, merge_out_lse, row_delta
+from gpusolver.plan import IMBALANCED, Plan
+from gpusolver.runtime.layout import from_group_major, to_group_major
+from groupcomm import TorchGroup, group_cast, group_reduce, host_splits
+
+
+@dataclass(frozen=True)
+class LayerRoutes:
+    """What one layer's collectives and stages read from the plan, for the ranks this process runs.
+
+    ranks:        the ranks computed here (all P for a ``LocalGroup``, else this rank).
+    batched:      true for a ``LocalGroup`` (every per-rank tensor has a leading [P] dim).
+    qo_index, kv_index: send lists, ``[send_cap]`` (or ``[P, send_cap]`` batched) int64.
+    qo_split, kv_split: ``[P, P]`` int64 split matrices.
+    qo_host, kv_host:   their host copies (``TorchGroup`` only, else None).
+    """
+
+    plan: Plan
+    ranks: tuple[int, ...]
+    batched: bool
+    qo_index: torch.Tensor
+    kv_index: torch.Tensor
+    qo_split: torch.Tensor
+    kv_split: torch.Tensor
+    qo_host: object
+    kv_host: object
+
+    @property
+    def groups(self) -> int:
+        return self.plan.comm.head_groups
+
+    @property
+    def chunk(self) -> int:
+        return self.plan.comm.chunk
+
+    @property
+    def capacity(self) -> int:
+        return self.plan.comm.recv_capacity
+
+
+def layer_routes(plan: Plan, group) -> LayerRoutes:
+    """The routing of ``plan`` for ``group``; on ``TorchGroup`` it starts the split copy (no wait)."""
+    comm = plan.comm
+    P = comm.cp_size
+    if group.size != P:
+        raise ValueError(f"the plan is for P = {P} ranks but the group has {group.size}")
+    batched = bool(getattr(group, "batched", False))
+    ranks = tuple(range(P)) if batched else (group.rank,)
+
+    def index(kind: str) -> torch.Tensor:
+        if batched:
+            return torch.stack([comm.send_index(kind, r) for r in ranks])
+        return comm.send_index(kind, ranks[0])
+
+    qo_host = kv_host = None
+    if isinstance(group, TorchGroup):
+        # the only host read of the layer: two [P, P] matrices, copied without blocking now
+        # and awaited when the first collective starts (groupcomm.host_splits)
+        qo_host, kv_host = host_splits(comm.qo_split), host_splits(comm.kv_split)
+    return LayerRoutes(plan=plan, ranks=ranks, batched=batched, qo_index=index("qo"), kv_index=index("kv"),
+                       qo_split=comm.qo_split, kv_split=comm.kv_split, qo_host=qo_host, kv_host=kv_host)
+
+
+def _stage_slices(plan: Plan, rank: int, stage: int):
+    c = plan.calc
+    return c.q_ranges[rank, stage], c.k_ranges[rank, stage], c.attn_type[rank, stage]
+
+
+def _per_rank(routes: LayerRoutes, fn, *tensors: torch.Tensor):
+    """``fn(rank, *rank_tensors) -> tuple`` for each rank run here; batched results are stacked."""
+    if not routes.batched:
+        return fn(routes.ranks[0], *tensors)
+    outs = [fn(r, *(t[r] for t in tensors)) for r in routes.ranks]
+    return tuple(torch.stack(parts) for parts in zip(*outs))
+
+
+def _cat(a: torch.Tensor, b: torch.Tensor, lead: int) -> torch.Tensor:
+    return torch.cat((a, b), dim=lead)
+
+
+class _DistAttn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, routes: LayerRoutes, group, scale: float, keep: bool, deterministic: bool):
+        lead = 1 if routes.batched else 0
+        G, cap = routes.groups, routes.capacity
+        ql, kl, vl = (to_group_major(x, G, lead).contiguous() for x in (q, k, v))
+        cast_q = group_cast([ql], routes.qo_index, routes.qo_split, cap, group, phase="fwd.qo",
+                            host_split=routes.qo_host, async_op=True)
+        cast_kv = group_cast([kl, vl], routes.kv_index, routes.kv_split, cap, group, phase="fwd.kv",
+                             host_split=routes.kv_host, async_op=True)
+
+        def stage0(r, q_, k_, v_):
+            return flex_attn(q_, k_, v_, *_stage_slices(routes.plan, r, 0), scale)
+
+        o0, l0 = _per_rank(routes, stage0, ql, kl, vl)  # local work while the cast is in flight
+        (q_buf,), (k_buf, v_buf) = cast_q.wait(), cast_kv.wait()
+        q1, k1, v1 = _cat(ql, q_buf, lead), _cat(kl, k_buf, lead), _cat(vl, v_buf, lead)
+
+        def stage1(r, q_, k_, v_):
+            return flex_attn(q_, k_, v_, *_stage_slices(routes.plan, r, 1), scale)
+
+        o1, l1 = _per_rank(routes, stage1, q1, k1, v1)
+        n = ql.shape[lead]  # G * c local rows; the rest of stage 1's rows are the receive buffer
+        local = lambda x: x.narrow(lead, 0, n)  # noqa: E731
+        remote = lambda x: x.narrow(lead, n, cap)  # noqa: E731
+        o, lse = _per_rank(routes, lambda r, a, b, c_, d: merge_out_lse(a, b, c_, d), o0, l0, local(o1), local(l1))
+        o, lse = group_reduce([remote(o1).contiguous(), remote(l1).contiguous()], routes.qo_index, routes.qo_split,
+                              [o, lse], group, op="lse", phase="fwd.o", host_split=routes.qo_host,
+                              deterministic=deterministic)
+        saved = (ql, kl, vl, o, lse) + ((q_buf, k_buf, v_buf) if keep else ())
+        ctx.save_for_backward(*saved)
+        ctx.routes, ctx.group, ctx.scale, ctx.keep, ctx.deterministic = routes, group, scale, keep, deterministic
+        return from_group_major(o, G, lead), from_group_major(lse, G, lead)
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        routes, group, scale = ctx.routes, ctx.group, ctx.scale
+        lead = 1 if routes.batched else 0
+        G, cap = routes.groups, routes.capacity
+        ql, kl, vl, o, lse = ctx.saved_tensors[:5]
+        d_o = torch.zeros_like(o) if d_out is None else to_group_major(d_out, G, lead).contiguous()
+        d_l = None if d_lse is None else to_group_major(d_lse, G, lead).contiguous()
+        # the host computes delta from its final O: O itself never travels
+        delta = _per_rank(routes, lambda r, a, b, *c_: (row_delta(a, b, c_[0] if c_ else None),),
+                          d_o, o, *(() if d_l is None else (d_l,)))[0]
+        sent = [d_o, lse, delta] + ([] if ctx.keep else [ql])
+        recv = group_cast(sent, routes.qo_index, routes.qo_split, cap, group, phase="bwd.qo",
+                          host_split=routes.qo_host)
+        d_o_buf, lse_buf, delta_buf = recv[:3]
+        if ctx.keep:
+            q_buf, k_buf, v_buf = ctx.saved_tensors[5:]
+        else:
+            q_buf = recv[3]
+            k_buf, v_buf = group_cast([kl, vl], routes.kv_index, routes.kv_split, cap, group, phase="bwd.kv",
+                                      host_split=routes.kv_host)
+
+        def stage(s):
+            def run(r, *t):
+                return flex_attn_backward(*t, *_stage_slices(routes.plan, r, s), scale)
+            return run
+
+        dq0, dk0, dv0 = _per_rank(routes, stage(0), d_o, ql, kl, vl, lse, delta)
+        dq1, dk1, dv1 = _per_rank(routes, stage(1), _cat(d_o, d_o_buf, lead), _cat(ql, q_buf, lead),
+                                  _cat(kl, k_buf, lead), _cat(vl, v_buf, lead), _cat(lse, lse_buf, lead),
+                                  _cat(delta, delta_buf, lead))
+        n = ql.shape[lead]
+        local = lambda x: x.narrow(lead, 0, n)  # noqa: E731
+        remote = lambda x: x.narrow(lead, n, cap).contiguous()  # noqa: E731
+        (dq,) = group_reduce([remote(dq1)], routes.qo_index, routes.qo_split, [dq0 + local(dq1)], group, op="sum",
+                             phase="bwd.dq", host_split=routes.qo_host, deterministic=ctx.deterministic)
+        dk, dv = group_reduce([remote(dk1), remote(dv1)], routes.kv_index, routes.kv_split,
+                              [dk0 + local(dk1), dv0 + local(dv1)], group, op="sum", phase="bwd.dkv",
+                              host_split=routes.kv_host, deterministic=ctx.deterministic)
+        return (from_group_major(dq, G, lead), from_group_major(dk, G, lead), from_group_major(dv, G, lead),
+                None, None, None, None, None)
+
+
+def _check_inputs(q, k, v, plan: Plan, group) -> None:
+    """Shapes against the plan (host metadata only)."""
+    batched = bool(getattr(group, "batched", False))
+    lead = 1 if batched else 0
+    P, c, G = plan.comm.cp_size, plan.comm.chunk, plan.comm.head_groups
+    want = "[P, c, H, D]" if batched else "[c, H, D]"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 3 + lead or (batched and t.shape[0] != P):
+            raise ValueError(f"{name} must be {want} with P = {P} (the {type(group).__name__}'s layout), "
+                             f"got {tuple(t.shape)}")
+        if t.shape[lead] != c:
+            raise ValueError(f"{name} holds {t.shape[lead]} tokens per rank but the plan has c = S / P = {c}")
+        if t.shape[lead + 1] % G:
+            raise ValueError(f"{name} has {t.shape[lead + 1]} heads, not a multiple of the plan's G = {G} head groups")
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+
+
+def dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, group, *,
+              softmax_scale: float | None = None, deterministic: bool = True, keep_forward_buffers: bool = True,
+              validate: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of this rank's query shard over the whole sequence, as ``plan`` assigns the work.
+
+    Args:
+        q: ``[c, Hq, D]`` this rank's query shard (tokens ``[rank * c, (rank + 1) * c)``,
+            natural order); with a ``LocalGroup`` every rank's shard, ``[P, c, Hq, D]``.
+        k, v: ``[c, Hkv, D]`` (``[P, c, Hkv, D]``), Hq a multiple of Hkv (GQA, or MHA).
+        plan: the layer's ``Plan`` (``gpusolver.solve``), for the same P, G and c.
+        group: ``LocalGroup``, ``TorchGroup`` or ``SymmMemGroup`` (``groupcomm``).
+        softmax_scale: default ``D ** -0.5``.
+        deterministic: partial results are reduced rank by rank in a fixed order
+            (no float atomics), so outputs are bit-identical across runs.
+        keep_forward_buffers: keep the received Q, K, V for the backward (default; the
+            plan's backward volumes assume this unless its config says otherwise), or
+            cast them again (less activation memory, more bytes).
+        validate: read ``plan.status`` on the host and raise on a capacity overflow or a
+            mask the plan does not fit (default: on for CPU tensors; off on GPU, where
+            reading it would sync).
+
+    Returns:
+        out ``[c, Hq, D]`` in q's dtype and lse ``[c, Hq]`` fp32 (natural log; a row with
+        no valid key gives out 0 and lse -inf), with a leading ``[P]`` for ``LocalGroup``.
+        Differentiable in q, k and v.
+    """
+    _check_inputs(q, k, v, plan, group)
+    if validate is None:
+        validate = q.device.type == "cpu"
+    if validate:
+        plan.validate(ignore=IMBALANCED)  # an imbalanced plan is slow, not wrong
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    routes = layer_routes(plan, group)
+    return _DistAttn.apply(q, k, v, routes, group, scale, bool(keep_forward_buffers), bool(deterministic))

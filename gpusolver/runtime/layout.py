@@ -1,0 +1,80 @@
+"""Token layouts of the runtime: group-major rows, and sequential shards.
+
+Shape legend: S tokens, P ranks, c = S / P, G head groups, H heads (h = H / G
+per group), D head dim. A leading rank dim ``[P, ...]`` (``LocalGroup``) is
+carried through unchanged by every function here.
+
+Group-major rows (``gpusolver.plan.meta``): a rank's ``[c, H, *tail]`` shard
+is viewed as ``[G * c, h, *tail]``, row ``g * c + t`` = token t with the h
+heads of group g. CalcMeta and CommMeta index these rows.
+
+Sequential shards: rank p holds tokens ``[p * c, (p + 1) * c)`` in their
+natural order, so RoPE positions, the label shift and the loss need no
+permutation.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def to_group_major(x: torch.Tensor, groups: int, lead: int = 0) -> torch.Tensor:
+    """``[*lead, c, H, *tail]`` -> ``[*lead, G * c, H / G, *tail]`` (a copy unless G = 1)."""
+    if groups == 1:
+        return x
+    c, H = x.shape[lead], x.shape[lead + 1]
+    pre, tail = x.shape[:lead], x.shape[lead + 2:]
+    x = x.reshape(*pre, c, groups, H // groups, *tail).transpose(lead, lead + 1)
+    return x.reshape(*pre, groups * c, H // groups, *tail)
+
+
+def from_group_major(rows: torch.Tensor, groups: int, lead: int = 0) -> torch.Tensor:
+    """``[*lead, G * c, h, *tail]`` -> ``[*lead, c, G * h, *tail]`` (the inverse of ``to_group_major``)."""
+    if groups == 1:
+        return rows
+    n, h = rows.shape[lead], rows.shape[lead + 1]
+    pre, tail = rows.shape[:lead], rows.shape[lead + 2:]
+    x = rows.reshape(*pre, groups, n // groups, h, *tail).transpose(lead, lead + 1)
+    return x.reshape(*pre, n // groups, groups * h, *tail)
+
+
+def _rank_and_size(group) -> tuple[int | None, int]:
+    """(rank, P) of a per-rank group, (None, P) of a ``LocalGroup`` (all ranks at once)."""
+    if getattr(group, "batched", False):
+        return None, group.size
+    if hasattr(group, "rank") and hasattr(group, "size"):
+        return group.rank, group.size
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def shard(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
+    """This rank's contiguous chunk of ``x`` along ``dim`` (tokens keep their order).
+
+    ``x`` is the whole sequence, ``dim`` of size S divisible by P. With a
+    ``LocalGroup`` the result stacks every rank's chunk: ``[P, ..., c, ...]``
+    (rank dim first).
+    """
+    rank, P = _rank_and_size(group)
+    S = x.shape[dim]
+    if S % P:
+        raise ValueError(f"shard: x.shape[{dim}] = {S} must be divisible by the group size P = {P}")
+    if rank is None:
+        return torch.stack(x.chunk(P, dim=dim))
+    return x.narrow(dim, rank * (S // P), S // P)
+
+
+def unshard(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
+    """The whole sequence from every rank's chunk (the inverse of ``shard``).
+
+    A ``LocalGroup`` takes the stacked ``[P, ..., c, ...]`` (``dim`` indexes the
+    chunk without the rank dim); a process group all-gathers (not differentiable).
+    """
+    rank, P = _rank_and_size(group)
+    if rank is None:
+        if x.shape[0] != P:
+            raise ValueError(f"unshard: x must have a leading rank dim of P = {P}, got {tuple(x.shape)}")
+        return torch.cat(x.unbind(0), dim=dim)
+    pg = getattr(group, "process_group", group)
+    parts = [torch.empty_like(x) for _ in range(P)]
+    dist.all_gather(parts, x.contiguous(), group=pg)
+    return torch.cat(parts, dim=dim)
