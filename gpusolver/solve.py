@@ -41,6 +41,20 @@ def solve_assignment(areas: BlockAreas, config: SolverConfig, *, solver: str = "
     raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}")
 
 
+def _solve_as_ops(mask: AttnSlices, config: SolverConfig, areas_impl: str, impl: str):
+    """Areas and assignment through the custom ops (``gpusolver.ops``): under ``torch.compile``
+    each is one opaque node with a static shape, so the rounds are not traced op by op."""
+    from gpusolver.ops import block_areas_op, solve_assignment_op
+
+    n, S = config.chunk_tiles, mask.total_seqlen_q
+    area, q_need, k_need = block_areas_op(mask.q_ranges, mask.k_ranges, mask.attn_type, S, config.cp_size,
+                                          config.head_groups, n, areas_impl)
+    unit = S // config.num_units
+    assignment = solve_assignment_op(area, q_need, k_need, unit, config.cp_size, n, config.num_heads_q,
+                                     config.num_heads_kv, config.head_dim, config.dtype, config.imbalance_tol, impl)
+    return BlockAreas(area, q_need, k_need, unit, n), assignment
+
+
 def solve(mask: AttnSlices, config: SolverConfig, *, solver: str = "device", areas_impl: str = "auto",
           impl: str = "auto", validate: bool | None = None) -> Plan:
     """Solve one layer: block areas, assignment, then the Plan's metas.
@@ -67,8 +81,11 @@ def solve(mask: AttnSlices, config: SolverConfig, *, solver: str = "device", are
         validate = mask.device.type == "cpu"
     if validate:
         mask.validate(cp_size=config.cp_size)
-    areas = block_areas(mask, config.cp_size, config.head_groups, impl=areas_impl, tiles=config.chunk_tiles)
-    assignment = solve_assignment(areas, config, solver=solver, impl=impl)
+    if torch.compiler.is_compiling() and solver == "device" and not mask.grouped:
+        areas, assignment = _solve_as_ops(mask, config, areas_impl, impl)
+    else:
+        areas = block_areas(mask, config.cp_size, config.head_groups, impl=areas_impl, tiles=config.chunk_tiles)
+        assignment = solve_assignment(areas, config, solver=solver, impl=impl)
     plan = build_plan(mask, areas, assignment, config)
     if validate:
         plan.validate(ignore=IMBALANCED)

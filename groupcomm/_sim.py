@@ -57,6 +57,10 @@ class LocalGroup:
         return out.view(torch.uint8)
 
     def _count(self, phase: str, split: torch.Tensor, row_bytes: int, back: bool) -> None:
+        if torch.compiler.is_compiling():
+            # a traced counter would be a tensor leaking out of the compiled graph (dynamo
+            # refuses it inside autograd.Function): counters count eager calls only
+            return
         sent, recv = traffic_rows(split)
         if back:
             sent, recv = recv, sent

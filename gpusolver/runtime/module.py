@@ -1,0 +1,128 @@
+"""``DynamicCPAttention``: the attention of a model layer over a CP group, solved per mask.
+
+Model code keeps ordinary sequential shards (``shard``): rank p holds tokens
+``[p * c, (p + 1) * c)`` in natural order, so RoPE positions, the label
+shift and the loss need no permutation. Each layer passes its q, k, v
+shards and the layer's mask (the whole sequence's slices: small metadata
+that every rank holds); the module solves the mask on the device and runs
+``dist_attn``.
+
+Masks are solved once per step and name: layers that pass the same mask
+object under the same ``mask_name`` share one solve (a model with sliding-
+window and global layers names the two masks, so they do not evict each
+other). A new mask object under a name solves again.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from gpusolver.config import SolverConfig
+from gpusolver.masks.slices import AttnSlices
+from gpusolver.plan import Plan
+from gpusolver.runtime.dist_attn import dist_attn
+from gpusolver.solve import solve
+
+
+@dataclass
+class _Entry:
+    mask: AttnSlices
+    config: SolverConfig
+    plan: Plan
+
+
+class PlanCache:
+    """The last plan solved for each mask name (shared by the layers of a model).
+
+    ``get(name, mask, config)`` returns the cached plan when ``mask`` is the very
+    object it was solved for (identity, no host read) under the same config, else None.
+    """
+
+    def __init__(self):
+        self._entries: dict[str, _Entry] = {}
+        self.solves = 0  # how many plans were solved through this cache
+
+    def get(self, name: str, mask: AttnSlices, config: SolverConfig) -> Plan | None:
+        e = self._entries.get(name)
+        return e.plan if e is not None and e.mask is mask and e.config == config else None
+
+    def put(self, name: str, mask: AttnSlices, config: SolverConfig, plan: Plan) -> None:
+        self._entries[name] = _Entry(mask, config, plan)
+        self.solves += 1
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+_DEFAULT_CACHE = PlanCache()
+
+
+def _on_device(mask: AttnSlices, device: torch.device) -> AttnSlices:
+    """The mask on the activations' device (the solve runs where the attention runs)."""
+    if mask.device == device:
+        return mask
+    return AttnSlices(mask.q_ranges.to(device), mask.k_ranges.to(device), mask.attn_type.to(device),
+                      mask.total_seqlen_q, mask.total_seqlen_k)
+
+
+def default_plan_cache() -> PlanCache:
+    """The process-wide cache every ``DynamicCPAttention`` uses unless given its own."""
+    return _DEFAULT_CACHE
+
+
+class DynamicCPAttention(nn.Module):
+    """Attention over a CP group with a plan solved per layer mask.
+
+    Args:
+        group: ``groupcomm`` group (``LocalGroup(P)``, ``TorchGroup``, ``SymmMemGroup``;
+            ``groupcomm.default_group()`` picks one).
+        config: ``SolverConfig`` (P, heads, D, dtype, mu, capacities,
+            ``keep_forward_buffers``); ``cp_size`` must equal the group's size.
+        solver, impl: as in ``gpusolver.solve``.
+        softmax_scale, deterministic: as in ``dist_attn``.
+        plan_cache: shared ``PlanCache`` (default: the process-wide one).
+        validate: host-side checks of the mask and the plan (default: on for CPU tensors).
+    """
+
+    def __init__(self, group, config: SolverConfig, *, solver: str = "device", impl: str = "auto",
+                 softmax_scale: float | None = None, deterministic: bool = True,
+                 plan_cache: PlanCache | None = None, validate: bool | None = None):
+        super().__init__()
+        if config.cp_size != group.size:
+            raise ValueError(f"config.cp_size={config.cp_size} but the group has {group.size} ranks")
+        self.group = group
+        self.config = config
+        self.solver, self.impl = solver, impl
+        self.softmax_scale, self.deterministic = softmax_scale, deterministic
+        self.plan_cache = default_plan_cache() if plan_cache is None else plan_cache
+        self.validate = validate
+
+    def plan_for(self, mask: AttnSlices, device: torch.device, mask_name: str = "default") -> Plan:
+        """The plan of ``mask`` (solved on ``device``, or taken from the cache)."""
+        plan = self.plan_cache.get(mask_name, mask, self.config)
+        if plan is None:
+            validate = device.type == "cpu" if self.validate is None else self.validate
+            plan = solve(_on_device(mask, device), self.config, solver=self.solver, impl=self.impl, validate=validate)
+            self.plan_cache.put(mask_name, mask, self.config, plan)
+        return plan
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttnSlices | None = None, *,
+                plan: Plan | None = None, mask_name: str = "default", return_lse: bool = False):
+        """q ``[c, Hq, D]``, k / v ``[c, Hkv, D]`` (this rank's shards; ``[P, ...]`` on a
+        ``LocalGroup``) and the layer's mask (or a precomputed ``plan``) -> out ``[c, Hq, D]``
+        (and lse ``[c, Hq]`` fp32 with ``return_lse``)."""
+        if (mask is None) == (plan is None):
+            raise ValueError("pass exactly one of mask= and plan=")
+        if plan is None:
+            plan = self.plan_for(mask, q.device, mask_name)
+        out, lse = dist_attn(q, k, v, plan, self.group, softmax_scale=self.softmax_scale,
+                             deterministic=self.deterministic,
+                             keep_forward_buffers=self.config.keep_forward_buffers, validate=self.validate)
+        return (out, lse) if return_lse else out
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return f"P={c.cp_size}, Hq={c.num_heads_q}, Hkv={c.num_heads_kv}, D={c.head_dim}, solver={self.solver}"
+
