@@ -66,6 +66,40 @@ def peer_table(buffer_ptrs: list[int], local_ptr: int, rank: int, device) -> tor
     return torch.tensor([p + offset for p in buffer_ptrs], dtype=torch.int64, device=device)
 
 
+_SIDE_STREAMS: dict = {}
+
+
+def _on_side_stream(move, inputs: list[torch.Tensor]) -> Work:
+    """Run ``move()`` (puts and barriers) on a second CUDA stream, so the caller's next kernels
+    (stage 0 of a layer) overlap it; ``wait()`` joins the streams. Off CUDA it runs inline.
+
+    Fork/join through events keeps it CUDA-graph capturable; ``record_stream`` tells the
+    caching allocator which stream uses each tensor, so no buffer is reused too early.
+    """
+    device = inputs[0].device
+    if device.type != "cuda":
+        return Work.done(move())
+    main = torch.cuda.current_stream(device)
+    side = _SIDE_STREAMS.get(device)
+    if side is None:
+        side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        result = move()
+        done = torch.cuda.Event()
+        done.record(side)
+    for t in inputs:
+        t.record_stream(side)
+
+    def join() -> list[torch.Tensor]:
+        main.wait_event(done)
+        for t in result:
+            t.record_stream(main)
+        return result
+
+    return Work(join)
+
+
 class SymmMemGroup:
     """One rank of an intra-node NCCL group; rows move with the put kernel through peer pointers.
 
@@ -133,9 +167,9 @@ class SymmMemGroup:
 
     def _cast(self, tensors, send_index, split, recv_capacity, phase, host_split):
         layout = row_layout(tensors, 0)
-        buf = self._move(pack(tensors, 0), send_index, split, recv_capacity)
         self._count(phase, split, layout.row_bytes, back=False)
-        return Work.done(unpack(buf, layout))
+        return _on_side_stream(lambda: unpack(self._move(pack(tensors, 0), send_index, split, recv_capacity),
+                                              layout), list(tensors) + [send_index, split])
 
     def _reduce(self, partials, send_index, split, acc, op, phase, host_split, deterministic):
         capacity = partials[0].shape[0]
