@@ -227,7 +227,7 @@ def dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, gro
             cast them again (less activation memory, more bytes).
         validate: read ``plan.status`` on the host and raise on a capacity overflow or a
             mask the plan does not fit (default: on for CPU tensors; off on GPU, where
-            reading it would sync).
+            reading it would sync, and under ``torch.compile``, where it would break the graph).
 
     Returns:
         out ``[c, Hq, D]`` in q's dtype and lse ``[c, Hq]`` fp32 (natural log; a row with
@@ -236,7 +236,7 @@ def dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, gro
     """
     _check_inputs(q, k, v, plan, group)
     if validate is None:
-        validate = q.device.type == "cpu"
+        validate = q.device.type == "cpu" and not torch.compiler.is_compiling()  # a host read breaks the graph
     if validate:
         plan.validate(ignore=IMBALANCED)  # an imbalanced plan is slow, not wrong
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)

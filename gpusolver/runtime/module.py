@@ -83,7 +83,8 @@ class DynamicCPAttention(nn.Module):
         solver, impl: as in ``gpusolver.solve``.
         softmax_scale, deterministic: as in ``dist_attn``.
         plan_cache: shared ``PlanCache`` (default: the process-wide one).
-        validate: host-side checks of the mask and the plan (default: on for CPU tensors).
+        validate: host-side checks of the mask and the plan (default: on for CPU tensors, off
+            under ``torch.compile``).
     """
 
     def __init__(self, group, config: SolverConfig, *, solver: str = "device", impl: str = "auto",
@@ -103,7 +104,9 @@ class DynamicCPAttention(nn.Module):
         """The plan of ``mask`` (solved on ``device``, or taken from the cache)."""
         plan = self.plan_cache.get(mask_name, mask, self.config)
         if plan is None:
-            validate = device.type == "cpu" if self.validate is None else self.validate
+            # host checks read values: a graph break under torch.compile, so off there by default
+            validate = (device.type == "cpu" and not torch.compiler.is_compiling()) if self.validate is None \
+                else self.validate
             plan = solve(_on_device(mask, device), self.config, solver=self.solver, impl=self.impl, validate=validate)
             self.plan_cache.put(mask_name, mask, self.config, plan)
         return plan

@@ -1,0 +1,111 @@
+"""Shared cases of the runtime tests: masks, inputs, and the single-process oracle.
+
+Shape legend: S tokens, P ranks, c = S / P, Hq / Hkv heads, D head dim.
+Everything is seeded and host-side, so a forked gloo rank rebuilds the very
+same global tensors as the parent and takes its shard.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import replace
+
+import torch
+
+from attn_kernels.reference import dense_attn
+from gpusolver import SolverConfig, block_areas, solve
+from gpusolver.masks import AttnSlices, sliding_window_mask, varlen_causal_mask, varlen_full_mask
+from gpusolver.plan import IMBALANCED
+from gpusolver.plan.build import build_plan
+from tests.attn_kernels._slices import random_slices
+
+D = 32  # the smallest supported head dim
+PHASES_FWD = ("fwd.qo", "fwd.kv", "fwd.o")
+PHASES_BWD = ("bwd.qo", "bwd.kv", "bwd.dq", "bwd.dkv")
+ATOL = RTOL = 1e-5
+
+
+def random_slice_mask(S: int, seed: int) -> AttnSlices:
+    """A non-overlapping random slice mask holding all four attention types, dummy rows and rows
+    without keys (``random_slices``, first seed from ``seed`` on that has every type)."""
+    for s in range(seed, seed + 1000):
+        q, k, t = random_slices(S, S, s)
+        live = (q[:, 1] > q[:, 0]) & (k[:, 1] > k[:, 0])
+        if set(t[live].tolist()) == {0, 1, 2, 3}:
+            return AttnSlices(q, k, t, S, S)
+    raise AssertionError(f"no seed in [{seed}, {seed + 1000}) gives all four attention types at S = {S}")
+
+
+def doc_lengths(S: int, seed: int) -> list[int]:
+    """Random document lengths summing to S (random cut points, so boundaries fall inside chunks)."""
+    g = torch.Generator().manual_seed(seed)
+    cuts = sorted(set(torch.randint(1, S, (max(2, S // 24),), generator=g).tolist()))
+    bounds = [0, *cuts, S]
+    return [b - a for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def make_mask(name: str, S: int, seed: int = 0) -> AttnSlices:
+    """``random`` slices, packed documents (``docs-causal``, ``docs-full``) or a causal ``window``."""
+    if name == "random":
+        return random_slice_mask(S, seed)
+    if name == "docs-causal":
+        return varlen_causal_mask(doc_lengths(S, seed))
+    if name == "docs-full":
+        return varlen_full_mask(doc_lengths(S, seed))
+    if name == "window":
+        return sliding_window_mask(S, S // 5 + 3)
+    raise ValueError(f"unknown mask {name!r}")
+
+
+def make_config(P: int, Hq: int, Hkv: int, flatten: bool = True, tiles: int = 1, **kw) -> SolverConfig:
+    return SolverConfig(cp_size=P, num_heads_q=Hq, num_heads_kv=Hkv, head_dim=D, dtype=torch.float32,
+                        head_group_flatten=flatten, chunk_tiles=tiles, **kw)
+
+
+def make_inputs(S: int, Hq: int, Hkv: int, seed: int = 0):
+    """Global fp32 ``q [S, Hq, D]``, ``k, v [S, Hkv, D]`` and upstream grads ``d_out [S, Hq, D]``,
+    ``d_lse [S, Hq]`` (the lse grad exercises the ``- dlse`` term of the row delta)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(S, Hq, D, generator=g)
+    k = torch.randn(S, Hkv, D, generator=g)
+    v = torch.randn(S, Hkv, D, generator=g)
+    d_out = torch.randn(S, Hq, D, generator=g)
+    d_lse = torch.randn(S, Hq, generator=g)
+    return q, k, v, d_out, d_lse
+
+
+def reference(mask: AttnSlices, q, k, v, d_out, d_lse) -> dict[str, torch.Tensor]:
+    """Dense attention over the whole sequence in fp64 (``attn_kernels.reference``): out, lse and
+    the grads of q, k, v for upstream ``(d_out, d_lse)``, all fp32."""
+    qq, kk, vv = (x.double().requires_grad_() for x in (q, k, v))
+    out, lse = dense_attn(qq, kk, vv, mask.to_dense())
+    dq, dk, dv = torch.autograd.grad((out, lse), (qq, kk, vv), (d_out.double(), d_lse))
+    return {"out": out.float(), "lse": lse, "dq": dq.float(), "dk": dk.float(), "dv": dv.float()}
+
+
+def traffic_sums(group, phases) -> tuple:
+    """(sent, recv) summed over ``phases`` of a group's byte counters."""
+    sent = recv = 0
+    for ph in phases:
+        s, r = group.traffic(ph)
+        sent, recv = sent + s, recv + r
+    return sent, recv
+
+
+def tight_plan(mask: AttnSlices, config: SolverConfig, solver: str = "reference"):
+    """``solve(mask, config)`` with receive buffers and stage slices sized to what this mask needs.
+
+    The default capacities are the worst case (``G * c * (P - 1)`` rows), and the torch
+    attention twin builds a dense ``[slices, rows, rows]`` mask per stage, so tight
+    capacities keep the CPU runs short. Capacities do not steer the assignment, so the
+    plan rebuilt from it equals ``solve(mask, tight_config)``. Returns (plan, tight_config).
+    """
+    with warnings.catch_warnings():  # an imbalanced plan is slow, not wrong
+        warnings.simplefilter("ignore")
+        plan = solve(mask, config, solver=solver)
+    comm, calc = plan.comm, plan.calc
+    rows = max(int(s.sum(d).max()) for s in (comm.qo_split, comm.kv_split) for d in (0, 1))
+    live = (calc.q_ranges[..., 1] > calc.q_ranges[..., 0]) & (calc.k_ranges[..., 1] > calc.k_ranges[..., 0])
+    last = torch.where(live, torch.arange(live.shape[-1]) + 1, 0).amax()
+    tight = replace(config, max_recv_rows=rows + 2, max_stage_slices=max(int(last), 1))
+    areas = block_areas(mask, config.cp_size, config.head_groups, impl="torch", tiles=config.chunk_tiles)
+    return build_plan(mask, areas, plan.assignment, tight).validate(ignore=IMBALANCED), tight
