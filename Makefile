@@ -21,8 +21,10 @@ $(STAMP): pyproject.toml Makefile
 test: install
 	TRITON_INTERPRET=1 $(PY) -m pytest -n 2 tests
 
+# P = 8 simulated ranks in one process, 4 layers of fresh packed-document masks,
+# forward and backward checked against dense attention; well under 2 minutes on 2 cores
 demo: install
-	$(PY) -m gpusolver demo
+	$(PY) -m gpusolver demo --out build/demo_plan.png
 
 bench: install
 	$(PY) benchmarks/solver_quality.py

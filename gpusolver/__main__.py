@@ -1,134 +1,159 @@
-"""Command line: ``python -m gpusolver demo`` and ``python -m gpusolver solve``.
+"""Command line: ``python -m gpusolver {demo,show,solve,quality,bench}``.
 
-``demo`` solves a default packed causal-document mask (8K tokens per rank,
-GQA 64:8, D = 128, bf16, P = 8) with both solvers and prints how each plan
-compares with the classic context-parallel schemes. ``solve`` builds one
-full plan (areas, assignment, metas) and prints its summary.
+demo     a few model-like layers over P ranks (simulated in one process, or
+         real ones under torchrun), each solving a fresh mask on the device and
+         running dist_attn forward and backward, checked against dense attention.
+show     the picture of a plan (PNG): from a mask kind and P, or a saved plan.
+solve    one full plan of a mask at real shapes: its summary; --save keeps it.
+quality  both solvers on one mask at real shapes vs owner-computes, USP, ring.
+bench    the benchmarks that apply to this machine, as one markdown report.
+
+``python -m gpusolver <command> --help`` lists each command's options.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import time
+import sys
 
-import torch
+from gpusolver.cli import args as a
 
-from gpusolver.areas import block_areas, block_sparse_areas, token_topk_areas
-from gpusolver.baselines import baseline_table
-from gpusolver.config import SolverConfig
-from gpusolver.masks import dsa_topk_indices, nsa_block_indices, packed_documents
-from gpusolver.metrics import evaluate
-from gpusolver.solve import SOLVERS, solve, solve_assignment
-
-MIB = 1 << 20
+HEAD_DIMS = (32, 64, 128)  # the attention kernels' head dims
 
 
-def _quality_rows(areas, config: SolverConfig, solvers, tiled=None) -> list[str]:
-    """Markdown rows: each solver, the device solver on ``tiled`` (areas, config) if given,
-    owner-computes and the classic schemes."""
-    base = baseline_table(areas, config)
-    usp_f, usp_b = base["usp"]["fwd_bottleneck"], base["usp"]["bwd_bottleneck"]
-    rows = ["| plan | imbalance | fwd bottleneck | bwd bottleneck | fwd vs USP | bwd vs USP | solve |",
-            "|---|---|---|---|---|---|---|"]
-
-    def row(name, imb, fwd, bwd, seconds):
-        t = "" if seconds is None else f"{seconds * 1e3:.0f} ms"
-        imb_s = "" if imb is None else f"{imb:.3f}"
-        rows.append(f"| {name} | {imb_s} | {fwd / MIB:.1f} MiB | {bwd / MIB:.1f} MiB | "
-                    f"{100 * (fwd / usp_f - 1):+.0f} % | {100 * (bwd / usp_b - 1):+.0f} % | {t} |")
-
-    for name in solvers:
-        t0 = time.perf_counter()
-        assignment = solve_assignment(areas, config, solver=name)
-        seconds = time.perf_counter() - t0
-        m = evaluate(areas, assignment, config.cost())
-        row(f"gpusolver {name}", m.imbalance.item(), m.fwd_bottleneck.item(), m.bwd_bottleneck.item(), seconds)
-    if tiled is not None:
-        t_areas, t_config = tiled
-        t0 = time.perf_counter()
-        assignment = solve_assignment(t_areas, t_config, solver="device")
-        seconds = time.perf_counter() - t0
-        m = evaluate(t_areas, assignment, t_config.cost())
-        row(f"gpusolver device, {t_config.chunk_tiles} tiles per chunk", m.imbalance.item(),
-            m.fwd_bottleneck.item(), m.bwd_bottleneck.item(), seconds)
-    owner = evaluate(areas, torch.where(areas.area > 0, torch.arange(config.cp_size).view(1, -1, 1), -1),
-                     config.cost())
-    row("owner-computes", owner.imbalance.item(), owner.fwd_bottleneck.item(), owner.bwd_bottleneck.item(), None)
-    for name in ("usp", "ring", "all_gather_kv"):
-        row(name.replace("_", "-"), None, base[name]["fwd_bottleneck"], base[name]["bwd_bottleneck"], None)
-    return rows
+def _shape_options(p, *, P: int | None, tokens: int, heads: str, head_dim: int, dtype: str,
+                   head_dims=None) -> None:
+    p.add_argument("-P", "--cp-size", type=a.positive_int, default=P,
+                   help="ranks in the CP group" + (" (default 8, or the torchrun world size)" if P is None
+                                                   else f" (default {P})"))
+    p.add_argument("--tokens-per-rank", type=a.positive_int, default=tokens,
+                   help=f"tokens per rank, c = S / P (default {tokens})")
+    p.add_argument("--heads", type=a.heads, default=a.heads(heads), metavar="HQ:HKV",
+                   help=f"query and KV heads (default {heads})")
+    p.add_argument("--head-dim", type=a.positive_int, default=head_dim, choices=head_dims,
+                   help=f"head dim D (default {head_dim})")
+    p.add_argument("--dtype", type=a.dtype, default=a.dtype(dtype), help=f"activation dtype (default {dtype})")
+    p.add_argument("--seed", type=a.non_negative_int, default=0, help="mask and data seed (default 0)")
 
 
-def _sparse_areas(kind: str, seqlen: int, config: SolverConfig, seed: int):
-    """Block areas of a random NSA block selection or DSA token top-k (what an indexer would produce)."""
-    n = config.chunk_tiles
-    units = config.cp_size * n  # computed for n * P ranks, read as n tiles per rank
-    if kind == "nsa":  # 64-token blocks, top-16 per query and KV head
-        sel = nsa_block_indices(seqlen, config.num_heads_kv, block_size=64, top_n=16, seed=seed)
-        areas = block_sparse_areas(sel, 64, units, config.head_groups)
-    else:
-        topk = dsa_topk_indices(seqlen, topk=min(2048, seqlen), seed=seed)  # shared by all heads
-        areas = token_topk_areas(topk, units, config.head_groups)
-    return areas.as_tiles(n)
+def build_parser() -> tuple[argparse.ArgumentParser, dict]:
+    parser = argparse.ArgumentParser(prog="gpusolver", description=__doc__.splitlines()[0],
+                                     epilog="\n".join(__doc__.splitlines()[2:10]),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="command")
+    subs = {}
+
+    p = subs["demo"] = sub.add_parser(
+        "demo", help="model-like layers over dist_attn, checked against dense attention",
+        description="A few attention layers over a CP group: each draws a fresh mask, solves it on the device "
+                    "and runs dist_attn forward and backward over LocalGroup(P), or over real ranks under "
+                    "torchrun (NCCL on GPUs, gloo on CPU). Every layer is checked against single-process "
+                    "dense attention. Needs no GPU and no data.")
+    _shape_options(p, P=None, tokens=128, heads="8:2", head_dim=32, dtype="float32", head_dims=HEAD_DIMS)
+    p.add_argument("--mask", choices=a.MASK_KINDS, default="docs", help=a.MASK_HELP)
+    p.add_argument("--layers", type=a.positive_int, default=4, help="layers, each with its own mask (default 4)")
+    p.add_argument("--device", type=a.device, default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--out", default="build/demo_plan.png",
+                   help="PNG of the last layer's plan ('' for none; default build/demo_plan.png)")
+
+    p = subs["show"] = sub.add_parser(
+        "show", help="draw a plan as a PNG",
+        description="Draw a plan: the task grid of each head group coloured by the rank that computes it "
+                    "(dots mark local tasks), per-rank load, and per-rank send/receive bytes next to USP's. "
+                    "The plan is solved here from a mask kind, or loaded with --plan (solve --save).")
+    _shape_options(p, P=8, tokens=8192, heads="64:8", head_dim=128, dtype="bfloat16")
+    p.add_argument("--mask", choices=a.MASK_KINDS, default="docs", help=a.MASK_HELP)
+    p.add_argument("--tiles", type=a.positive_int, default=1, help="sub-chunk tiles per chunk (default 1)")
+    p.add_argument("--solver", choices=("device", "reference"), default="device")
+    p.add_argument("--plan", default=None, help="a saved plan (Plan.save) to draw instead of solving")
+    p.add_argument("--out", default="build/plan.png", help="PNG path (default build/plan.png)")
+
+    p = subs["solve"] = sub.add_parser(
+        "solve", help="solve one mask and print the plan's summary",
+        description="Solve one mask (areas, assignment, metas) and print the plan's metrics and status.")
+    _shape_options(p, P=8, tokens=8192, heads="64:8", head_dim=128, dtype="bfloat16")
+    p.add_argument("--mask", choices=a.MASK_KINDS, default="docs", help=a.MASK_HELP)
+    p.add_argument("--tiles", type=a.positive_int, default=1, help="sub-chunk tiles per chunk (default 1)")
+    p.add_argument("--solver", choices=("device", "reference"), default="device")
+    p.add_argument("--save", default=None, help="write the plan (with its config) to this file")
+
+    p = subs["quality"] = sub.add_parser(
+        "quality", help="both solvers vs owner-computes, USP and ring on one mask",
+        description="Solve one mask with both solvers and compare the plans' balance and bottleneck bytes "
+                    "with owner-computes, USP, ring and all-gather KV (no attention runs).")
+    p.add_argument("-P", "--cp-size", type=a.positive_int, default=8)
+    p.add_argument("--tokens-per-rank", type=a.positive_int, default=8192)
+    p.add_argument("--heads", type=a.heads, default=(64, 8), metavar="HQ:HKV", help="default 64:8")
+    p.add_argument("--head-dim", type=a.positive_int, default=128)
+    p.add_argument("--seed", type=a.non_negative_int, default=0)
+    p.add_argument("--full", dest="causal", action="store_false", help="full (bidirectional) documents")
+    p.add_argument("--tiles", type=a.positive_int, default=1,
+                   help="sub-chunk tiles per chunk: adds a row for the device solver on tiles")
+    p.add_argument("--mask", choices=("docs", "nsa", "dsa"), default="docs",
+                   help="packed documents (default), or a sparse indexer's selection")
+
+    p = subs["bench"] = sub.add_parser(
+        "bench", help="the benchmarks that apply here, as one markdown report",
+        description="Run the quality, latency, layer and kernel benchmarks that apply to this machine with "
+                    "small options, and write one markdown report headed by the machine's description. "
+                    "Needs the source tree (benchmarks/).")
+    p.add_argument("--out", default="benchmarks/results/bench_report.md", help="report path")
+    p.add_argument("--quick", action="store_true", help="the smallest options (a smoke run)")
+    p.add_argument("--timeout", type=a.positive_int, default=600, help="seconds per benchmark (default 600)")
+    return parser, subs
 
 
-def demo(args) -> None:
-    torch.set_num_threads(1)  # the solve is many small ops: threads only add overhead on CPU
-    config = SolverConfig(cp_size=args.cp_size)
-    kind = "causal" if args.causal else "full"
-    what = {"docs": f"packed {kind}-document mask", "nsa": "NSA block selection (64-token blocks, top-16)",
-            "dsa": "DSA token top-k (k = 2048)"}[args.mask]
-    print(f"{what}: {args.tokens_per_rank} tokens per rank, P={config.cp_size}, "
-          f"GQA {config.num_heads_q}:{config.num_heads_kv}, D={config.head_dim}, bf16, seed {args.seed}, "
-          f"mu={config.imbalance_tol}")
-    S = args.tokens_per_rank * config.cp_size
-    tiled_config = dataclasses.replace(config, chunk_tiles=args.tiles) if args.tiles > 1 else None
-    if args.mask != "docs":  # sparse indexer masks: assignment quality only (plans need slices)
-        areas = _sparse_areas(args.mask, S, config, args.seed)
-        tiled = None if tiled_config is None else (_sparse_areas(args.mask, S, tiled_config, args.seed), tiled_config)
-        print("\n".join(_quality_rows(areas, config, SOLVERS, tiled)))
+def _check(args, subs) -> None:
+    """Cross-option checks, as one-line usage errors."""
+    from gpusolver.config import SolverConfig
+
+    p = subs[args.command]
+    if args.command == "bench":
         return
-    mask = packed_documents(S, seed=args.seed, causal=args.causal)
-    tiled = None if tiled_config is None else (
-        block_areas(mask, config.cp_size, config.head_groups, impl="torch", tiles=args.tiles), tiled_config)
-    print("\n".join(_quality_rows(block_areas(mask, config.cp_size, config.head_groups, impl="torch"),
-                                   config, SOLVERS, tiled)))
-    t0 = time.perf_counter()
-    plan = solve(mask, config)
-    print(f"\nfull solve (areas + device solver + plan metas, torch path on CPU): "
-          f"{(time.perf_counter() - t0) * 1e3:.0f} ms")
-    print(plan.summary())
+    hq, hkv = args.heads
+    P = args.cp_size if args.cp_size is not None else 1
+    try:
+        config = SolverConfig(cp_size=P, num_heads_q=hq, num_heads_kv=hkv, head_dim=args.head_dim,
+                              chunk_tiles=getattr(args, "tiles", 1))
+        if args.cp_size is not None:
+            config.check_seqlen(args.tokens_per_rank * P)
+    except ValueError as e:
+        p.error(str(e).splitlines()[0])
+    if args.command == "demo" and args.tokens_per_rank * (args.cp_size or 8) > 16384:
+        p.error(f"S = {args.tokens_per_rank * (args.cp_size or 8)} tokens: the demo checks every layer against "
+                "dense attention, so keep S <= 16384 (real shapes: make bench)")
+    if getattr(args, "plan", None) and args.command == "show":
+        import os
+
+        if not os.path.exists(args.plan):
+            p.error(f"--plan {args.plan}: no such file")
 
 
-def solve_command(args) -> None:
-    torch.set_num_threads(1)
-    config = SolverConfig(cp_size=args.cp_size, chunk_tiles=args.tiles)
-    mask = packed_documents(args.tokens_per_rank * config.cp_size, seed=args.seed, causal=args.causal)
-    t0 = time.perf_counter()
-    plan = solve(mask, config, solver=args.solver)
-    print(f"solved P={config.cp_size} ({args.solver} solver) in {(time.perf_counter() - t0) * 1e3:.0f} ms")
-    print(plan.summary())
-
-
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="gpusolver", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name in ("demo", "solve"):
-        p = sub.add_parser(name)
-        p.add_argument("--cp-size", "-P", type=int, default=8)
-        p.add_argument("--tokens-per-rank", type=int, default=8192)
-        p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--full", dest="causal", action="store_false", help="full (bidirectional) documents")
-        p.add_argument("--tiles", type=int, default=1,
-                       help="sub-chunk tiles per rank's chunk (SolverConfig.chunk_tiles; demo: an extra row)")
-        if name == "demo":
-            p.add_argument("--mask", choices=("docs", "nsa", "dsa"), default="docs",
-                           help="packed documents (default), or a sparse indexer's selection")
-        if name == "solve":
-            p.add_argument("--solver", choices=SOLVERS, default="device")
+def main(argv=None) -> int:
+    parser, subs = build_parser()
     args = parser.parse_args(argv)
-    (demo if args.command == "demo" else solve_command)(args)
+    _check(args, subs)
+    if args.command == "demo":
+        from gpusolver.cli import demo
+
+        return demo.run(args)
+    if args.command == "show":
+        from gpusolver.cli import show
+
+        return show.run(args)
+    if args.command == "solve":
+        from gpusolver.cli.quality import solve_command
+
+        solve_command(args)
+        return 0
+    if args.command == "quality":
+        from gpusolver.cli.quality import quality
+
+        quality(args)
+        return 0
+    from gpusolver.cli import bench
+
+    return bench.run(args)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

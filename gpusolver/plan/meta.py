@@ -242,6 +242,19 @@ class Plan:
         lines.append("status: " + ("OK" if not names else " | ".join(names)))
         return "\n".join(lines)
 
+    def save(self, path, *, config=None) -> None:
+        """Write the plan (and its ``SolverConfig``, if given) to ``path`` (``plan.io.save_plan``)."""
+        from gpusolver.plan.io import save_plan
+
+        save_plan(self, path, config=config)
+
+    @staticmethod
+    def load(path, *, map_location="cpu") -> "Plan":
+        """The plan saved at ``path`` (``plan.io.load_plan``)."""
+        from gpusolver.plan.io import load_plan
+
+        return load_plan(path, map_location=map_location)
+
 
 def _explain_status(plan: Plan, ignore: int) -> list[str]:
     """One host-side message per status bit set, naming the limit and the fix."""
