@@ -12,6 +12,7 @@ import torch
 from gpusolver.areas import block_areas
 from gpusolver.config import SolverConfig
 from gpusolver.masks.slices import AttnSlices
+from gpusolver.nvtx import nvtx_range
 from gpusolver.plan import IMBALANCED, Plan, build_plan
 from gpusolver.problem import BlockAreas
 
@@ -82,11 +83,15 @@ def solve(mask: AttnSlices, config: SolverConfig, *, solver: str = "device", are
     if validate:
         mask.validate(cp_size=config.cp_size)
     if torch.compiler.is_compiling() and solver == "device" and not mask.grouped:
-        areas, assignment = _solve_as_ops(mask, config, areas_impl, impl)
+        with nvtx_range("solve/areas+assign"):
+            areas, assignment = _solve_as_ops(mask, config, areas_impl, impl)
     else:
-        areas = block_areas(mask, config.cp_size, config.head_groups, impl=areas_impl, tiles=config.chunk_tiles)
-        assignment = solve_assignment(areas, config, solver=solver, impl=impl)
-    plan = build_plan(mask, areas, assignment, config)
+        with nvtx_range("solve/areas"):
+            areas = block_areas(mask, config.cp_size, config.head_groups, impl=areas_impl, tiles=config.chunk_tiles)
+        with nvtx_range("solve/assign"):
+            assignment = solve_assignment(areas, config, solver=solver, impl=impl)
+    with nvtx_range("solve/metas"):
+        plan = build_plan(mask, areas, assignment, config)
     if validate:
         plan.validate(ignore=IMBALANCED)
         if int(plan.status.item()) & IMBALANCED:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from attn_kernels import flex_attn, flex_attn_backward, merge_out_lse, row_delta
+from gpusolver.nvtx import nvtx_range
 from gpusolver.plan import IMBALANCED, Plan
 from gpusolver.runtime.layout import from_group_major, to_group_major
 from groupcomm import TorchGroup, group_cast, group_reduce, host_splits
@@ -119,29 +120,36 @@ class _DistAttn(torch.autograd.Function):
         lead = 1 if routes.batched else 0
         G, cap = routes.groups, routes.capacity
         ql, kl, vl = (to_group_major(x, G, lead).contiguous() for x in (q, k, v))
-        cast_q = group_cast([ql], routes.qo_index, routes.qo_split, cap, group, phase="fwd.qo",
-                            host_split=routes.qo_host, async_op=True)
-        cast_kv = group_cast([kl, vl], routes.kv_index, routes.kv_split, cap, group, phase="fwd.kv",
-                             host_split=routes.kv_host, async_op=True)
+        with nvtx_range("comm/cast fwd.qo fwd.kv"):
+            cast_q = group_cast([ql], routes.qo_index, routes.qo_split, cap, group, phase="fwd.qo",
+                                host_split=routes.qo_host, async_op=True)
+            cast_kv = group_cast([kl, vl], routes.kv_index, routes.kv_split, cap, group, phase="fwd.kv",
+                                 host_split=routes.kv_host, async_op=True)
 
         def stage0(r, q_, k_, v_):
             return flex_attn(q_, k_, v_, *_stage_slices(routes.plan, r, 0), scale)
 
-        o0, l0 = _per_rank(routes, stage0, ql, kl, vl)  # local work while the cast is in flight
-        (q_buf,), (k_buf, v_buf) = cast_q.wait(), cast_kv.wait()
+        with nvtx_range("attn/fwd stage0"):
+            o0, l0 = _per_rank(routes, stage0, ql, kl, vl)  # local work while the cast is in flight
+        with nvtx_range("comm/wait fwd.qo fwd.kv"):
+            (q_buf,), (k_buf, v_buf) = cast_q.wait(), cast_kv.wait()
         q1, k1, v1 = _cat(ql, q_buf, lead), _cat(kl, k_buf, lead), _cat(vl, v_buf, lead)
 
         def stage1(r, q_, k_, v_):
             return flex_attn(q_, k_, v_, *_stage_slices(routes.plan, r, 1), scale)
 
-        o1, l1 = _per_rank(routes, stage1, q1, k1, v1)
+        with nvtx_range("attn/fwd stage1"):
+            o1, l1 = _per_rank(routes, stage1, q1, k1, v1)
         n = ql.shape[lead]  # G * c local rows; the rest of stage 1's rows are the receive buffer
         local = lambda x: x.narrow(lead, 0, n)  # noqa: E731
         remote = lambda x: x.narrow(lead, n, cap)  # noqa: E731
-        o, lse = _per_rank(routes, lambda r, a, b, c_, d: merge_out_lse(a, b, c_, d), o0, l0, local(o1), local(l1))
-        o, lse = group_reduce([remote(o1).contiguous(), remote(l1).contiguous()], routes.qo_index, routes.qo_split,
-                              [o, lse], group, op="lse", phase="fwd.o", host_split=routes.qo_host,
-                              deterministic=deterministic)
+        with nvtx_range("attn/fwd merge"):
+            o, lse = _per_rank(routes, lambda r, a, b, c_, d: merge_out_lse(a, b, c_, d), o0, l0, local(o1),
+                               local(l1))
+        with nvtx_range("comm/reduce fwd.o"):
+            o, lse = group_reduce([remote(o1).contiguous(), remote(l1).contiguous()], routes.qo_index,
+                                  routes.qo_split, [o, lse], group, op="lse", phase="fwd.o",
+                                  host_split=routes.qo_host, deterministic=deterministic)
         saved = (ql, kl, vl, o, lse) + ((q_buf, k_buf, v_buf) if keep else ())
         ctx.save_for_backward(*saved)
         ctx.routes, ctx.group, ctx.scale, ctx.keep, ctx.deterministic = routes, group, scale, keep, deterministic
@@ -156,36 +164,44 @@ class _DistAttn(torch.autograd.Function):
         d_o = torch.zeros_like(o) if d_out is None else to_group_major(d_out, G, lead).contiguous()
         d_l = None if d_lse is None else to_group_major(d_lse, G, lead).contiguous()
         # the host computes delta from its final O: O itself never travels
-        delta = _per_rank(routes, lambda r, a, b, *c_: (row_delta(a, b, c_[0] if c_ else None),),
-                          d_o, o, *(() if d_l is None else (d_l,)))[0]
+        with nvtx_range("attn/bwd delta"):
+            delta = _per_rank(routes, lambda r, a, b, *c_: (row_delta(a, b, c_[0] if c_ else None),),
+                              d_o, o, *(() if d_l is None else (d_l,)))[0]
         sent = [d_o, lse, delta] + ([] if ctx.keep else [ql])
-        recv = group_cast(sent, routes.qo_index, routes.qo_split, cap, group, phase="bwd.qo",
-                          host_split=routes.qo_host)
+        with nvtx_range("comm/cast bwd.qo"):
+            recv = group_cast(sent, routes.qo_index, routes.qo_split, cap, group, phase="bwd.qo",
+                              host_split=routes.qo_host)
         d_o_buf, lse_buf, delta_buf = recv[:3]
         if ctx.keep:
             q_buf, k_buf, v_buf = ctx.saved_tensors[5:]
         else:
             q_buf = recv[3]
-            k_buf, v_buf = group_cast([kl, vl], routes.kv_index, routes.kv_split, cap, group, phase="bwd.kv",
-                                      host_split=routes.kv_host)
+            with nvtx_range("comm/cast bwd.kv"):
+                k_buf, v_buf = group_cast([kl, vl], routes.kv_index, routes.kv_split, cap, group, phase="bwd.kv",
+                                          host_split=routes.kv_host)
 
         def stage(s):
             def run(r, *t):
                 return flex_attn_backward(*t, *_stage_slices(routes.plan, r, s), scale)
             return run
 
-        dq0, dk0, dv0 = _per_rank(routes, stage(0), d_o, ql, kl, vl, lse, delta)
-        dq1, dk1, dv1 = _per_rank(routes, stage(1), _cat(d_o, d_o_buf, lead), _cat(ql, q_buf, lead),
-                                  _cat(kl, k_buf, lead), _cat(vl, v_buf, lead), _cat(lse, lse_buf, lead),
-                                  _cat(delta, delta_buf, lead))
+        with nvtx_range("attn/bwd stage0"):
+            dq0, dk0, dv0 = _per_rank(routes, stage(0), d_o, ql, kl, vl, lse, delta)
+        with nvtx_range("attn/bwd stage1"):
+            dq1, dk1, dv1 = _per_rank(routes, stage(1), _cat(d_o, d_o_buf, lead), _cat(ql, q_buf, lead),
+                                      _cat(kl, k_buf, lead), _cat(vl, v_buf, lead), _cat(lse, lse_buf, lead),
+                                      _cat(delta, delta_buf, lead))
         n = ql.shape[lead]
         local = lambda x: x.narrow(lead, 0, n)  # noqa: E731
         remote = lambda x: x.narrow(lead, n, cap).contiguous()  # noqa: E731
-        (dq,) = group_reduce([remote(dq1)], routes.qo_index, routes.qo_split, [dq0 + local(dq1)], group, op="sum",
-                             phase="bwd.dq", host_split=routes.qo_host, deterministic=ctx.deterministic)
-        dk, dv = group_reduce([remote(dk1), remote(dv1)], routes.kv_index, routes.kv_split,
-                              [dk0 + local(dk1), dv0 + local(dv1)], group, op="sum", phase="bwd.dkv",
-                              host_split=routes.kv_host, deterministic=ctx.deterministic)
+        with nvtx_range("comm/reduce bwd.dq"):
+            (dq,) = group_reduce([remote(dq1)], routes.qo_index, routes.qo_split, [dq0 + local(dq1)], group,
+                                 op="sum", phase="bwd.dq", host_split=routes.qo_host,
+                                 deterministic=ctx.deterministic)
+        with nvtx_range("comm/reduce bwd.dkv"):
+            dk, dv = group_reduce([remote(dk1), remote(dv1)], routes.kv_index, routes.kv_split,
+                                  [dk0 + local(dk1), dv0 + local(dv1)], group, op="sum", phase="bwd.dkv",
+                                  host_split=routes.kv_host, deterministic=ctx.deterministic)
         return (from_group_major(dq, G, lead), from_group_major(dk, G, lead), from_group_major(dv, G, lead),
                 None, None, None, None, None)
 
@@ -240,5 +256,6 @@ def dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, gro
     if validate:
         plan.validate(ignore=IMBALANCED)  # an imbalanced plan is slow, not wrong
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    routes = layer_routes(plan, group)
+    with nvtx_range("solve/routes"):
+        routes = layer_routes(plan, group)
     return _DistAttn.apply(q, k, v, routes, group, scale, bool(keep_forward_buffers), bool(deterministic))

@@ -21,6 +21,7 @@ from torch import nn
 
 from gpusolver.config import SolverConfig
 from gpusolver.masks.slices import AttnSlices
+from gpusolver.nvtx import nvtx_range
 from gpusolver.plan import Plan
 from gpusolver.runtime.dist_attn import dist_attn
 from gpusolver.solve import solve
@@ -118,11 +119,12 @@ class DynamicCPAttention(nn.Module):
         (and lse ``[c, Hq]`` fp32 with ``return_lse``)."""
         if (mask is None) == (plan is None):
             raise ValueError("pass exactly one of mask= and plan=")
-        if plan is None:
-            plan = self.plan_for(mask, q.device, mask_name)
-        out, lse = dist_attn(q, k, v, plan, self.group, softmax_scale=self.softmax_scale,
-                             deterministic=self.deterministic,
-                             keep_forward_buffers=self.config.keep_forward_buffers, validate=self.validate)
+        with nvtx_range(f"layer/{mask_name}"):
+            if plan is None:
+                plan = self.plan_for(mask, q.device, mask_name)
+            out, lse = dist_attn(q, k, v, plan, self.group, softmax_scale=self.softmax_scale,
+                                 deterministic=self.deterministic,
+                                 keep_forward_buffers=self.config.keep_forward_buffers, validate=self.validate)
         return (out, lse) if return_lse else out
 
     def extra_repr(self) -> str:
