@@ -6,6 +6,13 @@ types). ``capture_launches`` records what each launch passes (argument types,
 constexpr values, compile options) while the interpreter runs; ``compile_sm90``
 then compiles each recorded signature to a cubin in a fresh process without
 ``TRITON_INTERPRET``, with the ``ptxas`` that ships in the Triton wheel.
+
+A record may carry ``attrs`` (argument name -> Triton attributes, e.g. the
+16-byte divisibility hint a real launch puts on aligned pointers and on ints
+that are multiples of 16), so the compile describes the kernel that really
+runs. With ``stats=True`` each result also gives the cubin's registers, stack
+bytes, spill instructions (``STL``/``LDL`` in the SASS) and the instruction
+count of every innermost SASS loop that holds a matrix multiply.
 """
 from __future__ import annotations
 
@@ -15,6 +22,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import torch
 
@@ -78,19 +86,46 @@ def capture_launches():
 
 
 _COMPILER = r"""
-import importlib, json, sys
+import importlib, json, re, subprocess, sys, tempfile
 import triton
+from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.tools.disasm import get_sass
+
+def cubin_stats(cubin):
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.check_output([knobs.nvidia.cuobjdump.path, "-res-usage", f.name], text=True)
+    regs = int(re.search(r"REG:(\d+)", usage).group(1))
+    stack = int(re.search(r"STACK:(\d+)", usage).group(1))
+    lines = [l.split("\t")[-1].strip() for l in get_sass(cubin).splitlines()]
+    labels = {l[:-1]: i for i, l in enumerate(lines) if re.fullmatch(r"\w+:", l)}
+    loops = []  # (first line, branch line) of every backward branch
+    for i, l in enumerate(lines):
+        m = re.search(r"\bBRA\s+(\w+)", l)
+        if m and labels.get(m.group(1), i) < i:
+            loops.append((labels[m.group(1)], i))
+    inner = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
+    body = lambda a, b: [l for l in lines[a:b + 1] if l and not l.endswith(":")]
+    mma = [len(body(a, b)) for a, b in inner if any(re.match(r"(@\S+ )?H[G]?MMA", l) for l in body(a, b))]
+    count = lambda op: sum(bool(re.match(r"(@!?\w+\s+)?" + op + r"\b", l)) for l in lines)
+    return dict(regs=regs, stack=stack, spill_stores=count("STL"), spill_loads=count("LDL"), mma_loops=mma)
+
 results = []
-for rec in json.load(sys.stdin):
+payload = json.load(sys.stdin)
+for rec in payload["records"]:
     kernel = getattr(importlib.import_module(rec["module"]), rec["name"])
     result = {"name": rec["name"], "error": None, "ptx": {}}
     try:
-        src = ASTSource(kernel, rec["signature"], constexprs=rec["constexprs"])
+        attrs = {(kernel.arg_names.index(n),): a for n, a in rec.get("attrs", {}).items()}
+        src = ASTSource(kernel, rec["signature"], constexprs=rec["constexprs"], attrs=attrs)
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=rec["options"])
         assert compiled.asm["cubin"], "no cubin"
         result["ptx"] = {text: text in compiled.asm["ptx"] for text in rec.get("expect_ptx", [])}
+        if payload["stats"]:
+            result.update(cubin_stats(compiled.asm["cubin"]))
     except Exception as e:
         result["error"] = f"{type(e).__name__}: {e}"[-2000:]
     results.append(result)
@@ -98,15 +133,36 @@ print(json.dumps(results))
 """
 
 
-def compile_sm90(records: list[dict], timeout: float = 600.0) -> list[dict]:
-    """Compile every record for sm_90 in a subprocess.
+def compile_sm90(records: list[dict], timeout: float = 600.0, stats: bool = False, jobs: int = 1) -> list[dict]:
+    """Compile every record for sm_90 in subprocesses (``jobs`` of them, records split between them).
 
-    A record may list ``expect_ptx`` strings. Returns one dict per record:
-    name, error (None when it compiled to a cubin) and ptx ({string: found}).
+    A record may list ``expect_ptx`` strings and carry ``attrs``. Returns one
+    dict per record: name, error (None when it compiled to a cubin), ptx
+    ({string: found}) and, with ``stats``, regs, stack, spill_stores,
+    spill_loads (instructions) and mma_loops (instructions per innermost loop
+    that holds an MMA, in SASS order).
     """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", _COMPILER], input=json.dumps(records), env=env,
-                         capture_output=True, text=True, timeout=timeout, check=False)
-    if out.returncode != 0:
-        raise RuntimeError(f"compiler process failed ({out.returncode}): {out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    jobs = max(1, min(jobs, len(records)))
+    parts = [records[i::jobs] for i in range(jobs)]
+    procs = []
+    for part in parts:  # all start compiling before any is awaited
+        with tempfile.TemporaryFile("w+") as job:
+            json.dump({"records": part, "stats": stats}, job)
+            job.seek(0)
+            procs.append(subprocess.Popen([sys.executable, "-c", _COMPILER], env=env, stdin=job,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = []
+    for proc in procs:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+        if proc.returncode != 0:
+            raise RuntimeError(f"compiler process failed ({proc.returncode}): {stderr[-3000:]}")
+        outs.append(json.loads(stdout.strip().splitlines()[-1]))
+    results = [None] * len(records)
+    for j, out in enumerate(outs):
+        results[j::jobs] = out
+    return results

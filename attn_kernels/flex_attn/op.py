@@ -183,6 +183,13 @@ def validate_slice_values(q_ranges: torch.Tensor, k_ranges: torch.Tensor, attn_t
             raise ValueError(f"attn_type[{row}] = {t} must be 0 FULL, 1 CAUSAL, 2 INV_CAUSAL or 3 BI_CAUSAL")
 
 
+def _scale(q: torch.Tensor, softmax_scale: float | None) -> float:
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    if not scale > 0:  # the kernels take the running max before scaling
+        raise ValueError(f"softmax_scale must be > 0, got {softmax_scale}")
+    return scale
+
+
 def _resolve_backend(q: torch.Tensor, backend: str) -> str:
     if backend == "auto":
         return "triton" if q.is_cuda else "torch"
@@ -211,7 +218,7 @@ def flex_attn(
             start == end in either is padding and changes nothing.
         attn_type: [R] int32: 0 FULL, 1 CAUSAL (bottom-right), 2 INV_CAUSAL
             (top-left), 3 BI_CAUSAL. Slices may share query rows but not entries.
-        softmax_scale: defaults to D ** -0.5.
+        softmax_scale: > 0, defaults to D ** -0.5.
         softcap: > 0 caps scores as softcap * tanh(s / softcap); 0 disables.
         backend: "auto", "triton" or "torch" (see the module docstring).
         validate: also check range and type values on the host, with
@@ -226,7 +233,7 @@ def flex_attn(
     if validate:
         validate_slice_values(q_ranges, k_ranges, attn_type, q.shape[0], k.shape[0])
     backend = _resolve_backend(q, backend)
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = _scale(q, softmax_scale)
     return flex_attn_fwd_op(
         q.contiguous(), k.contiguous(), v.contiguous(),
         q_ranges.to(torch.int32).contiguous(), k_ranges.to(torch.int32).contiguous(),
@@ -281,7 +288,7 @@ def flex_attn_backward(
     if validate:
         validate_slice_values(q_ranges, k_ranges, attn_type, q.shape[0], k.shape[0])
     backend = _resolve_backend(q, backend)
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = _scale(q, softmax_scale)
     return flex_attn_bwd_delta_op(
         dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
         lse.contiguous(), delta.contiguous(),

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from attn_kernels.flex_attn import worklist
+
 
 def slices_mask(q_ranges: torch.Tensor, k_ranges: torch.Tensor, attn_type: torch.Tensor,
                 seqlen_q: int, seqlen_k: int) -> torch.Tensor:
@@ -28,6 +30,17 @@ def slices_mask(q_ranges: torch.Tensor, k_ranges: torch.Tensor, attn_type: torch
     m = m & ((o_k <= o_q + (ke - qe)) | ~causal)
     m = m & ((o_k >= o_q + (ks - qs)) | ~inv)
     return m.any(0)
+
+
+def _count(counts, at, q_ranges, k_ranges, attn_type, Tq, Tk, HQ, axis, block_q, block_k):
+    """Add the kernel loops' cost (per head, times Hq heads) to counts[at:at + 2]."""
+    if block_q is None or block_k is None:
+        raise ValueError("counts needs block_q and block_k")
+    rect = worklist.slice_rect(q_ranges, k_ranges, attn_type, Tq, Tk)
+    n, block, inner = (Tq, block_q, block_k) if axis == 0 else (Tk, block_k, block_q)
+    c = worklist.inner_iterations(rect, axis, n, block, inner)
+    counts[at] += c["visits"] * HQ
+    counts[at + 1] += c["iterations"] * HQ
 
 
 def _scores(q, k, mask, softmax_scale, softcap):
@@ -54,15 +67,21 @@ def flex_attn_fwd_ref(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q_ranges: torch.Tensor, k_ranges: torch.Tensor, attn_type: torch.Tensor,
     softmax_scale: float, softcap: float,
-    *, block_q: int | None = None, block_k: int | None = None,
+    *, block_q: int | None = None, block_k: int | None = None, counts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Twin of ``kernel.flex_attn_fwd`` (block sizes accepted and ignored).
+    """Twin of ``kernel.flex_attn_fwd`` (block sizes only matter for ``counts``).
+
+    counts: optional [2] int64, incremented by what the kernel's loops would
+    cost at these block sizes (``worklist.inner_iterations``: slice visits,
+    inner iterations, summed over programs); needs block_q and block_k.
 
     q: [Tq, Hq, D], k/v: [Tk, Hkv, D]; ranges [R, 2] int; attn_type [R] int.
     Returns out [Tq, Hq, D] in q's dtype and lse [Tq, Hq] fp32.
     """
     Tq, HQ, D = q.shape
     Tk, HKV, _ = k.shape
+    if counts is not None:
+        _count(counts, 0, q_ranges, k_ranges, attn_type, Tq, Tk, HQ, 0, block_q, block_k)
     mask = slices_mask(q_ranges, k_ranges, attn_type, Tq, Tk)
     s, _ = _scores(q, k, mask, softmax_scale, softcap)
     lse = torch.logsumexp(s, dim=-1)  # [Hkv, G, Tq], -inf for empty rows
@@ -84,7 +103,7 @@ def flex_attn_bwd_ref(
     out: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor,
     q_ranges: torch.Tensor, k_ranges: torch.Tensor, attn_type: torch.Tensor,
     softmax_scale: float, softcap: float,
-    *, block_q: int | None = None, block_k: int | None = None,
+    *, block_q: int | None = None, block_k: int | None = None, counts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Twin of ``kernel.flex_attn_bwd``: returns dq [Tq, Hq, D], dk/dv [Tk, Hkv, D].
 
@@ -93,7 +112,7 @@ def flex_attn_bwd_ref(
     """
     delta = row_delta_ref(dout, out, dlse)
     return flex_attn_bwd_from_delta_ref(dout, q, k, v, lse, delta, q_ranges, k_ranges, attn_type,
-                                        softmax_scale, softcap, block_q=block_q, block_k=block_k)
+                                        softmax_scale, softcap, block_q=block_q, block_k=block_k, counts=counts)
 
 
 def flex_attn_bwd_from_delta_ref(
@@ -101,9 +120,11 @@ def flex_attn_bwd_from_delta_ref(
     lse: torch.Tensor, delta: torch.Tensor,
     q_ranges: torch.Tensor, k_ranges: torch.Tensor, attn_type: torch.Tensor,
     softmax_scale: float, softcap: float,
-    *, block_q: int | None = None, block_k: int | None = None,
+    *, block_q: int | None = None, block_k: int | None = None, counts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Twin of ``kernel.flex_attn_bwd_from_delta``: returns dq [Tq, Hq, D], dk/dv [Tk, Hkv, D].
+
+    counts: optional [4] int64 (dQ visits, iterations, dK/dV visits, iterations), as in the forward twin.
 
     p = exp(s - lse) uses the GIVEN lse [Tq, Hq] fp32 (the row's final lse,
     which may cover keys outside this call), delta [Tq, Hq] fp32 as given.
@@ -111,6 +132,9 @@ def flex_attn_bwd_from_delta_ref(
     Tq, HQ, D = q.shape
     Tk, HKV, _ = k.shape
     G = HQ // HKV
+    if counts is not None:
+        _count(counts, 0, q_ranges, k_ranges, attn_type, Tq, Tk, HQ, 0, block_q, block_k)
+        _count(counts, 2, q_ranges, k_ranges, attn_type, Tq, Tk, HQ, 1, block_q, block_k)
     mask = slices_mask(q_ranges, k_ranges, attn_type, Tq, Tk)
     s, th = _scores(q, k, mask, softmax_scale, softcap)
     p = _probs_from_lse(s, mask, lse.float().t().reshape(HKV, G, Tq))

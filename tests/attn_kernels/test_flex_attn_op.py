@@ -120,6 +120,7 @@ def test_compile_padded_ranges_no_recompile(backend):
     (dict(k_ranges=torch.zeros(2, 2)), "k_ranges must be int32"),
     (dict(v=torch.randn(8, 1, 32, dtype=torch.float64)), "v must be"),
     (dict(softcap=-1.0), "softcap"),
+    (dict(softmax_scale=-0.5), "softmax_scale must be > 0"),
     (dict(backend="cuda"), "backend"),
 ])
 def test_bad_input_raises(kwargs, match):
