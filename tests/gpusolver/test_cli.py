@@ -39,6 +39,14 @@ def test_demo_mask_kinds(capsys, mask):
     assert "every layer matches" in capsys.readouterr().out
 
 
+def test_demo_profile_pass_without_reference(capsys):
+    assert main(["demo", "-P", "2", "--tokens-per-rank", "32", "--layers", "1", "--no-check", "--profile",
+                 "--out", ""]) == 0
+    out = capsys.readouterr().out
+    assert "(no reference check) the group moved exactly the plans' bytes" in out
+    assert "profiled pass (NVTX ranges on" in out and "| - | - | yes |" in out
+
+
 def _demo_rank(rank: int, P: int) -> tuple[int, str]:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(P), LOCAL_RANK=str(rank))
     buf = io.StringIO()
