@@ -10,23 +10,40 @@ so every implementation is charged the same useful work and a sparser mask is
 not rewarded for skipping blocks. Timing: warm-up, then each repetition after
 zeroing a 256 MiB buffer (flushes L2), CUDA events.
 
+``--static`` needs no GPU. It prints the compiler's view of each kernel at
+its sm_90 launch configs (bf16, D = 128, GQA 64:8; the mask type is data, so
+full and causal masks run the same code): registers, spills, and SASS
+instructions per iteration of the interior (mask-free) and masked inner
+loops, next to the full-scan kernels of ``--baseline REF``. Then what one
+plan stage costs at P ranks (packed causal and full documents, the heaviest
+rank): programs, slice visits (work list against scanning the whole padded
+slice table, as the full-scan kernels did) and inner-loop iterations.
+
     python benchmarks/kernel_bench.py                     # GPU: 4K-64K tokens, D=128, bf16
     python benchmarks/kernel_bench.py --seqlens 8192 --masks causal
     python benchmarks/kernel_bench.py --smoke             # CPU: tiny shapes, fp32, checks it runs
+    python benchmarks/kernel_bench.py --static --baseline a54d6db --out benchmarks/results/kernel_static.md
 """
 from __future__ import annotations
 
 import argparse
 import math
+import subprocess
+import sys
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from attn_kernels import flex_attn
+from attn_kernels.flex_attn import kernel, worklist
+
+_ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
@@ -196,9 +213,157 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# --------------------------------------------------------------------------------------------
+# --static: compiler proxies and plan-stage cost, on CPU
+
+# The full-scan kernels (before the work lists): kernel -> (program block, inner block, warps, stages).
+BASELINE_CONFIGS = {"fwd": (128, 64, 8, 2), "dq": (64, 64, 4, 2), "dkdv": (64, 64, 4, 2)}
+_BASELINE_NAMES = {"fwd": "_flex_fwd_kernel", "dq": "_flex_bwd_dq_kernel", "dkdv": "_flex_bwd_dkdv_kernel"}
+_BASELINE_PTRS = {"fwd": "q k v o lse:f qr:i kr:i type:i", "dq": "q k v do lse:f delta:f dq qr:i kr:i type:i",
+                  "dkdv": "q k v do lse:f delta:f dk dv qr:i kr:i type:i"}
+
+
+def _sm90():
+    sys.path.insert(0, str(_ROOT))  # the compile helper the tests use
+    from tests._sm90 import compile_sm90
+
+    return compile_sm90
+
+
+def _baseline_records(ref: str, hq: int, hkv: int, head_dim: int) -> tuple[list[dict], str]:
+    """Records of the full-scan kernels of git ``ref`` (its kernel.py copied to a temp module)."""
+    src = subprocess.run(["git", "show", f"{ref}:attn_kernels/flex_attn/kernel.py"], cwd=_ROOT, check=True,
+                         capture_output=True, text=True).stdout
+    folder = tempfile.mkdtemp(prefix="kernel_baseline_")
+    Path(folder, "baseline_flex_kernel.py").write_text(src)
+    records = []
+    for kind, (block, inner, warps, stages) in BASELINE_CONFIGS.items():
+        sig, attrs = {}, {}
+        for p in _BASELINE_PTRS[kind].split():
+            name, _, t = p.partition(":")
+            sig["p_" + name] = {"": "*bf16", "f": "*fp32", "i": "*i32"}[t]
+            attrs["p_" + name] = [["tt.divisibility", 16]]
+        sig.update(Tq="i32", Tk="i32", R="i32", sm_scale="fp32", softcap="fp32")
+        attrs.update(Tq=[["tt.divisibility", 16]], Tk=[["tt.divisibility", 16]])
+        blocks = dict(BLOCK_Q=inner, BLOCK_K=block) if kind == "dkdv" else dict(BLOCK_Q=block, BLOCK_K=inner)
+        const = dict(HQ=hq, HKV=hkv, HEAD_DIM=head_dim, USE_SOFTCAP=False, DOT_PRECISION="tf32", **blocks)
+        sig.update({n: "constexpr" for n in const})
+        records.append(dict(module="baseline_flex_kernel", name=_BASELINE_NAMES[kind], kind=kind, signature=sig,
+                            attrs=attrs, constexprs=const, options=dict(num_warps=warps, num_stages=stages)))
+    return records, folder
+
+
+def compile_rows(baseline: str | None, hq: int = 64, hkv: int = 8, head_dim: int = 128) -> list[dict]:
+    """One row per (kernel, config): the launch config, its autotune set and the baseline's config."""
+    records, rows, path = [], [], [str(_ROOT)]
+    for rec in kernel.gpu_launch_records(8192, hq, hkv, head_dim)[:3]:
+        default = (rec["options"], {k: rec["constexprs"][k] for k in ("BLOCK_Q", "BLOCK_K")})
+        variants = [default] + [(a["options"], a["constexprs"]) for a in rec["autotune"]
+                                if (a["options"], a["constexprs"]) != default]
+        for i, (options, blocks) in enumerate(variants):
+            records.append(dict(rec, constexprs=dict(rec["constexprs"], **blocks), options=options))
+            rows.append(dict(kernel=rec["kind"], version="work list", role="launch" if i == 0 else "autotune"))
+    if baseline:
+        base, folder = _baseline_records(baseline, hq, hkv, head_dim)
+        records += base
+        path.append(folder)
+        rows += [dict(kernel=r["kind"], version=f"full scan {baseline}", role="launch") for r in base]
+    results = _sm90()(records, stats=True, jobs=2, python_path=path)
+    for row, rec, res in zip(rows, records, results):
+        c, o = rec["constexprs"], rec["options"]
+        program, inner = (c["BLOCK_K"], c["BLOCK_Q"]) if row["kernel"] == "dkdv" else (c["BLOCK_Q"], c["BLOCK_K"])
+        loops = res.get("mma_loops") or []
+        row.update(config=f"{program}x{inner} w{o['num_warps']} s{o['num_stages']}", error=res["error"],
+                   regs=res.get("regs"), spills=f"{res.get('spill_stores')}/{res.get('spill_loads')}",
+                   stack=res.get("stack"), interior=min(loops) if len(loops) > 1 else None,
+                   masked=max(loops) if loops else None)
+    return rows
+
+
+def _blocks(kind: str) -> tuple[int, int]:
+    cfg = kernel.GPU_CONFIGS[kind]
+    return cfg.block, cfg.inner
+
+
+def stage_rows(mask_kind: str, cp_size: int, tokens_per_rank: int, hq: int = 64, hkv: int = 8) -> list[dict]:
+    """Cost of the heaviest rank's two plan stages: programs, slice visits and inner iterations per kernel.
+
+    A stage runs on group-major rows with Hq/G query heads and Hkv/G KV heads
+    per row. Forward and dQ programs are (query head, query block); dK/dV
+    programs are (KV head, key block) and loop over the group's query heads.
+    The full-scan kernels visited every row of the padded table in every
+    program (dK/dV: once per query head).
+    """
+    from _common import make_mask
+
+    from gpusolver import SolverConfig, solve
+
+    cfg = SolverConfig(cp_size=cp_size, num_heads_q=hq, num_heads_kv=hkv)
+    plan = solve(make_mask(mask_kind, cp_size, seed=0, tokens_per_rank=tokens_per_rank), cfg, validate=False)
+    G, calc = cfg.head_groups, plan.calc
+    heads_q, heads_kv = hq // G, hkv // G
+    rows = []
+    for stage in (0, 1):
+        n = G * plan.comm.chunk + (plan.comm.recv_capacity if stage else 0)
+        rects = [worklist.slice_rect(calc.q_ranges[r, stage], calc.k_ranges[r, stage], calc.attn_type[r, stage], n, n)
+                 for r in range(cp_size)]
+        work = [worklist.inner_iterations(x, 0, n, *_blocks("fwd"))["iterations"] for x in rects]
+        r = max(range(cp_size), key=work.__getitem__)
+        for kind in ("fwd", "dq", "dkdv"):
+            axis, heads, loops = (1, heads_kv, heads_q // heads_kv) if kind == "dkdv" else (0, heads_q, 1)
+            block, inner = _blocks(kind)
+            old_block, old_inner = BASELINE_CONFIGS[kind][:2]
+            new = worklist.inner_iterations(rects[r], axis, n, block, inner)
+            old = worklist.inner_iterations(rects[r], axis, n, old_block, old_inner)
+            old_programs = heads * -(-n // old_block)
+            rows.append(dict(
+                mask=mask_kind, P=cp_size, stage=stage, rank=r, rows=n, kernel=kind,
+                slices=f"{int(calc.num_rows[r, stage])}/{calc.capacity}",
+                programs=heads * -(-n // block), visits=heads * loops * new["visits"],
+                iterations=heads * loops * new["iterations"], interior=new["interior"] / max(new["iterations"], 1),
+                old_programs=old_programs, old_visits=old_programs * loops * calc.capacity,
+                old_iterations=heads * loops * old["iterations"]))
+    return rows
+
+
+_COMPILE_COLUMNS = [("kernel", "kernel", ""), ("version", "version", ""), ("config", "config", ""),
+                    ("role", "role", ""), ("registers", "regs", "d"), ("spills st/ld", "spills", ""),
+                    ("stack B", "stack", "d"), ("SASS/iter interior", "interior", "d"),
+                    ("SASS/iter masked", "masked", "d")]
+_STAGE_COLUMNS = [("mask", "mask", ""), ("stage", "stage", "d"), ("kernel", "kernel", ""), ("rows", "rows", "d"),
+                  ("slice rows real/capacity", "slices", ""), ("programs", "programs", "d"),
+                  ("slice visits", "visits", "d"), ("inner iterations", "iterations", "d"),
+                  ("interior share", "interior", ".2f"), ("full-scan programs", "old_programs", "d"),
+                  ("full-scan visits", "old_visits", "d"), ("full-scan iterations", "old_iterations", "d")]
+
+
+def static_report(cp_size: int, tokens_per_rank: int, baseline: str | None, compile_kernels: bool,
+                  masks=("causal", "full")) -> tuple[list[dict], list[dict], str]:
+    """(compile rows, stage rows, markdown text) of ``--static``."""
+    sys.path.insert(0, str(_ROOT / "benchmarks"))  # _common, as the solver benchmarks use it
+    from _common import markdown_table
+
+    comp = compile_rows(baseline) if compile_kernels else []
+    stages = [row for m in masks for row in stage_rows(m, cp_size, tokens_per_rank)]
+    text = []
+    if comp:
+        text += ["Kernels at their sm_90 launch configs (bf16, D = 128, Hq:Hkv = 64:8; config = program block x "
+                 "inner block, warps, stages; SASS/iter = instructions in one pass of the innermost loop):", "",
+                 markdown_table(comp, _COMPILE_COLUMNS), ""]
+    text += [f"One plan stage of the heaviest rank at P = {cp_size}, {tokens_per_rank} tokens per rank (packed "
+             "documents), summed over programs and heads:", "", markdown_table(stages, _STAGE_COLUMNS)]
+    return comp, stages, "\n".join(text)
+
+
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, fp32: check the script runs")
+    p.add_argument("--static", action="store_true", help="CPU: compiler proxies and plan-stage cost (no GPU)")
+    p.add_argument("--cp", type=int, default=64, help="--static: ranks P of the plan stages")
+    p.add_argument("--tokens-per-rank", type=int, default=8192, help="--static: tokens per rank")
+    p.add_argument("--baseline", default=None, help="--static: git ref of the full-scan kernels to compile too")
+    p.add_argument("--no-compile", action="store_true", help="--static: skip the sm_90 compiles")
+    p.add_argument("--out", default=None, help="--static: also write the tables to this markdown file")
     p.add_argument("--masks", nargs="+", default=list(MASKS), choices=list(MASKS))
     p.add_argument("--seqlens", nargs="+", type=int, default=[4096, 16384, 65536])
     p.add_argument("--hq", type=int, default=16)
@@ -207,6 +372,13 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     a = p.parse_args(argv)
+    if a.static:
+        comp, stages, text = static_report(a.cp, a.tokens_per_rank, a.baseline, not a.no_compile)
+        print(text)
+        if a.out:
+            Path(a.out).write_text(f"# Slice-attention kernels: static proxies (no GPU)\n\n"
+                                   f"`python benchmarks/kernel_bench.py {' '.join(argv or sys.argv[1:])}`\n\n{text}\n")
+        return comp + stages
     if a.smoke:
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
         device, dtype = torch.device("cpu"), torch.float32

@@ -133,16 +133,20 @@ print(json.dumps(results))
 """
 
 
-def compile_sm90(records: list[dict], timeout: float = 600.0, stats: bool = False, jobs: int = 1) -> list[dict]:
+def compile_sm90(records: list[dict], timeout: float = 600.0, stats: bool = False, jobs: int = 1,
+                 python_path: list[str] | None = None) -> list[dict]:
     """Compile every record for sm_90 in subprocesses (``jobs`` of them, records split between them).
 
     A record may list ``expect_ptx`` strings and carry ``attrs``. Returns one
     dict per record: name, error (None when it compiled to a cubin), ptx
     ({string: found}) and, with ``stats``, regs, stack, spill_stores,
     spill_loads (instructions) and mma_loops (instructions per innermost loop
-    that holds an MMA, in SASS order).
+    that holds an MMA, in SASS order). ``python_path``: folders the compiler
+    processes import kernel modules from, before the inherited path.
     """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if python_path:
+        env["PYTHONPATH"] = os.pathsep.join(list(python_path) + [env.get("PYTHONPATH", "")])
     jobs = max(1, min(jobs, len(records)))
     parts = [records[i::jobs] for i in range(jobs)]
     procs = []

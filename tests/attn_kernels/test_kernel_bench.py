@@ -41,3 +41,18 @@ def test_smoke_prints_table(bench, capsys):
     varlen_sdpa = next(r for r in rows if r["mask"] == "varlen_causal" and r["impl"] == "sdpa")
     assert varlen_sdpa["fwd_ms"] is None and varlen_sdpa["note"]
     assert torch.isfinite(torch.tensor([r["fwd_ms"] for r in rows if r["fwd_ms"] is not None])).all()
+
+
+def test_static_stage_cost_without_compiles(bench, capsys):
+    rows = bench.main(["--static", "--cp", "4", "--tokens-per-rank", "256", "--no-compile"])
+    text = capsys.readouterr().out
+    assert "slice visits" in text and "full-scan visits" in text
+    assert {(r["mask"], r["stage"], r["kernel"]) for r in rows} == {
+        (m, s, k) for m in ("causal", "full") for s in (0, 1) for k in ("fwd", "dq", "dkdv")}
+    for r in rows:
+        # the work list visits only real (slice, block) pairs; the full scan visits every padded row
+        assert 0 < r["visits"] < r["old_visits"]
+        assert r["iterations"] > 0 and 0.0 <= r["interior"] <= 1.0
+    fwd = [r for r in rows if r["kernel"] == "fwd"]
+    # forward: same program block as the full scan, so the same inner iterations
+    assert all(r["iterations"] == r["old_iterations"] for r in fwd)
