@@ -21,15 +21,22 @@ solver's tensors are small, and on CPU threading overhead dominates.
     python benchmarks/solver_quality.py --P 8 --kinds causal --solvers device
     python benchmarks/solver_quality.py --quick               # P = 8,16, 1 seed
     python benchmarks/solver_quality.py --P 8,16 --tiles 1,2,4  # device rows per chunk_tiles
+    python benchmarks/solver_quality.py --P 8,32 --tokens-per-rank 131072 \
+        --json benchmarks/results/solver_quality_128k.json --md benchmarks/results/solver_quality_128k.md
 
 With ``--tiles`` the device solver also runs with sub-chunk tiles
 (``SolverConfig.chunk_tiles`` n > 1: rows ``device t<n>``), its bytes and
 loads measured on the tiled units; the reference always places whole chunks.
+Every run records its commit, command line and machine (``provenance``).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import platform
+import shlex
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -184,6 +191,42 @@ def _config_dict() -> dict:
             "head_groups": c.head_groups}
 
 
+# the sources a quality figure depends on: a run from a tree that changed them is marked "-dirty"
+_SOURCES = ("gpusolver/solver", "gpusolver/areas", "gpusolver/masks", "gpusolver/data", "gpusolver/metrics.py",
+            "gpusolver/baselines.py", "gpusolver/config.py", "gpusolver/problem.py", "gpusolver/limits.py",
+            "gpusolver/transfers.py", "benchmarks/solver_quality.py", "benchmarks/_common.py")
+
+
+def _git(*args: str) -> str:
+    root = Path(__file__).resolve().parents[1]
+    try:
+        out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out.stdout.strip() if out.returncode == 0 else ""
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def provenance(argv) -> dict:
+    """Commit (``-dirty`` when the solver's sources differ from it), command line and machine of a run."""
+    commit = _git("rev-parse", "--short=12", "HEAD") or None
+    if commit and _git("status", "--porcelain", "--untracked-files=no", "--", *_SOURCES):
+        commit += "-dirty"
+    args = sys.argv[1:] if argv is None else list(argv)
+    return {"commit": commit, "command": shlex.join(["python", "benchmarks/solver_quality.py", *args]),
+            "machine": f"{_cpu_model()}, {os.cpu_count()} cores, {platform.system()} {platform.machine()}"}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--P", default=None, help=f"CP sizes, comma-separated (default {','.join(map(str, FULL_P))})")
@@ -223,10 +266,12 @@ def main(argv=None) -> dict:
                 rows += run_instance(kind, P, seed, args.solvers, args.tokens_per_rank, args.device, args.tiles)
                 print(f"# done {kind} P={P} seed={seed}", file=sys.stderr, flush=True)
     summary = summarize(rows)
+    run = provenance(argv)
     text = "\n\n".join([
         f"## Solver quality: {', '.join(KINDS[k][1] for k in args.kinds)}, {args.tokens_per_rank} tokens per rank, "
         f"Hq:Hkv = 64:8, D = 128, "
         f"bf16, G = 8, mu = 1.10",
+        f"Commit {run['commit']}, `{run['command']}`, {run['machine']}, {torch.get_num_threads()} torch thread(s).",
         "### Summary (medians over seeds)", markdown_table(summary, SUMMARY_COLUMNS), ANCHOR_LINE,
         "### Runs", markdown_table(rows, RUN_COLUMNS),
     ]) + "\n"
@@ -235,7 +280,7 @@ def main(argv=None) -> dict:
         "benchmark": "solver_quality",
         "config": {"P": args.P, "seeds": args.seeds, "kinds": args.kinds, "solvers": args.solvers, "tiles": args.tiles,
                    "tokens_per_rank": args.tokens_per_rank, "device": args.device, **_config_dict()},
-        "environment": environment(), "anchors_vs_usp": ANCHORS,
+        "environment": environment(), "provenance": run, "anchors_vs_usp": ANCHORS,
         "summary": summary, "rows": rows,
     }
     write_results(args.json, payload, args.md, text)

@@ -40,7 +40,13 @@ def _lengths(name: str, lengths) -> list[int]:
     return out
 
 
+_INT32_MAX = (1 << 31) - 1
+
+
 def _build(rows: list[Row], total_q: int, total_k: int, device, pad_to: int | None) -> AttnSlices:
+    if max(total_q, total_k) > _INT32_MAX:
+        raise ValueError(f"a mask of {max(total_q, total_k)} tokens does not fit the int32 ranges of AttnSlices "
+                         f"(at most {_INT32_MAX}; the solver supports S <= gpusolver.limits.MAX_SEQLEN)")
     if pad_to is not None:
         if not isinstance(pad_to, int) or isinstance(pad_to, bool) or pad_to < len(rows):
             raise ValueError(

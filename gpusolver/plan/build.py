@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from gpusolver.config import SolverConfig
+from gpusolver.limits import check_plan_rows
 from gpusolver.masks.slices import AttnSlices
 from gpusolver.metrics import evaluate
 from gpusolver.plan.calc_meta import build_calc_meta, default_stage_capacity
@@ -51,6 +52,7 @@ def plan_capacities(config: SolverConfig, num_slices: int, chunk: int, *, recv_c
     recv / send: ``config.max_recv_rows``, else the worst case ``G * c * (P - 1)``
             rows (every other rank's whole chunk, or the whole local chunk to
             every other rank).
+    Raises ValueError when ``G * c + recv`` is past ``limits.MAX_PLAN_ROWS`` (int32 rows).
     """
     G, P = config.head_groups, config.cp_size
     worst = G * chunk * (P - 1)
@@ -64,6 +66,7 @@ def plan_capacities(config: SolverConfig, num_slices: int, chunk: int, *, recv_c
         if not isinstance(v, int) or v < (1 if name == "max_stage_slices" else 0):
             raise ValueError(f"{name} must be a {'positive' if name == 'max_stage_slices' else 'non-negative'} "
                              f"int, got {v!r}")
+    check_plan_rows(G, chunk, recv)  # CalcMeta rows index local rows, then the receive buffer, in int32
     return stage, recv, send
 
 
