@@ -47,8 +47,14 @@ def _arg_type(value) -> str:
 
 
 @contextlib.contextmanager
-def capture_launches():
-    """Record every interpreted launch as a JSON-able dict: module, name, signature, constexprs, options."""
+def capture_launches(specialize: bool = False):
+    """Record every interpreted launch as a JSON-able dict: module, name, signature, constexprs, options.
+
+    specialize: also specialise as a launch on a GPU does: ``attrs`` gets the
+    16-byte divisibility hint for every tensor (CUDA allocations are aligned)
+    and every int that is a multiple of 16, and ints equal to 1 become
+    constexprs.
+    """
     from triton.runtime.interpreter import InterpretedFunction
 
     records, seen = [], set()
@@ -60,18 +66,23 @@ def capture_launches():
         values.update({k: v for k, v in kwargs.items() if k in names})
         constexpr_names = {p.name for p in inspect.signature(self.fn).parameters.values()
                            if "constexpr" in str(p.annotation)}
-        sig, const = {}, {}
+        sig, const, attrs = {}, {}, {}
         for name in names:
-            if name in constexpr_names:
+            value = values[name]
+            if name in constexpr_names or (specialize and type(value) is int and value == 1):
                 sig[name] = "constexpr"
-                const[name] = values[name]
+                const[name] = value
             else:
-                sig[name] = _arg_type(values[name])
-                if values[name] is None:
+                sig[name] = _arg_type(value)
+                if value is None:
                     const[name] = None
+                elif specialize and (isinstance(value, torch.Tensor) or (type(value) is int and value % 16 == 0)):
+                    attrs[name] = [["tt.divisibility", 16]]
         fn = self.fn
         record = {"module": fn.__module__, "name": fn.__name__, "signature": sig, "constexprs": const,
                   "options": {k: kwargs[k] for k in _OPTIONS if k in kwargs}}
+        if specialize:
+            record["attrs"] = attrs
         key = json.dumps(record, sort_keys=True)
         if key not in seen:
             seen.add(key)

@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attn_kernels.flex_attn import worklist
+from attn_kernels.flex_attn import worklist, worklist_kernel
 
 LOG2E = tl.constexpr(1.4426950408889634)  # 1 / ln(2)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -151,7 +151,7 @@ def _flex_fwd_kernel(
     tl.static_assert(HQ % HKV == 0)
     tl.static_assert(BLOCK_Q >= 16 and BLOCK_K >= 16)
     i_h, i_p = tl.program_id(0), tl.program_id(1)
-    i_m = tl.load(p_order + i_p)  # heaviest query block first
+    i_m = tl.load(p_order + i_p).to(tl.int32)  # heaviest query block first
     i_kvh = i_h // (HQ // HKV)
     m0 = i_m * BLOCK_Q
     o_q = m0 + tl.arange(0, BLOCK_Q)
@@ -251,7 +251,7 @@ def _flex_bwd_dq_kernel(
 ):
     tl.static_assert(HQ % HKV == 0)
     i_h, i_p = tl.program_id(0), tl.program_id(1)
-    i_m = tl.load(p_order + i_p)
+    i_m = tl.load(p_order + i_p).to(tl.int32)
     i_kvh = i_h // (HQ // HKV)
     m0 = i_m * BLOCK_Q
     o_q = m0 + tl.arange(0, BLOCK_Q)
@@ -355,7 +355,7 @@ def _flex_bwd_dkdv_kernel(
 ):
     tl.static_assert(HQ % HKV == 0)
     i_kvh, i_p = tl.program_id(0), tl.program_id(1)
-    i_n = tl.load(p_order + i_p)  # heaviest key block first
+    i_n = tl.load(p_order + i_p).to(tl.int32)  # heaviest key block first
     n0 = i_n * BLOCK_K
     o_k = n0 + tl.arange(0, BLOCK_K)
     o_d = tl.arange(0, HEAD_DIM)
@@ -597,6 +597,17 @@ def _add_counts(counts: torch.Tensor | None, at: int, cnt: torch.Tensor | None) 
         counts[at:at + 2] += cnt.sum(0).to(counts.dtype)
 
 
+def _work_lists(q_ranges, k_ranges, attn_type, seqlen_q: int, seqlen_k: int, block_q: int | None,
+                block_k: int | None):
+    """(rect, query-axis list, key-axis list): Triton builds them (a few launches); on ``meta`` (recording
+    launches) the torch twin does."""
+    if q_ranges.device.type == "meta":
+        rect = worklist.slice_rect(q_ranges, k_ranges, attn_type, seqlen_q, seqlen_k)
+        return (rect,) + tuple(None if b is None else worklist.build(rect, a, n, b)
+                               for a, n, b in ((0, seqlen_q, block_q), (1, seqlen_k, block_k)))
+    return worklist_kernel.build(q_ranges, k_ranges, attn_type, seqlen_q, seqlen_k, block_q, block_k)
+
+
 def _check_scale(softmax_scale: float) -> None:
     # The running max is taken before the scale multiply, which is only valid for a positive scale.
     if not softmax_scale > 0:
@@ -631,8 +642,7 @@ def flex_attn_fwd(
     lse = torch.empty((Tq, HQ), dtype=torch.float32, device=q.device)
     if Tq == 0:
         return out, lse
-    rect = worklist.slice_rect(q_ranges, k_ranges, attn_type, Tq, Tk)
-    wl = worklist.build(rect, 0, Tq, cfg.block)
+    rect, wl, _ = _work_lists(q_ranges, k_ranges, attn_type, Tq, Tk, cfg.block, None)
     cnt = _counter(counts, wl.num_blocks * HQ, q.device)
     scalars, consts = _common(q, k, softmax_scale, softcap)
     args = dict(p_q=q, p_k=k, p_v=v, p_o=out, p_lse=lse, p_rect=rect, p_ptr=wl.ptr, p_idx=wl.idx,
@@ -709,12 +719,13 @@ def flex_attn_bwd_from_delta(
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
-    rect = worklist.slice_rect(q_ranges, k_ranges, attn_type, Tq, Tk)
     scalars, consts = _common(q, k, softmax_scale, softcap)
     scalars = dict(sm_scale=float(softmax_scale), **scalars)
+    cfg_dq, cfg_dkdv = (_config(kind, q, block_q, block_k, softcap > 0) for kind in ("dq", "dkdv"))
+    rect, wl_q, wl_k = _work_lists(q_ranges, k_ranges, attn_type, Tq, Tk, cfg_dq.block if Tq > 0 else None,
+                                   cfg_dkdv.block if Tk > 0 else None)
     if Tq > 0:
-        cfg = _config("dq", q, block_q, block_k, softcap > 0)
-        wl = worklist.build(rect, 0, Tq, cfg.block)
+        cfg, wl = cfg_dq, wl_q
         cnt = _counter(counts, wl.num_blocks * HQ, q.device)
         args = dict(p_q=q, p_k=k, p_v=v, p_do=dout, p_lse=lse, p_delta=delta, p_dq=dq, p_rect=rect, p_ptr=wl.ptr,
                     p_idx=wl.idx, p_order=wl.order, p_cnt=cnt, Tq=Tq, NB=wl.num_blocks, L=wl.levels, **scalars)
@@ -722,8 +733,7 @@ def flex_attn_bwd_from_delta(
                 _autotune_set("dq", q, block_q, block_k, softcap > 0))
         _add_counts(counts, 0, cnt)
     if Tk > 0:
-        cfg = _config("dkdv", q, block_q, block_k, softcap > 0)
-        wl = worklist.build(rect, 1, Tk, cfg.block)
+        cfg, wl = cfg_dkdv, wl_k
         cnt = _counter(counts, wl.num_blocks * HKV, q.device)
         args = dict(p_q=q, p_k=k, p_v=v, p_do=dout, p_lse=lse, p_delta=delta, p_dk=dk, p_dv=dv, p_rect=rect,
                     p_ptr=wl.ptr, p_idx=wl.idx, p_order=wl.order, p_cnt=cnt, Tk=Tk, NB=wl.num_blocks,

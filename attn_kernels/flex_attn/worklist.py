@@ -20,7 +20,7 @@ a fixed order that padding rows cannot change.
     rect   [R, 8] int32             effective slice: qa, qb, ka, kb, dc, di, 0, 0
     ptr    [M + 1] int32            items of flat node m are idx[ptr[m]:ptr[m + 1]]
     idx    [2 * levels * R] int32   slice numbers (the tail past ptr[M] is unused)
-    order  [NB] int32               program blocks, heaviest first (most entries)
+    order  [NB] int64               program blocks, heaviest first (most entries)
 
 Flat node ids run level by level (level 0 first). ``rect`` clips each slice to
 the tensors: rows ``[qa, qb)`` each see at least one key, keys ``[ka, kb)``
@@ -125,7 +125,7 @@ def build(rect: torch.Tensor, axis: int, n: int, block: int) -> WorkList:
     # heaviest first: exact entries per block; a stable sort breaks ties by block number
     w = _counts(rect, axis, n)
     w = torch.nn.functional.pad(w, (0, NB * block - n)).view(NB, block).sum(1)
-    order = torch.sort(w, descending=True, stable=True).indices.to(torch.int32)
+    order = torch.sort(w, descending=True, stable=True).indices
     return WorkList(ptr=ptr, idx=idx, order=order, num_blocks=NB, levels=L)
 
 

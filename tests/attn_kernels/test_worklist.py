@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from attn_kernels.flex_attn import kernel, ref, worklist
+from attn_kernels.flex_attn import kernel, ref, worklist, worklist_kernel
 from attn_kernels.reference import dense_attn, slices_to_dense
 from tests._testing import assert_close
 from tests.attn_kernels._slices import random_slices, ranges
@@ -68,6 +68,25 @@ def test_each_program_gets_exactly_its_slices(seed, Tq, Tk, block):
             want = ((hi > lo) & (lo < (blk + 1) * block) & (hi > blk * block)).nonzero().flatten().tolist()
             assert sorted(got) == want and len(set(got)) == len(got), f"axis {axis} block {blk}: {got} != {want}"
         assert sorted(wl.order.tolist()) == list(range(wl.num_blocks))
+
+
+@pytest.mark.parametrize("seed,Tq,Tk,bq,bk", [(6, 70, 90, 16, 32), (7, 257, 100, 64, 16), (8, 40, 300, 32, 64)],
+                         ids=["T70x90-b16x32", "T257x100-b64x16", "T40x300-b32x64"])
+def test_triton_build_equals_torch_build(seed, Tq, Tk, bq, bk):
+    qr, kr, t = _with_bad_rows(*random_slices(Tq, Tk, seed, num_pad=5), Tq, Tk)
+    rect, wl_q, wl_k = worklist_kernel.build(qr, kr, t, Tq, Tk, bq, bk)
+    want = worklist.slice_rect(qr, kr, t, Tq, Tk)
+    assert_close("rect", want, rect)
+    for name, got, axis, n, block in (("q", wl_q, 0, Tq, bq), ("k", wl_k, 1, Tk, bk)):
+        ref_wl = worklist.build(want, axis, n, block)
+        assert (got.num_blocks, got.levels) == (ref_wl.num_blocks, ref_wl.levels)
+        for field in ("ptr", "idx", "order"):
+            a, b = getattr(ref_wl, field), getattr(got, field)
+            if field == "idx":  # only the items before ptr[M] are lists; the tail is padding
+                a, b = a[:int(ref_wl.ptr[-1])], b[:int(ref_wl.ptr[-1])]
+            assert_close(f"{name} {field}", a, b)
+    _, only_q, none_k = worklist_kernel.build(qr, kr, t, Tq, Tk, bq, None)
+    assert none_k is None and torch.equal(only_q.ptr, wl_q.ptr)
 
 
 def test_heaviest_block_first():
