@@ -29,3 +29,8 @@ from attn_kernels.flex_attn.op import flex_attn, flex_attn_backward, row_delta
 from attn_kernels.merge import merge_out_lse, merge_out_lse_
 
 __all__ = ["flex_attn", "flex_attn_backward", "merge_out_lse", "merge_out_lse_", "reference", "row_delta"]
+
+# sparse attention (NSA block selection, DSA token top-k)
+from attn_kernels.sparse_attn import sparse_attn, sparse_attn_backward  # noqa: E402
+
+__all__ += ["sparse_attn", "sparse_attn_backward"]
