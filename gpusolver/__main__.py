@@ -104,6 +104,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     p.add_argument("--out", default="benchmarks/results/bench_report.md", help="report path")
     p.add_argument("--quick", action="store_true", help="the smallest options (a smoke run)")
     p.add_argument("--timeout", type=a.positive_int, default=600, help="seconds per benchmark (default 600)")
+    p.add_argument("--only", default=None, help="comma-separated subset of quality, latency, layer, kernels")
     return parser, subs
 
 

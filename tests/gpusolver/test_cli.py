@@ -101,6 +101,15 @@ def test_quality_on_sparse_indexer_masks_and_tiles(capsys):
     assert "| gpusolver device, 2 tiles per chunk |" in capsys.readouterr().out
 
 
+def test_bench_writes_one_report(tmp_path, capsys):
+    report = tmp_path / "report.md"
+    assert main(["bench", "--quick", "--only", "quality", "--out", str(report)]) == 0
+    text = report.read_text()
+    assert text.startswith("# gpusolver benchmark report\n\n- machine: ")
+    assert "| quality | ok |" in text and "`python benchmarks/solver_quality.py --P 8 --seeds 1`" in text
+    assert "Solver quality" in text and "/tmp" not in text.split("## quality")[0]
+
+
 @pytest.mark.parametrize("command", COMMANDS)
 def test_help_on_every_subcommand(capsys, command):
     with pytest.raises(SystemExit) as e:
@@ -123,6 +132,7 @@ def test_help_on_every_subcommand(capsys, command):
     (["solve", "-P", "4", "--tokens-per-rank", "3", "--tiles", "2"], "divisible"),
     (["show", "--plan", "/nonexistent/plan.pt"], "no such file"),
     (["frobnicate"], "invalid choice"),
+    (["bench", "--timeout", "0"], "must be >= 1"),
     ([], "required"),
 ])
 def test_bad_arguments_give_one_line_errors(capsys, argv, fragment):
