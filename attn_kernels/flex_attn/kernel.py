@@ -350,11 +350,16 @@ def _flex_bwd_dkdv_kernel(
     p_q, p_k, p_v, p_do, p_lse, p_delta, p_dk, p_dv, p_rect, p_ptr, p_idx, p_order, p_cnt,
     Tk, NB, L, sm_scale, qk_scale, sc_in, sc_out,
     HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, COUNT: tl.constexpr,
 ):
+    # SPLIT > 1: the group's query heads are shared among SPLIT programs, each
+    # storing fp32 partial dK, dV at [i_s, Tk, HKV, D] (summed by the launcher)
     tl.static_assert(HQ % HKV == 0)
-    i_kvh, i_p = tl.program_id(0), tl.program_id(1)
+    tl.static_assert((HQ // HKV) % SPLIT == 0)
+    GS = HQ // HKV // SPLIT
+    i_0, i_p = tl.program_id(0), tl.program_id(1)
+    i_kvh, i_s = i_0 // SPLIT, i_0 % SPLIT
     i_n = tl.load(p_order + i_p).to(tl.int32)  # heaviest key block first
     n0 = i_n * BLOCK_K
     o_k = n0 + tl.arange(0, BLOCK_K)
@@ -368,8 +373,8 @@ def _flex_bwd_dkdv_kernel(
     b_dv = tl.zeros([BLOCK_K, HEAD_DIM], tl.float32)
     n_vis = 0
     n_it = 0
-    for i_g in range(0, HQ // HKV):
-        i_h = i_kvh * (HQ // HKV) + i_g
+    for i_g in range(0, GS):
+        i_h = i_kvh * (HQ // HKV) + i_s * GS + i_g
         o_qd = tl.arange(0, BLOCK_Q)[:, None] * (HQ * HEAD_DIM) + i_h * HEAD_DIM + o_d[None, :]
         o_qd_t = tl.arange(0, BLOCK_Q)[None, :] * (HQ * HEAD_DIM) + i_h * HEAD_DIM + o_d[:, None]
         node0 = 0
@@ -406,11 +411,13 @@ def _flex_bwd_dkdv_kernel(
                     n_it += (q_hi - q_lo + BLOCK_Q - 1) // BLOCK_Q
             node0 += n_lev
             n_lev = (n_lev + 1) // 2
+    if SPLIT > 1:
+        o_kd += tl.cast(i_s, tl.int64) * Tk * (HKV * HEAD_DIM)
     tl.store(p_dk + o_kd, (b_dk * sm_scale).to(p_dk.dtype.element_ty), mask=m_k[:, None])
     tl.store(p_dv + o_kd, b_dv.to(p_dv.dtype.element_ty), mask=m_k[:, None])
     if COUNT:
-        tl.store(p_cnt + 2 * (i_p * HKV + i_kvh), n_vis)
-        tl.store(p_cnt + 2 * (i_p * HKV + i_kvh) + 1, n_it)
+        tl.store(p_cnt + 2 * (i_p * HKV * SPLIT + i_0), n_vis)
+        tl.store(p_cnt + 2 * (i_p * HKV * SPLIT + i_0) + 1, n_it)
 
 
 @triton.jit
@@ -565,7 +572,7 @@ def _launch(kind: str, fn, grid, args: dict, consts: dict, cfg: KernelConfig, tu
     if tune is None:
         fn[grid](**args, **consts, **_consts(kind, cfg), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return
-    key = (kind, fn.fn.__name__)
+    key = (kind, fn.fn.__name__, tuple(tune))
     if key not in _TUNED:
         _TUNED[key] = triton.autotune(
             [triton.Config(_consts(kind, c), num_warps=c.num_warps, num_stages=c.num_stages) for c in tune],
@@ -606,6 +613,23 @@ def _work_lists(q_ranges, k_ranges, attn_type, seqlen_q: int, seqlen_k: int, blo
         return (rect,) + tuple(None if b is None else worklist.build(rect, a, n, b)
                                for a, n, b in ((0, seqlen_q, block_q), (1, seqlen_k, block_k)))
     return worklist_kernel.build(q_ranges, k_ranges, attn_type, seqlen_q, seqlen_k, block_q, block_k)
+
+
+MIN_DKDV_PROGRAMS: int | None = None  # None: two waves of the GPU's SMs; 1 (no split) in the interpreter
+_SM90_SMS = 132  # H100 / H200 SXM, for recorded launches
+
+
+def _dkdv_split(group: int, programs: int, device: torch.device) -> int:
+    """Query-head split of dK/dV: the smallest divisor of the group size that gives enough programs."""
+    want = MIN_DKDV_PROGRAMS
+    if want is None and device.type == "cuda":
+        want = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    elif want is None:
+        want = 2 * _SM90_SMS if _RECORDING is not None else 1
+    for split in range(1, group + 1):
+        if group % split == 0 and programs * split >= want:
+            return split
+    return group
 
 
 def _check_scale(softmax_scale: float) -> None:
@@ -734,13 +758,21 @@ def flex_attn_bwd_from_delta(
         _add_counts(counts, 0, cnt)
     if Tk > 0:
         cfg, wl = cfg_dkdv, wl_k
-        cnt = _counter(counts, wl.num_blocks * HKV, q.device)
-        args = dict(p_q=q, p_k=k, p_v=v, p_do=dout, p_lse=lse, p_delta=delta, p_dk=dk, p_dv=dv, p_rect=rect,
+        split = _dkdv_split(HQ // HKV, HKV * wl.num_blocks, q.device)
+        cnt = _counter(counts, wl.num_blocks * HKV * split, q.device)
+        # split over query heads: fp32 partials, summed in a fixed order below (deterministic)
+        dk_p, dv_p = (torch.empty((split,) + tuple(k.shape), dtype=torch.float32, device=k.device) if split > 1
+                      else x for x in (dk, dv))
+        args = dict(p_q=q, p_k=k, p_v=v, p_do=dout, p_lse=lse, p_delta=delta, p_dk=dk_p, p_dv=dv_p, p_rect=rect,
                     p_ptr=wl.ptr, p_idx=wl.idx, p_order=wl.order, p_cnt=cnt, Tk=Tk, NB=wl.num_blocks,
                     L=wl.levels, **scalars)
-        _launch("dkdv", _flex_bwd_dkdv_kernel, (HKV, wl.num_blocks), args, dict(consts, COUNT=cnt is not None),
-                cfg, _autotune_set("dkdv", q, block_q, block_k, softcap > 0))
+        _launch("dkdv", _flex_bwd_dkdv_kernel, (HKV * split, wl.num_blocks), args,
+                dict(consts, SPLIT=split, COUNT=cnt is not None), cfg,
+                _autotune_set("dkdv", q, block_q, block_k, softcap > 0))
         _add_counts(counts, 2, cnt)
+        if split > 1:
+            dk.copy_(dk_p.sum(0))
+            dv.copy_(dv_p.sum(0))
     return dq, dk, dv
 
 

@@ -185,3 +185,26 @@ def test_row_delta_bad_input_raises(kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         row_delta(**args)
+
+
+@pytest.mark.parametrize("min_programs,split", [(4, 2), (1000, 4)], ids=["split2", "split4"])
+def test_dkdv_query_head_split(monkeypatch, min_programs, split):
+    """Few KV heads: dK/dV programs share a group's query heads and sum fp32 partials (no atomics)."""
+    Tq, Tk, HQ, HKV = 40, 50, 4, 1
+    q, k, v = _inputs(Tq, Tk, HQ, HKV, 32)
+    qr, kr, t = random_slices(Tq, Tk, seed=5)
+    dout, lse = torch.randn_like(q), torch.randn(Tq, HQ)
+    delta = torch.randn(Tq, HQ)
+    blocks = dict(block_q=32, block_k=32)
+    whole = kernel.flex_attn_bwd_from_delta(dout, q, k, v, lse, delta, qr, kr, t, 0.3, 0.0, **blocks)
+    assert kernel._dkdv_split(HQ // HKV, 2, q.device) == 1
+    monkeypatch.setattr(kernel, "MIN_DKDV_PROGRAMS", min_programs)
+    assert kernel._dkdv_split(HQ // HKV, 2, q.device) == split
+    counts = torch.zeros(4, dtype=torch.int64)
+    parts = kernel.flex_attn_bwd_from_delta(dout, q, k, v, lse, delta, qr, kr, t, 0.3, 0.0, counts=counts, **blocks)
+    twin = torch.zeros(4, dtype=torch.int64)
+    ref.flex_attn_bwd_from_delta_ref(dout, q, k, v, lse, delta, qr, kr, t, 0.3, 0.0, counts=twin, **blocks)
+    assert torch.equal(whole[0], parts[0])
+    for name, a, b in zip(("dk", "dv"), whole[1:], parts[1:]):
+        assert_close(name, a, b, atol=1e-5, rtol=1e-5)
+    assert torch.equal(counts, twin)

@@ -49,7 +49,9 @@ def _work_list_records() -> list[dict]:
 @pytest.mark.slow
 def test_launch_configs_compile_without_spills():
     records = kernel.gpu_launch_records(8192, 64, 8, 128) + kernel.gpu_launch_records(8192, 64, 8, 128, softcap=30.0)[:3]
-    records += _work_list_records()
+    split = kernel.gpu_launch_records(8192, 8, 1, 128)[2]  # GQA 8:1: dK/dV split over query heads
+    assert split["constexprs"]["SPLIT"] == 8 and split["grid"] == [8, 64]
+    records += [split] + _work_list_records()
     results = compile_sm90(records, stats=True, jobs=2)
     if any(r["error"] and "ptxas" in r["error"] and "not found" in r["error"].lower() for r in results):
         pytest.skip("no ptxas in this Triton install")
