@@ -1,26 +1,39 @@
 """Block areas of the sparse mask forms: NSA block selection and DSA token top-k.
 
-Shape legend: T = S query (and key) tokens, P ranks, c = S / P, G head groups,
-Hkv KV heads, n selected blocks per query, k selected tokens per query.
+Shape legend: S tokens, P ranks, c = S / P, U units of ``chunk`` tokens (U = P,
+or n * P with n sub-chunk tiles), m query units held by a shard, G head
+groups, Hkv KV heads, n selected blocks per query, k selected tokens per query.
 
 Both reduce to the same BlockAreas as the slice form, with scatter
 reductions over flattened ``(g, i, j)`` block ids: static shapes, no host
 reads, integer sums (exact, whatever the order).
+
+Sharded indexers. A rank holds only its own queries' selections, so it
+computes its row of the problem, ``area[:, i, :]`` for its own query units
+(``AreaRows``); an all-gather over the CP group stacks the rows into the full
+BlockAreas (``AreaRows.pack`` / ``areas_from_rows``), and every rank solves
+the same problem. The whole-mask functions are the same code with every row.
 
 Area units. ``area[g, i, j]`` counts valid (query, key, KV head) triples of
 the KV heads in group ``g``. With ``G == Hkv`` that is the plain (q, k) count
 of the group's head; with ``G < Hkv`` each group sums its ``Hkv / G`` heads'
 counts. A token top-k selection is shared by all heads, so it is counted once
 per group (the same area for every group), as for an ungrouped slice mask.
+An NSA layer's window branch applies to every KV head, so it counts
+``Hkv / G`` times per group, like the selection it is added to.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from gpusolver.areas.ref import BIG, finish_needs
+from gpusolver.masks.sparse import BlockSparseMask, NSALayerMask, TokenTopKMask
 from gpusolver.problem import BlockAreas
 
 _INT_DTYPES = (torch.int32, torch.int64)
+SparseMask = BlockSparseMask | TokenTopKMask | NSALayerMask
 
 
 def _check_positive(name: str, v) -> None:
@@ -42,21 +55,51 @@ def _check_tokens(name: str, t: torch.Tensor, dims: int, layout: str, cp_size: i
     return T // cp_size
 
 
+@dataclass(frozen=True)
+class AreaRows:
+    """The block areas of a shard's query units against every key unit.
+
+    area:       [G, m, U] int64; q_need / k_need: [G, m, U, 2] int64, unit-local
+                [lo, hi) as in BlockAreas.
+    first_unit: the global index of the shard's first query unit (host int).
+    chunk:      tokens per unit (host int).
+    """
+
+    area: torch.Tensor
+    q_need: torch.Tensor
+    k_need: torch.Tensor
+    first_unit: int
+    chunk: int
+
+    def pack(self) -> torch.Tensor:
+        """[m, G, U, 5] int64 (area, q_need, k_need): one tensor for one all-gather along dim 0."""
+        return torch.cat((self.area[..., None], self.q_need, self.k_need), dim=-1).transpose(0, 1).contiguous()
+
+
+def areas_from_rows(packed: torch.Tensor, chunk: int, tiles: int = 1) -> BlockAreas:
+    """BlockAreas from the all-gathered rows: packed [U, G, U, 5] int64 (every shard's
+    ``AreaRows.pack()`` stacked in rank order along dim 0). Sync-free."""
+    full = packed.transpose(0, 1)  # [G, U, U, 5]
+    return BlockAreas(area=full[..., 0].contiguous(), q_need=full[..., 1:3].contiguous(),
+                      k_need=full[..., 3:5].contiguous(), chunk=chunk, tiles=tiles)
+
+
 class _BlockAccumulator:
     """Scatter reductions of per-entry contributions into flattened blocks.
 
-    Block ids are ``(g * P + i) * P + j``; every buffer is [G * P * P] int64.
+    Block ids are ``(g * m + i) * U + j`` for the m query units from ``first_unit``;
+    every buffer is [G * m * U] int64.
     """
 
-    def __init__(self, num_blocks: int, chunk: int, cp_size: int, device: torch.device):
-        self.chunk, self.cp_size = chunk, cp_size
-        zeros = torch.zeros(num_blocks, dtype=torch.int64, device=device)
+    def __init__(self, groups: int, m: int, units: int, first_unit: int, chunk: int, device: torch.device):
+        self.G, self.m, self.U, self.first_unit, self.chunk = groups, m, units, first_unit, chunk
+        zeros = torch.zeros(groups * m * units, dtype=torch.int64, device=device)
         self.area = zeros
         self.q_lo, self.k_lo = zeros + BIG, zeros + BIG
         self.q_hi, self.k_hi = zeros - BIG, zeros - BIG
 
     def add(self, block_id, count, row, col_lo, col_hi) -> None:
-        """block_id: flattened block of each entry; count: its valid (q, k) entries
+        """block_id: flattened block of each entry; count: its weighted valid (q, k) entries
         (0 = contributes nothing); row: its global query row; col_lo / col_hi:
         the global key columns [lo, hi) it attends. All the same shape, int64."""
         block_id, count = block_id.reshape(-1), count.reshape(-1)
@@ -66,13 +109,125 @@ class _BlockAccumulator:
                                           (self.k_lo, col_lo, BIG, "amin"), (self.k_hi, col_hi, -BIG, "amax")):
             buf.scatter_reduce_(0, block_id, torch.where(has, values.reshape(-1), fill), reduce=reduce)
 
-    def finish(self, head_groups: int) -> BlockAreas:
-        P, chunk = self.cp_size, self.chunk
-        shape = (head_groups, P, P)
-        starts = torch.arange(P, device=self.area.device, dtype=torch.int64) * chunk
-        q_need = finish_needs(self.q_lo.view(shape), self.q_hi.view(shape), starts.view(P, 1))
-        k_need = finish_needs(self.k_lo.view(shape), self.k_hi.view(shape), starts.view(1, P))
-        return BlockAreas(area=self.area.view(shape), q_need=q_need, k_need=k_need, chunk=chunk)
+    def add_intervals(self, g, t, lo, hi, weight: int = 1) -> None:
+        """Entries that each attend one key interval: g (head group), t (global query row),
+        [lo, hi) (global keys, empty when hi <= lo); broadcastable int64 tensors."""
+        g, t, lo, hi = torch.broadcast_tensors(g, t, lo, hi)
+        U, chunk = self.U, self.chunk
+        i = t // chunk - self.first_unit
+        first = torch.clamp(lo // chunk, 0, U - 1)
+        for s in range(self._span):  # static trip count
+            j = first + s
+            c_lo = torch.maximum(lo, j * chunk)
+            c_hi = torch.minimum(hi, (j + 1) * chunk)
+            ok = (j < U) & (c_hi > c_lo)
+            block_id = (g * self.m + i) * U + torch.clamp(j, max=U - 1)
+            self.add(block_id, torch.where(ok, (c_hi - c_lo) * weight, 0), t, c_lo, c_hi)
+
+    def span_for(self, width: int) -> "_BlockAccumulator":
+        """Intervals of at most ``width`` keys straddle at most this many units (static)."""
+        self._span = min(self.U, (width - 1) // self.chunk + 2) if width > 1 else 1
+        return self
+
+    def finish(self) -> AreaRows:
+        G, m, U, chunk = self.G, self.m, self.U, self.chunk
+        shape = (G, m, U)
+        dev = self.area.device
+        q_start = (self.first_unit + torch.arange(m, device=dev, dtype=torch.int64)) * chunk
+        k_start = torch.arange(U, device=dev, dtype=torch.int64) * chunk
+        q_need = finish_needs(self.q_lo.view(shape), self.q_hi.view(shape), q_start.view(m, 1))
+        k_need = finish_needs(self.k_lo.view(shape), self.k_hi.view(shape), k_start.view(1, U))
+        return AreaRows(area=self.area.view(shape), q_need=q_need, k_need=k_need, first_unit=self.first_unit,
+                        chunk=chunk)
+
+
+def _unit_rows(name: str, T: int, offset: int, seqlen: int, num_units: int) -> tuple[int, int, int]:
+    """(chunk, first unit, m) of a shard of T rows from ``offset`` in a sequence of ``seqlen`` tokens."""
+    if seqlen % num_units:
+        raise ValueError(f"total_seqlen_k={seqlen} must be divisible by the {num_units} units "
+                         "(cp_size * chunk tiles); pad the sequence")
+    chunk = seqlen // num_units
+    if T == 0 or T % chunk or offset % chunk or offset + T > seqlen:
+        raise ValueError(f"{name} holds T={T} rows from query_offset={offset}; a shard must be whole units of "
+                         f"{chunk} tokens inside the {seqlen}-token sequence (rank * c rows from rank * c)")
+    return chunk, offset // chunk, T // chunk
+
+
+def _block_rows(block_indices, block_size, offset, acc, Hkv, G) -> None:
+    T, _, n = block_indices.shape
+    device = block_indices.device
+    b = block_indices.long()  # [T, Hkv, n]
+    t = offset + torch.arange(T, device=device, dtype=torch.int64).view(T, 1, 1)
+    g = (torch.arange(Hkv, device=device, dtype=torch.int64) // (Hkv // G)).view(1, Hkv, 1)
+    lo = b * block_size
+    hi = torch.minimum(lo + block_size, t + 1)  # causal clip: keys <= t
+    acc.span_for(block_size).add_intervals(g, t, torch.where(b >= 0, lo, 0), torch.where(b >= 0, hi, 0))
+
+
+def _window_rows(T, offset, window, acc, device, weight) -> None:
+    t = offset + torch.arange(T, device=device, dtype=torch.int64).view(1, T)
+    g = torch.arange(acc.G, device=device, dtype=torch.int64).view(acc.G, 1)
+    acc.span_for(window).add_intervals(g, t, torch.clamp(t - window + 1, min=0), t + 1, weight)
+
+
+def _topk_rows(topk, offset, acc) -> None:
+    T, k = topk.shape
+    device = topk.device
+    key = topk.long()  # [T, k]
+    t = offset + torch.arange(T, device=device, dtype=torch.int64).view(T, 1)
+    ok = (key >= 0) & (key <= t)
+    key = torch.where(ok, key, 0)
+    zero = torch.zeros((), dtype=torch.int64, device=device)
+    acc.span_for(1).add_intervals(zero, t, key, torch.where(ok, key + 1, key))
+
+
+def sparse_area_rows(mask: SparseMask, num_units: int, head_groups: int = 1) -> AreaRows:
+    """The block areas of the query units a sparse mask's rows cover (one rank's row of the problem).
+
+    mask:        BlockSparseMask, TokenTopKMask or NSALayerMask whose T rows start at
+                 ``query_offset`` (whole units; the whole sequence when offset 0 and T = S).
+    num_units:   U = cp_size * chunk tiles; total_seqlen_k must be divisible by U.
+    head_groups: G; must divide the mask's Hkv (block forms).
+
+    Returns AreaRows with area [G, m, U], needs [G, m, U, 2] (m = T / (S / U)).
+    Sync-free: static shapes, no host reads.
+    """
+    _check_positive("num_units", num_units)
+    _check_positive("head_groups", head_groups)
+    G = head_groups
+    if isinstance(mask, TokenTopKMask):
+        T = mask.topk_indices.shape[0]
+        chunk, first, m = _unit_rows("topk_indices", T, mask.query_offset, mask.total_seqlen_k, num_units)
+        acc = _BlockAccumulator(1, m, num_units, first, chunk, mask.device)
+        _topk_rows(mask.topk_indices, mask.query_offset, acc)
+        rows = acc.finish()
+        return AreaRows(rows.area.expand(G, m, num_units).contiguous(),
+                        rows.q_need.expand(G, m, num_units, 2).contiguous(),
+                        rows.k_need.expand(G, m, num_units, 2).contiguous(), first, chunk)
+    if not isinstance(mask, (BlockSparseMask, NSALayerMask)):
+        raise TypeError(f"mask must be a BlockSparseMask, TokenTopKMask or NSALayerMask, got {type(mask).__name__}")
+    sel = mask if isinstance(mask, BlockSparseMask) else mask.selection
+    T, Hkv, _ = sel.block_indices.shape
+    if Hkv % G:
+        raise ValueError(f"block_indices has Hkv={Hkv} KV heads, not divisible by head_groups={G}")
+    chunk, first, m = _unit_rows("block_indices", T, sel.query_offset, sel.total_seqlen_k, num_units)
+    acc = _BlockAccumulator(G, m, num_units, first, chunk, sel.device)
+    _block_rows(sel.block_indices, sel.block_size, sel.query_offset, acc, Hkv, G)
+    if isinstance(mask, NSALayerMask):
+        _window_rows(T, sel.query_offset, mask.window_size, acc, sel.device, Hkv // G)
+    return acc.finish()
+
+
+def sparse_areas(mask: SparseMask, cp_size: int, head_groups: int = 1, tiles: int = 1) -> BlockAreas:
+    """Block areas of a whole-sequence sparse mask (every row, query_offset 0): BlockAreas with
+    area [G, U, U] int64 and needs [G, U, U, 2], U = tiles * cp_size. Sync-free."""
+    _check_positive("cp_size", cp_size)
+    _check_positive("tiles", tiles)
+    rows = sparse_area_rows(mask, cp_size * tiles, head_groups)
+    if rows.first_unit != 0 or rows.area.shape[1] != cp_size * tiles:
+        raise ValueError("sparse_areas needs the whole sequence's rows (query_offset 0, T = S); "
+                         "for a shard use sparse_area_rows and gather the rows")
+    return BlockAreas(rows.area, rows.q_need, rows.k_need, rows.chunk).as_tiles(tiles)
 
 
 def block_sparse_areas(block_indices: torch.Tensor, block_size: int, cp_size: int,
@@ -96,32 +251,14 @@ def block_sparse_areas(block_indices: torch.Tensor, block_size: int, cp_size: in
     for name, v in (("block_size", block_size), ("cp_size", cp_size), ("head_groups", head_groups)):
         _check_positive(name, v)
     chunk = _check_tokens("block_indices", block_indices, 3, "[T, Hkv, n]", cp_size)
-    T, Hkv, n = block_indices.shape
+    T, Hkv, _ = block_indices.shape
     if Hkv % head_groups:
         raise ValueError(
             f"block_indices has Hkv={Hkv} KV heads, not divisible by head_groups={head_groups}")
-    P, G = cp_size, head_groups
-    device = block_indices.device
-    b = block_indices.long()  # [T, Hkv, n]
-    t = torch.arange(T, device=device, dtype=torch.int64).view(T, 1, 1)
-    g = (torch.arange(Hkv, device=device, dtype=torch.int64) // (Hkv // G)).view(1, Hkv, 1)
-    lo = b * block_size
-    hi = torch.minimum(lo + block_size, t + 1)  # causal clip: keys <= t
-    lo = torch.where(b >= 0, lo, 0)
-    hi = torch.where(b >= 0, hi, 0)
-    # A block of l keys straddles at most `span` key chunks (static).
-    span = (block_size - 1) // chunk + 2
-    first = torch.clamp(lo // chunk, max=P - 1)
-    i = t // chunk
-    acc = _BlockAccumulator(G * P * P, chunk, P, device)
-    for s in range(span):  # static trip count
-        j = first + s  # [T, Hkv, n]
-        c_lo = torch.maximum(lo, j * chunk)
-        c_hi = torch.minimum(hi, (j + 1) * chunk)
-        ok = (j < P) & (c_hi > c_lo)
-        block_id = (g * P + i) * P + torch.clamp(j, max=P - 1)
-        acc.add(block_id, torch.where(ok, c_hi - c_lo, 0), t.expand(T, Hkv, n), c_lo, c_hi)
-    return acc.finish(G)
+    acc = _BlockAccumulator(head_groups, cp_size, cp_size, 0, chunk, block_indices.device)
+    _block_rows(block_indices, block_size, 0, acc, Hkv, head_groups)
+    rows = acc.finish()
+    return BlockAreas(rows.area, rows.q_need, rows.k_need, chunk)
 
 
 def token_topk_areas(topk_indices: torch.Tensor, cp_size: int, head_groups: int = 1) -> BlockAreas:
@@ -140,17 +277,10 @@ def token_topk_areas(topk_indices: torch.Tensor, cp_size: int, head_groups: int 
     for name, v in (("cp_size", cp_size), ("head_groups", head_groups)):
         _check_positive(name, v)
     chunk = _check_tokens("topk_indices", topk_indices, 2, "[T, k]", cp_size)
-    T, k = topk_indices.shape
     P = cp_size
-    device = topk_indices.device
-    key = topk_indices.long()  # [T, k]
-    t = torch.arange(T, device=device, dtype=torch.int64).view(T, 1).expand(T, k)
-    ok = (key >= 0) & (key <= t)
-    key = torch.where(ok, key, 0)
-    block_id = (t // chunk) * P + key // chunk
-    acc = _BlockAccumulator(P * P, chunk, P, device)
-    acc.add(block_id, ok.long(), t, key, key + 1)
-    one = acc.finish(1)
+    acc = _BlockAccumulator(1, P, P, 0, chunk, topk_indices.device)
+    _topk_rows(topk_indices, 0, acc)
+    one = acc.finish()
     G = head_groups
     return BlockAreas(area=one.area.expand(G, P, P).contiguous(),
                       q_need=one.q_need.expand(G, P, P, 2).contiguous(),

@@ -26,3 +26,8 @@ __all__ = [
     "Plan", "CommMeta", "CalcMeta", "RankPlan", "status_names",
     "IMBALANCED", "CALC_OVERFLOW", "BUFFER_OVERFLOW", "UNASSIGNED", "NEED_MISMATCH", "INVALID_MASK",
 ]
+
+# sparse masks (NSA blocks, DSA top-k): gpusolver.plan.sparse
+from gpusolver.plan.sparse import SparsePlan, SparseStage, build_sparse_plan, solve_sparse  # noqa: E402
+
+__all__ += ["SparsePlan", "SparseStage", "build_sparse_plan", "solve_sparse"]

@@ -1,0 +1,361 @@
+"""Plans for sparse masks (NSA block selection, DSA token top-k): SparsePlan and its per-rank stages.
+
+Shape legend: G head groups, P ranks, c tokens per rank, n sub-chunk tiles, U =
+n * P units of cu = c / n tokens, cap receive rows, hs selection heads per
+group-major row (1 for token top-k, Hkv / G for blocks), w selection width.
+
+What travels is planned as for slices (``CommMeta``: hulls of the needed rows
+per (unit, destination)); what differs is what a stage runs. A stage's
+attention is one sparse-kernel call over a query buffer and a key buffer:
+
+- query rows: stage 0 the rank's G * c group-major local rows; stage 1 those
+  followed by the QO receive buffer (``cap`` rows). ``q_pos`` gives each
+  row's global position (-1 for buffer rows past the fill) and ``q_class`` its
+  query unit ``(g, i)`` as ``g * U + i``.
+- ``kv_windows [G * U, U, 3]``: for query unit (g, i) and key unit j, the
+  global keys ``[lo, hi)`` of unit j this stage may use and the offset from a
+  global key to its key-buffer row, exactly when task (g, i, j) is this
+  rank's in this stage; ``lo = hi`` elsewhere. A local unit's window is its
+  whole tile at rows ``g * c + key - rank * c``; a remote one is the range
+  received (``kv_range``) at its receive-buffer rows.
+
+The selection indices of a remote query row travel with its Q in the same
+group-cast (as int32 columns) and are priced in the plan's metrics
+(``SparseCommCost``). Nothing here reads device values except ``validate()``
+and ``summary()``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gpusolver.config import SolverConfig
+from gpusolver.masks.constructors import sliding_window_mask
+from gpusolver.masks.sparse import BlockSparseMask, NSALayerMask, TokenTopKMask
+from gpusolver.metrics import PlanMetrics, evaluate
+from gpusolver.plan.build import plan_capacities
+from gpusolver.plan.calc_meta import build_calc_meta
+from gpusolver.plan.comm_meta import build_comm_meta
+from gpusolver.plan.meta import (BUFFER_OVERFLOW, CALC_OVERFLOW, IMBALANCED, INVALID_MASK, NEED_MISMATCH, UNASSIGNED,
+                                 CalcMeta, CommMeta, _explain_status)
+from gpusolver.problem import BlockAreas, CommCost
+
+_INDEX_BYTES = 4  # selection indices travel as int32
+
+
+@dataclass(frozen=True)
+class SparseCommCost(CommCost):
+    """``CommCost`` plus what a sparse layer moves besides Q, O and K, V.
+
+    selection_bytes: bytes of one group-major row's selection indices, sent with Q in the
+                     forward (and again in the backward when buffers are not kept).
+    branches:        outputs per query row (1; 2 for an NSA layer's selection and window
+                     branches): each has its own O and lse back in the forward and its own
+                     dO, lse and delta out in the backward.
+    """
+
+    selection_bytes: int = 0
+    branches: int = 1
+
+    @property
+    def q_fwd(self) -> int:
+        return super().q_fwd + self.selection_bytes
+
+    @property
+    def o_fwd(self) -> int:
+        return self.branches * super().o_fwd
+
+    @property
+    def q_bwd(self) -> int:
+        per_branch = self.hq * (self.head_dim * self.dtype_bytes + 8)  # dO, fp32 lse and delta
+        again = 0 if self.keep_forward_buffers else super().q_fwd + self.selection_bytes
+        return self.branches * per_branch + again
+
+
+@dataclass(frozen=True)
+class SparseSolverConfig(SolverConfig):
+    """``SolverConfig`` whose byte prices include the selection indices (``SparseCommCost``),
+    so the solver weighs a query row's move at what it really costs."""
+
+    selection_bytes: int = 0
+    branches: int = 1
+
+    def cost(self) -> SparseCommCost:
+        return SparseCommCost(self.num_heads_q, self.num_heads_kv, self.head_dim, self.dtype_bytes,
+                              self.head_groups, self.keep_forward_buffers, self.selection_bytes, self.branches)
+
+
+@dataclass(frozen=True)
+class SelectionSpec:
+    """The static facts of a sparse mask that size the plan and the kernels (host ints).
+
+    block_size:  l, keys per selection slot (1 for token top-k).
+    heads:       hs, selection heads per group-major row (1: shared by the row's KV heads).
+    width:       w, slots per (row, selection head).
+    window_size: the sliding-window branch's w of an NSA layer (0: none).
+    """
+
+    block_size: int
+    heads: int
+    width: int
+    window_size: int = 0
+
+    @staticmethod
+    def of(mask, head_groups: int) -> "SelectionSpec":
+        if isinstance(mask, TokenTopKMask):
+            return SelectionSpec(1, 1, mask.topk_indices.shape[1])
+        sel = mask.selection if isinstance(mask, NSALayerMask) else mask
+        if not isinstance(sel, BlockSparseMask):
+            raise TypeError(f"mask must be a BlockSparseMask, TokenTopKMask or NSALayerMask, got "
+                            f"{type(mask).__name__}")
+        Hkv, n = sel.block_indices.shape[1], sel.block_indices.shape[2]
+        if Hkv % head_groups:
+            raise ValueError(f"block_indices has Hkv={Hkv} KV heads, not divisible by head_groups={head_groups}")
+        window = mask.window_size if isinstance(mask, NSALayerMask) else 0
+        return SelectionSpec(sel.block_size, Hkv // head_groups, n, window)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one group-major row's selection on the wire."""
+        return self.heads * self.width * _INDEX_BYTES
+
+
+def sparse_config(config: SolverConfig, spec: SelectionSpec) -> SparseSolverConfig:
+    """``config`` priced for a sparse mask of this ``spec`` (selection bytes, branches)."""
+    fields = {f: getattr(config, f) for f in SolverConfig.__dataclass_fields__}
+    return SparseSolverConfig(**fields, selection_bytes=spec.row_bytes, branches=2 if spec.window_size else 1)
+
+
+@dataclass(frozen=True)
+class SparseStage:
+    """One rank's stage of a sparse plan: the sparse kernel's row and key-window tables.
+
+    q_pos:      [N] int32 global position of each query row, -1 for unused buffer rows
+                (N = G * c in stage 0, G * c + cap in stage 1).
+    q_class:    [N] int32 query unit (g, i) of each row as ``g * U + i`` (0 for unused rows).
+    kv_windows: [G * U, U, 3] int32 (lo, hi, offset) per (query unit, key unit), see the module docstring.
+    window:     cu, keys per unit (host int).
+    """
+
+    q_pos: torch.Tensor
+    q_class: torch.Tensor
+    kv_windows: torch.Tensor
+    window: int
+
+
+@dataclass(frozen=True)
+class SparsePlan:
+    """A solved sparse layer: who computes what, what moves, what each stage runs.
+
+    assignment:    [G, U, U] int32 rank of task (g, i, j), -1 for empty tasks.
+    metrics:       PlanMetrics priced with ``SparseCommCost`` (selection bytes included).
+    comm:          CommMeta (hull ranges per (unit, destination), offsets, splits).
+    status:        [] int32 bitfield (IMBALANCED, BUFFER_OVERFLOW, UNASSIGNED, INVALID_MASK;
+                   CALC_OVERFLOW / NEED_MISMATCH from the window branch's slices).
+    area:          [G, U, U] int64 block areas the plan was built from.
+    imbalance_tol: mu of the IMBALANCED bit (host float).
+    spec:          SelectionSpec (block size, selection heads and width, window branch).
+    window_calc:   CalcMeta of the NSA window branch's slices (None without one).
+
+    ``stage(rank, s)`` builds a stage's tables on demand (sync-free), so a plan
+    never holds every rank's [G * c + cap] row tables.
+    """
+
+    assignment: torch.Tensor
+    metrics: PlanMetrics
+    comm: CommMeta
+    status: torch.Tensor
+    area: torch.Tensor
+    imbalance_tol: float
+    spec: SelectionSpec
+    window_calc: CalcMeta | None = None
+
+    @property
+    def head_groups(self) -> int:
+        return self.comm.head_groups
+
+    @property
+    def num_units(self) -> int:
+        return self.assignment.shape[1]
+
+    def stage(self, rank: int, stage: int) -> SparseStage:
+        """Rank ``rank``'s stage ``stage`` (0: both units local; 1: the rest)."""
+        P = self.comm.cp_size
+        if not 0 <= rank < P or stage not in (0, 1):
+            raise ValueError(f"need 0 <= rank < {P} and stage in (0, 1), got rank={rank}, stage={stage}")
+        return sparse_stage(self.assignment, self.comm, rank, stage)
+
+    def validate(self, ignore: int = 0) -> "SparsePlan":
+        """Raise ValueError naming each status bit set (except ``ignore``). Host-side."""
+        status = int(self.status.item()) & ~ignore
+        problems = _explain_status(self, ignore | INVALID_MASK | (0 if self.window_calc is not None
+                                                                   else CALC_OVERFLOW))
+        if status & INVALID_MASK:
+            problems.append("INVALID_MASK: a selection index is out of range or repeated in a row; "
+                            "mask.validate() names the row")
+        if problems:
+            raise ValueError("plan is not usable:\n  " + "\n  ".join(problems))
+        return self
+
+    @property
+    def calc(self) -> CalcMeta:
+        """The window branch's CalcMeta (``_explain_status`` reads it for CALC_OVERFLOW)."""
+        return self.window_calc
+
+    def summary(self) -> str:
+        from gpusolver.plan.meta import status_names
+
+        names = status_names(int(self.status.item()))
+        lines = [self.metrics.summary(),
+                 f"recv rows (max over ranks): qo {int(self.comm.qo_recv_rows.max())}, "
+                 f"kv {int(self.comm.kv_recv_rows.max())}, capacity {self.comm.recv_capacity}",
+                 "status: " + ("OK" if not names else " | ".join(names))]
+        return "\n".join(lines)
+
+
+def _unit_table(comm: CommMeta, G: int, U: int):
+    n, P = comm.tiles, comm.cp_size
+    c = comm.chunk
+    cu = c // n
+    dev = comm.qo_range.device
+    units = torch.arange(U, device=dev)
+    return n, P, c, cu, dev, units, units // n
+
+
+def sparse_stage(assignment: torch.Tensor, comm: CommMeta, rank: int, stage: int) -> SparseStage:
+    """The tables of one rank's stage (see ``SparseStage``). Sync-free: static shapes, no host reads."""
+    G, U = assignment.shape[0], assignment.shape[1]
+    n, P, c, cu, dev, units, host = _unit_table(comm, G, U)
+    g = torch.arange(G, device=dev)
+    # local rows g * c + t: token rank * c + t of group g
+    t = torch.arange(c, device=dev)
+    pos_local = (rank * c + t).expand(G, c).reshape(-1)
+    cls_local = (g[:, None] * U + (rank * c + t)[None, :] // cu).reshape(-1)
+    if stage == 1:
+        pos_recv, cls_recv = _recv_rows(comm, rank, G, U)
+        q_pos, q_class = torch.cat((pos_local, pos_recv)), torch.cat((cls_local, cls_recv))
+    else:
+        q_pos, q_class = pos_local, cls_local
+
+    # [G, U(i), U(j)] tasks of this rank in this stage
+    both_local = (host.view(1, U, 1) == rank) & (host.view(1, 1, U) == rank)
+    mine = (assignment.long() == rank) & (both_local if stage == 0 else ~both_local)
+    j_local = (host == rank).view(1, 1, U)
+    local_lo = (units * cu).view(1, 1, U)
+    local_off = (g * c - rank * c).view(G, 1, 1)
+    kv_lo = comm.kv_range[:, :, rank, 0] + host * c  # [G, U(j)] global
+    kv_hi = comm.kv_range[:, :, rank, 1] + host * c
+    remote_off = G * c + comm.kv_recv_offset[:, :, rank] - kv_lo
+    lo = torch.where(j_local, local_lo, kv_lo[:, None, :])
+    hi = torch.where(j_local, local_lo + cu, kv_hi[:, None, :])
+    off = torch.where(j_local, local_off, remote_off[:, None, :])
+    lo, hi = torch.where(mine, lo, 0), torch.where(mine, hi, 0)
+    off = torch.where(mine, off, 0)
+    win = torch.stack(torch.broadcast_tensors(lo, hi, off), dim=-1).reshape(G * U, U, 3)
+    return SparseStage(q_pos=q_pos.to(torch.int32), q_class=q_class.to(torch.int32),
+                       kv_windows=win.to(torch.int32).contiguous(), window=cu)
+
+
+def _recv_rows(comm: CommMeta, rank: int, G: int, U: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global position and query unit class of each row of ``rank``'s QO receive buffer ([cap] int64 each;
+    -1 / 0 past the fill). Segments lie in (host, g, tile) order at ``qo_recv_offset``."""
+    n, P, c, cu, dev, units, host = _unit_table(comm, G, U)
+    cap = comm.recv_capacity
+    rng = comm.qo_range[:, :, rank]  # [G, U, 2] chunk-local
+    length = (rng[..., 1] - rng[..., 0]).view(G, P, n).permute(1, 0, 2).reshape(-1)  # (host, g, tile)
+    start = rng[..., 0].view(G, P, n).permute(1, 0, 2).reshape(-1)
+    seg_g = torch.arange(G, device=dev).view(1, G, 1).expand(P, G, n).reshape(-1)
+    seg_u = units.view(P, 1, n).expand(P, G, n).reshape(-1)
+    ends = length.cumsum(0)
+    b = torch.arange(cap, device=dev)
+    seg = torch.searchsorted(ends, b, right=True).clamp_(max=P * G * n - 1)
+    used = b < ends[-1:]
+    pos = host[seg_u[seg]] * c + start[seg] + b - (ends[seg] - length[seg])
+    return torch.where(used, pos, -1), torch.where(used, seg_g[seg] * U + seg_u[seg], 0)
+
+
+def window_slices(total_seqlen: int, window_size: int, device) -> "AttnSlices":  # noqa: F821
+    """The sliding-window branch of an NSA layer as slices (row t: keys (t - w, t])."""
+    return sliding_window_mask(total_seqlen, window_size, device=device)
+
+
+def build_sparse_plan(areas: BlockAreas, assignment: torch.Tensor, config: SolverConfig, spec: SelectionSpec,
+                      total_seqlen: int, *, mask_error: torch.Tensor | None = None,
+                      imbalance_tol: float | None = None, recv_capacity: int | None = None,
+                      send_capacity: int | None = None) -> SparsePlan:
+    """The SparsePlan of an assignment, for all ranks at once. Sync-free.
+
+    areas:       BlockAreas of the sparse mask (area [G, U, U] int64, needs [G, U, U, 2]).
+    assignment:  [G, U, U] integer rank per task, -1 for empty tasks.
+    config:      SolverConfig (priced here with the selection bytes, ``sparse_config``).
+    spec:        SelectionSpec of the mask.
+    total_seqlen: S.
+    mask_error:  [] bool device flag of bad mask values (``mask.value_error()``), or None.
+    recv_capacity, send_capacity: rows of each receive buffer / send list (default
+                 ``config.max_recv_rows``, else the worst case ``G * c * (P - 1)``).
+    """
+    G, P, n = config.head_groups, config.cp_size, config.chunk_tiles
+    if areas.head_groups != G or areas.cp_size != P or areas.tiles != n:
+        raise ValueError(f"areas are for G={areas.head_groups}, P={areas.cp_size}, tiles={areas.tiles} but the "
+                         f"config has head_groups={G}, cp_size={P}, chunk_tiles={n}")
+    c = config.check_seqlen(total_seqlen)
+    U = areas.num_units
+    if tuple(assignment.shape) != (G, U, U):
+        raise ValueError(f"assignment must be [G, U, U] = {(G, U, U)}, got {tuple(assignment.shape)}")
+    stage_cap, recv_cap, send_cap = plan_capacities(config, 2, c, recv_capacity=recv_capacity,
+                                                    send_capacity=send_capacity)
+    mu = config.imbalance_tol if imbalance_tol is None else float(imbalance_tol)
+    assignment = assignment.to(torch.int32)
+    metrics = evaluate(areas, assignment, sparse_config(config, spec).cost())
+    comm, overflow = build_comm_meta(areas, assignment, recv_capacity=recv_cap, send_capacity=send_cap)
+    a = assignment.long()
+    unassigned = ((areas.area > 0) & ((a < 0) | (a >= P))).any()
+
+    def bit(flag: torch.Tensor, value: int) -> torch.Tensor:
+        return flag.to(torch.int32) * value
+
+    status = (bit(metrics.imbalance > mu, IMBALANCED) | bit(overflow, BUFFER_OVERFLOW)
+              | bit(unassigned, UNASSIGNED))
+    if mask_error is not None:
+        status = status | bit(mask_error, INVALID_MASK)
+    window_calc = None
+    if spec.window_size:
+        slices = window_slices(total_seqlen, spec.window_size, assignment.device)
+        window_calc, flags = build_calc_meta(slices, areas, assignment, comm, stage_cap)
+        status = (status | bit(flags["calc_overflow"], CALC_OVERFLOW)
+                  | bit(flags["buffer_overflow"], BUFFER_OVERFLOW) | bit(flags["mismatch"], NEED_MISMATCH))
+    return SparsePlan(assignment=assignment, metrics=metrics, comm=comm, status=status, area=areas.area,
+                      imbalance_tol=mu, spec=spec, window_calc=window_calc)
+
+
+def solve_sparse(mask, config: SolverConfig, *, areas: BlockAreas | None = None, solver: str = "device",
+                 impl: str = "auto", validate: bool | None = None) -> SparsePlan:
+    """Solve one sparse layer from a whole-sequence mask (or its already gathered ``areas``).
+
+    mask:     BlockSparseMask, TokenTopKMask or NSALayerMask (rows of the whole sequence, or
+              any shard when ``areas`` are given: the sharded flow gathers them first).
+    config:   SolverConfig; the solver prices query moves with the selection bytes.
+    areas:    BlockAreas of the whole problem (default: computed from ``mask``, which must
+              then hold every row).
+    solver, impl: as in ``gpusolver.solve``.
+    validate: host-side checks of the mask values and the plan status (default: on for CPU).
+    """
+    from gpusolver.areas.sparse import sparse_areas
+    from gpusolver.solve import solve_assignment
+
+    spec = SelectionSpec.of(mask, config.head_groups)
+    S = mask.total_seqlen_k
+    config.check_seqlen(S)
+    if validate is None:
+        validate = mask.device.type == "cpu" and not torch.compiler.is_compiling()
+    if validate:
+        mask.validate()
+    if areas is None:
+        areas = sparse_areas(mask, config.cp_size, config.head_groups, tiles=config.chunk_tiles)
+    priced = sparse_config(config, spec)
+    assignment = solve_assignment(areas, priced, solver=solver, impl=impl)
+    plan = build_sparse_plan(areas, assignment, config, spec, S, mask_error=mask.value_error())
+    if validate:
+        plan.validate(ignore=IMBALANCED)
+    return plan

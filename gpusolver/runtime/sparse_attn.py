@@ -1,0 +1,351 @@
+"""``sparse_dist_attn``: one sparse attention layer (NSA blocks, DSA top-k) over a CP group.
+
+Shape legend: P ranks, c tokens per rank, G head groups, Hq / Hkv heads (hq,
+hkv per group), D head dim, cap receive rows, hs selection heads per
+group-major row, w selection width.
+
+The layer runs as ``dist_attn`` does (DESIGN.md, "Data flow of one layer")
+with the sparse kernel in its stages:
+
+1. local shards become group-major rows; the selection rows too
+   (``[G * c, hs, w]`` int32: a token top-k row is repeated for each group);
+2. remote Q travels with its selection rows in one cast (``fwd.qo``), K with V
+   in another (``fwd.kv``); stage 0 runs while they are in flight;
+3. stage 1 runs on ``concat(local rows, receive buffer)``; each stage's row
+   and key-window tables come from the plan (``SparsePlan.stage``);
+4. partial (out, lse) of received rows go back and merge on their host (``fwd.o``).
+
+The backward is the delta protocol (``bwd.qo``: dO, lse, delta; ``bwd.dq``,
+``bwd.dkv`` back), with the received Q, selection, K and V kept from the
+forward unless ``keep_forward_buffers`` is off. An NSA layer mask
+(``NSALayerMask``) has two branches, the selection and the sliding window
+(slice kernel over the plan's ``window_calc``), each with its own out and lse.
+
+The sharded indexer flow (``gather_sparse_areas``): each rank computes the
+block areas of its own query rows and an all-gather over the CP group (a
+stack for ``LocalGroup``) gives every rank the whole problem; every rank then
+solves it (``solve_sparse_sharded``). Host reads: none with ``LocalGroup``
+(the layer runs on ``device="meta"``); ``TorchGroup`` copies the split
+matrices as ``dist_attn`` does.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from attn_kernels import flex_attn, flex_attn_backward, merge_out_lse, row_delta, sparse_attn, sparse_attn_backward
+from gpusolver.areas.sparse import AreaRows, areas_from_rows, sparse_area_rows
+from gpusolver.config import SolverConfig
+from gpusolver.masks.sparse import BlockSparseMask, NSALayerMask, TokenTopKMask
+from gpusolver.nvtx import nvtx_range
+from gpusolver.plan.meta import IMBALANCED
+from gpusolver.plan.sparse import SelectionSpec, SparsePlan, build_sparse_plan, sparse_config
+from gpusolver.problem import BlockAreas
+from gpusolver.runtime.dist_attn import LayerRoutes, layer_routes
+from gpusolver.runtime.layout import from_group_major, to_group_major
+from groupcomm import group_cast, group_reduce
+
+SPARSE_MASKS = (BlockSparseMask, TokenTopKMask, NSALayerMask)
+
+
+# -- the sharded indexer flow ------------------------------------------------------------------------
+
+def _shards(mask, group):
+    """The masks of the ranks run here: every rank's rows for a ``LocalGroup`` (mask of the whole
+    sequence), else this rank's (a mask of c rows at query_offset rank * c)."""
+    S, P = mask.total_seqlen_k, group.size
+    if S % P:
+        raise ValueError(f"total_seqlen_k={S} must be divisible by the group size P={P}")
+    c = S // P
+    rows = _selection(mask).shape[0]
+    if getattr(group, "batched", False):
+        if rows != S or mask.query_offset != 0:
+            raise ValueError(f"with a LocalGroup the mask holds every rank's rows: T = S = {S} from query_offset 0, "
+                             f"got T = {rows} from {mask.query_offset}")
+        return [mask.rows(r * c, (r + 1) * c) for r in range(P)]
+    if rows != c or mask.query_offset != group.rank * c:
+        raise ValueError(f"rank {group.rank} must hold its own c = {c} rows at query_offset = {group.rank * c}, "
+                         f"got T = {rows} at query_offset = {mask.query_offset}")
+    return [mask]
+
+
+def _selection(mask) -> torch.Tensor:
+    if isinstance(mask, TokenTopKMask):
+        return mask.topk_indices
+    return (mask.selection if isinstance(mask, NSALayerMask) else mask).block_indices
+
+
+def gather_sparse_areas(mask, config: SolverConfig, group) -> tuple[BlockAreas, torch.Tensor]:
+    """Every rank's row of block areas, all-gathered: (BlockAreas [G, U, U], mask error [] bool).
+
+    Each rank computes ``sparse_area_rows`` of its own rows (``LocalGroup``: every simulated
+    rank, stacked); ``TorchGroup`` / ``SymmMemGroup`` all-gather them over the process group
+    (one collective of ``U * G * U * 6`` int64, the last channel the ranks' mask-error flags),
+    so every rank holds the same problem. Sync-free on the device.
+    """
+    U, G = config.num_units, config.head_groups
+    parts = []
+    for shard in _shards(mask, group):
+        rows: AreaRows = sparse_area_rows(shard, U, G)
+        flag = shard.value_error().to(torch.int64).expand(rows.area.shape[1], G, U, 1)
+        parts.append(torch.cat((rows.pack(), flag), dim=-1))
+        chunk = rows.chunk
+    if getattr(group, "batched", False):
+        packed = torch.cat(parts)
+    else:
+        local = parts[0]
+        pg = getattr(group, "process_group", None)
+        gathered = [torch.empty_like(local) for _ in range(group.size)]
+        dist.all_gather(gathered, local.contiguous(), group=pg)
+        packed = torch.cat(gathered)
+    areas = areas_from_rows(packed[..., :5], chunk, config.chunk_tiles)
+    return areas, packed[..., 5].amax() > 0
+
+
+def solve_sparse_sharded(mask, config: SolverConfig, group, *, solver: str = "device", impl: str = "auto",
+                         validate: bool | None = None) -> SparsePlan:
+    """The sharded flow of one layer: local area rows, all-gather, the same solve on every rank, metas.
+
+    mask: the rows this process holds (see ``_shards``: every rank's rows for a ``LocalGroup``,
+    else this rank's c rows at ``query_offset = rank * c``). validate: host checks of the local
+    rows and of the plan (default: on for CPU tensors outside ``torch.compile``).
+    """
+    from gpusolver.solve import solve_assignment
+
+    if not isinstance(mask, SPARSE_MASKS):
+        raise TypeError(f"mask must be a BlockSparseMask, TokenTopKMask or NSALayerMask, got {type(mask).__name__}")
+    if config.cp_size != group.size:
+        raise ValueError(f"config.cp_size={config.cp_size} but the group has {group.size} ranks")
+    spec = SelectionSpec.of(mask, config.head_groups)
+    if validate is None:
+        validate = mask.device.type == "cpu" and not torch.compiler.is_compiling()
+    if validate:
+        mask.validate()
+    with nvtx_range("solve/areas"):
+        areas, error = gather_sparse_areas(mask, config, group)
+    with nvtx_range("solve/assign"):
+        assignment = solve_assignment(areas, sparse_config(config, spec), solver=solver, impl=impl)
+    with nvtx_range("solve/metas"):
+        plan = build_sparse_plan(areas, assignment, config, spec, mask.total_seqlen_k, mask_error=error)
+    if validate:
+        plan.validate(ignore=IMBALANCED)
+    return plan
+
+
+# -- the layer -----------------------------------------------------------------------------------------
+
+def _per_rank(routes: LayerRoutes, fn, *tensors):
+    """``fn(rank, *rank_tensors) -> tuple`` for each rank run here; batched results are stacked."""
+    if not routes.batched:
+        return fn(routes.ranks[0], *tensors)
+    outs = [fn(r, *(t[r] for t in tensors)) for r in routes.ranks]
+    return tuple(torch.stack(parts) for parts in zip(*outs))
+
+
+def _selection_rows(sel: torch.Tensor, G: int, lead: int) -> torch.Tensor:
+    """Local selection ``[*, c, w]`` (token top-k) or ``[*, c, Hkv, w]`` (blocks) -> group-major
+    ``[*, G * c, hs, w]`` int32."""
+    sel = sel.to(torch.int32)
+    if sel.dim() == lead + 2:
+        shape = list(sel.shape)
+        sel = sel.unsqueeze(lead + 1).expand(*shape[:lead + 1], G, shape[-1])
+    return to_group_major(sel, G, lead).contiguous()
+
+
+class _SparseDistAttn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, sel, routes: LayerRoutes, stages, group, scale: float, keep: bool,
+                deterministic: bool, backend: str):
+        plan: SparsePlan = routes.plan
+        spec = plan.spec
+        lead = 1 if routes.batched else 0
+        G, cap = routes.groups, routes.capacity
+        ql, kl, vl = (to_group_major(x, G, lead).contiguous() for x in (q, k, v))
+        sl = _selection_rows(sel, G, lead)
+        with nvtx_range("comm/cast fwd.qo fwd.kv"):
+            cast_q = group_cast([ql, sl], routes.qo_index, routes.qo_split, cap, group, phase="fwd.qo",
+                                host_split=routes.qo_host, async_op=True)
+            cast_kv = group_cast([kl, vl], routes.kv_index, routes.kv_split, cap, group, phase="fwd.kv",
+                                 host_split=routes.kv_host, async_op=True)
+
+        def stage(s):
+            def run(r, q_, k_, v_, s_):
+                st = stages[r][s]
+                out = sparse_attn(q_, k_, v_, s_, spec.block_size, scale, q_pos=st.q_pos, q_class=st.q_class,
+                                  kv_windows=st.kv_windows, window=st.window, backend=backend)
+                if spec.window_size:
+                    wc = plan.window_calc
+                    out = out + flex_attn(q_, k_, v_, wc.q_ranges[r, s], wc.k_ranges[r, s], wc.attn_type[r, s],
+                                          scale)
+                return out
+            return run
+
+        with nvtx_range("attn/fwd stage0"):
+            part0 = _per_rank(routes, stage(0), ql, kl, vl, sl)
+        with nvtx_range("comm/wait fwd.qo fwd.kv"):
+            (q_buf, s_buf), (k_buf, v_buf) = cast_q.wait(), cast_kv.wait()
+        cat = lambda a, b: torch.cat((a, b), dim=lead)  # noqa: E731
+        with nvtx_range("attn/fwd stage1"):
+            part1 = _per_rank(routes, stage(1), cat(ql, q_buf), cat(kl, k_buf), cat(vl, v_buf), cat(sl, s_buf))
+        n = ql.shape[lead]
+        local = lambda x: x.narrow(lead, 0, n)  # noqa: E731
+        remote = lambda x: x.narrow(lead, n, cap).contiguous()  # noqa: E731
+        results = []
+        for b in range(len(part0) // 2):  # one (out, lse) per branch
+            o0, l0, o1, l1 = part0[2 * b], part0[2 * b + 1], part1[2 * b], part1[2 * b + 1]
+            with nvtx_range("attn/fwd merge"):
+                o, lse = _per_rank(routes, lambda r, a, b_, c_, d: merge_out_lse(a, b_, c_, d), o0, l0, local(o1),
+                                   local(l1))
+            with nvtx_range("comm/reduce fwd.o"):
+                o, lse = group_reduce([remote(o1), remote(l1)], routes.qo_index, routes.qo_split, [o, lse], group,
+                                      op="lse", phase="fwd.o", host_split=routes.qo_host,
+                                      deterministic=deterministic)
+            results += [o, lse]
+        saved = (ql, kl, vl, sl, *results) + ((q_buf, s_buf, k_buf, v_buf) if keep else ())
+        ctx.save_for_backward(*saved)
+        ctx.routes, ctx.stages, ctx.group, ctx.scale = routes, stages, group, scale
+        ctx.keep, ctx.deterministic, ctx.backend, ctx.branches = keep, deterministic, backend, len(results) // 2
+        return tuple(from_group_major(x, G, lead) for x in results)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        routes, stages, group, scale = ctx.routes, ctx.stages, ctx.group, ctx.scale
+        plan: SparsePlan = routes.plan
+        spec = plan.spec
+        lead = 1 if routes.batched else 0
+        G, cap, nb = routes.groups, routes.capacity, ctx.branches
+        saved = ctx.saved_tensors
+        ql, kl, vl, sl = saved[:4]
+        outs = saved[4:4 + 2 * nb]
+        sent = []
+        for b in range(nb):
+            o, lse = outs[2 * b], outs[2 * b + 1]
+            d_out, d_lse = grads[2 * b], grads[2 * b + 1]
+            d_o = torch.zeros_like(o) if d_out is None else to_group_major(d_out, G, lead).contiguous()
+            d_l = None if d_lse is None else to_group_major(d_lse, G, lead).contiguous()
+            with nvtx_range("attn/bwd delta"):
+                delta = _per_rank(routes, lambda r, a, b_, *c_: (row_delta(a, b_, c_[0] if c_ else None),),
+                                  d_o, o, *(() if d_l is None else (d_l,)))[0]
+            sent += [d_o, lse, delta]
+        with nvtx_range("comm/cast bwd.qo"):
+            recv = group_cast(sent + ([] if ctx.keep else [ql, sl]), routes.qo_index, routes.qo_split, cap, group,
+                              phase="bwd.qo", host_split=routes.qo_host)
+        if ctx.keep:
+            q_buf, s_buf, k_buf, v_buf = saved[4 + 2 * nb:]
+        else:
+            q_buf, s_buf = recv[3 * nb:]
+            with nvtx_range("comm/cast bwd.kv"):
+                k_buf, v_buf = group_cast([kl, vl], routes.kv_index, routes.kv_split, cap, group, phase="bwd.kv",
+                                          host_split=routes.kv_host)
+
+        def stage(s):
+            def run(r, q_, k_, v_, s_, *per_branch):
+                st = stages[r][s]
+                d_o, lse, delta = per_branch[:3]
+                dq, dk, dv = sparse_attn_backward(d_o, q_, k_, v_, lse, delta, s_, spec.block_size, scale,
+                                                  q_pos=st.q_pos, q_class=st.q_class, kv_windows=st.kv_windows,
+                                                  window=st.window, backend=ctx.backend)
+                if nb > 1:
+                    wc = plan.window_calc
+                    d_o, lse, delta = per_branch[3:6]
+                    g = flex_attn_backward(d_o, q_, k_, v_, lse, delta, wc.q_ranges[r, s], wc.k_ranges[r, s],
+                                           wc.attn_type[r, s], scale)
+                    dq, dk, dv = dq + g[0], dk + g[1], dv + g[2]
+                return dq, dk, dv
+            return run
+
+        cat = lambda a, b: torch.cat((a, b), dim=lead)  # noqa: E731
+        with nvtx_range("attn/bwd stage0"):
+            dq0, dk0, dv0 = _per_rank(routes, stage(0), ql, kl, vl, sl, *sent)
+        with nvtx_range("attn/bwd stage1"):
+            dq1, dk1, dv1 = _per_rank(routes, stage(1), cat(ql, q_buf), cat(kl, k_buf), cat(vl, v_buf),
+                                      cat(sl, s_buf), *(cat(a, b) for a, b in zip(sent, recv[:3 * nb])))
+        n = ql.shape[lead]
+        local = lambda x: x.narrow(lead, 0, n)  # noqa: E731
+        remote = lambda x: x.narrow(lead, n, cap).contiguous()  # noqa: E731
+        with nvtx_range("comm/reduce bwd.dq"):
+            (dq,) = group_reduce([remote(dq1)], routes.qo_index, routes.qo_split, [dq0 + local(dq1)], group,
+                                 op="sum", phase="bwd.dq", host_split=routes.qo_host,
+                                 deterministic=ctx.deterministic)
+        with nvtx_range("comm/reduce bwd.dkv"):
+            dk, dv = group_reduce([remote(dk1), remote(dv1)], routes.kv_index, routes.kv_split,
+                                  [dk0 + local(dk1), dv0 + local(dv1)], group, op="sum", phase="bwd.dkv",
+                                  host_split=routes.kv_host, deterministic=ctx.deterministic)
+        return (from_group_major(dq, G, lead), from_group_major(dk, G, lead), from_group_major(dv, G, lead),
+                None, None, None, None, None, None, None, None)
+
+
+def _check_inputs(q, k, v, sel, plan: SparsePlan, group) -> None:
+    """Shapes against the plan (host metadata only)."""
+    if not isinstance(plan, SparsePlan):
+        raise TypeError(f"plan must be a SparsePlan (gpusolver.plan.sparse), got {type(plan).__name__}")
+    batched = bool(getattr(group, "batched", False))
+    lead = 1 if batched else 0
+    P, c, G = plan.comm.cp_size, plan.comm.chunk, plan.comm.head_groups
+    want = "[P, c, H, D]" if batched else "[c, H, D]"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 3 + lead or (batched and t.shape[0] != P):
+            raise ValueError(f"{name} must be {want} with P = {P} (the {type(group).__name__}'s layout), "
+                             f"got {tuple(t.shape)}")
+        if t.shape[lead] != c:
+            raise ValueError(f"{name} holds {t.shape[lead]} tokens per rank but the plan has c = S / P = {c}")
+        if t.shape[lead + 1] % G:
+            raise ValueError(f"{name} has {t.shape[lead + 1]} heads, not a multiple of the plan's G = {G} head groups")
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    spec = plan.spec
+    pre = f"[P = {P}, " if batched else "["
+    if spec.block_size == 1 and spec.heads == 1 and sel.dim() == lead + 2:
+        shape = (P, c, spec.width) if batched else (c, spec.width)
+    else:
+        shape = (P, c, spec.heads * G, spec.width) if batched else (c, spec.heads * G, spec.width)
+    if not isinstance(sel, torch.Tensor) or tuple(sel.shape) != shape or sel.dtype not in (torch.int32, torch.int64):
+        got = f"{tuple(sel.shape)} {sel.dtype}" if isinstance(sel, torch.Tensor) else type(sel).__name__
+        raise ValueError(f"sel must be int32/int64 {list(shape)} ({pre}c, k] token top-k or {pre}c, Hkv, n] blocks, "
+                         f"this plan's width {spec.width}), got {got}")
+
+
+def sparse_dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sel: torch.Tensor, plan: SparsePlan, group,
+                     *, softmax_scale: float | None = None, deterministic: bool = True,
+                     keep_forward_buffers: bool = True, validate: bool | None = None, backend: str = "auto"):
+    """Sparse attention of this rank's query shard over the whole sequence, as ``plan`` assigns the work.
+
+    Args:
+        q: ``[c, Hq, D]`` this rank's query shard (``[P, c, Hq, D]`` with a ``LocalGroup``).
+        k, v: ``[c, Hkv, D]`` (``[P, c, Hkv, D]``).
+        sel: this rank's selection rows, global key indices: ``[c, k]`` token top-k or
+            ``[c, Hkv, n]`` key blocks (``[P, ...]`` with a ``LocalGroup``), int32/int64, -1 unused.
+        plan: ``SparsePlan`` of the layer's mask (``solve_sparse_sharded`` / ``solve_sparse``).
+        group: ``LocalGroup``, ``TorchGroup`` or ``SymmMemGroup``.
+        softmax_scale, deterministic, keep_forward_buffers, validate: as in ``dist_attn``.
+        backend: the kernels' backend ("auto": Triton on CUDA, the torch twin elsewhere).
+
+    Returns:
+        out ``[c, Hq, D]`` and lse ``[c, Hq]`` fp32 (a leading ``[P]`` for ``LocalGroup``);
+        for an NSA layer mask, ``((out_sel, lse_sel), (out_win, lse_win))``, one pair per
+        branch. Differentiable in q, k and v.
+    """
+    _check_inputs(q, k, v, sel, plan, group)
+    if validate is None:
+        validate = q.device.type == "cpu" and not torch.compiler.is_compiling()
+    if validate:
+        plan.validate(ignore=IMBALANCED)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    with nvtx_range("solve/routes"):
+        routes = layer_routes(plan, group)
+        stages = {r: (plan.stage(r, 0), plan.stage(r, 1)) for r in routes.ranks}
+    outs = _SparseDistAttn.apply(q, k, v, sel, routes, stages, group, scale, bool(keep_forward_buffers),
+                                 bool(deterministic), backend)
+    if len(outs) == 2:
+        return outs[0], outs[1]
+    return (outs[0], outs[1]), (outs[2], outs[3])
+
+
+def local_selection(mask, group) -> torch.Tensor:
+    """The selection rows ``sparse_dist_attn`` takes, from the mask the rank holds (``[P, c, ...]``
+    for a ``LocalGroup``, whose mask holds every rank's rows)."""
+    sel = _selection(mask)
+    if getattr(group, "batched", False):
+        P = group.size
+        return sel.reshape(P, sel.shape[0] // P, *sel.shape[1:])
+    return sel
