@@ -360,7 +360,7 @@ def run(args) -> int:
         print("Bytes are this toy shape's bottleneck per rank (the busiest rank's max of send and receive); "
               "USP and ring move whole chunks whatever the mask. "
               "The figures at real shapes (8K tokens per rank, 64:8 heads, D = 128, bf16, P = 8..64) come from "
-              "the benchmarks: make bench, benchmarks/results/.")
+              "the benchmarks: python -m gpusolver bench, benchmarks/results/.")
         if args.out:
             from gpusolver.viz import draw_plan
 

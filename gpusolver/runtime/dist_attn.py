@@ -37,6 +37,7 @@ from attn_kernels import flex_attn, flex_attn_backward, merge_out_lse, row_delta
 from gpusolver.nvtx import nvtx_range
 from gpusolver.plan import IMBALANCED, Plan
 from gpusolver.runtime.layout import from_group_major, to_group_major
+from gpusolver.support import check_supported
 from groupcomm import TorchGroup, group_cast, group_reduce, host_splits
 
 
@@ -251,6 +252,7 @@ def dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, gro
         Differentiable in q, k and v.
     """
     _check_inputs(q, k, v, plan, group)
+    check_supported(q, k, v, group)  # the support matrix (docs/support_matrix.md), host metadata only
     if validate is None:
         validate = q.device.type == "cpu" and not torch.compiler.is_compiling()  # a host read breaks the graph
     if validate:
