@@ -13,10 +13,10 @@ rest), within what is left of the budget:
               LocalGroup under torch.cuda.set_sync_debug_mode("error")
   cuda_graph  solve + metas + dist_attn (LocalGroup) captured in one CUDA graph: the replay equals
               eager, and after the mask tensors change in place, equals eager on the new mask
+  demo        python -m gpusolver demo on one GPU (fp32 and bf16), checked against dense attention
   latency     full solve (areas, assignment, metas) vs P for the three paths: eager (CUDA events)
               and CUDA-graph replay
   kernels     benchmarks/kernel_bench.py: attention TFLOP/s vs SDPA and FlexAttention
-  demo        python -m gpusolver demo on one GPU (fp32 and bf16), checked against dense attention
 
 The summary: ``{"ok", "seconds", "machine", "steps": {name: {"ok", "rc", "seconds", "timed_out",
 "result", "tail"}}}``; exit status 0 only when every step passed.
@@ -38,14 +38,14 @@ ROOT = Path(__file__).resolve().parents[1]
 BUDGET_S = 480
 # (step, seconds it may take at most, command; None = a function of this script)
 STEPS = [
-    ("env", 45, None),
-    ("tests", 150, [sys.executable, "-m", "pytest", "tests/gpu", "-x", "-q", "-p", "no:cacheprovider"]),
+    ("env", 30, None),
+    ("tests", 120, [sys.executable, "-m", "pytest", "tests/gpu", "-x", "-q", "-p", "no:cacheprovider"]),
     ("sync_debug", 60, None),
     ("cuda_graph", 60, None),
-    ("latency", 90, None),
-    ("kernels", 60, [sys.executable, "benchmarks/kernel_bench.py", "--seqlens", "4096", "16384", "--reps", "5",
+    ("demo", 90, None),  # first runs compile the solver's and the attention's kernels at the demo's shapes
+    ("latency", 75, None),
+    ("kernels", 45, [sys.executable, "benchmarks/kernel_bench.py", "--seqlens", "4096", "16384", "--reps", "5",
                      "--warmup", "2"]),
-    ("demo", 45, None),
 ]
 TAIL = 3000
 

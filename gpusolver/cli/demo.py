@@ -176,7 +176,7 @@ def _check_layer(mask, run: Launch, tensors) -> tuple[float, float]:
         return math.nan, math.nan
     qg, kg, vg, og, d_out, dq, dk, dv = gathered
     qq, kk, vv = (t.double().requires_grad_() for t in (qg, kg, vg))
-    ref_out, _ = dense_attn(qq, kk, vv, mask.to_dense())
+    ref_out, _ = dense_attn(qq, kk, vv, mask.to_dense().to(qq.device))  # the dense mask is built on the host
     rq, rk, rv = torch.autograd.grad(ref_out, (qq, kk, vv), d_out.double())
     err_grad = max(_rel_err(dq, rq), _rel_err(dk, rk), _rel_err(dv, rv))
     return _rel_err(og, ref_out), err_grad
