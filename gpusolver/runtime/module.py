@@ -21,9 +21,12 @@ from torch import nn
 
 from gpusolver.config import SolverConfig
 from gpusolver.masks.slices import AttnSlices
+from gpusolver.masks.sparse import NSALayerMask
 from gpusolver.nvtx import nvtx_range
 from gpusolver.plan import Plan
 from gpusolver.runtime.dist_attn import dist_attn
+from gpusolver.runtime.sparse_attn import (SPARSE_MASKS, local_selection, mask_on_device, solve_sparse_sharded,
+                                           sparse_dist_attn)
 from gpusolver.solve import solve
 
 
@@ -108,7 +111,12 @@ class DynamicCPAttention(nn.Module):
             # host checks read values: a graph break under torch.compile, so off there by default
             validate = (device.type == "cpu" and not torch.compiler.is_compiling()) if self.validate is None \
                 else self.validate
-            plan = solve(_on_device(mask, device), self.config, solver=self.solver, impl=self.impl, validate=validate)
+            if isinstance(mask, SPARSE_MASKS):  # sharded indexer flow: local area rows, all-gather, solve
+                plan = solve_sparse_sharded(mask_on_device(mask, device), self.config, self.group,
+                                            solver=self.solver, impl=self.impl, validate=validate)
+            else:
+                plan = solve(_on_device(mask, device), self.config, solver=self.solver, impl=self.impl,
+                             validate=validate)
             self.plan_cache.put(mask_name, mask, self.config, plan)
         return plan
 
@@ -116,9 +124,25 @@ class DynamicCPAttention(nn.Module):
                 plan: Plan | None = None, mask_name: str = "default", return_lse: bool = False):
         """q ``[c, Hq, D]``, k / v ``[c, Hkv, D]`` (this rank's shards; ``[P, ...]`` on a
         ``LocalGroup``) and the layer's mask (or a precomputed ``plan``) -> out ``[c, Hq, D]``
-        (and lse ``[c, Hq]`` fp32 with ``return_lse``)."""
+        (and lse ``[c, Hq]`` fp32 with ``return_lse``).
+
+        Sparse masks (``BlockSparseMask``, ``TokenTopKMask``, ``NSALayerMask``) hold the query rows
+        this process runs (every rank's on a ``LocalGroup``, else this rank's c rows at
+        ``query_offset = rank * c``) and must be passed as ``mask``; an ``NSALayerMask`` gives
+        ``(out_sel, out_win)`` (with lse: ``((out, lse), (out, lse))``)."""
         if (mask is None) == (plan is None):
             raise ValueError("pass exactly one of mask= and plan=")
+        if isinstance(mask, SPARSE_MASKS):
+            # the rank's own selection rows travel with its queries; an NSALayerMask gives one
+            # (out, lse) per branch (selection, window)
+            with nvtx_range(f"layer/{mask_name}"):
+                plan = self.plan_for(mask, q.device, mask_name)
+                res = sparse_dist_attn(q, k, v, local_selection(mask_on_device(mask, q.device), self.group), plan,
+                                       self.group, softmax_scale=self.softmax_scale, deterministic=self.deterministic,
+                                       keep_forward_buffers=self.config.keep_forward_buffers, validate=self.validate)
+            if isinstance(mask, NSALayerMask):
+                return res if return_lse else (res[0][0], res[1][0])
+            return res if return_lse else res[0]
         with nvtx_range(f"layer/{mask_name}"):
             if plan is None:
                 plan = self.plan_for(mask, q.device, mask_name)

@@ -349,3 +349,16 @@ def local_selection(mask, group) -> torch.Tensor:
         P = group.size
         return sel.reshape(P, sel.shape[0] // P, *sel.shape[1:])
     return sel
+
+
+def mask_on_device(mask, device: torch.device):
+    """The sparse mask with its index tensor on ``device`` (the solve runs where the attention runs)."""
+    from dataclasses import replace
+
+    if mask.device == device:
+        return mask
+    if isinstance(mask, NSALayerMask):
+        return replace(mask, selection=mask_on_device(mask.selection, device))
+    if isinstance(mask, TokenTopKMask):
+        return replace(mask, topk_indices=mask.topk_indices.to(device))
+    return replace(mask, block_indices=mask.block_indices.to(device))

@@ -1,0 +1,174 @@
+"""Reference sparse-attention indexers, on the device: where sparse masks come from.
+
+Shape legend: T query rows (a shard, from ``query_offset``), S keys (the whole
+sequence), d_model hidden size, Hi indexer heads, d indexer head dim, Hq /
+Hkv attention heads, D head dim, l block size, nb = ceil(S / l) blocks.
+
+Two scorers, each a few tensor ops with static shapes (no host reads; they
+run on ``device="meta"``) and a causal top-k:
+
+- ``LightningIndexer`` (DSA-like): small projections of the hidden states give
+  index queries ``[T, Hi, d]``, index keys ``[S, d]`` and per-head weights
+  ``[T, Hi]``; the score of key s for row t is
+  ``sum_h w[t, h] * relu(q[t, h] . k[s])`` and each row keeps its ``topk``
+  best keys ``s <= t`` -> ``topk_indices [T, topk]`` (a ``TokenTopKMask``).
+- ``CompressedKeyIndexer`` (NSA-like): the mean of each block of ``l`` keys is
+  that block's compressed key; each query head's softmax over the compressed
+  keys is summed over the query heads of a KV head, and each (row, KV head)
+  keeps its ``top_n`` best blocks ``b <= t // l``, with the first block and
+  the ``local_blocks`` blocks ending at the query's own always selected ->
+  ``block_indices [T, Hkv, top_n]`` (a ``BlockSparseMask``).
+
+Rows with fewer valid candidates than slots pad with -1. Scores are computed
+in steps of rows so that the working set stays near ``step_elems`` entries.
+These are references for demos, tests and benchmarks: their selections have
+the structure of the real indexers' (causal, local blocks, a spread of
+remote keys), not their learned content.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Score entries per row step (rows * S): bounds the [rows, S] score working set.
+STEP_ELEMS = 1 << 24
+
+
+def _positive(name: str, v) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise ValueError(f"{name} must be a positive int, got {v!r}")
+    return v
+
+
+def _offset(v) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError(f"query_offset must be a non-negative int, got {v!r}")
+    return v
+
+
+def _causal_topk(scores: torch.Tensor, valid: torch.Tensor, width: int) -> torch.Tensor:
+    """Indices [..., width] int32 of the best valid entries along the last dim, -1 where fewer are valid."""
+    n = scores.shape[-1]
+    k = min(width, n)
+    s = torch.where(valid, scores, float("-inf"))
+    best = torch.topk(s, k, dim=-1, sorted=False)
+    idx = torch.where(torch.isinf(best.values) & (best.values < 0), -1, best.indices)
+    if k < width:
+        idx = torch.cat((idx, idx.new_full((*idx.shape[:-1], width - k), -1)), dim=-1)
+    return idx.to(torch.int32)
+
+
+def _rows_per_step(rows: int, width: int, step_elems: int) -> int:
+    return max(1, min(rows, step_elems // max(1, width)))
+
+
+@dataclass
+class LightningIndexer:
+    """A DSA-like lightning indexer: small projections, ReLU scores weighted per head, causal top-k.
+
+    wq: [d_model, Hi * d], wk: [d_model, d], ww: [d_model, Hi] projection weights.
+    topk: keys kept per query row (2048 in DeepSeek-V3.2).
+    """
+
+    wq: torch.Tensor
+    wk: torch.Tensor
+    ww: torch.Tensor
+    topk: int
+    step_elems: int = STEP_ELEMS
+
+    @staticmethod
+    def init(d_model: int, heads: int = 4, head_dim: int = 32, topk: int = 2048, *, seed: int = 0,
+             device="cpu", dtype=torch.float32) -> "LightningIndexer":
+        """Random projections (seeded, scaled by 1 / sqrt(fan-in))."""
+        for name, v in (("d_model", d_model), ("heads", heads), ("head_dim", head_dim), ("topk", topk)):
+            _positive(name, v)
+        g = torch.Generator().manual_seed(seed)
+        draw = lambda *shape: (torch.randn(*shape, generator=g) / d_model ** 0.5).to(device, dtype)  # noqa: E731
+        return LightningIndexer(draw(d_model, heads * head_dim), draw(d_model, head_dim), draw(d_model, heads), topk)
+
+    def keys(self, x: torch.Tensor) -> torch.Tensor:
+        """Index keys [S, d] of hidden states x [S, d_model] (all-gathered over the CP group:
+        d values per token, a small fraction of K)."""
+        return x @ self.wk
+
+    def __call__(self, x_q: torch.Tensor, keys: torch.Tensor, query_offset: int = 0) -> torch.Tensor:
+        """topk_indices [T, topk] int32 of the rows x_q [T, d_model] (queries ``query_offset + t``)
+        against index keys [S, d]. Sync-free."""
+        _offset(query_offset)
+        T, S = x_q.shape[0], keys.shape[0]
+        d = keys.shape[1]
+        q = (x_q @ self.wq).view(T, -1, d)  # [T, Hi, d]
+        w = x_q @ self.ww  # [T, Hi]
+        out = []
+        step = _rows_per_step(T, S * q.shape[1], self.step_elems)
+        cols = torch.arange(S, device=keys.device)
+        for t0 in range(0, T, step):  # static trip count
+            t1 = min(T, t0 + step)
+            score = torch.einsum("thd,sd->ths", q[t0:t1], keys).relu_()  # [t, Hi, S]
+            score = torch.einsum("ths,th->ts", score, w[t0:t1])
+            pos = query_offset + torch.arange(t0, t1, device=keys.device)
+            out.append(_causal_topk(score, cols[None, :] <= pos[:, None], self.topk))
+        return torch.cat(out) if out else torch.empty(0, self.topk, dtype=torch.int32, device=keys.device)
+
+
+@dataclass
+class CompressedKeyIndexer:
+    """An NSA-like block selector: block-mean compressed keys, softmax scores summed over a KV
+    head's query heads, top-n blocks with the first and the local blocks forced.
+
+    block_size:   l, keys per block (64 in NSA).
+    top_n:        blocks per (row, KV head) (16 in NSA).
+    local_blocks: blocks ending at the query's own that are always selected (2 in NSA).
+    """
+
+    block_size: int = 64
+    top_n: int = 16
+    local_blocks: int = 2
+    step_elems: int = STEP_ELEMS
+
+    def __post_init__(self):
+        _positive("block_size", self.block_size)
+        _positive("top_n", self.top_n)
+        if isinstance(self.local_blocks, bool) or not isinstance(self.local_blocks, int) or self.local_blocks < 0:
+            raise ValueError(f"local_blocks must be a non-negative int, got {self.local_blocks!r}")
+        if self.top_n < self.local_blocks + 1:
+            raise ValueError(f"top_n={self.top_n} must hold the first block and local_blocks={self.local_blocks}")
+
+    def compress(self, k: torch.Tensor) -> torch.Tensor:
+        """Compressed keys [nb, Hkv, D]: the mean of each block of k [S, Hkv, D] (the last block
+        averages the keys it has)."""
+        S, Hkv, D = k.shape
+        l = self.block_size
+        nb = -(-S // l)
+        pad = nb * l - S
+        kp = torch.cat((k, k.new_zeros(pad, Hkv, D))) if pad else k
+        count = torch.full((nb, 1, 1), float(l), dtype=k.dtype, device=k.device)
+        if pad:
+            count[-1] = l - pad
+        return kp.view(nb, l, Hkv, D).sum(1) / count
+
+    def __call__(self, q: torch.Tensor, k_cmp: torch.Tensor, query_offset: int = 0) -> torch.Tensor:
+        """block_indices [T, Hkv, top_n] int32 of query rows q [T, Hq, D] (queries
+        ``query_offset + t``) against compressed keys [nb, Hkv, D]. Sync-free."""
+        _offset(query_offset)
+        T, Hq, D = q.shape
+        nb, Hkv, _ = k_cmp.shape
+        hg = Hq // Hkv
+        l = self.block_size
+        blocks = torch.arange(nb, device=q.device)
+        out = []
+        step = _rows_per_step(T, nb * Hq, self.step_elems)
+        for t0 in range(0, T, step):  # static trip count
+            t1 = min(T, t0 + step)
+            t = t1 - t0
+            own = ((query_offset + torch.arange(t0, t1, device=q.device)) // l).view(t, 1, 1)  # the query's block
+            valid = blocks.view(1, 1, nb) <= own  # [t, 1, nb]
+            s = torch.einsum("thgd,bhd->thgb", q[t0:t1].float().view(t, Hkv, hg, D), k_cmp.float()) * D ** -0.5
+            s = s.masked_fill(~valid[:, :, None, :], float("-inf"))
+            score = torch.softmax(s, dim=-1).sum(2)  # [t, Hkv, nb]
+            forced = (blocks.view(1, 1, nb) == 0) | ((own - blocks.view(1, 1, nb) < self.local_blocks)
+                                                     & (blocks.view(1, 1, nb) <= own))
+            score = torch.where(forced, float("inf"), score)
+            out.append(_causal_topk(score, valid.expand(t, Hkv, nb), self.top_n))
+        return torch.cat(out) if out else torch.empty(0, Hkv, self.top_n, dtype=torch.int32, device=q.device)
