@@ -1,0 +1,76 @@
+"""Reference indexers: causal top-k of the scores they define, forced NSA blocks, sharded calls."""
+import pytest
+import torch
+
+from gpusolver.indexers import CompressedKeyIndexer, LightningIndexer
+from gpusolver.masks.sparse import BlockSparseMask, TokenTopKMask
+
+torch.set_num_threads(1)
+
+
+def _is_topk(scores: torch.Tensor, chosen: torch.Tensor, valid: torch.Tensor, k: int) -> None:
+    """chosen [k] (-1 padded) holds min(k, #valid) distinct valid entries, none scoring below an unchosen valid one."""
+    picked = chosen[chosen >= 0]
+    assert picked.unique().numel() == picked.numel() == min(k, int(valid.sum()))
+    assert valid[picked].all()
+    rest = valid.clone()
+    rest[picked] = False
+    if rest.any():
+        assert scores[picked].min() >= scores[rest].max()
+
+
+def test_lightning_indexer_keeps_the_causal_topk():
+    S, dm, k = 40, 16, 6
+    x = torch.randn(S, dm)
+    ix = LightningIndexer.init(dm, heads=3, head_dim=8, topk=k, seed=1)
+    keys = ix.keys(x)
+    topk = ix(x, keys)
+    assert topk.shape == (S, k) and topk.dtype == torch.int32
+    q = (x @ ix.wq).view(S, 3, 8)
+    score = torch.einsum("thd,sd->ths", q, keys).relu().mul((x @ ix.ww)[:, :, None]).sum(1)  # [S, S]
+    for t in range(S):
+        _is_topk(score[t], topk[t].long(), torch.arange(S) <= t, k)
+    TokenTopKMask(topk, S).validate()
+    # a rank scores its own rows against every key: the same top-k per row
+    for r in range(4):
+        part = ix(x[r * 10:(r + 1) * 10], keys, r * 10)
+        for t in range(10):
+            _is_topk(score[r * 10 + t], part[t].long(), torch.arange(S) <= r * 10 + t, k)
+
+
+def test_compressed_key_indexer_forces_first_and_local_blocks():
+    S, Hq, Hkv, D, l, n = 48, 4, 2, 16, 4, 5
+    q, k = torch.randn(S, Hq, D), torch.randn(S, Hkv, D)
+    ix = CompressedKeyIndexer(block_size=l, top_n=n, local_blocks=2)
+    k_cmp = ix.compress(k)
+    assert torch.allclose(k_cmp[3], k[12:16].mean(0))
+    blocks = ix(q, k_cmp)
+    assert blocks.shape == (S, Hkv, n)
+    BlockSparseMask(blocks, l, S).validate()
+    s = torch.einsum("thgd,bhd->thgb", q.view(S, Hkv, 2, D), k_cmp) * D ** -0.5
+    for t in range(S):
+        own = t // l
+        valid = torch.arange(S // l) <= own
+        p = torch.softmax(s[t].masked_fill(~valid, float("-inf")), -1).sum(1)  # [Hkv, nb]
+        for h in range(Hkv):
+            chosen = blocks[t, h].long()
+            forced = {0, own, max(own - 1, 0)}
+            assert forced <= set(chosen.tolist())
+            score = p[h].clone()
+            score[list(forced)] = float("inf")
+            _is_topk(score, chosen, valid, n)
+    sharded = torch.cat([ix(q[r * 12:(r + 1) * 12], k_cmp, r * 12) for r in range(4)])
+    assert torch.equal(sharded.sort(-1).values, blocks.sort(-1).values)
+
+
+def test_indexers_on_meta_and_errors():
+    ix = LightningIndexer.init(8, 2, 4, topk=5, device="meta")
+    x = torch.randn(12, 8, device="meta")
+    assert ix(x, ix.keys(x), 0).shape == (12, 5)
+    nsa = CompressedKeyIndexer(4, 3, 1)
+    k = torch.randn(12, 2, 16, device="meta")
+    assert nsa(torch.randn(12, 4, 16, device="meta"), nsa.compress(k)).device.type == "meta"
+    with pytest.raises(ValueError, match="top_n=2 must hold the first block and local_blocks=2"):
+        CompressedKeyIndexer(4, 2, 2)
+    with pytest.raises(ValueError, match="query_offset must be a non-negative int"):
+        ix(x, ix.keys(x), -1)

@@ -1,0 +1,113 @@
+"""Sparse plans: every stage's key windows point at the buffer rows that hold those keys, and the
+kept entries of all ranks and stages are the mask, once (loads equal); prices; status; the sharded
+solve equals the whole-mask solve."""
+import pytest
+import torch
+
+from attn_kernels.sparse_attn.ref import selected_rows
+from gpusolver.plan import BUFFER_OVERFLOW, UNASSIGNED
+from gpusolver.plan.sparse import (SelectionSpec, SparseCommCost, build_sparse_plan, solve_sparse, sparse_config)
+from gpusolver.runtime.sparse_attn import gather_sparse_areas, solve_sparse_sharded
+from groupcomm import LocalGroup
+from tests.gpusolver.sparse._cases import make_config, make_mask, scatter_plan
+
+torch.set_num_threads(1)
+
+
+def _global_selection(mask, G):
+    """[G, S, hs, w] selection rows per group (token top-k repeated for each group)."""
+    from gpusolver.runtime.sparse_attn import _selection
+
+    sel = _selection(mask).long()
+    if sel.dim() == 2:
+        return sel[None, :, None, :].expand(G, -1, 1, -1)
+    S, Hkv, w = sel.shape
+    return sel.view(S, G, Hkv // G, w).permute(1, 0, 2, 3)
+
+
+def _key_ids(plan, rank, G):
+    """[G * c + cap] global key held at each key-buffer row of ``rank`` (-1 unused), group of each row."""
+    comm = plan.comm
+    P, c, n, cap = comm.cp_size, comm.chunk, comm.tiles, comm.recv_capacity
+    U = P * n
+    key = torch.full((G * c + cap,), -1, dtype=torch.int64)
+    grp = torch.full((G * c + cap,), -1, dtype=torch.int64)
+    for g in range(G):
+        key[g * c:(g + 1) * c] = rank * c + torch.arange(c)
+        grp[g * c:(g + 1) * c] = g
+        for u in range(U):
+            lo, hi = comm.kv_range[g, u, rank].tolist()
+            at = G * c + int(comm.kv_recv_offset[g, u, rank])
+            key[at:at + hi - lo] = (u // n) * c + torch.arange(lo, hi)
+            grp[at:at + hi - lo] = g
+    return key, grp
+
+
+@pytest.mark.parametrize("kind,P,c,Hkv,flatten,tiles", [("dsa", 4, 12, 2, True, 1), ("nsa", 4, 16, 2, True, 2),
+                                                        ("nsa", 4, 16, 4, False, 1)])
+def test_stages_cover_the_mask_once(kind, P, c, Hkv, flatten, tiles):
+    S = P * c
+    mask = make_mask(kind, S, Hkv, seed=5)
+    config = make_config(P, 2 * Hkv, Hkv, flatten, tiles)
+    G = config.head_groups
+    plan = scatter_plan(mask, config, LocalGroup(P))
+    sel = _global_selection(mask, G)  # [G, S, hs, w]
+    spec = plan.spec
+    total = torch.zeros((), dtype=torch.int64)
+    for r in range(P):
+        key_id, key_grp = _key_ids(plan, r, G)
+        kept_r = 0
+        for s in (0, 1):
+            st = plan.stage(r, s)
+            pos, cls = st.q_pos.long(), st.q_class.long()
+            g = cls // plan.num_units
+            rows_sel = sel[g, pos.clamp(min=0)]  # each query row's selection, as it travels with Q
+            rows, ok = selected_rows(rows_sel, st.q_pos, st.q_class, st.kv_windows, spec.block_size, st.window,
+                                     key_id.numel())
+            keys = (rows_sel[..., None] * spec.block_size + torch.arange(spec.block_size)).flatten(-2)
+            # a kept key sits at the buffer row its window points to, in the row's own group
+            assert torch.equal(key_id[rows[ok]], keys[ok])
+            assert torch.equal(key_grp[rows[ok]], g[:, None, None].expand_as(ok)[ok])
+            kept_r += int(ok.sum())
+        assert kept_r == int(plan.metrics.load[r]), f"rank {r}: kept {kept_r} != load {int(plan.metrics.load[r])}"
+        total += kept_r
+    assert int(total) == int(plan.area.sum())
+
+
+def test_prices_include_selection_bytes():
+    cost = SparseCommCost(8, 2, 64, 2, 2, True, selection_bytes=3 * 16, branches=2)
+    assert cost.q_fwd == 4 * 64 * 2 + 48 and cost.o_fwd == 2 * 4 * (64 * 2 + 4)
+    assert cost.q_bwd == 2 * 4 * (64 * 2 + 8) and cost.dq_bwd == 4 * 64 * 2 and cost.kv_fwd == 2 * 64 * 2
+    recast = SparseCommCost(8, 2, 64, 2, 2, False, selection_bytes=48)
+    assert recast.q_bwd == 4 * (64 * 2 + 8) + 4 * 64 * 2 + 48
+    mask = make_mask("dsa", 32, 2)
+    spec = SelectionSpec.of(mask, 2)
+    assert spec.row_bytes == 12 * 4 and sparse_config(make_config(4, 4, 2), spec).cost().q_fwd == 2 * 32 * 4 + 48
+
+
+def test_sharded_solve_equals_whole_solve():
+    P, c, Hkv = 4, 16, 2
+    mask = make_mask("nsa", P * c, Hkv, seed=2)
+    config = make_config(P, 4, Hkv)
+    whole = solve_sparse(mask, config)
+    sharded = solve_sparse_sharded(mask, config, LocalGroup(P))
+    assert torch.equal(whole.assignment, sharded.assignment)
+    assert torch.equal(whole.metrics.fwd_send, sharded.metrics.fwd_send)
+
+
+def test_status_names_the_problem():
+    P, c, Hkv = 4, 8, 2
+    mask = make_mask("dsa", P * c, Hkv)
+    config = make_config(P, 2, Hkv)
+    areas, _ = gather_sparse_areas(mask, config, LocalGroup(P))
+    spec = SelectionSpec.of(mask, config.head_groups)
+    bad = torch.where(areas.area > 0, -1, -1)
+    plan = build_sparse_plan(areas, bad, config, spec, P * c)
+    assert int(plan.status) & UNASSIGNED
+    with pytest.raises(ValueError, match="UNASSIGNED: task"):
+        plan.validate()
+    moved = torch.where(areas.area > 0, (torch.arange(P)[None, :, None] + 1) % P, -1)
+    plan = build_sparse_plan(areas, moved, config, spec, P * c, recv_capacity=3)
+    assert int(plan.status) & BUFFER_OVERFLOW
+    with pytest.raises(ValueError, match="BUFFER_OVERFLOW: rank"):
+        plan.validate()
