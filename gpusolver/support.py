@@ -15,15 +15,17 @@ __all__ = ["MASKS", "EXECUTION", "DTYPES", "HEAD_DIMS", "check_supported", "supp
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 HEAD_DIMS = (32, 64, 128)  # the attention kernels' head dims
 
-# mask form -> (block areas, solve to a Plan, dist_attn, note)
+# mask form -> (block areas, solve to a plan, the layer that runs it, note)
 MASKS = {
     "slices `[R]`: FULL, CAUSAL, INV_CAUSAL, BI_CAUSAL, padding rows": ("yes", "yes", "yes", ""),
     "slices per head group `[G, R]`": ("yes", "yes", "yes",
                                         "under torch.compile the solve is traced op by op"),
-    "NSA block selection `[T, Hkv, n]`": ("yes", "assignment only", "no",
-                                          "a Plan needs slices; sparse stages are not built yet"),
-    "DSA token top-k `[T, k]`": ("yes", "assignment only", "no",
-                                 "a Plan needs slices; sparse stages are not built yet"),
+    "NSA block selection `[T, Hkv, n]`": ("yes", "yes: `SparsePlan`", "`sparse_dist_attn`, `DynamicCPAttention`",
+                                          "each rank passes its own query rows; their area rows are all-gathered"),
+    "DSA token top-k `[T, k]`": ("yes", "yes: `SparsePlan`", "`sparse_dist_attn`, `DynamicCPAttention`",
+                                 "each rank passes its own query rows; their area rows are all-gathered"),
+    "NSA layer: selection + sliding window (`NSALayerMask`)": ("yes", "yes", "`DynamicCPAttention`",
+                                                               "two branches, each with its own out and lse"),
 }
 
 # (device, attention backend, collective, process-group backend or None) -> note
@@ -96,7 +98,7 @@ def check_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group) ->
 
 def support_matrix_markdown() -> str:
     """The support tables of ``docs/support_matrix.md``, rendered from this module's data."""
-    lines = ["| mask form | block areas | solve -> Plan | dist_attn | note |", "|---|---|---|---|---|"]
+    lines = ["| mask form | block areas | solve -> plan | layer | note |", "|---|---|---|---|---|"]
     lines += [f"| {m} | {a} | {s} | {d} | {n} |" for m, (a, s, d, n) in MASKS.items()]
     lines += ["", "| device | attention | collective | process group | dtypes | head dims | note |",
               "|---|---|---|---|---|---|---|"]
