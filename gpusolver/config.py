@@ -28,10 +28,13 @@ class SolverConfig:
                         rank per stage); None picks a default from P and the
                         mask's slice count.
     max_recv_rows:      static capacity of each rank's QO and KV receive
-                        buffers (and send lists), in group-major rows; None
-                        is the worst case G * c * (P - 1). A smaller value
-                        saves buffer memory; a plan that needs more reports
-                        BUFFER_OVERFLOW (work is never dropped).
+                        buffers (and send lists), in group-major rows. None
+                        is ``min(G * c * (P - 1), 16 * G * c)``: the worst
+                        case G * c * (P - 1) up to P = 17, then 16 chunks,
+                        measured to hold the benchmark masks' plans with a
+                        1.5x margin (``plan_capacities``). A plan that needs
+                        more reports BUFFER_OVERFLOW (work is never dropped);
+                        set a larger value, up to the worst case, for it.
     keep_forward_buffers: in the backward, helpers reuse the Q, K and V they
                         received in the forward (default), so only dO, lse,
                         delta go out and dQ, dK, dV come back. False re-sends

@@ -43,23 +43,48 @@ def _check_args(mask: AttnSlices, areas: BlockAreas, assignment: torch.Tensor, c
             raise ValueError(f"{name} is on {t.device} but assignment is on {assignment.device}")
 
 
+_DEFAULT_CHUNKS = 16  # default receive and send capacity, in units of G * c rows
+
+
 def plan_capacities(config: SolverConfig, num_slices: int, chunk: int, *, recv_capacity: int | None = None,
                     send_capacity: int | None = None) -> tuple[int, int, int]:
     """Static capacities (stage slice rows, receive rows, send rows), host ints.
 
     stage:  ``config.max_stage_slices``, else ``default_stage_capacity(R, G, P, n)``
             = ``3 * G * n * max(R, 2 * P)``.
-    recv / send: ``config.max_recv_rows``, else the worst case ``G * c * (P - 1)``
-            rows (every other rank's whole chunk, or the whole local chunk to
-            every other rank).
+    recv / send: ``config.max_recv_rows``, else ``min(G * c * (P - 1), 16 * G * c)``
+            rows. ``G * c * (P - 1)`` is the worst case (every other rank's
+            whole chunk, or the whole local chunk to every other rank), about
+            1 GB per K buffer at P = 64; the default equals it up to P = 17.
     Raises ValueError when ``G * c + recv`` is past ``limits.MAX_PLAN_ROWS`` (int32 rows).
+
+    The default comes from the device solver's plans of the quality benchmark
+    masks (packed documents, 8K tokens per rank, 64:8), measured by
+    ``benchmarks/layer_bench.py --tiles 1,2,4 --fill-seeds 20 --fill-kinds
+    causal-seq,full-seq``. Largest rows a rank receives / sends (QO or KV),
+    as a multiple of G * c, over seeds 0-19 with whole chunks (seeds 0-2 with
+    2 and 4 tiles stay below these):
+
+        P     causal recv  send     full recv  send     one causal sequence recv  send
+        8          1.3      1.3          2.6    2.1                        -
+        16         3.1      2.9          3.2    3.3                       6.6   8.0
+        32         4.7      5.7          7.9    7.1                      10.3  11.0
+        64         8.6     10.6          8.0    8.6                      14.8  15.0
+
+    Receiving stays near 8 G * c as P grows (a helper receives about the work
+    it takes on), sending grows with P (a long document's key chunk is wanted
+    by many helpers; 13.1 at P = 128 over 3 seeds). 16 is at least 1.5x the
+    largest packed-document need up to P = 64 and also holds one causal or
+    full sequence there. The solve does not yet treat capacity as a
+    constraint: a mask that needs more gets BUFFER_OVERFLOW (one causal
+    sequence past P = 64 will); set ``max_recv_rows`` for it.
     """
     G, P = config.head_groups, config.cp_size
     worst = G * chunk * (P - 1)
     stage = config.max_stage_slices
     if stage is None:
         stage = default_stage_capacity(num_slices, G, P, config.chunk_tiles)
-    default = worst if config.max_recv_rows is None else config.max_recv_rows
+    default = min(worst, _DEFAULT_CHUNKS * G * chunk) if config.max_recv_rows is None else config.max_recv_rows
     recv = default if recv_capacity is None else recv_capacity
     send = default if send_capacity is None else send_capacity
     for name, v in (("max_stage_slices", stage), ("recv_capacity", recv), ("send_capacity", send)):
@@ -83,7 +108,7 @@ def build_plan(mask: AttnSlices, areas: BlockAreas, assignment: torch.Tensor, co
     config:        SolverConfig (P, G, byte costs, mu, ``max_stage_slices``).
     imbalance_tol: mu for the IMBALANCED bit (default ``config.imbalance_tol``).
     recv_capacity, send_capacity: rows of each receive buffer / send list
-                   (default ``G * c * (P - 1)``, the worst case).
+                   (default: ``plan_capacities``).
 
     Returns a Plan whose shapes depend only on (config, R, c, capacities).
     Problems are reported in ``plan.status``; call ``plan.validate()`` on the

@@ -1,0 +1,573 @@
+"""Layer benchmark: what one attention layer moves, holds and (modelled) costs, next to USP and ring.
+
+Masks: the quality benchmark's (packed causal / full documents drawn from the
+length histogram, ``--tokens-per-rank`` 8K), GQA Hq:Hkv = 64:8, D = 128, bf16,
+G = 8 head groups, mu = 1.10 (``SolverConfig`` defaults). Per (kind, P, seed):
+
+    solve ms     block areas + device solve + plan build (``gpusolver.solve``'s
+                 path without validation), torch path on CPU, one thread
+    fwd / bwd MB bottleneck bytes per rank, ``max_r max(send_r, recv_r)``, of
+                 the plan (``CommCost``'s protocol, kept forward buffers), of
+                 USP and of ring attention for the same mask (10^6 B)
+    model ms     MODELLED layer time (not measured), ours and USP, below
+    fill         the largest QO / KV receive and send rows of the plan, as a
+                 multiple of G * c: what sizes the default receive capacity
+                 (``plan_capacities``); with ``--tiles 1,2,4`` also for tiled plans
+
+Then, per P, the receive-buffer memory per rank at the default capacity and
+at the old worst case ``G * c * (P - 1)``; a small real run of the layer
+through ``dist_attn`` on ``LocalGroup`` (CPU), whose byte counters must equal
+the plan's per-phase bytes; and, on a GPU only, each rank's attention time of
+both stages at the real shapes.
+
+Modelled layer time. Links: NVLink ``--nvlink`` GB/s per direction between
+the GPUs of a node of 8, InfiniBand ``--ib`` GB/s per direction per GPU
+between nodes; a collective takes, over all ranks, the largest of
+bytes / bandwidth per (direction, link kind). Attention runs at ``--tflops``
+TFLOP/s with ``4 * D`` FLOPs per (q, k) entry per query head forward and 2.5
+times that backward. Ours, per pass:
+``max_r(max(stage0_r, cast) + stage1_r) + reduce``: stage 0 (the rank's
+local-local tasks) runs while the cast of Q and K, V (backward: dO, lse,
+delta) is in flight; stage 1 and the reduce of partial O (backward: dQ, dK,
+dV) follow. USP (Ulysses degree u = 8 inside a node, ring of P / u across
+nodes): its all-to-alls are not overlapped; each ring hop overlaps the
+compute of the block in hand (sequential sharding, so its compute is the
+mask's own per-position work).
+
+    python benchmarks/layer_bench.py                           # P = 8,16,32,64, 3 seeds
+    python benchmarks/layer_bench.py --P 8 --seeds 1 --tokens-per-rank 1024
+    python benchmarks/layer_bench.py --tiles 1,2,4             # capacity fill of tiled plans too
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, run as a script or loaded by path
+
+from _common import (  # noqa: E402
+    KINDS, PACKED_KINDS, RESULTS_DIR, TOKENS_PER_RANK, cuda_time, environment, make_mask, markdown_table, median,
+    parse_list, write_results,
+)
+from gpusolver.areas import block_areas  # noqa: E402
+from gpusolver.baselines import baseline_table, ulysses_degree  # noqa: E402
+from gpusolver.config import SolverConfig  # noqa: E402
+from gpusolver.plan import BUFFER_OVERFLOW, build_plan, plan_capacities  # noqa: E402
+from gpusolver.plan.comm_meta import build_comm_meta  # noqa: E402
+from gpusolver.solve import solve, solve_assignment  # noqa: E402
+
+FULL_P, FULL_SEEDS = (8, 16, 32, 64), 3
+NODE = 8              # GPUs per node (HGX H200)
+NVLINK_GBPS = 450.0   # NVLink, per direction per GPU
+IB_GBPS = 50.0        # InfiniBand, one 400 Gb/s NIC per GPU, per direction
+TFLOPS = 400.0        # assumed sustained attention throughput of one H200 (989 TFLOP/s dense bf16 peak)
+BWD_FLOPS = 2.5       # backward FLOPs / forward FLOPs
+MB, GB = 1e6, 1e9
+# the small real run (P and tokens per rank are options): shapes the CPU torch path handles in seconds
+REAL = {"P": 8, "tokens_per_rank": 256, "num_heads_q": 8, "num_heads_kv": 2, "head_dim": 32, "dtype": torch.float32}
+
+RUN_COLUMNS = [
+    ("kind", "kind", ""), ("P", "P", "d"), ("seed", "seed", "d"), ("solve ms", "solve_ms", ".0f"),
+    ("imbalance", "imbalance", ".3f"),
+    ("fwd MB", "fwd_mb", ".1f"), ("USP fwd", "usp_fwd_mb", ".1f"), ("ring fwd", "ring_fwd_mb", ".1f"),
+    ("bwd MB", "bwd_mb", ".1f"), ("USP bwd", "usp_bwd_mb", ".1f"), ("ring bwd", "ring_bwd_mb", ".1f"),
+    ("model fwd ms", "model_fwd_ms", ".2f"), ("USP fwd ms", "usp_fwd_ms", ".2f"),
+    ("model bwd ms", "model_bwd_ms", ".2f"), ("USP bwd ms", "usp_bwd_ms", ".2f"),
+]
+SUMMARY_COLUMNS = [("kind", "kind", ""), ("P", "P", "d"), ("runs", "runs", "d")] + RUN_COLUMNS[3:] + [
+    ("compute fwd ms", "compute_fwd_ms", ".2f"), ("stage 0 %", "stage0_pct", ".0f")]
+FILL_COLUMNS = [
+    ("kind", "kind", ""), ("P", "P", "d"), ("tiles", "tiles", "d"), ("runs", "runs", "d"),
+    ("QO recv", "qo_recv", ".2f"), ("KV recv", "kv_recv", ".2f"), ("QO send", "qo_send", ".2f"),
+    ("KV send", "kv_send", ".2f"), ("recv cap", "recv_cap", ".0f"), ("send cap", "send_cap", ".0f"),
+    ("worst", "worst", ".0f"), ("fits", "fits", ""),
+]
+MEMORY_COLUMNS = [
+    ("P", "P", "d"), ("capacity", "capacity", ""), ("keep", "keep", ""), ("recv rows", "recv_rows", "d"),
+    ("send rows", "send_rows", "d"), ("fwd GB", "fwd_gb", ".2f"), ("bwd GB", "bwd_gb", ".2f"),
+    ("held GB", "held_gb", ".2f"), ("peak GB", "peak_gb", ".2f"),
+]
+REAL_COLUMNS = [
+    ("kind", "kind", ""), ("keep", "keep", ""), ("P", "P", "d"), ("tokens/rank", "tokens_per_rank", "d"),
+    ("Hq:Hkv", "heads", ""), ("D", "head_dim", "d"), ("recv cap", "recv_capacity", "d"),
+    ("counted = metrics", "bytes_match", ""),
+    ("fwd MB", "fwd_mb", ".3f"), ("bwd MB", "bwd_mb", ".3f"), ("fwd+bwd ms (CPU)", "wall_ms", ".0f"),
+]
+GPU_COLUMNS = [
+    ("kind", "kind", ""), ("P", "P", "d"),
+    ("stage 0 fwd ms", "s0_fwd_ms", ".3f"), ("stage 1 fwd ms", "s1_fwd_ms", ".3f"), ("fwd ms", "fwd_ms", ".3f"), ("stage 0 bwd ms", "s0_bwd_ms", ".3f"), ("stage 1 bwd ms", "s1_bwd_ms", ".3f"),
+    ("bwd ms", "bwd_ms", ".3f"), ("modelled compute fwd ms", "model_compute_fwd_ms", ".3f"),
+]
+
+
+# -- bytes per phase -------------------------------------------------------------------------------
+
+def phase_bytes(comm, cost) -> dict[str, torch.Tensor]:
+    """Bytes each rank sends each other rank per runtime phase: ``{phase: [P(src), P(dst)] int64}``.
+
+    Rows travel as ``CommMeta``'s split matrices say (QO and KV), at ``CommCost``'s bytes per
+    row; partial results go back along the transposed split. With kept forward buffers
+    ``bwd.kv`` moves nothing and is left out, as the runtime leaves it out.
+    """
+    qo, kv = comm.qo_split.to(torch.int64).cpu(), comm.kv_split.to(torch.int64).cpu()
+    out = {"fwd.qo": qo * cost.q_fwd, "fwd.kv": kv * cost.kv_fwd, "fwd.o": qo.t() * cost.o_fwd,
+           "bwd.qo": qo * cost.q_bwd, "bwd.kv": kv * cost.kv_bwd, "bwd.dq": qo.t() * cost.dq_bwd,
+           "bwd.dkv": kv.t() * cost.dkv_bwd}
+    if cost.kv_bwd == 0:
+        del out["bwd.kv"]
+    return out
+
+
+def _sum(mats) -> torch.Tensor:
+    return sum(mats[1:], mats[0].clone())
+
+
+def link_seconds(mat: torch.Tensor, nvlink: float, ib: float, node: int = NODE) -> float:
+    """Time of one collective moving ``mat [P(src), P(dst)]`` bytes: over ranks, the largest of
+    bytes / bandwidth per (direction, link kind); bandwidths in GB/s."""
+    P = mat.shape[0]
+    host = torch.arange(P) // node
+    same = host[:, None] == host[None, :]
+    intra, inter = torch.where(same, mat, 0), torch.where(same, 0, mat)
+    t = torch.stack([intra.sum(1) / nvlink, intra.sum(0) / nvlink, inter.sum(1) / ib, inter.sum(0) / ib])
+    return float(t.max()) / GB
+
+
+# -- modelled layer time ---------------------------------------------------------------------------
+
+def _flop_seconds(area, config: SolverConfig, heads: int, tflops: float):
+    """Seconds of attention over ``area`` (q, k) entries with ``heads`` query heads each, forward."""
+    return area * heads * 4 * config.head_dim / (tflops * 1e12)
+
+
+def stage_loads(areas, assignment: torch.Tensor, cp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(stage-0 area [P], total area [P]) int64: stage 0 holds the tasks whose QO and KV units are
+    both hosted on the rank computing them."""
+    area, asg = areas.area.cpu(), assignment.cpu().long()
+    host = torch.arange(areas.num_units) // areas.tiles
+    local = (asg == host[:, None]) & (asg == host[None, :])
+    on = asg >= 0
+    load = torch.zeros(cp_size, dtype=torch.int64).index_add_(0, asg[on], area[on])
+    s0 = torch.zeros(cp_size, dtype=torch.int64).index_add_(0, asg[local], area[local])
+    return s0, load
+
+
+def model_plan(phases: dict, s0: torch.Tensor, load: torch.Tensor, config: SolverConfig, *, nvlink: float,
+               ib: float, tflops: float) -> dict:
+    """Modelled forward and backward time of a plan (seconds), and its compute alone."""
+    hq = config.num_heads_q // config.head_groups
+    c0 = _flop_seconds(s0.double(), config, hq, tflops)
+    c1 = _flop_seconds((load - s0).double(), config, hq, tflops)
+    out = {}
+    for name, mult, cast, back in (
+            ("fwd", 1.0, ("fwd.qo", "fwd.kv"), ("fwd.o",)),
+            ("bwd", BWD_FLOPS, ("bwd.qo", "bwd.kv"), ("bwd.dq", "bwd.dkv"))):
+        t_cast = link_seconds(_sum([phases[p] for p in cast if p in phases]), nvlink, ib)
+        t_back = link_seconds(_sum([phases[p] for p in back]), nvlink, ib)
+        out[name] = float((torch.clamp(mult * c0, min=t_cast) + mult * c1).max()) + t_back
+        out[f"{name}_compute"] = float(mult * (c0 + c1).max())
+        out[f"{name}_cast"], out[f"{name}_reduce"] = t_cast, t_back
+    return out
+
+
+def model_usp(mask, config: SolverConfig, *, nvlink: float, ib: float, tflops: float) -> dict:
+    """Modelled forward and backward time of USP on ``mask`` (seconds).
+
+    Ulysses groups are u consecutive ranks (inside a node when u divides 8); the ring runs over
+    the P / u positions, rank ``k * u + t`` passing to ``(k + 1) * u + t``. After the all-to-all a
+    rank holds u * c tokens of Hq / u query heads, so its compute at ring step s is the area of
+    (query block k, key block k - s) of the mask at P / u blocks, times Hq / u heads.
+    """
+    P, S = config.cp_size, mask.total_seqlen_q
+    c, b, D = S // P, config.dtype_bytes, config.head_dim
+    u = ulysses_degree(config.num_heads_kv, P)
+    r = P // u
+    q_tok, kv_tok = config.num_heads_q * D * b, 2 * config.num_heads_kv * D * b
+    lane = torch.arange(P)
+    same_group = (lane[:, None] // u == lane[None, :] // u) & (lane[:, None] != lane[None, :])
+    a2a = lambda per_token: torch.where(same_group, c * per_token // u, 0)  # noqa: E731
+    hop = torch.zeros(P, P, dtype=torch.int64)
+    if r > 1:
+        hop[lane, (lane + u) % P] = c * kv_tok  # one shard of u * c tokens, Hkv / u heads
+    area = block_areas(mask, r, 1, impl="torch").area[0].double()  # [r, r] at ring granularity
+    step = _flop_seconds(area, config, config.num_heads_q // u, tflops)
+    k = torch.arange(r)
+    out = {}
+    for name, mult, a_in, a_out, hop_mult in (("fwd", 1.0, q_tok + kv_tok, q_tok, 1),
+                                              ("bwd", BWD_FLOPS, q_tok, q_tok + kv_tok, 2)):
+        t_hop = link_seconds(hop * hop_mult, nvlink, ib)
+        comp = torch.stack([mult * step[k, (k - s) % r] for s in range(r)], dim=1)  # [position, step]
+        ring = torch.clamp(comp[:, :-1], min=t_hop).sum(1) + comp[:, -1]  # each hop overlaps a block
+        out[name] = link_seconds(a2a(a_in), nvlink, ib) + float(ring.max()) + link_seconds(a2a(a_out), nvlink, ib)
+    return out
+
+
+# -- capacity: fill and memory ---------------------------------------------------------------------
+
+def comm_fill(comm, head_groups: int) -> dict:
+    """Largest QO / KV receive and send rows of a CommMeta, as multiples of G * c."""
+    unit = head_groups * comm.chunk
+    f = lambda t: float(t.max()) / unit  # noqa: E731
+    return {"qo_recv": f(comm.qo_recv_rows), "kv_recv": f(comm.kv_recv_rows),
+            "qo_send": f(comm.qo_split.sum(1)), "kv_send": f(comm.kv_split.sum(1))}
+
+
+def buffer_memory(config: SolverConfig, chunk: int, recv_rows: int, send_rows: int) -> dict:
+    """Bytes per rank of the capacity-sized collective buffers of one layer.
+
+    fwd:  Q, K, V receive buffers (``recv_rows`` each) and the send-capacity buffer
+          the partial O and lse come back into.
+    bwd:  dO, lse, delta receive buffers; Q, K, V (kept from the forward, or cast again);
+          the send-capacity buffers partial dQ and dK, dV come back into.
+    held: what stays allocated from a layer's forward to its backward: the kept Q, K, V
+          with ``keep_forward_buffers``, nothing without (a model holds one per layer).
+    peak: the larger pass. Not counted: the runtime's stage-1 copies (local rows
+          concatenated with the buffer) and partial outputs over received rows, which
+          scale with the capacity as well.
+    """
+    cost = config.cost()
+    hq, D, b = cost.hq, config.head_dim, config.dtype_bytes
+    qkv = recv_rows * (cost.q_fwd + cost.kv_fwd)
+    fwd = qkv + send_rows * cost.o_fwd
+    bwd = recv_rows * hq * (D * b + 8) + qkv + send_rows * (hq * D * b + cost.kv_fwd)
+    held = qkv if config.keep_forward_buffers else 0
+    return {"fwd": fwd, "bwd": bwd, "held": held, "peak": max(fwd, bwd)}
+
+
+def memory_rows(cp_sizes, tokens_per_rank: int) -> list[dict]:
+    rows = []
+    for P in cp_sizes:
+        for keep in (True, False):
+            config = SolverConfig(cp_size=P, keep_forward_buffers=keep)
+            G, c = config.head_groups, tokens_per_rank
+            _, recv, send = plan_capacities(config, 1, c)
+            worst = G * c * (P - 1)
+            for label, (R, S) in (("default", (recv, send)), ("worst case", (worst, worst))):
+                m = buffer_memory(config, c, R, S)
+                rows.append({"P": P, "capacity": label, "keep": keep, "recv_rows": R, "send_rows": S,
+                             **{f"{k}_gb": v / GB for k, v in m.items()}})
+    return rows
+
+
+def fill_summary(fills: list[dict], tokens_per_rank: int) -> list[dict]:
+    """Max fill per (kind, P, tiles) next to the default capacities (multiples of G * c)."""
+    out = []
+    for key in dict.fromkeys((f["kind"], f["P"], f["tiles"]) for f in fills):
+        fs = [f for f in fills if (f["kind"], f["P"], f["tiles"]) == key]
+        config = SolverConfig(cp_size=key[1])
+        unit = config.head_groups * tokens_per_rank
+        _, recv, send = plan_capacities(config, 1, tokens_per_rank)
+        row = {"kind": key[0], "P": key[1], "tiles": key[2], "runs": len(fs),
+               **{k: max(f[k] for f in fs) for k in ("qo_recv", "kv_recv", "qo_send", "kv_send")},
+               "recv_cap": recv / unit, "send_cap": send / unit, "worst": float(key[1] - 1)}
+        row["fits"] = (max(row["qo_recv"], row["kv_recv"]) <= row["recv_cap"]
+                       and max(row["qo_send"], row["kv_send"]) <= row["send_cap"])
+        out.append(row)
+    return out
+
+
+# -- one mask at real shapes -----------------------------------------------------------------------
+
+def run_instance(kind: str, P: int, seed: int, tokens_per_rank: int, tiles=(1,), *, nvlink: float = NVLINK_GBPS,
+                 ib: float = IB_GBPS, tflops: float = TFLOPS) -> tuple[dict, list[dict], tuple]:
+    """(row, fills, (mask, config, plan)) for one benchmark mask, whole-chunk plan at the default capacity."""
+    config = SolverConfig(cp_size=P)
+    mask = make_mask(kind, P, seed, tokens_per_rank)
+    t0 = time.perf_counter()
+    areas = block_areas(mask, P, config.head_groups, impl="torch")
+    t1 = time.perf_counter()
+    asg = solve_assignment(areas, config, impl="torch")
+    t2 = time.perf_counter()
+    plan = build_plan(mask, areas, asg, config)
+    t3 = time.perf_counter()
+    if int(plan.status) & BUFFER_OVERFLOW:
+        print(f"# {kind} P={P} seed={seed}: BUFFER_OVERFLOW at the default capacity", file=sys.stderr)
+    cost = config.cost()
+    phases = phase_bytes(plan.comm, cost)
+    m = plan.metrics
+    fwd_send = _sum([v for k, v in phases.items() if k.startswith("fwd")])
+    bwd_send = _sum([v for k, v in phases.items() if k.startswith("bwd")])
+    match = all(torch.equal(a.sum(dim).cpu(), b.cpu()) for a, dim, b in (
+        (fwd_send, 1, m.fwd_send), (fwd_send, 0, m.fwd_recv), (bwd_send, 1, m.bwd_send), (bwd_send, 0, m.bwd_recv)))
+    s0, load = stage_loads(areas, asg, P)
+    ours = model_plan(phases, s0, load, config, nvlink=nvlink, ib=ib, tflops=tflops)
+    usp_t = model_usp(mask, config, nvlink=nvlink, ib=ib, tflops=tflops)
+    base = baseline_table(areas, config)
+    row = {
+        "kind": kind, "P": P, "seed": seed, "num_slices": mask.num_slices,
+        "areas_ms": 1e3 * (t1 - t0), "assign_ms": 1e3 * (t2 - t1), "plan_ms": 1e3 * (t3 - t2),
+        "solve_ms": 1e3 * (t3 - t0), "imbalance": float(m.imbalance), "status": int(plan.status),
+        "fwd_bytes": int(m.fwd_bottleneck), "bwd_bytes": int(m.bwd_bottleneck), "phase_bytes_match_metrics": match,
+        "fwd_mb": int(m.fwd_bottleneck) / MB, "bwd_mb": int(m.bwd_bottleneck) / MB,
+        **{f"{n}_{p}_mb": base[key][f"{p}_bottleneck"] / MB
+           for n, key in (("usp", "usp"), ("ring", "ring")) for p in ("fwd", "bwd")},
+        "model_fwd_ms": 1e3 * ours["fwd"], "model_bwd_ms": 1e3 * ours["bwd"],
+        "compute_fwd_ms": 1e3 * ours["fwd_compute"], "compute_bwd_ms": 1e3 * ours["bwd_compute"],
+        **{f"{k}_ms": 1e3 * ours[k] for k in ("fwd_cast", "fwd_reduce", "bwd_cast", "bwd_reduce")},
+        "stage0_pct": 100.0 * float(s0.sum()) / max(float(load.sum()), 1.0),
+        "usp_fwd_ms": 1e3 * usp_t["fwd"], "usp_bwd_ms": 1e3 * usp_t["bwd"],
+    }
+    fills = [{"kind": kind, "P": P, "seed": seed, "tiles": 1, **comm_fill(plan.comm, config.head_groups)}]
+    for n in tiles:
+        if n == 1:
+            continue
+        fills.append(fill_only(kind, P, seed, tokens_per_rank, n, mask=mask))
+    return row, fills, (mask, config, plan)
+
+
+def fill_only(kind: str, P: int, seed: int, tokens_per_rank: int, tiles: int = 1, mask=None) -> dict:
+    """The fill of the device solver's plan of one mask (solve and CommMeta only)."""
+    config = SolverConfig(cp_size=P, chunk_tiles=tiles)
+    mask = make_mask(kind, P, seed, tokens_per_rank) if mask is None else mask
+    units = block_areas(mask, P, config.head_groups, impl="torch", tiles=tiles)
+    asg = solve_assignment(units, config, impl="torch")
+    big = config.head_groups * tokens_per_rank * P  # never overflows: only the fill is read
+    comm, _ = build_comm_meta(units, asg, recv_capacity=big, send_capacity=big)
+    return {"kind": kind, "P": P, "seed": seed, "tiles": tiles, **comm_fill(comm, config.head_groups)}
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    out = []
+    for kind, P in dict.fromkeys((r["kind"], r["P"]) for r in rows):
+        rs = [r for r in rows if r["kind"] == kind and r["P"] == P]
+        keys = [k for _, k, spec in SUMMARY_COLUMNS if spec and k not in ("P", "runs")]
+        out.append({"kind": kind, "P": P, "runs": len(rs), **{k: median([r[k] for r in rs]) for k in keys}})
+    return out
+
+
+# -- the real run (CPU) and the GPU stage times -----------------------------------------------------
+
+def real_run(kind: str, keep: bool, seed: int = 0, repeats: int = 3, *, cp_size: int = REAL["P"],
+             tokens_per_rank: int = REAL["tokens_per_rank"]) -> dict:
+    """The layer through ``dist_attn`` on ``LocalGroup`` at ``REAL``'s heads and dtype: counted bytes
+    per phase against the plan's, totals against ``PlanMetrics``, and the wall time of fwd + bwd."""
+    from groupcomm import LocalGroup
+    from gpusolver.runtime import dist_attn
+
+    P, c = cp_size, tokens_per_rank
+    Hq, Hkv, D, dtype = REAL["num_heads_q"], REAL["num_heads_kv"], REAL["head_dim"], REAL["dtype"]
+    config = SolverConfig(cp_size=P, num_heads_q=Hq, num_heads_kv=Hkv, head_dim=D, dtype=dtype,
+                          keep_forward_buffers=keep)
+    mask = make_mask(kind, P, seed, c)
+    # The CPU attention path builds a dense [slices, rows, rows] mask per stage, so the capacities are
+    # sized to what this plan needs (the solve ignores them: the same assignment comes back).
+    probe = solve(mask, config, impl="torch")
+    rows = max(int(t.max()) for t in (probe.comm.qo_recv_rows, probe.comm.kv_recv_rows,
+                                      probe.comm.qo_split.sum(1), probe.comm.kv_split.sum(1)))
+    config = dataclasses.replace(config, max_recv_rows=max(rows, 1),
+                                 max_stage_slices=max(int(probe.calc.needed_rows.max()), 1))
+    plan = solve(mask, config, impl="torch")
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(P, c, h, D, generator=gen, dtype=dtype) for h in (Hq, Hkv, Hkv))
+    d_out = torch.randn(P, c, Hq, D, generator=gen, dtype=dtype)
+    group = LocalGroup(P)
+
+    def step():
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        out, _ = dist_attn(qq, kk, vv, plan, group, keep_forward_buffers=keep)
+        out.backward(d_out)
+
+    step()  # warm-up, and the one call the counters see
+    counted = {ph: torch.stack(group.traffic(ph)) for ph in
+               ("fwd.qo", "fwd.kv", "fwd.o", "bwd.qo", "bwd.kv", "bwd.dq", "bwd.dkv")}
+    want = {ph: torch.stack([mat.sum(1), mat.sum(0)]) for ph, mat in phase_bytes(plan.comm, config.cost()).items()}
+    match = all(torch.equal(counted[ph].cpu(), want.get(ph, torch.zeros_like(counted[ph]))) for ph in counted)
+    m = plan.metrics
+    for ph, total in (("fwd", (m.fwd_send, m.fwd_recv)), ("bwd", (m.bwd_send, m.bwd_recv))):
+        got = _sum([v for k_, v in counted.items() if k_.startswith(ph)])
+        match = match and torch.equal(got[0], total[0].cpu()) and torch.equal(got[1], total[1].cpu())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return {"kind": kind, "keep": keep, "P": P, "tokens_per_rank": c, "heads": f"{Hq}:{Hkv}", "head_dim": D,
+            "dtype": str(dtype).removeprefix("torch."), "bytes_match": match, "recv_capacity": config.max_recv_rows,
+            "stage_capacity": config.max_stage_slices,
+            "counted": {ph: t.tolist() for ph, t in counted.items()},
+            "fwd_mb": int(m.fwd_bottleneck) / MB, "bwd_mb": int(m.bwd_bottleneck) / MB,
+            "wall_ms": 1e3 * median(times)}
+
+
+def gpu_stage_times(config: SolverConfig, plan, repeats: int = 3, *, tflops: float = TFLOPS) -> dict:
+    """Max over ranks of each stage's attention time on the GPU at the layer's real shapes (random bf16
+    activations; every rank's stages run on this one GPU in turn), forward and backward."""
+    from attn_kernels import flex_attn, flex_attn_backward, row_delta
+
+    dev = torch.device("cuda")
+    G, c, cap = config.head_groups, plan.comm.chunk, plan.comm.recv_capacity
+    hq, hkv, D = config.num_heads_q // G, config.num_heads_kv // G, config.head_dim
+    n = G * c + cap
+    q = torch.randn(n, hq, D, device=dev, dtype=config.dtype)
+    k, v = (torch.randn(n, hkv, D, device=dev, dtype=config.dtype) for _ in range(2))
+    d_out = torch.randn_like(q)
+    calc = plan.calc
+    times = torch.zeros(config.cp_size, 2, 2, dtype=torch.float64)  # [rank, stage, fwd / bwd]
+    for r in range(config.cp_size):
+        for s in (0, 1):
+            rows = G * c if s == 0 else n
+            sl = [t[r, s].to(dev) for t in (calc.q_ranges, calc.k_ranges, calc.attn_type)]
+            fwd = lambda: flex_attn(q[:rows], k[:rows], v[:rows], *sl)  # noqa: E731
+            times[r, s, 0], (out, lse) = cuda_time(fwd, repeats)
+            delta = row_delta(d_out[:rows], out)
+            bwd = lambda: flex_attn_backward(d_out[:rows], q[:rows], k[:rows], v[:rows], lse, delta, *sl)  # noqa: E731
+            times[r, s, 1], _ = cuda_time(bwd, repeats)
+    load = plan.metrics.load.cpu().double()
+    ms = 1e3 * times
+    return {"s0_fwd_ms": float(ms[:, 0, 0].max()), "s1_fwd_ms": float(ms[:, 1, 0].max()),
+            "fwd_ms": float(ms[:, :, 0].sum(1).max()), "s0_bwd_ms": float(ms[:, 0, 1].max()),
+            "s1_bwd_ms": float(ms[:, 1, 1].max()), "bwd_ms": float(ms[:, :, 1].sum(1).max()),
+            "model_compute_fwd_ms": 1e3 * float(_flop_seconds(load, config, hq, tflops).max())}
+
+
+# -- provenance, arguments, main -------------------------------------------------------------------
+
+def provenance(argv) -> dict:
+    """Commit (``-dirty`` when tracked files differ from it), command line and machine of this run."""
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*cmd):
+        try:
+            return subprocess.run(["git", *cmd], cwd=root, capture_output=True, text=True, timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    commit = git("rev-parse", "--short=12", "HEAD") or None
+    if commit and git("status", "--porcelain", "--untracked-files=no"):
+        commit += "-dirty"
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                   if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    args = sys.argv[1:] if argv is None else list(argv)
+    return {"commit": commit, "command": shlex.join(["python", "benchmarks/layer_bench.py", *args]),
+            "machine": f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.machine()}"}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--P", default=",".join(map(str, FULL_P)), help="CP sizes, comma-separated")
+    p.add_argument("--seeds", type=int, default=FULL_SEEDS, help="seeds per (kind, P), 0..n-1")
+    p.add_argument("--kinds", default=",".join(PACKED_KINDS), help="mask kinds: causal, full (packed documents)")
+    p.add_argument("--tokens-per-rank", type=int, default=TOKENS_PER_RANK)
+    p.add_argument("--tiles", default="1", help="chunk_tiles values whose plans' fill is measured (default 1)")
+    p.add_argument("--fill-seeds", type=int, default=0,
+                   help="measure the fill (only) of seeds --seeds..N-1 too, whole chunks")
+    p.add_argument("--fill-kinds", default="",
+                   help="extra mask kinds whose fill (only) is measured, seed 0 (e.g. causal-seq,full-seq)")
+    p.add_argument("--nvlink", type=float, default=NVLINK_GBPS, help="GB/s per direction inside a node")
+    p.add_argument("--ib", type=float, default=IB_GBPS, help="GB/s per direction per GPU between nodes")
+    p.add_argument("--tflops", type=float, default=TFLOPS, help="assumed attention TFLOP/s of one GPU")
+    p.add_argument("--no-real", action="store_true", help="skip the small real run through dist_attn")
+    p.add_argument("--real-P", type=int, default=REAL["P"], help="P of the real run")
+    p.add_argument("--real-tokens-per-rank", type=int, default=REAL["tokens_per_rank"],
+                   help="tokens per rank of the real run")
+    p.add_argument("--json", default=str(RESULTS_DIR / "layer_bench.json"), help="JSON output path")
+    p.add_argument("--md", default=None, help="also write the printed tables to this markdown file")
+    args = p.parse_args(argv)
+    try:
+        args.P = parse_list(args.P, int, name="--P")
+        args.kinds = parse_list(args.kinds, str, allowed=tuple(KINDS), name="--kinds")
+        args.tiles = parse_list(args.tiles, int, name="--tiles")
+        args.fill_kinds = parse_list(args.fill_kinds, str, allowed=tuple(KINDS), name="--fill-kinds") \
+            if args.fill_kinds else []
+    except ValueError as e:
+        p.error(str(e))
+    if args.seeds <= 0:
+        p.error(f"--seeds must be positive, got {args.seeds}")
+    return args
+
+
+def main(argv=None) -> dict:
+    """Run the benchmark; prints the tables and returns the JSON payload."""
+    torch.set_num_threads(1)
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    solve_assignment(block_areas(make_mask("causal", 2, 0, 64), 2, 8), SolverConfig(cp_size=2), impl="torch")  # warm-up
+    rows, fills, gpu_rows = [], [], []
+    for kind in args.kinds:
+        for P in args.P:
+            for seed in range(args.seeds):
+                row, fill, (mask, config, plan) = run_instance(
+                    kind, P, seed, args.tokens_per_rank, args.tiles, nvlink=args.nvlink, ib=args.ib, tflops=args.tflops)
+                rows.append(row)
+                fills += fill
+                if seed == 0 and torch.cuda.is_available():
+                    cmask = make_mask(kind, P, seed, args.tokens_per_rank, device="cuda")
+                    cplan = solve(cmask, config, validate=False)
+                    gpu_rows.append({"kind": kind, "P": P,
+                                     **gpu_stage_times(config, cplan, tflops=args.tflops)})
+                print(f"# done {kind} P={P} seed={seed}", file=sys.stderr, flush=True)
+            for seed in range(args.seeds, args.fill_seeds):
+                fills.append(fill_only(kind, P, seed, args.tokens_per_rank))
+    for kind in args.fill_kinds:
+        for P in args.P:
+            fills.append(fill_only(kind, P, 0, args.tokens_per_rank))
+    real = [] if args.no_real else [real_run(kind, keep, cp_size=args.real_P, tokens_per_rank=args.real_tokens_per_rank)
+                                    for kind in args.kinds for keep in (True, False)]
+    summary, fill_rows = summarize(rows), fill_summary(fills, args.tokens_per_rank)
+    memory = memory_rows(args.P, args.tokens_per_rank)
+    prov = provenance(argv)
+    prov["seconds"] = time.perf_counter() - t_start
+    gpu_text = markdown_table(gpu_rows, GPU_COLUMNS) if gpu_rows else \
+        "Not measured: no CUDA device in this run (the stage times need a GPU)."
+    text = "\n\n".join([
+        f"## Layer: {', '.join(KINDS[k][1] for k in args.kinds)}, {args.tokens_per_rank} tokens per rank, "
+        "Hq:Hkv = 64:8, D = 128, bf16, G = 8, mu = 1.10",
+        f"commit {prov['commit']}; `{prov['command']}`; {prov['machine']}; {prov['seconds']:.0f} s",
+        "### Per layer (medians over seeds)",
+        f"solve ms: block areas + device solve + plan build, torch path on CPU, one thread. fwd / bwd MB: "
+        "bottleneck bytes per rank (10^6 B). **model ms is modelled, not measured**: NVLink "
+        f"{args.nvlink:g} GB/s per direction inside nodes of {NODE}, InfiniBand {args.ib:g} GB/s per direction "
+        f"per GPU between nodes, attention at {args.tflops:g} TFLOP/s (H200, assumed) with 4·D FLOPs per (q, k) "
+        f"entry per query head forward and {BWD_FLOPS:g}× that backward; ours = max over ranks of "
+        "max(stage 0, cast) + stage 1, plus the reduce; USP = all-to-alls not overlapped, ring hops overlapped "
+        "with the block in hand. compute fwd ms: the busiest rank's attention alone; stage 0 %: share of the "
+        "area that runs while the cast is in flight.",
+        markdown_table(summary, SUMMARY_COLUMNS),
+        "### Receive capacity: largest fill as a multiple of G·c (max over the runs)",
+        "QO / KV recv: rows a rank receives; QO / KV send: rows a rank sends (both kinds share one "
+        "receive and one send capacity). recv cap / send cap: the default (`plan_capacities`); worst: P − 1.",
+        markdown_table(fill_rows, FILL_COLUMNS),
+        "### Receive-buffer memory per rank and layer",
+        "fwd: Q, K, V receive buffers plus the buffer partial O and lse return into (send capacity); bwd: dO, lse, "
+        "delta plus Q, K, V (kept or cast again) plus the dQ and dK, dV return buffers; held: kept from the "
+        "forward to the backward (one per layer of the model); peak: the larger pass. The runtime's stage-1 "
+        "copies and partial outputs are not counted.",
+        markdown_table(memory, MEMORY_COLUMNS),
+        "### Real run: `dist_attn` on `LocalGroup` (CPU, fp32)",
+        "counted = metrics: every phase's bytes counted by the group equal the plan's, and their sums equal "
+        "`PlanMetrics`' per-rank send and receive. recv cap: rows, sized to the plan (the CPU attention path "
+        "builds a dense mask per stage). The wall time is CPU torch, for what it is worth.",
+        markdown_table(real, REAL_COLUMNS) if real else "Skipped (--no-real).",
+        "### Attention time per rank on the GPU (seed 0; max over ranks)", gpu_text,
+        "### Runs", markdown_table(rows, RUN_COLUMNS),
+    ]) + "\n"
+    print(text)
+    payload = {
+        "benchmark": "layer_bench", **prov,
+        "config": {"P": args.P, "seeds": args.seeds, "kinds": args.kinds, "tiles": args.tiles,
+                   "fill_seeds": max(args.fill_seeds, args.seeds), "fill_kinds": args.fill_kinds,
+                   "tokens_per_rank": args.tokens_per_rank, "num_heads_q": 64, "num_heads_kv": 8, "head_dim": 128,
+                   "dtype": "bfloat16", "head_groups": 8, "imbalance_tol": 1.10},
+        "model": {"nvlink_gbps": args.nvlink, "ib_gbps": args.ib, "node_gpus": NODE, "tflops": args.tflops,
+                  "fwd_flops_per_entry_per_head": "4 * D", "bwd_flops_factor": BWD_FLOPS},
+        "environment": environment(), "summary": summary, "fill": fill_rows, "fill_runs": fills,
+        "memory": memory, "real_run": real, "gpu_stages": gpu_rows, "rows": rows,
+    }
+    write_results(args.json, payload, args.md, text)
+    return payload
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""benchmarks/layer_bench.py: one small run in-process writes every table, and the bytes the
+LocalGroup counted in the real run equal the plan's metrics."""
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpusolver.config import SolverConfig
+from gpusolver.plan import plan_capacities
+
+_BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    saved_path, saved_threads = list(sys.path), torch.get_num_threads()
+    spec = importlib.util.spec_from_file_location("_bench_layer_bench", _BENCH / "layer_bench.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    try:
+        spec.loader.exec_module(mod)
+        yield mod
+    finally:
+        sys.path[:] = saved_path
+        torch.set_num_threads(saved_threads)  # main() sets 1 thread
+        sys.modules.pop(spec.name, None)
+
+
+def _header(text: str, first: str, second: str) -> list[str]:
+    line = next(ln for ln in text.splitlines() if ln.startswith(f"| {first} | {second} |"))
+    return [c.strip() for c in line.strip("|").split("|")]
+
+
+def test_layer_bench_small(bench, tmp_path, capsys):
+    path, md = tmp_path / "out" / "layer.json", tmp_path / "out" / "layer.md"
+    payload = bench.main(["--P", "4", "--seeds", "1", "--kinds", "causal", "--tokens-per-rank", "256",
+                          "--real-P", "4", "--real-tokens-per-rank", "32", "--json", str(path), "--md", str(md)])
+    text = capsys.readouterr().out
+    assert md.read_text().strip() == text.strip()
+    assert _header(text, "kind", "P")[:3] == ["kind", "P", "runs"]  # the summary comes first
+    for columns, first, second in ((bench.SUMMARY_COLUMNS, "kind", "P"), (bench.FILL_COLUMNS, "kind", "P"),
+                                   (bench.MEMORY_COLUMNS, "P", "capacity"), (bench.REAL_COLUMNS, "kind", "keep")):
+        headers = [h for h, _, _ in columns]
+        assert any(ln.startswith("| " + " | ".join(headers) + " |") for ln in text.splitlines()), headers
+    assert "modelled" in text and "not measured" in text.lower()
+
+    data = json.loads(path.read_text())
+    assert data == json.loads(json.dumps(payload))
+    assert data["command"].startswith("python benchmarks/layer_bench.py --P 4") and data["machine"]
+    (row,) = data["rows"]
+    assert row["phase_bytes_match_metrics"] and row["status"] & 4 == 0  # no BUFFER_OVERFLOW
+    for k in ("solve_ms", "fwd_mb", "bwd_mb", "usp_fwd_mb", "ring_fwd_mb", "model_fwd_ms", "model_bwd_ms",
+              "usp_fwd_ms", "usp_bwd_ms"):
+        assert isinstance(row[k], (int, float)) and math.isfinite(row[k]) and row[k] > 0, k
+    assert row["model_fwd_ms"] >= row["compute_fwd_ms"] and row["model_bwd_ms"] >= row["compute_bwd_ms"]
+
+    (fill,) = data["fill"]
+    assert fill["fits"] and fill["recv_cap"] == fill["send_cap"] == fill["worst"] == 3  # P - 1 below 17
+    real = data["real_run"]
+    assert [(r["kind"], r["keep"]) for r in real] == [("causal", True), ("causal", False)]
+    for r in real:
+        assert r["bytes_match"] and r["wall_ms"] > 0
+        again = [0] * 4 if r["keep"] else r["counted"]["fwd.kv"][0]  # K, V travel again only without kept buffers
+        assert r["counted"]["bwd.kv"][0] == again
+    assert {m["capacity"] for m in data["memory"]} == {"default", "worst case"}
+    assert data["gpu_stages"] == [] or torch.cuda.is_available()
+
+
+def test_default_capacity():
+    # min(worst case G * c * (P - 1), 16 * G * c) rows to receive and to send
+    for P, chunks in ((4, 3), (16, 15), (17, 16), (64, 16)):
+        _, recv, send = plan_capacities(SolverConfig(cp_size=P), 1, 100)
+        assert recv == send == chunks * 8 * 100
+    _, recv, send = plan_capacities(SolverConfig(cp_size=64, max_recv_rows=1234), 1, 100)
+    assert recv == send == 1234
