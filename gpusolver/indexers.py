@@ -20,7 +20,8 @@ run on ``device="meta"``) and a causal top-k:
   ``block_indices [T, Hkv, top_n]`` (a ``BlockSparseMask``).
 
 Rows with fewer valid candidates than slots pad with -1. Scores are computed
-in steps of rows so that the working set stays near ``step_elems`` entries.
+in steps of rows so that the working set stays near ``step_elems`` entries,
+each step against only the keys (blocks) up to its last row's position.
 These are references for demos, tests and benchmarks: their selections have
 the structure of the real indexers' (causal, local blocks, a spread of
 remote keys), not their learned content.
@@ -102,12 +103,13 @@ class LightningIndexer:
         w = x_q @ self.ww  # [T, Hi]
         out = []
         step = _rows_per_step(T, S * q.shape[1], self.step_elems)
-        cols = torch.arange(S, device=keys.device)
         for t0 in range(0, T, step):  # static trip count
             t1 = min(T, t0 + step)
-            score = torch.einsum("thd,sd->ths", q[t0:t1], keys).relu_()  # [t, Hi, S]
-            score = torch.einsum("ths,th->ts", score, w[t0:t1])
+            n_keys = min(S, query_offset + t1)  # causal: later keys cannot be selected (a host int)
+            score = torch.einsum("thd,sd->ths", q[t0:t1], keys[:n_keys]).relu_()  # [t, Hi, n_keys]
+            score = torch.bmm(w[t0:t1, None, :], score)[:, 0]  # head-weighted sum, [t, n_keys]
             pos = query_offset + torch.arange(t0, t1, device=keys.device)
+            cols = torch.arange(n_keys, device=keys.device)
             out.append(_causal_topk(score, cols[None, :] <= pos[:, None], self.topk))
         return torch.cat(out) if out else torch.empty(0, self.topk, dtype=torch.int32, device=keys.device)
 
@@ -156,19 +158,22 @@ class CompressedKeyIndexer:
         nb, Hkv, _ = k_cmp.shape
         hg = Hq // Hkv
         l = self.block_size
-        blocks = torch.arange(nb, device=q.device)
         out = []
         step = _rows_per_step(T, nb * Hq, self.step_elems)
         for t0 in range(0, T, step):  # static trip count
             t1 = min(T, t0 + step)
             t = t1 - t0
+            n_blk = min(nb, (query_offset + t1 - 1) // l + 1)  # causal: later blocks cannot be selected
+            blocks = torch.arange(n_blk, device=q.device).view(1, 1, n_blk)
             own = ((query_offset + torch.arange(t0, t1, device=q.device)) // l).view(t, 1, 1)  # the query's block
-            valid = blocks.view(1, 1, nb) <= own  # [t, 1, nb]
-            s = torch.einsum("thgd,bhd->thgb", q[t0:t1].float().view(t, Hkv, hg, D), k_cmp.float()) * D ** -0.5
-            s = s.masked_fill(~valid[:, :, None, :], float("-inf"))
-            score = torch.softmax(s, dim=-1).sum(2)  # [t, Hkv, nb]
-            forced = (blocks.view(1, 1, nb) == 0) | ((own - blocks.view(1, 1, nb) < self.local_blocks)
-                                                     & (blocks.view(1, 1, nb) <= own))
+            valid = blocks <= own  # [t, 1, n_blk]
+            s = torch.einsum("thgd,bhd->thgb", q[t0:t1].float().view(t, Hkv, hg, D), k_cmp[:n_blk].float())
+            if hg == 1:
+                score = s[:, :, 0]  # one head: its softmax ranks blocks as its logits do
+            else:
+                s = (s * D ** -0.5).masked_fill(~valid[:, :, None, :], float("-inf"))
+                score = torch.softmax(s, dim=-1).sum(2)  # [t, Hkv, n_blk]
+            forced = (blocks == 0) | ((own - blocks < self.local_blocks) & valid)
             score = torch.where(forced, float("inf"), score)
-            out.append(_causal_topk(score, valid.expand(t, Hkv, nb), self.top_n))
+            out.append(_causal_topk(score, valid.expand(t, Hkv, n_blk), self.top_n))
         return torch.cat(out) if out else torch.empty(0, Hkv, self.top_n, dtype=torch.int32, device=q.device)

@@ -38,8 +38,10 @@ def test_lightning_indexer_keeps_the_causal_topk():
             _is_topk(score[r * 10 + t], part[t].long(), torch.arange(S) <= r * 10 + t, k)
 
 
-def test_compressed_key_indexer_forces_first_and_local_blocks():
-    S, Hq, Hkv, D, l, n = 48, 4, 2, 16, 4, 5
+@pytest.mark.parametrize("hg", [1, 2])
+def test_compressed_key_indexer_forces_first_and_local_blocks(hg):
+    S, Hkv, D, l, n = 48, 2, 16, 4, 5
+    Hq = hg * Hkv
     q, k = torch.randn(S, Hq, D), torch.randn(S, Hkv, D)
     ix = CompressedKeyIndexer(block_size=l, top_n=n, local_blocks=2)
     k_cmp = ix.compress(k)
@@ -47,7 +49,7 @@ def test_compressed_key_indexer_forces_first_and_local_blocks():
     blocks = ix(q, k_cmp)
     assert blocks.shape == (S, Hkv, n)
     BlockSparseMask(blocks, l, S).validate()
-    s = torch.einsum("thgd,bhd->thgb", q.view(S, Hkv, 2, D), k_cmp) * D ** -0.5
+    s = torch.einsum("thgd,bhd->thgb", q.view(S, Hkv, hg, D), k_cmp) * D ** -0.5
     for t in range(S):
         own = t // l
         valid = torch.arange(S // l) <= own

@@ -1,0 +1,306 @@
+"""Sparse masks (DSA token top-k, NSA block selection) through the solver, next to the baselines.
+
+Masks come from the reference indexers (``gpusolver.indexers``) run rank by
+rank, as the sharded flow runs them: each rank scores only its own queries
+against every key, its row of block areas is computed, and the rows are
+stacked (the all-gather). Hidden states are smooth in position (random anchors
+every ``ANCHOR`` tokens, linearly interpolated, plus noise) and the indexers'
+key projections are tied to their query projections, so a query scores
+nearby and similar tokens high: selections mix local and far keys, as real
+indexers' do, rather than being uniform.
+
+- DSA: ``LightningIndexer`` (2 heads of 16, ReLU scores), top-k = 2048, with one KV head
+  (G = 1, as DeepSeek's MLA layers: Hq = 64) and with GQA 64:8 (G = 8; the selection is
+  shared by every head).
+- NSA: ``CompressedKeyIndexer`` (block means, l = 64, top-n = 16, first block and two local
+  blocks forced), GQA 64:8, G = 8, one 16-dim scoring head per KV head.
+
+D = 128, bf16, mu = 1.10. For each (mask, P) it reports, each as forward / backward bottleneck
+bytes (max over ranks of max(send, recv)):
+
+    solver          the device solver's plan (``solve_assignment`` on the sparse-priced config:
+                    the selection indices travel with Q and are counted), its imbalance and
+                    solve time (one solve, wall, CPU)
+    owner           owner-computes: each rank computes its own queries and fetches the KV
+                    they select (no Q travels)
+    all-gather KV   every rank gathers the whole K, V (``baselines.all_gather_kv``)
+    USP             Ulysses x ring (``baselines.usp``) plus the selection indices the Ulysses
+                    all-to-all must also move: (u - 1) c rows of k int32 (DSA, shared by all heads)
+                    or of Hkv / u * n int32 (NSA)
+
+KV transfer as hulls (what the runtime moves: one interval per (unit, destination)) and as
+exact token sets (only the keys some assigned row selects; what a gather-list transfer would
+move) is measured for the solver's plan and for owner-computes (``exact`` columns).
+
+    python benchmarks/sparse_bench.py                  # the default grid (about 15-20 min on one core)
+    python benchmarks/sparse_bench.py --quick          # P = 8, 2K tokens per rank (seconds)
+    python benchmarks/sparse_bench.py --dsa-P 8 --nsa-P 8,16 --tokens-per-rank 8192
+
+``torch.set_num_threads(1)`` is set first.
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, run as a script or loaded by path
+
+from _common import RESULTS_DIR, environment, markdown_table, parse_list, ratio, write_results  # noqa: E402
+from gpusolver.areas.sparse import areas_from_rows, sparse_area_rows  # noqa: E402
+from gpusolver.baselines import all_gather_kv, ulysses_degree, usp  # noqa: E402
+from gpusolver.config import SolverConfig  # noqa: E402
+from gpusolver.indexers import CompressedKeyIndexer, LightningIndexer  # noqa: E402
+from gpusolver.masks.sparse import BlockSparseMask, TokenTopKMask  # noqa: E402
+from gpusolver.metrics import evaluate, owner_computes_assignment  # noqa: E402
+from gpusolver.plan.sparse import SelectionSpec, sparse_config  # noqa: E402
+from gpusolver.problem import BlockAreas  # noqa: E402
+from gpusolver.solve import solve_assignment  # noqa: E402
+
+ANCHOR = 256          # tokens between the hidden states' random anchors
+DM = 32               # hidden size fed to the indexers
+DSA_TOPK, NSA_BLOCK, NSA_TOPN = 2048, 64, 16
+HQ, HKV_GQA, D = 64, 8, 128
+
+
+def hidden_states(S: int, seed: int) -> torch.Tensor:
+    """[S, DM] fp32: random anchors every ANCHOR tokens, linearly interpolated, plus noise."""
+    g = torch.Generator().manual_seed(seed)
+    anchors = torch.randn(S // ANCHOR + 2, DM, generator=g)
+    pos = torch.arange(S, dtype=torch.float32) / ANCHOR
+    i = pos.long()
+    w = (pos - i)[:, None]
+    return 0.8 * ((1 - w) * anchors[i] + w * anchors[i + 1]) + 0.6 * torch.randn(S, DM, generator=g)
+
+
+def dsa_indexer(seed: int, topk: int) -> LightningIndexer:
+    ix = LightningIndexer.init(DM, heads=2, head_dim=16, topk=topk, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    # query heads near the key projection: a query scores keys with similar hidden states high
+    ix.wq = ix.wk.repeat(1, 2) + 0.3 * torch.randn(DM, 32, generator=g) / DM ** 0.5
+    ix.ww = ix.ww.abs()
+    return ix
+
+
+def nsa_projections(seed: int, hkv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(wq, wk) [DM, hkv * 16]: one 16-dim scoring head per KV head, query tied to key."""
+    g = torch.Generator().manual_seed(seed)
+    wk = torch.randn(DM, hkv * 16, generator=g) / DM ** 0.5
+    return wk + 0.3 * torch.randn(DM, hkv * 16, generator=g) / DM ** 0.5, wk
+
+
+def make_problem(kind: str, P: int, c: int, seed: int, groups: int):
+    """The sharded flow on one machine: per rank, the indexer on its rows, its area rows, and the
+    keys its rows select (for exact-set volumes). Returns (BlockAreas, key_used [Gm, P, S] bool,
+    SelectionSpec, indexer seconds)."""
+    S = P * c
+    x = hidden_states(S, seed)
+    packed = []
+    t_index = 0.0
+    if kind == "dsa":
+        ix = dsa_indexer(seed, DSA_TOPK)
+        keys = ix.keys(x)  # the index keys, all-gathered (16 values per token)
+        key_used = torch.zeros(1, P, S, dtype=torch.bool)
+        for r in range(P):
+            t0 = time.perf_counter()
+            topk = ix(x[r * c:(r + 1) * c], keys, r * c)
+            t_index += time.perf_counter() - t0
+            shard = TokenTopKMask(topk, S, r * c)
+            packed.append(sparse_area_rows(shard, P, 1).pack())
+            kept = topk.long()
+            kept = kept[(kept >= 0) & (kept <= r * c + torch.arange(c)[:, None])]
+            key_used[0, r, kept] = True
+        spec = SelectionSpec(1, 1, DSA_TOPK)
+    else:
+        hkv, l = HKV_GQA, NSA_BLOCK
+        ix = CompressedKeyIndexer(block_size=l, top_n=NSA_TOPN, local_blocks=2)
+        wq, wk = nsa_projections(seed, hkv)
+        k_cmp = ix.compress((x @ wk).view(S, hkv, 16))
+        key_used = torch.zeros(hkv, P, S, dtype=torch.bool)
+        nb = k_cmp.shape[0]
+        for r in range(P):
+            t0 = time.perf_counter()
+            blocks = ix((x[r * c:(r + 1) * c] @ wq).view(c, hkv, 16), k_cmp, r * c)
+            t_index += time.perf_counter() - t0
+            shard = BlockSparseMask(blocks, l, S, r * c)
+            packed.append(sparse_area_rows(shard, P, hkv).pack())
+            # a block's keys are used up to the last row that selected it (causal clip)
+            row = (r * c + torch.arange(c)).view(c, 1, 1).expand_as(blocks)
+            last = torch.full((hkv, nb + 1), -1, dtype=torch.int64)
+            b = torch.where(blocks >= 0, blocks.long(), nb)
+            head = torch.arange(hkv).view(1, hkv, 1).expand_as(blocks)
+            last.view(-1).scatter_reduce_(0, (head * (nb + 1) + b).reshape(-1), row.reshape(-1), reduce="amax")
+            keys = torch.arange(S)
+            key_used[:, r] = keys[None, :] <= last[:, keys // l]
+        spec = SelectionSpec(l, 1, NSA_TOPN)
+    areas = areas_from_rows(torch.cat(packed), c)
+    return areas, key_used, spec, t_index
+
+
+def exact_kv_tokens(key_used: torch.Tensor, assignment: torch.Tensor, c: int) -> torch.Tensor:
+    """[G, P(unit j), P(dest r)] keys of unit j that dest r needs for its tasks (exact token sets),
+    0 for r = j. key_used: [Gm, P(i), S] (Gm = 1 for a selection shared by every group)."""
+    G, P = assignment.shape[0], assignment.shape[1]
+    S = key_used.shape[-1]
+    j_of = torch.arange(S) // c
+    need = torch.zeros(G, P, S, dtype=torch.bool)  # [g, dest, key]
+    for i in range(P):
+        dest = assignment[:, i, :].long()[:, j_of]  # [G, S]: where task (g, i, j(key)) runs
+        used = key_used[:, i].expand(G, S) & (dest >= 0)
+        need.view(-1).scatter_(0, (torch.arange(G)[:, None] * P * S + dest.clamp(min=0) * S
+                                   + torch.arange(S))[used], True)
+    count = need.view(G, P, P, c).sum(-1).transpose(1, 2)  # [G, j, r]
+    return count * (1 - torch.eye(P, dtype=torch.int64))
+
+
+def volumes(areas: BlockAreas, assignment: torch.Tensor, cost, key_used=None) -> dict:
+    """Bottlenecks (hull KV, and exact-set KV when key_used is given) and imbalance of an assignment."""
+    m = evaluate(areas, assignment, cost)
+    out = {"imbalance": m.imbalance.item(), "fwd": int(m.fwd_bottleneck), "bwd": int(m.bwd_bottleneck)}
+    if key_used is not None:
+        from gpusolver.transfers import transfer_ranges
+
+        qo, kv = transfer_ranges(areas, assignment)
+        qo_len, kv_len = qo[..., 1] - qo[..., 0], kv[..., 1] - kv[..., 0]
+        exact = exact_kv_tokens(key_used, assignment, areas.chunk)
+        assert bool((exact <= kv_len).all()), "an exact token set is larger than its hull"
+        fs, fr, bs, br = _per_rank(qo_len, exact, cost)
+        out.update(fwd_exact=int(torch.maximum(fs, fr).max()), bwd_exact=int(torch.maximum(bs, br).max()),
+                   kv_hull_tokens=int(kv_len.sum()), kv_exact_tokens=int(exact.sum()))
+    return out
+
+
+def _per_rank(qo_len, kv_len, cost):
+    """Per-rank (fwd send, fwd recv, bwd send, bwd recv) bytes of per-(unit, dest) token counts
+    (the pricing of ``gpusolver.metrics``)."""
+    qo_out, qo_in = qo_len.sum(dim=(0, 2)), qo_len.sum(dim=(0, 1))
+    kv_out, kv_in = kv_len.sum(dim=(0, 2)), kv_len.sum(dim=(0, 1))
+    fs = qo_out * cost.q_fwd + qo_in * cost.o_fwd + kv_out * cost.kv_fwd
+    fr = qo_out * cost.o_fwd + qo_in * cost.q_fwd + kv_in * cost.kv_fwd
+    bs = qo_out * cost.q_bwd + qo_in * cost.dq_bwd + kv_out * cost.kv_bwd + kv_in * cost.dkv_bwd
+    br = qo_out * cost.dq_bwd + qo_in * cost.q_bwd + kv_out * cost.dkv_bwd + kv_in * cost.kv_bwd
+    return fs, fr, bs, br
+
+
+def usp_with_selection(S: int, config: SolverConfig, spec: SelectionSpec, hkv_sel: int) -> tuple[int, int]:
+    """USP bottlenecks plus the selection rows its Ulysses all-to-all moves in the forward."""
+    P = config.cp_size
+    u = ulysses_degree(config.num_heads_kv, P)
+    base = usp(seqlen=S, cp_size=P, num_heads_q=config.num_heads_q, num_heads_kv=config.num_heads_kv,
+               head_dim=config.head_dim, dtype_bytes=config.dtype_bytes)
+    c = S // P
+    per_token = spec.width * 4 * (1 if hkv_sel == 1 else hkv_sel // u)  # shared rows, or this rank's heads
+    return base.fwd_bottleneck + (u - 1) * c * per_token, base.bwd_bottleneck
+
+
+def run_case(kind: str, P: int, c: int, seed: int, areas, key_used, spec, t_index, groups: int,
+             num_heads_kv: int) -> dict:
+    S = P * c
+    config = SolverConfig(cp_size=P, num_heads_q=HQ, num_heads_kv=num_heads_kv, head_dim=D,
+                          head_group_flatten=groups > 1)
+    G = config.head_groups
+    areas = areas.expand_groups(G)
+    priced = sparse_config(config, spec)
+    cost = priced.cost()
+    t0 = time.perf_counter()
+    assignment = solve_assignment(areas, priced)
+    solve_s = time.perf_counter() - t0
+    solver = volumes(areas, assignment, cost, key_used)
+    owner = volumes(areas, owner_computes_assignment(areas), cost, key_used)
+    dims = dict(seqlen=S, cp_size=P, num_heads_kv=num_heads_kv, head_dim=D, dtype_bytes=config.dtype_bytes)
+    ag = all_gather_kv(**dims)
+    usp_f, usp_b = usp_with_selection(S, config, spec, 1 if kind == "dsa" else num_heads_kv)
+    name = {"dsa": f"DSA k={DSA_TOPK}", "nsa": f"NSA n={NSA_TOPN} l={NSA_BLOCK}"}[kind]
+    row = {"mask": name, "heads": f"{HQ}:{num_heads_kv}", "G": G, "P": P, "c": c, "seed": seed,
+           "index_s": t_index, "solve_s": solve_s,
+           "imb": solver["imbalance"], "owner_imb": owner["imbalance"]}
+    MB = 1e6
+    for label, v in (("", solver), ("owner_", owner)):
+        row[f"{label}fwd"], row[f"{label}bwd"] = v["fwd"] / MB, v["bwd"] / MB
+        row[f"{label}fwd_exact"], row[f"{label}bwd_exact"] = v["fwd_exact"] / MB, v["bwd_exact"] / MB
+        row[f"{label}kv_exact_share"] = ratio(v["kv_exact_tokens"], v["kv_hull_tokens"])
+    row.update(ag_fwd=ag.fwd_bottleneck / MB, ag_bwd=ag.bwd_bottleneck / MB, usp_fwd=usp_f / MB, usp_bwd=usp_b / MB)
+    row["step_vs_owner"] = ratio(solver["fwd"] + solver["bwd"], owner["fwd"] + owner["bwd"])
+    return row
+
+
+COLUMNS = [
+    ("mask", "mask", ""), ("Hq:Hkv", "heads", ""), ("G", "G", ""), ("P", "P", ""), ("c", "c", ""),
+    ("imb", "imb", ".3f"), ("fwd MB", "fwd", ".1f"), ("bwd MB", "bwd", ".1f"), ("solve s", "solve_s", ".2f"),
+    ("owner imb", "owner_imb", ".3f"), ("owner fwd", "owner_fwd", ".1f"), ("owner bwd", "owner_bwd", ".1f"),
+    ("AG-KV fwd", "ag_fwd", ".1f"), ("AG-KV bwd", "ag_bwd", ".1f"), ("USP fwd", "usp_fwd", ".1f"),
+    ("USP bwd", "usp_bwd", ".1f"), ("step ÷ owner", "step_vs_owner", ".2f"),
+]
+EXACT_COLUMNS = [
+    ("mask", "mask", ""), ("G", "G", ""), ("P", "P", ""), ("c", "c", ""),
+    ("fwd hull", "fwd", ".1f"), ("fwd exact", "fwd_exact", ".1f"), ("bwd hull", "bwd", ".1f"),
+    ("bwd exact", "bwd_exact", ".1f"), ("KV exact ÷ hull", "kv_exact_share", ".3f"),
+    ("owner fwd hull", "owner_fwd", ".1f"), ("owner fwd exact", "owner_fwd_exact", ".1f"),
+    ("owner bwd hull", "owner_bwd", ".1f"), ("owner bwd exact", "owner_bwd_exact", ".1f"),
+    ("owner KV exact ÷ hull", "owner_kv_exact_share", ".3f"), ("index s", "index_s", ".1f"),
+]
+
+
+def _provenance() -> dict:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).resolve().parent).stdout.strip()
+    except OSError:
+        commit = None
+    return {"commit": commit, "command": "python " + shlex.join(sys.argv), "machine": platform.machine(),
+            "processor": platform.processor(), **environment()}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dsa-P", default="8,16", help="CP sizes of the DSA masks")
+    p.add_argument("--nsa-P", default="8,16,32,64", help="CP sizes of the NSA masks")
+    p.add_argument("--tokens-per-rank", default="8192", help="c values (comma list)")
+    p.add_argument("--big", default="nsa:8:32768",
+                   help="extra kind:P:c cases, comma list ('' for none): the large-c end of the grid")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="P = 8, 2K tokens per rank, top-k 256: seconds")
+    p.add_argument("--json", default=str(RESULTS_DIR / "sparse_bench.json"))
+    p.add_argument("--md", default=str(RESULTS_DIR / "sparse_bench.md"))
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    global DSA_TOPK
+    cases = []
+    cs = parse_list(args.tokens_per_rank, name="--tokens-per-rank")
+    if args.quick:
+        DSA_TOPK = 256
+        cases = [("dsa", 8, 2048), ("nsa", 8, 2048)]
+    else:
+        cases = [("dsa", P, c) for c in cs for P in parse_list(args.dsa_P, name="--dsa-P")]
+        cases += [("nsa", P, c) for c in cs for P in parse_list(args.nsa_P, name="--nsa-P")]
+        for item in filter(None, (s.strip() for s in args.big.split(","))):
+            kind, P, c = item.split(":")
+            cases.append((kind, int(P), int(c)))
+    rows = []
+    for kind, P, c in cases:
+        t0 = time.perf_counter()
+        areas, key_used, spec, t_index = make_problem(kind, P, c, args.seed, 1 if kind == "dsa" else HKV_GQA)
+        heads = [(1, 1), (HKV_GQA, HKV_GQA)] if kind == "dsa" else [(HKV_GQA, HKV_GQA)]
+        for groups, hkv in heads:
+            row = run_case(kind, P, c, args.seed, areas, key_used, spec, t_index, groups, hkv)
+            rows.append(row)
+        print(f"{kind} P={P} c={c}: {time.perf_counter() - t0:.1f} s (indexer {t_index:.1f} s)", flush=True)
+    text = "\n".join([
+        f"## Sparse masks from the reference indexers: Hq = {HQ}, D = {D}, bf16, mu = 1.10, seed {args.seed}",
+        "", "Bottlenecks in MB (10^6 B) per pass; KV moved as hulls per (unit, destination).", "",
+        markdown_table(rows, COLUMNS), "",
+        "### KV as hulls vs exact token sets (solver plan, and owner-computes)", "",
+        markdown_table(rows, EXACT_COLUMNS), ""])
+    print(text)
+    write_results(args.json, {"provenance": _provenance(), "rows": rows}, args.md, text)
+    return {"rows": rows, "text": text}
+
+
+if __name__ == "__main__":
+    main()
