@@ -19,6 +19,8 @@ bit (``tests/attn_kernels/test_worklist.py``).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -164,13 +166,19 @@ def _block_weight_kernel(p_rect, p_ptr, p_idx, p_w, NB, L, AXIS: tl.constexpr, B
     tl.store(p_w + i_b + tl.arange(0, 1), w)
 
 
+# lanes per program of (the slice-table kernel, the CSR kernel); the interpreter pays per program
+GPU_LANES = (128, 1024)
+INTERPRETER_LANES = (1024, 8192)
+
+
 def build(q_ranges: torch.Tensor, k_ranges: torch.Tensor, attn_type: torch.Tensor, seqlen_q: int, seqlen_k: int,
-          block_q: int | None, block_k: int | None
+          block_q: int | None, block_k: int | None, *, lanes: tuple[int, int] | None = None,
           ) -> tuple[torch.Tensor, worklist.WorkList | None, worklist.WorkList | None]:
     """(rect, query-axis list or None, key-axis list or None) as ``worklist.slice_rect`` / ``worklist.build``.
 
     q_ranges/k_ranges [R, 2] int32, attn_type [R] int32 contiguous; block_q /
-    block_k: the program block of each list to build (None: skip that axis).
+    block_k: the program block of each list to build (None: skip that axis);
+    lanes: ``GPU_LANES`` or ``INTERPRETER_LANES`` (default: by TRITON_INTERPRET).
     """
     dev, R = q_ranges.device, q_ranges.shape[0]
     if R == 0:
@@ -187,7 +195,9 @@ def build(q_ranges: torch.Tensor, k_ranges: torch.Tensor, attn_type: torch.Tenso
         axes.append((n, block, sizes, torch.empty(2 * len(sizes) * R, dtype=torch.int64, device=dev)))
     dummy = torch.empty(1, dtype=torch.int64, device=dev)
     aq, ak = axes
-    block_r = 128
+    if lanes is None:
+        lanes = INTERPRETER_LANES if os.environ.get("TRITON_INTERPRET", "0") == "1" else GPU_LANES
+    block_r, blk = lanes
     _slice_table_kernel[(triton.cdiv(R, block_r),)](
         q_ranges, k_ranges, attn_type, rect, aq[3] if aq else dummy, ak[3] if ak else dummy,
         R, seqlen_q, seqlen_k, aq[2][0] if aq else 1, len(aq[2]) if aq else 1,
@@ -204,7 +214,6 @@ def build(q_ranges: torch.Tensor, k_ranges: torch.Tensor, attn_type: torch.Tenso
         M, N, NB, L = sum(sizes), keys.shape[0], sizes[0], len(sizes)
         ptr = torch.empty(M + 1, dtype=torch.int32, device=dev)
         idx = torch.empty(N, dtype=torch.int32, device=dev)
-        blk = 1024
         _csr_kernel[(triton.cdiv(max(M + 1, N), blk),)](keys, ptr, idx, N, M, R, N.bit_length(), BLOCK=blk,
                                                         num_warps=4)
         w = torch.empty(NB, dtype=torch.int64, device=dev)
