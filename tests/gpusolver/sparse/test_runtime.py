@@ -68,6 +68,23 @@ def test_local_group_equals_dense(kind, P, c, Hq, Hkv, flatten, tiles, keep):
         assert_close(f"{name} received bytes", recv, got)
 
 
+@pytest.mark.parametrize("kind", ["dsa", "nsa"])
+def test_triton_kernels_in_the_layer(kind):
+    """The Triton kernels (interpreter) on real stage tables: windows into receive buffers, padding rows."""
+    P, c, Hq, Hkv = 2, 8, 4, 2
+    S = P * c
+    mask = make_mask(kind, S, Hkv, seed=1)
+    group = LocalGroup(P)
+    plan = scatter_plan(mask, make_config(P, Hq, Hkv), group)
+    q, k, v, d_out, d_lse = make_inputs(S, Hq, Hkv, seed=1)
+    ref = reference(mask, q, k, v, d_out, d_lse)
+    leaves = [shard(x, group).requires_grad_() for x in (q, k, v)]
+    out, lse = sparse_dist_attn(*leaves, local_selection(mask, group), plan, group, backend="triton")
+    outs, lses = [unshard(out, group)], [unshard(lse, group)]
+    loss(outs, lses, d_out, d_lse).backward()
+    _check(mask, ref, outs, lses, [unshard(x.grad, group) for x in leaves])
+
+
 def _gloo_rank(rank, P, kind, c, Hq, Hkv, flatten):
     torch.manual_seed(0)
     S = P * c
