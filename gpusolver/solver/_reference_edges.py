@@ -81,7 +81,9 @@ def forward_volumes(prob: HostProblem, assign: np.ndarray) -> tuple[np.ndarray, 
 def loads(prob: HostProblem, assign: np.ndarray) -> np.ndarray:
     """[P] int64: summed area of the tasks on each rank."""
     nonempty = prob.area > 0
-    return np.bincount(assign[nonempty], weights=prob.area[nonempty], minlength=prob.P).astype(np.int64)
+    out = np.zeros(prob.P, dtype=np.int64)
+    np.add.at(out, assign[nonempty], prob.area[nonempty].astype(np.int64))  # int64: exact past 2^53
+    return out
 
 
 @dataclass(frozen=True)

@@ -280,8 +280,9 @@ def _price(
     ok = (area > 0) & (d_of != s) & tl.where(bal, ok_bal, ok_bn)
     eps = tl.full([], 1e-12, tl.float64)  # a float64 constant, as in the torch twin
     score_bal = added.to(tl.float64) / tl.maximum(area, 1).to(tl.float64)
-    score_bn = (new_max.to(tl.float64) / tl.maximum(bnv, 1).to(tl.float64) + eps * added.to(tl.float64)
-                + side.to(tl.float64))
+    # the tie-break is relative to the bottleneck, so it stays a tie-break at any sequence length
+    bnv64 = tl.maximum(bnv, 1).to(tl.float64)
+    score_bn = new_max.to(tl.float64) / bnv64 + eps * (added.to(tl.float64) / bnv64) + side.to(tl.float64)
     score = tl.where(ok, tl.where(bal, score_bal, score_bn), float("inf"))
     return ok, score, area, dest_send + kv_to_dest, dest_recv
 

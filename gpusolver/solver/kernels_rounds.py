@@ -197,7 +197,10 @@ def _rounds_kernel(
         phase += 1
         _sync(bar, phase, W)
 
-        if (rnd > 0) & (rnd < ROUNDS) & (rnd % RESTART_EVERY == 0):
+        # only a balanced variant restarts (``_run_variants``); every worker of the variant reads the
+        # same best key after the barrier above, so they all take the same branch
+        again = tl.load(best_key_ptr + i_b) < _BIG_T // 2
+        if (rnd > 0) & (rnd < ROUNDS) & (rnd % RESTART_EVERY == 0) & again:
             # restart from the best state with its bottleneck rank's tasks, and those whose query unit it
             # hosts, back on their query host
             for c0 in range(w * BLOCK_C, T + 1, W * BLOCK_C):
