@@ -31,12 +31,14 @@ local-local tasks) runs while the cast of Q and K, V (backward: dO, lse,
 delta) is in flight; stage 1 and the reduce of partial O (backward: dQ, dK,
 dV) follow. USP (Ulysses degree u = 8 inside a node, ring of P / u across
 nodes): its all-to-alls are not overlapped; each ring hop overlaps the
-compute of the block in hand (sequential sharding, so its compute is the
-mask's own per-position work).
+compute of the block in hand. On the same sequential shards its compute is
+the mask's own work per ring position; "USP bal." puts every rank's compute
+at the mean, the best a load-balancing token permutation could do.
 
     python benchmarks/layer_bench.py                           # P = 8,16,32,64, 3 seeds
     python benchmarks/layer_bench.py --P 8 --seeds 1 --tokens-per-rank 1024
-    python benchmarks/layer_bench.py --tiles 1,2,4             # capacity fill of tiled plans too
+    python benchmarks/layer_bench.py --tiles 1,2,4 --fill-seeds 20 --fill-kinds causal-seq,full-seq \
+        --md benchmarks/results/layer_bench.md                 # the committed results (about 13 min)
 """
 from __future__ import annotations
 
@@ -81,7 +83,9 @@ RUN_COLUMNS = [
     ("fwd MB", "fwd_mb", ".1f"), ("USP fwd", "usp_fwd_mb", ".1f"), ("ring fwd", "ring_fwd_mb", ".1f"),
     ("bwd MB", "bwd_mb", ".1f"), ("USP bwd", "usp_bwd_mb", ".1f"), ("ring bwd", "ring_bwd_mb", ".1f"),
     ("model fwd ms", "model_fwd_ms", ".2f"), ("USP fwd ms", "usp_fwd_ms", ".2f"),
+    ("USP bal. fwd ms", "usp_bal_fwd_ms", ".2f"),
     ("model bwd ms", "model_bwd_ms", ".2f"), ("USP bwd ms", "usp_bwd_ms", ".2f"),
+    ("USP bal. bwd ms", "usp_bal_bwd_ms", ".2f"),
 ]
 SUMMARY_COLUMNS = [("kind", "kind", ""), ("P", "P", "d"), ("runs", "runs", "d")] + RUN_COLUMNS[3:] + [
     ("compute fwd ms", "compute_fwd_ms", ".2f"), ("stage 0 %", "stage0_pct", ".0f")]
@@ -180,7 +184,9 @@ def model_plan(phases: dict, s0: torch.Tensor, load: torch.Tensor, config: Solve
 
 
 def model_usp(mask, config: SolverConfig, *, nvlink: float, ib: float, tflops: float) -> dict:
-    """Modelled forward and backward time of USP on ``mask`` (seconds).
+    """Modelled forward and backward time of USP on ``mask`` (seconds): ``fwd`` / ``bwd`` on
+    sequential shards, ``fwd_balanced`` / ``bwd_balanced`` with every rank's compute at the mean
+    (what a perfectly load-balancing token permutation could reach; a lower bound for USP).
 
     Ulysses groups are u consecutive ranks (inside a node when u divides 8); the ring runs over
     the P / u positions, rank ``k * u + t`` passing to ``(k + 1) * u + t``. After the all-to-all a
@@ -205,9 +211,11 @@ def model_usp(mask, config: SolverConfig, *, nvlink: float, ib: float, tflops: f
     for name, mult, a_in, a_out, hop_mult in (("fwd", 1.0, q_tok + kv_tok, q_tok, 1),
                                               ("bwd", BWD_FLOPS, q_tok, q_tok + kv_tok, 2)):
         t_hop = link_seconds(hop * hop_mult, nvlink, ib)
+        a2a_t = link_seconds(a2a(a_in), nvlink, ib) + link_seconds(a2a(a_out), nvlink, ib)
         comp = torch.stack([mult * step[k, (k - s) % r] for s in range(r)], dim=1)  # [position, step]
-        ring = torch.clamp(comp[:, :-1], min=t_hop).sum(1) + comp[:, -1]  # each hop overlaps a block
-        out[name] = link_seconds(a2a(a_in), nvlink, ib) + float(ring.max()) + link_seconds(a2a(a_out), nvlink, ib)
+        for suffix, c_ in (("", comp), ("_balanced", torch.full_like(comp, float(comp.mean())))):
+            ring = torch.clamp(c_[:, :-1], min=t_hop).sum(1) + c_[:, -1]  # each hop overlaps a block
+            out[name + suffix] = a2a_t + float(ring.max())
     return out
 
 
@@ -315,6 +323,7 @@ def run_instance(kind: str, P: int, seed: int, tokens_per_rank: int, tiles=(1,),
         **{f"{k}_ms": 1e3 * ours[k] for k in ("fwd_cast", "fwd_reduce", "bwd_cast", "bwd_reduce")},
         "stage0_pct": 100.0 * float(s0.sum()) / max(float(load.sum()), 1.0),
         "usp_fwd_ms": 1e3 * usp_t["fwd"], "usp_bwd_ms": 1e3 * usp_t["bwd"],
+        "usp_bal_fwd_ms": 1e3 * usp_t["fwd_balanced"], "usp_bal_bwd_ms": 1e3 * usp_t["bwd_balanced"],
     }
     fills = [{"kind": kind, "P": P, "seed": seed, "tiles": 1, **comm_fill(plan.comm, config.head_groups)}]
     for n in tiles:
@@ -532,8 +541,10 @@ def main(argv=None) -> dict:
         f"per GPU between nodes, attention at {args.tflops:g} TFLOP/s (H200, assumed) with 4·D FLOPs per (q, k) "
         f"entry per query head forward and {BWD_FLOPS:g}× that backward; ours = max over ranks of "
         "max(stage 0, cast) + stage 1, plus the reduce; USP = all-to-alls not overlapped, ring hops overlapped "
-        "with the block in hand. compute fwd ms: the busiest rank's attention alone; stage 0 %: share of the "
-        "area that runs while the cast is in flight.",
+        "with the block in hand, on the same sequential shards (its compute follows the mask's work per ring "
+        "position); USP bal. = the same with every rank's compute at the mean (a lower bound for a load-balanced "
+        "USP). compute fwd ms: the busiest rank's attention alone; stage 0 %: share of the area that runs "
+        "while the cast is in flight.",
         markdown_table(summary, SUMMARY_COLUMNS),
         "### Receive capacity: largest fill as a multiple of G·c (max over the runs)",
         "QO / KV recv: rows a rank receives; QO / KV send: rows a rank sends (both kinds share one "

@@ -61,23 +61,25 @@ def plan_capacities(config: SolverConfig, num_slices: int, chunk: int, *, recv_c
     The default comes from the device solver's plans of the quality benchmark
     masks (packed documents, 8K tokens per rank, 64:8), measured by
     ``benchmarks/layer_bench.py --tiles 1,2,4 --fill-seeds 20 --fill-kinds
-    causal-seq,full-seq``. Largest rows a rank receives / sends (QO or KV),
-    as a multiple of G * c, over seeds 0-19 with whole chunks (seeds 0-2 with
-    2 and 4 tiles stay below these):
+    causal-seq,full-seq`` (``benchmarks/results/layer_bench.md``). Largest
+    rows a rank receives / sends (QO or KV; KV always the larger), as a
+    multiple of G * c, over seeds 0-19 with whole chunks (seeds 0-2 with 2 and
+    4 tiles stay below these), next to one causal sequence:
 
         P     causal recv  send     full recv  send     one causal sequence recv  send
-        8          1.3      1.3          2.6    2.1                        -
-        16         3.1      2.9          3.2    3.3                       6.6   8.0
-        32         4.7      5.7          7.9    7.1                      10.3  11.0
-        64         8.6     10.6          8.0    8.6                      14.8  15.0
+        8          1.85     1.49         2.87   2.12                         3.88  5.25
+        16         3.12     2.88         4.67   3.88                         6.62  8.00
+        32         4.73     5.72         7.93   7.12                        10.25 11.00
+        64         8.63    10.57         7.95   8.62                        14.75 15.00
 
     Receiving stays near 8 G * c as P grows (a helper receives about the work
     it takes on), sending grows with P (a long document's key chunk is wanted
     by many helpers; 13.1 at P = 128 over 3 seeds). 16 is at least 1.5x the
     largest packed-document need up to P = 64 and also holds one causal or
-    full sequence there. The solve does not yet treat capacity as a
-    constraint: a mask that needs more gets BUFFER_OVERFLOW (one causal
-    sequence past P = 64 will); set ``max_recv_rows`` for it.
+    full sequence there (its last rank needs nearly every key chunk). The
+    solve does not yet treat capacity as a constraint: a mask that needs more
+    gets BUFFER_OVERFLOW (one causal sequence past P = 64 will); set
+    ``max_recv_rows`` for it.
     """
     G, P = config.head_groups, config.cp_size
     worst = G * chunk * (P - 1)

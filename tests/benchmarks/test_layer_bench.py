@@ -54,9 +54,10 @@ def test_layer_bench_small(bench, tmp_path, capsys):
     (row,) = data["rows"]
     assert row["phase_bytes_match_metrics"] and row["status"] & 4 == 0  # no BUFFER_OVERFLOW
     for k in ("solve_ms", "fwd_mb", "bwd_mb", "usp_fwd_mb", "ring_fwd_mb", "model_fwd_ms", "model_bwd_ms",
-              "usp_fwd_ms", "usp_bwd_ms"):
+              "usp_fwd_ms", "usp_bwd_ms", "usp_bal_fwd_ms", "usp_bal_bwd_ms"):
         assert isinstance(row[k], (int, float)) and math.isfinite(row[k]) and row[k] > 0, k
     assert row["model_fwd_ms"] >= row["compute_fwd_ms"] and row["model_bwd_ms"] >= row["compute_bwd_ms"]
+    assert row["usp_bal_fwd_ms"] <= row["usp_fwd_ms"] and row["usp_bal_bwd_ms"] <= row["usp_bwd_ms"]
 
     (fill,) = data["fill"]
     assert fill["fits"] and fill["recv_cap"] == fill["send_cap"] == fill["worst"] == 3  # P - 1 below 17
