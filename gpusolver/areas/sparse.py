@@ -181,6 +181,76 @@ def _topk_rows(topk, offset, acc) -> None:
     acc.span_for(1).add_intervals(zero, t, key, torch.where(ok, key + 1, key))
 
 
+class _UsedBlocks:
+    """Which key blocks of ``block`` tokens some row of each query unit attends: [G * m * NB] bool,
+    ids ``(g * m + i) * NB + b``. The same interface as ``_BlockAccumulator`` (intervals in)."""
+
+    def __init__(self, groups: int, m: int, first_unit: int, chunk: int, seqlen: int, block: int, device):
+        self.G, self.m, self.first_unit, self.chunk, self.block = groups, m, first_unit, chunk, block
+        self.NB = -(-seqlen // block)
+        self.used = torch.zeros(groups * m * self.NB + 1, dtype=torch.bool, device=device)  # last: a sink
+
+    def span_for(self, width: int) -> "_UsedBlocks":
+        self._span = (width - 1) // self.block + 2 if width > 1 else 1
+        return self
+
+    def add_intervals(self, g, t, lo, hi, weight: int = 1) -> None:
+        g, t, lo, hi = torch.broadcast_tensors(g, t, lo, hi)
+        i = t // self.chunk - self.first_unit
+        first = lo // self.block
+        sink = self.used.numel() - 1
+        for s in range(self._span):  # static trip count
+            b = first + s
+            ok = (hi > lo) & (b * self.block < hi) & (b < self.NB)
+            at = torch.where(ok, (g * self.m + i) * self.NB + b, sink)
+            self.used.index_fill_(0, at.reshape(-1), True)
+
+    def finish(self) -> torch.Tensor:
+        return self.used[:-1].view(self.G, self.m, self.NB)
+
+
+def _fill_rows(mask: SparseMask, acc, G: int) -> None:
+    """Feed every entry of the mask's rows to ``acc`` as key intervals (areas or used blocks)."""
+    if isinstance(mask, TokenTopKMask):
+        _topk_rows(mask.topk_indices, mask.query_offset, acc)
+        return
+    sel = mask if isinstance(mask, BlockSparseMask) else mask.selection
+    T, Hkv, _ = sel.block_indices.shape
+    if Hkv % G:
+        raise ValueError(f"block_indices has Hkv={Hkv} KV heads, not divisible by head_groups={G}")
+    _block_rows(sel.block_indices, sel.block_size, sel.query_offset, acc, Hkv, G)
+    if isinstance(mask, NSALayerMask):
+        _window_rows(T, sel.query_offset, mask.window_size, acc, sel.device, Hkv // G)
+
+
+def used_block_rows(mask: SparseMask, num_units: int, head_groups: int, block: int) -> torch.Tensor:
+    """[G, m, NB] bool: key block b (tokens [b * block, (b + 1) * block)) holds a key that some row of
+    the shard's query unit i attends for group g (NB = ceil(S / block); a token top-k mask is the
+    same for every group). What a block-granular KV transfer moves. Sync-free."""
+    _check_positive("num_units", num_units)
+    _check_positive("head_groups", head_groups)
+    _check_positive("block", block)
+    rows = _selection_rows(mask)
+    chunk, first, m = _unit_rows(rows[0], rows[1], mask.query_offset, mask.total_seqlen_k, num_units)
+    if isinstance(mask, TokenTopKMask):
+        acc = _UsedBlocks(1, m, first, chunk, mask.total_seqlen_k, block, mask.device)
+        _fill_rows(mask, acc, 1)
+        one = acc.finish()
+        return one.expand(head_groups, *one.shape[1:]).contiguous()
+    acc = _UsedBlocks(head_groups, m, first, chunk, mask.total_seqlen_k, block, mask.device)
+    _fill_rows(mask, acc, head_groups)
+    return acc.finish()
+
+
+def _selection_rows(mask: SparseMask) -> tuple[str, int]:
+    if isinstance(mask, TokenTopKMask):
+        return "topk_indices", mask.topk_indices.shape[0]
+    if not isinstance(mask, (BlockSparseMask, NSALayerMask)):
+        raise TypeError(f"mask must be a BlockSparseMask, TokenTopKMask or NSALayerMask, got {type(mask).__name__}")
+    sel = mask if isinstance(mask, BlockSparseMask) else mask.selection
+    return "block_indices", sel.block_indices.shape[0]
+
+
 def sparse_area_rows(mask: SparseMask, num_units: int, head_groups: int = 1) -> AreaRows:
     """The block areas of the query units a sparse mask's rows cover (one rank's row of the problem).
 
@@ -195,26 +265,17 @@ def sparse_area_rows(mask: SparseMask, num_units: int, head_groups: int = 1) -> 
     _check_positive("num_units", num_units)
     _check_positive("head_groups", head_groups)
     G = head_groups
+    name, T = _selection_rows(mask)
+    chunk, first, m = _unit_rows(name, T, mask.query_offset, mask.total_seqlen_k, num_units)
     if isinstance(mask, TokenTopKMask):
-        T = mask.topk_indices.shape[0]
-        chunk, first, m = _unit_rows("topk_indices", T, mask.query_offset, mask.total_seqlen_k, num_units)
         acc = _BlockAccumulator(1, m, num_units, first, chunk, mask.device)
-        _topk_rows(mask.topk_indices, mask.query_offset, acc)
+        _fill_rows(mask, acc, 1)
         rows = acc.finish()
         return AreaRows(rows.area.expand(G, m, num_units).contiguous(),
                         rows.q_need.expand(G, m, num_units, 2).contiguous(),
                         rows.k_need.expand(G, m, num_units, 2).contiguous(), first, chunk)
-    if not isinstance(mask, (BlockSparseMask, NSALayerMask)):
-        raise TypeError(f"mask must be a BlockSparseMask, TokenTopKMask or NSALayerMask, got {type(mask).__name__}")
-    sel = mask if isinstance(mask, BlockSparseMask) else mask.selection
-    T, Hkv, _ = sel.block_indices.shape
-    if Hkv % G:
-        raise ValueError(f"block_indices has Hkv={Hkv} KV heads, not divisible by head_groups={G}")
-    chunk, first, m = _unit_rows("block_indices", T, sel.query_offset, sel.total_seqlen_k, num_units)
-    acc = _BlockAccumulator(G, m, num_units, first, chunk, sel.device)
-    _block_rows(sel.block_indices, sel.block_size, sel.query_offset, acc, Hkv, G)
-    if isinstance(mask, NSALayerMask):
-        _window_rows(T, sel.query_offset, mask.window_size, acc, sel.device, Hkv // G)
+    acc = _BlockAccumulator(G, m, num_units, first, chunk, mask.device)
+    _fill_rows(mask, acc, G)
     return acc.finish()
 
 

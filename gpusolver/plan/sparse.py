@@ -21,22 +21,31 @@ attention is one sparse-kernel call over a query buffer and a key buffer:
 
 The selection indices of a remote query row travel with its Q in the same
 group-cast (as int32 columns) and are priced in the plan's metrics
-(``SparseCommCost``). Nothing here reads device values except ``validate()``
-and ``summary()``.
+(``SparseCommCost``).
+
+KV as key blocks (``kv_block``, ``KVBlocks``): instead of one hull per (unit,
+destination), a destination receives exactly the blocks of ``kv_block`` keys
+that its tasks' rows attend (from every rank's all-gathered ``used`` block
+bitmaps). On NSA selections with ``kv_block = l`` that is the exact token set
+up to the causal clip of a query's own block, and it moved 8-21 % less than
+hulls at the bottleneck in ``benchmarks/sparse_bench.py`` (P = 8 to 64); on
+DSA top-k it moves what hulls move. The stage tables then have one window per
+key block. Nothing here reads device values except ``validate()`` and
+``summary()``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from gpusolver.config import SolverConfig
 from gpusolver.masks.constructors import sliding_window_mask
 from gpusolver.masks.sparse import BlockSparseMask, NSALayerMask, TokenTopKMask
-from gpusolver.metrics import PlanMetrics, evaluate
+from gpusolver.metrics import PlanMetrics, _volumes, evaluate
 from gpusolver.plan.build import plan_capacities
 from gpusolver.plan.calc_meta import build_calc_meta
-from gpusolver.plan.comm_meta import build_comm_meta
+from gpusolver.plan.comm_meta import _recv_offsets, build_comm_meta, send_index
 from gpusolver.plan.meta import (BUFFER_OVERFLOW, CALC_OVERFLOW, IMBALANCED, INVALID_MASK, NEED_MISMATCH, UNASSIGNED,
                                  CalcMeta, CommMeta, _explain_status)
 from gpusolver.problem import BlockAreas, CommCost
@@ -145,6 +154,68 @@ class SparseStage:
 
 
 @dataclass(frozen=True)
+class KVBlocks:
+    """K and V routed as key blocks: which blocks of ``block`` keys travel where.
+
+    need:           [G, NB, P(dest)] bool — block b of group g travels to dest (never to its host).
+    kv_range:       [G, NB, P(dest), 2] int64 — its chunk-local rows on the host, [0, 0) when not sent.
+    kv_recv_offset: [G, NB, P(dest)] int64 — where it starts in dest's KV receive buffer (sources
+                    ascending, then g, then block).
+    kv_split:       [P(src), P(dst)] int64 — rows src sends to dst.
+    kv_recv_rows:   [P] int64 — rows each rank receives.
+    block:          keys per block (host int, divides the unit size); NB = S / block.
+    blocks_per_rank: c / block (host int).
+    """
+
+    need: torch.Tensor
+    kv_range: torch.Tensor
+    kv_recv_offset: torch.Tensor
+    kv_split: torch.Tensor
+    kv_recv_rows: torch.Tensor
+    block: int
+    blocks_per_rank: int
+
+    def send_index(self, rank: int, chunk: int, send_capacity: int) -> torch.Tensor:
+        """[send_cap] int64 gather indices into ``rank``'s group-major local K, V rows, in send order
+        (dest, g, block, token); -1 pads. Sync-free."""
+        nb = self.blocks_per_rank
+        return send_index(self.kv_range[:, rank * nb:(rank + 1) * nb], chunk, send_capacity)
+
+
+def build_kv_blocks(used: torch.Tensor, assignment: torch.Tensor, tiles: int, chunk: int, block: int,
+                    recv_capacity: int, send_capacity: int) -> tuple[KVBlocks, torch.Tensor]:
+    """KVBlocks of an assignment, plus an overflow flag. Sync-free.
+
+    used:       [G, U(query unit), NB] bool — key block b attended by some row of unit i, group g
+                (``areas.sparse.used_block_rows``, all-gathered).
+    assignment: [G, U, U] integer rank per task, -1 for empty tasks.
+    tiles, chunk: units per rank, tokens per rank; ``block`` must divide chunk / tiles.
+    """
+    G, U = assignment.shape[0], assignment.shape[1]
+    P, NB = U // tiles, used.shape[2]
+    cu, nb = chunk // tiles, chunk // block
+    dev = assignment.device
+    b = torch.arange(NB, device=dev)
+    unit = b * block // cu  # key unit of each block
+    host = b // nb
+    need = torch.zeros(G, NB * P + 1, dtype=torch.bool, device=dev)  # [g, (block, dest)], last: a sink
+    asg = assignment.long()
+    for g in range(G):  # static
+        on = asg[g][:, unit]  # [U(i), NB]: the rank of task (g, i, unit(b))
+        hit = used[g] & (on >= 0) & (on != host)  # nothing travels to its own host
+        need[g].index_fill_(0, torch.where(hit, b * P + on.clamp(min=0), NB * P).reshape(-1), True)
+    need = need[:, :-1].view(G, NB, P)
+    lo = ((b % nb) * block).view(1, NB, 1)
+    kv_range = torch.stack((torch.where(need, lo, 0), torch.where(need, lo + block, 0)), dim=-1)
+    length = need.long() * block
+    offset, rows = _recv_offsets(length, nb)
+    split = length.sum(0).view(P, nb, P).sum(1)
+    overflow = (rows > recv_capacity).any() | (split.sum(1) > send_capacity).any()
+    return KVBlocks(need=need, kv_range=kv_range, kv_recv_offset=offset, kv_split=split, kv_recv_rows=rows,
+                    block=block, blocks_per_rank=nb), overflow
+
+
+@dataclass(frozen=True)
 class SparsePlan:
     """A solved sparse layer: who computes what, what moves, what each stage runs.
 
@@ -157,6 +228,8 @@ class SparsePlan:
     imbalance_tol: mu of the IMBALANCED bit (host float).
     spec:          SelectionSpec (block size, selection heads and width, window branch).
     window_calc:   CalcMeta of the NSA window branch's slices (None without one).
+    kv_blocks:     KVBlocks when K and V travel as key blocks (then ``comm``'s KV fields are the
+                   hulls the solver priced, not what moves), None for hulls.
 
     ``stage(rank, s)`` builds a stage's tables on demand (sync-free), so a plan
     never holds every rank's [G * c + cap] row tables.
@@ -170,6 +243,7 @@ class SparsePlan:
     imbalance_tol: float
     spec: SelectionSpec
     window_calc: CalcMeta | None = None
+    kv_blocks: KVBlocks | None = None
 
     @property
     def head_groups(self) -> int:
@@ -184,7 +258,7 @@ class SparsePlan:
         P = self.comm.cp_size
         if not 0 <= rank < P or stage not in (0, 1):
             raise ValueError(f"need 0 <= rank < {P} and stage in (0, 1), got rank={rank}, stage={stage}")
-        return sparse_stage(self.assignment, self.comm, rank, stage)
+        return sparse_stage(self.assignment, self.comm, rank, stage, self.kv_blocks)
 
     def validate(self, ignore: int = 0) -> "SparsePlan":
         """Raise ValueError naming each status bit set (except ``ignore``). Host-side."""
@@ -223,8 +297,10 @@ def _unit_table(comm: CommMeta, G: int, U: int):
     return n, P, c, cu, dev, units, units // n
 
 
-def sparse_stage(assignment: torch.Tensor, comm: CommMeta, rank: int, stage: int) -> SparseStage:
-    """The tables of one rank's stage (see ``SparseStage``). Sync-free: static shapes, no host reads."""
+def sparse_stage(assignment: torch.Tensor, comm: CommMeta, rank: int, stage: int,
+                 kv_blocks: KVBlocks | None = None) -> SparseStage:
+    """The tables of one rank's stage (see ``SparseStage``; with ``kv_blocks`` one window per key
+    block instead of per key unit). Sync-free: static shapes, no host reads."""
     G, U = assignment.shape[0], assignment.shape[1]
     n, P, c, cu, dev, units, host = _unit_table(comm, G, U)
     g = torch.arange(G, device=dev)
@@ -241,6 +317,10 @@ def sparse_stage(assignment: torch.Tensor, comm: CommMeta, rank: int, stage: int
     # [G, U(i), U(j)] tasks of this rank in this stage
     both_local = (host.view(1, U, 1) == rank) & (host.view(1, 1, U) == rank)
     mine = (assignment.long() == rank) & (both_local if stage == 0 else ~both_local)
+    if kv_blocks is not None:
+        win = _block_windows(kv_blocks, mine, rank, G, c, cu)
+        return SparseStage(q_pos=q_pos.to(torch.int32), q_class=q_class.to(torch.int32), kv_windows=win,
+                           window=kv_blocks.block)
     j_local = (host == rank).view(1, 1, U)
     local_lo = (units * cu).view(1, 1, U)
     local_off = (g * c - rank * c).view(G, 1, 1)
@@ -255,6 +335,24 @@ def sparse_stage(assignment: torch.Tensor, comm: CommMeta, rank: int, stage: int
     win = torch.stack(torch.broadcast_tensors(lo, hi, off), dim=-1).reshape(G * U, U, 3)
     return SparseStage(q_pos=q_pos.to(torch.int32), q_class=q_class.to(torch.int32),
                        kv_windows=win.to(torch.int32).contiguous(), window=cu)
+
+
+def _block_windows(kb: KVBlocks, mine: torch.Tensor, rank: int, G: int, c: int, cu: int) -> torch.Tensor:
+    """[G * U, NB, 3] int32 windows, one per (query unit, key block)."""
+    U = mine.shape[1]
+    NB, nb, block = kb.need.shape[1], kb.blocks_per_rank, kb.block
+    dev = mine.device
+    b = torch.arange(NB, device=dev)
+    unit, host = b * block // cu, b // nb
+    lo = (b * block).view(1, 1, NB)
+    local = (host == rank).view(1, 1, NB)
+    held = local | kb.need[:, :, rank].view(G, 1, NB)
+    task = mine[:, :, unit] & held  # [G, U(i), NB]
+    off = torch.where(local, (torch.arange(G, device=dev) * c - rank * c).view(G, 1, 1),
+                      (G * c + kb.kv_recv_offset[:, :, rank]).view(G, 1, NB) - lo)
+    win = torch.stack(torch.broadcast_tensors(torch.where(task, lo, 0), torch.where(task, lo + block, 0),
+                                              torch.where(task, off, 0)), dim=-1)
+    return win.reshape(G * U, NB, 3).to(torch.int32).contiguous()
 
 
 def _recv_rows(comm: CommMeta, rank: int, G: int, U: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -283,7 +381,8 @@ def window_slices(total_seqlen: int, window_size: int, device) -> "AttnSlices": 
 def build_sparse_plan(areas: BlockAreas, assignment: torch.Tensor, config: SolverConfig, spec: SelectionSpec,
                       total_seqlen: int, *, mask_error: torch.Tensor | None = None,
                       imbalance_tol: float | None = None, recv_capacity: int | None = None,
-                      send_capacity: int | None = None) -> SparsePlan:
+                      send_capacity: int | None = None, used_blocks: torch.Tensor | None = None,
+                      kv_block: int | None = None) -> SparsePlan:
     """The SparsePlan of an assignment, for all ranks at once. Sync-free.
 
     areas:       BlockAreas of the sparse mask (area [G, U, U] int64, needs [G, U, U, 2]).
@@ -293,7 +392,10 @@ def build_sparse_plan(areas: BlockAreas, assignment: torch.Tensor, config: Solve
     total_seqlen: S.
     mask_error:  [] bool device flag of bad mask values (``mask.value_error()``), or None.
     recv_capacity, send_capacity: rows of each receive buffer / send list (default
-                 ``config.max_recv_rows``, else the worst case ``G * c * (P - 1)``).
+                 ``config.max_recv_rows``, else ``plan_capacities``' default).
+    used_blocks, kv_block: K and V travel as blocks of ``kv_block`` keys (``KVBlocks``); used_blocks
+                 [G, U, S / kv_block] bool is every query unit's ``used_block_rows``. None: hulls.
+                 Not with a window branch (its slices address hull buffers).
     """
     G, P, n = config.head_groups, config.cp_size, config.chunk_tiles
     if areas.head_groups != G or areas.cp_size != P or areas.tiles != n:
@@ -307,8 +409,24 @@ def build_sparse_plan(areas: BlockAreas, assignment: torch.Tensor, config: Solve
                                                     send_capacity=send_capacity)
     mu = config.imbalance_tol if imbalance_tol is None else float(imbalance_tol)
     assignment = assignment.to(torch.int32)
-    metrics = evaluate(areas, assignment, sparse_config(config, spec).cost())
+    cost = sparse_config(config, spec).cost()
+    metrics = evaluate(areas, assignment, cost)
     comm, overflow = build_comm_meta(areas, assignment, recv_capacity=recv_cap, send_capacity=send_cap)
+    kv_blocks = None
+    if kv_block is not None:
+        if spec.window_size:
+            raise ValueError("kv_block: an NSA layer mask's window branch needs hull transfers (kv_block=None)")
+        if used_blocks is None or areas.chunk % kv_block:
+            raise ValueError(f"kv_block={kv_block} needs used_blocks and must divide the unit size {areas.chunk}")
+        kv_blocks, kv_overflow = build_kv_blocks(used_blocks, assignment, n, c, kv_block, recv_cap, send_cap)
+        # what moves: Q hulls as before, K and V blocks
+        overflow = ((comm.qo_recv_rows > recv_cap).any() | (comm.qo_split.sum(1) > send_cap).any()
+                    | kv_overflow)
+        qo_len = comm.qo_range[..., 1] - comm.qo_range[..., 0]
+        kv_len = kv_blocks.need.long().view(G, U, -1, P).sum(2) * kv_block
+        fs, fr, bs, br = _volumes(qo_len, kv_len, cost, n)
+        metrics = replace(metrics, fwd_send=fs, fwd_recv=fr, bwd_send=bs, bwd_recv=br,
+                          fwd_bottleneck=torch.maximum(fs, fr).amax(), bwd_bottleneck=torch.maximum(bs, br).amax())
     a = assignment.long()
     unassigned = ((areas.area > 0) & ((a < 0) | (a >= P))).any()
 
@@ -326,11 +444,22 @@ def build_sparse_plan(areas: BlockAreas, assignment: torch.Tensor, config: Solve
         status = (status | bit(flags["calc_overflow"], CALC_OVERFLOW)
                   | bit(flags["buffer_overflow"], BUFFER_OVERFLOW) | bit(flags["mismatch"], NEED_MISMATCH))
     return SparsePlan(assignment=assignment, metrics=metrics, comm=comm, status=status, area=areas.area,
-                      imbalance_tol=mu, spec=spec, window_calc=window_calc)
+                      imbalance_tol=mu, spec=spec, window_calc=window_calc, kv_blocks=kv_blocks)
+
+
+def default_kv_block(mask, config: SolverConfig) -> int | None:
+    """How K and V travel, as measured (``benchmarks/sparse_bench.py``): NSA selections as blocks of
+    their block size l (the exact token sets up to the causal clip: 8-21 % less at the bottleneck
+    than hulls), when l divides the unit size; token top-k and NSA layer masks as hulls (top-k
+    spreads over whole units: blocks would move the same; a window branch needs hull buffers)."""
+    if isinstance(mask, BlockSparseMask):
+        unit = mask.total_seqlen_k // config.num_units
+        return mask.block_size if unit % mask.block_size == 0 else None
+    return None
 
 
 def solve_sparse(mask, config: SolverConfig, *, areas: BlockAreas | None = None, solver: str = "device",
-                 impl: str = "auto", validate: bool | None = None) -> SparsePlan:
+                 impl: str = "auto", validate: bool | None = None, kv_block: int | None | str = "auto") -> SparsePlan:
     """Solve one sparse layer from a whole-sequence mask (or its already gathered ``areas``).
 
     mask:     BlockSparseMask, TokenTopKMask or NSALayerMask (rows of the whole sequence, or
@@ -340,8 +469,10 @@ def solve_sparse(mask, config: SolverConfig, *, areas: BlockAreas | None = None,
               then hold every row).
     solver, impl: as in ``gpusolver.solve``.
     validate: host-side checks of the mask values and the plan status (default: on for CPU).
+    kv_block: K and V as blocks of this many keys, or hulls (None); "auto": ``default_kv_block``
+              (needs the whole mask's rows).
     """
-    from gpusolver.areas.sparse import sparse_areas
+    from gpusolver.areas.sparse import sparse_areas, used_block_rows
     from gpusolver.solve import solve_assignment
 
     spec = SelectionSpec.of(mask, config.head_groups)
@@ -353,9 +484,13 @@ def solve_sparse(mask, config: SolverConfig, *, areas: BlockAreas | None = None,
         mask.validate()
     if areas is None:
         areas = sparse_areas(mask, config.cp_size, config.head_groups, tiles=config.chunk_tiles)
+    if kv_block == "auto":
+        kv_block = default_kv_block(mask, config)
+    used = None if kv_block is None else used_block_rows(mask, config.num_units, config.head_groups, kv_block)
     priced = sparse_config(config, spec)
     assignment = solve_assignment(areas, priced, solver=solver, impl=impl)
-    plan = build_sparse_plan(areas, assignment, config, spec, S, mask_error=mask.value_error())
+    plan = build_sparse_plan(areas, assignment, config, spec, S, mask_error=mask.value_error(),
+                             used_blocks=used, kv_block=kv_block)
     if validate:
         plan.validate(ignore=IMBALANCED)
     return plan

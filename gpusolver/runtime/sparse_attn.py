@@ -34,16 +34,16 @@ import torch
 import torch.distributed as dist
 
 from attn_kernels import flex_attn, flex_attn_backward, merge_out_lse, row_delta, sparse_attn, sparse_attn_backward
-from gpusolver.areas.sparse import AreaRows, areas_from_rows, sparse_area_rows
+from gpusolver.areas.sparse import AreaRows, areas_from_rows, sparse_area_rows, used_block_rows
 from gpusolver.config import SolverConfig
 from gpusolver.masks.sparse import BlockSparseMask, NSALayerMask, TokenTopKMask
 from gpusolver.nvtx import nvtx_range
 from gpusolver.plan.meta import IMBALANCED
-from gpusolver.plan.sparse import SelectionSpec, SparsePlan, build_sparse_plan, sparse_config
+from gpusolver.plan.sparse import SelectionSpec, SparsePlan, build_sparse_plan, default_kv_block, sparse_config
 from gpusolver.problem import BlockAreas
 from gpusolver.runtime.dist_attn import LayerRoutes, layer_routes
 from gpusolver.runtime.layout import from_group_major, to_group_major
-from groupcomm import group_cast, group_reduce
+from groupcomm import TorchGroup, group_cast, group_reduce, host_splits
 
 SPARSE_MASKS = (BlockSparseMask, TokenTopKMask, NSALayerMask)
 
@@ -75,40 +75,50 @@ def _selection(mask) -> torch.Tensor:
     return (mask.selection if isinstance(mask, NSALayerMask) else mask).block_indices
 
 
-def gather_sparse_areas(mask, config: SolverConfig, group) -> tuple[BlockAreas, torch.Tensor]:
-    """Every rank's row of block areas, all-gathered: (BlockAreas [G, U, U], mask error [] bool).
+def gather_sparse_areas(mask, config: SolverConfig, group, kv_block: int | None = None):
+    """Every rank's row of block areas, all-gathered: (BlockAreas [G, U, U], mask error [] bool,
+    used blocks [G, U, S / kv_block] bool or None).
 
     Each rank computes ``sparse_area_rows`` of its own rows (``LocalGroup``: every simulated
-    rank, stacked); ``TorchGroup`` / ``SymmMemGroup`` all-gather them over the process group
-    (one collective of ``U * G * U * 6`` int64, the last channel the ranks' mask-error flags),
-    so every rank holds the same problem. Sync-free on the device.
+    rank, stacked) and, with ``kv_block``, which key blocks its rows attend
+    (``used_block_rows``); ``TorchGroup`` / ``SymmMemGroup`` all-gather them over the process
+    group in one collective (int64: ``m * G * U * 6`` area words, the last channel the ranks'
+    mask-error flags, then ``m * G * NB`` block flags), so every rank holds the same problem.
+    Sync-free on the device.
     """
     U, G = config.num_units, config.head_groups
-    parts = []
+    parts, used = [], []
     for shard in _shards(mask, group):
         rows: AreaRows = sparse_area_rows(shard, U, G)
         flag = shard.value_error().to(torch.int64).expand(rows.area.shape[1], G, U, 1)
         parts.append(torch.cat((rows.pack(), flag), dim=-1))
+        if kv_block is not None:
+            used.append(used_block_rows(shard, U, G, kv_block).transpose(0, 1))  # [m, G, NB]
         chunk = rows.chunk
     if getattr(group, "batched", False):
         packed = torch.cat(parts)
+        used = torch.cat(used) if used else None
     else:
         local = parts[0]
-        pg = getattr(group, "process_group", None)
-        gathered = [torch.empty_like(local) for _ in range(group.size)]
-        dist.all_gather(gathered, local.contiguous(), group=pg)
-        packed = torch.cat(gathered)
+        words = [local.reshape(-1)] + ([used[0].reshape(-1).to(torch.int64)] if used else [])
+        flat = torch.cat(words)
+        gathered = [torch.empty_like(flat) for _ in range(group.size)]
+        dist.all_gather(gathered, flat, group=getattr(group, "process_group", None))
+        n = local.numel()
+        packed = torch.cat([x[:n].view(local.shape) for x in gathered])
+        used = torch.cat([x[n:].view(used[0].shape).bool() for x in gathered]) if used else None
     areas = areas_from_rows(packed[..., :5], chunk, config.chunk_tiles)
-    return areas, packed[..., 5].amax() > 0
+    return areas, packed[..., 5].amax() > 0, (None if used is None else used.transpose(0, 1).contiguous())
 
 
 def solve_sparse_sharded(mask, config: SolverConfig, group, *, solver: str = "device", impl: str = "auto",
-                         validate: bool | None = None) -> SparsePlan:
+                         validate: bool | None = None, kv_block: int | None | str = "auto") -> SparsePlan:
     """The sharded flow of one layer: local area rows, all-gather, the same solve on every rank, metas.
 
     mask: the rows this process holds (see ``_shards``: every rank's rows for a ``LocalGroup``,
     else this rank's c rows at ``query_offset = rank * c``). validate: host checks of the local
-    rows and of the plan (default: on for CPU tensors outside ``torch.compile``).
+    rows and of the plan (default: on for CPU tensors outside ``torch.compile``). kv_block: K and
+    V travel as blocks of this many keys, or as hulls (None); "auto": ``default_kv_block``.
     """
     from gpusolver.solve import solve_assignment
 
@@ -121,18 +131,38 @@ def solve_sparse_sharded(mask, config: SolverConfig, group, *, solver: str = "de
         validate = mask.device.type == "cpu" and not torch.compiler.is_compiling()
     if validate:
         mask.validate()
+    if kv_block == "auto":
+        kv_block = default_kv_block(mask, config)
     with nvtx_range("solve/areas"):
-        areas, error = gather_sparse_areas(mask, config, group)
+        areas, error, used = gather_sparse_areas(mask, config, group, kv_block)
     with nvtx_range("solve/assign"):
         assignment = solve_assignment(areas, sparse_config(config, spec), solver=solver, impl=impl)
     with nvtx_range("solve/metas"):
-        plan = build_sparse_plan(areas, assignment, config, spec, mask.total_seqlen_k, mask_error=error)
+        plan = build_sparse_plan(areas, assignment, config, spec, mask.total_seqlen_k, mask_error=error,
+                                 used_blocks=used, kv_block=kv_block)
     if validate:
         plan.validate(ignore=IMBALANCED)
     return plan
 
 
 # -- the layer -----------------------------------------------------------------------------------------
+
+def sparse_routes(plan: SparsePlan, group) -> LayerRoutes:
+    """``layer_routes`` of the plan, with the KV routing of its key blocks when it has them."""
+    from dataclasses import replace
+
+    routes = layer_routes(plan, group)
+    kb = plan.kv_blocks
+    if kb is None:
+        return routes
+    c, cap = plan.comm.chunk, plan.comm.send_capacity
+    if routes.batched:
+        index = torch.stack([kb.send_index(r, c, cap) for r in routes.ranks])
+    else:
+        index = kb.send_index(routes.ranks[0], c, cap)
+    kv_host = host_splits(kb.kv_split) if isinstance(group, TorchGroup) else None
+    return replace(routes, kv_index=index, kv_split=kb.kv_split, kv_host=kv_host)
+
 
 def _per_rank(routes: LayerRoutes, fn, *tensors):
     """``fn(rank, *rank_tensors) -> tuple`` for each rank run here; batched results are stacked."""
@@ -332,7 +362,7 @@ def sparse_dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sel: tor
         plan.validate(ignore=IMBALANCED)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     with nvtx_range("solve/routes"):
-        routes = layer_routes(plan, group)
+        routes = sparse_routes(plan, group)
         stages = {r: (plan.stage(r, 0), plan.stage(r, 1)) for r in routes.ranks}
     outs = _SparseDistAttn.apply(q, k, v, sel, routes, stages, group, scale, bool(keep_forward_buffers),
                                  bool(deterministic), backend)

@@ -76,11 +76,11 @@ def traffic_sums(group, phases):
     return sent, recv
 
 
-def scatter_plan(mask, config, group):
+def scatter_plan(mask, config, group, kv_block=None):
     """A plan through the sharded flow (area rows, all-gather) with a fixed assignment that mixes
     local tasks with moved query and key units, instead of a solve (seconds on this CPU): the
     runtime must execute any valid plan."""
-    areas, error = gather_sparse_areas(mask, config, group)
+    areas, error, used = gather_sparse_areas(mask, config, group, kv_block)
     G, U, P, n = areas.head_groups, areas.num_units, config.cp_size, config.chunk_tiles
     g, i, j = torch.meshgrid(torch.arange(G), torch.arange(U), torch.arange(U), indexing="ij")
     host_i, host_j = i // n, j // n
@@ -88,4 +88,5 @@ def scatter_plan(mask, config, group):
     rank = torch.where((i + j + g) % 3 == 0, host_i, moved)
     assignment = torch.where(areas.area > 0, rank, -1)
     spec = SelectionSpec.of(mask, G)
-    return build_sparse_plan(areas, assignment, config, spec, mask.total_seqlen_k, mask_error=error)
+    return build_sparse_plan(areas, assignment, config, spec, mask.total_seqlen_k, mask_error=error,
+                             used_blocks=used, kv_block=kv_block)

@@ -29,28 +29,31 @@ def _key_ids(plan, rank, G):
     """[G * c + cap] global key held at each key-buffer row of ``rank`` (-1 unused), group of each row."""
     comm = plan.comm
     P, c, n, cap = comm.cp_size, comm.chunk, comm.tiles, comm.recv_capacity
-    U = P * n
+    kb = plan.kv_blocks
+    rng, off, n = (comm.kv_range, comm.kv_recv_offset, n) if kb is None else \
+        (kb.kv_range, kb.kv_recv_offset, kb.blocks_per_rank)
     key = torch.full((G * c + cap,), -1, dtype=torch.int64)
     grp = torch.full((G * c + cap,), -1, dtype=torch.int64)
     for g in range(G):
         key[g * c:(g + 1) * c] = rank * c + torch.arange(c)
         grp[g * c:(g + 1) * c] = g
-        for u in range(U):
-            lo, hi = comm.kv_range[g, u, rank].tolist()
-            at = G * c + int(comm.kv_recv_offset[g, u, rank])
+        for u in range(rng.shape[1]):  # units (hulls) or key blocks
+            lo, hi = rng[g, u, rank].tolist()
+            at = G * c + int(off[g, u, rank])
             key[at:at + hi - lo] = (u // n) * c + torch.arange(lo, hi)
             grp[at:at + hi - lo] = g
     return key, grp
 
 
-@pytest.mark.parametrize("kind,P,c,Hkv,flatten,tiles", [("dsa", 4, 12, 2, True, 1), ("nsa", 4, 16, 2, True, 2),
-                                                        ("nsa", 4, 16, 4, False, 1)])
-def test_stages_cover_the_mask_once(kind, P, c, Hkv, flatten, tiles):
+@pytest.mark.parametrize("kind,P,c,Hkv,flatten,tiles,kv_block", [
+    ("dsa", 4, 12, 2, True, 1, None), ("nsa", 4, 16, 2, True, 2, None), ("nsa", 4, 16, 4, False, 1, None),
+    ("dsa", 4, 12, 2, True, 1, 3), ("nsa", 4, 16, 2, True, 2, 8), ("nsa", 4, 16, 4, False, 1, 4)])
+def test_stages_cover_the_mask_once(kind, P, c, Hkv, flatten, tiles, kv_block):
     S = P * c
     mask = make_mask(kind, S, Hkv, seed=5)
     config = make_config(P, 2 * Hkv, Hkv, flatten, tiles)
     G = config.head_groups
-    plan = scatter_plan(mask, config, LocalGroup(P))
+    plan = scatter_plan(mask, config, LocalGroup(P), kv_block)
     sel = _global_selection(mask, G)  # [G, S, hs, w]
     spec = plan.spec
     total = torch.zeros((), dtype=torch.int64)
@@ -99,7 +102,7 @@ def test_status_names_the_problem():
     P, c, Hkv = 4, 8, 2
     mask = make_mask("dsa", P * c, Hkv)
     config = make_config(P, 2, Hkv)
-    areas, _ = gather_sparse_areas(mask, config, LocalGroup(P))
+    areas, _, _ = gather_sparse_areas(mask, config, LocalGroup(P))
     spec = SelectionSpec.of(mask, config.head_groups)
     bad = torch.where(areas.area > 0, -1, -1)
     plan = build_sparse_plan(areas, bad, config, spec, P * c)
@@ -111,3 +114,34 @@ def test_status_names_the_problem():
     assert int(plan.status) & BUFFER_OVERFLOW
     with pytest.raises(ValueError, match="BUFFER_OVERFLOW: rank"):
         plan.validate()
+
+
+def _first_blocks_mask(P, c, Hkv, l):
+    """Every row selects blocks 0 and 2 and its own block: unit 0 travels with a hole (block 1)."""
+    from gpusolver.masks.sparse import BlockSparseMask
+
+    t = torch.arange(P * c)
+    own = t // l
+    bi = torch.stack((torch.zeros_like(t), torch.full_like(t, 2), torch.where((own == 0) | (own == 2), -1, own)), -1)
+    return BlockSparseMask(bi[:, None, :].expand(P * c, Hkv, 3).to(torch.int32).contiguous(), l, P * c)
+
+
+@pytest.mark.parametrize("kind,kv_block", [("nsa", 4), ("dsa", 4)])
+def test_key_blocks_stay_inside_the_hulls_rounded_to_blocks(kind, kv_block):
+    P, c, Hkv = 4, 16, 2
+    mask = _first_blocks_mask(P, c, Hkv, 4) if kind == "nsa" else make_mask(kind, P * c, Hkv, seed=3)
+    config = make_config(P, 4, Hkv)
+    hulls = scatter_plan(mask, config, LocalGroup(P))
+    blocks = scatter_plan(mask, config, LocalGroup(P), kv_block)
+    assert torch.equal(hulls.assignment, blocks.assignment)
+    G = config.head_groups
+    rng = hulls.comm.kv_range  # [G, U, P, 2] chunk-local
+    moved = rng[..., 1] > rng[..., 0]
+    rounded = torch.where(moved, (-(-rng[..., 1] // kv_block) - rng[..., 0] // kv_block) * kv_block, 0)
+    sent = blocks.kv_blocks.need.long().view(G, P, -1, P).sum(2) * kv_block  # [G, U, P]
+    assert (sent <= rounded).all()
+    if kind == "nsa":  # the hole in unit 0 stays home
+        assert int(sent.sum()) < int(hulls.comm.kv_split.sum())
+        assert int(blocks.metrics.fwd_recv.sum()) < int(hulls.metrics.fwd_recv.sum())
+    with pytest.raises(ValueError, match="kv_block=5 needs used_blocks and must divide the unit size 16"):
+        scatter_plan(mask, config, LocalGroup(P), 5)

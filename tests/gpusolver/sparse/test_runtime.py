@@ -31,24 +31,28 @@ def _check(mask, ref, outs, lses, grads, where=""):
         assert_close(f"{where}{name}", a, g, atol=ATOL, rtol=RTOL)
 
 
-# (mask kind, P, c, Hq, Hkv, flatten, tiles, keep)
+# (mask kind, P, c, Hq, Hkv, flatten, tiles, keep, kv_block: None = hulls)
 CASES = [
-    ("dsa", 8, 16, 4, 2, True, 1, True),
-    ("dsa", 8, 16, 2, 1, False, 2, False),
-    ("nsa", 8, 16, 4, 2, True, 1, False),
-    ("nsa", 8, 16, 4, 2, False, 1, True),
-    ("nsa-layer", 8, 16, 4, 2, True, 1, True),
+    ("dsa", 8, 16, 4, 2, True, 1, True, None),
+    ("dsa", 8, 16, 2, 1, False, 2, False, None),
+    ("dsa", 8, 16, 4, 2, True, 1, True, 4),
+    ("nsa", 8, 16, 4, 2, True, 1, False, None),
+    ("nsa", 8, 16, 4, 2, False, 1, True, None),
+    ("nsa", 8, 16, 4, 2, True, 2, True, 8),
+    ("nsa", 8, 16, 4, 2, False, 1, False, 8),
+    ("nsa-layer", 8, 16, 4, 2, True, 1, True, None),
 ]
 
 
-@pytest.mark.parametrize("kind,P,c,Hq,Hkv,flatten,tiles,keep", CASES,
+@pytest.mark.parametrize("kind,P,c,Hq,Hkv,flatten,tiles,keep,kv_block", CASES,
                          ids=[f"{k}-P{P}-c{c}-Hq{hq}-Hkv{hkv}-{'flat' if f else 'G1'}-n{n}-{'keep' if kp else 'recast'}"
-                              for k, P, c, hq, hkv, f, n, kp in CASES])
-def test_local_group_equals_dense(kind, P, c, Hq, Hkv, flatten, tiles, keep):
+                              f"-{'hulls' if kb is None else f'blocks{kb}'}"
+                              for k, P, c, hq, hkv, f, n, kp, kb in CASES])
+def test_local_group_equals_dense(kind, P, c, Hq, Hkv, flatten, tiles, keep, kv_block):
     S = P * c
     mask = make_mask(kind, S, Hkv, seed=P)
     group = LocalGroup(P)
-    plan = scatter_plan(mask, make_config(P, Hq, Hkv, flatten, tiles, keep), group)
+    plan = scatter_plan(mask, make_config(P, Hq, Hkv, flatten, tiles, keep), group, kv_block)
     # remote work exists: both exchanges and the reduces run
     assert int(plan.comm.qo_split.sum()) > 0 and int(plan.comm.kv_split.sum()) > 0
     q, k, v, d_out, d_lse = make_inputs(S, Hq, Hkv, seed=P)
