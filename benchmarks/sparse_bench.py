@@ -28,9 +28,11 @@ bytes (max over ranks of max(send, recv)):
                     all-to-all must also move: (u - 1) c rows of k int32 (DSA, shared by all heads)
                     or of Hkv / u * n int32 (NSA)
 
-KV transfer as hulls (what the runtime moves: one interval per (unit, destination)) and as
-exact token sets (only the keys some assigned row selects; what a gather-list transfer would
-move) is measured for the solver's plan and for owner-computes (``exact`` columns).
+KV transfer as hulls (one interval per (unit, destination)) and as exact token sets (only the
+keys some assigned row selects; what a gather-list transfer would move) is measured for the
+solver's plan and for owner-computes (``exact`` columns). For NSA the ``blocks`` columns are
+what the runtime moves by default: the key blocks of l tokens the assigned rows attend
+(``plan.sparse.KVBlocks``); DSA moves hulls (exact sets would save nothing there).
 
     python benchmarks/sparse_bench.py                  # the default grid (about 15-20 min on one core)
     python benchmarks/sparse_bench.py --quick          # P = 8, 2K tokens per rank (seconds)
@@ -59,7 +61,7 @@ from gpusolver.config import SolverConfig  # noqa: E402
 from gpusolver.indexers import CompressedKeyIndexer, LightningIndexer  # noqa: E402
 from gpusolver.masks.sparse import BlockSparseMask, TokenTopKMask  # noqa: E402
 from gpusolver.metrics import evaluate, owner_computes_assignment  # noqa: E402
-from gpusolver.plan.sparse import SelectionSpec, sparse_config  # noqa: E402
+from gpusolver.plan.sparse import SelectionSpec, build_kv_blocks, sparse_config  # noqa: E402
 from gpusolver.problem import BlockAreas  # noqa: E402
 from gpusolver.solve import solve_assignment  # noqa: E402
 
@@ -159,8 +161,9 @@ def exact_kv_tokens(key_used: torch.Tensor, assignment: torch.Tensor, c: int) ->
     return count * (1 - torch.eye(P, dtype=torch.int64))
 
 
-def volumes(areas: BlockAreas, assignment: torch.Tensor, cost, key_used=None) -> dict:
-    """Bottlenecks (hull KV, and exact-set KV when key_used is given) and imbalance of an assignment."""
+def volumes(areas: BlockAreas, assignment: torch.Tensor, cost, key_used=None, kv_block=None) -> dict:
+    """Bottlenecks (hull KV; exact-set KV when key_used is given; with kv_block also the key blocks the
+    runtime's ``KVBlocks`` move) and imbalance of an assignment."""
     m = evaluate(areas, assignment, cost)
     out = {"imbalance": m.imbalance.item(), "fwd": int(m.fwd_bottleneck), "bwd": int(m.bwd_bottleneck)}
     if key_used is not None:
@@ -173,6 +176,14 @@ def volumes(areas: BlockAreas, assignment: torch.Tensor, cost, key_used=None) ->
         fs, fr, bs, br = _per_rank(qo_len, exact, cost)
         out.update(fwd_exact=int(torch.maximum(fs, fr).max()), bwd_exact=int(torch.maximum(bs, br).max()),
                    kv_hull_tokens=int(kv_len.sum()), kv_exact_tokens=int(exact.sum()))
+        if kv_block is not None:
+            G, P, S = assignment.shape[0], assignment.shape[1], key_used.shape[-1]
+            used = key_used.view(-1, P, S // kv_block, kv_block).any(-1).expand(G, P, S // kv_block)
+            big = 1 << 40  # capacities do not matter here
+            kb, _ = build_kv_blocks(used, assignment, 1, areas.chunk, kv_block, big, big)
+            blocks = kb.need.long().view(G, P, -1, P).sum(2) * kv_block
+            fs, fr, bs, br = _per_rank(qo_len, blocks, cost)
+            out.update(fwd_blocks=int(torch.maximum(fs, fr).max()), bwd_blocks=int(torch.maximum(bs, br).max()))
     return out
 
 
@@ -211,7 +222,8 @@ def run_case(kind: str, P: int, c: int, seed: int, areas, key_used, spec, t_inde
     t0 = time.perf_counter()
     assignment = solve_assignment(areas, priced)
     solve_s = time.perf_counter() - t0
-    solver = volumes(areas, assignment, cost, key_used)
+    kv_block = NSA_BLOCK if kind == "nsa" else None  # what the runtime moves by default (default_kv_block)
+    solver = volumes(areas, assignment, cost, key_used, kv_block)
     owner = volumes(areas, owner_computes_assignment(areas), cost, key_used)
     dims = dict(seqlen=S, cp_size=P, num_heads_kv=num_heads_kv, head_dim=D, dtype_bytes=config.dtype_bytes)
     ag = all_gather_kv(**dims)
@@ -225,6 +237,8 @@ def run_case(kind: str, P: int, c: int, seed: int, areas, key_used, spec, t_inde
         row[f"{label}fwd"], row[f"{label}bwd"] = v["fwd"] / MB, v["bwd"] / MB
         row[f"{label}fwd_exact"], row[f"{label}bwd_exact"] = v["fwd_exact"] / MB, v["bwd_exact"] / MB
         row[f"{label}kv_exact_share"] = ratio(v["kv_exact_tokens"], v["kv_hull_tokens"])
+    if kv_block is not None:
+        row["fwd_blocks"], row["bwd_blocks"] = solver["fwd_blocks"] / MB, solver["bwd_blocks"] / MB
     row.update(ag_fwd=ag.fwd_bottleneck / MB, ag_bwd=ag.bwd_bottleneck / MB, usp_fwd=usp_f / MB, usp_bwd=usp_b / MB)
     row["step_vs_owner"] = ratio(solver["fwd"] + solver["bwd"], owner["fwd"] + owner["bwd"])
     return row
@@ -240,7 +254,8 @@ COLUMNS = [
 EXACT_COLUMNS = [
     ("mask", "mask", ""), ("G", "G", ""), ("P", "P", ""), ("c", "c", ""),
     ("fwd hull", "fwd", ".1f"), ("fwd exact", "fwd_exact", ".1f"), ("bwd hull", "bwd", ".1f"),
-    ("bwd exact", "bwd_exact", ".1f"), ("KV exact ÷ hull", "kv_exact_share", ".3f"),
+    ("bwd exact", "bwd_exact", ".1f"), ("fwd blocks", "fwd_blocks", ".1f"), ("bwd blocks", "bwd_blocks", ".1f"),
+    ("KV exact ÷ hull", "kv_exact_share", ".3f"),
     ("owner fwd hull", "owner_fwd", ".1f"), ("owner fwd exact", "owner_fwd_exact", ".1f"),
     ("owner bwd hull", "owner_bwd", ".1f"), ("owner bwd exact", "owner_bwd_exact", ".1f"),
     ("owner KV exact ÷ hull", "owner_kv_exact_share", ".3f"), ("index s", "index_s", ".1f"),

@@ -35,6 +35,7 @@ def test_tiny_grid_writes_tables(tmp_path, monkeypatch):
     for r in rows:
         assert r["fwd_exact"] <= r["fwd"] and r["owner_fwd_exact"] <= r["owner_fwd"]
         assert 0 < r["kv_exact_share"] <= 1 and r["imb"] >= 1.0
+        assert ("fwd_blocks" in r) == r["mask"].startswith("NSA")  # NSA moves key blocks by default
     payload = json.loads((tmp_path / "s.json").read_text())
     assert payload["rows"] == json.loads(json.dumps(rows)) and payload["provenance"]["command"]
     text = (tmp_path / "s.md").read_text()
