@@ -41,6 +41,7 @@ import torch
 
 from gpusolver.config import SolverConfig
 from gpusolver.masks.constructors import sliding_window_mask
+from gpusolver.masks.slices import AttnSlices
 from gpusolver.masks.sparse import BlockSparseMask, NSALayerMask, TokenTopKMask
 from gpusolver.metrics import PlanMetrics, _volumes, evaluate
 from gpusolver.plan.build import plan_capacities
@@ -289,6 +290,7 @@ class SparsePlan:
 
 
 def _unit_table(comm: CommMeta, G: int, U: int):
+    """(tiles, P, c, unit tokens, device, unit ids [U], unit hosts [U]) of a plan's CommMeta."""
     n, P = comm.tiles, comm.cp_size
     c = comm.chunk
     cu = c // n
@@ -373,7 +375,7 @@ def _recv_rows(comm: CommMeta, rank: int, G: int, U: int) -> tuple[torch.Tensor,
     return torch.where(used, pos, -1), torch.where(used, seg_g[seg] * U + seg_u[seg], 0)
 
 
-def window_slices(total_seqlen: int, window_size: int, device) -> "AttnSlices":  # noqa: F821
+def window_slices(total_seqlen: int, window_size: int, device) -> AttnSlices:
     """The sliding-window branch of an NSA layer as slices (row t: keys (t - w, t])."""
     return sliding_window_mask(total_seqlen, window_size, device=device)
 

@@ -40,7 +40,6 @@ from gpusolver.masks.sparse import BlockSparseMask, NSALayerMask, TokenTopKMask
 from gpusolver.nvtx import nvtx_range
 from gpusolver.plan.meta import IMBALANCED
 from gpusolver.plan.sparse import SelectionSpec, SparsePlan, build_sparse_plan, default_kv_block, sparse_config
-from gpusolver.problem import BlockAreas
 from gpusolver.runtime.dist_attn import LayerRoutes, layer_routes
 from gpusolver.runtime.layout import from_group_major, to_group_major
 from groupcomm import TorchGroup, group_cast, group_reduce, host_splits
