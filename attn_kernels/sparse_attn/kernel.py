@@ -13,10 +13,16 @@ lse is base 2 inside, natural log at the interface.
 
 The backward takes each row's final lse and delta (``rowsum(dO * O) - dlse``),
 so a rank that computed part of a row's keys gets its exact share. dQ is
-stored; dK and dV are scattered with fp32 ``atomic_add`` (relaxed) into fp32
-buffers, since many rows select the same key: on a GPU their summation order,
-and so their last bits, may differ between runs (the torch twin sums in row
-order).
+stored by the row's program. dK and dV have two paths, since many rows select
+the same key:
+
+- deterministic (default): the launcher lists, for every (key row, KV head),
+  the query rows that kept it (a stable sort of the kept entries by key, so
+  rows ascend), and one program per (key row, KV head) sums their shares in
+  that order and stores the result: bit-identical between runs;
+- atomic: the row's program scatters its share with fp32 ``atomic_add``
+  (relaxed) into fp32 buffers: no sort and tensor-core tiles, but on a GPU the
+  summation order, and so the last bits, may differ between runs.
 
 The launchers take contiguous tensors and int32 index tensors (``op.py``
 prepares them) and read no tensor value on the host.
@@ -130,7 +136,7 @@ def _sparse_bwd_kernel(
     n_sel, W, window, Tk, sm_scale, qk_scale,
     HQ: tl.constexpr, HKV: tl.constexpr, HS: tl.constexpr, HEAD_DIM: tl.constexpr,
     L: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_L: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ATOMIC_DKV: tl.constexpr,
 ):
     tl.static_assert(HQ % HKV == 0)
     tl.static_assert(BLOCK_H >= HQ // HKV)
@@ -164,12 +170,80 @@ def _sparse_bwd_kernel(
         b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PRECISION)
         b_ds = b_p * (b_dp - b_delta[:, None])
         b_dq += tl.dot(b_ds.to(b_k.dtype), b_k, input_precision=DOT_PRECISION)
-        # [BLOCK_N, HEAD_DIM]: this row's share of the gathered keys' gradients
-        b_dk = tl.dot(tl.trans(b_ds.to(b_q.dtype)), b_q, input_precision=DOT_PRECISION) * sm_scale
-        b_dv = tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do, input_precision=DOT_PRECISION)
-        tl.atomic_add(p_dk + o_kd, b_dk, mask=m_key[:, None], sem="relaxed")
-        tl.atomic_add(p_dv + o_kd, b_dv, mask=m_key[:, None], sem="relaxed")
+        if ATOMIC_DKV:
+            # [BLOCK_N, HEAD_DIM]: this row's share of the gathered keys' gradients
+            b_dk = tl.dot(tl.trans(b_ds.to(b_q.dtype)), b_q, input_precision=DOT_PRECISION) * sm_scale
+            b_dv = tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do, input_precision=DOT_PRECISION)
+            tl.atomic_add(p_dk + o_kd, b_dk, mask=m_key[:, None], sem="relaxed")
+            tl.atomic_add(p_dv + o_kd, b_dv, mask=m_key[:, None], sem="relaxed")
     tl.store(p_dq + o_qd, (b_dq * sm_scale).to(p_dq.dtype.element_ty), mask=m_g[:, None])
+
+
+@triton.jit
+def _sparse_dkdv_kernel(
+    p_q, p_k, p_v, p_do, p_lse, p_delta, p_rows, p_ptr, p_dk, p_dv,
+    sm_scale, qk_scale,
+    HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """One (key row, KV head): the shares of the query rows listed for it, summed in list order."""
+    tl.static_assert(BLOCK_H >= HQ // HKV)
+    i_k, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    HG: tl.constexpr = HQ // HKV
+    o_d = tl.arange(0, HEAD_DIM)
+    o_kd = (i_k * HKV + i_h) * HEAD_DIM + o_d
+    # [HEAD_DIM]
+    b_k = tl.load(p_k + o_kd).to(tl.float32)
+    b_v = tl.load(p_v + o_kd).to(tl.float32)
+    e_lo = tl.load(p_ptr + i_k * HKV + i_h)
+    e_hi = tl.load(p_ptr + i_k * HKV + i_h + 1)
+    # rows m of a step: entry m // BLOCK_H, query head m % BLOCK_H of this KV head
+    o_m = tl.arange(0, BLOCK_E * BLOCK_H)
+    o_g = o_m % BLOCK_H
+    b_dk = tl.zeros([HEAD_DIM], tl.float32)
+    b_dv = tl.zeros([HEAD_DIM], tl.float32)
+    for e0 in range(e_lo, e_hi, BLOCK_E):
+        o_e = e0 + o_m // BLOCK_H
+        m_m = (o_e < e_hi) & (o_g < HG)
+        b_t = tl.load(p_rows + o_e, mask=m_m, other=0).to(tl.int64)
+        o_hq = b_t * HQ + i_h * HG + o_g  # [M] (query row, query head)
+        o_qd = o_hq[:, None] * HEAD_DIM + o_d[None, :]
+        # [M, HEAD_DIM]
+        b_q = tl.load(p_q + o_qd, mask=m_m[:, None], other=0.0).to(tl.float32)
+        b_do = tl.load(p_do + o_qd, mask=m_m[:, None], other=0.0).to(tl.float32)
+        # [M]
+        b_lse = tl.load(p_lse + o_hq, mask=m_m, other=0.0)
+        b_lse2 = tl.where(b_lse == float("-inf"), 0.0, b_lse * LOG2E)
+        b_delta = tl.load(p_delta + o_hq, mask=m_m, other=0.0)
+        b_s = tl.sum(b_q * b_k[None, :], 1) * qk_scale
+        b_p = tl.where(m_m, tl.exp2(b_s - b_lse2), 0.0)
+        b_ds = b_p * (tl.sum(b_do * b_v[None, :], 1) - b_delta)
+        b_dk += tl.sum(b_ds[:, None] * b_q, 0)
+        b_dv += tl.sum(b_p[:, None] * b_do, 0)
+    tl.store(p_dk + o_kd, (b_dk * sm_scale).to(p_dk.dtype.element_ty))
+    tl.store(p_dv + o_kd, b_dv.to(p_dv.dtype.element_ty))
+
+
+def key_major_lists(sel, q_pos, q_class, kv_windows, block_size: int, window: int, Tk: int,
+                    num_heads_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For every (key row, KV head) the query rows that kept it, ascending (sync-free, static shapes).
+
+    Returns (rows [E] int32, ptr [Tk * Hkv + 1] int64): the rows of (key r, head h) are
+    ``rows[ptr[r * Hkv + h]:ptr[r * Hkv + h + 1]]``; E = Tq * Hkv * n * l (kept entries first,
+    then unused padding past ``ptr[-1]``).
+    """
+    from attn_kernels.sparse_attn.ref import selected_rows
+
+    Tq, Hs, n = sel.shape
+    HKV = num_heads_kv
+    N = n * block_size
+    rows, ok = selected_rows(sel, q_pos, q_class, kv_windows, block_size, window, Tk)  # [Tq, Hs, N]
+    heads = torch.arange(HKV, device=sel.device).view(1, HKV, 1)
+    key = torch.where(ok.expand(Tq, HKV, N), rows.expand(Tq, HKV, N) * HKV + heads, Tk * HKV).reshape(-1)
+    order = torch.sort(key, stable=True)  # entries of one key stay in row order
+    t = torch.arange(Tq, device=sel.device, dtype=torch.int32).view(Tq, 1, 1).expand(Tq, HKV, N).reshape(-1)
+    ptr = torch.searchsorted(order.values, torch.arange(Tk * HKV + 1, device=sel.device))
+    return t[order.indices].contiguous(), ptr
 
 
 def _launch_args(q, k, sel, kv_windows, block_size):
@@ -203,15 +277,29 @@ def sparse_attn_bwd_from_delta(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     lse: torch.Tensor, delta: torch.Tensor,
     sel: torch.Tensor, q_pos: torch.Tensor, q_class: torch.Tensor, kv_windows: torch.Tensor,
-    block_size: int, window: int, softmax_scale: float,
+    block_size: int, window: int, softmax_scale: float, deterministic: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward from each row's final lse and delta: dq [Tq, Hq, D], dk / dv [Tk, Hkv, D] in the inputs' dtypes."""
+    """Backward from each row's final lse and delta: dq [Tq, Hq, D], dk / dv [Tk, Hkv, D] in the inputs'
+    dtypes. ``deterministic``: dK, dV summed per key in row order (else fp32 atomics)."""
     dq = torch.empty_like(q)
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
     grid, (n_sel, W), consts = _launch_args(q, k, sel, kv_windows, block_size)
+    qk_scale = softmax_scale * 1.4426950408889634
+    if deterministic:
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+    else:
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
     if q.shape[0] > 0:
         _sparse_bwd_kernel[grid](q, k, v, dout, lse, delta, sel, q_pos, q_class, kv_windows, dq, dk, dv,
-                                 n_sel, W, window, k.shape[0], softmax_scale,
-                                 softmax_scale * 1.4426950408889634, **consts)
-    return dq, dk.to(k.dtype), dv.to(v.dtype)
+                                 n_sel, W, window, k.shape[0], softmax_scale, qk_scale,
+                                 ATOMIC_DKV=not deterministic, **consts)
+    if not deterministic:
+        return dq, dk.to(k.dtype), dv.to(v.dtype)
+    Tk, HKV = k.shape[0], k.shape[1]
+    if Tk == 0:
+        return dq, dk, dv
+    rows, ptr = key_major_lists(sel, q_pos, q_class, kv_windows, block_size, window, Tk, HKV)
+    _sparse_dkdv_kernel[(Tk, HKV)](q, k, v, dout, lse, delta, rows, ptr, dk, dv, softmax_scale, qk_scale,
+                                   HQ=q.shape[1], HKV=HKV, HEAD_DIM=q.shape[2], BLOCK_E=16,
+                                   BLOCK_H=triton.next_power_of_2(q.shape[1] // HKV))
+    return dq, dk, dv

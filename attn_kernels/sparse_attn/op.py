@@ -55,11 +55,12 @@ def sparse_attn_bwd_delta_op(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     lse: torch.Tensor, delta: torch.Tensor,
     sel: torch.Tensor, q_pos: torch.Tensor, q_class: torch.Tensor, kv_windows: torch.Tensor,
-    block_size: int, window: int, softmax_scale: float, backend: str,
+    block_size: int, window: int, softmax_scale: float, deterministic: bool, backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dout: [Tq, Hq, D], lse / delta: [Tq, Hq] fp32 -> dq [Tq, Hq, D], dk / dv [Tk, Hkv, D]."""
     _, bwd = _impls(backend)
-    return bwd(dout, q, k, v, lse, delta, sel, q_pos, q_class, kv_windows, block_size, window, softmax_scale)
+    return bwd(dout, q, k, v, lse, delta, sel, q_pos, q_class, kv_windows, block_size, window, softmax_scale,
+               deterministic)
 
 
 @sparse_attn_bwd_delta_op.register_fake
@@ -67,7 +68,7 @@ def sparse_attn_bwd_delta_fake(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     lse: torch.Tensor, delta: torch.Tensor,
     sel: torch.Tensor, q_pos: torch.Tensor, q_class: torch.Tensor, kv_windows: torch.Tensor,
-    block_size: int, window: int, softmax_scale: float, backend: str,
+    block_size: int, window: int, softmax_scale: float, deterministic: bool, backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
@@ -84,7 +85,7 @@ def _backward(ctx, dout, dlse):
     dout = torch.zeros_like(out) if dout is None else dout.contiguous()
     delta = ref.row_delta_ref(dout, out, dlse)
     dq, dk, dv = sparse_attn_bwd_delta_op(dout, q, k, v, lse, delta, sel, q_pos, q_class, kv_windows,
-                                          ctx.block_size, ctx.window, ctx.softmax_scale, ctx.backend)
+                                          ctx.block_size, ctx.window, ctx.softmax_scale, True, ctx.backend)
     return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
@@ -262,7 +263,7 @@ def sparse_attn_backward(
     lse: torch.Tensor, delta: torch.Tensor, sel: torch.Tensor, block_size: int = 1,
     softmax_scale: float | None = None, *, q_pos: torch.Tensor | None = None,
     q_class: torch.Tensor | None = None, kv_windows: torch.Tensor | None = None, window: int | None = None,
-    backend: str = "auto",
+    backend: str = "auto", deterministic: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of ``sparse_attn`` over this call's keys, from each row's final lse and delta.
 
@@ -271,6 +272,8 @@ def sparse_attn_backward(
         lse: [Tq, Hq] fp32 final lse of each row (over all its keys, wherever computed).
         delta: [Tq, Hq] fp32 ``rowsum(dout * out) - dlse`` of the final out.
         the rest: as in ``sparse_attn`` (the same tensors this call's forward used).
+        deterministic: dK, dV summed per key in a fixed order (bit-identical runs; the
+            default, as autograd through ``sparse_attn`` does), or with fp32 atomics.
 
     Returns:
         dq [Tq, Hq, D] (this call's share), dk / dv [Tk, Hkv, D] (summed over each
@@ -286,7 +289,7 @@ def sparse_attn_backward(
     backend = _resolve_backend(q, backend)
     return sparse_attn_bwd_delta_op(dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
                                     lse.contiguous(), delta.contiguous(), sel, q_pos, q_class, kv_windows,
-                                    block_size, window, _scale(q, softmax_scale), backend)
+                                    block_size, window, _scale(q, softmax_scale), bool(deterministic), backend)
 
 
 def selection_dense_mask(sel: torch.Tensor, block_size: int, seqlen_k: int, head: int = 0,

@@ -97,14 +97,15 @@ def sparse_attn_bwd_from_delta_ref(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     lse: torch.Tensor, delta: torch.Tensor,
     sel: torch.Tensor, q_pos: torch.Tensor, q_class: torch.Tensor, kv_windows: torch.Tensor,
-    block_size: int, window: int, softmax_scale: float,
+    block_size: int, window: int, softmax_scale: float, deterministic: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Twin of ``kernel.sparse_attn_bwd_from_delta``: dq [Tq, Hq, D], dk / dv [Tk, Hkv, D].
 
     ``p = exp(s - lse)`` with the GIVEN lse [Tq, Hq] fp32 (the row's final lse,
     which may cover keys outside this call) and ``dS = p * (dP - delta)`` with
     delta [Tq, Hq] fp32 as given, so this call's gradients are its exact share.
-    dK and dV are summed with ``index_add_`` in row order (deterministic).
+    dK and dV are summed with ``index_add_`` (in row order on the CPU, deterministic whatever
+    ``deterministic`` says; on a GPU index_add_ uses atomics).
     """
     Tq, HQ, D = q.shape
     Tk, HKV, _ = k.shape

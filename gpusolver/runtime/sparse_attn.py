@@ -273,7 +273,8 @@ class _SparseDistAttn(torch.autograd.Function):
                 d_o, lse, delta = per_branch[:3]
                 dq, dk, dv = sparse_attn_backward(d_o, q_, k_, v_, lse, delta, s_, spec.block_size, scale,
                                                   q_pos=st.q_pos, q_class=st.q_class, kv_windows=st.kv_windows,
-                                                  window=st.window, backend=ctx.backend)
+                                                  window=st.window, backend=ctx.backend,
+                                                  deterministic=ctx.deterministic)
                 if nb > 1:
                     wc = plan.window_calc
                     d_o, lse, delta = per_branch[3:6]
