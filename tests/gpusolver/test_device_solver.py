@@ -177,15 +177,18 @@ def test_invalid_mask_values_flagged_without_host_reads():
 def test_a_variant_does_not_depend_on_its_batch():
     # the Triton path (and the torch path below TORCH_BATCH_RANKS) runs the whole portfolio as one
     # batch, the torch path from there one batch per strategy
-    import gpusolver.solver.device as dv
+    from gpusolver.solver import core, device, strategies as strat
+    from gpusolver.solver.bundle import ref as bundle_ref
+    from gpusolver.solver.state import ref as state_ref
 
     P = 4
     config = SolverConfig(cp_size=P)
     areas = block_areas(packed_documents(2048 * P, seed=5), P, config.head_groups, impl="torch")
-    tasks = dv._Tasks(areas, config)
-    cap = (int(round(config.imbalance_tol * dv._MU_SCALE)) * tasks.area.sum()) // (P * dv._MU_SCALE)
-    merged_A, merged_key = dv._run_variants(tasks, cap, dv.DEFAULT_STRATEGIES, 6, dv._state, dv._bundle_proposals)
-    runs = [dv._run_variants(tasks, cap, (s,), 6, dv._state, dv._bundle_proposals) for s in dv.DEFAULT_STRATEGIES]
+    tasks = core.Tasks(areas, config)
+    cap = (int(round(config.imbalance_tol * core._MU_SCALE)) * tasks.area.sum()) // (P * core._MU_SCALE)
+    portfolio = strat.DEFAULT_STRATEGIES
+    merged_A, merged_key = device.run_variants(tasks, cap, portfolio, 6, state_ref.state, bundle_ref.bundle_proposals)
+    runs = [device.run_variants(tasks, cap, (s,), 6, state_ref.state, bundle_ref.bundle_proposals) for s in portfolio]
     assert_close("keys", torch.cat([k for _, k in runs]), merged_key)
     assert_close("assignments", torch.cat([a for a, _ in runs]), merged_A)
 
@@ -267,7 +270,8 @@ def test_a_rank_just_above_the_cap_sheds_its_small_task():
 
 
 def test_task_orders_are_permutations_in_their_order():
-    from gpusolver.solver.device import TASK_ORDERS, _Tasks
+    from gpusolver.solver.core import Tasks as _Tasks
+    from gpusolver.solver.strategies import TASK_ORDERS
 
     P, G = 4, 2
     config = SolverConfig(cp_size=P, num_heads_q=4 * G, num_heads_kv=G)

@@ -9,9 +9,15 @@ from gpusolver.areas import block_areas
 from gpusolver.config import SolverConfig
 from gpusolver.masks import causal_mask, packed_documents
 from gpusolver.metrics import owner_computes_assignment
-from gpusolver.solver import device
-from gpusolver.solver.device import Strategy, _Proposals, solve_device
-from gpusolver.solver.kernels_accept import accept_apply, accept_apply_triton, accept_triton, track, track_triton
+from gpusolver.solver import core
+from gpusolver.solver.accept import kernel as accept_kernel, ref as accept_ref
+from gpusolver.solver.accept.kernel import accept_apply_triton, accept_triton
+from gpusolver.solver.accept.ref import accept_apply
+from gpusolver.solver.core import Proposals
+from gpusolver.solver.device import Strategy, solve_device
+from gpusolver.solver.track import kernel as track_kernel
+from gpusolver.solver.track.kernel import track_triton
+from gpusolver.solver.track.ref import track
 from tests._testing import assert_close
 from tests.gpusolver.test_solver_kernels import _NoLaunch, meta_triton_solve
 
@@ -28,14 +34,14 @@ def _random_round(seed, B, P, K, M=None, T=None):
     T = T or N * M + 3
     tasks = torch.randperm(T, generator=gen)[:N * M].view(1, N, M).expand(B, -1, -1).clone()
     tasks = torch.where(torch.rand((B, N, M), generator=gen) < 0.4, T, tasks)
-    prop = _Proposals(ok=torch.rand((B, N), generator=gen) < 0.7, score=score, dest=ri(0, P, (B, N)),
+    prop = Proposals(ok=torch.rand((B, N), generator=gen) < 0.7, score=score, dest=ri(0, P, (B, N)),
                       source=torch.arange(P).repeat_interleave(K).expand(B, -1),  # strided, as the kernels give it
                       area=ri(0, 12, (B, N)), dest_send=ri(0, 40, (B, N)), dest_recv=ri(0, 40, (B, N)), tasks=tasks)
     load = ri(0, 40, (B, P))
     state = SimpleNamespace(load=load, send=ri(0, 80, (B, P)), recv=ri(0, 80, (B, P)))
     cap = ri(20, 50, ())
     dest_cap = torch.where(torch.rand((B, 1), generator=gen) < 0.5, cap, load.amax(1, keepdim=True) - 1)
-    limit = torch.where(torch.rand(B, generator=gen) < 0.2, float(device._BIG), ri(40, 140, (B,)).double())
+    limit = torch.where(torch.rand(B, generator=gen) < 0.2, float(core._BIG), ri(40, 140, (B,)).double())
     balance = torch.rand(B, generator=gen) < 0.6
     A = torch.cat((ri(0, P, (B, T)), torch.full((B, 1), P)), 1)
     return A, (prop, state, dest_cap, limit, load - cap, balance)
@@ -45,7 +51,7 @@ def _random_round(seed, B, P, K, M=None, T=None):
 @given(B=st.integers(1, 3), P=st.integers(1, 6), K=st.integers(1, 5), seed=st.integers(0, 2**31 - 1))
 def test_accept_matches_torch(B, P, K, seed):
     _, args = _random_round(seed, B, P, K)
-    ref = device._accept(*args)
+    ref = accept_ref.accept(*args)
     tri = accept_triton(*args)
     assert_close("keep", ref, tri)
 
@@ -54,7 +60,7 @@ def test_accept_over_several_chunks_and_shared_cap():
     """N = 150 proposals: three chunks of 64 plus a ragged one; dest_cap a 0-dim tensor."""
     _, (prop, state, _, limit, excess, balance) = _random_round(3, 2, 10, 15)
     dest_cap = torch.tensor(35)
-    ref = device._accept(prop, state, dest_cap, limit, excess, balance)
+    ref = accept_ref.accept(prop, state, dest_cap, limit, excess, balance)
     assert bool(ref.any()) and not bool(ref.all())
     assert_close("keep", ref, accept_triton(prop, state, dest_cap, limit, excess, balance))
 
@@ -65,7 +71,7 @@ def test_accept_apply_matches_torch(B, P, K, seed):
     A, args = _random_round(seed, B, P, K)
     T = A.shape[1] - 1
     ref_A, ref_stuck = accept_apply(A, *args)
-    tri_A, tri_stuck = accept_apply_triton(A, *args)
+    tri_A, tri_stuck = accept_apply_triton(A.clone(), *args)  # in place
     assert_close("A", ref_A[:, :T], tri_A[:, :T])
     assert_close("dummy column", A[:, T], tri_A[:, T])
     assert_close("stuck", ref_stuck, tri_stuck)
@@ -79,7 +85,7 @@ def test_accept_apply_matches_torch_with_tiled_task_slots(seed, tiles):
     assert args[0].tasks.shape == (B, P * K, tiles * P)
     T = A.shape[1] - 1
     ref_A, ref_stuck = accept_apply(A, *args)
-    tri_A, tri_stuck = accept_apply_triton(A, *args)
+    tri_A, tri_stuck = accept_apply_triton(A.clone(), *args)
     assert bool((ref_A[:, :T] != A[:, :T]).any()), "no task moved"
     assert_close("A", ref_A[:, :T], tri_A[:, :T])
     assert_close("stuck", ref_stuck, tri_stuck)
@@ -90,8 +96,8 @@ def test_accept_apply_moves_tasks():
     A, args = _random_round(11, 3, 4, 2)
     prop, balance = args[0], args[5]
     T = A.shape[1] - 1
-    keep = device._accept(*args)
-    tri_A, tri_stuck = accept_apply_triton(A, *args)
+    keep = accept_ref.accept(*args)
+    tri_A, tri_stuck = accept_apply_triton(A.clone(), *args)
     moved = (keep[..., None] & (prop.tasks < T)).any(-1)
     assert bool(moved.any()), "no task moved"
     assert bool((tri_A[:, :T] != A[:, :T]).any())
@@ -106,18 +112,23 @@ def _random_track(seed, B, P, T):
     load = ri(0, 30, (B, P))
     cap = ri(15, 30, ())
     state = SimpleNamespace(load=load, bottleneck=ri(0, 100, (B,)))
-    best_key = torch.where(torch.rand(B, generator=gen) < 0.5, ri(0, 100, (B,)), device._BIG // 2 + ri(0, 30, (B,)))
-    best_key = torch.where(torch.rand(B, generator=gen) < 0.2, device._BIG, best_key)
+    best_key = torch.where(torch.rand(B, generator=gen) < 0.5, ri(0, 100, (B,)), core._BIG // 2 + ri(0, 30, (B,)))
+    best_key = torch.where(torch.rand(B, generator=gen) < 0.2, core._BIG, best_key)
     stuck = torch.rand(B, generator=gen) < 0.5
-    threshold = torch.where(torch.rand(B, generator=gen) < 0.3, float(device._BIG), torch.rand(B, generator=gen) * 200)
+    threshold = torch.where(torch.rand(B, generator=gen) < 0.3, float(core._BIG), torch.rand(B, generator=gen) * 200)
     return A, state, cap, stuck, threshold.double(), best_A, best_key
+
+
+def _in_place_copies(args):
+    """track's arguments with fresh best_A and best_key, which the Triton launcher updates in place."""
+    return args[:5] + (args[5].clone(), args[6].clone())
 
 
 @settings(max_examples=12, deadline=None)
 @given(B=st.integers(1, 6), P=st.integers(1, 6), T=st.integers(1, 40), seed=st.integers(0, 2**31 - 1))
 def test_track_matches_torch(B, P, T, seed):
     args = _random_track(seed, B, P, T)
-    ref, tri = track(*args), track_triton(*args)
+    ref, tri = track(*args), track_triton(*_in_place_copies(args))
     for name, r, t in zip(("best_A", "best_key", "excess", "balance", "dest_cap", "limit"), ref, tri):
         if name == "limit":  # bit-equal float64
             assert r.dtype == t.dtype == torch.float64 and torch.equal(r, t), name
@@ -128,7 +139,9 @@ def test_track_matches_torch(B, P, T, seed):
 def test_track_over_several_chunks_keeps_and_replaces():
     """T + 1 = 2501 columns (three copy steps); some variants improve and some do not."""
     args = _random_track(5, 6, 4, 2500)
-    ref, tri = track(*args), track_triton(*args)
+    copies = _in_place_copies(args)
+    ref, tri = track(*args), track_triton(*copies)
+    assert tri[0] is copies[5] and tri[1] is copies[6], "best_A and best_key are updated in place"
     better = ref[1] != args[6]
     assert bool(better.any()) and not bool(better.all())
     for name, r, t in zip(("best_A", "best_key", "excess", "balance", "dest_cap", "limit"), ref, tri):
@@ -157,24 +170,20 @@ def test_solve_triton_equals_torch(P, kind):
 def test_triton_accept_runs_on_meta(monkeypatch):
     """The launchers are free of host reads (they run on meta, where the kernel is skipped);
     the solve calls the fused launcher once per round."""
-    from gpusolver.solver import kernels, kernels_accept
-
-    for name in ("_state_kernel", "_state_bytes_kernel", "_bundle_kernel"):
-        monkeypatch.setattr(kernels, name, _NoLaunch())
     calls = []
 
     def counted(A, *args):
         calls.append(A.shape)
         return accept_apply_triton(A, *args)
 
-    monkeypatch.setattr(kernels_accept, "accept_apply_triton", counted)
+    monkeypatch.setattr(accept_kernel, "accept_apply_triton", counted)
     tracked = []
 
     def counted_track(A, *args):
         tracked.append(A.shape)
         return track_triton(A, *args)
 
-    monkeypatch.setattr(kernels_accept, "track_triton", counted_track)
+    monkeypatch.setattr(track_kernel, "track_triton", counted_track)
     P, G, rounds = 4, 2, 3
     meta_triton_solve(P, G, rounds)
     assert calls == [(2, G * P * P + 1)] * rounds and tracked == [(2, G * P * P + 1)] * (rounds + 1)
@@ -182,18 +191,16 @@ def test_triton_accept_runs_on_meta(monkeypatch):
     _, args = _random_round(0, 2, 3, 2)
     to_meta = lambda t: t.to("meta")  # noqa: E731
     prop, state, dest_cap, limit, excess, balance = args
-    prop = _Proposals(**{k: to_meta(v) for k, v in vars(prop).items()})
+    prop = Proposals(**{k: to_meta(v) for k, v in vars(prop).items()})
     state = SimpleNamespace(**{k: to_meta(v) for k, v in vars(state).items()})
     keep = accept_triton(prop, state, to_meta(dest_cap), to_meta(limit), to_meta(excess), to_meta(balance))
     assert keep.device.type == "meta" and keep.shape == (2, 6) and keep.dtype == torch.bool
 
 
 def test_accept_kernel_launches_once_per_call(monkeypatch):
-    from gpusolver.solver import kernels_accept
-
     stub, track_stub = _NoLaunch(), _NoLaunch()
-    monkeypatch.setattr(kernels_accept, "_accept_kernel", stub)
-    monkeypatch.setattr(kernels_accept, "_track_kernel", track_stub)
+    monkeypatch.setattr(accept_kernel, "_accept_kernel", stub)
+    monkeypatch.setattr(track_kernel, "_track_kernel", track_stub)
     A, args = _random_round(1, 3, 4, 2)
     accept_triton(*args)
     accept_apply_triton(A, *args)

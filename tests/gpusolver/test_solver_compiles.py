@@ -25,7 +25,7 @@ from tests._sm90 import capture_launches, compile_sm90
 _BARRIER_PTX = ("atom.global.gpu.release.add", "ld.global.gpu.acquire")
 # the persistent kernel's blocks at G = 2, P = 4 with 2 tiles per rank (U = 8, T = 128)
 _TILED_ROUNDS = {"TILES": 2, "BLOCK_M": 8, "BLOCK_TL": 2, "BLOCK_D": 4, "BLOCK_T": 128, "BLOCK_GP": 16,
-                 "BLOCK_U": 16, "BLOCK_C": 256}
+                 "BLOCK_U": 16, "BLOCK_JU": 8, "BLOCK_C": 256}
 
 
 @pytest.mark.slow

@@ -9,10 +9,14 @@ from gpusolver.areas import block_areas
 from gpusolver.config import SolverConfig
 from gpusolver.masks import packed_documents
 from gpusolver.problem import BlockAreas
-from gpusolver.solver import device, kernels
+from gpusolver.solver import core
+from gpusolver.solver.bundle import kernel as bundle_kernel, ref as bundle_ref
+from gpusolver.solver.bundle.kernel import bundle_proposals_triton
 from gpusolver.solver.device import Strategy, solve_device
+from gpusolver.solver.state import kernel as state_kernel, ref as state_ref
+from gpusolver.solver.state.kernel import state_triton
+from gpusolver.solver.strategies import TASK_ORDERS
 from tests._testing import assert_close
-from gpusolver.solver.kernels import bundle_proposals_triton, state_triton
 
 _STATE_FIELDS = ("rank", "q_lo", "q_hi", "k_lo", "k_hi", "qlen", "klen", "kcount",
                  "send", "recv", "vol", "bottleneck", "load")
@@ -71,9 +75,9 @@ def _check_proposals(ref, tri):
 def test_state_matches_torch(P, G, B, seed):
     gen = torch.Generator().manual_seed(seed)
     areas = _random_areas(gen, P, G)
-    tasks = device._Tasks(areas, _config(P, G))
+    tasks = core.Tasks(areas, _config(P, G))
     A = _random_assignments(gen, tasks, B)
-    _check_state(device._state(tasks, A), state_triton(tasks, A))
+    _check_state(state_ref.state(tasks, A), state_triton(tasks, A))
 
 
 @settings(max_examples=6, deadline=None)
@@ -83,9 +87,9 @@ def test_state_matches_torch_tiled(P, G, tiles, B, seed):
     """U = tiles * P units per group: hulls per (unit, rank), each rank's bytes summed over its units."""
     gen = torch.Generator().manual_seed(seed)
     areas = _random_areas(gen, P, G, chunk=8, tiles=tiles)
-    tasks = device._Tasks(areas, _config(P, G, tiles))
+    tasks = core.Tasks(areas, _config(P, G, tiles))
     A = _random_assignments(gen, tasks, B)
-    ref, tri = device._state(tasks, A), state_triton(tasks, A)
+    ref, tri = state_ref.state(tasks, A), state_triton(tasks, A)
     assert tri.q_lo.shape == (B, G * tiles * P, P)
     _check_state(ref, tri)
 
@@ -94,32 +98,32 @@ def test_state_matches_torch_over_several_task_tiles():
     P, G, B = 24, 2, 2  # T = 1152 tasks: two tiles of 1024
     gen = torch.Generator().manual_seed(1)
     areas = _random_areas(gen, P, G, chunk=40)
-    tasks = device._Tasks(areas, _config(P, G))
+    tasks = core.Tasks(areas, _config(P, G))
     A = _random_assignments(gen, tasks, B)
-    _check_state(device._state(tasks, A), state_triton(tasks, A))
+    _check_state(state_ref.state(tasks, A), state_triton(tasks, A))
 
 
 def _bundle_case(P, G, B, K, D, sideways, tile, seed, tiles=1, states=("torch", "triton"), singles=False):
     """A random round's proposals from both twins, on the torch state and/or the Triton state."""
     gen = torch.Generator().manual_seed(seed)
     areas = _random_areas(gen, P, G, **({} if tiles == 1 else {"chunk": 8, "tiles": tiles}))
-    tasks = device._Tasks(areas, _config(P, G, tiles))
+    tasks = core.Tasks(areas, _config(P, G, tiles))
     A = _random_assignments(gen, tasks, B)
-    ref_st = device._state(tasks, A)
+    ref_st = state_ref.state(tasks, A)
     tri_st = state_triton(tasks, A)  # contiguous tensors where the twin's are strided views
     total = tasks.area.sum()
     cap = (total * torch.randint(100, 130, (), generator=gen)) // (100 * P)
     excess = ref_st.load - cap
     balance = torch.rand(B, generator=gen) < 0.5
     scale = torch.rand(B, generator=gen).double() * 3
-    threshold = torch.where(torch.rand(B, generator=gen) < 0.3, float(device._BIG),
+    threshold = torch.where(torch.rand(B, generator=gen) < 0.3, float(core._BIG),
                             scale * ref_st.bottleneck.double() + 1.0)
     dests_b = torch.randint(1, D + 1, (B,), generator=gen)  # per-variant window widths and task orders
-    order_b = torch.randint(0, len(device.TASK_ORDERS), (B,), generator=gen)
+    order_b = torch.randint(0, len(TASK_ORDERS), (B,), generator=gen)
     cap = torch.where(torch.rand(B, 1, generator=gen) < 0.3, ref_st.load.amax(1, keepdim=True) - 1, cap)
     args = (cap, excess, balance, threshold, K, D, dests_b, order_b, sideways, singles)
-    ref = device._bundle_proposals(tasks, ref_st, *args)
-    with mock.patch.object(kernels, "_DEST_TILE", tile):
+    ref = bundle_ref.bundle_proposals(tasks, ref_st, *args)
+    with mock.patch.object(bundle_kernel, "_DEST_TILE", tile):
         for state in states:
             _check_proposals(ref, bundle_proposals_triton(tasks, ref_st if state == "torch" else tri_st, *args))
     return ref
@@ -149,21 +153,21 @@ def test_tiled_bundles_sum_key_host_deltas():
     """Instances where a bundle moves several tasks of one key host and the busiest other key host
     decides a score: the per-task maximum of the untiled kernel would differ there."""
     P, G, B, tiles = 3, 1, 2, 2
-    per_task = device._busiest_key_host
+    per_task = bundle_ref._busiest_key_host
     found = 0
     for seed in range(120):
         gen = torch.Generator().manual_seed(seed)
-        tasks = device._Tasks(_random_areas(gen, P, G, chunk=8, density=0.9, tiles=tiles), _config(P, G, tiles))
+        tasks = core.Tasks(_random_areas(gen, P, G, chunk=8, density=0.9, tiles=tiles), _config(P, G, tiles))
         A = _random_assignments(gen, tasks, B)
-        st_ = device._state(tasks, A)
+        st_ = state_ref.state(tasks, A)
         cap = tasks.area.sum() * 11 // (10 * P)
         balance = torch.tensor([True, False])
-        threshold = torch.where(balance, st_.bottleneck.double() * 1.02 + 1.0, float(device._BIG))
+        threshold = torch.where(balance, st_.bottleneck.double() * 1.02 + 1.0, float(core._BIG))
         args = (cap, st_.load - cap, balance, threshold, 2, 2)
-        ref = device._bundle_proposals(tasks, st_, *args)
-        with mock.patch.object(device, "_busiest_key_host",
+        ref = bundle_ref.bundle_proposals(tasks, st_, *args)
+        with mock.patch.object(bundle_ref, "_busiest_key_host",
                                lambda send, host, where, delta, tiles: per_task(send, host, where, delta, 1)):
-            untiled = device._bundle_proposals(tasks, st_, *args)
+            untiled = bundle_ref.bundle_proposals(tasks, st_, *args)
         if torch.equal(ref.score, untiled.score):
             continue
         found += 1
@@ -178,15 +182,15 @@ def test_bundle_proposals_find_moves_in_both_phases():
     P, G, B = 4, 2, 2
     gen = torch.Generator().manual_seed(8)
     areas = _random_areas(gen, P, G, density=0.9)
-    tasks = device._Tasks(areas, _config(P, G))
+    tasks = core.Tasks(areas, _config(P, G))
     A = torch.cat((torch.where(tasks.valid, tasks.i, P).expand(B, -1),
                    torch.full((B, 1), P, dtype=torch.int64)), 1)
-    st_ = device._state(tasks, A)
+    st_ = state_ref.state(tasks, A)
     cap = tasks.area.sum() * 11 // (10 * P)
     excess = st_.load - cap
     balance = torch.tensor([True, False])
-    threshold = torch.full((B,), float(device._BIG), dtype=torch.float64)
-    ref = device._bundle_proposals(tasks, st_, cap, excess, balance, threshold, 4, 4)
+    threshold = torch.full((B,), float(core._BIG), dtype=torch.float64)
+    ref = bundle_ref.bundle_proposals(tasks, st_, cap, excess, balance, threshold, 4, 4)
     tri = bundle_proposals_triton(tasks, st_, cap, excess, balance, threshold, 4, 4)
     assert bool(ref.ok[0].any()) and bool(ref.ok[1].any())
     assert bool((ref.tasks < tasks.T).any())
@@ -203,16 +207,16 @@ def test_singles_offer_one_task_bundles_while_balancing(tiles):
     for seed in range(40):
         gen = torch.Generator().manual_seed(seed)
         areas = _random_areas(gen, P, G, density=0.9, **({} if tiles == 1 else {"chunk": 8, "tiles": tiles}))
-        tasks = device._Tasks(areas, _config(P, G, tiles))
+        tasks = core.Tasks(areas, _config(P, G, tiles))
         A = torch.cat((torch.where(tasks.valid, tasks.q_host, P).expand(B, -1),
                        torch.full((B, 1), P, dtype=torch.int64)), 1)
-        st_ = device._state(tasks, A)
+        st_ = state_ref.state(tasks, A)
         cap = tasks.area.sum() * 11 // (10 * P)
         balance = torch.tensor([True, False])
-        threshold = torch.full((B,), float(device._BIG), dtype=torch.float64)
+        threshold = torch.full((B,), float(core._BIG), dtype=torch.float64)
         args = (cap, st_.load - cap, balance, threshold, 4, 4, None, None, False)
-        plain = device._bundle_proposals(tasks, st_, *args, False)
-        single = device._bundle_proposals(tasks, st_, *args, True)
+        plain = bundle_ref.bundle_proposals(tasks, st_, *args, False)
+        single = bundle_ref.bundle_proposals(tasks, st_, *args, True)
         for name in ("ok", "score", "tasks"):
             assert_close(name, getattr(plain, name)[1], getattr(single, name)[1])
         moved = lambda prop: (prop.tasks[0] < tasks.T).sum(-1)  # noqa: E731  tasks per proposal, variant 0
@@ -235,14 +239,14 @@ def test_impl_is_checked():
 
 
 class _NoLaunch:
-    """Stands in for a Triton kernel: records each launch's grid, computes nothing."""
+    """Stands in for a Triton kernel: records each launch's grid and runs the kernel when given one."""
 
-    def __init__(self):
-        self.grids = []
+    def __init__(self, kernel=None):
+        self.grids, self.kernel = [], kernel
 
     def __getitem__(self, grid):
         self.grids.append(grid)
-        return lambda *args, **kwargs: None
+        return self.kernel[grid] if self.kernel is not None else (lambda *args, **kwargs: None)
 
 
 def meta_triton_solve(P: int, G: int, rounds: int, tiles: int = 1):
@@ -256,32 +260,35 @@ def meta_triton_solve(P: int, G: int, rounds: int, tiles: int = 1):
     return res
 
 
-def test_triton_path_launchers_run_on_meta(monkeypatch):
-    """Everything around the kernels is free of host reads; each kernel launches once per round."""
-    from gpusolver.solver import kernels
+def _spy_kernels(monkeypatch, launch: bool):
+    """Spies on the state and bundle kernels: (state, bytes, bundle) grids; ``launch`` runs them."""
+    spies = []
+    for module, name in ((state_kernel, "_state_kernel"), (state_kernel, "_state_bytes_kernel"),
+                         (bundle_kernel, "_bundle_kernel")):
+        spies.append(_NoLaunch(getattr(module, name) if launch else None))
+        monkeypatch.setattr(module, name, spies[-1])
+    return spies
 
-    state_k, bytes_k, bundle_k = _NoLaunch(), _NoLaunch(), _NoLaunch()
-    monkeypatch.setattr(kernels, "_state_kernel", state_k)
-    monkeypatch.setattr(kernels, "_state_bytes_kernel", bytes_k)
-    monkeypatch.setattr(kernels, "_bundle_kernel", bundle_k)
-    P, G, rounds = 4, 2, 3
-    meta_triton_solve(P, G, rounds)
+
+@pytest.mark.parametrize("tiles", [1, 2])
+def test_triton_path_runs_on_meta(monkeypatch, tiles):
+    """Every launcher of the Triton path is free of host reads: on meta each allocates its
+    outputs and launches nothing (a tiled solve: the chunks' solve, then the tiles')."""
+    spies = _spy_kernels(monkeypatch, launch=False)
+    meta_triton_solve(4, 2, 2, tiles)
+    assert all(not spy.grids for spy in spies)
+
+
+def test_triton_path_launches_each_kernel_once_per_round(monkeypatch):
+    state_k, bytes_k, bundle_k = _spy_kernels(monkeypatch, launch=True)
+    P, G, rounds = 3, 1, 2
+    config = SolverConfig(cp_size=P, num_heads_q=4, num_heads_kv=G)
+    areas = block_areas(packed_documents(64 * P, seed=0), P, G, impl="torch")
+    solve_device(areas, config, rounds=rounds, impl="triton",
+                 strategies=(Strategy((3.0, float("inf")), units_per_rank=2, bundle_dests=4),))
     assert len(state_k.grids) == len(bytes_k.grids) == rounds + 1 and len(bundle_k.grids) == rounds
     # grids: (task tiles, B), (B, P), (B, P, K)
     assert state_k.grids[0] == (1, 2) and bytes_k.grids[0] == (2, P) and bundle_k.grids[0] == (2, P, 2)
-
-
-def test_triton_path_runs_tiled_on_meta(monkeypatch):
-    """A tiled solve on meta: the chunks' solve, then the tiles' from its refined plan, both without host reads."""
-    state_k, bytes_k, bundle_k = _NoLaunch(), _NoLaunch(), _NoLaunch()
-    monkeypatch.setattr(kernels, "_state_kernel", state_k)
-    monkeypatch.setattr(kernels, "_state_bytes_kernel", bytes_k)
-    monkeypatch.setattr(kernels, "_bundle_kernel", bundle_k)
-    P, G, rounds, tiles = 4, 2, 2, 2
-    meta_triton_solve(P, G, rounds, tiles)
-    assert len(state_k.grids) == len(bytes_k.grids) == 2 * (rounds + 1) and len(bundle_k.grids) == 2 * rounds
-    # the tiled solve's launches come second: T = G * (2P)^2 = 128 tasks in one tile, grids as untiled
-    assert state_k.grids[-1] == (1, 2) and bytes_k.grids[-1] == (2, P) and bundle_k.grids[-1] == (2, P, 2)
 
 
 def test_sideways_proposals_match_torch():
@@ -290,19 +297,19 @@ def test_sideways_proposals_match_torch():
     found = 0
     for seed in range(40):
         gen = torch.Generator().manual_seed(seed)
-        tasks = device._Tasks(_random_areas(gen, P, G, density=0.8), _config(P, G))
+        tasks = core.Tasks(_random_areas(gen, P, G, density=0.8), _config(P, G))
         A = _random_assignments(gen, tasks, B)
-        st_ = device._state(tasks, A)
+        st_ = state_ref.state(tasks, A)
         cap = st_.load.amax(1, keepdim=True)  # every rank may take work up to today's maximum
-        args = (cap, st_.load - cap, torch.zeros(B, dtype=torch.bool), torch.full((B,), float(device._BIG),
+        args = (cap, st_.load - cap, torch.zeros(B, dtype=torch.bool), torch.full((B,), float(core._BIG),
                 dtype=torch.float64), K, D, None, None, True)
-        ref = device._bundle_proposals(tasks, st_, *args)
+        ref = bundle_ref.bundle_proposals(tasks, st_, *args)
         side = ref.ok & (ref.score >= 1.0) & (ref.score < 2.0)
         if bool(side.any()):
             found += 1
-            with mock.patch.object(kernels, "_DEST_TILE", 2):  # several tiles: the best crosses tiles
+            with mock.patch.object(bundle_kernel, "_DEST_TILE", 2):  # several tiles: the best crosses tiles
                 _check_proposals(ref, bundle_proposals_triton(tasks, st_, *args))
-            without = device._bundle_proposals(tasks, st_, *args[:-1], False)
+            without = bundle_ref.bundle_proposals(tasks, st_, *args[:-1], False)
             assert not bool((without.ok & (without.score >= 1.0)).any()), "sideways moves without the flag"
             if found == 3:
                 break

@@ -7,8 +7,10 @@ from hypothesis import given, settings, strategies as st
 
 from gpusolver.config import SolverConfig
 from gpusolver.problem import BlockAreas
-from gpusolver.solver import device, kernels_offers
-from gpusolver.solver.kernels_offers import offers_triton
+from gpusolver.solver import core
+from gpusolver.solver.offers import kernel as offers_kernel, ref as offers_ref
+from gpusolver.solver.offers.kernel import offers_triton
+from gpusolver.solver.state import ref as state_ref
 from tests._testing import assert_close
 
 
@@ -22,7 +24,7 @@ def _tasks(gen, P, G, max_area=3, tiles=1):
     areas = BlockAreas(area=area, q_need=need, k_need=need.clone(), chunk=4, tiles=tiles).validate()
     config = SolverConfig(cp_size=P, num_heads_q=4 * G, num_heads_kv=G, head_dim=8, dtype=torch.float16,
                           chunk_tiles=tiles)
-    return device._Tasks(areas, config)
+    return core.Tasks(areas, config)
 
 
 def _state(gen, tasks, B, tied_loads):
@@ -32,7 +34,7 @@ def _state(gen, tasks, B, tied_loads):
     owner = torch.rand((B, T), generator=gen) < torch.linspace(0.0, 0.9, B)[:, None]
     A = torch.where(tasks.valid, torch.where(owner, tasks.q_host, rand), P)
     A = torch.cat((A, torch.full((B, 1), P, dtype=torch.int64)), 1)
-    state = device._state(tasks, A)  # rank and load are strided views, as the round loop passes them
+    state = state_ref.state(tasks, A)  # rank and load are strided views, as the round loop passes them
     if tied_loads:
         state = replace(state, load=torch.randint(0, 4, (B, P), generator=gen))
     return state
@@ -57,7 +59,7 @@ def test_offers_match_torch(P, G, B, K, D, cap_kind, widths, tied_loads, seed):
     if cap_kind == "per-variant":  # [B, 1], some variants stuck (cap just below their max load)
         cap = torch.where(torch.rand((B, 1), generator=gen) < 0.5, state.load.amax(1, keepdim=True) - 1, cap)
     dests_b = torch.randint(1, D + 1, (B,), generator=gen) if widths else None
-    ref = device._offers(tasks, state, cap, K, D, dests_b)
+    ref = offers_ref.offers(tasks, state, cap, K, D, dests_b)
     _check(ref, offers_triton(tasks, state, cap, K, D, dests_b))
 
 
@@ -73,7 +75,7 @@ def test_offers_match_torch_tiled(P, G, tiles, K, D, seed):
     cap = torch.where(torch.rand((B, 1), generator=gen) < 0.5, state.load.amax(1, keepdim=True) - 1,
                       state.load.sum(1, keepdim=True) // P)
     dests_b = torch.randint(1, D + 1, (B,), generator=gen)
-    ref = device._offers(tasks, state, cap, K, D, dests_b)
+    ref = offers_ref.offers(tasks, state, cap, K, D, dests_b)
     assert ref[0].shape == (B, P, K)
     _check(ref, offers_triton(tasks, state, cap, K, D, dests_b))
 
@@ -87,19 +89,19 @@ def test_offers_ties_everywhere():
     state = _state(gen, tasks, B, tied_loads=False)
     state = replace(state, load=torch.full((B, P), 7))
     for cap in (torch.tensor(7), torch.tensor([[9], [3]])):  # no rank light (n_light clamps to 1); all light
-        ref = device._offers(tasks, state, cap, 6, P, torch.tensor([2, P]))
+        ref = offers_ref.offers(tasks, state, cap, 6, P, torch.tensor([2, P]))
         _check(ref, offers_triton(tasks, state, cap, 6, P, torch.tensor([2, P])))
 
 
 def test_offers_over_several_unit_tiles(monkeypatch):
     """G * P = 24 units compared in tiles of 4 units, and requested widths above G*P and P."""
-    monkeypatch.setattr(kernels_offers, "_TILE", 128)  # BLOCK_U = 128 // 32 = 4: six tiles
+    monkeypatch.setattr(offers_kernel, "_TILE", 128)  # BLOCK_U = 128 // 32 = 4: six tiles
     P, G, B = 6, 4, 2
     gen = torch.Generator().manual_seed(3)
     tasks = _tasks(gen, P, G)
     state = _state(gen, tasks, B, tied_loads=True)
     cap = torch.tensor(5)
-    ref = device._offers(tasks, state, cap, 40, 9)
+    ref = offers_ref.offers(tasks, state, cap, 40, 9)
     tri = offers_triton(tasks, state, cap, 40, 9)
     assert ref[0].shape == (B, P, G * P) and ref[2].shape == (B, P, P)
     _check(ref, tri)
@@ -109,9 +111,9 @@ def test_offers_on_meta():
     """No host reads: the launcher runs on meta tensors and gives the twin's shapes."""
     P, G, B = 4, 2, 3
     tasks = _tasks(torch.Generator().manual_seed(0), P, G)
-    meta = device._Tasks.__new__(device._Tasks)
+    meta = core.Tasks.__new__(core.Tasks)
     meta.G, meta.P, meta.U, meta.T, meta.area = G, P, P, tasks.T, tasks.area.to("meta")
-    state = device._State(*(torch.empty(0, device="meta") for _ in range(13)))
+    state = core.State(*(torch.empty(0, device="meta") for _ in range(13)))
     state = replace(state, rank=torch.zeros((B, tasks.T), dtype=torch.int64, device="meta"),
                     load=torch.zeros((B, P), dtype=torch.int64, device="meta"))
     cap = torch.zeros((B, 1), dtype=torch.int64, device="meta")
@@ -139,9 +141,9 @@ def test_offered_units_are_the_same_by_topk_and_by_sort():
     gen = torch.Generator().manual_seed(5)
     tasks = _tasks(gen, 4, 2)
     state = _state(gen, tasks, 3, tied_loads=False)
-    by_topk = device._offers(tasks, state, state.load.sum(1).amax() // 4, 5, 3)
+    by_topk = offers_ref.offers(tasks, state, state.load.sum(1).amax() // 4, 5, 3)
     tasks.chunk = 1 << 29  # U * chunk^2 * G * U >= 2^62: the sort path
-    by_sort = device._offers(tasks, state, state.load.sum(1).amax() // 4, 5, 3)
+    by_sort = offers_ref.offers(tasks, state, state.load.sum(1).amax() // 4, 5, 3)
     for name, a, b in zip(("unit", "headroom", "dests"), by_topk, by_sort):
         assert_close(name, a, b)
     ua = torch.zeros((3, 2 * 4, 4), dtype=torch.int64).index_put_(

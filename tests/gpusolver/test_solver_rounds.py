@@ -7,9 +7,10 @@ import torch
 from gpusolver.areas import block_areas
 from gpusolver.config import SolverConfig
 from gpusolver.masks import causal_mask, packed_documents
-from gpusolver.solver import device, kernels
+from gpusolver.solver import core, device, strategies as strat
+from gpusolver.solver.bundle import kernel as bundle_kernel
 from gpusolver.solver.device import Strategy, solve_device
-from gpusolver.solver.kernels_rounds import solve_rounds_persistent
+from gpusolver.solver.rounds import solve_rounds_persistent
 from tests._testing import assert_close
 
 _STRATEGIES = (Strategy((3.0, float("inf")), units_per_rank=2, bundle_dests=4),
@@ -22,8 +23,8 @@ def _problem(P, G, kind, seed=0, tiles=1):
     config = SolverConfig(cp_size=P, num_heads_q=4 * G, num_heads_kv=G, chunk_tiles=tiles)
     mask = packed_documents(512 * P, seed=seed) if kind == "packed" else causal_mask(64 * P)
     areas = block_areas(mask, P, G, impl="torch", tiles=tiles)
-    tasks = device._Tasks(areas, config)
-    cap = (int(round(config.imbalance_tol * device._MU_SCALE)) * tasks.area.sum()) // (P * device._MU_SCALE)
+    tasks = core.Tasks(areas, config)
+    cap = (int(round(config.imbalance_tol * core._MU_SCALE)) * tasks.area.sum()) // (P * core._MU_SCALE)
     return config, areas, tasks, cap
 
 
@@ -36,23 +37,23 @@ def _problem(P, G, kind, seed=0, tiles=1):
 def test_every_variant_equals_the_torch_loop(P, G, kind, seed, rounds, sideways, restart_every, singles, extra,
                                               monkeypatch):
     """Best assignment and key of every variant, not only the winner's (destinations in tiles of 2)."""
-    monkeypatch.setattr(kernels, "_DEST_TILE", 2)
+    monkeypatch.setattr(bundle_kernel, "_DEST_TILE", 2)
     _, _, tasks, cap = _problem(P, G, kind, seed)
     strategies = _STRATEGIES + extra
-    ref_A, ref_key = device._run_variants(tasks, cap, strategies, rounds, sideways=sideways,
+    ref_A, ref_key = device.run_variants(tasks, cap, strategies, rounds, sideways=sideways,
                                           restart_every=restart_every, singles=singles)
     if restart_every:
-        plain_A, _ = device._run_variants(tasks, cap, strategies, rounds, sideways=sideways, singles=singles)
+        plain_A, _ = device.run_variants(tasks, cap, strategies, rounds, sideways=sideways, singles=singles)
         assert not torch.equal(plain_A[:, :tasks.T], ref_A[:, :tasks.T]), "the restart changed nothing here"
     if singles:
-        plain_A, _ = device._run_variants(tasks, cap, strategies, rounds, sideways=sideways,
+        plain_A, _ = device.run_variants(tasks, cap, strategies, rounds, sideways=sideways,
                                           restart_every=restart_every)
         assert not torch.equal(plain_A[:, :tasks.T], ref_A[:, :tasks.T]), "singles changed nothing here"
     if extra == _SMALL_FIRST:  # smallest first (last variant) ends elsewhere than largest first (variant 1)
         assert not torch.equal(ref_A[-1, :tasks.T], ref_A[1, :tasks.T])
-    variants, K, D = device._variants(strategies, tasks.G, P)
-    A, key = solve_rounds_persistent(tasks, cap, device._variant_tables(variants, "cpu"),
-                                     device._variant_scales(variants, "cpu"), K, D, rounds, 1, sideways,
+    variants, K, D = strat.variants(strategies, tasks.G, P)
+    A, key = solve_rounds_persistent(tasks, cap, strat.variant_tables(variants, "cpu"),
+                                     strat.variant_scales(variants, "cpu"), K, D, rounds, 1, sideways,
                                      restart_every, singles=singles)
     assert_close("best_key", ref_key, key)
     assert_close("best_A", ref_A[:, :tasks.T], A[:, :tasks.T])
@@ -98,15 +99,15 @@ def test_persistent_start_equals_the_torch_loop():
                   Strategy((1.5,), units_per_rank=1, bundle_dests=2, task_order="rows"))
     start = torch.randint(0, 2, (tasks.T,), generator=torch.Generator().manual_seed(0))
     rounds, restart_every = 3, 2
-    ref_A, ref_key = device._run_variants(tasks, cap, strategies, rounds, sideways=True,
+    ref_A, ref_key = device.run_variants(tasks, cap, strategies, rounds, sideways=True,
                                           restart_every=restart_every, start=start)
-    plain_A, _ = device._run_variants(tasks, cap, strategies, rounds, sideways=True, start=start)
-    own_A, _ = device._run_variants(tasks, cap, strategies, rounds, sideways=True, restart_every=restart_every)
+    plain_A, _ = device.run_variants(tasks, cap, strategies, rounds, sideways=True, start=start)
+    own_A, _ = device.run_variants(tasks, cap, strategies, rounds, sideways=True, restart_every=restart_every)
     assert not torch.equal(own_A[:, :tasks.T], ref_A[:, :tasks.T]), "the start changed nothing"
     assert not torch.equal(plain_A[:, :tasks.T], ref_A[:, :tasks.T]), "the restart changed nothing"
-    variants, K, D = device._variants(strategies, tasks.G, tasks.P, tiles=2)
-    A, key = solve_rounds_persistent(tasks, cap, device._variant_tables(variants, "cpu"),
-                                     device._variant_scales(variants, "cpu"), K, D, rounds, 1, True,
+    variants, K, D = strat.variants(strategies, tasks.G, tasks.P, tiles=2)
+    A, key = solve_rounds_persistent(tasks, cap, strat.variant_tables(variants, "cpu"),
+                                     strat.variant_scales(variants, "cpu"), K, D, rounds, 1, True,
                                      restart_every, start=start.int())
     assert_close("best_key", ref_key, key)
     assert_close("best_A", ref_A[:, :tasks.T], A[:, :tasks.T])
@@ -120,8 +121,8 @@ def test_persistent_runs_tiled_on_meta():
 
 def test_start_is_checked():
     _, _, tasks, cap = _problem(3, 1, "causal")
-    variants, K, D = device._variants(_STRATEGIES, tasks.G, tasks.P)
-    args = (tasks, cap, device._variant_tables(variants, "cpu"), device._variant_scales(variants, "cpu"), K, D, 1)
+    variants, K, D = strat.variants(_STRATEGIES, tasks.G, tasks.P)
+    args = (tasks, cap, strat.variant_tables(variants, "cpu"), strat.variant_scales(variants, "cpu"), K, D, 1)
     for bad in (torch.zeros(tasks.T + 1, dtype=torch.int64), torch.zeros(tasks.T)):
         with pytest.raises(ValueError, match="start"):
             solve_rounds_persistent(*args, start=bad)

@@ -8,10 +8,11 @@ from gpusolver.baselines import baseline_table
 from gpusolver.config import SolverConfig
 from gpusolver.masks import causal_mask, full_mask, varlen_causal_mask, varlen_full_mask
 from gpusolver.metrics import evaluate
-from gpusolver.solver import device
+from gpusolver.solver import core, device, strategies as strat
 from gpusolver.solver.device import Strategy, solve_device
-from gpusolver.solver.kernels_rounds import solve_rounds_persistent
-from gpusolver.solver.kernels_start import transpose_start_triton
+from gpusolver.solver.rounds import solve_rounds_persistent
+from gpusolver.solver.start import ref as start_ref
+from gpusolver.solver.start.kernel import transpose_start_triton
 from tests._testing import assert_close
 
 _MIXED = (Strategy((float("inf"),), units_per_rank=2, bundle_dests=4),
@@ -21,8 +22,8 @@ _MIXED = (Strategy((float("inf"),), units_per_rank=2, bundle_dests=4),
 def _tasks(mask, P, G, tiles=1, heads_per_group=8):
     config = SolverConfig(cp_size=P, num_heads_q=heads_per_group * G, num_heads_kv=G, chunk_tiles=tiles)
     areas = block_areas(mask, P, G, impl="torch", tiles=tiles)
-    tasks = device._Tasks(areas, config)
-    cap = (int(round(config.imbalance_tol * device._MU_SCALE)) * tasks.area.sum()) // (P * device._MU_SCALE)
+    tasks = core.Tasks(areas, config)
+    cap = (int(round(config.imbalance_tol * core._MU_SCALE)) * tasks.area.sum()) // (P * core._MU_SCALE)
     return config, areas, tasks, cap
 
 
@@ -36,7 +37,7 @@ def _row_ranks(tasks, start):
 def test_long_sequence_rows_go_to_their_head_group_rank():
     """One full sequence over 16 ranks: every row's tasks start on rank 8 * (i // 8) + g."""
     _, _, tasks, _ = _tasks(full_mask(64 * 16), 16, 8)
-    rows = _row_ranks(tasks, device._transpose_start(tasks)).view(8, 16)
+    rows = _row_ranks(tasks, start_ref.transpose_start(tasks)).view(8, 16)
     g, i = torch.arange(8)[:, None], torch.arange(16)[None, :]
     assert torch.equal(rows, 8 * (i // 8) + g)
 
@@ -45,11 +46,11 @@ def test_partial_block_and_short_documents():
     """P = 6, G = 4: ranks 4-5 form a block of 2 (target 4 + g % 2). Documents inside one chunk
     need no remote keys and start at home. (2 query heads per KV head: rows are cheap to ship.)"""
     _, _, tasks, _ = _tasks(full_mask(64 * 6), 6, 4, heads_per_group=2)
-    rows = _row_ranks(tasks, device._transpose_start(tasks)).view(4, 6)
+    rows = _row_ranks(tasks, start_ref.transpose_start(tasks)).view(4, 6)
     g = torch.arange(4)
     assert torch.equal(rows[:, 0], g) and torch.equal(rows[:, 5], 4 + g % 2)
     _, _, short, _ = _tasks(varlen_full_mask([32, 32] * 6), 6, 4, heads_per_group=2)
-    rows = _row_ranks(short, device._transpose_start(short)).view(4, 6)
+    rows = _row_ranks(short, start_ref.transpose_start(short)).view(4, 6)
     assert torch.equal(rows, torch.arange(6).expand(4, 6))
 
 
@@ -58,12 +59,12 @@ def test_rows_with_few_remote_keys_stay_home():
     head per KV head, rows are cheap to ship and more of them flip."""
     _, _, tasks, _ = _tasks(causal_mask(64 * 16), 16, 8)
     home = torch.arange(16).expand(8, 16)
-    rows = _row_ranks(tasks, device._transpose_start(tasks)).view(8, 16)
+    rows = _row_ranks(tasks, start_ref.transpose_start(tasks)).view(8, 16)
     assert torch.equal(rows[:, :4], home[:, :4])
     assert torch.equal(rows[:, -2:], (8 + torch.arange(8))[:, None].expand(8, 2))
     moved = rows != home
     _, _, mqa, _ = _tasks(causal_mask(64 * 16), 16, 8, heads_per_group=1)
-    assert int((_row_ranks(mqa, device._transpose_start(mqa)).view(8, 16) != home).sum()) > int(moved.sum())
+    assert int((_row_ranks(mqa, start_ref.transpose_start(mqa)).view(8, 16) != home).sum()) > int(moved.sum())
 
 
 @pytest.mark.parametrize("P,G,tiles,kind", [(6, 4, 1, "packed"), (8, 2, 1, "causal"), (5, 2, 2, "packed"),
@@ -72,7 +73,7 @@ def test_triton_equals_torch(P, G, tiles, kind):
     mask = {"packed": lambda: varlen_causal_mask([40, 256 * P - 200, 100, 60]), "causal": lambda: causal_mask(64 * P),
             "full": lambda: full_mask(48 * P)}[kind]()
     _, _, tasks, _ = _tasks(mask, P, G, tiles, heads_per_group=2)
-    ref = device._transpose_start(tasks)
+    ref = start_ref.transpose_start(tasks)
     assert_close("start", ref, transpose_start_triton(tasks))
     unit_host = tasks.q_host.view(G * tasks.U, tasks.U)[:, 0]
     flipped = _row_ranks(tasks, ref) != unit_host
@@ -86,15 +87,15 @@ def test_per_variant_starts_on_every_path():
     P, G = 6, 2
     config, areas, tasks, cap = _tasks(varlen_causal_mask([40, 256 * P - 200, 100, 60]), P, G, heads_per_group=2)
     rounds = 3
-    ref_A, ref_key = device._run_variants(tasks, cap, _MIXED, rounds)
-    variants, K, D = device._variants(_MIXED, G, P)
-    starts = device._variant_starts(tasks, variants)
+    ref_A, ref_key = device.run_variants(tasks, cap, _MIXED, rounds)
+    variants, K, D = strat.variants(_MIXED, G, P)
+    starts = start_ref.variant_starts(tasks, variants)
     assert starts.shape == (3, tasks.T) and not torch.equal(starts[0], starts[1])
-    A, key = solve_rounds_persistent(tasks, cap, device._variant_tables(variants, "cpu"),
-                                     device._variant_scales(variants, "cpu"), K, D, rounds, 1, start=starts)
+    A, key = solve_rounds_persistent(tasks, cap, strat.variant_tables(variants, "cpu"),
+                                     strat.variant_scales(variants, "cpu"), K, D, rounds, 1, start=starts)
     assert_close("best_key", ref_key, key)
     assert_close("best_A", ref_A[:, :tasks.T], A[:, :tasks.T])
-    owner_A, _ = device._run_variants(tasks, cap, _MIXED[:1] * 2, rounds)
+    owner_A, _ = device.run_variants(tasks, cap, _MIXED[:1] * 2, rounds)
     assert not torch.equal(owner_A[1, :tasks.T], ref_A[1, :tasks.T]), "the transposed start changed nothing"
     ref = solve_device(areas, config, rounds=rounds, strategies=_MIXED, impl="torch")
     for impl in ("triton", "persistent"):

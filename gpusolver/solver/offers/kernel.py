@@ -1,7 +1,7 @@
-"""Triton version of the device solver's offers: each source's units and destination window.
+"""Triton offers step: each source's units and destination window.
 
 ``offers_triton(tasks, st, cap, units_per_rank, n_dests, dests_per_variant)``
-is the twin of ``device._offers`` and equals it exactly, in one launch with
+is the twin of ``offers.ref.offers`` and equals it exactly, in one launch with
 one program per (variant, source rank):
 
 * The area of each QO unit on the source: unit ``u``'s tasks are the ``U``
@@ -29,10 +29,20 @@ import torch
 import triton
 import triton.language as tl
 
-from gpusolver.solver.device import _State, _Tasks, _offers  # noqa: F401  (_offers: the twin)
+from gpusolver.solver.core import State, Tasks
 
 # Unit pairs compared at once: BLOCK_U * BLOCK_GP <= _TILE.
 _TILE = 4096
+
+
+def unit_block(block_gp: int) -> int:
+    """BLOCK_U: units ranked at once against all BLOCK_GP units."""
+    return max(1, min(block_gp, _TILE // block_gp))
+
+
+def task_block(block_gp: int, units: int) -> int:
+    """BLOCK_JU: consecutive tasks of every unit summed at once."""
+    return max(1, min(triton.next_power_of_2(units), _TILE // block_gp))
 
 
 @triton.jit
@@ -54,19 +64,20 @@ def _offers_kernel(
     dests_ptr,  # [B, P, D] int64 out
     P, U, GP, K, D,
     stride_rb, stride_a, stride_load, stride_cap,
-    BLOCK_P: tl.constexpr, BLOCK_GP: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_WIDTH: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_GP: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_JU: tl.constexpr,
+    BLOCK_D: tl.constexpr, HAS_WIDTH: tl.constexpr,
 ):
     _offers_source(rank_ptr, area_ptr, load_ptr, cap_ptr, width_ptr, unit_ptr, headroom_ptr, dests_ptr,
                    tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), P, U, GP, K, D,
-                   stride_rb, stride_a, stride_load, stride_cap, BLOCK_P, BLOCK_GP, BLOCK_U, BLOCK_D, HAS_WIDTH)
+                   stride_rb, stride_a, stride_load, stride_cap, BLOCK_P, BLOCK_GP, BLOCK_U, BLOCK_JU, BLOCK_D,
+                   HAS_WIDTH)
 
 
 @triton.jit
 def _offers_source(rank_ptr, area_ptr, load_ptr, cap_ptr, width_ptr, unit_ptr, headroom_ptr, dests_ptr,
                    i_b, i_s, P, U, GP, K, D, stride_rb, stride_a, stride_load, stride_cap,
-                   BLOCK_P: tl.constexpr, BLOCK_GP: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_D: tl.constexpr,
-                   HAS_WIDTH: tl.constexpr):
+                   BLOCK_P: tl.constexpr, BLOCK_GP: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_JU: tl.constexpr,
+                   BLOCK_D: tl.constexpr, HAS_WIDTH: tl.constexpr):
     """Program (i_b, i_s) of ``_offers_kernel`` (its arguments; indices int64). GP = G * U units of U tasks."""
     tl.static_assert(BLOCK_GP % BLOCK_U == 0)
     o_row = i_b * P + i_s  # (variant, source)
@@ -74,12 +85,16 @@ def _offers_source(rank_ptr, area_ptr, load_ptr, cap_ptr, width_ptr, unit_ptr, h
     # area of every QO unit on the source: unit v's tasks are v * U + j, j in [0, U)
     o_v = tl.arange(0, BLOCK_GP).to(tl.int64)  # [BLOCK_GP] units
     m_v = o_v < GP
+    # [BLOCK_GP, BLOCK_JU] tiles, each row BLOCK_JU consecutive tasks of a unit: contiguous reads
+    # (a pass per task j would read the assignment with a stride of U)
     b_ua = tl.zeros([BLOCK_GP], dtype=tl.int64)
-    for j in range(0, U):
-        o_t = o_v * U + j  # [BLOCK_GP]
-        b_rank = tl.load(rank_ptr + i_b * stride_rb + o_t, mask=m_v, other=-1)
-        b_area = tl.load(area_ptr + o_t * stride_a, mask=m_v, other=0)
-        b_ua += tl.where(b_rank == i_s, b_area, 0)
+    for j0 in range(0, U, BLOCK_JU):
+        o_j = j0 + tl.arange(0, BLOCK_JU).to(tl.int64)  # [BLOCK_JU]
+        o_t = o_v[:, None] * U + o_j[None, :]  # [BLOCK_GP, BLOCK_JU]
+        m_t = m_v[:, None] & (o_j[None, :] < U)
+        b_rank = tl.load(rank_ptr + i_b * stride_rb + o_t, mask=m_t, other=-1)
+        b_area = tl.load(area_ptr + o_t * stride_a, mask=m_t, other=0)
+        b_ua += tl.sum(tl.where(b_rank == i_s, b_area, 0), axis=1)
 
     # place of each unit in the order heaviest first, ties by the lower index; the K first are offered
     for u0 in range(0, GP, BLOCK_U):
@@ -124,11 +139,11 @@ def _offers_source(rank_ptr, area_ptr, load_ptr, cap_ptr, width_ptr, unit_ptr, h
     tl.store(dests_ptr + o_row * D + o_d, dest, mask=m_d)
 
 
-def offers_triton(tasks: _Tasks, st: _State, cap, units_per_rank: int, n_dests: int, dests_per_variant=None):
-    """Each source's offered QO units and destination window (Triton twin of ``device._offers``).
+def offers_triton(tasks: Tasks, st: State, cap, units_per_rank: int, n_dests: int, dests_per_variant=None):
+    """Each source's offered QO units and destination window (Triton twin of ``offers``).
 
-    tasks:             _Tasks of the solve; reads G, P, U and area [T] int64.
-    st:                _State of the current assignments; reads rank [B, T]
+    tasks:             Tasks of the solve; reads G, P, U and area [T] int64.
+    st:                State of the current assignments; reads rank [B, T]
                        and load [B, P] int64 (rows may be strided views).
     cap:               0-dim, [B] or [B, 1] int64, the largest load a destination may take.
     units_per_rank:    host int, units each source offers (K = min(it, G*U)).
@@ -164,8 +179,8 @@ def offers_triton(tasks: _Tasks, st: _State, cap, units_per_rank: int, n_dests: 
         rank, tasks.area, load, cap_b, width, unit, headroom, dests,
         P, U, GP, K, D,
         rank.stride(0), tasks.area.stride(0), load.stride(0), cap_b.stride(0),
-        BLOCK_P=triton.next_power_of_2(P), BLOCK_GP=block_gp, BLOCK_U=max(1, min(block_gp, _TILE // block_gp)),
-        BLOCK_D=triton.next_power_of_2(D), HAS_WIDTH=dests_per_variant is not None,
+        BLOCK_P=triton.next_power_of_2(P), BLOCK_GP=block_gp, BLOCK_U=unit_block(block_gp),
+        BLOCK_JU=task_block(block_gp, U), BLOCK_D=triton.next_power_of_2(D), HAS_WIDTH=dests_per_variant is not None,
         num_warps=8,  # [BLOCK_U, BLOCK_GP] = [8, 512] tiles at P = 64: no spills with 8 warps (ptxas)
     )
     return unit, headroom, dests

@@ -1,4 +1,4 @@
-"""Triton version of the solver's "transpose" start (twin of ``device._transpose_start``).
+"""Triton "transpose" start (twin of ``start.ref.transpose_start``).
 
 One program per QO unit (g, u) reads the unit's U tasks in tiles, sums the
 remote key tokens they need and takes the hull of their query rows, decides
@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpusolver.solver.device import _BIG, _Tasks
+from gpusolver.solver.core import _BIG, Tasks
 
 _BIG_T = tl.constexpr(_BIG)
 _BLOCK_J = 256
@@ -56,8 +56,8 @@ def _transpose_start_kernel(
         tl.store(out_ptr + row * U + j, tl.zeros([BLOCK_J], dtype=tl.int64) + rank, mask=j < U)
 
 
-def transpose_start_triton(tasks: _Tasks) -> torch.Tensor:
-    """[T] int64 start rank of each task, equal to ``_transpose_start(tasks)`` (one launch)."""
+def transpose_start_triton(tasks: Tasks) -> torch.Tensor:
+    """[T] int64 start rank of each task, equal to ``transpose_start(tasks)`` (one launch)."""
     G, P, U, T = tasks.G, tasks.P, tasks.U, tasks.T
     out = torch.empty(T, dtype=torch.int64, device=tasks.area.device)
     if out.device.type == "meta":  # shapes only

@@ -1,11 +1,11 @@
 """The device solver's whole round loop in one persistent Triton kernel.
 
 ``solve_rounds_persistent`` runs every round of every variant of
-``device._run_variants`` (sideways moves and restarts included) in a single
+``device.run_variants`` (sideways moves and restarts included) in a single
 launch and equals it exactly (the best assignment and key of each variant). It calls
-the same kernel bodies the per-step launchers use (``kernels``,
-``kernels_offers``, ``kernels_accept``), one after the other, so the twins
-stay one piece of code:
+the same kernel bodies the per-step launchers use (``state``, ``offers``,
+``bundle``, ``accept`` and ``track``'s ``kernel.py``), one after the other,
+so the twins stay one piece of code:
 
     init (the start assignment, unit slots) -> for each round:
         state (reset, task scatter, bytes per rank) -> threshold (round 0), track
@@ -22,7 +22,10 @@ semantics and spins on an acquire load until all W arrived; the launch is
 cooperative, so the runtime either makes every worker resident or refuses
 the launch (a spin barrier must never wait for a worker that is not
 running). The Triton interpreter runs programs one after the other, so it
-only runs ``W == 1``.
+only runs ``W == 1``. The state's scatter atomics are relaxed; the one
+gpu-scope fence after the scatter (``_sync(..., FENCE=True)``) makes their
+results visible to the reads that follow (with W > 1 the barrier's
+release/acquire pair does it).
 
 Acceptance (one block of all N proposals per variant) and tracking run on
 worker 0 of each variant; the moves are applied to the assignment in place.
@@ -40,10 +43,12 @@ import torch
 import triton
 import triton.language as tl
 
-from gpusolver.solver.device import _BIG, _Tasks
-from gpusolver.solver.kernels import _bundle_unit, _state_bytes_rank, _state_tile, dest_tile
-from gpusolver.solver.kernels_accept import _BLOCK_C, _BLOCK_J, _accept_variant, _track_variant
-from gpusolver.solver.kernels_offers import _TILE, _offers_source
+from gpusolver.solver.accept.kernel import _BLOCK_J, _accept_variant
+from gpusolver.solver.bundle.kernel import _bundle_unit, dest_tile
+from gpusolver.solver.core import _BIG, Tasks
+from gpusolver.solver.offers.kernel import _offers_source, task_block, unit_block
+from gpusolver.solver.state.kernel import _state_bytes_rank, _state_tile
+from gpusolver.solver.track.kernel import _BLOCK_C, _track_variant
 
 _BIG_T = tl.constexpr(_BIG)
 # Tasks per scatter tile.
@@ -57,13 +62,21 @@ def _i64(x):
 
 
 @triton.jit
-def _sync(bar_ptr, phase, W: tl.constexpr):
-    """Barrier ``phase`` (1, 2, ...) of one variant's W workers."""
+def _sync(bar_ptr, phase, W: tl.constexpr, FENCE: tl.constexpr = False):
+    """Barrier ``phase`` (1, 2, ...) of one variant's W workers.
+
+    FENCE: after relaxed atomics. With W == 1 one gpu-scope acquire-release
+    (an atomic add of 0 to the barrier counter, which W == 1 never reads)
+    drops the SM's stale L1 lines of the cells the atomics changed in L2;
+    with W > 1 the barrier's acquire poll does it already."""
     tl.debug_barrier()
     if W > 1:
         tl.atomic_add(bar_ptr, 1, sem="release")
         while tl.atomic_add(bar_ptr, 0, sem="acquire") < phase * W:
             pass
+        tl.debug_barrier()
+    elif FENCE:
+        tl.atomic_add(bar_ptr, 0, sem="acq_rel", scope="gpu")
         tl.debug_barrier()
 
 
@@ -97,14 +110,14 @@ def _state_pass(a_ptr, area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr, lo_ptr, acc
         _state_tile(a_ptr, area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr, lo_ptr, acc_ptr,
                     i_t, i_b, T, P, B, stride_a, stride_area, stride_q, stride_k, BLOCK_T, TILES)
     phase += 1
-    _sync(bar, phase, W)
+    _sync(bar, phase, W, True)
     send_ptr = len_ptr + 2 * n
     for i_r in range(w, P, W):
         _state_bytes_rank(lo_ptr, acc_ptr, len_ptr, send_ptr, send_ptr + B * P, send_ptr + 2 * B * P,
                           acc_ptr + 3 * n + B * P, i_b, _i64(i_r), B, G, P, Q_BYTES, O_BYTES, KV_BYTES,
                           BLOCK_G, BLOCK_P, TILES)
     phase += 1
-    _sync(bar, phase, W)
+    _sync(bar, phase, W, True)  # the bottleneck's atomic max
     return phase
 
 
@@ -136,7 +149,7 @@ def _rounds_kernel(
     Q_BYTES, O_BYTES, KV_BYTES,
     W: tl.constexpr, SIDEWAYS: tl.constexpr, SINGLES: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_GP: tl.constexpr,
-    BLOCK_U: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_U: tl.constexpr, BLOCK_JU: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_J: tl.constexpr, BLOCK_C: tl.constexpr,
     TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_TL: tl.constexpr, HAS_START: tl.constexpr,
 ):
@@ -192,12 +205,12 @@ def _rounds_kernel(
                                                  base * scale + 1.0))
                 tl.debug_barrier()
             _track_variant(a_ptr, best_a_ptr, load_ptr, bneck_ptr, cap_ptr, stuck_ptr, thr_ptr, best_key_ptr,
-                           best_a_ptr, best_key_ptr, dest_cap_ptr, balance_ptr, limit_ptr, excess_ptr,
-                           i_b, P, T, stride_a, stride_a, P, stride_a, BLOCK_P, BLOCK_C)
+                           dest_cap_ptr, balance_ptr, limit_ptr, excess_ptr,
+                           i_b, P, T, stride_a, stride_a, P, BLOCK_P, BLOCK_C)
         phase += 1
         _sync(bar, phase, W)
 
-        # only a balanced variant restarts (``_run_variants``); every worker of the variant reads the
+        # only a balanced variant restarts (``device.run_variants``); every worker of the variant reads the
         # same best key after the barrier above, so they all take the same branch
         again = tl.load(best_key_ptr + i_b) < _BIG_T // 2
         if (rnd > 0) & (rnd < ROUNDS) & (rnd % RESTART_EVERY == 0) & again:
@@ -231,8 +244,8 @@ def _rounds_kernel(
                                 Q_BYTES, O_BYTES, KV_BYTES, W, BLOCK_T, BLOCK_G, BLOCK_P, BLOCK_C, TILES)
             if w == 0:
                 _track_variant(a_ptr, best_a_ptr, load_ptr, bneck_ptr, cap_ptr, stuck_ptr, thr_ptr, best_key_ptr,
-                               best_a_ptr, best_key_ptr, dest_cap_ptr, balance_ptr, limit_ptr, excess_ptr,
-                               i_b, P, T, stride_a, stride_a, P, stride_a, BLOCK_P, BLOCK_C)
+                               dest_cap_ptr, balance_ptr, limit_ptr, excess_ptr,
+                               i_b, P, T, stride_a, stride_a, P, BLOCK_P, BLOCK_C)
             phase += 1
             _sync(bar, phase, W)
 
@@ -240,7 +253,7 @@ def _rounds_kernel(
             for i_s in range(w, P, W):
                 _offers_source(a_ptr, area_ptr, load_ptr, dest_cap_ptr, width_ptr, unit_ptr, headroom_ptr,
                                dests_ptr, i_b, _i64(i_s), P, U, GU, K, D, stride_a, stride_area, P, 1,
-                               BLOCK_P, BLOCK_GP, BLOCK_U, BLOCK_W, True)
+                               BLOCK_P, BLOCK_GP, BLOCK_U, BLOCK_JU, BLOCK_W, True)
             phase += 1
             _sync(bar, phase, W)
             for i_sk in range(w, N, W):
@@ -257,9 +270,9 @@ def _rounds_kernel(
             if w == 0:
                 _accept_variant(score_ptr, ok_ptr, dest_ptr, source_ptr, parea_ptr, dsend_ptr, drecv_ptr,
                                 load_ptr, send_ptr, recv_ptr, excess_ptr, dest_cap_ptr, limit_ptr, balance_ptr,
-                                fits_ptr, keep_ptr, stuck_ptr, ptasks_ptr, a_ptr, a_ptr, i_b, N, P, U, T,
-                                N, N, N, N, N, N, N, P, P, P, P, 1, stride_a, stride_a,
-                                BLOCK_N, BLOCK_J, BLOCK_M, BLOCK_C, True)
+                                fits_ptr, keep_ptr, stuck_ptr, ptasks_ptr, a_ptr, i_b, N, P, U, T,
+                                N, N, N, N, N, N, N, P, P, P, P, 1, stride_a,
+                                BLOCK_N, BLOCK_J, BLOCK_M, True)
             phase += 1
             _sync(bar, phase, W)
 
@@ -274,12 +287,12 @@ def default_workers(variants: int, proposals: int, device) -> int:
     return max(1, min(proposals, sms // max(variants, 1)))
 
 
-def solve_rounds_persistent(tasks: _Tasks, cap: torch.Tensor, tables: torch.Tensor, scales: torch.Tensor,
+def solve_rounds_persistent(tasks: Tasks, cap: torch.Tensor, tables: torch.Tensor, scales: torch.Tensor,
                             K: int, D: int, rounds: int, workers: int = 1, sideways: bool = False,
                             restart_every: int = 0, start: torch.Tensor | None = None, singles: bool = False):
-    """All rounds of all variants in one launch (Triton twin of ``device._run_variants``).
+    """All rounds of all variants in one launch (Triton twin of ``device.run_variants``).
 
-    tasks:   _Tasks of the solve (T = G * U * U tasks, U = n * P units per group).
+    tasks:   Tasks of the solve (T = G * U * U tasks, U = n * P units per group).
     cap:     0-dim int64, the largest balanced load.
     tables:  [3, B] int64 per-variant task order (index into TASK_ORDERS),
              window width (<= D) and units offered (<= K).
@@ -288,12 +301,12 @@ def solve_rounds_persistent(tasks: _Tasks, cap: torch.Tensor, tables: torch.Tens
     rounds:  host int, rounds of moves.
     workers: host int W, programs per variant (1 under the Triton interpreter;
              more needs a cooperative launch on a GPU).
-    sideways, restart_every, singles: the local search's extras, as ``_run_variants``.
+    sideways, restart_every, singles: the local search's extras, as ``run_variants``.
     start:   optional [T] (shared) or [B, T] (per variant) int64 or int32 start rank of
-             each non-empty task, as ``_variant_starts`` gives; None: owner-computes (every
+             each non-empty task, as ``start.ref.variant_starts`` gives; None: owner-computes (every
              task on its query host).
     Returns (best_A [B, T+1] int64, best_key [B] int64), equal to
-    ``_run_variants`` with the same strategies in columns [0, T) and in the key.
+    ``run_variants`` with the same strategies in columns [0, T) and in the key.
     """
     G, P, U, T = tasks.G, tasks.P, tasks.U, tasks.T
     tiles = tasks.tiles
@@ -339,7 +352,8 @@ def solve_rounds_persistent(tasks: _Tasks, cap: torch.Tensor, tables: torch.Tens
         tasks.q, tasks.o, tasks.kv,
         W=workers, SIDEWAYS=bool(sideways), SINGLES=bool(singles),
         BLOCK_T=min(_BLOCK_T, triton.next_power_of_2(T)), BLOCK_G=triton.next_power_of_2(G),
-        BLOCK_P=triton.next_power_of_2(P), BLOCK_GP=block_gp, BLOCK_U=max(1, min(block_gp, _TILE // block_gp)),
+        BLOCK_P=triton.next_power_of_2(P), BLOCK_GP=block_gp, BLOCK_U=unit_block(block_gp),
+        BLOCK_JU=task_block(block_gp, U),
         BLOCK_W=triton.next_power_of_2(D), BLOCK_D=dest_tile(D, tiles), BLOCK_N=block_n,
         BLOCK_J=min(_BLOCK_J, block_n), BLOCK_C=min(_BLOCK_C, triton.next_power_of_2(T + 1)),
         TILES=tiles, BLOCK_M=triton.next_power_of_2(U), BLOCK_TL=triton.next_power_of_2(tiles),

@@ -1,24 +1,11 @@
-"""Triton versions of the device solver's two heaviest steps.
+"""Triton bundle step (twin of ``bundle.ref.bundle_proposals``).
 
-Each launcher has the signature and the result of its torch twin in
-``gpusolver/solver/device.py`` and equals it exactly (integers entry for
-entry, float64 scores bit for bit):
-
-* ``state_triton(tasks, A)`` — twin of ``_state``. One kernel over tiles of
-  the ``T = G * U * U`` tasks of each variant scatters every task into the
-  hulls of its (QO unit, rank) and (KV unit, rank) cells with integer atomic
-  min/max, and into the rank loads and KV-unit task counts with integer
-  atomic adds. Integer min/max/add commute, so the result does not depend on
-  the order the atomics land in. A second kernel, one program per (variant,
-  rank), turns the hulls of the units that rank hosts and receives into
-  travelling lengths and the rank's send/recv bytes, and folds the bottleneck
-  with an integer atomic max.
-* ``bundle_proposals_triton(tasks, st, ...)`` — twin of ``_bundle_proposals``.
-  The offered units (top-k by area) and the destination windows come from
-  ``offers_triton`` (solver/kernels_offers.py, one launch); one kernel with
-  grid ``(B, P, K)`` then prices every (destination, size) of one offered
-  unit of one source in registers, as ``[D1, U]`` tiles (D1 destinations,
-  U task slots), and writes that unit's best proposal.
+The offered units (top-k by area) and the destination windows come from
+``offers_triton`` (one launch); one kernel with grid ``(B, P, K)`` then
+prices every (destination, size) of one offered unit of one source in
+registers, as ``[D1, U]`` tiles (D1 destinations, U task slots), and writes
+that unit's best proposal. It equals the twin exactly (integers entry for
+entry, float64 scores bit for bit).
 
 Shape legend: B variants, G head groups, P ranks, n sub-chunk tiles per rank
 (TILES), U = n * P units per group (unit u on rank u // n), T = G * U * U
@@ -32,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from gpusolver.solver.device import _BIG, _Proposals, _State, _Tasks
-from gpusolver.solver.kernels_offers import offers_triton
+from gpusolver.solver.core import _BIG, Proposals, State, Tasks
+from gpusolver.solver.offers.kernel import offers_triton
 
 _BIG_T = tl.constexpr(_BIG)
 # Destinations priced at once by the bundle kernel. At P = 64 (window 64) with 8 warps, ptxas
@@ -47,151 +34,6 @@ def dest_tile(n_dests: int, tiles: int = 1) -> int:
     """BLOCK_D of the bundle kernel for a window of ``n_dests`` (plus the 3 extra destinations)
     and ``tiles`` units per rank."""
     return min(triton.next_power_of_2(n_dests + 3), max(1, _DEST_TILE // triton.next_power_of_2(tiles)))
-
-
-@triton.jit
-def _state_kernel(
-    rank_ptr,  # [B, T] int64 (row stride stride_rb), P for empty tasks
-    area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr,  # [T] int64 each (strided)
-    lo_ptr,  # [2, B, G*U, P] int64, _BIG-initialised: q_lo, k_lo
-    acc_ptr,  # [3, B, G*U, P] then [B, P] int64, zero-initialised: q_hi, k_hi, kcount, load
-    T, P, B,
-    stride_rb, stride_a, stride_q, stride_k,
-    BLOCK_T: tl.constexpr, TILES: tl.constexpr,
-):
-    _state_tile(rank_ptr, area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr, lo_ptr, acc_ptr,
-                tl.program_id(0), tl.program_id(1).to(tl.int64), T, P, B,
-                stride_rb, stride_a, stride_q, stride_k, BLOCK_T, TILES)
-
-
-@triton.jit
-def _state_tile(rank_ptr, area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr, lo_ptr, acc_ptr,
-                i_t, i_b, T, P, B, stride_rb, stride_a, stride_q, stride_k, BLOCK_T: tl.constexpr,
-                TILES: tl.constexpr):
-    """Tile ``i_t`` of variant ``i_b`` of ``_state_kernel`` (its arguments; i_b int64)."""
-    o_t = (i_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # [BLOCK_T]
-    m_t = o_t < T
-    b_rank = tl.load(rank_ptr + i_b * stride_rb + o_t, mask=m_t, other=0)
-    # tasks on the dummy rank P fall into the discarded column of the torch twin: skip them
-    m_t = m_t & (b_rank < P)
-    b_area = tl.load(area_ptr + o_t * stride_a, mask=m_t, other=0)
-    b_qlo = tl.load(qlo_ptr + o_t * stride_q, mask=m_t, other=0)
-    b_qhi = tl.load(qhi_ptr + o_t * stride_q, mask=m_t, other=0)
-    b_klo = tl.load(klo_ptr + o_t * stride_k, mask=m_t, other=0)
-    b_khi = tl.load(khi_ptr + o_t * stride_k, mask=m_t, other=0)
-    # task (g, i, j) over U = TILES * P units: QO unit g*U + i, KV unit g*U + j
-    U = P * TILES
-    o_g = o_t // (U * U)
-    o_qu = o_g * U + (o_t // U) % U
-    o_ku = o_g * U + o_t % U
-    cells = T // TILES  # cells of one variant's [G*U, P] table (G*U*U = T)
-    n_cell = B * cells  # cells of one [B, G*U, P] buffer
-    o_q = i_b * cells + o_qu * P + b_rank  # [BLOCK_T] cell (variant, QO unit, rank)
-    o_k = i_b * cells + o_ku * P + b_rank
-    tl.atomic_min(lo_ptr + o_q, b_qlo, mask=m_t)
-    tl.atomic_max(acc_ptr + o_q, b_qhi, mask=m_t)
-    tl.atomic_min(lo_ptr + n_cell + o_k, b_klo, mask=m_t)
-    tl.atomic_max(acc_ptr + n_cell + o_k, b_khi, mask=m_t)
-    tl.atomic_add(acc_ptr + 2 * n_cell + o_k, (b_area > 0).to(tl.int64), mask=m_t)
-    tl.atomic_add(acc_ptr + 3 * n_cell + i_b * P + b_rank, b_area, mask=m_t)
-
-
-@triton.jit
-def _state_bytes_kernel(
-    lo_ptr,  # [2, B, G*U, P] int64: q_lo, k_lo
-    hi_ptr,  # [2, B, G*U, P] int64: q_hi, k_hi
-    len_ptr,  # [2, B, G*U, P] int64 out: qlen, klen
-    send_ptr, recv_ptr, vol_ptr,  # [B, P] int64 out
-    bneck_ptr,  # [B] int64, zero-initialised: max over ranks of vol
-    B, G, P,
-    Q_BYTES, O_BYTES, KV_BYTES,
-    BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, TILES: tl.constexpr,
-):
-    _state_bytes_rank(lo_ptr, hi_ptr, len_ptr, send_ptr, recv_ptr, vol_ptr, bneck_ptr,
-                      tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), B, G, P,
-                      Q_BYTES, O_BYTES, KV_BYTES, BLOCK_G, BLOCK_P, TILES)
-
-
-@triton.jit
-def _state_bytes_rank(lo_ptr, hi_ptr, len_ptr, send_ptr, recv_ptr, vol_ptr, bneck_ptr, i_b, i_r, B, G, P,
-                      Q_BYTES, O_BYTES, KV_BYTES, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr,
-                      TILES: tl.constexpr):
-    """Rank ``i_r`` of variant ``i_b`` of ``_state_bytes_kernel`` (its arguments; indices int64).
-
-    Unit ``u`` of a group lives on rank ``u // TILES``; one ``[BLOCK_G, BLOCK_P]`` tile per tile offset t."""
-    o_g = tl.arange(0, BLOCK_G).to(tl.int64)[:, None]  # [BLOCK_G, 1]
-    o_p = tl.arange(0, BLOCK_P).to(tl.int64)[None, :]  # [1, BLOCK_P]
-    m_gp = (o_g < G) & (o_p < P)
-    U = P * TILES
-    n_cell = B * G * U * P
-    at_host = o_p == i_r  # row: destination r is the host; column: host o_p is r. Nothing travels
-    q_out = tl.zeros([], tl.int64)
-    k_out = tl.zeros([], tl.int64)
-    q_in = tl.zeros([], tl.int64)
-    k_in = tl.zeros([], tl.int64)
-    for t in tl.static_range(TILES):
-        # [BLOCK_G, BLOCK_P] cells: unit t of rank r (all destinations), and unit t of every rank at rank r
-        o_row = i_b * G * U * P + (o_g * U + i_r * TILES + t) * P + o_p
-        o_col = i_b * G * U * P + (o_g * U + o_p * TILES + t) * P + i_r
-        q_row = tl.where(at_host, 0, tl.maximum(tl.load(hi_ptr + o_row, mask=m_gp, other=0)
-                                                 - tl.load(lo_ptr + o_row, mask=m_gp, other=0), 0))
-        k_row = tl.where(at_host, 0, tl.maximum(tl.load(hi_ptr + n_cell + o_row, mask=m_gp, other=0)
-                                                 - tl.load(lo_ptr + n_cell + o_row, mask=m_gp, other=0), 0))
-        q_col = tl.where(at_host, 0, tl.maximum(tl.load(hi_ptr + o_col, mask=m_gp, other=0)
-                                                 - tl.load(lo_ptr + o_col, mask=m_gp, other=0), 0))
-        k_col = tl.where(at_host, 0, tl.maximum(tl.load(hi_ptr + n_cell + o_col, mask=m_gp, other=0)
-                                                 - tl.load(lo_ptr + n_cell + o_col, mask=m_gp, other=0), 0))
-        tl.store(len_ptr + o_row, q_row, mask=m_gp)
-        tl.store(len_ptr + n_cell + o_row, k_row, mask=m_gp)
-        q_out += tl.sum(tl.sum(tl.where(m_gp, q_row, 0), axis=1), axis=0)
-        k_out += tl.sum(tl.sum(tl.where(m_gp, k_row, 0), axis=1), axis=0)
-        q_in += tl.sum(tl.sum(tl.where(m_gp, q_col, 0), axis=1), axis=0)
-        k_in += tl.sum(tl.sum(tl.where(m_gp, k_col, 0), axis=1), axis=0)
-    send = q_out * Q_BYTES + q_in * O_BYTES + k_out * KV_BYTES
-    recv = q_in * Q_BYTES + q_out * O_BYTES + k_in * KV_BYTES
-    vol = tl.maximum(send, recv)
-    tl.store(send_ptr + i_b * P + i_r, send)
-    tl.store(recv_ptr + i_b * P + i_r, recv)
-    tl.store(vol_ptr + i_b * P + i_r, vol)
-    tl.atomic_max(bneck_ptr + i_b, vol)
-
-
-def state_triton(tasks: _Tasks, A: torch.Tensor) -> _State:
-    """Hulls, lengths, loads and forward bytes of assignments A (Triton twin of ``_state``).
-
-    A: [B, T+1] int64 ranks in [0, P] (P = no rank; column T is a dummy).
-    Returns a _State whose tensors equal ``_state(tasks, A)``'s exactly:
-    q_lo/q_hi/k_lo/k_hi/qlen/klen/kcount [B, G*U, P] int64, send/recv/vol/load
-    [B, P] int64, bottleneck [B] int64, rank [B, T] int64 (a view of A).
-    Two kernels: the task scatter (atomics), then lengths and bytes per (variant, rank).
-    """
-    G, P, U, T = tasks.G, tasks.P, tasks.U, tasks.T
-    tiles = tasks.tiles
-    rank = A[:, :T]
-    B, dev = rank.shape[0], A.device
-    n = B * G * U * P  # cells of one [B, G*U, P] buffer
-    lo = torch.full((2 * n,), _BIG, dtype=torch.int64, device=dev)  # q_lo, k_lo
-    acc = torch.zeros(3 * n + B * P + B, dtype=torch.int64, device=dev)  # q_hi, k_hi, kcount, load, bottleneck
-    out = torch.empty(2 * n + 3 * B * P, dtype=torch.int64, device=dev)  # qlen, klen, send, recv, vol
-    block_t = min(1024, triton.next_power_of_2(T))
-    _state_kernel[(triton.cdiv(T, block_t), B)](
-        rank, tasks.area, tasks.qlo, tasks.qhi, tasks.klo, tasks.khi, lo, acc,
-        T, P, B,
-        rank.stride(0), tasks.area.stride(0), tasks.qlo.stride(0), tasks.klo.stride(0),
-        BLOCK_T=block_t, TILES=tiles,
-    )
-    bottleneck = acc[3 * n + B * P:]
-    _state_bytes_kernel[(B, P)](
-        lo, acc, out, out[2 * n:], out[2 * n + B * P:], out[2 * n + 2 * B * P:], bottleneck,
-        B, G, P, tasks.q, tasks.o, tasks.kv,
-        BLOCK_G=triton.next_power_of_2(G), BLOCK_P=triton.next_power_of_2(P), TILES=tiles,
-    )
-    cells = lambda buf, k: buf[k * n:(k + 1) * n].view(B, G * U, P)  # noqa: E731
-    ranks = lambda buf, k: buf[2 * n + k * B * P:2 * n + (k + 1) * B * P].view(B, P)  # noqa: E731
-    return _State(rank=rank, q_lo=cells(lo, 0), q_hi=cells(acc, 0), k_lo=cells(lo, 1), k_hi=cells(acc, 1),
-                  qlen=cells(out, 0), klen=cells(out, 1), kcount=cells(acc, 2),
-                  send=ranks(out, 0), recv=ranks(out, 1), vol=ranks(out, 2), bottleneck=bottleneck,
-                  load=acc[3 * n:3 * n + B * P].view(B, P))
 
 
 @triton.jit
@@ -512,13 +354,13 @@ def _bundle_unit(
         tl.store(tasks_out_ptr + o_out * U + o_m, tl.where(moved_s, tid_s, T), mask=m_m)
 
 
-def bundle_proposals_triton(tasks: _Tasks, st: _State, cap, excess, balance, threshold,
+def bundle_proposals_triton(tasks: Tasks, st: State, cap, excess, balance, threshold,
                             units_per_rank, n_dests, dests_per_variant=None, order_per_variant=None,
-                            sideways: bool = False, singles: bool = False) -> _Proposals:
-    """Each offered QO unit's best bundle move (Triton twin of ``_bundle_proposals``).
+                            sideways: bool = False, singles: bool = False) -> Proposals:
+    """Each offered QO unit's best bundle move (Triton twin of ``bundle_proposals``).
 
-    tasks:          _Tasks of the solve (T = G * U * U tasks, U = n * P units per group).
-    st:             _State of the current assignments (B variants).
+    tasks:          Tasks of the solve (T = G * U * U tasks, U = n * P units per group).
+    st:             State of the current assignments (B variants).
     cap:            0-dim or [B, 1] int64, the largest load a destination may take.
     excess:         [B, P] int64 load above ``cap``.
     balance:        [B] bool, True while the variant is unbalanced.
@@ -529,7 +371,7 @@ def bundle_proposals_triton(tasks: _Tasks, st: _State, cap, excess, balance, thr
                     window width and task order (index into TASK_ORDERS).
     sideways:       host bool, sideways bottleneck-phase moves (as the twin).
     singles:        host bool, balance-phase single-task bundles (as the twin).
-    Returns a _Proposals with N = P * K: ok [B, N] bool, score [B, N] float64,
+    Returns a Proposals with N = P * K: ok [B, N] bool, score [B, N] float64,
     dest/source/area/dest_send/dest_recv [B, N] int64, tasks [B, N, U] int64
     (T where unused) — equal to the torch twin's.
     """
@@ -548,6 +390,11 @@ def bundle_proposals_triton(tasks: _Tasks, st: _State, cap, excess, balance, thr
     score = torch.empty((B, N), dtype=torch.float64, device=dev)
     dest, area, dest_send, dest_recv = (torch.empty((B, N), dtype=torch.int64, device=dev) for _ in range(4))
     moved = torch.empty((B, N, U), dtype=torch.int64, device=dev)
+    source = ranks.repeat_interleave(K, output_size=N).expand(B, -1)
+    out = Proposals(ok=ok, score=score, dest=dest, source=source, area=area, dest_send=dest_send,
+                    dest_recv=dest_recv, tasks=moved)
+    if dev.type == "meta":  # shapes only: there is no data to run the kernel on
+        return out
     c = lambda t: t.contiguous()  # noqa: E731  (no copy for the Triton state's tensors)
     _bundle_kernel[(B, P, K)](
         st.rank, tasks.area, tasks.qlo, tasks.qhi, tasks.klo, tasks.khi,
@@ -563,6 +410,4 @@ def bundle_proposals_triton(tasks: _Tasks, st: _State, cap, excess, balance, thr
         SINGLES=bool(singles), TILES=tiles, BLOCK_M=triton.next_power_of_2(U), BLOCK_TL=triton.next_power_of_2(tiles), num_warps=8,
         enable_fp_fusion=False,  # no fused multiply-add: scores round like the twin's separate ops
     )
-    source = ranks.repeat_interleave(K, output_size=N).expand(B, -1)
-    return _Proposals(ok=ok, score=score, dest=dest, source=source, area=area,
-                      dest_send=dest_send, dest_recv=dest_recv, tasks=moved)
+    return out

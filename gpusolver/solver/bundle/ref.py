@@ -1,0 +1,248 @@
+"""Torch twin of the bundle step: each offered QO unit's best bundle move, priced exactly.
+
+``bundle_proposals(tasks, st, ...)`` is the reference the Triton
+``bundle_proposals_triton`` (kernel.py) equals entry for entry (integers
+exactly, float64 scores bit for bit).
+"""
+from __future__ import annotations
+
+import torch
+
+from gpusolver.solver.core import _BIG, _TOKEN_LIMIT, Proposals, State, Tasks
+from gpusolver.solver.offers.ref import offers
+
+
+def _union_growth(cur_lo, cur_hi, lo, hi):
+    """Tokens a hull [cur_lo, cur_hi) grows by when [lo, hi) joins it (lo < hi).
+
+    An empty hull is (``_BIG``, 0) (``_scatter_hull``; (``_TOKEN_LIMIT``, 0) in int32), so the
+    hull formula needs no branch for it: max(0, hi) - min(_BIG, lo) = hi - lo. The kernels'
+    twin branches on it instead.
+    """
+    out = torch.maximum(cur_hi, hi)
+    out -= torch.minimum(cur_lo, lo)
+    return out.sub_((cur_hi - cur_lo).clamp_(min=0))
+
+
+
+def _busiest_key_host(send, key_host, elsewhere, kv_delta, tiles: int):
+    """The largest send of a key host other than the touched ranks after a move, 0 if none.
+
+    send: [B, P]; key_host, elsewhere, kv_delta: [..., M] per moved task (key_host broadcastable).
+    With one tile per rank each task's key unit has its own host; with n tiles up to n of a
+    bundle's tasks share one, and their deltas add up.
+    """
+    B, P = send.shape
+    lead = (B,) + (1,) * (elsewhere.dim() - 2)
+    if tiles == 1:
+        j_send = send.gather(1, key_host.expand(B, *key_host.shape[1:]).reshape(B, -1)).view(key_host.shape)
+        return torch.where(elsewhere, j_send + kv_delta, 0).amax(-1)
+    idx = key_host.expand_as(elsewhere)
+    per_host = torch.zeros(elsewhere.shape[:-1] + (P,), dtype=torch.int64, device=send.device)
+    per_host = per_host.scatter_add(-1, idx, torch.where(elsewhere, kv_delta, 0))
+    hit = torch.zeros_like(per_host).scatter_add(-1, idx, elsewhere.long()) > 0
+    return torch.where(hit, send.view(*lead, P) + per_host, 0).amax(-1)
+
+
+def _at_cut(running: torch.Tensor, cut: torch.Tensor, empty: int, suffix: bool = False) -> torch.Tensor:
+    """Read ``running`` [..., U] (prefix values along a unit's order, or suffix values with
+    ``suffix``) at ``cut`` [..., C] in 0..U: the value over positions [0, cut) (or [cut, U)),
+    ``empty`` where that range is empty. A 4-D ``running`` [B, P, K, U] is shared by every
+    destination of a 5-D ``cut`` [B, P, K, D, C]."""
+    # read the last position inside the range (the first with ``suffix``), clamped, then blank
+    # empty ranges: no padded copy of ``running``
+    U = running.shape[-1]
+    at, empty_range = (cut.clamp(max=U - 1), cut == U) if suffix else ((cut - 1).clamp(min=0), cut == 0)
+    if running.dim() == cut.dim():
+        value = running.gather(-1, at)
+    else:
+        value = running.gather(-1, at.flatten(-2)).view(cut.shape)
+    return value.masked_fill_(empty_range, empty)
+
+
+def bundle_proposals(tasks: Tasks, st: State, cap, excess, balance, threshold,
+                      units_per_rank, n_dests, dests_per_variant=None, order_per_variant=None,
+                      sideways: bool = False, singles: bool = False) -> Proposals:
+    """Ship a prefix of one QO unit's tasks (by area) from each source to one destination.
+
+    Balance phase (``balance`` [B] True): overloaded sources, the prefix stops
+    once the source's excess is covered, every touched rank stays under the
+    threshold, scored by added bytes per area. Bottleneck phase: any source,
+    the prefix is one task or all that fit the destination, the bottleneck
+    rank must go down and no touched rank may reach the bottleneck; scored by
+    the touched ranks' new maximum. With ``sideways`` (host bool) a move that
+    leaves the bottleneck as it is, keeps every touched rank below it and
+    lowers the total bytes is also allowed, ranked after every move that
+    lowers the bottleneck (score + 1); the total falls strictly, so no cycles.
+    With ``singles`` (host bool) the balance phase also offers the one-task bundle.
+
+    Both sizes take the source's tasks among the first ``cut`` positions of the
+    unit's order, so every sum over a bundle is a running sum read at its cut,
+    and the tasks of one key host sit at known positions (``Tasks.unit_pos``).
+    """
+    G, P, U, T, n = tasks.G, tasks.P, tasks.U, tasks.T, tasks.tiles
+    B, dev = st.rank.shape[0], st.rank.device
+    K, D = min(units_per_rank, G * U), min(n_dests, P)
+    ranks = torch.arange(P, device=dev)
+    upos = torch.arange(U, device=dev)
+    unit, headroom, dests = offers(tasks, st, cap, units_per_rank, n_dests, dests_per_variant)
+    u_host = tasks.unit_host[unit]  # [B, P, K] query host of each offered unit
+
+    # the unit's tasks in the variant's order: [B, P(s), K, U(position)]; mine = on the source
+    order_b = torch.zeros((B,), dtype=torch.int64, device=dev) if order_per_variant is None else order_per_variant
+    tid = tasks.unit_tasks[order_b.view(B, 1, 1), unit]
+    s4 = ranks.view(1, P, 1, 1)
+    mine = st.rank.gather(1, tid.view(B, -1)).view(B, P, K, U) == s4
+    t_area = tasks.area[tid] * mine
+    after = torch.cumsum(t_area, 3)
+    before = after - t_area
+    first = (torch.cumsum(mine, 3) == 0).sum(3)  # [B, P, K] position of the first task here, U if none
+    first_at = first.clamp(max=U - 1)[..., None]
+    j_t = tasks.k_host[tid]  # key host of each task
+    # each unit also considers: the key host of its heaviest task here (no K/V to ship for it),
+    # the unit's own host (moving home frees the transfer) and the other rank holding most of
+    # the unit's rows (merging two helpers of one unit saves one transfer)
+    key_host = j_t.gather(3, first_at) * (first < U)[..., None]  # [B, P, K, 1]
+    home = u_host[..., None]
+    held = st.qlen.gather(1, unit.view(B, -1, 1).expand(-1, -1, P).reshape(B, -1, P)).view(B, P, K, P)
+    held = torch.where(ranks.view(1, P, 1, 1) == ranks, -1, held)  # not the source itself
+    holder = held.argmax(3, keepdim=True)
+    dests = torch.cat((dests[:, :, None, :].expand(B, P, K, D), key_host, home, holder), 3)  # [B, P, K, D1]
+    D1 = D + 3
+    # each size ships the source's tasks before a cut of the order, [B, P, K, D1, 2(size)]:
+    # size 0 = the first task here if it fits the destination (bottleneck phase, or ``singles``);
+    # size 1 = while the running area fits (and, balancing, until the excess is covered)
+    room = headroom.gather(1, dests.view(B, -1)).view(B, P, K, D1)
+    fits = torch.searchsorted(after, room, right=True)  # positions whose running area fits
+    over = torch.where(balance.view(B, 1, 1), (before < excess.view(B, P, 1, 1)).sum(3), U)
+    cut1 = torch.minimum(fits, over[..., None])
+    single_ok = ~balance.view(B, 1, 1, 1) | singles
+    cut0 = torch.where(single_ok & (fits > first[..., None]), first[..., None] + 1, 0)
+    cut = torch.stack((cut0, cut1), 4)
+    area = _at_cut(after, cut, 0)  # [B, P, K, D1, 2]
+    shape = area.shape
+
+    i_of = u_host[..., None, None]  # [B, P, K, 1, 1] query host
+    d_of = dests.view(B, P, K, D1, 1)
+    s_of = ranks.view(1, P, 1, 1, 1)
+    gather_at = lambda table, idx: table.reshape(B, -1).gather(1, idx.reshape(B, -1)).view(idx.shape)  # noqa: E731
+
+    # query rows: growth of the destination's hull, and what the source frees when it is not the host
+    lo_here = torch.where(mine, tasks.qlo[tid], _BIG)
+    hi_here = tasks.qhi[tid] * mine
+    b_lo = _at_cut(lo_here.cummin(3).values, cut, _BIG)
+    b_hi = _at_cut(hi_here.cummax(3).values, cut, 0)
+    at_d = (unit * P)[..., None, None] + d_of
+    q_grow = _union_growth(gather_at(st.q_lo, at_d.expand(shape)), gather_at(st.q_hi, at_d.expand(shape)), b_lo, b_hi)
+    q_grow = torch.where((area > 0) & (d_of != i_of), q_grow, 0)
+    # the unit's tasks that stay on the source: those at or after the cut
+    r_lo = _at_cut(lo_here.flip(3).cummin(3).values.flip(3), cut, _BIG, suffix=True)
+    r_hi = _at_cut(hi_here.flip(3).cummax(3).values.flip(3), cut, 0, suffix=True)
+    q_cur = gather_at(st.qlen, (unit * P)[..., None, None] + s_of).expand(shape)
+    q_free = torch.where((area > 0) & (s_of != i_of), q_cur - (r_hi - r_lo).clamp(min=0), 0)
+
+    # key columns of each task here: growth at the destination (none when the destination is
+    # the key host), freed at the source
+    kv_u = tasks.kv_unit[tid]  # [B, P, K, U]
+    kd = (kv_u * P)[:, :, :, None, :] + d_of  # [B, P, K, D1, U]
+    k_lo32, k_hi32 = st.k_lo.clamp(max=_TOKEN_LIMIT).int(), st.k_hi.int()  # int32, empty = (_TOKEN_LIMIT, 0)
+    not_d = j_t[:, :, :, None, :] != d_of  # [B, P, K, D1, U] the destination is not the key host
+    kg_t = _union_growth(gather_at(k_lo32, kd), gather_at(k_hi32, kd),
+                         tasks.klo[tid].int()[:, :, :, None, :], tasks.khi[tid].int()[:, :, :, None, :])
+    kg_t *= mine[:, :, :, None, :] & not_d  # [B, P, K, D1, U]
+    # a KV unit's columns leave the source only with its last task there (a lower bound of
+    # what is freed: a unit shared with tasks that stay is counted as not shrinking)
+    k_cur = gather_at(st.klen, kv_u * P + s4)
+    sole = gather_at(st.kcount, kv_u * P + s4) == 1
+    kf_t = k_cur * (mine & sole)  # [B, P, K, U]
+
+    # token change (k_grow - k_free) of the bundle's tasks whose key host is the source, the
+    # query host, the bottleneck rank or the destination, in one pass (the n positions of each
+    # key host in the unit's order): [B, P, K, 4, D1, 2] sum and any
+    bn = st.vol.argmax(1).view(B, 1, 1, 1)
+    per_unit = torch.cat((ranks.view(1, P, 1, 1).expand(B, P, K, 1), u_host[..., None], bn.expand(B, P, K, 1)), 3)
+    hosts = torch.cat((per_unit[..., None].expand(B, P, K, 3, D1), dests[:, :, :, None, :]), 3)  # [B, P, K, 4, D1]
+    pos = tasks.unit_pos[order_b.view(B, 1, 1, 1, 1, 1), unit[..., None, None, None],
+                         hosts[..., None] * n + torch.arange(n, device=dev)]  # [B, P, K, 4, D1, n]
+    flat = pos.flatten(3)
+    inc = mine.gather(3, flat).view(pos.shape)[..., None, :] & (pos[..., None, :] < cut[:, :, :, None, :, :, None])
+    delta = (kg_t[:, :, :, None].expand(B, P, K, 4, D1, U).gather(5, pos)
+             - kf_t.gather(3, flat).view(pos.shape))
+    tok_on, any_on = (delta[..., None, :] * inc).sum(-1).unbind(3), inc.any(-1).unbind(3)
+    kv_to_src = tok_on[0] * tasks.kv
+    kv_to_host = torch.where(i_of != s_of, tok_on[1] * tasks.kv, 0)
+    # the destination as key host: it no longer sends the K/V it ships to the source alone
+    kv_to_dest = tok_on[3] * tasks.kv
+    # the busiest key host other than the touched ranks after the move
+    if n == 1:
+        # one task per key host: its send plus its own change, for the tasks whose key host is
+        # neither the source, the query host nor the destination; a prefix maximum per cut
+        base = st.send.gather(1, j_t.view(B, -1)).view(B, P, K, U) - kf_t * tasks.kv
+        other = mine & (j_t != s4) & (j_t != u_host[..., None])
+        val = torch.add(base[:, :, :, None, :], kg_t, alpha=tasks.kv)  # [B, P, K, D1, U] int64
+        elsewhere = other[:, :, :, None, :] & not_d
+        at_first = first_at[:, :, :, None, :].expand(B, P, K, D1, 1)
+        kvh0 = (val.gather(4, at_first) * elsewhere.gather(4, at_first)).squeeze(4) * (cut0 > 0)
+        kvh1 = val.mul_(elsewhere & (upos < cut1[..., None])).amax(-1)
+        kvh_max = torch.stack((kvh0, kvh1), 4)
+    else:
+        # up to n tasks per key host: their changes add up (``_busiest_key_host``)
+        inc = mine[:, :, :, None, None, :] & (upos < cut[..., None])  # [B, P, K, D1, 2, U]
+        kv_delta = inc * ((kg_t - kf_t[:, :, :, None, :]) * tasks.kv)[:, :, :, :, None, :]
+        j6 = j_t[:, :, :, None, None, :]
+        elsewhere = inc & (j6 != s_of[..., None]) & (j6 != i_of[..., None]) & (j6 != d_of[..., None])
+        kvh_max = _busiest_key_host(st.send, j6, elsewhere, kv_delta, n)
+    k_grow = _at_cut(kg_t.cumsum(4, dtype=torch.int32), cut, 0).long()  # [B, P, K, D1, 2] bundle tokens
+    k_free = _at_cut(kf_t.cumsum(3), cut, 0)
+
+    # byte deltas of the three touched ranks (the query host may be the source or the destination)
+    dq = q_grow - q_free
+    h_ds, h_dr = dq * tasks.q, dq * tasks.o
+    s_ds, s_dr = -q_free * tasks.o, -q_free * tasks.q - k_free * tasks.kv
+    dest_send = q_grow * tasks.o
+    dest_recv = q_grow * tasks.q + k_grow * tasks.kv
+    s_is_h, d_is_h = s_of == i_of, d_of == i_of
+    at = lambda t, r: gather_at(t, r.expand(shape))  # noqa: E731
+    host_send = (at(st.send, i_of) + h_ds + torch.where(s_is_h, s_ds + kv_to_src, kv_to_host)
+                 + torch.where(d_is_h, dest_send, 0))
+    host_recv = at(st.recv, i_of) + h_dr + torch.where(s_is_h, s_dr, 0) + torch.where(d_is_h, dest_recv, 0)
+    src_send = st.send.view(B, P, 1, 1, 1) + s_ds + kv_to_src + torch.where(s_is_h, h_ds, 0)
+    src_recv = st.recv.view(B, P, 1, 1, 1) + s_dr + torch.where(s_is_h, h_dr, 0)
+    d_send = at(st.send, d_of) + dest_send + torch.where(d_is_h, h_ds, 0) + kv_to_dest
+    d_recv = at(st.recv, d_of) + dest_recv + torch.where(d_is_h, h_dr, 0)
+    new_max = torch.maximum(torch.maximum(torch.maximum(host_send, host_recv), torch.maximum(src_send, src_recv)),
+                            torch.maximum(torch.maximum(d_send, d_recv), kvh_max))
+    added = dq * (tasks.q + tasks.o) + (k_grow - k_free) * tasks.kv
+
+    bal = balance.view(B, 1, 1, 1, 1)
+    bnv = st.bottleneck.view(B, 1, 1, 1, 1)
+    bn = bn.view(B, 1, 1, 1, 1)
+    # the bottleneck rank as a key host of moved tasks (not otherwise touched)
+    to_bn, any_bn = tok_on[2], any_on[2]
+    bn_is_j = any_bn & (bn != s_of) & (bn != i_of) & (bn != d_of)
+    bn_as_j = torch.maximum(at(st.send, bn) + to_bn * tasks.kv, at(st.recv, bn))
+    bn_new = torch.where(s_of == bn, torch.maximum(src_send, src_recv),
+                         torch.where(i_of == bn, torch.maximum(host_send, host_recv),
+                                     torch.where(d_of == bn, torch.maximum(d_send, d_recv),
+                                                 torch.where(bn_is_j, bn_as_j, bnv))))
+    ok_bal = (excess.view(B, P, 1, 1, 1) > 0) & (new_max.double() <= threshold.view(B, 1, 1, 1, 1))
+    ok_bn = (bn_new < bnv) & (new_max < bnv)
+    side = ~ok_bn & (bn_new <= bnv) & (new_max < bnv) & (added < 0) & sideways
+    ok_bn = ok_bn | side
+    ok = (area > 0) & (d_of != s_of) & torch.where(bal, ok_bal, ok_bn)
+    score = torch.where(bal, added.double() / area.clamp(min=1).double(),
+                        new_max.double() / bnv.clamp(min=1).double()
+                        + 1e-12 * (added.double() / bnv.clamp(min=1).double()) + side.double())
+    score = torch.where(ok, score, float("inf"))
+
+    # each offered unit proposes its best (destination, size): proposals [B, P*K]
+    n_opts = D1 * 2
+    best = score.view(B, P, K, n_opts).argmin(-1, keepdim=True)  # first on ties
+    pick = lambda x: x.expand(shape).reshape(B, P, K, n_opts).gather(3, best).reshape(B, P * K)  # noqa: E731
+    moved = mine & (upos < cut.reshape(B, P, K, n_opts).gather(3, best))
+    d_best = dests.gather(3, best // 2)  # [B, P, K, 1]
+    return Proposals(ok=pick(ok), score=pick(score), dest=d_best.reshape(B, P * K),
+                      source=ranks.view(P, 1).expand(P, K).reshape(1, -1).expand(B, -1),
+                      area=pick(area), dest_send=pick(dest_send + kv_to_dest), dest_recv=pick(dest_recv),
+                      tasks=torch.where(moved, tid, T).view(B, P * K, U))
+

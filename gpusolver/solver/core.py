@@ -1,0 +1,131 @@
+"""The device solver's shared types and constants: tasks, the state of an assignment, proposals.
+
+Every step of a round (``state``, ``offers``, ``bundle``, ``accept``, ``track``,
+``start``) imports these and nothing above it; the round driver
+(``device.py``) and the persistent kernel (``rounds.py``) import the steps.
+
+Shape legend: B variants, G head groups, P ranks, n sub-chunk tiles per rank,
+U = n * P units per group (unit u on rank u // n), T = G * U * U tasks in
+(g, i, j) order, N proposals per variant, M task slots per proposal (M = U).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from gpusolver.config import SolverConfig
+from gpusolver.limits import check_problem_limits
+from gpusolver.problem import BlockAreas
+
+# mu is compared in integer arithmetic with this many parts per unit.
+_MU_SCALE = 1 << 20
+_BIG = 1 << 60
+# Unit-local token positions stay below this, so the torch proposals price the [.., D, U]
+# key hulls in int32 (half the memory traffic of int64), with it as the empty-hull bound.
+_TOKEN_LIMIT = 1 << 30
+# A bundle's key-hull growth is at most one unit per task, so the whole sequence (U units)
+# bounds its running sum: below this, that sum is int32 too.
+_SEQUENCE_LIMIT = 1 << 31
+
+
+@dataclass(frozen=True)
+class DeviceSolveResult:
+    """assignment: [G, U, U] int32 (-1 empty task; U = P untiled); balanced: 0-dim bool;
+    fwd_bottleneck: 0-dim int64 bytes of the chosen state; variant: 0-dim int64."""
+
+    assignment: torch.Tensor
+    balanced: torch.Tensor
+    fwd_bottleneck: torch.Tensor
+    variant: torch.Tensor
+
+
+class Tasks:
+    """Flat task arrays [T], T = G * U * U, in (g, i, j) order, plus static tables.
+
+    U = n * P units per group (n sub-chunk tiles per rank); unit u lives on rank u // n.
+    """
+
+    def __init__(self, areas: BlockAreas, config: SolverConfig):
+        G, P, U, n = areas.head_groups, areas.cp_size, areas.num_units, areas.tiles
+        check_problem_limits(areas.chunk * U, P, G, n)
+        # within MAX_SEQLEN every token position stays below _TOKEN_LIMIT and every bundle sum
+        # below _SEQUENCE_LIMIT, so the int32 fast paths hold
+        dev = areas.area.device
+        self.G, self.P, self.U, self.T = G, P, U, G * U * U
+        idx = torch.arange(self.T, device=dev)
+        self.g = idx // (U * U)
+        self.i = (idx // U) % U
+        self.j = idx % U
+        self.area = areas.area.reshape(-1)
+        self.valid = self.area > 0
+        self.qlo, self.qhi = areas.q_need.reshape(-1, 2).unbind(-1)
+        self.klo, self.khi = areas.k_need.reshape(-1, 2).unbind(-1)
+        self.qo_unit = self.g * U + self.i  # [T] index of QO unit (g, i)
+        self.kv_unit = self.g * U + self.j  # [T] index of KV unit (g, j)
+        # rank holding each task's query unit and its key unit [T] (untiled: the unit index itself)
+        self.q_host, self.k_host = (self.i, self.j) if n == 1 else (self.i // n, self.j // n)
+        self.tiles = n
+        self.chunk = areas.chunk  # tokens per unit
+        cost = config.cost()
+        self.q, self.o, self.kv = cost.q_fwd, cost.o_fwd, cost.kv_fwd
+        # the tasks of each QO unit in the orders a bundle may take them (TASK_ORDERS):
+        # [3, G*U, U] task ids; "area": largest first; "rows": fewest needed query rows first
+        # (then largest), so the rows a bundle ships grow as slowly as possible; "small":
+        # smallest first, so a small excess is covered by the smallest task that covers it
+        area = areas.area.reshape(G * U, U)
+        q_len = (areas.q_need[..., 1] - areas.q_need[..., 0]).reshape(G * U, U)
+        by_area = torch.sort(-area, dim=1, stable=True).indices
+        # two stable sorts, not one product key: q_len * max area passes 2^63 on long sequences
+        by_rows = by_area.gather(1, torch.sort(q_len.gather(1, by_area), dim=1, stable=True).indices)
+        by_small = torch.sort(torch.where(area > 0, area, _BIG), dim=1, stable=True).indices  # empty last
+        self.unit_tasks = torch.arange(G * U, device=dev)[:, None] * U + torch.stack((by_area, by_rows, by_small))
+
+    @functools.cached_property
+    def unit_pos(self) -> torch.Tensor:
+        """[2, G*U, U] position of key unit j in each QO unit's task order (``unit_tasks``
+        inverted); built on first use (the torch proposals read it, the kernels do not)."""
+        pos = torch.empty_like(self.unit_tasks)
+        return pos.scatter_(2, self.unit_tasks % self.U, torch.arange(self.U, device=pos.device).expand_as(pos))
+
+    @functools.cached_property
+    def unit_host(self) -> torch.Tensor:
+        """[G*U] rank holding each QO / KV unit index g*U + u; built on first use (the kernels
+        compute it in place, so their paths launch nothing for it)."""
+        host = torch.arange(self.G * self.U, device=self.area.device) % self.U
+        return host if self.tiles == 1 else host // self.tiles
+
+
+@dataclass
+class State:
+    """Per-variant quantities of one assignment A [B, T+1] (column T is a dummy)."""
+
+    rank: torch.Tensor  # [B, T], P for empty tasks
+    q_lo: torch.Tensor  # [B, G*U, P] hull of each QO unit's rows at each rank
+    q_hi: torch.Tensor
+    k_lo: torch.Tensor  # [B, G*U, P] hull of each KV unit's columns at each rank
+    k_hi: torch.Tensor
+    qlen: torch.Tensor  # [B, G*U, P] tokens that travel (0 at the host)
+    klen: torch.Tensor
+    kcount: torch.Tensor  # [B, G*U, P] tasks of each KV unit on each rank
+    send: torch.Tensor  # [B, P] forward bytes
+    recv: torch.Tensor
+    vol: torch.Tensor  # [B, P] max(send, recv)
+    bottleneck: torch.Tensor  # [B]
+    load: torch.Tensor  # [B, P]
+
+
+@dataclass
+class Proposals:
+    """Proposed moves: [B, N] each, tasks [B, N, M] (M task slots, T = unused)."""
+
+    ok: torch.Tensor  # bool
+    score: torch.Tensor  # float64, lower is better
+    dest: torch.Tensor  # int64
+    source: torch.Tensor  # int64
+    area: torch.Tensor  # int64 area moved
+    dest_send: torch.Tensor  # int64 change of the destination's send (< 0 when it stops shipping K/V)
+    dest_recv: torch.Tensor
+    tasks: torch.Tensor  # [B, P, M] task ids to move, T (dummy) where unused
+

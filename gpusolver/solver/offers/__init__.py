@@ -1,0 +1,1 @@
+"""The offers step of a round: ``ref.py`` (torch twin), ``kernel.py`` (Triton)."""

@@ -1,0 +1,1 @@
+"""The start step of a round: ``ref.py`` (torch twin), ``kernel.py`` (Triton)."""

@@ -1,0 +1,63 @@
+"""Torch twins of the start and restart states: where each variant's tasks begin.
+
+``transpose_start`` is the reference the Triton ``transpose_start_triton``
+(kernel.py) equals; ``restart`` is the persistent kernel's restart
+(``rounds.py``) in torch.
+"""
+from __future__ import annotations
+
+import torch
+
+from gpusolver.solver.core import _BIG, Tasks
+
+
+def transpose_start(tasks: Tasks) -> torch.Tensor:
+    """The "transpose" start: [T] int64, the start rank of each task (torch twin of
+    ``start.kernel.transpose_start_triton``).
+
+    A QO unit (g, u) whose tasks need more remote key tokens than its own rows,
+    priced in forward bytes (K/V there against Q there and O back), starts with
+    all its tasks on rank b + g % s, where b = G * (host // G) is the first rank
+    of the aligned block holding the unit and s = min(G, P - b) its size:
+    within a block every rank computes one head group of every such row, as
+    Ulysses does. Other units start on their query host. Long documents make
+    owner-computes gather all G groups' K/V from every rank they span;
+    transposed, a rank receives G - 1 rows of its head group from its block
+    and only that group's K/V, which costs less once a document spans more
+    than 1 + (q + o) / kv ranks (9 for GQA 64:8).
+    """
+    G, U = tasks.G, tasks.U
+    remote = tasks.valid & (tasks.k_host != tasks.q_host)
+    kv_tokens = torch.where(remote, tasks.khi - tasks.klo, 0).view(G * U, U).sum(1)
+    q_lo = torch.where(tasks.valid, tasks.qlo, _BIG).view(G * U, U).amin(1)
+    q_hi = torch.where(tasks.valid, tasks.qhi, 0).view(G * U, U).amax(1)
+    flip = kv_tokens * tasks.kv > (q_hi - q_lo).clamp(min=0) * (tasks.q + tasks.o)
+    host = tasks.unit_host  # [G*U] rank of each QO unit
+    block = (host // G) * G
+    target = block + (tasks.g.view(G * U, U)[:, 0] % (tasks.P - block).clamp(max=G))
+    return torch.where(flip, target, host)[tasks.qo_unit]
+
+
+def variant_starts(tasks: Tasks, variants, start: torch.Tensor | None = None, transpose_fn=None):
+    """The start rank of each task for ``variants``: ``start`` ([T], shared) when given, None
+    when every variant starts from owner-computes, else [B, T] int64 (``transpose_fn``,
+    default ``transpose_start``, for "transpose" variants; the query host for the others)."""
+    if start is not None:
+        return start
+    kinds = [v[4] for v in variants]
+    if not any(kinds):
+        return None
+    transposed = (transpose_fn or transpose_start)(tasks)
+    return torch.stack([transposed if k else tasks.q_host for k in kinds])
+
+
+def restart(tasks: Tasks, best_A: torch.Tensor, vol: torch.Tensor) -> torch.Tensor:
+    """The restart state: ``best_A`` [B, T+1] with every task on its bottleneck rank, or hosted
+    there, back on its query host. vol: [B, P] int64 bytes of ``best_A``; the bottleneck is
+    the first rank of largest volume. Returns [B, T+1] int64."""
+    P, T = tasks.P, tasks.T
+    bn = vol.argmax(1, keepdim=True)  # [B, 1], first on ties
+    home = torch.where(tasks.valid, tasks.q_host, P)
+    back = (best_A[:, :T] == bn) | (home == bn)
+    return torch.cat((torch.where(back, home, best_A[:, :T]), best_A[:, T:]), 1)
+

@@ -1,0 +1,176 @@
+"""Triton state step (twin of ``state.ref.state``).
+
+One kernel over tiles of the ``T = G * U * U`` tasks of each variant
+scatters every task into the hulls of its (QO unit, rank) and (KV unit,
+rank) cells with integer atomic min/max, and into the rank loads and KV-unit
+task counts with integer atomic adds. Integer min/max/add commute, so the
+result does not depend on the order the atomics land in, and no atomic needs
+ordering: they are relaxed (the default acq_rel fences every one), and a
+reader in the same launch (the persistent kernel) fences once after the
+scatter (``rounds._sync``). A second kernel, one program per (variant,
+rank), turns the hulls of the units that rank hosts and receives into
+travelling lengths and the rank's send/recv bytes, and folds the bottleneck
+with an integer atomic max.
+
+Shape legend: B variants, G head groups, P ranks, n sub-chunk tiles per rank
+(TILES), U = n * P units per group (unit u on rank u // n), T = G * U * U
+tasks. n = 1 compiles to the untiled kernels.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gpusolver.solver.core import _BIG, State, Tasks
+
+@triton.jit
+def _state_kernel(
+    rank_ptr,  # [B, T] int64 (row stride stride_rb), P for empty tasks
+    area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr,  # [T] int64 each (strided)
+    lo_ptr,  # [2, B, G*U, P] int64, _BIG-initialised: q_lo, k_lo
+    acc_ptr,  # [3, B, G*U, P] then [B, P] int64, zero-initialised: q_hi, k_hi, kcount, load
+    T, P, B,
+    stride_rb, stride_a, stride_q, stride_k,
+    BLOCK_T: tl.constexpr, TILES: tl.constexpr,
+):
+    _state_tile(rank_ptr, area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr, lo_ptr, acc_ptr,
+                tl.program_id(0), tl.program_id(1).to(tl.int64), T, P, B,
+                stride_rb, stride_a, stride_q, stride_k, BLOCK_T, TILES)
+
+
+@triton.jit
+def _state_tile(rank_ptr, area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr, lo_ptr, acc_ptr,
+                i_t, i_b, T, P, B, stride_rb, stride_a, stride_q, stride_k, BLOCK_T: tl.constexpr,
+                TILES: tl.constexpr):
+    """Tile ``i_t`` of variant ``i_b`` of ``_state_kernel`` (its arguments; i_b int64)."""
+    o_t = (i_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # [BLOCK_T]
+    m_t = o_t < T
+    b_rank = tl.load(rank_ptr + i_b * stride_rb + o_t, mask=m_t, other=0)
+    # tasks on the dummy rank P fall into the discarded column of the torch twin: skip them
+    m_t = m_t & (b_rank < P)
+    b_area = tl.load(area_ptr + o_t * stride_a, mask=m_t, other=0)
+    b_qlo = tl.load(qlo_ptr + o_t * stride_q, mask=m_t, other=0)
+    b_qhi = tl.load(qhi_ptr + o_t * stride_q, mask=m_t, other=0)
+    b_klo = tl.load(klo_ptr + o_t * stride_k, mask=m_t, other=0)
+    b_khi = tl.load(khi_ptr + o_t * stride_k, mask=m_t, other=0)
+    # task (g, i, j) over U = TILES * P units: QO unit g*U + i, KV unit g*U + j
+    U = P * TILES
+    o_g = o_t // (U * U)
+    o_qu = o_g * U + (o_t // U) % U
+    o_ku = o_g * U + o_t % U
+    cells = T // TILES  # cells of one variant's [G*U, P] table (G*U*U = T)
+    n_cell = B * cells  # cells of one [B, G*U, P] buffer
+    o_q = i_b * cells + o_qu * P + b_rank  # [BLOCK_T] cell (variant, QO unit, rank)
+    o_k = i_b * cells + o_ku * P + b_rank
+    tl.atomic_min(lo_ptr + o_q, b_qlo, mask=m_t, sem="relaxed")
+    tl.atomic_max(acc_ptr + o_q, b_qhi, mask=m_t, sem="relaxed")
+    tl.atomic_min(lo_ptr + n_cell + o_k, b_klo, mask=m_t, sem="relaxed")
+    tl.atomic_max(acc_ptr + n_cell + o_k, b_khi, mask=m_t, sem="relaxed")
+    tl.atomic_add(acc_ptr + 2 * n_cell + o_k, (b_area > 0).to(tl.int64), mask=m_t, sem="relaxed")
+    tl.atomic_add(acc_ptr + 3 * n_cell + i_b * P + b_rank, b_area, mask=m_t, sem="relaxed")
+
+
+@triton.jit
+def _state_bytes_kernel(
+    lo_ptr,  # [2, B, G*U, P] int64: q_lo, k_lo
+    hi_ptr,  # [2, B, G*U, P] int64: q_hi, k_hi
+    len_ptr,  # [2, B, G*U, P] int64 out: qlen, klen
+    send_ptr, recv_ptr, vol_ptr,  # [B, P] int64 out
+    bneck_ptr,  # [B] int64, zero-initialised: max over ranks of vol
+    B, G, P,
+    Q_BYTES, O_BYTES, KV_BYTES,
+    BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, TILES: tl.constexpr,
+):
+    _state_bytes_rank(lo_ptr, hi_ptr, len_ptr, send_ptr, recv_ptr, vol_ptr, bneck_ptr,
+                      tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), B, G, P,
+                      Q_BYTES, O_BYTES, KV_BYTES, BLOCK_G, BLOCK_P, TILES)
+
+
+@triton.jit
+def _state_bytes_rank(lo_ptr, hi_ptr, len_ptr, send_ptr, recv_ptr, vol_ptr, bneck_ptr, i_b, i_r, B, G, P,
+                      Q_BYTES, O_BYTES, KV_BYTES, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr,
+                      TILES: tl.constexpr):
+    """Rank ``i_r`` of variant ``i_b`` of ``_state_bytes_kernel`` (its arguments; indices int64).
+
+    Unit ``u`` of a group lives on rank ``u // TILES``; one ``[BLOCK_G, BLOCK_P]`` tile per tile offset t."""
+    o_g = tl.arange(0, BLOCK_G).to(tl.int64)[:, None]  # [BLOCK_G, 1]
+    o_p = tl.arange(0, BLOCK_P).to(tl.int64)[None, :]  # [1, BLOCK_P]
+    m_gp = (o_g < G) & (o_p < P)
+    U = P * TILES
+    n_cell = B * G * U * P
+    at_host = o_p == i_r  # row: destination r is the host; column: host o_p is r. Nothing travels
+    q_out = tl.zeros([], tl.int64)
+    k_out = tl.zeros([], tl.int64)
+    q_in = tl.zeros([], tl.int64)
+    k_in = tl.zeros([], tl.int64)
+    for t in tl.static_range(TILES):
+        # [BLOCK_G, BLOCK_P] cells: unit t of rank r (all destinations), and unit t of every rank at rank r
+        o_row = i_b * G * U * P + (o_g * U + i_r * TILES + t) * P + o_p
+        o_col = i_b * G * U * P + (o_g * U + o_p * TILES + t) * P + i_r
+        q_row = tl.where(at_host, 0, tl.maximum(tl.load(hi_ptr + o_row, mask=m_gp, other=0)
+                                                 - tl.load(lo_ptr + o_row, mask=m_gp, other=0), 0))
+        k_row = tl.where(at_host, 0, tl.maximum(tl.load(hi_ptr + n_cell + o_row, mask=m_gp, other=0)
+                                                 - tl.load(lo_ptr + n_cell + o_row, mask=m_gp, other=0), 0))
+        q_col = tl.where(at_host, 0, tl.maximum(tl.load(hi_ptr + o_col, mask=m_gp, other=0)
+                                                 - tl.load(lo_ptr + o_col, mask=m_gp, other=0), 0))
+        k_col = tl.where(at_host, 0, tl.maximum(tl.load(hi_ptr + n_cell + o_col, mask=m_gp, other=0)
+                                                 - tl.load(lo_ptr + n_cell + o_col, mask=m_gp, other=0), 0))
+        tl.store(len_ptr + o_row, q_row, mask=m_gp)
+        tl.store(len_ptr + n_cell + o_row, k_row, mask=m_gp)
+        q_out += tl.sum(tl.sum(tl.where(m_gp, q_row, 0), axis=1), axis=0)
+        k_out += tl.sum(tl.sum(tl.where(m_gp, k_row, 0), axis=1), axis=0)
+        q_in += tl.sum(tl.sum(tl.where(m_gp, q_col, 0), axis=1), axis=0)
+        k_in += tl.sum(tl.sum(tl.where(m_gp, k_col, 0), axis=1), axis=0)
+    send = q_out * Q_BYTES + q_in * O_BYTES + k_out * KV_BYTES
+    recv = q_in * Q_BYTES + q_out * O_BYTES + k_in * KV_BYTES
+    vol = tl.maximum(send, recv)
+    tl.store(send_ptr + i_b * P + i_r, send)
+    tl.store(recv_ptr + i_b * P + i_r, recv)
+    tl.store(vol_ptr + i_b * P + i_r, vol)
+    tl.atomic_max(bneck_ptr + i_b, vol, sem="relaxed")
+
+
+def state_triton(tasks: Tasks, A: torch.Tensor) -> State:
+    """Hulls, lengths, loads and forward bytes of assignments A (Triton twin of ``state``).
+
+    A: [B, T+1] int64 ranks in [0, P] (P = no rank; column T is a dummy).
+    Returns a State whose tensors equal ``state(tasks, A)``'s exactly:
+    q_lo/q_hi/k_lo/k_hi/qlen/klen/kcount [B, G*U, P] int64, send/recv/vol/load
+    [B, P] int64, bottleneck [B] int64, rank [B, T] int64 (a view of A).
+    Two kernels: the task scatter (atomics), then lengths and bytes per (variant, rank).
+    """
+    G, P, U, T = tasks.G, tasks.P, tasks.U, tasks.T
+    rank = A[:, :T]
+    B, dev = rank.shape[0], A.device
+    n = B * G * U * P  # cells of one [B, G*U, P] buffer
+    lo = torch.full((2 * n,), _BIG, dtype=torch.int64, device=dev)  # q_lo, k_lo
+    acc = torch.zeros(3 * n + B * P + B, dtype=torch.int64, device=dev)  # q_hi, k_hi, kcount, load, bottleneck
+    out = torch.empty(2 * n + 3 * B * P, dtype=torch.int64, device=dev)  # qlen, klen, send, recv, vol
+    bottleneck = acc[3 * n + B * P:]
+    if dev.type != "meta":  # on meta, shapes only: there is no data to run the kernels on
+        _launch_state(tasks, rank, lo, acc, out, bottleneck, B)
+    cells = lambda buf, k: buf[k * n:(k + 1) * n].view(B, G * U, P)  # noqa: E731
+    ranks = lambda buf, k: buf[2 * n + k * B * P:2 * n + (k + 1) * B * P].view(B, P)  # noqa: E731
+    return State(rank=rank, q_lo=cells(lo, 0), q_hi=cells(acc, 0), k_lo=cells(lo, 1), k_hi=cells(acc, 1),
+                  qlen=cells(out, 0), klen=cells(out, 1), kcount=cells(acc, 2),
+                  send=ranks(out, 0), recv=ranks(out, 1), vol=ranks(out, 2), bottleneck=bottleneck,
+                  load=acc[3 * n:3 * n + B * P].view(B, P))
+
+
+def _launch_state(tasks: Tasks, rank, lo, acc, out, bottleneck, B):
+    """The two launches of ``state_triton`` into its buffers."""
+    G, P, U, T, tiles = tasks.G, tasks.P, tasks.U, tasks.T, tasks.tiles
+    n = B * G * U * P
+    block_t = min(1024, triton.next_power_of_2(T))
+    _state_kernel[(triton.cdiv(T, block_t), B)](
+        rank, tasks.area, tasks.qlo, tasks.qhi, tasks.klo, tasks.khi, lo, acc,
+        T, P, B,
+        rank.stride(0), tasks.area.stride(0), tasks.qlo.stride(0), tasks.klo.stride(0),
+        BLOCK_T=block_t, TILES=tiles,
+    )
+    _state_bytes_kernel[(B, P)](
+        lo, acc, out, out[2 * n:], out[2 * n + B * P:], out[2 * n + 2 * B * P:], bottleneck,
+        B, G, P, tasks.q, tasks.o, tasks.kv,
+        BLOCK_G=triton.next_power_of_2(G), BLOCK_P=triton.next_power_of_2(P), TILES=tiles,
+    )
