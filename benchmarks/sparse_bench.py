@@ -18,8 +18,10 @@ indexers' do, rather than being uniform.
 D = 128, bf16, mu = 1.10. For each (mask, P) it reports, each as forward / backward bottleneck
 bytes (max over ranks of max(send, recv)):
 
-    solver          the device solver's plan (``solve_assignment`` on the sparse-priced config:
-                    the selection indices travel with Q and are counted), its imbalance and
+    solver          the plan the library returns: the device solver's (``solve_assignment`` on
+                    the sparse-priced config: the selection indices travel with Q and are
+                    counted), or owner-computes where that is balanced and moves fewer bytes
+                    per step (``no_worse_than_owner``; column ``plan``); its imbalance and the
                     solve time (one solve, wall, CPU)
     owner           owner-computes: each rank computes its own queries and fetches the KV
                     they select (no Q travels)
@@ -61,7 +63,7 @@ from gpusolver.config import SolverConfig  # noqa: E402
 from gpusolver.indexers import CompressedKeyIndexer, LightningIndexer  # noqa: E402
 from gpusolver.masks.sparse import BlockSparseMask, TokenTopKMask  # noqa: E402
 from gpusolver.metrics import evaluate, owner_computes_assignment  # noqa: E402
-from gpusolver.plan.sparse import SelectionSpec, build_kv_blocks, sparse_config  # noqa: E402
+from gpusolver.plan.sparse import SelectionSpec, build_kv_blocks, no_worse_than_owner, sparse_config  # noqa: E402
 from gpusolver.problem import BlockAreas  # noqa: E402
 from gpusolver.solve import solve_assignment  # noqa: E402
 
@@ -220,16 +222,22 @@ def run_case(kind: str, P: int, c: int, seed: int, areas, key_used, spec, t_inde
     priced = sparse_config(config, spec)
     cost = priced.cost()
     t0 = time.perf_counter()
-    assignment = solve_assignment(areas, priced)
+    raw = solve_assignment(areas, priced)
     solve_s = time.perf_counter() - t0
     kv_block = NSA_BLOCK if kind == "nsa" else None  # what the runtime moves by default (default_kv_block)
+    used = None if kv_block is None else \
+        key_used.view(-1, P, S // kv_block, kv_block).any(-1).expand(G, P, S // kv_block)
+    # the plan the library returns: the solver's, or owner-computes when balanced and cheaper per step
+    assignment = no_worse_than_owner(areas, raw, config, spec, used, kv_block)
+    owner_asg = owner_computes_assignment(areas)
+    pick = "owner" if torch.equal(assignment, owner_asg) and not torch.equal(raw, owner_asg) else "solver"
     solver = volumes(areas, assignment, cost, key_used, kv_block)
-    owner = volumes(areas, owner_computes_assignment(areas), cost, key_used)
+    owner = volumes(areas, owner_asg, cost, key_used)
     dims = dict(seqlen=S, cp_size=P, num_heads_kv=num_heads_kv, head_dim=D, dtype_bytes=config.dtype_bytes)
     ag = all_gather_kv(**dims)
     usp_f, usp_b = usp_with_selection(S, config, spec, 1 if kind == "dsa" else num_heads_kv)
     name = {"dsa": f"DSA k={DSA_TOPK}", "nsa": f"NSA n={NSA_TOPN} l={NSA_BLOCK}"}[kind]
-    row = {"mask": name, "heads": f"{HQ}:{num_heads_kv}", "G": G, "P": P, "c": c, "seed": seed,
+    row = {"mask": name, "heads": f"{HQ}:{num_heads_kv}", "G": G, "P": P, "c": c, "seed": seed, "plan": pick,
            "index_s": t_index, "solve_s": solve_s,
            "imb": solver["imbalance"], "owner_imb": owner["imbalance"]}
     MB = 1e6
@@ -246,7 +254,7 @@ def run_case(kind: str, P: int, c: int, seed: int, areas, key_used, spec, t_inde
 
 COLUMNS = [
     ("mask", "mask", ""), ("Hq:Hkv", "heads", ""), ("G", "G", ""), ("P", "P", ""), ("c", "c", ""),
-    ("imb", "imb", ".3f"), ("fwd MB", "fwd", ".1f"), ("bwd MB", "bwd", ".1f"), ("solve s", "solve_s", ".2f"),
+    ("plan", "plan", ""), ("imb", "imb", ".3f"), ("fwd MB", "fwd", ".1f"), ("bwd MB", "bwd", ".1f"), ("solve s", "solve_s", ".2f"),
     ("owner imb", "owner_imb", ".3f"), ("owner fwd", "owner_fwd", ".1f"), ("owner bwd", "owner_bwd", ".1f"),
     ("AG-KV fwd", "ag_fwd", ".1f"), ("AG-KV bwd", "ag_bwd", ".1f"), ("USP fwd", "usp_fwd", ".1f"),
     ("USP bwd", "usp_bwd", ".1f"), ("step ÷ owner", "step_vs_owner", ".2f"),

@@ -375,6 +375,41 @@ def _recv_rows(comm: CommMeta, rank: int, G: int, U: int) -> tuple[torch.Tensor,
     return torch.where(used, pos, -1), torch.where(used, seg_g[seg] * U + seg_u[seg], 0)
 
 
+def step_bytes(areas: BlockAreas, assignment: torch.Tensor, config: SolverConfig, spec: SelectionSpec,
+               used_blocks: torch.Tensor | None = None, kv_block: int | None = None):
+    """(balanced [] bool, forward + backward bottleneck bytes [] int64) of an assignment, priced by
+    what moves: hulls, or key blocks with ``kv_block``. Sync-free."""
+    cost = sparse_config(config, spec).cost()
+    m = evaluate(areas, assignment, cost)
+    balanced = m.imbalance <= config.imbalance_tol
+    if kv_block is None:
+        return balanced, m.fwd_bottleneck + m.bwd_bottleneck
+    from gpusolver.transfers import transfer_ranges
+
+    G, U, P, n = areas.head_groups, areas.num_units, areas.cp_size, areas.tiles
+    big = 1 << 40  # capacities play no part in the price
+    kb, _ = build_kv_blocks(used_blocks, assignment, n, areas.rank_tokens, kv_block, big, big)
+    qo, _ = transfer_ranges(areas, assignment)
+    kv_len = kb.need.long().view(G, U, -1, P).sum(2) * kv_block
+    fs, fr, bs, br = _volumes(qo[..., 1] - qo[..., 0], kv_len, cost, n)
+    return balanced, torch.maximum(fs, fr).amax() + torch.maximum(bs, br).amax()
+
+
+def no_worse_than_owner(areas: BlockAreas, assignment: torch.Tensor, config: SolverConfig, spec: SelectionSpec,
+                        used_blocks: torch.Tensor | None = None, kv_block: int | None = None) -> torch.Tensor:
+    """The solver's assignment, or owner-computes when that is balanced too and moves fewer bytes per
+    training step (forward + backward bottleneck, priced by what moves). Sparse masks have nearly
+    uniform work per query, so owner-computes is often balanced; the solver prices K, V as hulls,
+    so with key blocks owner-computes can come out ahead. Sync-free (a ``torch.where``)."""
+    from gpusolver.metrics import owner_computes_assignment
+
+    owner = owner_computes_assignment(areas)
+    ok_s, step_s = step_bytes(areas, assignment, config, spec, used_blocks, kv_block)
+    ok_o, step_o = step_bytes(areas, owner, config, spec, used_blocks, kv_block)
+    take_owner = ok_o & (~ok_s | (step_o < step_s))
+    return torch.where(take_owner, owner, assignment.to(owner.dtype))
+
+
 def window_slices(total_seqlen: int, window_size: int, device) -> AttnSlices:
     """The sliding-window branch of an NSA layer as slices (row t: keys (t - w, t])."""
     return sliding_window_mask(total_seqlen, window_size, device=device)
@@ -491,6 +526,7 @@ def solve_sparse(mask, config: SolverConfig, *, areas: BlockAreas | None = None,
     used = None if kv_block is None else used_block_rows(mask, config.num_units, config.head_groups, kv_block)
     priced = sparse_config(config, spec)
     assignment = solve_assignment(areas, priced, solver=solver, impl=impl)
+    assignment = no_worse_than_owner(areas, assignment, config, spec, used, kv_block)
     plan = build_sparse_plan(areas, assignment, config, spec, S, mask_error=mask.value_error(),
                              used_blocks=used, kv_block=kv_block)
     if validate:

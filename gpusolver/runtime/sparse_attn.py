@@ -39,7 +39,8 @@ from gpusolver.config import SolverConfig
 from gpusolver.masks.sparse import BlockSparseMask, NSALayerMask, TokenTopKMask
 from gpusolver.nvtx import nvtx_range
 from gpusolver.plan.meta import IMBALANCED
-from gpusolver.plan.sparse import SelectionSpec, SparsePlan, build_sparse_plan, default_kv_block, sparse_config
+from gpusolver.plan.sparse import (SelectionSpec, SparsePlan, build_sparse_plan, default_kv_block, no_worse_than_owner,
+                                   sparse_config)
 from gpusolver.runtime.dist_attn import LayerRoutes, layer_routes
 from gpusolver.runtime.layout import from_group_major, to_group_major
 from groupcomm import TorchGroup, group_cast, group_reduce, host_splits
@@ -136,6 +137,7 @@ def solve_sparse_sharded(mask, config: SolverConfig, group, *, solver: str = "de
         areas, error, used = gather_sparse_areas(mask, config, group, kv_block)
     with nvtx_range("solve/assign"):
         assignment = solve_assignment(areas, sparse_config(config, spec), solver=solver, impl=impl)
+        assignment = no_worse_than_owner(areas, assignment, config, spec, used, kv_block)
     with nvtx_range("solve/metas"):
         plan = build_sparse_plan(areas, assignment, config, spec, mask.total_seqlen_k, mask_error=error,
                                  used_blocks=used, kv_block=kv_block)

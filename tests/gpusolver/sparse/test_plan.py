@@ -145,3 +145,25 @@ def test_key_blocks_stay_inside_the_hulls_rounded_to_blocks(kind, kv_block):
         assert int(blocks.metrics.fwd_recv.sum()) < int(hulls.metrics.fwd_recv.sum())
     with pytest.raises(ValueError, match="kv_block=5 needs used_blocks and must divide the unit size 16"):
         scatter_plan(mask, config, LocalGroup(P), 5)
+
+
+@pytest.mark.parametrize("kv_block", [None, 8])
+def test_owner_computes_wins_when_balanced_and_cheaper(kv_block):
+    from dataclasses import replace
+
+    from gpusolver.metrics import owner_computes_assignment
+    from gpusolver.plan.sparse import no_worse_than_owner, step_bytes
+
+    P, c, Hkv = 4, 16, 2
+    mask = make_mask("nsa", P * c, Hkv, seed=4)
+    loose = replace(make_config(P, 4, Hkv), imbalance_tol=4.0)  # owner-computes counts as balanced
+    areas, _, used = gather_sparse_areas(mask, loose, LocalGroup(P), kv_block)
+    scattered = scatter_plan(mask, loose, LocalGroup(P), kv_block).assignment  # moves a lot
+    spec = SelectionSpec.of(mask, loose.head_groups)
+    owner = owner_computes_assignment(areas)
+    assert step_bytes(areas, owner, loose, spec, used, kv_block)[1] < \
+        step_bytes(areas, scattered, loose, spec, used, kv_block)[1]
+    assert torch.equal(no_worse_than_owner(areas, scattered, loose, spec, used, kv_block), owner)
+    tight = replace(loose, imbalance_tol=1.0)  # owner-computes is not balanced: the solver's plan stays
+    assert not bool(step_bytes(areas, owner, tight, spec, used, kv_block)[0])
+    assert torch.equal(no_worse_than_owner(areas, scattered, tight, spec, used, kv_block), scattered)
