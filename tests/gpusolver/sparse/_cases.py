@@ -82,7 +82,8 @@ def scatter_plan(mask, config, group, kv_block=None):
     runtime must execute any valid plan."""
     areas, error, used = gather_sparse_areas(mask, config, group, kv_block)
     G, U, P, n = areas.head_groups, areas.num_units, config.cp_size, config.chunk_tiles
-    g, i, j = torch.meshgrid(torch.arange(G), torch.arange(U), torch.arange(U), indexing="ij")
+    dev = areas.area.device
+    g, i, j = torch.meshgrid(*(torch.arange(n_, device=dev) for n_ in (G, U, U)), indexing="ij")
     host_i, host_j = i // n, j // n
     moved = (host_i + host_j + 1 + g) % P
     rank = torch.where((i + j + g) % 3 == 0, host_i, moved)

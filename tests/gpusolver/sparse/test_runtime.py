@@ -122,8 +122,10 @@ def test_gloo_ranks_equal_dense(kind, P, flatten):
 
 
 def test_layer_on_meta_end_to_end():
-    """Indexers, area rows, all-gather (a stack), solve, metas, casts, attention, reduces: no host read."""
-    P, c, Hq, Hkv, dm = 4, 16, 4, 2, 16
+    """Indexers, area rows, all-gather (a stack), solve, metas, casts, attention, reduces: no host read.
+    The DSA layer goes through DynamicCPAttention (a device solve on meta costs seconds here); the NSA
+    layer mask through the same flow with a fixed assignment."""
+    P, c, Hq, Hkv, dm = 2, 16, 4, 2, 16
     S = P * c
     group = LocalGroup(P)
     x = torch.randn(P, c, dm, device="meta")
@@ -134,17 +136,22 @@ def test_layer_on_meta_end_to_end():
     dsa = LightningIndexer.init(dm, 2, 8, topk=8, device="meta")
     keys = dsa.keys(unshard(x, group))  # the index keys all-gathered
     topk = torch.cat([dsa(x[r], keys, r * c) for r in range(P)])  # each rank scores its own rows
+    layer = DynamicCPAttention(group, cfg, plan_cache=PlanCache(), validate=False)
+    out = layer(q, k, v, TokenTopKMask(topk, S))
+    out.sum().backward()
+    assert out.shape == (P, c, Hq, D) and out.device.type == "meta" and k.grad.shape == k.shape
+    plan = layer.plan_cache._entries["default"].plan
+    assert isinstance(plan, SparsePlan) and plan.status.device.type == "meta"
+
     nsa = CompressedKeyIndexer(8, 3, 1)
     k_cmp = nsa.compress(unshard(k.detach(), group))
     blocks = torch.cat([nsa(q[r].detach(), k_cmp, r * c) for r in range(P)])
-    for mask in (TokenTopKMask(topk, S), NSALayerMask(BlockSparseMask(blocks, 8, S), 8)):
-        layer = DynamicCPAttention(group, cfg, plan_cache=PlanCache(), validate=False)
-        out = layer(q, k, v, mask)
-        out = out if isinstance(out, torch.Tensor) else out[0] + out[1]
-        out.sum().backward()
-        assert out.shape == (P, c, Hq, D) and out.device.type == "meta" and k.grad.shape == k.shape
-        plan = layer.plan_cache._entries["default"].plan
-        assert isinstance(plan, SparsePlan) and plan.status.device.type == "meta"
+    for mask, kv_block in ((NSALayerMask(BlockSparseMask(blocks, 8, S), 8), None),
+                           (BlockSparseMask(blocks, 8, S), 8)):
+        plan = scatter_plan(mask, cfg, group, kv_block)
+        res = _branches(sparse_dist_attn(q, k, v, local_selection(mask, group), plan, group, validate=False))
+        sum(o.sum() for o, _ in res).backward()
+        assert res[0][0].device.type == "meta" and plan.status.device.type == "meta"
 
 
 def test_module_caches_and_matches_dense():
