@@ -32,8 +32,14 @@ KINDS = {"causal": (True, "packed causal documents"), "full": (False, "packed fu
 PACKED_KINDS = ("causal", "full")
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 # aten ops whose output size or value is read on the host: each one is a device -> host sync
+# (``.item()``, ``bool(t)``, ``int(t)`` and ``float(t)`` all reach ``_local_scalar_dense``)
 HOST_READ_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "_unique", "_unique2", "unique_dim",
                  "unique_consecutive", "bincount")
+# aten ops that copy between devices: a host read when the source is off the CPU and the result on it
+COPY_OPS = ("_to_copy", "copy_", "_copy_from", "_copy_from_and_resize")
+# Tensor methods that read values on the host without reaching the dispatcher for CPU tensors
+# (on a device they copy to the host first): counted whatever the device, so a CPU run sees them
+HOST_READ_METHODS = ("tolist", "numpy", "__array__")
 
 
 def make_mask(kind: str, cp_size: int, seed: int, tokens_per_rank: int = TOKENS_PER_RANK,
@@ -119,18 +125,38 @@ def cuda_time(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> tuple[flo
 ALLOC_OPS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "set_"})
 
 
+def _device_of(x) -> torch.device | None:
+    return x.device if isinstance(x, torch.Tensor) else None
+
+
+def _is_host_copy(func, args, kwargs, out) -> bool:
+    """A copy whose source is off the CPU and whose result is on it (a device-to-host read)."""
+    name = getattr(func, "_opname", getattr(func, "__name__", "").split(".")[0])
+    if name not in COPY_OPS:
+        return False
+    if name == "copy_":  # copy_(dst, src)
+        dst, src = _device_of(args[0]), _device_of(args[1]) if len(args) > 1 else None
+    else:
+        src, dst = _device_of(args[0]) if args else None, _device_of(out)
+    return src is not None and dst is not None and src.type not in ("cpu", "meta") and dst.type == "cpu"
+
+
 class _OpCounter(TorchDispatchMode):
-    """Counts every op that reaches the Python dispatch key, by overload."""
+    """Counts every op that reaches the Python dispatch key, by overload, and device-to-host copies."""
 
     def __init__(self):
         super().__init__()
         self.ops: Counter = Counter()
+        self.host_copies = 0
         self.paused = False  # inside a Triton launch: the interpreter's own tensor work is not ours
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
         if not self.paused:
             self.ops[func] += 1
-        return func(*args, **(kwargs or {}))
+            if _is_host_copy(func, args, kwargs or {}, out):
+                self.host_copies += 1
+        return out
 
 
 def _triton_run_classes() -> list:
@@ -156,8 +182,12 @@ class LaunchCounter:
     aten_ops:        ops seen by a TorchDispatchMode (aten and custom ops).
     view_ops:        those among them that are views (no kernel on a GPU).
     alloc_ops:       those that only allocate (``empty`` and kin; no kernel).
-    host_reads:      those that read a device value on the host (``.item()``,
-                     ``nonzero``, ...): must be 0 on the hot path.
+    host_reads:      reads of a device value on the host, which must be 0 on the
+                     hot path: ops that do (``.item()``, ``bool(t)``, ``nonzero``,
+                     ...), device-to-host copies (``.cpu()``, ``.to("cpu")``,
+                     ``copy_`` into a CPU tensor), and calls of ``.tolist()``,
+                     ``.numpy()`` and ``__array__`` on any tensor (counted on CPU
+                     too, where they reach no op: the same code on a GPU copies).
     triton_launches: calls of ``JITFunction.run`` / ``InterpretedFunction.run``
                      with ``warmup=False`` (one per kernel launch; autotuning
                      benchmark runs count too).
@@ -197,12 +227,17 @@ class LaunchCounter:
             self.triton_hooked = False
             self.note = f"triton hook failed ({type(e).__name__}: {e}): triton launches not counted"
         self._mode = _OpCounter()
+        self._method_reads = 0
+        self._patch_methods()
         self._mode.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
         self._mode.__exit__(*exc)
         self._unpatch()
+        self.host_reads += self._mode.host_copies + self._method_reads
+        self.by_op["device-to-host copy"] += self._mode.host_copies
+        self.by_op["tolist/numpy"] += self._method_reads
         for func, n in self._mode.ops.items():
             name = getattr(func, "__name__", str(func))
             self.by_op[name] += n
@@ -213,6 +248,26 @@ class LaunchCounter:
                 self.alloc_ops += n
             if getattr(func, "_opname", name.split(".")[0]) in HOST_READ_OPS:
                 self.host_reads += n
+
+    def _patch_methods(self) -> None:
+        counter = self
+        self._depth = 0  # __array__ calls numpy(): one read, counted once
+        for name in HOST_READ_METHODS:
+            original = getattr(torch.Tensor, name)
+
+            def method(t, *args, __original=original, **kwargs):
+                mode = getattr(counter, "_mode", None)
+                if mode is not None and not mode.paused and counter._depth == 0:
+                    counter._method_reads += 1
+                counter._depth += 1
+                try:
+                    return __original(t, *args, **kwargs)
+                finally:
+                    counter._depth -= 1
+
+            own = name in torch.Tensor.__dict__
+            setattr(torch.Tensor, name, method)
+            self._patched.append((torch.Tensor, name, original if own else None))
 
     def _patch(self, cls) -> None:
         original = cls.__dict__["run"]
@@ -231,11 +286,14 @@ class LaunchCounter:
                     mode.paused = False
 
         cls.run = run
-        self._patched.append((cls, original))
+        self._patched.append((cls, "run", original))
 
     def _unpatch(self) -> None:
-        for cls, original in reversed(self._patched):
-            cls.run = original
+        for cls, name, original in reversed(self._patched):
+            if original is None:  # inherited: drop the override
+                delattr(cls, name)
+            else:
+                setattr(cls, name, original)
         self._patched = []
 
     def to_dict(self) -> dict:

@@ -23,10 +23,13 @@ Shape legend:
     Plan.assignment           [G, U, U] int32, rank of task (g, i, j), -1 empty
 
 Entry points: ``solve(mask, config) -> Plan`` and
-``solve_assignment(areas, config)``; ``block_areas`` for the per-block work.
+``solve_assignment(areas, config)``; ``block_areas`` for the per-block work;
+``check_errors()`` reads the device error flags of the sync-free path once
+(``gpusolver.errors``).
 """
 from gpusolver.areas import block_areas
 from gpusolver.config import SolverConfig
+from gpusolver.errors import check_errors
 from gpusolver.masks import AttnSlices
 from gpusolver.metrics import PlanMetrics, evaluate
 from gpusolver.plan import Plan
@@ -34,4 +37,4 @@ from gpusolver.problem import BlockAreas, CommCost
 from gpusolver.solve import solve, solve_assignment
 
 __all__ = ["AttnSlices", "SolverConfig", "BlockAreas", "CommCost", "Plan", "PlanMetrics",
-           "block_areas", "evaluate", "solve", "solve_assignment"]
+           "block_areas", "check_errors", "evaluate", "solve", "solve_assignment"]

@@ -109,6 +109,9 @@ class TorchGroup:
 
     def _sizes(self, rows: list[list[int]], send_cap: int, recv_capacity: int, what: str):
         r = self.rank
+        for s_, row in enumerate(rows):
+            if min(row) < 0:
+                raise ValueError(f"rank {r}: split row {s_} has a negative entry {min(row)}")
         send = list(rows[r])
         recv = [rows[s][r] for s in range(self.size)]
         if sum(send) > send_cap:
@@ -124,7 +127,8 @@ class TorchGroup:
         send, recv = self._sizes(rows, send_index.shape[0], recv_capacity, "recv_capacity")
         n_send, n_recv, self_rows = sum(send), sum(recv), rows[self.rank][self.rank]
         layout = row_layout(tensors, 0)
-        idx = send_index[:n_send]
+        # clamped: an index past the local rows is flagged on the device (group_cast), never read
+        idx = send_index[:n_send].clamp(0, max(tensors[0].shape[0] - 1, 0))
         inp = pack([t.index_select(0, idx) for t in tensors], 0)
         out = torch.zeros(recv_capacity, layout.row_bytes, dtype=torch.uint8, device=tensors[0].device)
         wait = self._exchange(out[:n_recv], inp, recv, send, phase)

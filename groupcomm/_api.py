@@ -9,6 +9,7 @@ import logging
 
 import torch
 
+from ._base import flag_routing
 from ._checks import check_capacity, check_phase, check_reduce, check_send_index, check_split, check_tensors
 
 log = logging.getLogger("groupcomm")
@@ -18,8 +19,15 @@ def _lead(group) -> int:
     return 1 if getattr(group, "batched", False) else 0
 
 
+def _flag(op: str, group, phase: str, split, send_index, n_rows: int, capacity: int) -> None:
+    batched = send_index.dim() == 2
+    ranks = torch.arange(group.size, device=split.device) if batched else \
+        torch.full((1,), group.rank, dtype=torch.int64, device=split.device)
+    flag_routing(op, phase, split, send_index if batched else send_index[None], n_rows, capacity, ranks)
+
+
 def group_cast(tensors, send_index: torch.Tensor, split: torch.Tensor, recv_capacity: int, group, *,
-               phase: str = "cast", host_split=None, async_op: bool = False):
+               phase: str = "cast", host_split=None, async_op: bool = False, flag_errors: bool = True):
     """Send rows of the local tensors to the ranks that need them.
 
     Args:
@@ -34,6 +42,12 @@ def group_cast(tensors, send_index: torch.Tensor, split: torch.Tensor, recv_capa
         phase: label for the byte counters and error messages.
         host_split: a ``HostSplits`` (``TorchGroup`` only; others ignore it).
         async_op: return a ``Work`` whose ``wait()`` gives the result.
+        flag_errors: on the sync-free backends, record a routing the call cannot
+            honour (negative splits, a receive fill past ``recv_capacity``, more
+            rows than ``send_index`` holds, indices past the local rows) as a
+            device error flag (``gpusolver.check_errors()``); rows that do not
+            fit are dropped, never written out of bounds. ``TorchGroup`` also
+            raises ``ValueError`` on a fill past a capacity, from its host splits.
 
     Returns:
         One ``[recv_capacity, *f]`` buffer per tensor, same dtype: on rank r the
@@ -48,12 +62,15 @@ def group_cast(tensors, send_index: torch.Tensor, split: torch.Tensor, recv_capa
     split = check_split(split, P, tensors[0].device)
     send_index = check_send_index(send_index, lead, P, tensors[0].device)
     recv_capacity = check_capacity(recv_capacity)
+    if flag_errors:
+        _flag("group_cast", group, phase, split, send_index, tensors[0].shape[lead], recv_capacity)
     work = group._cast(tensors, send_index, split, recv_capacity, phase, host_split)
     return work if async_op else work.wait()
 
 
 def group_reduce(partials, send_index: torch.Tensor, split: torch.Tensor, acc, group, *, op: str,
-                 phase: str = "reduce", host_split=None, deterministic: bool = True, async_op: bool = False):
+                 phase: str = "reduce", host_split=None, deterministic: bool = True, async_op: bool = False,
+                 flag_errors: bool = True):
     """Send partial results back to the rows' hosts and reduce them there (reverse of ``group_cast``).
 
     Args:
@@ -70,6 +87,7 @@ def group_reduce(partials, send_index: torch.Tensor, split: torch.Tensor, acc, g
         deterministic: sum destination by destination, no float atomics
             (bit-identical across runs); False allows ``index_add_``. Both
             assume a row is sent to each destination at most once.
+        flag_errors: as in ``group_cast``.
 
     Returns new tensors shaped and typed like ``acc`` (``acc`` is not modified).
     """
@@ -81,6 +99,8 @@ def group_reduce(partials, send_index: torch.Tensor, split: torch.Tensor, acc, g
     check_reduce(partials, acc, op, lead)
     split = check_split(split, P, acc[0].device)
     send_index = check_send_index(send_index, lead, P, acc[0].device)
+    if flag_errors:
+        _flag("group_reduce", group, phase, split, send_index, acc[0].shape[lead], partials[0].shape[lead])
     work = group._reduce(partials, send_index, split, acc, op, phase, host_split, bool(deterministic))
     return work if async_op else work.wait()
 

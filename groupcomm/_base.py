@@ -52,3 +52,56 @@ class HostTraffic:
 
     def reset(self) -> None:
         self._bytes.clear()
+
+
+# Sync-free backends cannot raise on a bad routing value without a host read: they flag it
+# through a sink that ``gpusolver.errors`` installs (this package imports nothing of ours).
+_error_sink = None
+
+
+def set_error_sink(sink) -> None:
+    """``sink(op, argument, message, bad, values)`` receives the device-side routing checks."""
+    global _error_sink
+    _error_sink = sink
+
+
+_ROUTING_ARGS = ("split", "split", "split", "send_index")
+
+
+def _routing_message(row: int, values: list[int]) -> str:
+    """values = (check, rank, count, limit); ``row`` is the rank (or the flat send position)."""
+    check, rank, count, limit = values
+    if check == 0:
+        return f"split has a negative entry {count} in row {rank}"
+    if check == 1:
+        return (f"split column {rank} sends {count} rows to rank {rank}, more than recv_capacity {limit} "
+                "(the rows past it are dropped)")
+    if check == 2:
+        return f"split row {rank} sends {count} rows, more than send_index holds ({limit})"
+    return f"send_index of rank {rank} holds {count}, outside [-1, {limit}) (the local rows)"
+
+
+def flag_routing(op: str, phase: str, split: torch.Tensor, send_index: torch.Tensor, n_rows: int,
+                 capacity: int, ranks: torch.Tensor) -> None:
+    """Device flags for a routing the collective cannot honour (no host read).
+
+    split ``[P, P]``; send_index ``[B, C]`` of the B ranks ``ranks [B]`` run
+    here; n_rows: local rows N; capacity: rows of each receive buffer.
+    """
+    if _error_sink is None:
+        return
+    B, C = send_index.shape
+    own = split.index_select(0, ranks)                                    # [B, P]
+    recv = split.sum(0).index_select(0, ranks)                            # [B]
+    sent = own.sum(1)
+    neg = own.amin(1)
+    idx_bad = (send_index < -1) | (send_index >= n_rows)
+    idx_val = torch.where(idx_bad, send_index, torch.zeros_like(send_index)).gather(
+        1, idx_bad.to(torch.int8).argmax(1, keepdim=True))[:, 0]
+    checks = torch.stack([neg < 0, recv > capacity, sent > C, idx_bad.any(1)], 1)   # [B, 4]
+    count = torch.stack([neg, recv, sent, idx_val], 1)
+    limit = torch.stack([torch.full((B,), v, dtype=torch.int64, device=split.device)
+                         for v in (0, capacity, C, n_rows)], 1)
+    which = checks.to(torch.int8).argmax(1, keepdim=True)                 # first failing check per rank
+    values = torch.cat([which, ranks[:, None], count.gather(1, which), limit.gather(1, which)], 1)
+    _error_sink(f"{op} ({phase})", "split/send_index", _routing_message, checks.any(1), values)

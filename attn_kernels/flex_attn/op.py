@@ -25,6 +25,8 @@ tensors' device, never from their values):
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from attn_kernels.flex_attn import kernel, ref
@@ -161,8 +163,8 @@ def _check(q, k, v, q_ranges, k_ranges, attn_type, softcap, backend) -> None:
             raise ValueError(f"{name} must be int32 (or int64), got {t.dtype}")
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
-    if softcap < 0:
-        raise ValueError(f"softcap must be >= 0 (0 disables it), got {softcap}")
+    if not (softcap >= 0 and math.isfinite(softcap)):
+        raise ValueError(f"softcap must be a finite float >= 0 (0 disables it), got {softcap}")
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
 
@@ -172,20 +174,82 @@ def validate_slice_values(q_ranges: torch.Tensor, k_ranges: torch.Tensor, attn_t
     """Host-side value checks with row-precise messages (reads the tensors: not for the hot path).
 
     q_ranges/k_ranges: [R, 2] int, attn_type: [R] int. Raises ValueError naming
-    the argument, the row and the value. Overlap between slices is not checked.
+    the argument, the first bad row and its value. Overlap between slices is
+    not checked (``gpusolver.masks.validate_slices`` does).
     """
     for name, rng, limit in (("q_ranges", q_ranges, seqlen_q), ("k_ranges", k_ranges, seqlen_k)):
-        for row, (s, e) in enumerate(rng.tolist()):
-            if not 0 <= s <= e <= limit:
-                raise ValueError(f"{name}[{row}] = [{s}, {e}) must satisfy 0 <= start <= end <= {limit}")
-    for row, t in enumerate(attn_type.tolist()):
-        if t not in (0, 1, 2, 3):
-            raise ValueError(f"attn_type[{row}] = {t} must be 0 FULL, 1 CAUSAL, 2 INV_CAUSAL or 3 BI_CAUSAL")
+        r = rng.detach().to("cpu", torch.int64)
+        bad = ((r[:, 0] < 0) | (r[:, 0] > r[:, 1]) | (r[:, 1] > limit)).nonzero()
+        if bad.numel():
+            row = int(bad[0, 0])
+            s, e = r[row].tolist()
+            raise ValueError(f"{name}[{row}] = [{s}, {e}) must satisfy 0 <= start <= end <= {limit}")
+    t = attn_type.detach().to("cpu", torch.int64)
+    bad = ((t < 0) | (t > 3)).nonzero()
+    if bad.numel():
+        row = int(bad[0, 0])
+        raise ValueError(f"attn_type[{row}] = {int(t[row])} must be 0 FULL, 1 CAUSAL, 2 INV_CAUSAL or 3 BI_CAUSAL")
+
+
+# Sync-free value checks report to a sink: ``gpusolver.errors`` installs its ``record`` (this
+# package imports nothing of gpusolver). Without a sink the checks are not computed.
+_error_sink = None
+
+
+def set_error_sink(sink) -> None:
+    """``sink(op, argument, message, bad, values)`` receives the device-side value checks."""
+    global _error_sink
+    _error_sink = sink
+
+
+_SLICE_ARGS = ("q_ranges", "k_ranges", "attn_type")
+
+
+def _slice_message(row: int, values: list[int]) -> str:
+    """The message of a flagged slice row: values = (argument index, start or code, end, limit)."""
+    which, a, b, limit = values
+    if which == 2:
+        return f"attn_type[{row}] = {a} must be 0 FULL, 1 CAUSAL, 2 INV_CAUSAL or 3 BI_CAUSAL"
+    name = _SLICE_ARGS[which]
+    return f"{name}[{row}] = [{a}, {b}) must satisfy 0 <= start <= end <= {limit}"
+
+
+def _flag_slice_values(op: str, q_ranges, k_ranges, attn_type, seqlen_q: int, seqlen_k: int) -> None:
+    """The sync-free twin of ``validate_slice_values``: one device flag, no host read."""
+    if _error_sink is None:
+        return
+    q, k, t = q_ranges.to(torch.int64), k_ranges.to(torch.int64), attn_type.to(torch.int64)
+    bad_q = (q[:, 0] < 0) | (q[:, 0] > q[:, 1]) | (q[:, 1] > seqlen_q)
+    bad_k = (k[:, 0] < 0) | (k[:, 0] > k[:, 1]) | (k[:, 1] > seqlen_k)
+    bad_t = (t < 0) | (t > 3)
+    # per row, the first bad argument (q, then k, then the type) and its values
+    which = torch.where(bad_q, 0, torch.where(bad_k, 1, 2))
+    a = torch.where(bad_q, q[:, 0], torch.where(bad_k, k[:, 0], t))
+    b = torch.where(bad_q, q[:, 1], k[:, 1])
+    limit = torch.where(bad_q, seqlen_q, seqlen_k)
+    _error_sink(op, "q_ranges/k_ranges/attn_type", _slice_message, bad_q | bad_k | bad_t,
+                torch.stack([which, a, b, limit], 1))
+
+
+# the kinds of device error these ops report (registered ahead by the sink's owner)
+ERROR_KINDS = [(op, "q_ranges/k_ranges/attn_type", _slice_message) for op in ("flex_attn", "flex_attn_backward")]
+
+
+def _validating(q: torch.Tensor, validate: bool | None) -> bool:
+    """Default: host checks for CPU tensors (cheap there), device flags elsewhere, when compiling
+    and for fake tensors (which hold no values)."""
+    if validate is None:
+        if q.device.type != "cpu" or torch.compiler.is_compiling():
+            return False
+        from torch._subclasses.fake_tensor import is_fake
+
+        return not is_fake(q)
+    return bool(validate)
 
 
 def _scale(q: torch.Tensor, softmax_scale: float | None) -> float:
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    if not scale > 0:  # the kernels take the running max before scaling
+    if not (scale > 0 and math.isfinite(scale)):  # the kernels take the running max before scaling
         raise ValueError(f"softmax_scale must be > 0, got {softmax_scale}")
     return scale
 
@@ -207,7 +271,7 @@ def flex_attn(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q_ranges: torch.Tensor, k_ranges: torch.Tensor, attn_type: torch.Tensor,
     softmax_scale: float | None = None, softcap: float = 0.0, *, backend: str = "auto",
-    validate: bool = False,
+    validate: bool | None = None, flag_errors: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over a slice mask; returns (out, lse). Differentiable in q, k, v.
 
@@ -221,8 +285,13 @@ def flex_attn(
         softmax_scale: > 0, defaults to D ** -0.5.
         softcap: > 0 caps scores as softcap * tanh(s / softcap); 0 disables.
         backend: "auto", "triton" or "torch" (see the module docstring).
-        validate: also check range and type values on the host, with
-            row-precise errors (reads the tensors; off on the hot path).
+        validate: check range and type values on the host and raise a
+            row-precise ValueError (reads the tensors). Default: on for CPU
+            tensors, off on GPU and under ``torch.compile``.
+        flag_errors: when not validating, record the same checks as device
+            error flags (``gpusolver.check_errors()`` reads them; no host read
+            here). Ranges past the tensors never touch memory outside them:
+            the kernels drop those entries.
 
     Returns:
         out: [Tq, Hq, D] in q's dtype (0 for rows with no valid key).
@@ -230,8 +299,10 @@ def flex_attn(
             (-inf for rows with no valid key).
     """
     _check(q, k, v, q_ranges, k_ranges, attn_type, softcap, backend)
-    if validate:
+    if _validating(q, validate):
         validate_slice_values(q_ranges, k_ranges, attn_type, q.shape[0], k.shape[0])
+    elif flag_errors:
+        _flag_slice_values("flex_attn", q_ranges, k_ranges, attn_type, q.shape[0], k.shape[0])
     backend = _resolve_backend(q, backend)
     scale = _scale(q, softmax_scale)
     return flex_attn_fwd_op(
@@ -256,7 +327,7 @@ def flex_attn_backward(
     lse: torch.Tensor, delta: torch.Tensor,
     q_ranges: torch.Tensor, k_ranges: torch.Tensor, attn_type: torch.Tensor,
     softmax_scale: float | None = None, softcap: float = 0.0, *, backend: str = "auto",
-    validate: bool = False,
+    validate: bool | None = None, flag_errors: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of ``flex_attn`` over these slices, from each row's final lse and delta.
 
@@ -268,7 +339,7 @@ def flex_attn_backward(
     Args:
         dout: [Tq, Hq, D] gradient of the row's final output, in q's dtype.
         q, k, v, q_ranges, k_ranges, attn_type, softmax_scale, softcap,
-            backend, validate: as in ``flex_attn`` (the same slices and
+            backend, validate, flag_errors: as in ``flex_attn`` (the same slices and
             tensors this call's forward used).
         lse: [Tq, Hq] fp32 final lse of each row (natural log, -inf for
             rows with no valid key anywhere).
@@ -285,8 +356,10 @@ def flex_attn_backward(
                          f"q is {tuple(q.shape)} {q.dtype} on {q.device}")
     _check_row_stat("lse", lse, q)
     _check_row_stat("delta", delta, q)
-    if validate:
+    if _validating(q, validate):
         validate_slice_values(q_ranges, k_ranges, attn_type, q.shape[0], k.shape[0])
+    elif flag_errors:
+        _flag_slice_values("flex_attn_backward", q_ranges, k_ranges, attn_type, q.shape[0], k.shape[0])
     backend = _resolve_backend(q, backend)
     scale = _scale(q, softmax_scale)
     return flex_attn_bwd_delta_op(

@@ -25,7 +25,7 @@ _IMPLS = ("auto", "torch", "triton")
 
 
 def block_areas(mask: AttnSlices, cp_size: int, head_groups: int = 1, impl: str = "auto",
-                tiles: int = 1) -> BlockAreas:
+                tiles: int = 1, *, flag_errors: bool = True) -> BlockAreas:
     """Exact block areas and needed intervals of a slice mask.
 
     mask:        AttnSlices, q_ranges / k_ranges [R, 2] or [G, R, 2], attn_type
@@ -37,6 +37,10 @@ def block_areas(mask: AttnSlices, cp_size: int, head_groups: int = 1, impl: str 
     impl:        "torch", "triton", or "auto" (Triton on CUDA, torch elsewhere).
     tiles:       n sub-chunk tiles per rank's chunk (units of c / n tokens; S
                  divisible by n * P).
+    flag_errors: record a reversed or out-of-range slice row, or a bad type
+                 code, as a device error flag (``gpusolver.check_errors()``;
+                 no host read). The areas of such a mask are meaningless, and
+                 the plan built from them has INVALID_MASK in its status.
 
     Returns BlockAreas(area [G, U, U] int64, q_need / k_need [G, U, U, 2]
     int64, chunk = S / U, tiles = n) with U = n * P. Both implementations give
@@ -48,6 +52,10 @@ def block_areas(mask: AttnSlices, cp_size: int, head_groups: int = 1, impl: str 
         raise ValueError(f"tiles must be a positive int, got {tiles!r}")
     if impl == "auto":
         impl = "triton" if isinstance(mask, AttnSlices) and mask.device.type == "cuda" else "torch"
+    if flag_errors and isinstance(mask, AttnSlices):
+        from gpusolver.errors import record_slices
+
+        record_slices("block_areas", mask)
     units = cp_size * tiles
     areas = block_areas_triton(mask, units, head_groups) if impl == "triton" else \
         block_areas_torch(mask, units, head_groups)

@@ -14,9 +14,9 @@ import torch
 
 from gpusolver.masks.slices import ATTN_TYPE_NAMES, BI_CAUSAL, CAUSAL, INV_CAUSAL
 
-# Overlap is checked through a dense [S_q, S_k] coverage map; above this many
-# entries the default skips it (pass check_overlap=True to force it).
-OVERLAP_CHECK_MAX_ENTRIES = 2 ** 24
+# Overlap is checked pair by pair (exact, O(R^2) per group, any S); above this many
+# slice rows per group the default skips it (pass check_overlap=True to force it).
+OVERLAP_CHECK_MAX_SLICES = 4096
 
 
 def check_heads(num_heads_q: int, num_heads_kv: int) -> int:
@@ -77,29 +77,75 @@ def _check_ranges(name: str, ranges: np.ndarray, total: int, total_name: str, gr
     raise ValueError(f"{name} {_where(grouped, g)}row {r}: [{s}, {e}) is outside [0, {total_name}={total})")
 
 
-def _check_overlap(q: np.ndarray, k: np.ndarray, t: np.ndarray, s_q: int, s_k: int, grouped: bool) -> None:
+_FAR = 1 << 40  # "no diagonal": farther than any offset of int32 ranges
+
+
+def _diagonals(q: torch.Tensor, k: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per slice, the valid offsets ``k - q`` lie in ``[lo, hi]``: CAUSAL bounds hi, INV_CAUSAL lo."""
+    causal = (t == CAUSAL) | (t == BI_CAUSAL)
+    inv = (t == INV_CAUSAL) | (t == BI_CAUSAL)
+    hi = torch.where(causal, k[..., 1] - q[..., 1], _FAR)
+    lo = torch.where(inv, k[..., 0] - q[..., 0], -_FAR)
+    return lo, hi
+
+
+def overlap_witness(q: torch.Tensor, k: torch.Tensor, t: torch.Tensor, rows: torch.Tensor,
+                    others: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Which slices of ``others`` share an entry with each slice of ``rows``, and the first one.
+
+    q, k: ``[..., R, 2]`` int64 ranges, t: ``[..., R]`` int64 types (a leading group
+    dim is carried); rows ``[A]``, others ``[B]`` int64 slice indices. Returns
+    ``(clash [..., A, B] bool, wq, wk [..., A, B] int64)``: the lexicographically first
+    entry (q, k) covered by both (meaningful where clash). Exact and O(A * B): two slices
+    meet iff some q in both query ranges has ``max(k0, q + lo) <= min(k1 - 1, q + hi)``,
+    which is an interval condition on q. Padding rows (an empty range) meet nothing.
+    Sync-free (torch ops, static shapes): the device twin is built on it too.
+    """
+    lo, hi = _diagonals(q, k, t)
+    def pick(x, idx):
+        return x.index_select(-1 if x.dim() == t.dim() else -2, idx)
+    qa, qb = pick(q, rows)[..., :, None, :], pick(q, others)[..., None, :, :]
+    ka, kb = pick(k, rows)[..., :, None, :], pick(k, others)[..., None, :, :]
+    q0, q1 = torch.maximum(qa[..., 0], qb[..., 0]), torch.minimum(qa[..., 1], qb[..., 1])
+    k0, k1 = torch.maximum(ka[..., 0], kb[..., 0]), torch.minimum(ka[..., 1], kb[..., 1])
+    dlo = torch.maximum(pick(lo, rows)[..., :, None], pick(lo, others)[..., None, :])
+    dhi = torch.minimum(pick(hi, rows)[..., :, None], pick(hi, others)[..., None, :])
+    first = torch.maximum(q0, k0 - dhi)
+    last = torch.minimum(q1 - 1, k1 - 1 - dlo)
+    clash = (first <= last) & (k0 < k1) & (dlo <= dhi)
+    return clash, first, torch.maximum(k0, first + dlo)
+
+
+def _check_overlap(q: np.ndarray, k: np.ndarray, t: np.ndarray, grouped: bool, block: int = 512) -> None:
+    """The first slice row (in order) that covers an entry an earlier row covers, per group."""
+    tq, tk, tt = torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(t)
+    R = q.shape[1]
     for g in range(q.shape[0]):
-        covered = np.zeros((s_q, s_k), dtype=bool)
-        rows = []
-        for r in range(q.shape[1]):
-            (qs, qe), (ks, ke), ty = q[g, r].tolist(), k[g, r].tolist(), int(t[g, r])
-            rows.append(((qs, qe), (ks, ke), ty))
-            if qs == qe or ks == ke:
+        for a in range(0, R, block):
+            rows = torch.arange(a, min(a + block, R))
+            clash, wq, wk = overlap_witness(tq[g], tk[g], tt[g], rows, torch.arange(R))
+            clash &= torch.arange(R)[None, :] < rows[:, None]             # earlier rows only
+            hit = clash.any(1).nonzero()
+            if not hit.numel():
                 continue
-            lo, hi = _row_bounds(qs, qe, ks, ke, ty)
-            cols = np.arange(ks, ke, dtype=np.int64)
-            rect = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])
-            clash = covered[qs:qe, ks:ke] & rect
-            if clash.any():
-                dq, dk = np.argwhere(clash)[0].tolist()
-                qq, kk = qs + dq, ks + dk
-                first = next(j for j in range(r) if _covers(rows[j], qq, kk))
-                raise ValueError(
-                    f"q_ranges/k_ranges {_where(grouped, g)}row {r} ({ATTN_TYPE_NAMES[ty]} "
-                    f"q [{qs}, {qe}) k [{ks}, {ke})) covers entry (q={qq}, k={kk}) already covered by "
-                    f"row {first} (q [{rows[first][0][0]}, {rows[first][0][1]}) "
-                    f"k [{rows[first][1][0]}, {rows[first][1][1]})); slices must not overlap")
-            covered[qs:qe, ks:ke] |= rect
+            i = int(hit[0, 0])
+            r = a + i
+            js = clash[i].nonzero()[:, 0]
+            # the first entry row r shares with any earlier row, and the first row covering it
+            key = wq[i, js] * (1 << 32) + wk[i, js]
+            qq, kk = int(wq[i, js[key.argmin()]]), int(wk[i, js[key.argmin()]])
+            first = next(int(j) for j in js if bool(_covers_t(tq[g, j], tk[g, j], tt[g, j], qq, kk)))
+            (qs, qe), (ks, ke), ty = q[g, r].tolist(), k[g, r].tolist(), int(t[g, r])
+            (fqs, fqe), (fks, fke) = q[g, first].tolist(), k[g, first].tolist()
+            raise ValueError(
+                f"q_ranges/k_ranges {_where(grouped, g)}row {r} ({ATTN_TYPE_NAMES.get(ty, ty)} "
+                f"q [{qs}, {qe}) k [{ks}, {ke})) covers entry (q={qq}, k={kk}) already covered by "
+                f"row {first} (q [{fqs}, {fqe}) k [{fks}, {fke})); slices must not overlap")
+
+
+def _covers_t(q: torch.Tensor, k: torch.Tensor, t: torch.Tensor, qq: int, kk: int) -> bool:
+    row = (tuple(q.tolist()), tuple(k.tolist()), int(t))
+    return _covers(row, qq, kk)
 
 
 def validate_slices(mask, cp_size: int | None = None, check_overlap: bool | None = None) -> None:
@@ -109,8 +155,9 @@ def validate_slices(mask, cp_size: int | None = None, check_overlap: bool | None
     (when given); every q range lies in ``[0, total_seqlen_q]`` with start <= end,
     every k range likewise against ``total_seqlen_k``; every ``attn_type`` is a
     code 0..3; and no (q, k) entry is covered by two slices of the same group.
-    The overlap check builds a dense [S_q, S_k] coverage map per group, so by
-    default (``check_overlap=None``) it runs only when ``S_q * S_k <= 2**24``.
+    The overlap check compares slices pair by pair in closed form (exact at any
+    S; ``overlap_witness``), so by default (``check_overlap=None``) it runs when
+    a group has at most ``OVERLAP_CHECK_MAX_SLICES`` rows.
 
     Reads the tensors on the host: not for the hot path.
     """
@@ -133,9 +180,9 @@ def validate_slices(mask, cp_size: int | None = None, check_overlap: bool | None
             f"attn_type {_where(mask.grouped, g)}row {r}: code {int(t[g, r])} is not one of "
             f"0 FULL, 1 CAUSAL, 2 INV_CAUSAL, 3 BI_CAUSAL")
     if check_overlap is None:
-        check_overlap = s_q * s_k <= OVERLAP_CHECK_MAX_ENTRIES
+        check_overlap = q.shape[1] <= OVERLAP_CHECK_MAX_SLICES
     if check_overlap:
-        _check_overlap(q, k, t, s_q, s_k, mask.grouped)
+        _check_overlap(q, k, t, mask.grouped)
 
 
 def slices_to_dense(mask, head_group: int = 0) -> torch.Tensor:

@@ -31,14 +31,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import zlib
+
 import torch
 
 from attn_kernels import flex_attn, flex_attn_backward, merge_out_lse, row_delta
+from gpusolver import errors
 from gpusolver.nvtx import nvtx_range
 from gpusolver.plan import IMBALANCED, Plan
 from gpusolver.runtime.layout import from_group_major, to_group_major
 from gpusolver.support import check_supported
-from groupcomm import TorchGroup, group_cast, group_reduce, host_splits
+from groupcomm import CollectiveError, TorchGroup, group_cast, group_reduce, host_splits
+
+# The stages run the plan's own tables, checked once per layer through the plan's status
+# (validation: plan.validate(); sync-free: one device flag), so the calls skip their own checks.
+_INTERNAL = dict(validate=False, flag_errors=False)
 
 
 @dataclass(frozen=True)
@@ -123,12 +130,12 @@ class _DistAttn(torch.autograd.Function):
         ql, kl, vl = (to_group_major(x, G, lead).contiguous() for x in (q, k, v))
         with nvtx_range("comm/cast fwd.qo fwd.kv"):
             cast_q = group_cast([ql], routes.qo_index, routes.qo_split, cap, group, phase="fwd.qo",
-                                host_split=routes.qo_host, async_op=True)
+                                host_split=routes.qo_host, async_op=True, flag_errors=False)
             cast_kv = group_cast([kl, vl], routes.kv_index, routes.kv_split, cap, group, phase="fwd.kv",
-                                 host_split=routes.kv_host, async_op=True)
+                                 host_split=routes.kv_host, async_op=True, flag_errors=False)
 
         def stage0(r, q_, k_, v_):
-            return flex_attn(q_, k_, v_, *_stage_slices(routes.plan, r, 0), scale)
+            return flex_attn(q_, k_, v_, *_stage_slices(routes.plan, r, 0), scale, **_INTERNAL)
 
         with nvtx_range("attn/fwd stage0"):
             o0, l0 = _per_rank(routes, stage0, ql, kl, vl)  # local work while the cast is in flight
@@ -137,7 +144,7 @@ class _DistAttn(torch.autograd.Function):
         q1, k1, v1 = _cat(ql, q_buf, lead), _cat(kl, k_buf, lead), _cat(vl, v_buf, lead)
 
         def stage1(r, q_, k_, v_):
-            return flex_attn(q_, k_, v_, *_stage_slices(routes.plan, r, 1), scale)
+            return flex_attn(q_, k_, v_, *_stage_slices(routes.plan, r, 1), scale, **_INTERNAL)
 
         with nvtx_range("attn/fwd stage1"):
             o1, l1 = _per_rank(routes, stage1, q1, k1, v1)
@@ -150,7 +157,7 @@ class _DistAttn(torch.autograd.Function):
         with nvtx_range("comm/reduce fwd.o"):
             o, lse = group_reduce([remote(o1).contiguous(), remote(l1).contiguous()], routes.qo_index,
                                   routes.qo_split, [o, lse], group, op="lse", phase="fwd.o",
-                                  host_split=routes.qo_host, deterministic=deterministic)
+                                  host_split=routes.qo_host, deterministic=deterministic, flag_errors=False)
         saved = (ql, kl, vl, o, lse) + ((q_buf, k_buf, v_buf) if keep else ())
         ctx.save_for_backward(*saved)
         ctx.routes, ctx.group, ctx.scale, ctx.keep, ctx.deterministic = routes, group, scale, keep, deterministic
@@ -171,7 +178,7 @@ class _DistAttn(torch.autograd.Function):
         sent = [d_o, lse, delta] + ([] if ctx.keep else [ql])
         with nvtx_range("comm/cast bwd.qo"):
             recv = group_cast(sent, routes.qo_index, routes.qo_split, cap, group, phase="bwd.qo",
-                              host_split=routes.qo_host)
+                              host_split=routes.qo_host, flag_errors=False)
         d_o_buf, lse_buf, delta_buf = recv[:3]
         if ctx.keep:
             q_buf, k_buf, v_buf = ctx.saved_tensors[5:]
@@ -179,11 +186,11 @@ class _DistAttn(torch.autograd.Function):
             q_buf = recv[3]
             with nvtx_range("comm/cast bwd.kv"):
                 k_buf, v_buf = group_cast([kl, vl], routes.kv_index, routes.kv_split, cap, group, phase="bwd.kv",
-                                          host_split=routes.kv_host)
+                                          host_split=routes.kv_host, flag_errors=False)
 
         def stage(s):
             def run(r, *t):
-                return flex_attn_backward(*t, *_stage_slices(routes.plan, r, s), scale)
+                return flex_attn_backward(*t, *_stage_slices(routes.plan, r, s), scale, **_INTERNAL)
             return run
 
         with nvtx_range("attn/bwd stage0"):
@@ -198,11 +205,11 @@ class _DistAttn(torch.autograd.Function):
         with nvtx_range("comm/reduce bwd.dq"):
             (dq,) = group_reduce([remote(dq1)], routes.qo_index, routes.qo_split, [dq0 + local(dq1)], group,
                                  op="sum", phase="bwd.dq", host_split=routes.qo_host,
-                                 deterministic=ctx.deterministic)
+                                 deterministic=ctx.deterministic, flag_errors=False)
         with nvtx_range("comm/reduce bwd.dkv"):
             dk, dv = group_reduce([remote(dk1), remote(dv1)], routes.kv_index, routes.kv_split,
                                   [dk0 + local(dk1), dv0 + local(dv1)], group, op="sum", phase="bwd.dkv",
-                                  host_split=routes.kv_host, deterministic=ctx.deterministic)
+                                  host_split=routes.kv_host, deterministic=ctx.deterministic, flag_errors=False)
         return (from_group_major(dq, G, lead), from_group_major(dk, G, lead), from_group_major(dv, G, lead),
                 None, None, None, None, None)
 
@@ -225,9 +232,88 @@ def _check_inputs(q, k, v, plan: Plan, group) -> None:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
 
 
+_MOD = (1 << 31) - 1  # digests live in [0, 2^31): every product below stays under 2^62
+
+
+def _weights(n: int, salt: int, device) -> torch.Tensor:
+    """[n] int64 pseudo-random weights in [1, 2^31), a fixed function of (position, salt)."""
+    w = (torch.arange(1, n + 1, dtype=torch.int64, device=device) * 2654435761 + salt * 40503) % _MOD
+    return (w * w + 12345) % _MOD + 1
+
+
+def plan_digest(plan: Plan) -> torch.Tensor:
+    """0-dim int64 digest of a plan's tensors (assignment, areas, stage tables, splits, status).
+
+    On the plan's device, no host read. Two ranks that solved different masks (or
+    the same mask under different configs) get different digests, except with
+    probability about 2^-31.
+    """
+    parts = (plan.assignment, plan.area, plan.calc.q_ranges, plan.calc.k_ranges, plan.calc.attn_type,
+             plan.comm.qo_split, plan.comm.kv_split, plan.status)
+    h = torch.zeros((), dtype=torch.int64, device=plan.assignment.device)
+    for salt, t in enumerate(parts):
+        x = t.reshape(-1).to(torch.int64) % _MOD
+        h = (h * 1000003 + (x * _weights(x.numel(), salt, x.device) % _MOD).sum()) % _MOD
+    return h
+
+
+def config_digest(*values) -> int:
+    """A host int digest of configuration values (their repr), stable across processes."""
+    return zlib.crc32(repr(values).encode()) & 0x7FFFFFFF
+
+
+def _digest_message(row: int, values: list[int]) -> str:
+    rank, other, what, _ = values
+    kind = "configuration" if what == 0 else "plan (a different mask, or a different solve)"
+    return (f"rank {other}'s {kind} digest differs from rank {rank}'s: every rank of the CP group must pass "
+            "the same mask and config (debug_digest)")
+
+
+errors.register("dist_attn", "plan digest", _digest_message)
+
+
+def check_plan_digest(plan: Plan, group, config_key: int, *, validate: bool) -> None:
+    """Debug mode: all-gather ``[config digest, plan digest]`` over the group and compare.
+
+    Validation mode raises ``ValueError`` naming the ranks that differ (one host read);
+    the sync-free mode records a device error flag instead (``gpusolver.check_errors()``).
+    ``LocalGroup`` runs every rank from one plan: nothing to compare. A peer that never
+    joins makes the all-gather fail within the group's timeout (``CollectiveError``).
+    """
+    if getattr(group, "batched", False):
+        return
+    import torch.distributed as dist
+
+    digest = plan_digest(plan)
+    mine = torch.stack([torch.full_like(digest, config_key), digest])
+    parts = [torch.empty_like(mine) for _ in range(group.size)]
+    pg = getattr(group, "process_group", None)
+    try:
+        work = dist.all_gather(parts, mine, group=pg, async_op=True)
+        timeout = getattr(group, "timeout", None)
+        work.wait() if timeout is None else work.wait(timeout)
+    except Exception as e:  # a peer that failed or stalled
+        raise CollectiveError(f"rank {group.rank}: plan digest all-gather over {group.size} ranks failed: {e}") \
+            from e
+    table = torch.stack(parts)                                        # [P, 2]
+    differ = table != mine[None]                                      # [P, 2]
+    if validate:
+        bad = differ.any(1).nonzero()
+        if bad.numel():
+            other = int(bad[0, 0])
+            what = 0 if bool(differ[other, 0]) else 1
+            raise ValueError(_digest_message(-1, [group.rank, other, what, 0]))
+        return
+    other = torch.arange(group.size, device=table.device)
+    what = differ[:, 0].logical_not().to(torch.int64)
+    values = torch.stack([torch.full_like(other, group.rank), other, what, torch.zeros_like(other)], 1)
+    errors.record("dist_attn", "plan digest", _digest_message, differ.any(1), values)
+
+
 def dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, group, *,
               softmax_scale: float | None = None, deterministic: bool = True, keep_forward_buffers: bool = True,
-              validate: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              validate: bool | None = None, debug_digest: bool = False,
+              config_key: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of this rank's query shard over the whole sequence, as ``plan`` assigns the work.
 
     Args:
@@ -245,6 +331,12 @@ def dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, gro
         validate: read ``plan.status`` on the host and raise on a capacity overflow or a
             mask the plan does not fit (default: on for CPU tensors; off on GPU, where
             reading it would sync, and under ``torch.compile``, where it would break the graph).
+            Off, the same check is one device error flag that ``gpusolver.check_errors()`` reads.
+        debug_digest: all-gather a digest of every rank's plan (and ``config_key``) before the
+            layer and raise (validation) or flag (sync-free) when the ranks differ: they were
+            given different masks or configs. One small collective per call: a debug mode.
+        config_key: a host int digest of the caller's configuration (``config_digest``);
+            default: one of the plan's shape (P, c, G, capacities, mu).
 
     Returns:
         out ``[c, Hq, D]`` in q's dtype and lse ``[c, Hq]`` fp32 (natural log; a row with
@@ -257,6 +349,14 @@ def dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, gro
         validate = q.device.type == "cpu" and not torch.compiler.is_compiling()  # a host read breaks the graph
     if validate:
         plan.validate(ignore=IMBALANCED)  # an imbalanced plan is slow, not wrong
+    else:
+        errors.record_plan(plan, "dist_attn")
+    if debug_digest:
+        if config_key is None:
+            m = plan.comm
+            config_key = config_digest(m.cp_size, m.chunk, m.head_groups, m.tiles, m.recv_capacity,
+                                       m.send_capacity, plan.calc.capacity, plan.imbalance_tol)
+        check_plan_digest(plan, group, config_key, validate=validate)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     with nvtx_range("solve/routes"):
         routes = layer_routes(plan, group)

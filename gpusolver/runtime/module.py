@@ -19,12 +19,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from gpusolver import errors
 from gpusolver.config import SolverConfig
 from gpusolver.masks.slices import AttnSlices
 from gpusolver.masks.sparse import NSALayerMask
 from gpusolver.nvtx import nvtx_range
 from gpusolver.plan import Plan
-from gpusolver.runtime.dist_attn import dist_attn
+from gpusolver.runtime.dist_attn import config_digest, dist_attn
 from gpusolver.runtime.sparse_attn import (SPARSE_MASKS, local_selection, mask_on_device, solve_sparse_sharded,
                                            sparse_dist_attn)
 from gpusolver.solve import solve
@@ -61,6 +62,9 @@ class PlanCache:
 
 
 _DEFAULT_CACHE = PlanCache()
+_SPARSE_MESSAGE = "holds a selection index outside its range or selected twice (mask.validate() names the row)"
+for _kind in SPARSE_MASKS:
+    errors.register("DynamicCPAttention", _kind.__name__, _SPARSE_MESSAGE)
 
 
 def _on_device(mask: AttnSlices, device: torch.device) -> AttnSlices:
@@ -88,15 +92,26 @@ class DynamicCPAttention(nn.Module):
         softmax_scale, deterministic: as in ``dist_attn``.
         plan_cache: shared ``PlanCache`` (default: the process-wide one).
         validate: host-side checks of the mask and the plan (default: on for CPU tensors, off
-            under ``torch.compile``).
+            under ``torch.compile``). Off, the same checks are device error flags.
+        check_every: read the device error flags (``gpusolver.check_errors()``, one host read)
+            every N forward calls of this module and raise on the first error; None never
+            (call ``check_errors()`` yourself, e.g. at the end of a step).
+        debug_digest: all-gather a digest of every rank's config and plan each call and raise
+            (validation) or flag (sync-free) when the ranks hold different masks or configs.
     """
 
     def __init__(self, group, config: SolverConfig, *, solver: str = "device", impl: str = "auto",
                  softmax_scale: float | None = None, deterministic: bool = True,
-                 plan_cache: PlanCache | None = None, validate: bool | None = None):
+                 plan_cache: PlanCache | None = None, validate: bool | None = None,
+                 check_every: int | None = None, debug_digest: bool = False):
         super().__init__()
         if config.cp_size != group.size:
             raise ValueError(f"config.cp_size={config.cp_size} but the group has {group.size} ranks")
+        if check_every is not None and (isinstance(check_every, bool) or not isinstance(check_every, int)
+                                        or check_every < 1):
+            raise ValueError(f"check_every must be a positive int (forward calls) or None, got {check_every!r}")
+        self.check_every, self.debug_digest = check_every, bool(debug_digest)
+        self._calls = 0
         self.group = group
         self.config = config
         self.solver, self.impl = solver, impl
@@ -112,6 +127,9 @@ class DynamicCPAttention(nn.Module):
             validate = (device.type == "cpu" and not torch.compiler.is_compiling()) if self.validate is None \
                 else self.validate
             if isinstance(mask, SPARSE_MASKS):  # sharded indexer flow: local area rows, all-gather, solve
+                if not validate:
+                    errors.record("DynamicCPAttention", type(mask).__name__, _SPARSE_MESSAGE,
+                                  mask_on_device(mask, device).value_error())
                 plan = solve_sparse_sharded(mask_on_device(mask, device), self.config, self.group,
                                             solver=self.solver, impl=self.impl, validate=validate)
             else:
@@ -132,6 +150,17 @@ class DynamicCPAttention(nn.Module):
         ``(out_sel, out_win)`` (with lse: ``((out, lse), (out, lse))``)."""
         if (mask is None) == (plan is None):
             raise ValueError("pass exactly one of mask= and plan=")
+        if not torch.compiler.is_compiling():
+            errors.arm(q.device)  # the flag table exists before a compiled call records into it
+        res = self._forward(q, k, v, mask, plan, mask_name, return_lse)
+        # under torch.compile the read would break the graph: call check_errors() outside it
+        if self.check_every is not None and not torch.compiler.is_compiling():
+            self._calls += 1
+            if self._calls % self.check_every == 0:
+                errors.check_errors()
+        return res
+
+    def _forward(self, q, k, v, mask, plan, mask_name: str, return_lse: bool):
         if isinstance(mask, SPARSE_MASKS):
             # the rank's own selection rows travel with its queries; an NSALayerMask gives one
             # (out, lse) per branch (selection, window)
@@ -148,7 +177,9 @@ class DynamicCPAttention(nn.Module):
                 plan = self.plan_for(mask, q.device, mask_name)
             out, lse = dist_attn(q, k, v, plan, self.group, softmax_scale=self.softmax_scale,
                                  deterministic=self.deterministic,
-                                 keep_forward_buffers=self.config.keep_forward_buffers, validate=self.validate)
+                                 keep_forward_buffers=self.config.keep_forward_buffers, validate=self.validate,
+                                 debug_digest=self.debug_digest,
+                                 config_key=config_digest(self.config) if self.debug_digest else None)
         return (out, lse) if return_lse else out
 
     def extra_repr(self) -> str:
