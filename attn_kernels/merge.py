@@ -168,6 +168,10 @@ def _check(out_a, lse_a, out_b, lse_b, names) -> None:
         raise ValueError(f"{na} must be [T, H, D], got {tuple(out_a.shape)}")
     if out_b.shape != out_a.shape:
         raise ValueError(f"{nb} shape {tuple(out_b.shape)} must equal {na} shape {tuple(out_a.shape)}")
+    if not out_a.dtype.is_floating_point:
+        raise ValueError(f"{na} must be fp16, bf16 or fp32, got {out_a.dtype}")
+    if out_b.dtype != out_a.dtype:
+        raise ValueError(f"{nb} is {out_b.dtype} but {na} is {out_a.dtype}: they must match")
     for name, lse in ((la, lse_a), (lb, lse_b)):
         if tuple(lse.shape) != tuple(out_a.shape[:2]):
             raise ValueError(f"{name} must be [T, H] = {list(out_a.shape[:2])}, got {list(lse.shape)}")

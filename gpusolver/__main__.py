@@ -127,11 +127,14 @@ def _check(args, subs) -> None:
     if args.command == "demo" and args.check and args.tokens_per_rank * (args.cp_size or 8) > 16384:
         p.error(f"S = {args.tokens_per_rank * (args.cp_size or 8)} tokens: the demo checks every layer against "
                 "dense attention, so keep S <= 16384 or pass --no-check")
-    if getattr(args, "plan", None) and args.command == "show":
-        import os
+    import os
 
+    if getattr(args, "plan", None) and args.command == "show":
         if not os.path.exists(args.plan):
             p.error(f"--plan {args.plan}: no such file")
+    save = getattr(args, "save", None)
+    if save and not os.path.isdir(os.path.dirname(os.path.abspath(save))):
+        p.error(f"--save {save}: the folder {os.path.dirname(os.path.abspath(save))} does not exist")
 
 
 def main(argv=None) -> int:

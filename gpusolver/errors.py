@@ -196,7 +196,7 @@ OVERLAP_FLAG_MAX_SLICES = 512
 
 def _overlap_message(row: int, values: list[int]) -> str:
     """values = (q, k of a shared entry, the earlier row, rows per group or 0)."""
-    qq, kk, first, rows_per_group, _ = values
+    qq, kk, first, rows_per_group = values[:4]
     where = f"[group {row // rows_per_group}] row {row % rows_per_group}" if rows_per_group else f"row {row}"
     return (f"q_ranges/k_ranges {where} covers entry (q={qq}, k={kk}) already covered by row {first}; "
             "slices must not overlap")
@@ -240,7 +240,7 @@ def _plan_message(row: int, values: list[int]) -> str:
     """values = (status, most slice rows a stage needs, most rows a rank receives, its capacity)."""
     from gpusolver.plan.meta import BUFFER_OVERFLOW, CALC_OVERFLOW, INVALID_MASK, NEED_MISMATCH, UNASSIGNED
 
-    status, need, recv, cap = values
+    status, need, recv, cap = values[:4]
     parts = []
     if status & CALC_OVERFLOW:
         parts.append(f"CALC_OVERFLOW: a rank's stage needs {need} slice rows, more than its capacity "

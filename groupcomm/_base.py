@@ -70,7 +70,7 @@ _ROUTING_ARGS = ("split", "split", "split", "send_index")
 
 def _routing_message(row: int, values: list[int]) -> str:
     """values = (check, rank, count, limit); ``row`` is the rank (or the flat send position)."""
-    check, rank, count, limit = values
+    check, rank, count, limit = values[:4]
     if check == 0:
         return f"split has a negative entry {count} in row {rank}"
     if check == 1:

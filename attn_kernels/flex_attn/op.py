@@ -207,7 +207,7 @@ _SLICE_ARGS = ("q_ranges", "k_ranges", "attn_type")
 
 def _slice_message(row: int, values: list[int]) -> str:
     """The message of a flagged slice row: values = (argument index, start or code, end, limit)."""
-    which, a, b, limit = values
+    which, a, b, limit = values[:4]
     if which == 2:
         return f"attn_type[{row}] = {a} must be 0 FULL, 1 CAUSAL, 2 INV_CAUSAL or 3 BI_CAUSAL"
     name = _SLICE_ARGS[which]

@@ -133,6 +133,8 @@ def launch_block_areas(mask: AttnSlices, cp_size: int, head_groups: int, block_r
     q_need = torch.empty(G, P, P, 2, dtype=torch.int64, device=device)
     k_need = torch.empty(G, P, P, 2, dtype=torch.int64, device=device)
     grid = (G, P, triton.cdiv(P, block_j))
+    if device.type == "meta":  # shapes only: no data to run the kernel on (the meta-device proof)
+        return BlockAreas(area=area, q_need=q_need, k_need=k_need, chunk=chunk).expand_groups(head_groups)
     _block_areas_kernel[grid](
         q, k, t, area, q_need, k_need,
         R, P, chunk,

@@ -10,8 +10,12 @@ def run(args) -> int:
     if args.plan:
         from gpusolver.plan.io import load_plan, load_plan_config
 
-        plan = load_plan(args.plan)
-        config = load_plan_config(args.plan)
+        try:
+            plan = load_plan(args.plan)
+            config = load_plan_config(args.plan)
+        except Exception as e:  # not a file Plan.save wrote: one line, not a traceback
+            raise SystemExit(f"gpusolver show: error: --plan {args.plan} is not a saved plan "
+                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
         if config is None:
             raise SystemExit(f"gpusolver show: {args.plan} was saved without its SolverConfig; "
                              "save it with plan.save(path, config=config)")
