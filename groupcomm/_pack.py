@@ -34,7 +34,12 @@ def row_layout(tensors: list[torch.Tensor], lead: int) -> RowLayout:
 
 def as_bytes(t: torch.Tensor, lead: int) -> torch.Tensor:
     """``[*lead, n, *f]`` -> ``[*lead, n, bytes(f)]`` uint8 (a view when t is contiguous)."""
-    return t.reshape(*t.shape[:lead + 1], prod(t.shape[lead + 1:])).contiguous().view(torch.uint8)
+    x = t.reshape(*t.shape[:lead + 1], prod(t.shape[lead + 1:]))
+    if x.stride(-1) != 1:
+        # a last dim of size 1 may keep any stride and still count as contiguous (an lse of one
+        # head per row is [n, 1] with stride n), but a dtype view needs stride 1 there
+        x = x.clone(memory_format=torch.contiguous_format)
+    return x.contiguous().view(torch.uint8)
 
 
 def pack(tensors: list[torch.Tensor], lead: int) -> torch.Tensor:

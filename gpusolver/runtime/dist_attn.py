@@ -264,9 +264,9 @@ def config_digest(*values) -> int:
 
 def _digest_message(row: int, values: list[int]) -> str:
     rank, other, what = values[:3]
-    kind = "configuration" if what == 0 else "plan (a different mask, or a different solve)"
-    return (f"rank {other}'s {kind} digest differs from rank {rank}'s: every rank of the CP group must pass "
-            "the same mask and config (debug_digest)")
+    kind, why = ("configuration", "another config") if what == 0 else ("plan", "another mask or solve")
+    return (f"rank {other}'s {kind} digest differs from rank {rank}'s ({why}): every rank of the CP group "
+            "must pass the same mask and config (debug_digest)")
 
 
 errors.register("dist_attn", "plan digest", _digest_message)

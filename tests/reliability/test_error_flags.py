@@ -1,0 +1,120 @@
+"""Device error flags: recorded without a host read, read once by check_errors(), first error first."""
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from attn_kernels import flex_attn
+from gpusolver import SolverConfig, block_areas, check_errors, errors
+from gpusolver.masks import AttnSlices, causal_mask
+from gpusolver.runtime import DynamicCPAttention, shard
+from groupcomm import LocalGroup, group_cast
+from tests.reliability._cases import D, clean_flags, flagged, qkv, quiet, slices
+
+_BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(autouse=True)
+def _flags():
+    with clean_flags():
+        yield
+
+
+@pytest.fixture(scope="module")
+def counter():
+    spec = importlib.util.spec_from_file_location("_rel_common", _BENCH / "_common.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    yield mod.LaunchCounter
+    sys.modules.pop(spec.name, None)
+
+
+def _bad_ranges():
+    return (torch.tensor([[0, 64], [0, 64]], dtype=torch.int32), torch.tensor([[0, 32], [32, 99]], dtype=torch.int32),
+            torch.tensor([0, 0], dtype=torch.int32))
+
+
+def test_recording_reads_nothing_on_the_host(counter):
+    q, k, v = qkv(64, 64)
+    mask = slices([(0, 8, 0, 8, 1), (8, 20, 8, 16, 5)], 16)
+    with counter() as c:
+        flex_attn(q, k, v, *_bad_ranges(), validate=False)
+        block_areas(mask, 2)
+        group_cast([torch.randn(2, 3, 4)], torch.tensor([[0, 1, 2], [0, -1, -1]]), torch.tensor([[0, 3], [1, 0]]),
+                   2, LocalGroup(2))
+    assert c.host_reads == 0, c.by_op
+    msg = flagged("flex_attn: k_ranges")
+    assert "also: block_areas:" in msg and "group_cast" in msg    # every error listed, first in time first
+
+
+def test_first_error_in_time_and_hit_counts():
+    q, k, v = qkv(64, 64)
+    block_areas(slices([(0, 8, 0, 8, 9)], 8), 1)                  # first: a bad type in a mask
+    for _ in range(3):
+        flex_attn(q, k, v, *_bad_ranges(), validate=False)       # then three bad kernel calls
+    found = errors.pending()
+    assert [e["op"] for e in found] == ["block_areas", "flex_attn"]
+    assert found[1]["hits"] == 3 and found[1]["row"] == 1 and found[1]["values"][:4] == [1, 32, 99, 64]
+    msg = flagged(r"^block_areas: attn_type row 0: code 9")
+    assert "also: flex_attn: k_ranges[1] = [32, 99)" in msg
+
+
+def test_clean_calls_flag_nothing():
+    q, k, v = qkv(64, 64)
+    qr, kr, t = _bad_ranges()
+    kr[1, 1] = 64
+    flex_attn(q, k, v, qr, kr, t, validate=False)
+    block_areas(causal_mask(64), 4, 2)
+    assert errors.pending() == []
+    check_errors()
+
+
+def test_meta_and_fake_tensors_record_nothing():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    q, k, v = (x.to("meta") for x in qkv(64, 64))
+    flex_attn(q, k, v, *(x.to("meta") for x in _bad_ranges()), validate=False)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fq, fk, fv = qkv(64, 64)
+        block_areas(AttnSlices(torch.tensor([[0, 8]]), torch.tensor([[0, 99]]), torch.tensor([0]), 8, 8), 1)
+    assert errors.pending() == []
+
+
+def test_flags_under_torch_compile_without_recompiling():
+    """flex_attn compiled with fullgraph records its flags in the graph; new bad values do not recompile."""
+    torch._dynamo.reset()
+    q, k, v = qkv(64, 64)
+
+    def layer(q, k, v, qr, kr, t):
+        out, lse = flex_attn(q, k, v, qr, kr, t, validate=False)
+        return out * 2, lse
+
+    cnt = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(layer, backend=cnt, fullgraph=True)
+    qr, kr, t = _bad_ranges()
+    compiled(q, k, v, qr, kr, t)
+    flagged(r"flex_attn: k_ranges\[1\] = \[32, 99\)")
+    t[0] = 5
+    kr[1, 1] = 64
+    compiled(q, k, v, qr, kr, t)
+    flagged(r"flex_attn: attn_type\[0\] = 5")
+    assert cnt.frame_count == 1
+
+
+def test_module_checks_every_n_calls():
+    P, Hq, Hkv = 2, 2, 1
+    config = SolverConfig(cp_size=P, num_heads_q=Hq, num_heads_kv=Hkv, head_dim=D, dtype=torch.float32)
+    with pytest.raises(ValueError, match="check_every must be a positive int"):
+        DynamicCPAttention(LocalGroup(P), config, check_every=0)
+    attn = DynamicCPAttention(LocalGroup(P), config, validate=False, solver="reference", check_every=2)
+    bad = slices([(0, 16, 0, 16, 1), (16, 32, 16, 32, 6)], 32)
+    q, k, v = (shard(x, attn.group) for x in qkv(32, 32, Hq, Hkv))
+    with quiet():
+        attn(q, k, v, bad)                               # call 1: flagged, not read yet
+        assert errors.pending()
+        with pytest.raises(ValueError, match=r"attn_type row 1: code 6"):
+            attn(q, k, v, bad)                           # call 2: the check reads and raises
+        assert errors.pending() == []
