@@ -314,15 +314,21 @@ def main(argv=None) -> dict:
             row = run_case(kind, P, c, args.seed, areas, key_used, spec, t_index, groups, hkv)
             rows.append(row)
         print(f"{kind} P={P} c={c}: {time.perf_counter() - t0:.1f} s (indexer {t_index:.1f} s)", flush=True)
-    text = "\n".join([
-        f"## Sparse masks from the reference indexers: Hq = {HQ}, D = {D}, bf16, mu = 1.10, seed {args.seed}",
-        "", "Bottlenecks in MB (10^6 B) per pass; KV moved as hulls per (unit, destination).", "",
-        markdown_table(rows, COLUMNS), "",
-        "### KV as hulls vs exact token sets (solver plan, and owner-computes)", "",
-        markdown_table(rows, EXACT_COLUMNS), ""])
+    text = render(rows, args.seed)
     print(text)
     write_results(args.json, {"provenance": _provenance(), "rows": rows}, args.md, text)
     return {"rows": rows, "text": text}
+
+
+def render(rows: list[dict], seed: int) -> str:
+    """The markdown tables of a run's rows."""
+    return "\n".join([
+        f"## Sparse masks from the reference indexers: Hq = {HQ}, D = {D}, bf16, mu = 1.10, seed {seed}",
+        "", "Bottlenecks in MB (10^6 B) per pass, KV priced as hulls per (unit, destination) (what the "
+        "solver prices; DSA moves them). NSA moves key blocks by default: its `blocks` columns below.", "",
+        markdown_table(rows, COLUMNS), "",
+        "### KV as hulls vs exact token sets (solver plan, and owner-computes)", "",
+        markdown_table(rows, EXACT_COLUMNS), ""])
 
 
 if __name__ == "__main__":
