@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpusolver.areas import block_areas_torch, block_areas_triton
+from gpusolver.areas import block_areas, block_areas_torch, block_areas_triton
+from gpusolver.config import SolverConfig
 from gpusolver.masks import packed_documents
+from gpusolver.solver.device import solve_device
 from tests._testing import assert_close
 
 _BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -116,6 +118,30 @@ def test_launch_counter_counts_host_reads_and_views(benches):
     assert c.host_reads == 2  # .item() and nonzero
     assert c.view_ops >= 1 and c.aten_ops >= 5
     assert c.launches == c.aten_ops - c.view_ops
+    # reads that reach no op on a CPU tensor (on a GPU they copy first): counted too, once each
+    import numpy as np
+    with LaunchCounter() as c:
+        x.tolist()
+        x.numpy()
+        np.asarray(x)                      # __array__, which calls numpy(): one read
+        bool(x[1] > 0)
+        int(x[2])
+    assert c.host_reads == 5 and c.by_op["tolist/numpy"] == 3
+    assert "tolist" not in torch.Tensor.__dict__  # unpatched on exit
+
+
+def test_launch_counter_counts_device_to_host_copies(benches):
+    """A copy from a device to the CPU is a host read (fake CUDA tensors stand in for a GPU)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    is_host_copy = benches["_common"]._is_host_copy
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        gpu, cpu = torch.empty(3, device="cuda"), torch.empty(3)
+    aten = torch.ops.aten
+    assert is_host_copy(aten._to_copy.default, (gpu,), {}, cpu)          # .cpu(), .to("cpu")
+    assert is_host_copy(aten.copy_.default, (cpu, gpu), {}, cpu)          # cpu_tensor.copy_(gpu_tensor)
+    assert not is_host_copy(aten.copy_.default, (gpu, cpu), {}, gpu)      # host to device: no read
+    assert not is_host_copy(aten._to_copy.default, (cpu,), {}, cpu)
+    assert not is_host_copy(aten.add.Tensor, (gpu,), {}, cpu)
 
 
 def test_launch_counter_counts_triton_launches(benches):
@@ -180,28 +206,55 @@ def test_bad_cli_arguments_exit(benches):
         benches["solver_latency"].main(["--repeats", "0"])
 
 
-def test_launches_static_loop(tmp_path):
+def test_launch_formula_equals_a_counted_solve(benches, tmp_path):
+    """The benchmark's per-solve count (fixed + rounds x per round + restarts x per restart, from
+    short solves) equals the launches counted over one real default solve, rounds and restarts
+    included (the torch path: a full solve takes a second here)."""
+    common = benches["_common"]
     saved_path, saved_threads = list(sys.path), torch.get_num_threads()
     try:
-        payload = _load("solver_launches").main(["--P", "2", "--json", str(tmp_path / "l.json")])
+        mod = _load("solver_launches")
+        payload = mod.main(["--P", "2", "--paths", "torch", "--json", str(tmp_path / "l.json")])
+        (row,) = payload["rows"]
+        config = SolverConfig(cp_size=2)
+        areas = block_areas(common.make_mask("causal", 2, seed=0), 2, config.head_groups, impl="torch")
+        with common.LaunchCounter() as c:
+            solve_device(areas, config, impl="torch")
     finally:
         sys.path[:] = saved_path
         torch.set_num_threads(saved_threads)
         sys.modules.pop("_bench_solver_launches", None)
-    rows = {r["path"]: r for r in payload["rows"]}
-    assert set(rows) == {"torch", "triton", "persistent"}
-    for r in rows.values():
-        assert r["host_reads"] == 0
-        assert r["per_solve"] == r["fixed"] + r["rounds"] * r["per_round"] + r["restarts"] * r["per_restart"]
-        assert r["restarts"] == 2  # rounds 8 and 16 of 24 at P = 2
-    assert rows["triton"]["triton_per_solve"] >= rows["triton"]["rounds"]  # fused kernels launch every round
-    assert 10 * rows["triton"]["per_round"] < rows["torch"]["per_round"]
-    # the persistent kernel runs every round: two Triton launches per solve (it and the transposed
-    # start), nothing per round
-    persistent = rows["persistent"]
-    assert persistent["per_round"] == persistent["per_restart"] == 0 and persistent["triton_per_solve"] == 2
-    assert rows["torch"]["per_restart"] > 0 and rows["triton"]["per_restart"] > 0
-    assert persistent["per_solve"] <= 64
+    assert row["restarts"] == 2  # rounds 8 and 16 of 24 at P = 2
+    assert c.launches == row["per_solve"] and c.host_reads == row["host_reads"] == 0
+
+
+def test_triton_paths_launch_a_static_loop(benches):
+    """Counted on real short solves of a small problem: the Triton path launches the same kernels
+    every round (a few, against the torch path's hundreds), the persistent path nothing per round."""
+    common = benches["_common"]
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        config = SolverConfig(cp_size=2, num_heads_q=4, num_heads_kv=1, head_dim=64)
+        areas = block_areas(common.make_mask("causal", 2, seed=0, tokens_per_rank=64), 2, 1, impl="torch")
+
+        def count(impl, rounds):
+            with common.LaunchCounter() as c:
+                solve_device(areas, config, impl=impl, rounds=rounds, restart_every=0)
+            assert c.host_reads == 0, (impl, rounds, c.by_op)
+            return c
+
+        tri = [count("triton", r) for r in (0, 1, 2)]
+        per_round = tri[1].launches - tri[0].launches
+        assert per_round == tri[2].launches - tri[1].launches > 0
+        assert tri[2].triton_launches - tri[1].triton_launches == tri[1].triton_launches - tri[0].triton_launches > 0
+        torch_round = count("torch", 2).launches - count("torch", 1).launches
+        assert 10 * per_round < torch_round
+        pers = [count("persistent", r) for r in (0, 2)]
+        # the transposed start, the round loop and the winner's state (two kernels): none per round
+        assert pers[0].launches == pers[1].launches and pers[1].triton_launches <= 4
+    finally:
+        torch.set_num_threads(saved)
 
 
 @pytest.mark.parametrize("bound_tiles", [1, 2])
