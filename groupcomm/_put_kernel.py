@@ -78,7 +78,7 @@ def put_rows(src: torch.Tensor, index: torch.Tensor, peer: torch.Tensor, row: to
         P, R, dst = peer_ptrs.shape[0], capacity, peer_ptrs
     if not src.is_contiguous():
         raise ValueError("put_rows: src must be contiguous")
-    if B == 0 or C == 0 or W == 0:
+    if B == 0 or C == 0 or W == 0 or src.device.type == "meta":  # meta: shapes only, no data to move
         return out
     block_w = min(triton.next_power_of_2(W), max(16, 4096 // block_rows))
     grid = (triton.cdiv(C, block_rows), B)

@@ -27,3 +27,14 @@ def test_pack_rows_whose_last_dim_is_one_with_any_stride():
         assert torch.equal(a, b)
     (cast,) = group_cast([lse_p], index, split, 3, LocalGroup(P))
     assert cast.shape == (P, 3, 1)
+
+
+def test_put_kernel_launcher_on_meta():
+    """LocalGroup(impl="triton") ran the put kernel on meta tensors and failed ("cannot copy out of
+    meta tensor"): the layer could not be traced on meta with the Triton collectives."""
+    P = 2
+    rows = torch.empty(P, 3, 4, device="meta")
+    split = torch.tensor([[0, 2], [1, 0]], device="meta")
+    index = torch.tensor([[0, 1, -1], [2, -1, -1]], device="meta")
+    (buf,) = group_cast([rows], index, split, 3, LocalGroup(P, impl="triton"))
+    assert buf.shape == (P, 3, 4) and buf.device.type == "meta"
