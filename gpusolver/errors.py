@@ -139,6 +139,8 @@ def pending() -> list[dict]:
     """Every flagged error, first first (reads each device's table once; no reset)."""
     found = []
     for device, t in _state.items():
+        if t.device.type == "meta":  # a table traced on meta holds no values (and flags nothing)
+            continue
         host = t.cpu()  # the one device-to-host read per device
         for slot, (op, argument, message) in enumerate(_names):
             clock, hits, row, *vals = host[slot].tolist()
