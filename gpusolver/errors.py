@@ -50,8 +50,10 @@ def register(op: str, argument: str, message) -> int:
 
 def arm(device) -> None:
     """Make the flag table of ``device`` now (an eager call does it on first use). A table
-    first made while ``torch.compile`` traces costs one recompile; the CPU one exists at import."""
-    _table(torch.device(device))
+    first made while ``torch.compile`` traces costs one recompile; the CPU one exists at import.
+    Meta tensors hold no values, so they get no table."""
+    if torch.device(device).type != "meta":
+        _table(torch.device(device))
 
 
 def _slot(op: str, argument: str, message) -> int:
