@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo bench gpu-check clean
+.PHONY: install test fuzz demo bench gpu-check clean
 
 install: $(STAMP)
 
@@ -20,6 +20,13 @@ $(STAMP): pyproject.toml Makefile
 # two workers: the interpreted Triton tests are CPU-bound and independent
 test: install
 	TRITON_INTERPRET=1 $(PY) -m pytest -n 2 tests
+
+# The reliability fuzz harness: thousands of hypothesis cases over every layer (masks, areas, plans,
+# the solve up to 2^24 tokens and P = 128, kernels, the layer, collectives, sparse selections), fresh
+# draws each run; CI runs a bounded, derandomized subset of the same properties. About an hour on 2 cores.
+fuzz: install
+	TRITON_INTERPRET=1 $(PY) -m pytest -p no:cacheprovider --hypothesis-profile=fuzz --hypothesis-show-statistics \
+		tests/reliability/test_fuzz.py tests/reliability/test_solver_contract.py
 
 # P = 8 simulated ranks in one process, 4 layers of fresh packed-document masks,
 # forward and backward checked against dense attention; well under 2 minutes on 2 cores
