@@ -51,6 +51,7 @@ class BaselineVolumes:
 
     fwd_send, fwd_recv, bwd_send, bwd_recv: list[int], bytes per rank.
     fwd_bottleneck, bwd_bottleneck: int, max over ranks of max(send, recv).
+    step_bottleneck: int (property), their sum: a training step's bytes.
     """
 
     fwd_send: list
@@ -65,8 +66,12 @@ class BaselineVolumes:
         """Every rank sends and receives ``fwd`` bytes forward and ``bwd`` backward."""
         return cls([fwd] * cp_size, [fwd] * cp_size, [bwd] * cp_size, [bwd] * cp_size, fwd, bwd)
 
+    @property
+    def step_bottleneck(self) -> int:
+        return self.fwd_bottleneck + self.bwd_bottleneck
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "step_bottleneck": self.step_bottleneck}
 
 
 def _chunk(seqlen: int, cp_size: int) -> int:
@@ -201,11 +206,12 @@ def baseline_table(areas: BlockAreas, config: SolverConfig) -> dict[str, dict]:
 
     Returns ``{name: BaselineVolumes.to_dict()}`` for ``owner_computes``,
     ``ring``, ``all_gather_kv`` and ``usp``; each dict has ``fwd_bottleneck``
-    and ``bwd_bottleneck`` (int bytes) and the per-rank send / recv lists.
+    and ``bwd_bottleneck`` (int bytes), their sum ``step_bottleneck`` and the per-rank
+    send / recv lists. Tiled areas give the same figures as whole chunks.
     """
     if areas.cp_size != config.cp_size:
         raise ValueError(f"areas has P={areas.cp_size} but config.cp_size={config.cp_size}")
-    dims = dict(seqlen=areas.cp_size * areas.chunk, cp_size=config.cp_size, num_heads_q=config.num_heads_q,
+    dims = dict(seqlen=areas.cp_size * areas.rank_tokens, cp_size=config.cp_size, num_heads_q=config.num_heads_q,
                 num_heads_kv=config.num_heads_kv, head_dim=config.head_dim, dtype_bytes=config.dtype_bytes)
     cost = CommCost(config.num_heads_q, config.num_heads_kv, config.head_dim, config.dtype_bytes,
                     areas.head_groups, config.keep_forward_buffers)

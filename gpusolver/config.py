@@ -9,6 +9,11 @@ from gpusolver.limits import CONFIG_LIMITS, MAX_IMBALANCE_TOL, check_seqlen_limi
 from gpusolver.problem import CommCost
 
 
+# what the device solver minimises: a training step's forward plus backward bottleneck, or the
+# forward's alone (inference)
+OBJECTIVES = ("training", "forward")
+
+
 @dataclass(frozen=True)
 class SolverConfig:
     """What a solve needs to know besides the mask.
@@ -40,6 +45,13 @@ class SolverConfig:
                         delta go out and dQ, dK, dV come back. False re-sends
                         Q and K, V in the backward: less activation memory,
                         more bytes (see ``CommCost``).
+    objective:          what the device solver minimises among balanced plans.
+                        "training" (default): the bytes of a training step,
+                        ``max_r fwd_r + max_r bwd_r`` (each phase a rank's
+                        larger of send and receive; backward under
+                        ``keep_forward_buffers``). "forward": the forward
+                        bottleneck alone, for inference (the plans of the
+                        forward-only solver, bit for bit).
     """
 
     cp_size: int
@@ -53,6 +65,7 @@ class SolverConfig:
     max_stage_slices: int | None = None
     max_recv_rows: int | None = None
     keep_forward_buffers: bool = True
+    objective: str = "training"
 
     def __post_init__(self):
         for name in ("cp_size", "num_heads_q", "num_heads_kv", "head_dim", "chunk_tiles"):
@@ -62,6 +75,8 @@ class SolverConfig:
         if self.num_heads_q % self.num_heads_kv:
             raise ValueError(
                 f"num_heads_q={self.num_heads_q} must be a multiple of num_heads_kv={self.num_heads_kv}")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
         if not isinstance(self.keep_forward_buffers, bool):
             raise ValueError(f"keep_forward_buffers must be a bool, got {self.keep_forward_buffers!r}")
         if not self.imbalance_tol >= 1.0:

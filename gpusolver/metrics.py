@@ -59,6 +59,9 @@ class PlanMetrics:
     fwd_bottleneck_chunk:  [] int64, forward bottleneck with every transferred
                            range counted as the whole chunk (upper bound).
     bwd_bottleneck_chunk:  [] int64, the same for backward.
+    step_bottleneck:       [] int64 (property), fwd_bottleneck + bwd_bottleneck: the
+                           bytes a training step waits for, what the device solver
+                           minimises with ``SolverConfig(objective="training")``.
     """
 
     load: torch.Tensor
@@ -73,12 +76,17 @@ class PlanMetrics:
     fwd_bottleneck_chunk: torch.Tensor
     bwd_bottleneck_chunk: torch.Tensor
 
+    @property
+    def step_bottleneck(self) -> torch.Tensor:
+        return self.fwd_bottleneck + self.bwd_bottleneck
+
     def to_dict(self) -> dict:
-        """Host copy: per-rank fields as lists of ints, scalars as int / float."""
+        """Host copy: per-rank fields as lists of ints, scalars as int / float (and step_bottleneck)."""
         out = {}
         for f in fields(self):
             t = getattr(self, f.name).detach().cpu()
             out[f.name] = t.tolist() if t.dim() else t.item()
+        out["step_bottleneck"] = out["fwd_bottleneck"] + out["bwd_bottleneck"]
         return out
 
     def summary(self) -> str:
@@ -86,7 +94,8 @@ class PlanMetrics:
         d = self.to_dict()
         lines = [
             f"fwd bottleneck {_fmt_bytes(d['fwd_bottleneck'])} (whole-chunk {_fmt_bytes(d['fwd_bottleneck_chunk'])}), "
-            f"bwd bottleneck {_fmt_bytes(d['bwd_bottleneck'])} (whole-chunk {_fmt_bytes(d['bwd_bottleneck_chunk'])})",
+            f"bwd bottleneck {_fmt_bytes(d['bwd_bottleneck'])} (whole-chunk {_fmt_bytes(d['bwd_bottleneck_chunk'])}), "
+            f"step (fwd + bwd) {_fmt_bytes(d['step_bottleneck'])}",
             f"imbalance {d['imbalance']:.3f}, local fraction {d['local_fraction']:.3f}",
             f"{'rank':>4} {'load':>12} {'fwd send':>10} {'fwd recv':>10} {'bwd send':>10} {'bwd recv':>10}",
         ]

@@ -43,18 +43,21 @@ def _block_areas_fake(q_ranges, k_ranges, attn_type, seqlen, cp_size, head_group
 @torch.library.custom_op("gpusolver::solve_assignment", mutates_args=())
 def solve_assignment_op(area: torch.Tensor, q_need: torch.Tensor, k_need: torch.Tensor, chunk: int,
                         cp_size: int, tiles: int, num_heads_q: int, num_heads_kv: int, head_dim: int,
-                        dtype: torch.dtype, imbalance_tol: float, impl: str) -> torch.Tensor:
+                        dtype: torch.dtype, imbalance_tol: float, impl: str, objective: str = "training",
+                        keep_forward_buffers: bool = True, max_recv_rows: int = -1) -> torch.Tensor:
     from gpusolver.solver.device import solve_device
 
     G = area.shape[0]
     config = SolverConfig(cp_size=cp_size, num_heads_q=num_heads_q, num_heads_kv=num_heads_kv, head_dim=head_dim,
-                          dtype=dtype, imbalance_tol=imbalance_tol, head_group_flatten=G != 1, chunk_tiles=tiles)
+                          dtype=dtype, imbalance_tol=imbalance_tol, head_group_flatten=G != 1, chunk_tiles=tiles,
+                          objective=objective, keep_forward_buffers=keep_forward_buffers,
+                          max_recv_rows=None if max_recv_rows < 0 else max_recv_rows)
     return solve_device(BlockAreas(area, q_need, k_need, chunk, tiles), config, impl=impl).assignment
 
 
 @solve_assignment_op.register_fake
 def _solve_assignment_fake(area, q_need, k_need, chunk, cp_size, tiles, num_heads_q, num_heads_kv, head_dim, dtype,
-                           imbalance_tol, impl):
+                           imbalance_tol, impl, objective="training", keep_forward_buffers=True, max_recv_rows=-1):
     return area.new_empty(area.shape, dtype=torch.int32)
 
 
@@ -71,4 +74,11 @@ def solve_assignment_compiled(mask: AttnSlices, config: SolverConfig, impl: str 
     unit_tokens = config.check_seqlen(mask.total_seqlen_q) // config.chunk_tiles
     return solve_assignment_op(area, q_need, k_need, unit_tokens, config.cp_size, config.chunk_tiles,
                                config.num_heads_q, config.num_heads_kv, config.head_dim, config.dtype,
-                               config.imbalance_tol, impl)
+                               config.imbalance_tol, impl, *solve_op_options(config))
+
+
+def solve_op_options(config: SolverConfig) -> tuple:
+    """The trailing arguments of ``solve_assignment_op`` from a config: objective, kept buffers,
+    receive rows (-1 for the default)."""
+    rows = -1 if config.max_recv_rows is None else config.max_recv_rows
+    return config.objective, config.keep_forward_buffers, rows

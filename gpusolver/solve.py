@@ -45,14 +45,15 @@ def solve_assignment(areas: BlockAreas, config: SolverConfig, *, solver: str = "
 def _solve_as_ops(mask: AttnSlices, config: SolverConfig, areas_impl: str, impl: str):
     """Areas and assignment through the custom ops (``gpusolver.ops``): under ``torch.compile``
     each is one opaque node with a static shape, so the rounds are not traced op by op."""
-    from gpusolver.ops import block_areas_op, solve_assignment_op
+    from gpusolver.ops import block_areas_op, solve_assignment_op, solve_op_options
 
     n, S = config.chunk_tiles, mask.total_seqlen_q
     area, q_need, k_need = block_areas_op(mask.q_ranges, mask.k_ranges, mask.attn_type, S, config.cp_size,
                                           config.head_groups, n, areas_impl)
     unit = S // config.num_units
     assignment = solve_assignment_op(area, q_need, k_need, unit, config.cp_size, n, config.num_heads_q,
-                                     config.num_heads_kv, config.head_dim, config.dtype, config.imbalance_tol, impl)
+                                     config.num_heads_kv, config.head_dim, config.dtype, config.imbalance_tol, impl,
+                                     *solve_op_options(config))
     return BlockAreas(area, q_need, k_need, unit, n), assignment
 
 

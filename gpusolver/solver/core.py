@@ -28,17 +28,35 @@ _TOKEN_LIMIT = 1 << 30
 # A bundle's key-hull growth is at most one unit per task, so the whole sequence (U units)
 # bounds its running sum: below this, that sum is int32 too.
 _SEQUENCE_LIMIT = 1 << 31
+# Keys of states past a buffer start here: above every unbalanced state's (``_BIG // 2`` + max
+# load <= 2^59 + 2^57: an unbalanced plan runs, slowly; one past a buffer cannot run). Balanced
+# ones next (+ objective < 2^52), then unbalanced ones (+ 2^58 + max load), all below ``_BIG``.
+OVER_CAPACITY = _BIG // 2 + _BIG // 8 + 1
 
 
 @dataclass(frozen=True)
 class DeviceSolveResult:
-    """assignment: [G, U, U] int32 (-1 empty task; U = P untiled); balanced: 0-dim bool;
-    fwd_bottleneck: 0-dim int64 bytes of the chosen state; variant: 0-dim int64."""
+    """The chosen plan, all 0-dim tensors on the solve's device except the assignment.
+
+    assignment:     [G, U, U] int32, rank of each task (-1 empty task; U = P untiled).
+    balanced:       bool, max load <= mu * mean load.
+    fits:           bool, every rank's rows within the plan's receive and send buffers
+                    (``plan_capacities``). A solve whose starts all fit returns a plan that fits.
+    fwd_bottleneck: int64 bytes, ``max_r max(send_r, recv_r)`` of the forward (-1 when
+                    not balanced).
+    bwd_bottleneck: int64 bytes, the same for the backward (-1 when not balanced).
+    objective:      int64 bytes, what was minimised: their sum with ``objective="training"``,
+                    the forward's alone with "forward" (-1 when not balanced).
+    variant:        int64, index of the winning variant.
+    """
 
     assignment: torch.Tensor
     balanced: torch.Tensor
     fwd_bottleneck: torch.Tensor
     variant: torch.Tensor
+    bwd_bottleneck: torch.Tensor | None = None
+    objective: torch.Tensor | None = None
+    fits: torch.Tensor | None = None
 
 
 class Tasks:
@@ -69,7 +87,21 @@ class Tasks:
         self.tiles = n
         self.chunk = areas.chunk  # tokens per unit
         cost = config.cost()
+        # bytes per token: forward Q there, O back, K/V there; backward dO there, dQ back, K/V
+        # there again (0 with kept buffers), dK/dV back
         self.q, self.o, self.kv = cost.q_fwd, cost.o_fwd, cost.kv_fwd
+        self.qb, self.dqb, self.kvb, self.dkv = cost.q_bwd, cost.dq_bwd, cost.kv_bwd, cost.dkv_bwd
+        # the objective: forward plus backward bottleneck (a training step), or the forward's alone
+        self.training = config.objective == "training"
+        # the plan's receive and send buffers, in group-major rows per rank and kind: hard limits of
+        # every move (``plan_capacities``, the sizes the runtime allocates)
+        from gpusolver.plan.build import plan_capacities
+
+        _, self.recv_cap, self.send_cap = plan_capacities(config, 1, areas.rank_tokens)
+        # no rank can pass G * c * (P - 1) rows (every other rank's whole chunk): capacities at or
+        # above it never bind, and the steps skip their checks
+        worst = G * areas.rank_tokens * (P - 1)
+        self.caps = min(self.recv_cap, self.send_cap) < worst
         # the tasks of each QO unit in the orders a bundle may take them (TASK_ORDERS):
         # [3, G*U, U] task ids; "area": largest first; "rows": fewest needed query rows first
         # (then largest), so the rows a bundle ships grow as slowly as possible; "small":
@@ -112,8 +144,47 @@ class State:
     send: torch.Tensor  # [B, P] forward bytes
     recv: torch.Tensor
     vol: torch.Tensor  # [B, P] max(send, recv)
-    bottleneck: torch.Tensor  # [B]
+    bottleneck: torch.Tensor  # [B] max over ranks of vol
     load: torch.Tensor  # [B, P]
+    bsend: torch.Tensor  # [B, P] backward bytes
+    brecv: torch.Tensor
+    bvol: torch.Tensor  # [B, P] max(bsend, brecv)
+    bwd_bottleneck: torch.Tensor  # [B] max over ranks of bvol
+    q_out: torch.Tensor  # [B, P] group-major rows of the rank's QO units that travel (its QO sends)
+    q_in: torch.Tensor  # [B, P] QO rows it receives
+    k_out: torch.Tensor  # [B, P] KV rows it sends
+    k_in: torch.Tensor  # [B, P] KV rows it receives
+
+
+def objective(st: State, training: bool) -> torch.Tensor:
+    """[B] int64, what the solver minimises: forward plus backward bottleneck (``training``),
+    or the forward's alone."""
+    return st.bottleneck + st.bwd_bottleneck if training else st.bottleneck
+
+
+def state_key(balanced, goal, max_load, over=None):
+    """[B] int64 best-state key, lower is better: within the buffers and balanced (the
+    objective ``goal``), within and unbalanced (``_BIG // 2`` + max load), past a buffer and
+    balanced (``OVER_CAPACITY`` + goal), past and unbalanced (``OVER_CAPACITY + 2^58`` + max
+    load). ``over`` [B] bool, None when the buffers hold every plan."""
+    key = torch.where(balanced, goal, _BIG // 2 + max_load)
+    if over is None:
+        return key
+    return torch.where(over, torch.where(balanced, OVER_CAPACITY + goal, OVER_CAPACITY + (1 << 58) + max_load), key)
+
+
+def over_buffers(st: State, recv_cap, send_cap) -> torch.Tensor:
+    """[B] bool: some rank receives more rows of a kind than ``recv_cap`` or sends more than
+    ``send_cap`` (host ints or [B] tensors)."""
+    col = lambda c: c.view(-1, 1) if isinstance(c, torch.Tensor) else c  # noqa: E731  (no host-to-device copy)
+    rc, sc = col(recv_cap), col(send_cap)
+    return ((st.q_in > rc) | (st.k_in > rc) | (st.q_out > sc) | (st.k_out > sc)).any(1)
+
+
+def step_vol(st: State, training: bool) -> torch.Tensor:
+    """[B, P] int64, each rank's part of the objective: fwd + bwd bytes, or fwd alone; its
+    argmax is the rank a restart relieves."""
+    return st.vol + st.bvol if training else st.vol
 
 
 @dataclass
@@ -128,4 +199,8 @@ class Proposals:
     dest_send: torch.Tensor  # int64 change of the destination's send (< 0 when it stops shipping K/V)
     dest_recv: torch.Tensor
     tasks: torch.Tensor  # [B, P, M] task ids to move, T (dummy) where unused
+    dest_bsend: torch.Tensor  # int64 change of the destination's backward send and receive
+    dest_brecv: torch.Tensor
+    dest_qin: torch.Tensor  # int64 QO and KV rows the destination receives more
+    dest_kin: torch.Tensor
 

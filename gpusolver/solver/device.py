@@ -67,7 +67,7 @@ from gpusolver.limits import balanced_load_cap
 from gpusolver.problem import BlockAreas
 from gpusolver.solver.accept.ref import accept_apply
 from gpusolver.solver.bundle.ref import bundle_proposals
-from gpusolver.solver.core import _BIG, _MU_SCALE, DeviceSolveResult, Tasks
+from gpusolver.solver.core import _BIG, _MU_SCALE, DeviceSolveResult, Tasks, objective, over_buffers, step_vol
 from gpusolver.solver.start.ref import restart, variant_starts
 from gpusolver.solver.state.ref import state
 from gpusolver.solver.strategies import (
@@ -123,6 +123,11 @@ def run_variants(tasks: Tasks, cap: torch.Tensor, strategies: tuple[Strategy, ..
     B = len(rows)
     order_b, dests_b, units_b = variant_tables(rows, dev).unbind(0)
     offered = (torch.arange(P * K, device=dev) % K)[None, :] < units_b[:, None]  # [B, P*K]
+    # the objective and the buffers (host values: the best-state key ranks plans past a buffer last)
+    track_kw = dict(training=tasks.training)
+    if tasks.caps:
+        track_kw.update(recv_cap=tasks.recv_cap, send_cap=tasks.send_cap)
+    caps = None  # [2, B] each variant's buffers for its moves, set at round 0
     # the start (owner-computes unless given or transposed); column T is a dummy that absorbs
     # writes of unused slots
     starts = variant_starts(tasks, rows, start, start_fn)
@@ -136,8 +141,11 @@ def run_variants(tasks: Tasks, cap: torch.Tensor, strategies: tuple[Strategy, ..
         st = state_fn(tasks, A)
         if threshold is None:  # round 0, each variant's start, is the base of its threshold
             scale = variant_scales(rows, dev)
-            threshold = torch.where(scale == _INF, float(_BIG), st.bottleneck.double() * scale + 1.0)
-        best_A, best_key, excess, balance, dest_cap, limit = track_fn(A, st, cap, stuck, threshold, best_A, best_key)
+            threshold = torch.where(scale == _INF, float(_BIG), objective(st, tasks.training).double() * scale + 1.0)
+            if tasks.caps:
+                caps = start_caps(tasks, st)
+        best_A, best_key, excess, balance, dest_cap, limit = track_fn(A, st, cap, stuck, threshold, best_A, best_key,
+                                                                      **track_kw)
         if rnd == rounds:
             break
         if restart_every > 0 and rnd > 0 and rnd % restart_every == 0:
@@ -145,16 +153,26 @@ def run_variants(tasks: Tasks, cap: torch.Tensor, strategies: tuple[Strategy, ..
             # still balancing throws its balancing away (a 128K-token causal pack at P = 8
             # ended at 1.139 with every variant restarting, balanced with this rule)
             again = (best_key < _BIG // 2)[:, None]
-            A = torch.where(again, restart(tasks, best_A, state_fn(tasks, best_A).vol), A)
+            A = torch.where(again, restart(tasks, best_A, step_vol(state_fn(tasks, best_A), tasks.training)), A)
             stuck = stuck & ~again[:, 0]
             st = state_fn(tasks, A)
             best_A, best_key, excess, balance, dest_cap, limit = track_fn(A, st, cap, stuck, threshold,
-                                                                          best_A, best_key)
+                                                                          best_A, best_key, **track_kw)
         prop = propose_fn(tasks, st, dest_cap, excess, balance, threshold, K, D, dests_b, order_b, sideways,
-                          singles)
+                          singles, caps=caps)
         prop = replace(prop, ok=prop.ok & offered)
-        A, stuck = accept_apply_fn(A, prop, st, dest_cap, limit, excess, balance)
+        A, stuck = accept_apply_fn(A, prop, st, dest_cap, limit, excess, balance, training=tasks.training,
+                                   recv_cap=None if caps is None else caps[0])
     return best_A, best_key
+
+
+def start_caps(tasks: Tasks, st) -> torch.Tensor:
+    """[2, B] int64, the receive and send rows each variant's moves keep to: the plan's buffers
+    when the variant's start fits them, else none (``_BIG``): a start already past a buffer
+    cannot be brought within by moves that never grow a rank past it, so that variant searches
+    as without buffers, and its plans rank after every plan that fits (``core.state_key``)."""
+    fits = ~over_buffers(st, tasks.recv_cap, tasks.send_cap)
+    return torch.stack((torch.where(fits, tasks.recv_cap, _BIG), torch.where(fits, tasks.send_cap, _BIG)))
 
 
 def solve_device(areas: BlockAreas, config: SolverConfig, *, rounds: int = DEFAULT_ROUNDS,
@@ -202,7 +220,11 @@ def solve_device(areas: BlockAreas, config: SolverConfig, *, rounds: int = DEFAU
         best_A, best_key = _run_triton(tasks, cap, strategies, rounds, start, **search)
     else:
         best_A, best_key = _run_torch(tasks, cap, strategies, rounds, start, **search)
-    return _winner(tasks, best_A, best_key)
+    if impl == "torch" or (impl == "auto" and not areas.area.is_cuda):
+        return _winner(tasks, best_A, best_key, cap, state)
+    from gpusolver.solver.state.kernel import state_triton
+
+    return _winner(tasks, best_A, best_key, cap, state_triton)
 
 
 def _check(areas: BlockAreas, config: SolverConfig, rounds: int, strategies, impl: str) -> tuple[Strategy, ...]:
@@ -257,12 +279,18 @@ def _run_persistent(tasks: Tasks, cap, strategies, rounds, workers, start, sidew
                                    start=variant_starts(tasks, rows, start, transpose_start_triton), singles=singles)
 
 
-def _winner(tasks: Tasks, best_A: torch.Tensor, best_key: torch.Tensor) -> DeviceSolveResult:
-    """The first best variant's assignment; index_select keeps every value on the device."""
+def _winner(tasks: Tasks, best_A: torch.Tensor, best_key: torch.Tensor, cap, state_fn) -> DeviceSolveResult:
+    """The first best variant's assignment and its bottlenecks (``state_fn`` of that one row);
+    index_select keeps every value on the device."""
     winner = best_key.argmin().view(1)
-    key = best_key.index_select(0, winner)[0]
-    ok = key < _BIG // 2
     G, U = tasks.G, tasks.U
-    assignment = torch.where(tasks.valid, best_A.index_select(0, winner)[0, :tasks.T], -1).view(G, U, U)
-    return DeviceSolveResult(assignment=assignment.to(torch.int32), balanced=ok,
-                             fwd_bottleneck=torch.where(ok, key, -1), variant=winner[0])
+    row = best_A.index_select(0, winner)
+    assignment = torch.where(tasks.valid, row[0, :tasks.T], -1).view(G, U, U)
+    st = state_fn(tasks, row.contiguous())
+    ok = st.load[0].amax() <= cap
+    none = torch.full_like(st.bottleneck[0], -1)
+    fwd, bwd = torch.where(ok, st.bottleneck[0], none), torch.where(ok, st.bwd_bottleneck[0], none)
+    goal = torch.where(ok, objective(st, tasks.training)[0], none)
+    fits = ~over_buffers(st, tasks.recv_cap, tasks.send_cap)[0]
+    return DeviceSolveResult(assignment=assignment.to(torch.int32), balanced=ok, fwd_bottleneck=fwd,
+                             variant=winner[0], bwd_bottleneck=bwd, objective=goal, fits=fits)

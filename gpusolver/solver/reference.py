@@ -76,6 +76,12 @@ class ReferenceResult:
     bottleneck: forward bottleneck of the assignment, max_r max(send, recv),
                 bytes (<= threshold).
     imbalance:  max load / mean load of the assignment (1.0 without work).
+    bwd_bottleneck: backward bottleneck of the assignment under the runtime's protocol
+                (``CommCost``: dO out and dQ back per QO token, dK, dV back per KV
+                token, K and V again without kept buffers), bytes.
+    step_bottleneck: bottleneck + bwd_bottleneck, the bytes of a training step. The
+                search itself prices the forward only: this is the yardstick's
+                figure for the training objective, not its target.
     """
 
     assignment: torch.Tensor
@@ -84,6 +90,8 @@ class ReferenceResult:
     feasible: bool
     bottleneck: int
     imbalance: float
+    bwd_bottleneck: int = 0
+    step_bottleneck: int = 0
 
 
 @dataclass
@@ -284,8 +292,12 @@ def assign(areas: BlockAreas, config: SolverConfig) -> ReferenceResult:
     if chosen is None:  # cannot happen: with every edge, each task runs at its query host
         raise RuntimeError("reference solver found no complete assignment")
     out = torch.as_tensor(chosen.assign.astype(np.int32)).to(areas.area.device)
+    from gpusolver.metrics import evaluate  # the metrics' own count: what the plan's collectives move
+
+    bwd = int(evaluate(areas, out, config.cost()).bwd_bottleneck)
     return ReferenceResult(assignment=out, threshold=int(chosen.K), iterations=iterations,
-                           feasible=chosen.feasible, bottleneck=chosen.bottleneck, imbalance=chosen.imbalance)
+                           feasible=chosen.feasible, bottleneck=chosen.bottleneck, imbalance=chosen.imbalance,
+                           bwd_bottleneck=bwd, step_bottleneck=chosen.bottleneck + bwd)
 
 
 def solve_assignment(areas: BlockAreas, config: SolverConfig) -> torch.Tensor:

@@ -47,12 +47,21 @@ from gpusolver.solver.accept.kernel import _BLOCK_J, _accept_variant
 from gpusolver.solver.bundle.kernel import _bundle_unit, dest_tile
 from gpusolver.solver.core import _BIG, Tasks
 from gpusolver.solver.offers.kernel import _offers_source, task_block, unit_block
-from gpusolver.solver.state.kernel import _state_bytes_rank, _state_tile
+from gpusolver.solver.state.kernel import _state_bytes_rank, _state_tile, byte_prices
 from gpusolver.solver.track.kernel import _BLOCK_C, _track_variant
 
 _BIG_T = tl.constexpr(_BIG)
 # Tasks per scatter tile.
 _BLOCK_T = 1024
+# Warps per program. ptxas (sm_90, P = 64, G = 8, the large-P portfolio's blocks) with 8 warps:
+# 255 registers, 1.3 KB of stack, 180 spill stores, so one 256-thread program fills an SM's
+# register file and the cooperative grid needs every SM idle; narrower dest or accept tiles
+# change nothing (BLOCK_D 2..8, BLOCK_J 4..16: still 255). With 16 warps: 64 registers (1.7 KB
+# of stack, 144 spill stores), a quarter of the register file per program.
+_NUM_WARPS = 16
+# Share of the SMs the persistent grid takes by default: it cannot overlap with anything on
+# the SMs it holds, so half stay free for communication kernels.
+_SM_SHARE = 0.5
 
 
 @triton.jit
@@ -83,7 +92,7 @@ def _sync(bar_ptr, phase, W: tl.constexpr, FENCE: tl.constexpr = False):
 @triton.jit
 def _state_pass(a_ptr, area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr, lo_ptr, acc_ptr, len_ptr, bar, phase,
                 i_b, w, T, P, G, B, stride_a, stride_area, stride_q, stride_k, Q_BYTES, O_BYTES, KV_BYTES,
-                W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr,
+                QB_BYTES, DQ_BYTES, KVB_BYTES, DKV_BYTES, W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr,
                 BLOCK_C: tl.constexpr, TILES: tl.constexpr):
     """The state of variant i_b's assignment (``state_triton``'s buffers), by its W workers.
 
@@ -104,6 +113,7 @@ def _state_pass(a_ptr, area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr, lo_ptr, acc
         o_p = tl.arange(0, BLOCK_P)
         tl.store(acc_ptr + 3 * n + i_b * P + o_p, tl.zeros([BLOCK_P], tl.int64), mask=o_p < P)
         tl.store(acc_ptr + 3 * n + B * P + i_b, 0)
+        tl.store(acc_ptr + 3 * n + B * P + B + i_b, 0)
     phase += 1
     _sync(bar, phase, W)
     for i_t in range(w, tl.cdiv(T, BLOCK_T), W):
@@ -111,13 +121,11 @@ def _state_pass(a_ptr, area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr, lo_ptr, acc
                     i_t, i_b, T, P, B, stride_a, stride_area, stride_q, stride_k, BLOCK_T, TILES)
     phase += 1
     _sync(bar, phase, W, True)
-    send_ptr = len_ptr + 2 * n
     for i_r in range(w, P, W):
-        _state_bytes_rank(lo_ptr, acc_ptr, len_ptr, send_ptr, send_ptr + B * P, send_ptr + 2 * B * P,
-                          acc_ptr + 3 * n + B * P, i_b, _i64(i_r), B, G, P, Q_BYTES, O_BYTES, KV_BYTES,
-                          BLOCK_G, BLOCK_P, TILES)
+        _state_bytes_rank(lo_ptr, acc_ptr, len_ptr, len_ptr + 2 * n, acc_ptr + 3 * n + B * P, i_b, _i64(i_r), B, G, P,
+                          Q_BYTES, O_BYTES, KV_BYTES, QB_BYTES, DQ_BYTES, KVB_BYTES, DKV_BYTES, BLOCK_G, BLOCK_P, TILES)
     phase += 1
-    _sync(bar, phase, W, True)  # the bottleneck's atomic max
+    _sync(bar, phase, W, True)  # the bottlenecks' atomic max
     return phase
 
 
@@ -143,11 +151,13 @@ def _rounds_kernel(
     score_ptr,  # [B, N] fp64 scratch
     dest_ptr, source_ptr, parea_ptr, dsend_ptr, drecv_ptr,  # [B, N] int64 scratch
     ptasks_ptr,  # [B, N, U] int64 scratch
+    dx_ptr,  # [4, B, N] int64 scratch: each proposal's destination bsend, brecv, QO and KV rows in
+    caps_ptr,  # [2, B] int64 scratch (CAPS): each variant's receive and send rows for its moves
     bar_ptr,  # [B] int32, zero-initialised: barrier counters
     ROUNDS, RESTART_EVERY, T, P, G, B, K, D,
     stride_area, stride_q, stride_k,
-    Q_BYTES, O_BYTES, KV_BYTES,
-    W: tl.constexpr, SIDEWAYS: tl.constexpr, SINGLES: tl.constexpr,
+    Q_BYTES, O_BYTES, KV_BYTES, QB_BYTES, DQ_BYTES, KVB_BYTES, DKV_BYTES, RECV_CAP, SEND_CAP,
+    W: tl.constexpr, SIDEWAYS: tl.constexpr, SINGLES: tl.constexpr, TRAINING: tl.constexpr, CAPS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_GP: tl.constexpr,
     BLOCK_U: tl.constexpr, BLOCK_JU: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_J: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -163,13 +173,17 @@ def _rounds_kernel(
     stride_a = T + 1
     bar = bar_ptr + i_b
     phase = 0
-    # buffers of the state (see state_triton): lo = q_lo, k_lo; acc = q_hi, k_hi, kcount, load, bottleneck;
-    # len = qlen, klen, send, recv, vol
+    # buffers of the state (see state_triton): lo = q_lo, k_lo; acc = q_hi, k_hi, kcount, load,
+    # bottleneck, backward bottleneck; len = qlen, klen, then the rank table (``rank_table``: send,
+    # recv, vol, bsend, brecv, bvol, q_out, q_in, k_out, k_in, planes B * P apart)
+    RS = B * P
     load_ptr = acc_ptr + 3 * n
-    bneck_ptr = acc_ptr + 3 * n + B * P
+    bneck_ptr = acc_ptr + 3 * n + RS
+    bwd_bneck_ptr = bneck_ptr + B
     send_ptr = len_ptr + 2 * n
-    recv_ptr = send_ptr + B * P
-    vol_ptr = recv_ptr + B * P
+    recv_ptr = send_ptr + RS
+    vol_ptr = recv_ptr + RS
+    bvol_ptr = send_ptr + 5 * RS
 
     # the start (the given ranks, or owner-computes: every task on its query host; P for empty
     # tasks) and each proposal's source
@@ -194,19 +208,34 @@ def _rounds_kernel(
     for rnd in range(0, ROUNDS + 1):
         phase = _state_pass(a_ptr, area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr, lo_ptr, acc_ptr, len_ptr, bar,
                             phase, i_b, w, T, P, G, B, stride_a, stride_area, stride_q, stride_k,
-                            Q_BYTES, O_BYTES, KV_BYTES, W, BLOCK_T, BLOCK_G, BLOCK_P, BLOCK_C, TILES)
+                            Q_BYTES, O_BYTES, KV_BYTES, QB_BYTES, DQ_BYTES, KVB_BYTES, DKV_BYTES,
+                            W, BLOCK_T, BLOCK_G, BLOCK_P, BLOCK_C, TILES)
 
         # round 0, the variant's start, is its threshold's base; then the best state and the round's limits
         if w == 0:
             if rnd == 0:
                 scale = tl.load(scale_ptr + i_b)
-                base = tl.load(bneck_ptr + i_b).to(tl.float64)
+                if TRAINING:
+                    base = (tl.load(bneck_ptr + i_b) + tl.load(bwd_bneck_ptr + i_b)).to(tl.float64)
+                else:
+                    base = tl.load(bneck_ptr + i_b).to(tl.float64)
                 tl.store(thr_ptr + i_b, tl.where(scale == float("inf"), tl.full([], _BIG_T, tl.int64).to(tl.float64),
                                                  base * scale + 1.0))
+                if CAPS:  # the buffers hold the variant's moves when its start fits them (``device.start_caps``)
+                    o_p = tl.arange(0, BLOCK_P)
+                    o_r = i_b * P + o_p
+                    m_r = o_p < P
+                    past = ((tl.load(send_ptr + 7 * RS + o_r, mask=m_r, other=0) > RECV_CAP)
+                            | (tl.load(send_ptr + 9 * RS + o_r, mask=m_r, other=0) > RECV_CAP)
+                            | (tl.load(send_ptr + 6 * RS + o_r, mask=m_r, other=0) > SEND_CAP)
+                            | (tl.load(send_ptr + 8 * RS + o_r, mask=m_r, other=0) > SEND_CAP))
+                    fits = tl.max(past.to(tl.int32), axis=0) == 0
+                    tl.store(caps_ptr + i_b, tl.where(fits, _i64(RECV_CAP), _BIG_T))
+                    tl.store(caps_ptr + B + i_b, tl.where(fits, _i64(SEND_CAP), _BIG_T))
                 tl.debug_barrier()
             _track_variant(a_ptr, best_a_ptr, load_ptr, bneck_ptr, cap_ptr, stuck_ptr, thr_ptr, best_key_ptr,
-                           dest_cap_ptr, balance_ptr, limit_ptr, excess_ptr,
-                           i_b, P, T, stride_a, stride_a, P, BLOCK_P, BLOCK_C)
+                           dest_cap_ptr, balance_ptr, limit_ptr, excess_ptr, bwd_bneck_ptr, send_ptr,
+                           i_b, P, T, RS, RECV_CAP, SEND_CAP, stride_a, stride_a, P, BLOCK_P, BLOCK_C, TRAINING, CAPS)
         phase += 1
         _sync(bar, phase, W)
 
@@ -224,9 +253,12 @@ def _rounds_kernel(
             _sync(bar, phase, W)
             phase = _state_pass(a_ptr, area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr, lo_ptr, acc_ptr, len_ptr, bar,
                                 phase, i_b, w, T, P, G, B, stride_a, stride_area, stride_q, stride_k,
-                                Q_BYTES, O_BYTES, KV_BYTES, W, BLOCK_T, BLOCK_G, BLOCK_P, BLOCK_C, TILES)
+                                Q_BYTES, O_BYTES, KV_BYTES, QB_BYTES, DQ_BYTES, KVB_BYTES, DKV_BYTES,
+                                W, BLOCK_T, BLOCK_G, BLOCK_P, BLOCK_C, TILES)
             o_p = tl.arange(0, BLOCK_P)
             b_vol = tl.load(vol_ptr + i_b * P + o_p, mask=o_p < P, other=-1)
+            if TRAINING:  # the rank with most bytes over both phases (``core.step_vol``)
+                b_vol += tl.load(bvol_ptr + i_b * P + o_p, mask=o_p < P, other=0)
             bn = tl.min(tl.where(b_vol == tl.max(b_vol, axis=0), o_p, BLOCK_P), axis=0)  # first on ties
             for c0 in range(w * BLOCK_C, T, W * BLOCK_C):
                 o_c = c0 + tl.arange(0, BLOCK_C)
@@ -241,11 +273,13 @@ def _rounds_kernel(
             _sync(bar, phase, W)
             phase = _state_pass(a_ptr, area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr, lo_ptr, acc_ptr, len_ptr, bar,
                                 phase, i_b, w, T, P, G, B, stride_a, stride_area, stride_q, stride_k,
-                                Q_BYTES, O_BYTES, KV_BYTES, W, BLOCK_T, BLOCK_G, BLOCK_P, BLOCK_C, TILES)
+                                Q_BYTES, O_BYTES, KV_BYTES, QB_BYTES, DQ_BYTES, KVB_BYTES, DKV_BYTES,
+                                W, BLOCK_T, BLOCK_G, BLOCK_P, BLOCK_C, TILES)
             if w == 0:
                 _track_variant(a_ptr, best_a_ptr, load_ptr, bneck_ptr, cap_ptr, stuck_ptr, thr_ptr, best_key_ptr,
-                               dest_cap_ptr, balance_ptr, limit_ptr, excess_ptr,
-                               i_b, P, T, stride_a, stride_a, P, BLOCK_P, BLOCK_C)
+                               dest_cap_ptr, balance_ptr, limit_ptr, excess_ptr, bwd_bneck_ptr, send_ptr,
+                               i_b, P, T, RS, RECV_CAP, SEND_CAP, stride_a, stride_a, P, BLOCK_P, BLOCK_C,
+                               TRAINING, CAPS)
             phase += 1
             _sync(bar, phase, W)
 
@@ -258,33 +292,37 @@ def _rounds_kernel(
             _sync(bar, phase, W)
             for i_sk in range(w, N, W):
                 _bundle_unit(a_ptr, area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr, unit_tasks_ptr, order_ptr,
-                             unit_ptr, dests_ptr, headroom_ptr, excess_ptr, send_ptr, recv_ptr, vol_ptr,
-                             balance_ptr, bneck_ptr, thr_ptr,
+                             unit_ptr, dests_ptr, headroom_ptr, excess_ptr, send_ptr,
+                             balance_ptr, bneck_ptr, bwd_bneck_ptr, thr_ptr,
                              lo_ptr, acc_ptr, lo_ptr + n, acc_ptr + n, len_ptr, len_ptr + n, acc_ptr + 2 * n,
-                             ok_ptr, score_ptr, dest_ptr, parea_ptr, dsend_ptr, drecv_ptr, ptasks_ptr, units_ptr,
-                             i_b, _i64(i_sk // K), _i64(i_sk % K),
-                             T, P, K, D, GU, stride_a, stride_area, stride_q, stride_k, Q_BYTES, O_BYTES, KV_BYTES,
-                             BLOCK_P, BLOCK_D, True, SIDEWAYS, SINGLES, TILES, BLOCK_M, BLOCK_TL)
+                             ok_ptr, score_ptr, dest_ptr, parea_ptr, dsend_ptr, drecv_ptr, dx_ptr, ptasks_ptr,
+                             units_ptr, caps_ptr, i_b, _i64(i_sk // K), _i64(i_sk % K),
+                             T, P, K, D, GU, RS, stride_a, stride_area, stride_q, stride_k,
+                             Q_BYTES, O_BYTES, KV_BYTES, QB_BYTES, DQ_BYTES, KVB_BYTES, DKV_BYTES,
+                             BLOCK_P, BLOCK_D, True, SIDEWAYS, SINGLES, TRAINING, CAPS, TILES, BLOCK_M, BLOCK_TL)
             phase += 1
             _sync(bar, phase, W)
             if w == 0:
                 _accept_variant(score_ptr, ok_ptr, dest_ptr, source_ptr, parea_ptr, dsend_ptr, drecv_ptr,
                                 load_ptr, send_ptr, recv_ptr, excess_ptr, dest_cap_ptr, limit_ptr, balance_ptr,
-                                fits_ptr, keep_ptr, stuck_ptr, ptasks_ptr, a_ptr, i_b, N, P, U, T,
+                                fits_ptr, keep_ptr, stuck_ptr, ptasks_ptr, a_ptr, dx_ptr, send_ptr, bneck_ptr,
+                                bwd_bneck_ptr, caps_ptr, i_b, N, P, U, T, RS,
                                 N, N, N, N, N, N, N, P, P, P, P, 1, stride_a,
-                                BLOCK_N, BLOCK_J, BLOCK_M, True)
+                                BLOCK_N, BLOCK_J, BLOCK_M, True, TRAINING, CAPS)
             phase += 1
             _sync(bar, phase, W)
 
 
 def default_workers(variants: int, proposals: int, device) -> int:
     """Workers per variant: 1 off CUDA (or interpreted); on CUDA one program per SM for all variants
-    together (a cooperative launch must fit the device at once), at most one per proposal slot."""
+    together on at most ``_SM_SHARE`` of the SMs (a cooperative launch must fit the device at
+    once; the rest stay free for the layer's collectives and attention), at most one per proposal
+    slot."""
     device = torch.device(device)
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(proposals, sms // max(variants, 1)))
+    return max(1, min(proposals, int(sms * _SM_SHARE) // max(variants, 1)))
 
 
 def solve_rounds_persistent(tasks: Tasks, cap: torch.Tensor, tables: torch.Tensor, scales: torch.Tensor,
@@ -325,7 +363,7 @@ def solve_rounds_persistent(tasks: Tasks, cap: torch.Tensor, tables: torch.Tenso
     if dev.type == "meta":  # shapes only: there is no data to run the kernel on
         return best_A, best_key
     n = B * G * U * P  # cells of one [B, G*U, P] buffer
-    lo, acc, lens = empty(2 * n), empty(3 * n + B * P + B), empty(2 * n + 3 * B * P)
+    lo, acc, lens = empty(2 * n), empty(3 * n + B * P + 2 * B), empty(2 * n + 10 * B * P)
     thr, limit = empty(B, dtype=torch.float64), empty(B, dtype=torch.float64)
     excess, headroom = empty(B, P), empty(B, P)
     balance, stuck = empty(B, dtype=torch.bool), empty(B, dtype=torch.bool)
@@ -335,6 +373,8 @@ def solve_rounds_persistent(tasks: Tasks, cap: torch.Tensor, tables: torch.Tenso
     score = empty(B, N, dtype=torch.float64)
     dest, source, parea, dsend, drecv = (empty(B, N) for _ in range(5))
     ptasks = empty(B, N, U)
+    dx = empty(4, B, N)
+    caps = empty(2, B)
     bar = torch.zeros((B,), dtype=torch.int32, device=dev)
     order, width, units = tables.contiguous().unbind(0)
     block_gp = triton.next_power_of_2(G * U)
@@ -346,11 +386,11 @@ def solve_rounds_persistent(tasks: Tasks, cap: torch.Tensor, tables: torch.Tenso
         T if start is not None and start.dim() == 2 else 0,  # start row stride: 0 when shared
         tasks.unit_tasks.contiguous(), order, width, units, scales.contiguous(), cap,
         lo, acc, lens, thr, limit, excess, headroom, balance, stuck, dest_cap, unit, dests,
-        ok, fits, keep, score, dest, source, parea, dsend, drecv, ptasks, bar,
+        ok, fits, keep, score, dest, source, parea, dsend, drecv, ptasks, dx, caps, bar,
         rounds, restart_every if restart_every > 0 else rounds + 1, T, P, G, B, K, D,
         tasks.area.stride(0), tasks.qlo.stride(0), tasks.klo.stride(0),
-        tasks.q, tasks.o, tasks.kv,
-        W=workers, SIDEWAYS=bool(sideways), SINGLES=bool(singles),
+        *byte_prices(tasks), tasks.recv_cap, tasks.send_cap,
+        W=workers, SIDEWAYS=bool(sideways), SINGLES=bool(singles), TRAINING=tasks.training, CAPS=tasks.caps,
         BLOCK_T=min(_BLOCK_T, triton.next_power_of_2(T)), BLOCK_G=triton.next_power_of_2(G),
         BLOCK_P=triton.next_power_of_2(P), BLOCK_GP=block_gp, BLOCK_U=unit_block(block_gp),
         BLOCK_JU=task_block(block_gp, U),
@@ -359,7 +399,7 @@ def solve_rounds_persistent(tasks: Tasks, cap: torch.Tensor, tables: torch.Tenso
         TILES=tiles, BLOCK_M=triton.next_power_of_2(U), BLOCK_TL=triton.next_power_of_2(tiles),
         HAS_START=start is not None,
         enable_fp_fusion=False,  # no fused multiply-add: thresholds and scores round like the twin's
-        num_warps=8,  # with the bundle and accept tiles: about 1 KB of spills per thread at P = 64 (ptxas)
+        num_warps=_NUM_WARPS,
         **extra,
     )
     return best_A, best_key

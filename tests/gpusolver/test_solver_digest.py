@@ -1,8 +1,10 @@
 """Plan digests: the device solver's assignments on a fixed set of masks, pinned.
 
-The constants were computed before the solver package was relaid out; a
-relayout (or a speed-up) must leave every plan as it was. Forward-only
-solves keep the old figures' plans. The torch cases run the default
+The forward constants were computed before the solver package was relaid
+out and before the training-step objective; a relayout (or a speed-up) must
+leave every plan as it was, and forward-only solves
+(``SolverConfig(objective="forward")``) keep the old figures' plans. The
+training-step objective has its own constants. The torch cases run the default
 portfolio and rounds; the Triton and persistent cases, interpreted, a small
 portfolio with a restart (the paths equal the torch one bit for bit, which
 the twin tests check step by step).
@@ -78,12 +80,33 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
+# the training-step objective's own plans (SolverConfig(objective="training"), the default)
+TRAINING_DIGESTS = {
+    "p4-g2-causal-docs": "0db056904342e172c3b4",
+    "p8-g8-full-docs": "fa81a329f1fb0ed5c736",
+    "p8-g8-causal-docs-t2": "617d6c3f3799cd92b3a0",
+    "p6-g4-causal": "20fc5fb35f68c79681eb",
+    "p8-g2-window-t3": "e5a0884a57f6acb9c7cf",
+    "p16-g8-causal-docs": "3c9b13274ab4ae731f7d",
+    "p32-g8-full-docs": "7435b4090e7c96c38060",
+    "p3-g2-causal-triton": "26cc2ad3c6fb8289017d",
+    "p2-g1-causal-t2-persistent": "b26f55a1defa0268e407",
+}
+
+
 @pytest.mark.parametrize("case", sorted(_CASES))
 def test_forward_plans_are_pinned(case):
-    assert _digest(case) == FORWARD_DIGESTS[case]
+    assert _digest(case, objective="forward") == FORWARD_DIGESTS[case]
+
+
+@pytest.mark.parametrize("case", sorted(_CASES))
+def test_training_plans_are_pinned(case):
+    assert _digest(case, objective="training") == TRAINING_DIGESTS[case]
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    for case in _CASES:
-        print(f"    {case!r}: {_digest(case)!r},", flush=True)
+    for objective in ("forward", "training"):
+        print(objective)
+        for case in _CASES:
+            print(f"    {case!r}: {_digest(case, objective=objective)!r},", flush=True)

@@ -19,13 +19,15 @@ from gpusolver.solver.strategies import TASK_ORDERS
 from tests._testing import assert_close
 
 _STATE_FIELDS = ("rank", "q_lo", "q_hi", "k_lo", "k_hi", "qlen", "klen", "kcount",
-                 "send", "recv", "vol", "bottleneck", "load")
-_PROPOSAL_FIELDS = ("ok", "score", "dest", "source", "area", "dest_send", "dest_recv", "tasks")
+                 "send", "recv", "vol", "bottleneck", "load", "bsend", "brecv", "bvol", "bwd_bottleneck",
+                 "q_out", "q_in", "k_out", "k_in")
+_PROPOSAL_FIELDS = ("ok", "score", "dest", "source", "area", "dest_send", "dest_recv", "tasks",
+                    "dest_bsend", "dest_brecv", "dest_qin", "dest_kin")
 
 
-def _config(P, G, tiles=1):
+def _config(P, G, tiles=1, **kw):
     return SolverConfig(cp_size=P, num_heads_q=4 * G, num_heads_kv=G, head_dim=8, dtype=torch.float16,
-                        chunk_tiles=tiles)
+                        chunk_tiles=tiles, **kw)
 
 
 def _random_areas(gen, P, G, chunk=16, density=0.6, tiles=1):
@@ -103,11 +105,14 @@ def test_state_matches_torch_over_several_task_tiles():
     _check_state(state_ref.state(tasks, A), state_triton(tasks, A))
 
 
-def _bundle_case(P, G, B, K, D, sideways, tile, seed, tiles=1, states=("torch", "triton"), singles=False):
-    """A random round's proposals from both twins, on the torch state and/or the Triton state."""
+def _bundle_case(P, G, B, K, D, sideways, tile, seed, tiles=1, states=("torch", "triton"), singles=False,
+                 objective="training", rows=None):
+    """A random round's proposals from both twins, on the torch state and/or the Triton state
+    (``rows``: the receive and send buffers' rows, None for the worst case)."""
     gen = torch.Generator().manual_seed(seed)
     areas = _random_areas(gen, P, G, **({} if tiles == 1 else {"chunk": 8, "tiles": tiles}))
-    tasks = core.Tasks(areas, _config(P, G, tiles))
+    tasks = core.Tasks(areas, _config(P, G, tiles, objective=objective, max_recv_rows=rows))
+    assert tasks.caps == (rows is not None)
     A = _random_assignments(gen, tasks, B)
     ref_st = state_ref.state(tasks, A)
     tri_st = state_triton(tasks, A)  # contiguous tensors where the twin's are strided views
@@ -122,30 +127,39 @@ def _bundle_case(P, G, B, K, D, sideways, tile, seed, tiles=1, states=("torch", 
     order_b = torch.randint(0, len(TASK_ORDERS), (B,), generator=gen)
     cap = torch.where(torch.rand(B, 1, generator=gen) < 0.3, ref_st.load.amax(1, keepdim=True) - 1, cap)
     args = (cap, excess, balance, threshold, K, D, dests_b, order_b, sideways, singles)
-    ref = bundle_ref.bundle_proposals(tasks, ref_st, *args)
+    caps = None
+    if rows is not None:  # each variant's buffers: the plan's, or none (a start past them)
+        free = torch.rand(B, generator=gen) < 0.3
+        caps = torch.stack((torch.where(free, core._BIG, tasks.recv_cap), torch.where(free, core._BIG, tasks.send_cap)))
+    ref = bundle_ref.bundle_proposals(tasks, ref_st, *args, caps=caps)
     with mock.patch.object(bundle_kernel, "_DEST_TILE", tile):
         for state in states:
-            _check_proposals(ref, bundle_proposals_triton(tasks, ref_st if state == "torch" else tri_st, *args))
+            _check_proposals(ref, bundle_proposals_triton(tasks, ref_st if state == "torch" else tri_st, *args,
+                                                          caps=caps))
     return ref
 
 
 @settings(max_examples=8, deadline=None)
 @given(P=st.integers(3, 6), G=st.integers(1, 2), B=st.integers(2, 3), K=st.integers(1, 3),
        D=st.integers(1, 8), sideways=st.booleans(), singles=st.booleans(), tile=st.sampled_from([2, 4, 16]),
+       objective=st.sampled_from(["training", "forward"]), rows=st.sampled_from([None, 6, 20]),
        seed=st.integers(0, 2**31 - 1))
-def test_bundle_proposals_match_torch(P, G, B, K, D, sideways, singles, tile, seed):
-    """Destinations priced in tiles of ``tile`` (16 by default; smaller ones exercise the running best)."""
-    _bundle_case(P, G, B, K, D, sideways, tile, seed, singles=singles)
+def test_bundle_proposals_match_torch(P, G, B, K, D, sideways, singles, tile, objective, rows, seed):
+    """Destinations priced in tiles of ``tile`` (16 by default; smaller ones exercise the running best);
+    both objectives; buffers of the worst case or a few rows (the capacity checks bind)."""
+    _bundle_case(P, G, B, K, D, sideways, tile, seed, singles=singles, objective=objective, rows=rows)
 
 
 @settings(max_examples=4, deadline=None)
 @given(P=st.integers(2, 3), G=st.integers(1, 2), tiles=st.sampled_from([2, 3]), K=st.integers(1, 3),
        D=st.integers(1, 3), sideways=st.booleans(), singles=st.booleans(), tile=st.sampled_from([4, 16]),
+       objective=st.sampled_from(["training", "forward"]), rows=st.sampled_from([None, 4]),
        seed=st.integers(0, 2**31 - 1))
-def test_bundle_proposals_match_torch_tiled(P, G, tiles, K, D, sideways, singles, tile, seed):
+def test_bundle_proposals_match_torch_tiled(P, G, tiles, K, D, sideways, singles, tile, objective, rows, seed):
     """U = tiles * P task slots per unit (3 tiles: padded key-host slots), query host u // tiles;
     with ``tile`` 4 the destinations come in several tiles (tile // tiles rounded to a power of 2)."""
-    ref = _bundle_case(P, G, 2, K, D, sideways, tile, seed, tiles=tiles, states=("triton",), singles=singles)
+    ref = _bundle_case(P, G, 2, K, D, sideways, tile, seed, tiles=tiles, states=("triton",), singles=singles,
+                       objective=objective, rows=rows)
     assert ref.tasks.shape == (2, P * min(K, G * tiles * P), tiles * P)
 
 
@@ -157,7 +171,8 @@ def test_tiled_bundles_sum_key_host_deltas():
     found = 0
     for seed in range(120):
         gen = torch.Generator().manual_seed(seed)
-        tasks = core.Tasks(_random_areas(gen, P, G, chunk=8, density=0.9, tiles=tiles), _config(P, G, tiles))
+        tasks = core.Tasks(_random_areas(gen, P, G, chunk=8, density=0.9, tiles=tiles),
+                           _config(P, G, tiles, objective="forward"))
         A = _random_assignments(gen, tasks, B)
         st_ = state_ref.state(tasks, A)
         cap = tasks.area.sum() * 11 // (10 * P)
@@ -286,7 +301,8 @@ def test_triton_path_launches_each_kernel_once_per_round(monkeypatch):
     areas = block_areas(packed_documents(64 * P, seed=0), P, G, impl="torch")
     solve_device(areas, config, rounds=rounds, impl="triton",
                  strategies=(Strategy((3.0, float("inf")), units_per_rank=2, bundle_dests=4),))
-    assert len(state_k.grids) == len(bytes_k.grids) == rounds + 1 and len(bundle_k.grids) == rounds
+    # the state once per round and once more for the winner's bottlenecks
+    assert len(state_k.grids) == len(bytes_k.grids) == rounds + 2 and len(bundle_k.grids) == rounds
     # grids: (task tiles, B), (B, P), (B, P, K)
     assert state_k.grids[0] == (1, 2) and bytes_k.grids[0] == (2, P) and bundle_k.grids[0] == (2, P, 2)
 

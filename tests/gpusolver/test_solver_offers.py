@@ -113,7 +113,7 @@ def test_offers_on_meta():
     tasks = _tasks(torch.Generator().manual_seed(0), P, G)
     meta = core.Tasks.__new__(core.Tasks)
     meta.G, meta.P, meta.U, meta.T, meta.area = G, P, P, tasks.T, tasks.area.to("meta")
-    state = core.State(*(torch.empty(0, device="meta") for _ in range(13)))
+    state = core.State(*(torch.empty(0, device="meta") for _ in range(21)))
     state = replace(state, rank=torch.zeros((B, tasks.T), dtype=torch.int64, device="meta"),
                     load=torch.zeros((B, P), dtype=torch.int64, device="meta"))
     cap = torch.zeros((B, 1), dtype=torch.int64, device="meta")

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from gpusolver.solver.core import Proposals, State
+from gpusolver.solver.state.kernel import rank_table
 
 # Proposals j compared with all N proposals i at once: [BLOCK_N, BLOCK_J] tiles. With
 # N = 256 (P = 64, 4 units) and 8 warps, ptxas (sm_90) reports no spills for 16; 64 spilled.
@@ -59,27 +60,34 @@ def _accept_kernel(
     stuck_ptr,  # [B] bool out: balancing and nothing accepted
     tasks_ptr,  # [B, N, M] int64 contiguous (APPLY only): task ids, T where unused
     a_ptr,  # [B, T+1] int64 (APPLY only): the assignment, updated in place
-    N, P, M, T,
+    dx_ptr,  # [4, B, N] int64 contiguous (TRAINING or CAPS): the destination's bsend, brecv, QO and KV rows in
+    ranks_ptr,  # [10, B, P] int64 (TRAINING or CAPS; planes RS apart): ``state.kernel.rank_table``
+    bneck_ptr, bwd_bneck_ptr,  # [B] int64 (TRAINING): the forward and backward bottlenecks
+    caps_ptr,  # [B] int64 (CAPS): each variant's receive rows per rank and kind
+    N, P, M, T, RS,
     stride_score, stride_ok, stride_dest, stride_src, stride_area, stride_ds, stride_dr,  # row strides
     stride_load, stride_send, stride_recv, stride_exc, stride_cap, stride_a,
     BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_M: tl.constexpr, APPLY: tl.constexpr,
+    TRAINING: tl.constexpr, CAPS: tl.constexpr,
 ):
     _accept_variant(score_ptr, ok_ptr, dest_ptr, source_ptr, area_ptr, dsend_ptr, drecv_ptr,
                     load_ptr, send_ptr, recv_ptr, excess_ptr, cap_ptr, limit_ptr, bal_ptr, fits_ptr, keep_ptr,
-                    stuck_ptr, tasks_ptr, a_ptr, tl.program_id(0).to(tl.int64), N, P, M, T,
+                    stuck_ptr, tasks_ptr, a_ptr, dx_ptr, ranks_ptr, bneck_ptr, bwd_bneck_ptr, caps_ptr,
+                    tl.program_id(0).to(tl.int64), N, P, M, T, RS,
                     stride_score, stride_ok, stride_dest, stride_src, stride_area, stride_ds, stride_dr,
                     stride_load, stride_send, stride_recv, stride_exc, stride_cap, stride_a,
-                    BLOCK_N, BLOCK_J, BLOCK_M, APPLY)
+                    BLOCK_N, BLOCK_J, BLOCK_M, APPLY, TRAINING, CAPS)
 
 
 @triton.jit
 def _accept_variant(
     score_ptr, ok_ptr, dest_ptr, source_ptr, area_ptr, dsend_ptr, drecv_ptr,
     load_ptr, send_ptr, recv_ptr, excess_ptr, cap_ptr, limit_ptr, bal_ptr, fits_ptr, keep_ptr,
-    stuck_ptr, tasks_ptr, a_ptr, i_b, N, P, M, T,
+    stuck_ptr, tasks_ptr, a_ptr, dx_ptr, ranks_ptr, bneck_ptr, bwd_bneck_ptr, caps_ptr, i_b, N, P, M, T, RS,
     stride_score, stride_ok, stride_dest, stride_src, stride_area, stride_ds, stride_dr,
     stride_load, stride_send, stride_recv, stride_exc, stride_cap, stride_a,
     BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_M: tl.constexpr, APPLY: tl.constexpr,
+    TRAINING: tl.constexpr, CAPS: tl.constexpr,
 ):
     """Variant ``i_b`` (int64) of ``_accept_kernel`` (its arguments). With APPLY the moves land in
     place: a task moves at most once per round (proposals of one variant move disjoint tasks)."""
@@ -96,6 +104,11 @@ def _accept_variant(
     r_area = tl.zeros([BLOCK_N], dtype=tl.int64)
     r_send = tl.zeros([BLOCK_N], dtype=tl.int64)
     r_recv = tl.zeros([BLOCK_N], dtype=tl.int64)
+    r_bs = tl.zeros([BLOCK_N], dtype=tl.int64)
+    r_br = tl.zeros([BLOCK_N], dtype=tl.int64)
+    r_qi = tl.zeros([BLOCK_N], dtype=tl.int64)
+    r_ki = tl.zeros([BLOCK_N], dtype=tl.int64)
+    NB = RS // P * N  # B * N, the planes of dx
     for j0 in range(0, N, BLOCK_J):
         o_j = j0 + tl.arange(0, BLOCK_J)  # [BLOCK_J]
         m_j = o_j < N
@@ -111,14 +124,39 @@ def _accept_variant(
         r_area += tl.sum(tl.where(w, a_j[None, :], 0), axis=1)
         r_send += tl.sum(tl.where(w, ds_j[None, :], 0), axis=1)
         r_recv += tl.sum(tl.where(w, dr_j[None, :], 0), axis=1)
+        if TRAINING:
+            bs_j = tl.where(ok_j, tl.load(dx_ptr + i_b * N + o_j, mask=m_j, other=0), 0)
+            br_j = tl.where(ok_j, tl.load(dx_ptr + NB + i_b * N + o_j, mask=m_j, other=0), 0)
+            r_bs += tl.sum(tl.where(w, bs_j[None, :], 0), axis=1)
+            r_br += tl.sum(tl.where(w, br_j[None, :], 0), axis=1)
+        if CAPS:
+            qi_j = tl.where(ok_j, tl.load(dx_ptr + 2 * NB + i_b * N + o_j, mask=m_j, other=0), 0)
+            ki_j = tl.where(ok_j, tl.load(dx_ptr + 3 * NB + i_b * N + o_j, mask=m_j, other=0), 0)
+            r_qi += tl.sum(tl.where(w, qi_j[None, :], 0), axis=1)
+            r_ki += tl.sum(tl.where(w, ki_j[None, :], 0), axis=1)
     m_d = b_ok & (b_dest < P)
     load_d = tl.load(load_ptr + i_b * stride_load + b_dest, mask=m_d, other=0)
     send_d = tl.load(send_ptr + i_b * stride_send + b_dest, mask=m_d, other=0)
     recv_d = tl.load(recv_ptr + i_b * stride_recv + b_dest, mask=m_d, other=0)
     cap = tl.load(cap_ptr + i_b * stride_cap)
     lim = tl.load(limit_ptr + i_b)
-    fits = ((load_d + r_area <= cap) & ((send_d + r_send).to(tl.float64) <= lim)
-            & ((recv_d + r_recv).to(tl.float64) <= lim))
+    fits = load_d + r_area <= cap
+    if TRAINING:  # forward plus backward within the threshold, then each below its bottleneck
+        o_d = i_b * P + b_dest
+        fwd = tl.maximum(send_d + r_send, recv_d + r_recv)
+        bwd = tl.maximum(tl.load(ranks_ptr + 3 * RS + o_d, mask=m_d, other=0) + r_bs,
+                         tl.load(ranks_ptr + 4 * RS + o_d, mask=m_d, other=0) + r_br)
+        bal_t = tl.load(bal_ptr + i_b).to(tl.int32) != 0
+        fits = fits & tl.where(bal_t, (fwd + bwd).to(tl.float64) <= lim,
+                               (fwd < tl.load(bneck_ptr + i_b)) & (bwd < tl.load(bwd_bneck_ptr + i_b)))
+    else:
+        fits = fits & ((send_d + r_send).to(tl.float64) <= lim) & ((recv_d + r_recv).to(tl.float64) <= lim)
+    if CAPS:  # the rows the destination receives stay within the buffer, or do not grow
+        o_d = i_b * P + b_dest
+        qin_d = tl.load(ranks_ptr + 7 * RS + o_d, mask=m_d, other=0)
+        kin_d = tl.load(ranks_ptr + 9 * RS + o_d, mask=m_d, other=0)
+        recv_cap = tl.load(caps_ptr + i_b)
+        fits = fits & ((qin_d + r_qi <= recv_cap) | (r_qi <= 0)) & ((kin_d + r_ki <= recv_cap) | (r_ki <= 0))
     b_ok = b_ok & fits
     tl.store(fits_ptr + i_b * N + o_i, b_ok, mask=m_i)
     tl.debug_barrier()  # every lane's accepted flag is visible before the source pass reads it
@@ -160,7 +198,8 @@ def _accept_variant(
             tl.store(a_ptr + i_b * stride_a + tid, d_j[:, None] + tl.zeros_like(tid), mask=m_jm & (tid < T))
 
 
-def _launch(prop: Proposals, st: State, dest_cap, limit, excess, balance, A=None):
+def _launch(prop: Proposals, st: State, dest_cap, limit, excess, balance, A=None, training: bool = False,
+            recv_cap: torch.Tensor | None = None):
     """Shared launcher: (keep [B, N] bool, stuck [B] bool); with A, the moves land in A."""
     B, N = prop.ok.shape
     P = st.load.shape[1]
@@ -182,18 +221,37 @@ def _launch(prop: Proposals, st: State, dest_cap, limit, excess, balance, A=None
     rows = tuple(t if t.stride(1) == 1 else t.contiguous() for t in rows)
     if dev.type == "meta":  # shapes only: there is no data to run the kernel on
         return keep, stuck
+    caps = recv_cap is not None
+    if training or caps:
+        dx = _proposal_table(prop)
+        ranks = rank_table(st)
+        bneck, bwd_bneck = st.bottleneck.contiguous(), st.bwd_bottleneck.contiguous()
+    else:
+        dx, ranks, bneck, bwd_bneck = keep, keep, keep, keep  # unused pointers
     block_n = triton.next_power_of_2(N)
     _accept_kernel[(B,)](
-        *rows, cap, limit.contiguous(), balance.contiguous(), fits, keep, stuck, tasks, a,
-        N, P, M, T,
+        *rows, cap, limit.contiguous(), balance.contiguous(), fits, keep, stuck, tasks, a, dx, ranks, bneck, bwd_bneck,
+        recv_cap.contiguous() if caps else keep, N, P, M, T, B * P,
         *(t.stride(0) for t in rows), cap.stride(0), stride_a,
         BLOCK_N=block_n, BLOCK_J=min(_BLOCK_J, block_n), BLOCK_M=triton.next_power_of_2(M),
-        APPLY=A is not None, num_warps=8,
+        APPLY=A is not None, TRAINING=bool(training), CAPS=caps, num_warps=8,
     )
     return keep, stuck
 
 
-def accept_triton(prop: Proposals, st: State, dest_cap, limit, excess, balance) -> torch.Tensor:
+def _proposal_table(prop: Proposals) -> torch.Tensor:
+    """The destination deltas dest_bsend, dest_brecv, dest_qin, dest_kin as one [4, B, N] int64
+    table: the bundle kernel's own buffer when it made them, else a stacked copy."""
+    planes = (prop.dest_bsend, prop.dest_brecv, prop.dest_qin, prop.dest_kin)
+    B, N = prop.ok.shape
+    base = planes[0]
+    if all(t.is_contiguous() and t.data_ptr() == base.data_ptr() + k * B * N * 8 for k, t in enumerate(planes)):
+        return base.as_strided((4, B, N), (B * N, N, 1))
+    return torch.stack(planes)
+
+
+def accept_triton(prop: Proposals, st: State, dest_cap, limit, excess, balance, training: bool = False,
+                  recv_cap: torch.Tensor | None = None) -> torch.Tensor:
     """Which proposals to apply (Triton twin of ``accept``): [B, N] bool.
 
     prop:     Proposals, [B, N] fields (score fp64, ok bool, dest/source/area/
@@ -203,19 +261,21 @@ def accept_triton(prop: Proposals, st: State, dest_cap, limit, excess, balance) 
     limit:    [B] fp64, the largest send and recv bytes a destination may reach.
     excess:   [B, P] int64, load above the cap of each source.
     balance:  [B] bool, True while the variant is unbalanced.
+    training, recv_cap: the objective and the receive buffers, as ``accept.ref.accept``.
     Each destination accepts proposals in score order (index breaks ties)
     while its load and bytes stay within limits; then, while balancing, each
     source keeps its accepted proposals in score order until its excess is
     covered. One kernel launch, equal to the twin entry for entry.
     """
-    return _launch(prop, st, dest_cap, limit, excess, balance)[0]
+    return _launch(prop, st, dest_cap, limit, excess, balance, None, training, recv_cap)[0]
 
 
-def accept_apply_triton(A: torch.Tensor, prop: Proposals, st: State, dest_cap, limit, excess, balance):
+def accept_apply_triton(A: torch.Tensor, prop: Proposals, st: State, dest_cap, limit, excess, balance,
+                        training: bool = False, recv_cap: torch.Tensor | None = None):
     """Triton twin of ``accept_apply``: one kernel launch that moves the accepted tasks in A, in place.
 
     A: [B, T+1] int64, dense rows; prop.tasks [B, N, M] int64 (T where unused).
     Returns (A, updated: columns [0, T) equal the twin's A_next; stuck [B] bool).
     """
-    _, stuck = _launch(prop, st, dest_cap, limit, excess, balance, A)
+    _, stuck = _launch(prop, st, dest_cap, limit, excess, balance, A, training, recv_cap)
     return A, stuck

@@ -28,12 +28,21 @@ def _segment_running_sum(key: torch.Tensor, order_key: torch.Tensor, values: lis
     return order, sums
 
 
-def accept(prop: Proposals, st: State, dest_cap, limit, excess, balance) -> torch.Tensor:
+def accept(prop: Proposals, st: State, dest_cap, limit, excess, balance, training: bool = False,
+           recv_cap: torch.Tensor | None = None) -> torch.Tensor:
     """Which proposals to apply: [B, N] bool.
 
     Each destination accepts proposals in score order while its load and
     volume stay within limits; then, while balancing, each source keeps its
     accepted proposals in score order until its excess is covered.
+
+    The volume limit: forward-only, the destination's forward send and
+    receive stay within ``limit`` (the threshold while balancing, the
+    bottleneck less one after); ``training``, while balancing its forward plus
+    backward volume stays within ``limit``, after it its forward and backward
+    volumes stay below their bottlenecks. With ``recv_cap`` ([B] int64, each
+    variant's receive buffer rows) the QO and KV rows it receives stay within
+    it, or do not grow.
     """
     B, N = prop.ok.shape
     P = st.load.shape[1]
@@ -43,14 +52,29 @@ def accept(prop: Proposals, st: State, dest_cap, limit, excess, balance) -> torc
     ok = prop.ok
     dest = torch.where(ok, prop.dest, P)
     zero = lambda x: torch.where(ok, x, 0)  # noqa: E731
-    order, (r_area, r_send, r_recv) = _segment_running_sum(
-        dest, dest * N + pos, [zero(prop.area), zero(prop.dest_send), zero(prop.dest_recv)])
+    values = [prop.area, prop.dest_send, prop.dest_recv]
+    if training:
+        values += [prop.dest_bsend, prop.dest_brecv]
+    if recv_cap is not None:
+        values += [prop.dest_qin, prop.dest_kin]
+    order, running = _segment_running_sum(dest, dest * N + pos, [zero(v) for v in values])
+    r_area, r_send, r_recv = running[:3]
     pad = torch.zeros_like(st.load[:, :1])
     d_sorted = dest.gather(1, order)
     at_d = lambda t: torch.cat((t, pad), 1).gather(1, d_sorted)  # noqa: E731
     lim = limit[:, None]
-    fits = ((at_d(st.load) + r_area <= dest_cap) & ((at_d(st.send) + r_send).double() <= lim)
-            & ((at_d(st.recv) + r_recv).double() <= lim))
+    fits = at_d(st.load) + r_area <= dest_cap
+    if training:
+        fwd = torch.maximum(at_d(st.send) + r_send, at_d(st.recv) + r_recv)
+        bwd = torch.maximum(at_d(st.bsend) + running[3], at_d(st.brecv) + running[4])
+        fits &= torch.where(balance[:, None], (fwd + bwd).double() <= lim,
+                            (fwd < st.bottleneck[:, None]) & (bwd < st.bwd_bottleneck[:, None]))
+    else:
+        fits &= ((at_d(st.send) + r_send).double() <= lim) & ((at_d(st.recv) + r_recv).double() <= lim)
+    if recv_cap is not None:
+        r_qin, r_kin = running[-2:]
+        rc = recv_cap[:, None]
+        fits &= ((at_d(st.q_in) + r_qin <= rc) | (r_qin <= 0)) & ((at_d(st.k_in) + r_kin <= rc) | (r_kin <= 0))
     ok = ok & torch.zeros_like(ok).scatter(1, order, fits)
     # source side: stop once the excess is covered (balance phase only)
     src = torch.where(ok, prop.source, P)
@@ -61,7 +85,8 @@ def accept(prop: Proposals, st: State, dest_cap, limit, excess, balance) -> torc
     return ok & torch.zeros_like(ok).scatter(1, order, keep)
 
 
-def accept_apply(A: torch.Tensor, prop: Proposals, st: State, dest_cap, limit, excess, balance):
+def accept_apply(A: torch.Tensor, prop: Proposals, st: State, dest_cap, limit, excess, balance,
+                 training: bool = False, recv_cap: torch.Tensor | None = None):
     """``accept`` and the moves it accepts, as the round loop applies them (torch twin).
 
     A: [B, T+1] int64 assignment (column T is a dummy). Other arguments as
@@ -71,7 +96,7 @@ def accept_apply(A: torch.Tensor, prop: Proposals, st: State, dest_cap, limit, e
     slots there); columns [0, T) are what the twins agree on.
     """
     B, T = A.shape[0], A.shape[1] - 1
-    keep = accept(prop, st, dest_cap, limit, excess, balance)
+    keep = accept(prop, st, dest_cap, limit, excess, balance, training, recv_cap)
     stuck = balance & ~keep.any(1)
     moving = torch.where(keep[..., None], prop.tasks, T)
     A = A.scatter(1, moving.view(B, -1), prop.dest[..., None].expand_as(moving).reshape(B, -1))

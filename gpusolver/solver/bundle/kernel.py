@@ -21,6 +21,7 @@ import triton.language as tl
 
 from gpusolver.solver.core import _BIG, Proposals, State, Tasks
 from gpusolver.solver.offers.kernel import offers_triton
+from gpusolver.solver.state.kernel import byte_prices, rank_table
 
 _BIG_T = tl.constexpr(_BIG)
 # Destinations priced at once by the bundle kernel. At P = 64 (window 64) with 8 warps, ptxas
@@ -46,17 +47,27 @@ def _union_growth(cur_lo, cur_hi, lo, hi):
 
 
 @triton.jit
+def _fits(now, delta, cap):
+    """The rows ``now + delta`` stay within ``cap``, or do not grow."""
+    return (now + delta <= cap) | (delta <= 0)
+
+
+@triton.jit
 def _price(
     inc,  # [BLOCK_D, BLOCK_S] the moved tasks of each destination (BLOCK_S task slots)
     mine, t_area, qlo_t, qhi_t, k_free_t, j_t,  # [1, BLOCK_S]
-    j_send,  # [1, BLOCK_P]: send of each task's key host (TILES == 1), of each rank (TILES > 1)
+    j_send, j_recv, j_bsend, j_brecv, j_kout,  # [1, BLOCK_P]: of each task's key host (TILES == 1), of each rank
     k_grow_t,  # [BLOCK_D, BLOCK_S]
-    d_of, qlo_d, qhi_d, send_d, recv_d,  # [BLOCK_D]
+    d_of, qlo_d, qhi_d, send_d, recv_d, bsend_d, brecv_d, qin_d, kin_d,  # [BLOCK_D]
     s, i, bn, q_cur, send_i, recv_i, send_s, recv_s, send_bn, recv_bn, bnv, bal, exc, thr,  # scalars
-    Q_BYTES, O_BYTES, KV_BYTES, SIDEWAYS: tl.constexpr,
+    bsend_i, brecv_i, bsend_s, brecv_s, qout_i, kout_i, kout_s, b_bn, bwv, f_2nd, b_2nd,  # scalars
+    Q_BYTES, O_BYTES, KV_BYTES, QB_BYTES, DQ_BYTES, KVB_BYTES, DKV_BYTES, RECV_CAP, SEND_CAP,
+    SIDEWAYS: tl.constexpr, TRAINING: tl.constexpr, CAPS: tl.constexpr,
     TILES: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_TL: tl.constexpr,
 ):
-    """ok [BLOCK_D] bool, score [BLOCK_D] fp64, area, dest_send, dest_recv [BLOCK_D] int64 of one size.
+    """ok [BLOCK_D] bool, score [BLOCK_D] fp64, area, dest_send, dest_recv, dest_bsend, dest_brecv,
+    dest_qin, dest_kin [BLOCK_D] int64 of one size (``bundle.ref``: the forward rule, or with
+    TRAINING ``_training_scores``; with CAPS ``_fits_buffers``).
 
     Every task term is a sum, min or max over the slots, so the slots may hold the tasks in any
     order; with TILES > 1 they must be the key-host-major slots of ``_bundle_unit``."""
@@ -69,19 +80,25 @@ def _price(
     r_lo = tl.min(tl.where(rest, qlo_t, _BIG_T), axis=1)
     r_hi = tl.max(tl.where(rest, qhi_t, 0), axis=1)
     q_free = tl.where((area > 0) & (s != i), q_cur - tl.maximum(r_hi - r_lo, 0), 0)
-    # key columns of the moved tasks, per key host
-    kv_delta = tl.where(inc, (k_grow_t - k_free_t) * KV_BYTES, 0)  # [BLOCK_D, BLOCK_S]
-    kv_to_src = tl.sum(tl.where(j_t == s, kv_delta, 0), axis=1)
-    kv_to_host = tl.sum(tl.where((j_t == i) & (i != s), kv_delta, 0), axis=1)
+    # key columns of the moved tasks, per key host: token changes, and their K/V bytes
+    tok_t = tl.where(inc, k_grow_t - k_free_t, 0)  # [BLOCK_D, BLOCK_S]
+    kv_delta = tok_t * KV_BYTES
+    tok_src = tl.sum(tl.where(j_t == s, tok_t, 0), axis=1)
+    tok_host = tl.sum(tl.where(j_t == i, tok_t, 0), axis=1)
     # the destination as key host: it no longer sends the K/V it ships to the source alone
-    kv_to_dest = tl.sum(tl.where(j_t == d_of[:, None], kv_delta, 0), axis=1)
+    tok_dest = tl.sum(tl.where(j_t == d_of[:, None], tok_t, 0), axis=1)
+    kv_to_src = tok_src * KV_BYTES
+    kv_to_host = tl.where(i != s, tok_host * KV_BYTES, 0)
+    kv_to_dest = tok_dest * KV_BYTES
     elsewhere = inc & (j_t != s) & (j_t != i) & (j_t != d_of[:, None])
     if TILES == 1:  # each task's key unit has its own host
         kvh_max = tl.max(tl.where(elsewhere, j_send + kv_delta, 0), axis=1)
+        tok_j = tok_t  # [BLOCK_D, BLOCK_P] per key host
+        hit_j = elsewhere
     else:  # slot h * BLOCK_TL + t holds key host h's tile t: up to TILES deltas add up per host
-        per_host = tl.sum(tl.reshape(tl.where(elsewhere, kv_delta, 0), [BLOCK_D, BLOCK_P, BLOCK_TL]), axis=2)
-        hit = tl.max(tl.reshape(elsewhere.to(tl.int32), [BLOCK_D, BLOCK_P, BLOCK_TL]), axis=2) > 0
-        kvh_max = tl.max(tl.where(hit, j_send + per_host, 0), axis=1)
+        tok_j = tl.sum(tl.reshape(tl.where(elsewhere, tok_t, 0), [BLOCK_D, BLOCK_P, BLOCK_TL]), axis=2)
+        hit_j = tl.max(tl.reshape(elsewhere.to(tl.int32), [BLOCK_D, BLOCK_P, BLOCK_TL]), axis=2) > 0
+        kvh_max = tl.max(tl.where(hit_j, j_send + tok_j * KV_BYTES, 0), axis=1)
     k_grow = tl.sum(tl.where(inc, k_grow_t, 0), axis=1)
     k_free = tl.sum(tl.where(inc, k_free_t, 0), axis=1)
 
@@ -102,31 +119,79 @@ def _price(
     src_recv = recv_s + s_dr + tl.where(s_is_h, h_dr, 0)
     d_send = send_d + dest_send + tl.where(d_is_h, h_ds, 0) + kv_to_dest
     d_recv = recv_d + dest_recv + tl.where(d_is_h, h_dr, 0)
-    new_max = tl.maximum(tl.maximum(tl.maximum(host_send, host_recv), tl.maximum(src_send, src_recv)),
-                         tl.maximum(tl.maximum(d_send, d_recv), kvh_max))
-    added = dq * (Q_BYTES + O_BYTES) + (k_grow - k_free) * KV_BYTES
-
-    bn_is_j = elsewhere & (j_t == bn)
-    bn_as_j = tl.maximum(send_bn + tl.sum(tl.where(bn_is_j, kv_delta, 0), axis=1), recv_bn)
-    bn_any = tl.max(bn_is_j.to(tl.int32), axis=1) > 0
-    bn_new = tl.where(s == bn, tl.maximum(src_send, src_recv),
-                      tl.where(i == bn, tl.maximum(host_send, host_recv),
-                               tl.where(d_of == bn, tl.maximum(d_send, d_recv), tl.where(bn_any, bn_as_j, bnv))))
-    ok_bal = (exc > 0) & (new_max.to(tl.float64) <= thr)
-    ok_bn = (bn_new < bnv) & (new_max < bnv)
-    if SIDEWAYS:  # the bottleneck stays, no touched rank reaches it, the total bytes fall
-        side = (ok_bn == 0) & (bn_new <= bnv) & (new_max < bnv) & (added < 0)
-    else:
-        side = ok_bn & (ok_bn == 0)
-    ok_bn = ok_bn | side
-    ok = (area > 0) & (d_of != s) & tl.where(bal, ok_bal, ok_bn)
     eps = tl.full([], 1e-12, tl.float64)  # a float64 constant, as in the torch twin
-    score_bal = added.to(tl.float64) / tl.maximum(area, 1).to(tl.float64)
-    # the tie-break is relative to the bottleneck, so it stays a tie-break at any sequence length
-    bnv64 = tl.maximum(bnv, 1).to(tl.float64)
-    score_bn = new_max.to(tl.float64) / bnv64 + eps * (added.to(tl.float64) / bnv64) + side.to(tl.float64)
+    if TRAINING:
+        host_f = tl.maximum(host_send, host_recv)
+        src_f = tl.maximum(src_send, src_recv)
+        dest_f = tl.maximum(d_send, d_recv)
+        # backward volumes from each touched rank's token changes (QO out, QO in, KV out, KV in)
+        h_ko = tl.where(s_is_h, tok_src, tok_host)
+        h_ki = tl.where(s_is_h, -k_free, 0) + tl.where(d_is_h, k_grow, 0)
+        host_b = tl.maximum(bsend_i + dq * QB_BYTES + h_ko * KVB_BYTES + h_ki * DKV_BYTES,
+                            brecv_i + dq * DQ_BYTES + h_ki * KVB_BYTES + h_ko * DKV_BYTES)
+        s_qo = tl.where(s_is_h, dq, 0)
+        src_b = tl.maximum(bsend_s + s_qo * QB_BYTES - q_free * DQ_BYTES + tok_src * KVB_BYTES - k_free * DKV_BYTES,
+                           brecv_s - q_free * QB_BYTES + s_qo * DQ_BYTES - k_free * KVB_BYTES + tok_src * DKV_BYTES)
+        d_qo = tl.where(d_is_h, dq, 0)
+        dest_b = tl.maximum(bsend_d + d_qo * QB_BYTES + q_grow * DQ_BYTES + tok_dest * KVB_BYTES + k_grow * DKV_BYTES,
+                            brecv_d + q_grow * QB_BYTES + d_qo * DQ_BYTES + k_grow * KVB_BYTES + tok_dest * DKV_BYTES)
+        # key hosts other than the touched ranks: K/V out, dK/dV back
+        kh_f = tl.max(tl.where(hit_j, tl.maximum(j_send + tok_j * KV_BYTES, j_recv), 0), axis=1)
+        kh_b = tl.max(tl.where(hit_j, tl.maximum(j_bsend + tok_j * KVB_BYTES, j_brecv + tok_j * DKV_BYTES), 0),
+                      axis=1)
+        new_f = tl.maximum(tl.maximum(host_f, src_f), tl.maximum(dest_f, kh_f))
+        new_b = tl.maximum(tl.maximum(host_b, src_b), tl.maximum(dest_b, kh_b))
+        f_hit = (s == bn) | (i == bn) | (d_of == bn) | (tl.max((inc & (j_t == bn)).to(tl.int32), axis=1) > 0)
+        b_hit = (s == b_bn) | (i == b_bn) | (d_of == b_bn) | (tl.max((inc & (j_t == b_bn)).to(tl.int32), axis=1) > 0)
+        goal = bnv + bwv
+        goal_new = (tl.maximum(new_f, tl.where(f_hit, f_2nd, bnv)) + tl.maximum(new_b, tl.where(b_hit, b_2nd, bwv)))
+        added = dq * (Q_BYTES + O_BYTES + QB_BYTES + DQ_BYTES) + (k_grow - k_free) * (KV_BYTES + KVB_BYTES + DKV_BYTES)
+        below = (new_f < bnv) & (new_b < bwv)
+        ok_bn = ((goal_new < goal) | (below & (f_hit | b_hit))) & (dest_f < bnv) & (dest_b < bwv)
+        if SIDEWAYS:
+            side = (ok_bn == 0) & below & (added < 0)
+        else:
+            side = ok_bn & (ok_bn == 0)
+        ok_bn = ok_bn | side
+        ok_bal = (exc > 0) & ((new_f + new_b).to(tl.float64) <= thr)
+        ok = (area > 0) & (d_of != s) & tl.where(bal, ok_bal, ok_bn)
+        score_bal = added.to(tl.float64) / tl.maximum(area, 1).to(tl.float64)
+        goal64 = tl.maximum(goal, 1).to(tl.float64)
+        score_bn = goal_new.to(tl.float64) / goal64 + eps * (added.to(tl.float64) / goal64) + side.to(tl.float64)
+    else:
+        new_max = tl.maximum(tl.maximum(tl.maximum(host_send, host_recv), tl.maximum(src_send, src_recv)),
+                             tl.maximum(tl.maximum(d_send, d_recv), kvh_max))
+        added = dq * (Q_BYTES + O_BYTES) + (k_grow - k_free) * KV_BYTES
+
+        bn_is_j = elsewhere & (j_t == bn)
+        bn_as_j = tl.maximum(send_bn + tl.sum(tl.where(bn_is_j, kv_delta, 0), axis=1), recv_bn)
+        bn_any = tl.max(bn_is_j.to(tl.int32), axis=1) > 0
+        bn_new = tl.where(s == bn, tl.maximum(src_send, src_recv),
+                          tl.where(i == bn, tl.maximum(host_send, host_recv),
+                                   tl.where(d_of == bn, tl.maximum(d_send, d_recv),
+                                            tl.where(bn_any, bn_as_j, bnv))))
+        ok_bal = (exc > 0) & (new_max.to(tl.float64) <= thr)
+        ok_bn = (bn_new < bnv) & (new_max < bnv)
+        if SIDEWAYS:  # the bottleneck stays, no touched rank reaches it, the total bytes fall
+            side = (ok_bn == 0) & (bn_new <= bnv) & (new_max < bnv) & (added < 0)
+        else:
+            side = ok_bn & (ok_bn == 0)
+        ok_bn = ok_bn | side
+        ok = (area > 0) & (d_of != s) & tl.where(bal, ok_bal, ok_bn)
+        score_bal = added.to(tl.float64) / tl.maximum(area, 1).to(tl.float64)
+        # the tie-break is relative to the bottleneck, so it stays a tie-break at any sequence length
+        bnv64 = tl.maximum(bnv, 1).to(tl.float64)
+        score_bn = new_max.to(tl.float64) / bnv64 + eps * (added.to(tl.float64) / bnv64) + side.to(tl.float64)
+    if CAPS:  # rows within the plan's buffers (``bundle.ref._fits_buffers``)
+        ok = (ok & _fits(qout_i, dq, SEND_CAP) & _fits(qin_d, q_grow, RECV_CAP) & _fits(kin_d, k_grow, RECV_CAP)
+              & _fits(kout_s, tok_src, SEND_CAP) & (s_is_h | _fits(kout_i, tok_host, SEND_CAP)))
+        over = hit_j & (tok_j > 0) & (j_kout + tok_j > SEND_CAP)
+        ok = ok & (tl.max(over.to(tl.int32), axis=1) == 0)
     score = tl.where(ok, tl.where(bal, score_bal, score_bn), float("inf"))
-    return ok, score, area, dest_send + kv_to_dest, dest_recv
+    # the destination's backward change (its own part, as dest_send)
+    dest_bsend = q_grow * DQ_BYTES + tok_dest * KVB_BYTES + k_grow * DKV_BYTES
+    dest_brecv = q_grow * QB_BYTES + k_grow * KVB_BYTES + tok_dest * DKV_BYTES
+    return ok, score, area, dest_send + kv_to_dest, dest_recv, dest_bsend, dest_brecv, q_grow, k_grow
 
 
 @triton.jit
@@ -137,37 +202,46 @@ def _bundle_kernel(
     order_ptr,  # [B] int64: the task order of each variant
     unit_ptr,  # [B, P, K] int64 contiguous: offered units
     dests_ptr,  # [B, P, D] int64 contiguous: headroom-window destinations
-    headroom_ptr, excess_ptr, send_ptr, recv_ptr, vol_ptr,  # [B, P] int64 contiguous
-    bal_ptr, bneck_ptr, thr_ptr,  # [B] bool, int64, fp64
+    headroom_ptr, excess_ptr,  # [B, P] int64 contiguous
+    ranks_ptr,  # [10, B, P] int64 (planes RS apart): send, recv, vol, bsend, brecv, bvol, q_out, q_in, k_out, k_in
+    bal_ptr, bneck_ptr, bwd_bneck_ptr, thr_ptr,  # [B] bool, int64, int64, fp64
     q_lo_ptr, q_hi_ptr, k_lo_ptr, k_hi_ptr, qlen_ptr, klen_ptr, kcount_ptr,  # [B, G*U, P] int64 contiguous
     ok_ptr, score_ptr, dest_ptr, moved_area_ptr, dsend_ptr, drecv_ptr,  # [B, P*K] bool/fp64/int64
+    dx_ptr,  # [4, B, P*K] int64: the destination's bsend, brecv, QO rows in, KV rows in
     tasks_out_ptr,  # [B, P*K, U] int64
-    T, P, K, D, GU,
+    caps_ptr,  # [2, B] int64 (CAPS only): each variant's receive and send rows
+    T, P, K, D, GU, RS,
     stride_rb, stride_a, stride_q, stride_k,
-    Q_BYTES, O_BYTES, KV_BYTES,
+    Q_BYTES, O_BYTES, KV_BYTES, QB_BYTES, DQ_BYTES, KVB_BYTES, DKV_BYTES,
     BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, SIDEWAYS: tl.constexpr, SINGLES: tl.constexpr,
-    TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_TL: tl.constexpr,
+    TRAINING: tl.constexpr, CAPS: tl.constexpr, TILES: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_TL: tl.constexpr,
 ):
     _bundle_unit(rank_ptr, area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr, unit_tasks_ptr, order_ptr, unit_ptr,
-                 dests_ptr, headroom_ptr, excess_ptr, send_ptr, recv_ptr, vol_ptr, bal_ptr, bneck_ptr, thr_ptr,
+                 dests_ptr, headroom_ptr, excess_ptr, ranks_ptr, bal_ptr, bneck_ptr, bwd_bneck_ptr, thr_ptr,
                  q_lo_ptr, q_hi_ptr, k_lo_ptr, k_hi_ptr, qlen_ptr, klen_ptr, kcount_ptr,
-                 ok_ptr, score_ptr, dest_ptr, moved_area_ptr, dsend_ptr, drecv_ptr, tasks_out_ptr, order_ptr,
+                 ok_ptr, score_ptr, dest_ptr, moved_area_ptr, dsend_ptr, drecv_ptr, dx_ptr, tasks_out_ptr, order_ptr,
+                 caps_ptr,
                  tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64),
-                 T, P, K, D, GU, stride_rb, stride_a, stride_q, stride_k, Q_BYTES, O_BYTES, KV_BYTES,
-                 BLOCK_P, BLOCK_D, False, SIDEWAYS, SINGLES, TILES, BLOCK_M, BLOCK_TL)
+                 T, P, K, D, GU, RS, stride_rb, stride_a, stride_q, stride_k,
+                 Q_BYTES, O_BYTES, KV_BYTES, QB_BYTES, DQ_BYTES, KVB_BYTES, DKV_BYTES,
+                 BLOCK_P, BLOCK_D, False, SIDEWAYS, SINGLES, TRAINING, CAPS, TILES, BLOCK_M, BLOCK_TL)
 
 
 @triton.jit
 def _bundle_unit(
     rank_ptr, area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr, unit_tasks_ptr, order_ptr, unit_ptr,
-    dests_ptr, headroom_ptr, excess_ptr, send_ptr, recv_ptr, vol_ptr, bal_ptr, bneck_ptr, thr_ptr,
+    dests_ptr, headroom_ptr, excess_ptr, ranks_ptr, bal_ptr, bneck_ptr, bwd_bneck_ptr, thr_ptr,
     q_lo_ptr, q_hi_ptr, k_lo_ptr, k_hi_ptr, qlen_ptr, klen_ptr, kcount_ptr,
-    ok_ptr, score_ptr, dest_ptr, moved_area_ptr, dsend_ptr, drecv_ptr, tasks_out_ptr,
+    ok_ptr, score_ptr, dest_ptr, moved_area_ptr, dsend_ptr, drecv_ptr, dx_ptr, tasks_out_ptr,
     units_ptr,  # [B] int64 (HAS_UNITS only): units variant b offers; slots past it propose nothing
+    caps_ptr,  # [2, B] int64 (CAPS only): each variant's receive and send rows
     i_b, i_s, i_k,  # int64: variant, source, offered-unit slot
-    T, P, K, D, GU, stride_rb, stride_a, stride_q, stride_k, Q_BYTES, O_BYTES, KV_BYTES,
+    T, P, K, D, GU, RS, stride_rb, stride_a, stride_q, stride_k,
+    Q_BYTES, O_BYTES, KV_BYTES, QB_BYTES, DQ_BYTES, KVB_BYTES, DKV_BYTES,
     BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, HAS_UNITS: tl.constexpr, SIDEWAYS: tl.constexpr,
-    SINGLES: tl.constexpr, TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_TL: tl.constexpr,
+    SINGLES: tl.constexpr, TRAINING: tl.constexpr, CAPS: tl.constexpr, TILES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_TL: tl.constexpr,
 ):
     """Program (i_b, i_s, i_k) of ``_bundle_kernel`` (its arguments, plus the per-variant unit count).
 
@@ -195,6 +269,17 @@ def _bundle_unit(
     u = tl.load(unit_ptr + (o_row + i_s) * K + i_k)
     i = (u % U) // TILES  # the unit's query host
     order = tl.load(order_ptr + i_b)
+    # the ranks' bytes and rows: planes RS apart
+    send_ptr = ranks_ptr
+    recv_ptr = ranks_ptr + RS
+    vol_ptr = ranks_ptr + 2 * RS
+    bsend_ptr = ranks_ptr + 3 * RS
+    brecv_ptr = ranks_ptr + 4 * RS
+    bvol_ptr = ranks_ptr + 5 * RS
+    qout_ptr = ranks_ptr + 6 * RS
+    qin_ptr = ranks_ptr + 7 * RS
+    kout_ptr = ranks_ptr + 8 * RS
+    kin_ptr = ranks_ptr + 9 * RS
 
     if TILES == 1:
         # the unit's tasks by area; mine = on the source. [1, BLOCK_P]
@@ -208,7 +293,7 @@ def _bundle_unit(
         j_t = tid % P  # key host
         kv_u = (tid // (P * P)) * P + j_t  # KV unit
         key_host = tl.sum(tl.sum(tl.where(first, j_t, 0), axis=1), axis=0)
-        j_send = tl.load(send_ptr + o_row + j_t, mask=m_p, other=0)
+        o_jh = j_t  # the key host of each slot
     else:
         # the unit's tasks in the variant's order (the prefixes'): [1, BLOCK_M] rows
         o_m = tl.arange(0, BLOCK_M).to(tl.int64)[None, :]
@@ -237,7 +322,19 @@ def _bundle_unit(
         after = after_first // 2
         first = (after_first % 2) == 1
         before = after - t_area
-        j_send = tl.load(send_ptr + o_row + o_p, mask=m_p, other=0)  # every rank's, summed per key host
+        o_jh = o_p  # every rank: the slots' changes are summed per key host
+    j_send = tl.load(send_ptr + o_row + o_jh, mask=m_p, other=0)
+    zero_j = tl.zeros_like(j_send)
+    if TRAINING:
+        j_recv = tl.load(recv_ptr + o_row + o_jh, mask=m_p, other=0)
+        j_bsend = tl.load(bsend_ptr + o_row + o_jh, mask=m_p, other=0)
+        j_brecv = tl.load(brecv_ptr + o_row + o_jh, mask=m_p, other=0)
+    else:
+        j_recv, j_bsend, j_brecv = zero_j, zero_j, zero_j
+    if CAPS:
+        j_kout = tl.load(kout_ptr + o_row + o_jh, mask=m_p, other=0)
+    else:
+        j_kout = zero_j
     qlo_t = tl.load(qlo_ptr + tid * stride_q, mask=m_t, other=0)
     qhi_t = tl.load(qhi_ptr + tid * stride_q, mask=m_t, other=0)
     klo_t = tl.load(klo_ptr + tid * stride_k, mask=m_t, other=0)
@@ -271,6 +368,22 @@ def _bundle_unit(
     send_i, recv_i = tl.load(send_ptr + o_row + i), tl.load(recv_ptr + o_row + i)
     send_s, recv_s = tl.load(send_ptr + o_row + i_s), tl.load(recv_ptr + o_row + i_s)
     send_bn, recv_bn = tl.load(send_ptr + o_row + bn), tl.load(recv_ptr + o_row + bn)
+    zero = tl.zeros([], tl.int64)
+    if TRAINING:  # the backward's volumes, its bottleneck rank, and each phase's second largest volume
+        bsend_i, brecv_i = tl.load(bsend_ptr + o_row + i), tl.load(brecv_ptr + o_row + i)
+        bsend_s, brecv_s = tl.load(bsend_ptr + o_row + i_s), tl.load(brecv_ptr + o_row + i_s)
+        bvol = tl.load(bvol_ptr + o_row + o_p, mask=m_p, other=-1)
+        b_bn = tl.min(tl.min(tl.where(bvol == tl.max(tl.max(bvol, axis=1), axis=0), o_p, BLOCK_P), axis=1), axis=0)
+        bwv = tl.load(bwd_bneck_ptr + i_b)
+        f_2nd = tl.max(tl.max(tl.where(o_p == bn, -1, vol), axis=1), axis=0)
+        b_2nd = tl.max(tl.max(tl.where(o_p == b_bn, -1, bvol), axis=1), axis=0)
+    else:
+        bsend_i, brecv_i, bsend_s, brecv_s, b_bn, bwv, f_2nd, b_2nd = zero, zero, zero, zero, zero, zero, zero, zero
+    if CAPS:
+        qout_i, kout_i, kout_s = tl.load(qout_ptr + o_row + i), tl.load(kout_ptr + o_row + i), tl.load(kout_ptr + o_row + i_s)
+        recv_cap, send_cap = tl.load(caps_ptr + i_b), tl.load(caps_ptr + RS // P + i_b)
+    else:
+        qout_i, kout_i, kout_s, recv_cap, send_cap = zero, zero, zero, zero, zero
 
     # the best (destination, size) over the tiles, in the twin's order d * 2 + size, first index on
     # ties: a tile replaces the best so far only with a lower score (tile 0 always, so a unit with
@@ -282,6 +395,10 @@ def _bundle_unit(
     best_area = tl.zeros([], tl.int64)
     best_ds = tl.zeros([], tl.int64)
     best_dr = tl.zeros([], tl.int64)
+    best_dbs = tl.zeros([], tl.int64)
+    best_dbr = tl.zeros([], tl.int64)
+    best_dqi = tl.zeros([], tl.int64)
+    best_dki = tl.zeros([], tl.int64)
     for d0 in range(0, D + 3, BLOCK_D):
         o_d = d0 + tl.arange(0, BLOCK_D).to(tl.int64)  # [BLOCK_D] destinations of this tile
         m_d = o_d < D + 3
@@ -302,15 +419,32 @@ def _bundle_unit(
         qhi_d = tl.load(q_hi_ptr + o_cell + u * P + d_of, mask=m_d, other=0)
         send_d = tl.load(send_ptr + o_row + d_of, mask=m_d, other=0)
         recv_d = tl.load(recv_ptr + o_row + d_of, mask=m_d, other=0)
+        zero_d = tl.zeros_like(recv_d)
+        if TRAINING:
+            bsend_d = tl.load(bsend_ptr + o_row + d_of, mask=m_d, other=0)
+            brecv_d = tl.load(brecv_ptr + o_row + d_of, mask=m_d, other=0)
+        else:
+            bsend_d, brecv_d = zero_d, zero_d
+        if CAPS:
+            qin_d = tl.load(qin_ptr + o_row + d_of, mask=m_d, other=0)
+            kin_d = tl.load(kin_ptr + o_row + d_of, mask=m_d, other=0)
+        else:
+            qin_d, kin_d = zero_d, zero_d
 
-        ok0, score0, area0, ds0, dr0 = _price(
-            inc0, mine, t_area, qlo_t, qhi_t, k_free_t, j_t, j_send, k_grow_t, d_of, qlo_d, qhi_d, send_d, recv_d,
+        ok0, score0, area0, ds0, dr0, dbs0, dbr0, dqi0, dki0 = _price(
+            inc0, mine, t_area, qlo_t, qhi_t, k_free_t, j_t, j_send, j_recv, j_bsend, j_brecv, j_kout, k_grow_t,
+            d_of, qlo_d, qhi_d, send_d, recv_d, bsend_d, brecv_d, qin_d, kin_d,
             i_s, i, bn, q_cur, send_i, recv_i, send_s, recv_s, send_bn, recv_bn, bnv, bal, exc, thr,
-            Q_BYTES, O_BYTES, KV_BYTES, SIDEWAYS, TILES, BLOCK_D, BLOCK_P, BLOCK_TL)
-        ok1, score1, area1, ds1, dr1 = _price(
-            inc1, mine, t_area, qlo_t, qhi_t, k_free_t, j_t, j_send, k_grow_t, d_of, qlo_d, qhi_d, send_d, recv_d,
+            bsend_i, brecv_i, bsend_s, brecv_s, qout_i, kout_i, kout_s, b_bn, bwv, f_2nd, b_2nd,
+            Q_BYTES, O_BYTES, KV_BYTES, QB_BYTES, DQ_BYTES, KVB_BYTES, DKV_BYTES, recv_cap, send_cap,
+            SIDEWAYS, TRAINING, CAPS, TILES, BLOCK_D, BLOCK_P, BLOCK_TL)
+        ok1, score1, area1, ds1, dr1, dbs1, dbr1, dqi1, dki1 = _price(
+            inc1, mine, t_area, qlo_t, qhi_t, k_free_t, j_t, j_send, j_recv, j_bsend, j_brecv, j_kout, k_grow_t,
+            d_of, qlo_d, qhi_d, send_d, recv_d, bsend_d, brecv_d, qin_d, kin_d,
             i_s, i, bn, q_cur, send_i, recv_i, send_s, recv_s, send_bn, recv_bn, bnv, bal, exc, thr,
-            Q_BYTES, O_BYTES, KV_BYTES, SIDEWAYS, TILES, BLOCK_D, BLOCK_P, BLOCK_TL)
+            bsend_i, brecv_i, bsend_s, brecv_s, qout_i, kout_i, kout_s, b_bn, bwv, f_2nd, b_2nd,
+            Q_BYTES, O_BYTES, KV_BYTES, QB_BYTES, DQ_BYTES, KVB_BYTES, DKV_BYTES, recv_cap, send_cap,
+            SIDEWAYS, TRAINING, CAPS, TILES, BLOCK_D, BLOCK_P, BLOCK_TL)
 
         score0 = tl.where(m_d, score0, float("inf"))
         score1 = tl.where(m_d, score1, float("inf"))
@@ -329,6 +463,10 @@ def _bundle_unit(
         best_area = tl.where(take, tl.sum(tl.where(row, tl.where(size1, area1, area0), 0), axis=0), best_area)
         best_ds = tl.where(take, tl.sum(tl.where(row, tl.where(size1, ds1, ds0), 0), axis=0), best_ds)
         best_dr = tl.where(take, tl.sum(tl.where(row, tl.where(size1, dr1, dr0), 0), axis=0), best_dr)
+        best_dbs = tl.where(take, tl.sum(tl.where(row, tl.where(size1, dbs1, dbs0), 0), axis=0), best_dbs)
+        best_dbr = tl.where(take, tl.sum(tl.where(row, tl.where(size1, dbr1, dbr0), 0), axis=0), best_dbr)
+        best_dqi = tl.where(take, tl.sum(tl.where(row, tl.where(size1, dqi1, dqi0), 0), axis=0), best_dqi)
+        best_dki = tl.where(take, tl.sum(tl.where(row, tl.where(size1, dki1, dki0), 0), axis=0), best_dki)
 
     o_out = (o_row + i_s) * K + i_k  # proposal index s * K + k of variant b
     ok_out = best_ok > 0
@@ -340,6 +478,10 @@ def _bundle_unit(
     tl.store(moved_area_ptr + o_out, best_area)
     tl.store(dsend_ptr + o_out, best_ds)
     tl.store(drecv_ptr + o_out, best_dr)
+    tl.store(dx_ptr + o_out, best_dbs)
+    tl.store(dx_ptr + RS * K + o_out, best_dbr)
+    tl.store(dx_ptr + 2 * RS * K + o_out, best_dqi)
+    tl.store(dx_ptr + 3 * RS * K + o_out, best_dki)
     # the chosen bundle's tasks, in the variant's order: the prefix of the best size at the best destination
     room_best = tl.load(headroom_ptr + o_row + best_dest)
     if TILES == 1:  # [1, BLOCK_P]
@@ -356,7 +498,7 @@ def _bundle_unit(
 
 def bundle_proposals_triton(tasks: Tasks, st: State, cap, excess, balance, threshold,
                             units_per_rank, n_dests, dests_per_variant=None, order_per_variant=None,
-                            sideways: bool = False, singles: bool = False) -> Proposals:
+                            sideways: bool = False, singles: bool = False, caps: torch.Tensor | None = None) -> Proposals:
     """Each offered QO unit's best bundle move (Triton twin of ``bundle_proposals``).
 
     tasks:          Tasks of the solve (T = G * U * U tasks, U = n * P units per group).
@@ -389,12 +531,31 @@ def bundle_proposals_triton(tasks: Tasks, st: State, cap, excess, balance, thres
     ok = torch.empty((B, N), dtype=torch.bool, device=dev)
     score = torch.empty((B, N), dtype=torch.float64, device=dev)
     dest, area, dest_send, dest_recv = (torch.empty((B, N), dtype=torch.int64, device=dev) for _ in range(4))
+    dx = torch.empty((4, B, N), dtype=torch.int64, device=dev)  # dest_bsend, dest_brecv, dest_qin, dest_kin
     moved = torch.empty((B, N, U), dtype=torch.int64, device=dev)
     source = ranks.repeat_interleave(K, output_size=N).expand(B, -1)
     out = Proposals(ok=ok, score=score, dest=dest, source=source, area=area, dest_send=dest_send,
-                    dest_recv=dest_recv, tasks=moved)
+                    dest_recv=dest_recv, tasks=moved, dest_bsend=dx[0], dest_brecv=dx[1], dest_qin=dx[2],
+                    dest_kin=dx[3])
     if dev.type == "meta":  # shapes only: there is no data to run the kernel on
         return out
+    c = lambda t: t.contiguous()  # noqa: E731  (no copy for the Triton state's tensors)
+    _bundle_kernel[(B, P, K)](
+        st.rank, tasks.area, tasks.qlo, tasks.qhi, tasks.klo, tasks.khi,
+        c(tasks.unit_tasks), order_b, unit, c(dests),
+        headroom, c(excess), rank_table(st),
+        c(balance), c(st.bottleneck), c(st.bwd_bottleneck), c(threshold),
+        c(st.q_lo), c(st.q_hi), c(st.k_lo), c(st.k_hi), c(st.qlen), c(st.klen), c(st.kcount),
+        ok, score, dest, area, dest_send, dest_recv, dx, moved, ok if caps is None else caps.contiguous(),
+        T, P, K, D, G * U, B * P,
+        st.rank.stride(0), tasks.area.stride(0), tasks.qlo.stride(0), tasks.klo.stride(0),
+        *byte_prices(tasks),
+        BLOCK_P=triton.next_power_of_2(P), BLOCK_D=dest_tile(D, tiles), SIDEWAYS=bool(sideways),
+        SINGLES=bool(singles), TRAINING=tasks.training, CAPS=caps is not None, TILES=tiles,
+        BLOCK_M=triton.next_power_of_2(U), BLOCK_TL=triton.next_power_of_2(tiles), num_warps=8,
+        enable_fp_fusion=False,  # no fused multiply-add: scores round like the twin's separate ops
+    )
+    return out
     c = lambda t: t.contiguous()  # noqa: E731  (no copy for the Triton state's tensors)
     _bundle_kernel[(B, P, K)](
         st.rank, tasks.area, tasks.qlo, tasks.qhi, tasks.klo, tasks.khi,

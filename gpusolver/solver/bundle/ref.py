@@ -61,8 +61,8 @@ def _at_cut(running: torch.Tensor, cut: torch.Tensor, empty: int, suffix: bool =
 
 
 def bundle_proposals(tasks: Tasks, st: State, cap, excess, balance, threshold,
-                      units_per_rank, n_dests, dests_per_variant=None, order_per_variant=None,
-                      sideways: bool = False, singles: bool = False) -> Proposals:
+                     units_per_rank, n_dests, dests_per_variant=None, order_per_variant=None,
+                     sideways: bool = False, singles: bool = False, caps: torch.Tensor | None = None) -> Proposals:
     """Ship a prefix of one QO unit's tasks (by area) from each source to one destination.
 
     Balance phase (``balance`` [B] True): overloaded sources, the prefix stops
@@ -161,12 +161,17 @@ def bundle_proposals(tasks: Tasks, st: State, cap, excess, balance, threshold,
     # key host in the unit's order): [B, P, K, 4, D1, 2] sum and any
     bn = st.vol.argmax(1).view(B, 1, 1, 1)
     per_unit = torch.cat((ranks.view(1, P, 1, 1).expand(B, P, K, 1), u_host[..., None], bn.expand(B, P, K, 1)), 3)
-    hosts = torch.cat((per_unit[..., None].expand(B, P, K, 3, D1), dests[:, :, :, None, :]), 3)  # [B, P, K, 4, D1]
+    hosts = (per_unit[..., None].expand(B, P, K, 3, D1), dests[:, :, :, None, :])
+    if tasks.training:  # and the backward's bottleneck rank, fifth
+        b_bn = st.bvol.argmax(1).view(B, 1, 1, 1)
+        hosts += (b_bn[..., None].expand(B, P, K, 1, D1),)
+    hosts = torch.cat(hosts, 3)  # [B, P, K, H, D1], H = 4 (5 training)
+    H = hosts.shape[3]
     pos = tasks.unit_pos[order_b.view(B, 1, 1, 1, 1, 1), unit[..., None, None, None],
-                         hosts[..., None] * n + torch.arange(n, device=dev)]  # [B, P, K, 4, D1, n]
+                         hosts[..., None] * n + torch.arange(n, device=dev)]  # [B, P, K, H, D1, n]
     flat = pos.flatten(3)
     inc = mine.gather(3, flat).view(pos.shape)[..., None, :] & (pos[..., None, :] < cut[:, :, :, None, :, :, None])
-    delta = (kg_t[:, :, :, None].expand(B, P, K, 4, D1, U).gather(5, pos)
+    delta = (kg_t[:, :, :, None].expand(B, P, K, H, D1, U).gather(5, pos)
              - kf_t.gather(3, flat).view(pos.shape))
     tok_on, any_on = (delta[..., None, :] * inc).sum(-1).unbind(3), inc.any(-1).unbind(3)
     kv_to_src = tok_on[0] * tasks.kv
@@ -235,6 +240,25 @@ def bundle_proposals(tasks: Tasks, st: State, cap, excess, balance, threshold,
                         + 1e-12 * (added.double() / bnv.clamp(min=1).double()) + side.double())
     score = torch.where(ok, score, float("inf"))
 
+    # the destination's backward change (its own part: as dest_send, not the host's when it is the host)
+    dest_bsend = q_grow * tasks.dqb + tok_on[3] * tasks.kvb + k_grow * tasks.dkv
+    dest_brecv = q_grow * tasks.qb + k_grow * tasks.kvb + tok_on[3] * tasks.dkv
+    if tasks.training or caps is not None:
+        # the moved tasks of each (destination, size) whose key host is not a touched rank, and
+        # their token change: [B, P, K, D1, 2, U]
+        inc = mine[:, :, :, None, None, :] & (upos < cut[..., None])
+        tok = inc * (kg_t - kf_t[:, :, :, None, :])[:, :, :, :, None, :]
+        j6 = j_t[:, :, :, None, None, :]
+        elsewhere = inc & (j6 != s_of[..., None]) & (j6 != i_of[..., None]) & (j6 != d_of[..., None])
+    if tasks.training:
+        ok, score = _training_scores(
+            tasks, st, j6, elsewhere, tok, tok_on, any_on, i_of, s_of, d_of, dq, q_grow, q_free, k_grow,
+            k_free, area, excess, balance, threshold, sideways, gather_at,
+            torch.maximum(host_send, host_recv), torch.maximum(src_send, src_recv), torch.maximum(d_send, d_recv))
+    if caps is not None:
+        ok = ok & _fits_buffers(st, caps, j6, elsewhere, tok, tok_on, i_of, s_of, d_of, dq, q_grow, k_grow, gather_at)
+        score = torch.where(ok, score, float("inf"))
+
     # each offered unit proposes its best (destination, size): proposals [B, P*K]
     n_opts = D1 * 2
     best = score.view(B, P, K, n_opts).argmin(-1, keepdim=True)  # first on ties
@@ -242,7 +266,115 @@ def bundle_proposals(tasks: Tasks, st: State, cap, excess, balance, threshold,
     moved = mine & (upos < cut.reshape(B, P, K, n_opts).gather(3, best))
     d_best = dests.gather(3, best // 2)  # [B, P, K, 1]
     return Proposals(ok=pick(ok), score=pick(score), dest=d_best.reshape(B, P * K),
-                      source=ranks.view(P, 1).expand(P, K).reshape(1, -1).expand(B, -1),
-                      area=pick(area), dest_send=pick(dest_send + kv_to_dest), dest_recv=pick(dest_recv),
-                      tasks=torch.where(moved, tid, T).view(B, P * K, U))
+                     source=ranks.view(P, 1).expand(P, K).reshape(1, -1).expand(B, -1),
+                     area=pick(area), dest_send=pick(dest_send + kv_to_dest), dest_recv=pick(dest_recv),
+                     tasks=torch.where(moved, tid, T).view(B, P * K, U), dest_bsend=pick(dest_bsend),
+                     dest_brecv=pick(dest_brecv), dest_qin=pick(q_grow), dest_kin=pick(k_grow))
 
+
+
+def _key_host_peaks(tasks: Tasks, st: State, key_host, elsewhere, tok):
+    """The largest forward and backward volume among the key hosts of moved tasks other than the
+    touched ranks, after the move (0 if none): their K/V out grows by the tasks' token changes
+    (summed per host), which adds K/V to their forward send and dK/dV to their backward receive.
+
+    key_host, elsewhere, tok: [B, ..., M] per moved task slot (key_host broadcastable); tok int64.
+    Returns (fwd, bwd), [B, ...] int64 each.
+    """
+    B, P = st.send.shape
+    lead = (B,) + (1,) * (elsewhere.dim() - 2)
+    idx = key_host.expand_as(elsewhere)
+    per_host = torch.zeros(elsewhere.shape[:-1] + (P,), dtype=torch.int64, device=tok.device)
+    per_host = per_host.scatter_add(-1, idx, torch.where(elsewhere, tok, 0))
+    hit = torch.zeros_like(per_host).scatter_add(-1, idx, elsewhere.long()) > 0
+    at = lambda t: t.view(*lead, P)  # noqa: E731
+    fwd = torch.maximum(at(st.send) + per_host * tasks.kv, at(st.recv))
+    bwd = torch.maximum(at(st.bsend) + per_host * tasks.kvb, at(st.brecv) + per_host * tasks.dkv)
+    return torch.where(hit, fwd, 0).amax(-1), torch.where(hit, bwd, 0).amax(-1)
+
+
+def _training_scores(tasks: Tasks, st: State, j6, elsewhere, tok, tok_on, any_on, i_of, s_of, d_of, dq,
+                     q_grow, q_free, k_grow, k_free, area, excess, balance, threshold, sideways, gather_at,
+                     host_f, src_f, dest_f):
+    """(ok, score) [B, P, K, D1, 2] of the bundle moves under the training objective
+    ``J = max_r fwd_r + max_r bwd_r``.
+
+    Every touched rank's new forward and backward volume follows from its token changes (QO
+    tokens out and in, KV tokens out and in); a rank not touched keeps its volumes, so the new
+    maximum of a phase is at most the larger of the touched ranks' and, of the others', the
+    phase's bottleneck (its second largest when the bottleneck rank is touched): J' is that
+    bound. Bottleneck phase: J' < J, or J' = J with every touched rank strictly below both
+    bottlenecks and one of the bottleneck ranks among them (ties make progress); the
+    destination stays below both (acceptance holds it there); sideways moves as in the
+    forward rule. Scored by J' / J. Balance phase: every touched rank's fwd + bwd under the
+    threshold, scored by the bytes of both phases added per unit of area.
+    """
+    B, P = st.send.shape
+    s_is_h, d_is_h = s_of == i_of, d_of == i_of
+    shape = area.shape
+    at = lambda t, r: gather_at(t, r.expand(shape))  # noqa: E731
+
+    def bwd(bs, br, qo, qi, ko, ki):  # a rank's new backward volume from its token changes
+        return torch.maximum(bs + qo * tasks.qb + qi * tasks.dqb + ko * tasks.kvb + ki * tasks.dkv,
+                             br + qi * tasks.qb + qo * tasks.dqb + ki * tasks.kvb + ko * tasks.dkv)
+
+    zero = torch.zeros((), dtype=torch.int64, device=dq.device)
+    host_b = bwd(at(st.bsend, i_of), at(st.brecv, i_of), dq, zero, torch.where(s_is_h, tok_on[0], tok_on[1]),
+                 torch.where(s_is_h, -k_free, 0) + torch.where(d_is_h, k_grow, 0))
+    src_b = bwd(st.bsend.view(B, P, 1, 1, 1), st.brecv.view(B, P, 1, 1, 1), torch.where(s_is_h, dq, 0), -q_free,
+                tok_on[0], -k_free)
+    dest_b = bwd(at(st.bsend, d_of), at(st.brecv, d_of), torch.where(d_is_h, dq, 0), q_grow, tok_on[3], k_grow)
+    # key hosts other than the touched ranks
+    kh_f, kh_b = _key_host_peaks(tasks, st, j6, elsewhere, tok)
+    new_f = torch.maximum(torch.maximum(host_f, src_f), torch.maximum(dest_f, kh_f))
+    new_b = torch.maximum(torch.maximum(host_b, src_b), torch.maximum(dest_b, kh_b))
+
+    # the phases' bottleneck ranks (first on ties) and, for each, the largest volume of the others
+    f_bn, b_bn = st.vol.argmax(1), st.bvol.argmax(1)
+    f_2nd = st.vol.scatter(1, f_bn[:, None], -1).amax(1)
+    b_2nd = st.bvol.scatter(1, b_bn[:, None], -1).amax(1)
+    v = lambda t: t.view(B, 1, 1, 1, 1)  # noqa: E731
+    F, Bw = v(st.bottleneck), v(st.bwd_bottleneck)
+    f_hit = (s_of == v(f_bn)) | (i_of == v(f_bn)) | (d_of == v(f_bn)) | any_on[2]
+    b_hit = (s_of == v(b_bn)) | (i_of == v(b_bn)) | (d_of == v(b_bn)) | any_on[4]
+    J = F + Bw
+    J_new = (torch.maximum(new_f, torch.where(f_hit, v(f_2nd), F))
+             + torch.maximum(new_b, torch.where(b_hit, v(b_2nd), Bw)))
+    added = dq * (tasks.q + tasks.o + tasks.qb + tasks.dqb) + (k_grow - k_free) * (tasks.kv + tasks.kvb + tasks.dkv)
+
+    below = (new_f < F) & (new_b < Bw)
+    ok_bn = ((J_new < J) | (below & (f_hit | b_hit))) & (dest_f < F) & (dest_b < Bw)
+    side = ~ok_bn & below & (added < 0) & sideways
+    ok_bn = ok_bn | side
+    ok_bal = (excess.view(B, P, 1, 1, 1) > 0) & ((new_f + new_b).double() <= threshold.view(B, 1, 1, 1, 1))
+    bal = balance.view(B, 1, 1, 1, 1)
+    ok = (area > 0) & (d_of != s_of) & torch.where(bal, ok_bal, ok_bn)
+    j64 = J.clamp(min=1).double()
+    score = torch.where(bal, added.double() / area.clamp(min=1).double(),
+                        J_new.double() / j64 + 1e-12 * (added.double() / j64) + side.double())
+    return ok, torch.where(ok, score, float("inf"))
+
+
+def _fits_buffers(st: State, caps, j6, elsewhere, tok, tok_on, i_of, s_of, d_of, dq, q_grow, k_grow, gather_at):
+    """[B, P, K, D1, 2] bool: the move keeps every rank's rows within the plan's buffers.
+
+    caps: [2, B] int64, each variant's receive and send rows per rank and kind. A rank's QO
+    and KV rows received stay within the first and those sent within the second, or do not
+    grow. Rows that
+    grow: the query host's QO sends (the destination's new rows), the destination's QO and KV
+    receives, and the KV sends of the moved tasks' key hosts (the source, the query host and
+    the others; the destination's only shrink).
+    """
+    B, P = st.send.shape
+    shape = q_grow.shape
+    at = lambda t, r: gather_at(t, r.expand(shape))  # noqa: E731
+    fits = lambda now, delta, cap: (now + delta <= cap) | (delta <= 0)  # noqa: E731
+    R, S = caps[0].view(B, 1, 1, 1, 1), caps[1].view(B, 1, 1, 1, 1)
+    ok = fits(at(st.q_out, i_of), dq, S) & fits(at(st.q_in, d_of), q_grow, R) & fits(at(st.k_in, d_of), k_grow, R)
+    ok &= fits(st.k_out.view(B, P, 1, 1, 1), tok_on[0], S)  # the source as a key host
+    ok &= (s_of == i_of) | fits(at(st.k_out, i_of), tok_on[1], S)  # the query host as one
+    per_host = torch.zeros(elsewhere.shape[:-1] + (P,), dtype=torch.int64, device=tok.device)
+    per_host = per_host.scatter_add(-1, j6.expand_as(elsewhere), torch.where(elsewhere, tok, 0))
+    lead = (B,) + (1,) * (elsewhere.dim() - 2)
+    over = (per_host > 0) & (st.k_out.view(*lead, P) + per_host > S[..., None])
+    return ok & ~over.any(-1)

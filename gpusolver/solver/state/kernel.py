@@ -76,21 +76,22 @@ def _state_bytes_kernel(
     lo_ptr,  # [2, B, G*U, P] int64: q_lo, k_lo
     hi_ptr,  # [2, B, G*U, P] int64: q_hi, k_hi
     len_ptr,  # [2, B, G*U, P] int64 out: qlen, klen
-    send_ptr, recv_ptr, vol_ptr,  # [B, P] int64 out
-    bneck_ptr,  # [B] int64, zero-initialised: max over ranks of vol
+    bytes_ptr,  # [10, B, P] int64 out: send, recv, vol (forward), bsend, brecv, bvol (backward),
+    # then the rows q_out, q_in, k_out, k_in
+    bneck_ptr,  # [2, B] int64, zero-initialised: max over ranks of vol, of bvol
     B, G, P,
-    Q_BYTES, O_BYTES, KV_BYTES,
+    Q_BYTES, O_BYTES, KV_BYTES, QB_BYTES, DQ_BYTES, KVB_BYTES, DKV_BYTES,
     BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, TILES: tl.constexpr,
 ):
-    _state_bytes_rank(lo_ptr, hi_ptr, len_ptr, send_ptr, recv_ptr, vol_ptr, bneck_ptr,
+    _state_bytes_rank(lo_ptr, hi_ptr, len_ptr, bytes_ptr, bneck_ptr,
                       tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), B, G, P,
-                      Q_BYTES, O_BYTES, KV_BYTES, BLOCK_G, BLOCK_P, TILES)
+                      Q_BYTES, O_BYTES, KV_BYTES, QB_BYTES, DQ_BYTES, KVB_BYTES, DKV_BYTES, BLOCK_G, BLOCK_P, TILES)
 
 
 @triton.jit
-def _state_bytes_rank(lo_ptr, hi_ptr, len_ptr, send_ptr, recv_ptr, vol_ptr, bneck_ptr, i_b, i_r, B, G, P,
-                      Q_BYTES, O_BYTES, KV_BYTES, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr,
-                      TILES: tl.constexpr):
+def _state_bytes_rank(lo_ptr, hi_ptr, len_ptr, bytes_ptr, bneck_ptr, i_b, i_r, B, G, P,
+                      Q_BYTES, O_BYTES, KV_BYTES, QB_BYTES, DQ_BYTES, KVB_BYTES, DKV_BYTES,
+                      BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, TILES: tl.constexpr):
     """Rank ``i_r`` of variant ``i_b`` of ``_state_bytes_kernel`` (its arguments; indices int64).
 
     Unit ``u`` of a group lives on rank ``u // TILES``; one ``[BLOCK_G, BLOCK_P]`` tile per tile offset t."""
@@ -125,19 +126,52 @@ def _state_bytes_rank(lo_ptr, hi_ptr, len_ptr, send_ptr, recv_ptr, vol_ptr, bnec
     send = q_out * Q_BYTES + q_in * O_BYTES + k_out * KV_BYTES
     recv = q_in * Q_BYTES + q_out * O_BYTES + k_in * KV_BYTES
     vol = tl.maximum(send, recv)
-    tl.store(send_ptr + i_b * P + i_r, send)
-    tl.store(recv_ptr + i_b * P + i_r, recv)
-    tl.store(vol_ptr + i_b * P + i_r, vol)
+    bsend = q_out * QB_BYTES + q_in * DQ_BYTES + k_out * KVB_BYTES + k_in * DKV_BYTES
+    brecv = q_in * QB_BYTES + q_out * DQ_BYTES + k_in * KVB_BYTES + k_out * DKV_BYTES
+    bvol = tl.maximum(bsend, brecv)
+    o_rank = i_b * P + i_r
+    tl.store(bytes_ptr + o_rank, send)
+    tl.store(bytes_ptr + B * P + o_rank, recv)
+    tl.store(bytes_ptr + 2 * B * P + o_rank, vol)
+    tl.store(bytes_ptr + 3 * B * P + o_rank, bsend)
+    tl.store(bytes_ptr + 4 * B * P + o_rank, brecv)
+    tl.store(bytes_ptr + 5 * B * P + o_rank, bvol)
+    tl.store(bytes_ptr + 6 * B * P + o_rank, q_out)
+    tl.store(bytes_ptr + 7 * B * P + o_rank, q_in)
+    tl.store(bytes_ptr + 8 * B * P + o_rank, k_out)
+    tl.store(bytes_ptr + 9 * B * P + o_rank, k_in)
     tl.atomic_max(bneck_ptr + i_b, vol, sem="relaxed")
+    tl.atomic_max(bneck_ptr + B + i_b, bvol, sem="relaxed")
+
+
+_RANK_FIELDS = ("send", "recv", "vol", "bsend", "brecv", "bvol", "q_out", "q_in", "k_out", "k_in")
+
+
+def rank_table(st: State) -> torch.Tensor:
+    """The per-rank bytes and rows of a state as one [10, B, P] int64 table (``_RANK_FIELDS`` in
+    order; the kernels read plane k at k * B * P): the state's own buffer when ``state_triton``
+    made it, else a stacked copy."""
+    planes = [getattr(st, f) for f in _RANK_FIELDS]
+    B, P = st.send.shape
+    base = st.send
+    if all(t.is_contiguous() and t.data_ptr() == base.data_ptr() + k * B * P * 8 for k, t in enumerate(planes)):
+        return base.as_strided((len(planes), B, P), (B * P, P, 1))
+    return torch.stack(planes)
+
+
+def byte_prices(tasks: Tasks) -> tuple[int, ...]:
+    """The seven bytes-per-token prices the kernels take, forward then backward (``Tasks``)."""
+    return tasks.q, tasks.o, tasks.kv, tasks.qb, tasks.dqb, tasks.kvb, tasks.dkv
 
 
 def state_triton(tasks: Tasks, A: torch.Tensor) -> State:
-    """Hulls, lengths, loads and forward bytes of assignments A (Triton twin of ``state``).
+    """Hulls, lengths, loads, forward and backward bytes of assignments A (Triton twin of ``state``).
 
     A: [B, T+1] int64 ranks in [0, P] (P = no rank; column T is a dummy).
     Returns a State whose tensors equal ``state(tasks, A)``'s exactly:
-    q_lo/q_hi/k_lo/k_hi/qlen/klen/kcount [B, G*U, P] int64, send/recv/vol/load
-    [B, P] int64, bottleneck [B] int64, rank [B, T] int64 (a view of A).
+    q_lo/q_hi/k_lo/k_hi/qlen/klen/kcount [B, G*U, P] int64, send/recv/vol/bsend/
+    brecv/bvol/load [B, P] int64, bottleneck/bwd_bottleneck [B] int64, rank [B, T]
+    int64 (a view of A).
     Two kernels: the task scatter (atomics), then lengths and bytes per (variant, rank).
     """
     G, P, U, T = tasks.G, tasks.P, tasks.U, tasks.T
@@ -145,17 +179,21 @@ def state_triton(tasks: Tasks, A: torch.Tensor) -> State:
     B, dev = rank.shape[0], A.device
     n = B * G * U * P  # cells of one [B, G*U, P] buffer
     lo = torch.full((2 * n,), _BIG, dtype=torch.int64, device=dev)  # q_lo, k_lo
-    acc = torch.zeros(3 * n + B * P + B, dtype=torch.int64, device=dev)  # q_hi, k_hi, kcount, load, bottleneck
-    out = torch.empty(2 * n + 3 * B * P, dtype=torch.int64, device=dev)  # qlen, klen, send, recv, vol
+    # q_hi, k_hi, kcount, load, bottleneck (forward, backward)
+    acc = torch.zeros(3 * n + B * P + 2 * B, dtype=torch.int64, device=dev)
+    # qlen, klen, send, recv, vol, bsend, brecv, bvol, q_out, q_in, k_out, k_in
+    out = torch.empty(2 * n + 10 * B * P, dtype=torch.int64, device=dev)
     bottleneck = acc[3 * n + B * P:]
     if dev.type != "meta":  # on meta, shapes only: there is no data to run the kernels on
         _launch_state(tasks, rank, lo, acc, out, bottleneck, B)
     cells = lambda buf, k: buf[k * n:(k + 1) * n].view(B, G * U, P)  # noqa: E731
     ranks = lambda buf, k: buf[2 * n + k * B * P:2 * n + (k + 1) * B * P].view(B, P)  # noqa: E731
     return State(rank=rank, q_lo=cells(lo, 0), q_hi=cells(acc, 0), k_lo=cells(lo, 1), k_hi=cells(acc, 1),
-                  qlen=cells(out, 0), klen=cells(out, 1), kcount=cells(acc, 2),
-                  send=ranks(out, 0), recv=ranks(out, 1), vol=ranks(out, 2), bottleneck=bottleneck,
-                  load=acc[3 * n:3 * n + B * P].view(B, P))
+                 qlen=cells(out, 0), klen=cells(out, 1), kcount=cells(acc, 2),
+                 send=ranks(out, 0), recv=ranks(out, 1), vol=ranks(out, 2), bottleneck=bottleneck[:B],
+                 load=acc[3 * n:3 * n + B * P].view(B, P), bsend=ranks(out, 3), brecv=ranks(out, 4),
+                 bvol=ranks(out, 5), bwd_bottleneck=bottleneck[B:], q_out=ranks(out, 6), q_in=ranks(out, 7),
+                 k_out=ranks(out, 8), k_in=ranks(out, 9))
 
 
 def _launch_state(tasks: Tasks, rank, lo, acc, out, bottleneck, B):
@@ -170,7 +208,7 @@ def _launch_state(tasks: Tasks, rank, lo, acc, out, bottleneck, B):
         BLOCK_T=block_t, TILES=tiles,
     )
     _state_bytes_kernel[(B, P)](
-        lo, acc, out, out[2 * n:], out[2 * n + B * P:], out[2 * n + 2 * B * P:], bottleneck,
-        B, G, P, tasks.q, tasks.o, tasks.kv,
+        lo, acc, out, out[2 * n:], bottleneck,
+        B, G, P, *byte_prices(tasks),
         BLOCK_G=triton.next_power_of_2(G), BLOCK_P=triton.next_power_of_2(P), TILES=tiles,
     )

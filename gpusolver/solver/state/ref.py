@@ -23,6 +23,7 @@ def _scatter_hull(tasks: Tasks, rank, lo, hi, unit):
 
 
 def state(tasks: Tasks, A: torch.Tensor) -> State:
+    """Hulls, lengths, loads, and forward and backward bytes of assignments A [B, T+1] (column T a dummy)."""
     G, P, U, T = tasks.G, tasks.P, tasks.U, tasks.T
     rank = A[:, :T]
     B = rank.shape[0]
@@ -39,10 +40,15 @@ def state(tasks: Tasks, A: torch.Tensor) -> State:
     send = q_out * tasks.q + q_in * tasks.o + k_out * tasks.kv
     recv = q_in * tasks.q + q_out * tasks.o + k_in * tasks.kv
     vol = torch.maximum(send, recv)
+    # backward: dO out and dQ back per QO token, K/V out again (kv_bwd) and dK/dV back per KV token
+    bsend = q_out * tasks.qb + q_in * tasks.dqb + k_out * tasks.kvb + k_in * tasks.dkv
+    brecv = q_in * tasks.qb + q_out * tasks.dqb + k_in * tasks.kvb + k_out * tasks.dkv
+    bvol = torch.maximum(bsend, brecv)
     load = torch.zeros((B, P + 1), dtype=torch.int64, device=A.device)
     load = load.scatter_add(1, rank, tasks.area.expand(B, -1))[:, :P]
     kcount = torch.zeros((B, G * U * (P + 1)), dtype=torch.int64, device=A.device)
     kcount = kcount.scatter_add(1, tasks.kv_unit * (P + 1) + rank, tasks.valid.long().expand(B, -1))
     kcount = kcount.view(B, G * U, P + 1)[..., :P]
-    return State(rank, q_lo, q_hi, k_lo, k_hi, qlen, klen, kcount, send, recv, vol, vol.amax(1), load)
+    return State(rank, q_lo, q_hi, k_lo, k_hi, qlen, klen, kcount, send, recv, vol, vol.amax(1), load,
+                 bsend, brecv, bvol, bvol.amax(1), q_out, q_in, k_out, k_in)
 

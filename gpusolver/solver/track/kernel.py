@@ -14,9 +14,11 @@ import torch
 import triton
 import triton.language as tl
 
-from gpusolver.solver.core import _BIG, State
+from gpusolver.solver.core import _BIG, OVER_CAPACITY, State
+from gpusolver.solver.state.kernel import rank_table
 
 _HALF_BIG = tl.constexpr(_BIG // 2)
+_OVER_CAPACITY = tl.constexpr(OVER_CAPACITY)
 # Tasks (of the assignment's row) copied per step.
 _BLOCK_C = 1024
 
@@ -35,20 +37,23 @@ def _track_kernel(
     balance_ptr,  # [B] bool out
     limit_ptr,  # [B] fp64 out
     excess_ptr,  # [B, P] int64 out, contiguous
-    P, T,
+    bwd_bneck_ptr,  # [B] int64 (TRAINING): the backward bottleneck
+    ranks_ptr,  # [10, B, P] int64 (CAPS; planes RS apart): ``state.kernel.rank_table``
+    P, T, RS, RECV_CAP, SEND_CAP,
     stride_a, stride_best_a, stride_load,
-    BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, TRAINING: tl.constexpr, CAPS: tl.constexpr,
 ):
     _track_variant(a_ptr, best_a_ptr, load_ptr, bneck_ptr, cap_ptr, stuck_ptr, thr_ptr, best_key_ptr,
-                   dest_cap_ptr, balance_ptr, limit_ptr, excess_ptr,
-                   tl.program_id(0).to(tl.int64), P, T, stride_a, stride_best_a, stride_load, BLOCK_P, BLOCK_C)
+                   dest_cap_ptr, balance_ptr, limit_ptr, excess_ptr, bwd_bneck_ptr, ranks_ptr,
+                   tl.program_id(0).to(tl.int64), P, T, RS, RECV_CAP, SEND_CAP, stride_a, stride_best_a, stride_load,
+                   BLOCK_P, BLOCK_C, TRAINING, CAPS)
 
 
 @triton.jit
 def _track_variant(a_ptr, best_a_ptr, load_ptr, bneck_ptr, cap_ptr, stuck_ptr, thr_ptr, best_key_ptr,
-                   dest_cap_ptr, balance_ptr, limit_ptr, excess_ptr,
-                   i_b, P, T, stride_a, stride_best_a, stride_load,
-                   BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+                   dest_cap_ptr, balance_ptr, limit_ptr, excess_ptr, bwd_bneck_ptr, ranks_ptr,
+                   i_b, P, T, RS, RECV_CAP, SEND_CAP, stride_a, stride_best_a, stride_load,
+                   BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, TRAINING: tl.constexpr, CAPS: tl.constexpr):
     """Variant ``i_b`` (int64) of ``_track_kernel`` (its arguments)."""
     o_p = tl.arange(0, BLOCK_P)  # [BLOCK_P] ranks
     m_p = o_p < P
@@ -57,8 +62,20 @@ def _track_variant(a_ptr, best_a_ptr, load_ptr, bneck_ptr, cap_ptr, stuck_ptr, t
     bneck = tl.load(bneck_ptr + i_b)
     max_load = tl.max(tl.where(m_p, b_load, -_HALF_BIG), axis=0)
     balanced = max_load <= cap
-    # balanced beats unbalanced, then the lower bottleneck (or the lower max load)
-    key = tl.where(balanced, bneck, _HALF_BIG + max_load)
+    if TRAINING:  # the objective: forward plus backward bottleneck
+        goal = bneck + tl.load(bwd_bneck_ptr + i_b)
+    else:
+        goal = bneck
+    # balanced beats unbalanced, then the lower objective (or the lower max load); past a buffer last
+    key = tl.where(balanced, goal, _HALF_BIG + max_load)
+    if CAPS:
+        o_r = i_b * P + o_p
+        over = (tl.maximum(tl.load(ranks_ptr + 7 * RS + o_r, mask=m_p, other=0) - RECV_CAP, 0)
+                + tl.maximum(tl.load(ranks_ptr + 9 * RS + o_r, mask=m_p, other=0) - RECV_CAP, 0)
+                + tl.maximum(tl.load(ranks_ptr + 6 * RS + o_r, mask=m_p, other=0) - SEND_CAP, 0)
+                + tl.maximum(tl.load(ranks_ptr + 8 * RS + o_r, mask=m_p, other=0) - SEND_CAP, 0))
+        over = tl.sum(tl.where(m_p, over, 0), axis=0) > 0
+        key = tl.where(over, tl.where(balanced, _OVER_CAPACITY + goal, _OVER_CAPACITY + (1 << 58) + max_load), key)
     best_key = tl.load(best_key_ptr + i_b)
     if key < best_key:  # the row is written only when the state improves
         tl.store(best_key_ptr + i_b, key)
@@ -72,12 +89,14 @@ def _track_variant(a_ptr, best_a_ptr, load_ptr, bneck_ptr, cap_ptr, stuck_ptr, t
     stuck = tl.load(stuck_ptr + i_b).to(tl.int32) != 0
     tl.store(dest_cap_ptr + i_b, tl.where(stuck, max_load - 1, cap))
     thr = tl.load(thr_ptr + i_b)
-    tl.store(limit_ptr + i_b, tl.where(balanced, bneck.to(tl.float64) - 1.0, thr))
+    tl.store(limit_ptr + i_b, tl.where(balanced, goal.to(tl.float64) - 1.0, thr))
 
 
 def track_triton(A: torch.Tensor, st: State, cap: torch.Tensor, stuck: torch.Tensor, threshold: torch.Tensor,
-                 best_A: torch.Tensor, best_key: torch.Tensor):
-    """Triton twin of ``track``: one launch, one program per variant; same arguments and results.
+                 best_A: torch.Tensor, best_key: torch.Tensor, training: bool = False, recv_cap: int | None = None,
+                 send_cap: int | None = None):
+    """Triton twin of ``track``: one launch, one program per variant; same arguments and results
+    (``training``, ``recv_cap``, ``send_cap`` as ``track.ref.track``).
 
     ``best_A`` ([B, T+1] int64, dense rows) and ``best_key`` ([B] int64,
     contiguous) are updated in place and returned as the first two results.
@@ -95,10 +114,12 @@ def track_triton(A: torch.Tensor, st: State, cap: torch.Tensor, stuck: torch.Ten
         return out
     load = st.load if st.load.stride(1) == 1 else st.load.contiguous()
     c = lambda t: t.contiguous()  # noqa: E731
+    caps = recv_cap is not None
     _track_kernel[(B,)](
         A, best_A, load, c(st.bottleneck), c(cap), c(stuck), c(threshold), best_key,
-        dest_cap, balance, limit, excess,
-        P, T, A.stride(0), best_A.stride(0), load.stride(0),
+        dest_cap, balance, limit, excess, c(st.bwd_bottleneck), rank_table(st) if caps else load,
+        P, T, B * P, recv_cap if caps else 0, send_cap if caps else 0, A.stride(0), best_A.stride(0), load.stride(0),
         BLOCK_P=triton.next_power_of_2(P), BLOCK_C=min(_BLOCK_C, triton.next_power_of_2(T + 1)),
+        TRAINING=bool(training), CAPS=caps,
     )
     return out

@@ -6,32 +6,39 @@ from __future__ import annotations
 
 import torch
 
-from gpusolver.solver.core import _BIG, State
+from gpusolver.solver.core import State, objective, over_buffers, state_key
 
 
 def track(A: torch.Tensor, st: State, cap: torch.Tensor, stuck: torch.Tensor, threshold: torch.Tensor,
-          best_A: torch.Tensor, best_key: torch.Tensor):
+          best_A: torch.Tensor, best_key: torch.Tensor, training: bool = False, recv_cap: int | None = None,
+          send_cap: int | None = None):
     """Keep each variant's best state and set the round's limits (torch twin, the round loop's own lines).
 
     A, best_A: [B, T+1] int64 assignments (current, best so far).
-    st:        _State of A; reads load [B, P] and bottleneck [B] int64.
+    st:        State of A; reads load [B, P], the bottlenecks [B] and, with capacities,
+               the rows [B, P].
     cap:       0-dim int64, the largest balanced load.
     stuck:     [B] bool, balancing variants that found no move last round.
     threshold: [B] fp64, balance-phase limit on any touched rank's bytes.
-    best_key:  [B] int64 (balanced first, then the lower bottleneck).
+    best_key:  [B] int64 (``core.state_key``): within the buffers and balanced first (key =
+               the objective, ``core.objective``), then unbalanced, then past a buffer.
+    training:  the objective is forward plus backward bottleneck.
+    recv_cap, send_cap: host ints, rows per rank and kind (None: not checked).
     Returns (best_A [B, T+1] int64, best_key [B] int64, excess [B, P] int64,
     balance [B] bool, dest_cap [B, 1] int64, limit [B] fp64).
     """
     B = A.shape[0]
     max_load = st.load.amax(1)
     balanced = max_load <= cap
-    key = torch.where(balanced, st.bottleneck, _BIG // 2 + max_load)
+    goal = objective(st, training)
+    over = None if recv_cap is None else over_buffers(st, recv_cap, send_cap)
+    key = state_key(balanced, goal, max_load, over)
     better = key < best_key
     best_key = torch.where(better, key, best_key)
     best_A = torch.where(better[:, None], A, best_A)
     excess = st.load - cap
     balance = ~balanced
     dest_cap = torch.where(stuck, max_load - 1, cap).view(B, 1)
-    limit = torch.where(balance, threshold, st.bottleneck.double() - 1)
+    limit = torch.where(balance, threshold, goal.double() - 1)
     return best_A, best_key, excess, balance, dest_cap, limit
 
