@@ -1,7 +1,7 @@
 """Solver configuration: the static facts that size every output."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -12,6 +12,20 @@ from gpusolver.problem import CommCost
 # what the device solver minimises: a training step's forward plus backward bottleneck, or the
 # forward's alone (inference)
 OBJECTIVES = ("training", "forward")
+# chunk_tiles="auto" splits each chunk pair's work into at least this many pieces: G head groups
+# times n tiles per chunk, n a power of two (G = 1: 4 tiles, G = 2: 2, G >= 4: whole chunks).
+# With one KV head, whole chunks left 5 of 9 flex-attention test masks at P = 4 above mu
+# (1.19-1.33) and 2-4 tiles balanced them (1.06-1.10); head-group flattening already gives
+# G >= 4 enough pieces on the quality masks.
+AUTO_TILE_PIECES = 4
+
+
+def auto_tile_cap(head_groups: int) -> int:
+    """The most tiles per chunk ``chunk_tiles="auto"`` may use with ``head_groups`` groups."""
+    n = 1
+    while 2 * n * head_groups <= AUTO_TILE_PIECES:
+        n *= 2
+    return n
 
 
 @dataclass(frozen=True)
@@ -24,11 +38,22 @@ class SolverConfig:
     dtype:              activation dtype, for byte counts.
     imbalance_tol:      mu; a plan is balanced when max load <= mu * mean load.
     head_group_flatten: split work per KV head group (G = Hkv) instead of G = 1.
-    chunk_tiles:        n, sub-chunk tiles per rank's chunk (default 1). With n > 1
-                        a task is a (query tile, key tile) pair of c / n tokens
-                        each, so the solver can split one chunk pair's work
-                        over several ranks and ship only the tiles a helper
-                        needs; S must be divisible by n * P.
+    chunk_tiles:        n, sub-chunk tiles per rank's chunk. With n > 1 a task is a
+                        (query tile, key tile) pair of c / n tokens each, so the
+                        solver can split one chunk pair's work over several
+                        ranks and ship only the tiles a helper needs; S must be
+                        divisible by n * P. "auto" (default): ``solve`` picks the
+                        fewest tiles that reach mu, coarse to fine, up to
+                        ``tiles_for(S).chunk_tiles``: ``auto_tile_cap(G)`` (4
+                        with one head group, 2 with two, 1 from four up), halved
+                        until it divides c. That cap sets every static shape
+                        (the plan is [G, n P, n P] at the cap, a coarser solution
+                        refined to it). The field reads 1 until ``tiles_for``
+                        resolves it, so areas and plans built without ``solve``
+                        stay whole chunks.
+    auto_tiles:         set by chunk_tiles="auto": the device solver returns the
+                        coarsest level (whole chunks, 2, 4 ... up to
+                        chunk_tiles) whose plan reaches mu and fits the buffers.
     max_stage_slices:   static capacity of each CalcMeta stage (slice rows per
                         rank per stage); None picks a default from P and the
                         mask's slice count.
@@ -61,13 +86,17 @@ class SolverConfig:
     dtype: torch.dtype = torch.bfloat16
     imbalance_tol: float = 1.10
     head_group_flatten: bool = True
-    chunk_tiles: int = 1
+    chunk_tiles: int | str = "auto"
     max_stage_slices: int | None = None
     max_recv_rows: int | None = None
     keep_forward_buffers: bool = True
     objective: str = "training"
+    auto_tiles: bool = False
 
     def __post_init__(self):
+        if self.chunk_tiles == "auto":  # an int from here on: whole chunks until solve resolves the cap
+            object.__setattr__(self, "chunk_tiles", 1)
+            object.__setattr__(self, "auto_tiles", True)
         for name in ("cp_size", "num_heads_q", "num_heads_kv", "head_dim", "chunk_tiles"):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
@@ -75,6 +104,8 @@ class SolverConfig:
         if self.num_heads_q % self.num_heads_kv:
             raise ValueError(
                 f"num_heads_q={self.num_heads_q} must be a multiple of num_heads_kv={self.num_heads_kv}")
+        if not isinstance(self.auto_tiles, bool):
+            raise ValueError(f"auto_tiles must be a bool, got {self.auto_tiles!r}")
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
         if not isinstance(self.keep_forward_buffers, bool):
@@ -88,6 +119,17 @@ class SolverConfig:
         if self.imbalance_tol > MAX_IMBALANCE_TOL:
             raise ValueError(f"imbalance_tol={self.imbalance_tol} is past the supported MAX_IMBALANCE_TOL = "
                              f"{MAX_IMBALANCE_TOL} (see gpusolver.limits)")
+
+    def tiles_for(self, total_seqlen: int) -> "SolverConfig":
+        """This config for a sequence of ``total_seqlen`` tokens: with ``auto_tiles``, chunk_tiles
+        set to ``auto_tile_cap(G)`` halved until it divides the chunk (the cap of the solve's
+        coarse-to-fine choice); otherwise itself."""
+        if not self.auto_tiles:
+            return self
+        n = auto_tile_cap(self.head_groups)
+        while n > 1 and total_seqlen % (n * self.cp_size):
+            n //= 2
+        return self if n == self.chunk_tiles else replace(self, chunk_tiles=n)
 
     @property
     def head_groups(self) -> int:

@@ -44,20 +44,22 @@ def _block_areas_fake(q_ranges, k_ranges, attn_type, seqlen, cp_size, head_group
 def solve_assignment_op(area: torch.Tensor, q_need: torch.Tensor, k_need: torch.Tensor, chunk: int,
                         cp_size: int, tiles: int, num_heads_q: int, num_heads_kv: int, head_dim: int,
                         dtype: torch.dtype, imbalance_tol: float, impl: str, objective: str = "training",
-                        keep_forward_buffers: bool = True, max_recv_rows: int = -1) -> torch.Tensor:
+                        keep_forward_buffers: bool = True, max_recv_rows: int = -1,
+                        auto_tiles: bool = False) -> torch.Tensor:
     from gpusolver.solver.device import solve_device
 
     G = area.shape[0]
     config = SolverConfig(cp_size=cp_size, num_heads_q=num_heads_q, num_heads_kv=num_heads_kv, head_dim=head_dim,
                           dtype=dtype, imbalance_tol=imbalance_tol, head_group_flatten=G != 1, chunk_tiles=tiles,
                           objective=objective, keep_forward_buffers=keep_forward_buffers,
-                          max_recv_rows=None if max_recv_rows < 0 else max_recv_rows)
+                          max_recv_rows=None if max_recv_rows < 0 else max_recv_rows, auto_tiles=auto_tiles)
     return solve_device(BlockAreas(area, q_need, k_need, chunk, tiles), config, impl=impl).assignment
 
 
 @solve_assignment_op.register_fake
 def _solve_assignment_fake(area, q_need, k_need, chunk, cp_size, tiles, num_heads_q, num_heads_kv, head_dim, dtype,
-                           imbalance_tol, impl, objective="training", keep_forward_buffers=True, max_recv_rows=-1):
+                           imbalance_tol, impl, objective="training", keep_forward_buffers=True, max_recv_rows=-1,
+                           auto_tiles=False):
     return area.new_empty(area.shape, dtype=torch.int32)
 
 
@@ -79,6 +81,6 @@ def solve_assignment_compiled(mask: AttnSlices, config: SolverConfig, impl: str 
 
 def solve_op_options(config: SolverConfig) -> tuple:
     """The trailing arguments of ``solve_assignment_op`` from a config: objective, kept buffers,
-    receive rows (-1 for the default)."""
+    receive rows (-1 for the default), auto tiles."""
     rows = -1 if config.max_recv_rows is None else config.max_recv_rows
-    return config.objective, config.keep_forward_buffers, rows
+    return config.objective, config.keep_forward_buffers, rows, config.auto_tiles

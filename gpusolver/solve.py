@@ -78,6 +78,7 @@ def solve(mask: AttnSlices, config: SolverConfig, *, solver: str = "device", are
     if not isinstance(mask, AttnSlices):
         raise TypeError(f"mask must be an AttnSlices, got {type(mask).__name__}; "
                         "for block areas alone use solve_assignment(areas, config)")
+    config = config.tiles_for(mask.total_seqlen_q)  # chunk_tiles="auto": the cap of its coarse-to-fine choice
     config.check_seqlen(mask.total_seqlen_q)
     if validate is None:
         validate = mask.device.type == "cpu"

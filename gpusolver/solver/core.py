@@ -47,7 +47,9 @@ class DeviceSolveResult:
     bwd_bottleneck: int64 bytes, the same for the backward (-1 when not balanced).
     objective:      int64 bytes, what was minimised: their sum with ``objective="training"``,
                     the forward's alone with "forward" (-1 when not balanced).
-    variant:        int64, index of the winning variant.
+    variant:        int64, index of the winning variant (of its tile level's solve).
+    tiles:          int64, the tiles per chunk of the chosen plan: ``config.chunk_tiles``, or
+                    with ``chunk_tiles="auto"`` the fewest (coarse to fine) that reach mu.
     """
 
     assignment: torch.Tensor
@@ -57,6 +59,7 @@ class DeviceSolveResult:
     bwd_bottleneck: torch.Tensor | None = None
     objective: torch.Tensor | None = None
     fits: torch.Tensor | None = None
+    tiles: torch.Tensor | None = None
 
 
 class Tasks:

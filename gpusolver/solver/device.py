@@ -203,7 +203,7 @@ def solve_device(areas: BlockAreas, config: SolverConfig, *, rounds: int = DEFAU
                   singles=default_singles if singles is None else bool(singles))
     if search["restart_every"] < 0:
         raise ValueError(f"restart_every must be >= 0 (0: never), got {restart_every}")
-    start = None
+    start = coarse = None
     if areas.tiles > 1:
         # coarse to fine: solve at half the tiles (whole chunks for an odd count) first, then
         # refine that plan with tile moves; each level keeps its best state, so n tiles never
@@ -221,10 +221,20 @@ def solve_device(areas: BlockAreas, config: SolverConfig, *, rounds: int = DEFAU
     else:
         best_A, best_key = _run_torch(tasks, cap, strategies, rounds, start, **search)
     if impl == "torch" or (impl == "auto" and not areas.area.is_cuda):
-        return _winner(tasks, best_A, best_key, cap, state)
-    from gpusolver.solver.state.kernel import state_triton
-
-    return _winner(tasks, best_A, best_key, cap, state_triton)
+        state_fn = state
+    else:
+        from gpusolver.solver.state.kernel import state_triton as state_fn
+    winner = best_key.argmin().view(1)  # the first best variant; index_select keeps it on the device
+    row = best_A.index_select(0, winner)
+    tiles, variant = torch.full_like(winner[0], tasks.tiles), winner[0]
+    if coarse is not None and config.auto_tiles:
+        # chunk_tiles="auto": the fewest tiles that reach mu and fit the buffers, chosen on the device
+        # (the coarser level already chose among its own)
+        use = coarse.balanced & coarse.fits
+        refined = torch.where(tasks.valid, areas.refine(coarse.assignment).reshape(-1).long(), tasks.P)
+        row = torch.where(use, torch.cat((refined, row[0, tasks.T:])), row[0])[None]
+        tiles, variant = torch.where(use, coarse.tiles, tiles), torch.where(use, coarse.variant, variant)
+    return _report(tasks, row, cap, state_fn, variant, tiles)
 
 
 def _check(areas: BlockAreas, config: SolverConfig, rounds: int, strategies, impl: str) -> tuple[Strategy, ...]:
@@ -279,12 +289,10 @@ def _run_persistent(tasks: Tasks, cap, strategies, rounds, workers, start, sidew
                                    start=variant_starts(tasks, rows, start, transpose_start_triton), singles=singles)
 
 
-def _winner(tasks: Tasks, best_A: torch.Tensor, best_key: torch.Tensor, cap, state_fn) -> DeviceSolveResult:
-    """The first best variant's assignment and its bottlenecks (``state_fn`` of that one row);
-    index_select keeps every value on the device."""
-    winner = best_key.argmin().view(1)
+def _report(tasks: Tasks, row: torch.Tensor, cap, state_fn, variant, tiles) -> DeviceSolveResult:
+    """The result of the chosen assignment ``row`` ([1, T+1]): its bottlenecks, balance and buffers
+    from ``state_fn`` of that one row."""
     G, U = tasks.G, tasks.U
-    row = best_A.index_select(0, winner)
     assignment = torch.where(tasks.valid, row[0, :tasks.T], -1).view(G, U, U)
     st = state_fn(tasks, row.contiguous())
     ok = st.load[0].amax() <= cap
@@ -293,4 +301,4 @@ def _winner(tasks: Tasks, best_A: torch.Tensor, best_key: torch.Tensor, cap, sta
     goal = torch.where(ok, objective(st, tasks.training)[0], none)
     fits = ~over_buffers(st, tasks.recv_cap, tasks.send_cap)[0]
     return DeviceSolveResult(assignment=assignment.to(torch.int32), balanced=ok, fwd_bottleneck=fwd,
-                             variant=winner[0], bwd_bottleneck=bwd, objective=goal, fits=fits)
+                             variant=variant, bwd_bottleneck=bwd, objective=goal, fits=fits, tiles=tiles)

@@ -130,9 +130,10 @@ def test_triton_and_torch_areas_give_identical_plans():
 
 
 def test_solve_reports_imbalance_it_cannot_fix():
-    # one block holds all the work: no assignment of whole tasks can balance it
+    # one block holds all the work: no assignment of whole tasks can balance it (whole chunks: with
+    # chunk_tiles="auto" tiles would split the block)
     P = 2
-    config = _config(P, G=1, head_group_flatten=False)
+    config = _config(P, G=1, head_group_flatten=False, chunk_tiles=1)
     mask = varlen_causal_mask([16])  # causal over both chunks: blocks (0,0), (1,0), (1,1)
     with pytest.warns(UserWarning, match="imbalance_tol"):
         plan = solve(mask, config.__class__(**{**config.__dict__, "imbalance_tol": 1.0}))

@@ -144,3 +144,39 @@ def test_tile_errors_name_the_argument():
         areas.as_tiles(2)
     with pytest.raises(ValueError, match="tiles must be a positive int dividing the unit count"):
         type(areas)(areas.area, areas.q_need, areas.k_need, areas.chunk, 3)
+
+
+@pytest.fixture
+def one_thread():
+    """Small tensor ops: one thread is faster than two fighting for 2 cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_auto_tiles_are_the_fewest_that_balance(one_thread):
+    """One KV head, P = 4: a sliding window leaves whole chunks at 1.157 and 2 tiles balance it
+    (auto stops there, below its cap of 4); causal documents balance with whole chunks, and auto
+    returns that plan, refined to the cap's tiles (the static shape)."""
+    from gpusolver.solve import solve
+
+    config = SolverConfig(cp_size=4, num_heads_q=8, num_heads_kv=1)  # chunk_tiles="auto", the default
+    assert config.auto_tiles and config.chunk_tiles == 1 and config.tiles_for(1024).chunk_tiles == 4
+    assert config.tiles_for(1000).chunk_tiles == 2  # halved until it divides c = 250
+    assert SolverConfig(cp_size=4).tiles_for(1024).chunk_tiles == 1  # G = 8: whole chunks
+    window = sliding_window_mask(1024, 300)
+    one = solve_device(block_areas(window, 4, 1, impl="torch"), SolverConfig(cp_size=4, num_heads_q=8,
+                                                                             num_heads_kv=1, chunk_tiles=1))
+    assert not bool(one.balanced)
+    capped = config.tiles_for(1024)
+    res = solve_device(block_areas(window, 4, 1, impl="torch", tiles=4), capped)
+    assert bool(res.balanced) and int(res.tiles) == 2 and res.assignment.shape == (1, 16, 16)
+    plan = solve(window, config)
+    assert plan.assignment.shape == (1, 16, 16) and plan.metrics.imbalance.item() <= config.imbalance_tol
+    docs = packed_documents(1024, seed=1)
+    areas = block_areas(docs, 4, 1, impl="torch", tiles=4)
+    auto = solve_device(areas, capped)
+    whole = solve_device(areas.coarsen(), SolverConfig(cp_size=4, num_heads_q=8, num_heads_kv=1, chunk_tiles=1))
+    assert int(auto.tiles) == 1 and bool(whole.balanced)
+    assert torch.equal(auto.assignment, areas.refine(whole.assignment))
