@@ -26,7 +26,7 @@ test: install
 # draws each run; CI runs a bounded, derandomized subset of the same properties. About an hour on 2 cores.
 fuzz: install
 	TRITON_INTERPRET=1 $(PY) -m pytest -p no:cacheprovider --hypothesis-profile=fuzz --hypothesis-show-statistics \
-		tests/reliability/test_fuzz.py tests/reliability/test_solver_contract.py
+		tests/reliability/test_fuzz.py tests/reliability/test_padding.py tests/reliability/test_solver_contract.py
 
 # P = 8 simulated ranks in one process, 4 layers of fresh packed-document masks,
 # forward and backward checked against dense attention; well under 2 minutes on 2 cores

@@ -194,7 +194,8 @@ def _slices_message(row: int, values: list[int]) -> str:
     return f"{_SLICE_ARGS[which]} {where}: [{a}, {b}) is outside [0, {total}={limit})"
 
 
-# Slices overlap-checked on the device (pairwise, O(G * R^2) elementwise work) up to this many rows
+# Slices overlap-checked on the device when asked (pairwise, O(G * R^2) elementwise work) up to
+# this many rows per group
 OVERLAP_FLAG_MAX_SLICES = 512
 
 
@@ -206,27 +207,20 @@ def _overlap_message(row: int, values: list[int]) -> str:
             "slices must not overlap")
 
 
-def record_slices(op: str, mask) -> None:
-    """Flag the first reversed or out-of-range slice row, or bad type code, of an ``AttnSlices``,
-    and (up to ``OVERLAP_FLAG_MAX_SLICES`` rows per group) a row overlapping an earlier one.
+def record_slices(op: str, mask, *, overlap: bool = False, impl: str = "auto") -> None:
+    """Flag the first reversed or out-of-range slice row, or bad type code, of an ``AttnSlices``;
+    with ``overlap``, also (up to ``OVERLAP_FLAG_MAX_SLICES`` rows per group) a row that shares an
+    entry with an earlier one.
 
-    The device twin of ``AttnSlices.validate``: two checks per call, no host read.
+    The device twin of ``AttnSlices.validate``, no host read. The range check is one Triton
+    launch on CUDA (``impl="triton"``; torch ops elsewhere); the overlap check is O(G * R^2)
+    torch ops, a debug option (``DynamicCPAttention(debug_digest=True)`` turns it on).
     """
-    q, k, t = mask.q_ranges.to(torch.int64), mask.k_ranges.to(torch.int64), mask.attn_type.to(torch.int64)
-    rows = q.shape[-2] if mask.grouped else 0
-    q, k, t = q.reshape(-1, 2), k.reshape(-1, 2), t.reshape(-1)
-    s_q, s_k = mask.total_seqlen_q, mask.total_seqlen_k
-    bad_q = (q[:, 0] < 0) | (q[:, 0] > q[:, 1]) | (q[:, 1] > s_q)
-    bad_k = (k[:, 0] < 0) | (k[:, 0] > k[:, 1]) | (k[:, 1] > s_k)
-    bad_t = (t < 0) | (t > 3)
-    which = torch.where(bad_q, 0, torch.where(bad_k, 1, 2))
-    a = torch.where(bad_q, q[:, 0], torch.where(bad_k, k[:, 0], t))
-    b = torch.where(bad_q, q[:, 1], k[:, 1])
-    limit = torch.where(bad_q, s_q, s_k)
-    record(op, "mask", _slices_message, bad_q | bad_k | bad_t,
-           torch.stack([which, a, b, limit, torch.full_like(a, rows)], 1))
+    rows = mask.q_ranges.shape[-2] if mask.grouped else 0
+    record_slice_table(op, "mask", _slices_message, mask.q_ranges, mask.k_ranges, mask.attn_type,
+                       mask.total_seqlen_q, mask.total_seqlen_k, rows, impl=impl)
     R = mask.num_slices
-    if 0 < R <= OVERLAP_FLAG_MAX_SLICES:
+    if overlap and 0 < R <= OVERLAP_FLAG_MAX_SLICES and not _skip(mask.q_ranges):
         from gpusolver.masks.validation import overlap_witness
 
         shape = (-1, R)
@@ -238,6 +232,37 @@ def record_slices(op: str, mask) -> None:
         at = first.clamp(max=R - 1)
         values = torch.cat([wq.gather(-1, at), wk.gather(-1, at), at, torch.full_like(at, rows), at], -1)
         record(op, "mask", _overlap_message, clash.any(-1).reshape(-1), values.reshape(-1, 5))
+
+
+def record_slice_table(op: str, argument: str, message, q_ranges: torch.Tensor, k_ranges: torch.Tensor,
+                       attn_type: torch.Tensor, seqlen_q: int, seqlen_k: int, rows_per_group: int = 0,
+                       *, impl: str = "auto") -> None:
+    """Flag the first slice row whose q range leaves ``[0, seqlen_q]``, k range ``[0, seqlen_k]``
+    (or is reversed), or whose type is not 0..3. Values for ``message``: (0 q / 1 k / 2 type,
+    start or code, end, the limit, ``rows_per_group``). ``impl``: "triton" (one launch),
+    "torch", or "auto" (Triton on CUDA)."""
+    if _skip(q_ranges):
+        return
+    if impl == "auto":
+        impl = "triton" if q_ranges.is_cuda else "torch"
+    slot = _slot(op, argument, message)
+    if impl == "triton" and q_ranges.numel():
+        from gpusolver._flag_kernel import flag_slices
+
+        flag_slices(_table(q_ranges.device), slot, _CLOCK, _NONE, q_ranges, k_ranges, attn_type,
+                    seqlen_q, seqlen_k, rows_per_group)
+        return
+    q, k, t = q_ranges.to(torch.int64).reshape(-1, 2), k_ranges.to(torch.int64).reshape(-1, 2), \
+        attn_type.to(torch.int64).reshape(-1)
+    bad_q = (q[:, 0] < 0) | (q[:, 0] > q[:, 1]) | (q[:, 1] > seqlen_q)
+    bad_k = (k[:, 0] < 0) | (k[:, 0] > k[:, 1]) | (k[:, 1] > seqlen_k)
+    bad_t = (t < 0) | (t > 3)
+    which = torch.where(bad_q, 0, torch.where(bad_k, 1, 2))
+    a = torch.where(bad_q, q[:, 0], torch.where(bad_k, k[:, 0], t))
+    b = torch.where(bad_q, q[:, 1], k[:, 1])
+    limit = torch.where(bad_q, seqlen_q, seqlen_k)
+    record(op, argument, message, bad_q | bad_k | bad_t,
+           torch.stack([which, a, b, limit, torch.full_like(a, rows_per_group)], 1))
 
 
 def _plan_message(row: int, values: list[int]) -> str:
@@ -290,7 +315,7 @@ def _install_sinks() -> None:
     import groupcomm._base as comm_base
     from attn_kernels.flex_attn import op as flex_op
 
-    flex_op.set_error_sink(record)
+    flex_op.set_error_sink(record, record_slice_table)
     comm_base.set_error_sink(record)
     for kind in flex_op.ERROR_KINDS + [("block_areas", "mask", _slices_message), ("block_areas", "mask", _overlap_message),
                                        ("dist_attn", "plan", _plan_message),

@@ -191,15 +191,18 @@ def validate_slice_values(q_ranges: torch.Tensor, k_ranges: torch.Tensor, attn_t
         raise ValueError(f"attn_type[{row}] = {int(t[row])} must be 0 FULL, 1 CAUSAL, 2 INV_CAUSAL or 3 BI_CAUSAL")
 
 
-# Sync-free value checks report to a sink: ``gpusolver.errors`` installs its ``record`` (this
-# package imports nothing of gpusolver). Without a sink the checks are not computed.
+# Sync-free value checks report to a sink: ``gpusolver.errors`` installs its ``record`` and
+# ``record_slice_table`` (this package imports nothing of gpusolver). Without one, none are computed.
 _error_sink = None
+_slices_sink = None
 
 
-def set_error_sink(sink) -> None:
-    """``sink(op, argument, message, bad, values)`` receives the device-side value checks."""
-    global _error_sink
-    _error_sink = sink
+def set_error_sink(sink, slices_sink=None) -> None:
+    """``sink(op, argument, message, bad, values)`` receives device-side checks;
+    ``slices_sink(op, argument, message, q_ranges, k_ranges, attn_type, Tq, Tk)`` checks a
+    slice table in one go (one launch on CUDA)."""
+    global _error_sink, _slices_sink
+    _error_sink, _slices_sink = sink, slices_sink
 
 
 _SLICE_ARGS = ("q_ranges", "k_ranges", "attn_type")
@@ -216,19 +219,9 @@ def _slice_message(row: int, values: list[int]) -> str:
 
 def _flag_slice_values(op: str, q_ranges, k_ranges, attn_type, seqlen_q: int, seqlen_k: int) -> None:
     """The sync-free twin of ``validate_slice_values``: one device flag, no host read."""
-    if _error_sink is None:
-        return
-    q, k, t = q_ranges.to(torch.int64), k_ranges.to(torch.int64), attn_type.to(torch.int64)
-    bad_q = (q[:, 0] < 0) | (q[:, 0] > q[:, 1]) | (q[:, 1] > seqlen_q)
-    bad_k = (k[:, 0] < 0) | (k[:, 0] > k[:, 1]) | (k[:, 1] > seqlen_k)
-    bad_t = (t < 0) | (t > 3)
-    # per row, the first bad argument (q, then k, then the type) and its values
-    which = torch.where(bad_q, 0, torch.where(bad_k, 1, 2))
-    a = torch.where(bad_q, q[:, 0], torch.where(bad_k, k[:, 0], t))
-    b = torch.where(bad_q, q[:, 1], k[:, 1])
-    limit = torch.where(bad_q, seqlen_q, seqlen_k)
-    _error_sink(op, "q_ranges/k_ranges/attn_type", _slice_message, bad_q | bad_k | bad_t,
-                torch.stack([which, a, b, limit], 1))
+    if _slices_sink is not None:
+        _slices_sink(op, "q_ranges/k_ranges/attn_type", _slice_message, q_ranges, k_ranges, attn_type,
+                     seqlen_q, seqlen_k)
 
 
 # the kinds of device error these ops report (registered ahead by the sink's owner)

@@ -39,8 +39,9 @@ def block_areas(mask: AttnSlices, cp_size: int, head_groups: int = 1, impl: str 
                  divisible by n * P).
     flag_errors: record a reversed or out-of-range slice row, or a bad type
                  code, as a device error flag (``gpusolver.check_errors()``;
-                 no host read). The areas of such a mask are meaningless, and
-                 the plan built from them has INVALID_MASK in its status.
+                 no host read; one launch on CUDA). The areas of such a mask
+                 are meaningless, and the plan built from them has
+                 INVALID_MASK in its status.
 
     Returns BlockAreas(area [G, U, U] int64, q_need / k_need [G, U, U, 2]
     int64, chunk = S / U, tiles = n) with U = n * P. Both implementations give

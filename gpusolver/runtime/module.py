@@ -97,7 +97,8 @@ class DynamicCPAttention(nn.Module):
             every N forward calls of this module and raise on the first error; None never
             (call ``check_errors()`` yourself, e.g. at the end of a step).
         debug_digest: all-gather a digest of every rank's config and plan each call and raise
-            (validation) or flag (sync-free) when the ranks hold different masks or configs.
+            (validation) or flag (sync-free) when the ranks hold different masks or configs; in
+            sync-free mode also flag overlapping slices (pairwise, O(G * R^2), at each solve).
     """
 
     def __init__(self, group, config: SolverConfig, *, solver: str = "device", impl: str = "auto",
@@ -133,8 +134,10 @@ class DynamicCPAttention(nn.Module):
                 plan = solve_sparse_sharded(mask_on_device(mask, device), self.config, self.group,
                                             solver=self.solver, impl=self.impl, validate=validate)
             else:
-                plan = solve(_on_device(mask, device), self.config, solver=self.solver, impl=self.impl,
-                             validate=validate)
+                here = _on_device(mask, device)
+                if self.debug_digest and not validate:  # the pairwise overlap flag is a debug check
+                    errors.record_slices("DynamicCPAttention", here, overlap=True)
+                plan = solve(here, self.config, solver=self.solver, impl=self.impl, validate=validate)
             self.plan_cache.put(mask_name, mask, self.config, plan)
         return plan
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from attn_kernels import flex_attn, flex_attn_backward, merge_out_lse, merge_out_lse_, row_delta
-from gpusolver import SolverConfig, block_areas, check_errors, solve
+from gpusolver import SolverConfig, block_areas, check_errors, errors, solve
 from gpusolver.__main__ import main as cli_main
 from gpusolver.masks import causal_mask, varlen_causal_mask
 from gpusolver.masks.sparse import BlockSparseMask, TokenTopKMask
@@ -214,16 +214,27 @@ def test_overlapping_slices(rows, match):
     mask = slices(rows, S)
     with pytest.raises(ValueError, match=match):     # exact at any S: pairwise, no dense map
         validate_slices(mask)
-    block_areas(mask, 1)
-    flagged("block_areas: q_ranges/k_ranges " + match.split(" .*")[0] + r" covers entry")
+    errors.record_slices("solve", mask, overlap=True)  # sync-free: a debug flag (O(R^2) pairs)
+    flagged("solve: q_ranges/k_ranges " + match.split(" .*")[0] + r" covers entry")
 
 
 def test_touching_slices_are_not_an_overlap():
     mask = slices([(0, 6, 0, 6, 1), (0, 6, 1, 7, 2)], 6, 7)     # k <= q and k >= q + 1
     validate_slices(mask)
     mask = slices([(0, 6, 0, 6, 1), (0, 6, 1, 7, 2)], 7, 7)
-    block_areas(mask, 1)
+    errors.record_slices("solve", mask, overlap=True)
     check_errors()
+
+
+def test_overlap_flag_in_the_module_debug_mode():
+    P = 2
+    config = SolverConfig(cp_size=P, num_heads_q=2, num_heads_kv=1, head_dim=D, dtype=torch.float32)
+    attn = DynamicCPAttention(LocalGroup(P), config, validate=False, solver="reference", debug_digest=True)
+    mask = slices([(0, 16, 0, 16, 1), (4, 8, 0, 4, 0)], 16)
+    q, k, v = (shard(x, attn.group) for x in qkv(16, 16))
+    with quiet():
+        attn(q, k, v, mask)
+    flagged(r"DynamicCPAttention: q_ranges/k_ranges row 1 covers entry \(q=4, k=0\) already covered by row 0")
 
 
 # ------------------------------------------------------------------ configuration: S, heads, head dims

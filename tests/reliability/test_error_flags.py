@@ -51,6 +51,32 @@ def test_recording_reads_nothing_on_the_host(counter):
     assert "also: block_areas:" in msg and "group_cast" in msg    # every error listed, first in time first
 
 
+@pytest.mark.parametrize("grouped", [False, True])
+def test_one_launch_check_equals_the_torch_check(counter, grouped):
+    """The Triton slice check (CUDA's path; the interpreter here) flags the same row and values."""
+    g = torch.Generator().manual_seed(1)
+    R, S = 3000, 100
+    q = torch.sort(torch.randint(0, S + 1, (R, 2), generator=g), 1).values.int()
+    k = torch.sort(torch.randint(0, S + 1, (R, 2), generator=g), 1).values.int()
+    t = torch.randint(0, 4, (R,), generator=g).int()
+    k[2500, 1], q[2900] = S + 3, torch.tensor([9, 2])
+    mask = AttnSlices(*(x.view(2, R // 2, *x.shape[1:]) for x in (q, k, t)), S, S) if grouped else \
+        AttnSlices(q, k, t, S, S)
+    got = []
+    for impl in ("torch", "triton"):
+        errors.reset()
+        with counter() as c:
+            errors.record_slices("block_areas", mask, impl=impl)
+        got.append(errors.pending()[0])
+        if impl == "triton":
+            assert c.triton_launches == 1 and c.host_reads == 0
+    for key in ("row", "values", "hits", "message"):
+        assert got[0][key] == got[1][key], key
+    where = "[group 1] row 1000" if grouped else "row 2500"
+    assert got[1]["message"] == f"block_areas: k_ranges {where}: [{int(k[2500, 0])}, 103) is outside " \
+        "[0, total_seqlen_k=100)"
+
+
 def test_first_error_in_time_and_hit_counts():
     q, k, v = qkv(64, 64)
     block_areas(slices([(0, 8, 0, 8, 9)], 8), 1)                  # first: a bad type in a mask

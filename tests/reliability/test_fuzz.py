@@ -89,7 +89,7 @@ def test_validation_and_device_flags_agree(m, S, how, row):
     except ValueError as e:
         host = str(e)
     with clean_flags():
-        block_areas(mask, 1, 2 if mask.grouped else 1)
+        errors.record_slices("solve", mask, overlap=True, impl="triton" if row % 2 else "torch")
         flagged = errors.pending()
     assert (host is None) == (not flagged), f"validate: {host!r}; flags: {[f['message'] for f in flagged]}"
     # overlap: the pairwise check against a dense coverage count
