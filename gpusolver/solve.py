@@ -12,11 +12,14 @@ import torch
 from gpusolver.areas import block_areas
 from gpusolver.config import SolverConfig
 from gpusolver.masks.slices import AttnSlices
+from gpusolver.masks.sparse import BlockSparseMask, NSALayerMask, TokenTopKMask
 from gpusolver.nvtx import nvtx_range
 from gpusolver.plan import IMBALANCED, Plan, build_plan
+from gpusolver.plan.sparse import solve_sparse
 from gpusolver.problem import BlockAreas
 
 SOLVERS = ("device", "reference")
+SPARSE_MASKS = (BlockSparseMask, TokenTopKMask, NSALayerMask)
 
 
 def solve_assignment(areas: BlockAreas, config: SolverConfig, *, solver: str = "device",
@@ -57,12 +60,14 @@ def _solve_as_ops(mask: AttnSlices, config: SolverConfig, areas_impl: str, impl:
     return BlockAreas(area, q_need, k_need, unit, n), assignment
 
 
-def solve(mask: AttnSlices, config: SolverConfig, *, solver: str = "device", areas_impl: str = "auto",
-          impl: str = "auto", validate: bool | None = None) -> Plan:
+def solve(mask, config: SolverConfig, *, solver: str = "device", areas_impl: str = "auto",
+          impl: str = "auto", validate: bool | None = None):
     """Solve one layer: block areas, assignment, then the Plan's metas.
 
     mask:       AttnSlices with q_ranges / k_ranges [R, 2] (or [G, R, 2]) int32
-                and attn_type [R] int32, self-attention with S divisible by P.
+                and attn_type [R] int32, self-attention with S divisible by P;
+                or a sparse mask of the whole sequence (BlockSparseMask,
+                TokenTopKMask, NSALayerMask), solved by ``solve_sparse``.
     config:     SolverConfig (P, Hq, Hkv, D, dtype, mu, capacities).
     solver:     "device" (default; sync-free) or "reference" (CPU yardstick).
     areas_impl: "torch", "triton" or "auto" (Triton on CUDA).
@@ -72,12 +77,17 @@ def solve(mask: AttnSlices, config: SolverConfig, *, solver: str = "device", are
                 (reads device values). Default: on for CPU tensors, off on GPU
                 so the per-layer path stays sync-free.
 
-    Returns a Plan; ``plan.status`` flags imbalance (mu not reached: the plan
+    Returns a Plan (for ``dist_attn``); a sparse mask gives a SparsePlan (for
+    ``sparse_dist_attn``: same assignment, metrics and status fields, K and V
+    as the mask's measured transfer, ``default_kv_block``; ``areas_impl`` does
+    not apply). ``plan.status`` flags imbalance (mu not reached: the plan
     keeps the best balance found) and capacity overflows.
     """
+    if isinstance(mask, SPARSE_MASKS):
+        return solve_sparse(mask, config, solver=solver, impl=impl, validate=validate)
     if not isinstance(mask, AttnSlices):
-        raise TypeError(f"mask must be an AttnSlices, got {type(mask).__name__}; "
-                        "for block areas alone use solve_assignment(areas, config)")
+        raise TypeError(f"mask must be an AttnSlices, BlockSparseMask, TokenTopKMask or NSALayerMask, got "
+                        f"{type(mask).__name__}; for block areas alone use solve_assignment(areas, config)")
     config = config.tiles_for(mask.total_seqlen_q)  # chunk_tiles="auto": the cap of its coarse-to-fine choice
     config.check_seqlen(mask.total_seqlen_q)
     if validate is None:

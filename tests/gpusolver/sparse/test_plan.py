@@ -167,3 +167,30 @@ def test_owner_computes_wins_when_balanced_and_cheaper(kv_block):
     tight = replace(loose, imbalance_tol=1.0)  # owner-computes is not balanced: the solver's plan stays
     assert not bool(step_bytes(areas, owner, tight, spec, used, kv_block)[0])
     assert torch.equal(no_worse_than_owner(areas, scattered, tight, spec, used, kv_block), scattered)
+
+
+@pytest.mark.parametrize("kind", ["dsa", "nsa", "nsa-layer"])
+def test_solve_routes_sparse_masks(kind):
+    """gpusolver.solve takes a sparse mask and gives the SparsePlan of solve_sparse, which runs."""
+    from gpusolver import solve
+    from gpusolver.plan.sparse import SparsePlan
+    from gpusolver.runtime import shard, unshard
+    from gpusolver.runtime.sparse_attn import _selection, local_selection, sparse_dist_attn
+    from tests._testing import assert_close
+    from tests.gpusolver.sparse._cases import make_inputs, reference
+
+    P, c, Hkv = 4, 16, 2
+    mask = make_mask(kind, P * c, Hkv, seed=6)
+    config = make_config(P, 4, Hkv)
+    plan = solve(mask, config)
+    whole = solve_sparse(mask, config)
+    assert isinstance(plan, SparsePlan) and torch.equal(plan.assignment, whole.assignment)
+    assert torch.equal(plan.metrics.fwd_send, whole.metrics.fwd_send) and int(plan.status) == int(whole.status)
+    assert (plan.kv_blocks is None) == (kind != "nsa")  # NSA selections move key blocks, the rest hulls
+    group = LocalGroup(P)
+    q, k, v, d_out, d_lse = make_inputs(P * c, 4, Hkv, seed=6)
+    res = sparse_dist_attn(*(shard(x, group) for x in (q, k, v)), local_selection(mask, group), plan, group)
+    out = unshard((res[0] if kind == "nsa-layer" else res)[0], group)
+    assert_close("out", reference(mask, q, k, v, d_out, d_lse)[0][0], out, atol=2e-5, rtol=1e-4)
+    with pytest.raises(TypeError, match="mask must be an AttnSlices, BlockSparseMask, TokenTopKMask or NSALayerMask"):
+        solve(_selection(mask), config)
