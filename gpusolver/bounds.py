@@ -65,12 +65,15 @@ def _coeffs(cost: CommCost, direction: str) -> tuple[int, int, int, int]:
         return cost.q_fwd, cost.o_fwd, cost.kv_fwd, 0
     if direction == "bwd":
         return cost.q_bwd, cost.dq_bwd, cost.kv_bwd, cost.dkv_bwd
-    raise ValueError(f"direction must be 'fwd' or 'bwd', got {direction!r}")
+    raise ValueError(f"direction must be 'fwd', 'bwd' or 'step', got {direction!r}")
+
+
+DIRECTIONS = ("fwd", "bwd", "step")
 
 
 def milp_bottleneck(areas: BlockAreas, cost: CommCost, mu: float = 1.10, direction: str = "fwd",
                     time_limit: float = 30.0, max_tasks: int = MAX_MILP_TASKS) -> MilpResult:
-    """Exact-ish minimum of the forward or backward bottleneck under max load <= mu * mean.
+    """Exact-ish minimum of the forward, backward or step bottleneck under max load <= mu * mean.
 
     areas:      BlockAreas with P <= 8 and at most ``max_tasks`` non-empty tasks
                 (ValueError above); whole chunks or sub-chunk tiles (unit u
@@ -79,7 +82,9 @@ def milp_bottleneck(areas: BlockAreas, cost: CommCost, mu: float = 1.10, directi
     mu:         balance tolerance; infeasible when mu is too tight for whole
                 tasks (e.g. one task larger than mu * total / P): then the
                 status is "infeasible" and no bound is returned.
-    direction:  "fwd" or "bwd".
+    direction:  "fwd", "bwd", or "step": the training step's ``fwd + bwd`` (each phase's
+                bottleneck its own variable, their sum minimised), what the device solver
+                minimises with ``SolverConfig(objective="training")``.
     time_limit: seconds for HiGHS.
     max_tasks:  refuse larger programs (their bound is weak within any time limit).
 
@@ -90,6 +95,7 @@ def milp_bottleneck(areas: BlockAreas, cost: CommCost, mu: float = 1.10, directi
         vq[(g, i), r] >= qlen_t * x[t, r]   for tasks of QO unit (g, i), r != h(i)
         vk[(g, j), r] >= klen_t * x[t, r]   for tasks of KV unit (g, j), r != h(j)
         send_r <= z,  recv_r <= z,  minimise z
+        (step: fwd send_r, fwd recv_r <= z_f, bwd send_r, bwd recv_r <= z_b, minimise z_f + z_b)
 
     with send_r / recv_r the CommCost byte factors of ``direction`` applied to
     the vq, vk a rank hosts or receives as helper (see ``metrics``), each unit
@@ -111,9 +117,11 @@ def milp_bottleneck(areas: BlockAreas, cost: CommCost, mu: float = 1.10, directi
         raise ValueError(f"milp_bottleneck is for small instances: P={P} > {MAX_MILP_RANKS}")
     if not mu >= 1.0:
         raise ValueError(f"mu must be >= 1.0, got {mu}")
-    factors = _coeffs(cost, direction)
-    scale = math.gcd(*factors)  # work in units of `scale` bytes: smaller coefficients for HiGHS
-    q_host_send, q_host_recv, kv_host_send, kv_host_recv = (f // scale for f in factors)
+    if direction not in DIRECTIONS:
+        _coeffs(cost, direction)  # raises, naming the directions
+    phases = ("fwd", "bwd") if direction == "step" else (direction,)
+    factors = {ph: _coeffs(cost, ph) for ph in phases}
+    scale = math.gcd(*(f for fs in factors.values() for f in fs))  # units of `scale` bytes: smaller coefficients
 
     area = areas.area.detach().cpu().numpy()
     qn = areas.q_need.detach().cpu().numpy()
@@ -128,14 +136,15 @@ def milp_bottleneck(areas: BlockAreas, cost: CommCost, mu: float = 1.10, directi
     total = int(area.sum())
     cap = math.floor(mu * total / P + 1e-9)
 
-    # variable layout: x[t, r] | vq[(g, i), r] | vk[(g, j), r] | z
+    # variable layout: x[t, r] | vq[(g, i), r] | vk[(g, j), r] | z per phase
     nx = T * P
     qo_units = sorted({(g, i) for g, i, _ in tasks})
     kv_units = sorted({(g, j) for g, _, j in tasks})
     qo_idx = {u: nx + k * P for k, u in enumerate(qo_units)}
     kv_idx = {u: nx + (len(qo_units) + k) * P for k, u in enumerate(kv_units)}
-    iz = nx + (len(qo_units) + len(kv_units)) * P
-    nvar = iz + 1
+    iz0 = nx + (len(qo_units) + len(kv_units)) * P
+    z_of = {ph: iz0 + k for k, ph in enumerate(phases)}
+    nvar = iz0 + len(phases)
 
     rows, cols, vals, lo, hi = [], [], [], [], []
     nrow = 0
@@ -161,30 +170,33 @@ def milp_bottleneck(areas: BlockAreas, cost: CommCost, mu: float = 1.10, directi
                 add_row([(qo_idx[(g, i)] + r, 1.0), (t * P + r, -qlen)], 0.0, np.inf)
             if r != j // n and klen > 0:
                 add_row([(kv_idx[(g, j)] + r, 1.0), (t * P + r, -klen)], 0.0, np.inf)
-    for r in range(P):  # send_r - z <= 0, recv_r - z <= 0
-        send, recv = [], []
-        for (g, i), base in qo_idx.items():
-            for d in range(P):
-                if i // n == r and d != r:
-                    send.append((base + d, float(q_host_send)))
-                    recv.append((base + d, float(q_host_recv)))
-                elif i // n != r and d == r:
-                    send.append((base + d, float(q_host_recv)))
-                    recv.append((base + d, float(q_host_send)))
-        for (g, j), base in kv_idx.items():
-            for d in range(P):
-                if j // n == r and d != r:
-                    send.append((base + d, float(kv_host_send)))
-                    recv.append((base + d, float(kv_host_recv)))
-                elif j // n != r and d == r:
-                    send.append((base + d, float(kv_host_recv)))
-                    recv.append((base + d, float(kv_host_send)))
-        add_row(send + [(iz, -1.0)], -np.inf, 0.0)
-        add_row(recv + [(iz, -1.0)], -np.inf, 0.0)
+    for ph in phases:  # send_r - z <= 0, recv_r - z <= 0 per phase
+        q_host_send, q_host_recv, kv_host_send, kv_host_recv = (f // scale for f in factors[ph])
+        iz = z_of[ph]
+        for r in range(P):
+            send, recv = [], []
+            for (g, i), base in qo_idx.items():
+                for d in range(P):
+                    if i // n == r and d != r:
+                        send.append((base + d, float(q_host_send)))
+                        recv.append((base + d, float(q_host_recv)))
+                    elif i // n != r and d == r:
+                        send.append((base + d, float(q_host_recv)))
+                        recv.append((base + d, float(q_host_send)))
+            for (g, j), base in kv_idx.items():
+                for d in range(P):
+                    if j // n == r and d != r:
+                        send.append((base + d, float(kv_host_send)))
+                        recv.append((base + d, float(kv_host_recv)))
+                    elif j // n != r and d == r:
+                        send.append((base + d, float(kv_host_recv)))
+                        recv.append((base + d, float(kv_host_send)))
+            add_row(send + [(iz, -1.0)], -np.inf, 0.0)
+            add_row(recv + [(iz, -1.0)], -np.inf, 0.0)
 
     A = coo_matrix((vals, (rows, cols)), shape=(nrow, nvar)).tocsr()
     c_obj = np.zeros(nvar)
-    c_obj[iz] = 1.0
+    c_obj[list(z_of.values())] = 1.0
     integrality = np.zeros(nvar)
     integrality[:nx] = 1
     ub = np.full(nvar, np.inf)
@@ -212,7 +224,8 @@ def milp_bottleneck(areas: BlockAreas, cost: CommCost, mu: float = 1.10, directi
     asg = empty.clone()
     for t, (g, i, j) in enumerate(tasks):
         asg[g, i, j] = int(choice[t])
-    exact = int(getattr(evaluate(areas, asg.to(areas.area.device), cost), f"{direction}_bottleneck"))
+    m = evaluate(areas, asg.to(areas.area.device), cost)
+    exact = int(m.fwd_bottleneck + m.bwd_bottleneck) if direction == "step" else int(getattr(m, f"{direction}_bottleneck"))
     if lower is None:
         lower = 0
     lower = min(lower, exact)

@@ -72,9 +72,10 @@ CASES = [  # (name, dense [G, S, S], P)
 ]
 
 
-# (direction, keep_forward_buffers): the forward, and the backward under both protocols
-PASSES = [("fwd", True), ("bwd", True), ("bwd", False)]
-PASS_IDS = ["fwd", "bwd-kept", "bwd-recast"]
+# (direction, keep_forward_buffers): the forward, the backward under both protocols, and the
+# training step's sum fwd + bwd (two bottleneck variables)
+PASSES = [("fwd", True), ("bwd", True), ("bwd", False), ("step", True)]
+PASS_IDS = ["fwd", "bwd-kept", "bwd-recast", "step"]
 
 
 @pytest.mark.parametrize("direction,keep", PASSES, ids=PASS_IDS)
@@ -183,3 +184,23 @@ def test_milp_rejects_large_or_bad_input():
         milp_bottleneck(full(1, 2), CommCost(2, 1, 2, 2, 1), direction="both")
     with pytest.raises(ValueError, match="head_groups"):
         milp_bottleneck(full(1, 2), CommCost(4, 2, 2, 2, 2))
+
+
+def test_step_bound_is_below_the_device_plans_step():
+    # the training objective's plan is one assignment the MILP ranges over, so its fwd + bwd is at
+    # least the bound; on full documents every need is the whole chunk and the bound is exact
+    from gpusolver.config import SolverConfig
+    from gpusolver.solver.device import solve_device
+
+    P, G = 3, 1
+    for dense in (doc_causal(24, [10, 14])[None], torch.ones(1, 24, 24, dtype=torch.bool)):
+        areas = areas_from_dense(dense, P)
+        config = SolverConfig(cp_size=P, num_heads_q=4, num_heads_kv=G, head_dim=8, head_group_flatten=False,
+                              chunk_tiles=1, imbalance_tol=1.5)
+        cost = config.cost()
+        res = solve_device(areas, config, impl="torch")
+        assert bool(res.balanced)
+        plan = evaluate(areas, res.assignment, cost)
+        bound = milp_bottleneck(areas, cost, mu=1.5, direction="step", time_limit=10.0)
+        assert bound.status == "optimal" and bound.lower_bound <= bound.bottleneck
+        assert bound.lower_bound <= int(plan.step_bottleneck) == int(res.fwd_bottleneck + res.bwd_bottleneck)
