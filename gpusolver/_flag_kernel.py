@@ -1,11 +1,11 @@
 """One-launch device check of a slice table for ``gpusolver.errors`` (CUDA; the interpreter in tests).
 
 One program walks the ``[N, 2]`` ranges and ``[N]`` types in blocks, keeps the
-first bad row, and, when there is one, updates the error table row ``slot``
-the way ``errors.record`` does: the clock ticks, ``hits`` grows, and the
-first hit keeps (clock, row, values). The values are those of
-``errors.record_slice_table``: (0 q / 1 k / 2 type, start or code, end,
-limit, rows per group). Every load is masked by N; the table row is written
+first bad row, and updates the error table the way ``errors.record`` does,
+so the two leave equal tables: the clock ticks on every check, and when a
+row is bad ``hits`` grows and the first hit keeps (clock, row, values). The
+values are those of ``errors.record_slice_table``: (0 q / 1 k / 2 type,
+start or code, end, limit, rows per group). Every load is masked by N; the table row is written
 by this one program only.
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ def _flag_slices_kernel(p_q, p_k, p_t, p_table, N, S_Q, S_K, ROWS, SLOT, CLOCK, 
     b = tl.where(bad_q, qe, ke)
     limit = tl.where(bad_q, S_Q, S_K)
     clock = tl.load(p_table + CLOCK * COLS) + 1
-    tl.store(p_table + CLOCK * COLS, clock, mask=hit)
+    tl.store(p_table + CLOCK * COLS, clock)
     p_row = p_table + SLOT * COLS
     first = hit & (tl.load(p_row) == NONE)
     tl.store(p_row + 1, tl.load(p_row + 1) + 1, mask=hit)

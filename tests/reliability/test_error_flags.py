@@ -5,6 +5,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from attn_kernels import flex_attn
@@ -75,6 +77,57 @@ def test_one_launch_check_equals_the_torch_check(counter, grouped):
     where = "[group 1] row 1000" if grouped else "row 2500"
     assert got[1]["message"] == f"block_areas: k_ranges {where}: [{int(k[2500, 0])}, 103) is outside " \
         "[0, total_seqlen_k=100)"
+
+
+# one bad row: (which column it breaks, how)
+_BREAKS = [("q", "negative"), ("q", "reversed"), ("q", "past"), ("k", "negative"), ("k", "reversed"),
+           ("k", "past"), ("t", "negative"), ("t", "past")]
+
+
+def _slice_table(seed: int, n: int, S: int, bad: list[tuple[int, int]], dtype, strided: bool):
+    """n valid rows over S tokens with ``bad`` = [(row, index into _BREAKS)] broken."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.sort(torch.randint(0, S + 1, (n, 2), generator=g), 1).values
+    k = torch.sort(torch.randint(0, S + 1, (n, 2), generator=g), 1).values
+    t = torch.randint(0, 4, (n,), generator=g)
+    for row, how in bad:
+        col, kind = _BREAKS[how]
+        if col == "t":
+            t[row] = -1 if kind == "negative" else 4 + row % 3
+            continue
+        r = q if col == "q" else k
+        r[row] = torch.tensor({"negative": [-1 - row % 5, 1], "reversed": [S, S - 1 - row % S],
+                               "past": [0, S + 1 + row % 7]}[kind])
+    if strided:  # non-contiguous views, as a caller's slice of a wider table gives
+        q, k, t = (torch.stack([x, x], -1)[..., 0] for x in (q, k, t))
+    return q.to(dtype), k.to(dtype), t.to(dtype)
+
+
+@given(st.data())
+def test_one_launch_check_leaves_the_table_the_torch_check_leaves(data):
+    """Every word of the flag table after the Triton check (interpreted) equals the torch reference's,
+    over two checks in a row (the first hit kept, hits counted, the clock ticking on clean checks too)."""
+    S = data.draw(st.integers(1, 50), label="S")
+    checks = []
+    for _ in range(2):
+        n = data.draw(st.sampled_from([1, 2, 7, 1023, 1024, 1025, 2100]), label="rows")
+        bad = data.draw(st.lists(st.tuples(st.integers(0, n - 1), st.integers(0, len(_BREAKS) - 1)),
+                                 max_size=3), label="bad rows")
+        dtype = data.draw(st.sampled_from([torch.int32, torch.int64]), label="dtype")
+        groups = data.draw(st.sampled_from([g for g in (1, 2, 5) if n % g == 0]), label="groups")
+        q, k, t = _slice_table(data.draw(st.integers(0, 2**16), label="seed"), n, S, bad, dtype,
+                               data.draw(st.booleans(), label="strided"))
+        rows = n // groups if groups > 1 else 0
+        if groups > 1:
+            q, k, t = q.reshape(groups, -1, 2), k.reshape(groups, -1, 2), t.reshape(groups, -1)
+        checks.append((q, k, t, rows))
+    tables = []
+    for impl in ("torch", "triton"):
+        errors.reset()
+        for q, k, t, rows in checks:
+            errors.record_slice_table("block_areas", "mask", errors._slices_message, q, k, t, S, S, rows, impl=impl)
+        tables.append(errors._table(torch.device("cpu")).clone())
+    assert torch.equal(tables[0], tables[1]), (tables[0] != tables[1]).nonzero().tolist()
 
 
 def test_first_error_in_time_and_hit_counts():
