@@ -68,18 +68,24 @@ class SparseCommCost(CommCost):
     selection_bytes: int = 0
     branches: int = 1
 
+    # CommCost's row prices written out: under torch.compile ``super().<property>`` reads the
+    # property object itself (TypeError: 'property' + int) and ``fget`` calls do not trace
+    @property
+    def _q_row(self) -> int:
+        return self.hq * self.head_dim * self.dtype_bytes
+
     @property
     def q_fwd(self) -> int:
-        return super().q_fwd + self.selection_bytes
+        return self._q_row + self.selection_bytes
 
     @property
     def o_fwd(self) -> int:
-        return self.branches * super().o_fwd
+        return self.branches * self.hq * (self.head_dim * self.dtype_bytes + 4)
 
     @property
     def q_bwd(self) -> int:
         per_branch = self.hq * (self.head_dim * self.dtype_bytes + 8)  # dO, fp32 lse and delta
-        again = 0 if self.keep_forward_buffers else super().q_fwd + self.selection_bytes
+        again = 0 if self.keep_forward_buffers else self._q_row + self.selection_bytes
         return self.branches * per_branch + again
 
 
@@ -510,7 +516,7 @@ def solve_sparse(mask, config: SolverConfig, *, areas: BlockAreas | None = None,
               (needs the whole mask's rows).
     """
     from gpusolver.areas.sparse import sparse_areas, used_block_rows
-    from gpusolver.solve import solve_assignment
+    from gpusolver.plan.sparse_ops import sparse_assignment
 
     spec = SelectionSpec.of(mask, config.head_groups)
     S = mask.total_seqlen_k
@@ -525,7 +531,7 @@ def solve_sparse(mask, config: SolverConfig, *, areas: BlockAreas | None = None,
         kv_block = default_kv_block(mask, config)
     used = None if kv_block is None else used_block_rows(mask, config.num_units, config.head_groups, kv_block)
     priced = sparse_config(config, spec)
-    assignment = solve_assignment(areas, priced, solver=solver, impl=impl)
+    assignment = sparse_assignment(areas, priced, solver=solver, impl=impl)
     assignment = no_worse_than_owner(areas, assignment, config, spec, used, kv_block)
     plan = build_sparse_plan(areas, assignment, config, spec, S, mask_error=mask.value_error(),
                              used_blocks=used, kv_block=kv_block)

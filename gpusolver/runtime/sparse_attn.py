@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from attn_kernels import flex_attn, flex_attn_backward, merge_out_lse, row_delta, sparse_attn, sparse_attn_backward
+from gpusolver import errors
 from gpusolver.areas.sparse import AreaRows, areas_from_rows, sparse_area_rows, used_block_rows
 from gpusolver.config import SolverConfig
 from gpusolver.masks.sparse import BlockSparseMask, NSALayerMask, TokenTopKMask
@@ -41,11 +42,16 @@ from gpusolver.nvtx import nvtx_range
 from gpusolver.plan.meta import IMBALANCED
 from gpusolver.plan.sparse import (SelectionSpec, SparsePlan, build_sparse_plan, default_kv_block, no_worse_than_owner,
                                    sparse_config)
+from gpusolver.plan.sparse_ops import sparse_assignment
 from gpusolver.runtime.dist_attn import LayerRoutes, layer_routes
 from gpusolver.runtime.layout import from_group_major, to_group_major
 from groupcomm import TorchGroup, group_cast, group_reduce, host_splits
 
 SPARSE_MASKS = (BlockSparseMask, TokenTopKMask, NSALayerMask)
+# The stages run the plan's own tables, checked once per layer through the plan's status
+# (validation: plan.validate(); sync-free: one device flag), so the calls skip their own checks
+# (and record nothing from inside the autograd function, which torch.compile traces as a subgraph).
+_INTERNAL = dict(validate=False, flag_errors=False)
 
 
 # -- the sharded indexer flow ------------------------------------------------------------------------
@@ -120,8 +126,6 @@ def solve_sparse_sharded(mask, config: SolverConfig, group, *, solver: str = "de
     rows and of the plan (default: on for CPU tensors outside ``torch.compile``). kv_block: K and
     V travel as blocks of this many keys, or as hulls (None); "auto": ``default_kv_block``.
     """
-    from gpusolver.solve import solve_assignment
-
     if not isinstance(mask, SPARSE_MASKS):
         raise TypeError(f"mask must be a BlockSparseMask, TokenTopKMask or NSALayerMask, got {type(mask).__name__}")
     if config.cp_size != group.size:
@@ -136,7 +140,7 @@ def solve_sparse_sharded(mask, config: SolverConfig, group, *, solver: str = "de
     with nvtx_range("solve/areas"):
         areas, error, used = gather_sparse_areas(mask, config, group, kv_block)
     with nvtx_range("solve/assign"):
-        assignment = solve_assignment(areas, sparse_config(config, spec), solver=solver, impl=impl)
+        assignment = sparse_assignment(areas, sparse_config(config, spec), solver=solver, impl=impl)
         assignment = no_worse_than_owner(areas, assignment, config, spec, used, kv_block)
     with nvtx_range("solve/metas"):
         plan = build_sparse_plan(areas, assignment, config, spec, mask.total_seqlen_k, mask_error=error,
@@ -195,9 +199,9 @@ class _SparseDistAttn(torch.autograd.Function):
         sl = _selection_rows(sel, G, lead)
         with nvtx_range("comm/cast fwd.qo fwd.kv"):
             cast_q = group_cast([ql, sl], routes.qo_index, routes.qo_split, cap, group, phase="fwd.qo",
-                                host_split=routes.qo_host, async_op=True)
+                                host_split=routes.qo_host, async_op=True, flag_errors=False)
             cast_kv = group_cast([kl, vl], routes.kv_index, routes.kv_split, cap, group, phase="fwd.kv",
-                                 host_split=routes.kv_host, async_op=True)
+                                 host_split=routes.kv_host, async_op=True, flag_errors=False)
 
         def stage(s):
             def run(r, q_, k_, v_, s_):
@@ -207,7 +211,7 @@ class _SparseDistAttn(torch.autograd.Function):
                 if spec.window_size:
                     wc = plan.window_calc
                     out = out + flex_attn(q_, k_, v_, wc.q_ranges[r, s], wc.k_ranges[r, s], wc.attn_type[r, s],
-                                          scale)
+                                          scale, **_INTERNAL)
                 return out
             return run
 
@@ -230,7 +234,7 @@ class _SparseDistAttn(torch.autograd.Function):
             with nvtx_range("comm/reduce fwd.o"):
                 o, lse = group_reduce([remote(o1), remote(l1)], routes.qo_index, routes.qo_split, [o, lse], group,
                                       op="lse", phase="fwd.o", host_split=routes.qo_host,
-                                      deterministic=deterministic)
+                                      deterministic=deterministic, flag_errors=False)
             results += [o, lse]
         saved = (ql, kl, vl, sl, *results) + ((q_buf, s_buf, k_buf, v_buf) if keep else ())
         ctx.save_for_backward(*saved)
@@ -260,14 +264,14 @@ class _SparseDistAttn(torch.autograd.Function):
             sent += [d_o, lse, delta]
         with nvtx_range("comm/cast bwd.qo"):
             recv = group_cast(sent + ([] if ctx.keep else [ql, sl]), routes.qo_index, routes.qo_split, cap, group,
-                              phase="bwd.qo", host_split=routes.qo_host)
+                              phase="bwd.qo", host_split=routes.qo_host, flag_errors=False)
         if ctx.keep:
             q_buf, s_buf, k_buf, v_buf = saved[4 + 2 * nb:]
         else:
             q_buf, s_buf = recv[3 * nb:]
             with nvtx_range("comm/cast bwd.kv"):
                 k_buf, v_buf = group_cast([kl, vl], routes.kv_index, routes.kv_split, cap, group, phase="bwd.kv",
-                                          host_split=routes.kv_host)
+                                          host_split=routes.kv_host, flag_errors=False)
 
         def stage(s):
             def run(r, q_, k_, v_, s_, *per_branch):
@@ -281,7 +285,7 @@ class _SparseDistAttn(torch.autograd.Function):
                     wc = plan.window_calc
                     d_o, lse, delta = per_branch[3:6]
                     g = flex_attn_backward(d_o, q_, k_, v_, lse, delta, wc.q_ranges[r, s], wc.k_ranges[r, s],
-                                           wc.attn_type[r, s], scale)
+                                           wc.attn_type[r, s], scale, **_INTERNAL)
                     dq, dk, dv = dq + g[0], dk + g[1], dv + g[2]
                 return dq, dk, dv
             return run
@@ -298,11 +302,11 @@ class _SparseDistAttn(torch.autograd.Function):
         with nvtx_range("comm/reduce bwd.dq"):
             (dq,) = group_reduce([remote(dq1)], routes.qo_index, routes.qo_split, [dq0 + local(dq1)], group,
                                  op="sum", phase="bwd.dq", host_split=routes.qo_host,
-                                 deterministic=ctx.deterministic)
+                                 deterministic=ctx.deterministic, flag_errors=False)
         with nvtx_range("comm/reduce bwd.dkv"):
             dk, dv = group_reduce([remote(dk1), remote(dv1)], routes.kv_index, routes.kv_split,
                                   [dk0 + local(dk1), dv0 + local(dv1)], group, op="sum", phase="bwd.dkv",
-                                  host_split=routes.kv_host, deterministic=ctx.deterministic)
+                                  host_split=routes.kv_host, deterministic=ctx.deterministic, flag_errors=False)
         return (from_group_major(dq, G, lead), from_group_major(dk, G, lead), from_group_major(dv, G, lead),
                 None, None, None, None, None, None, None, None)
 
@@ -362,6 +366,8 @@ def sparse_dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sel: tor
         validate = q.device.type == "cpu" and not torch.compiler.is_compiling()
     if validate:
         plan.validate(ignore=IMBALANCED)
+    else:
+        errors.record_plan(plan, "sparse_dist_attn")
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     with nvtx_range("solve/routes"):
         routes = sparse_routes(plan, group)

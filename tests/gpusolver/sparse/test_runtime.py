@@ -191,3 +191,28 @@ def test_errors_name_the_argument():
     plan = solve_sparse_sharded(bad, make_config(P, Hq, Hkv), group, validate=False)
     with pytest.raises(ValueError, match="INVALID_MASK"):
         plan.validate()
+
+
+def test_compiled_layer_equals_eager():
+    """torch.compile(fullgraph=True) of the sparse layer: indexer areas, the solve (one op), metas,
+    casts, both NSA branches and their backward in one graph; out and grads equal eager."""
+    P, c, Hq, Hkv = 2, 16, 4, 2  # P = 2: tracing unrolls the LocalGroup's loop over ranks
+    S = P * c
+    group = LocalGroup(P)
+    mask = make_mask("nsa-layer", S, Hkv, seed=3)
+    q, k, v, d_out, _ = make_inputs(S, Hq, Hkv, seed=3)
+    results = []
+    for compiled in (False, True):
+        layer = DynamicCPAttention(group, make_config(P, Hq, Hkv), plan_cache=PlanCache())  # empty: solve traced
+        leaves = [shard(x, group).requires_grad_() for x in (q, k, v)]
+
+        def step(q_, k_, v_):
+            o_sel, o_win = layer(q_, k_, v_, mask)
+            return o_sel + 0.5 * o_win
+
+        fn = torch.compile(step, fullgraph=True, backend="aot_eager") if compiled else step
+        out = fn(*leaves)
+        (out * shard(d_out, group)).sum().backward()
+        results.append([out.detach()] + [x.grad for x in leaves])
+    for name, a, b in zip(("out", "dq", "dk", "dv"), *results):
+        assert_close(name, a, b, atol=ATOL, rtol=RTOL)
