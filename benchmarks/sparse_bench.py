@@ -30,15 +30,25 @@ bytes (max over ranks of max(send, recv)):
                     all-to-all must also move: (u - 1) c rows of k int32 (DSA, shared by all heads)
                     or of Hkv / u * n int32 (NSA)
 
+The solver prices K and V as hulls; NSA moves key blocks, so for NSA the solver optimises an
+upper bound of what moves. ``priced`` / ``moved`` give both for the returned plan (forward +
+backward bottleneck bytes per training step) and ``moved ÷ priced`` the gap. The plan's metrics
+are the moved bytes (the runtime's byte counters equal them, tests/gpusolver/sparse).
+
 KV transfer as hulls (one interval per (unit, destination)) and as exact token sets (only the
 keys some assigned row selects; what a gather-list transfer would move) is measured for the
 solver's plan and for owner-computes (``exact`` columns). For NSA the ``blocks`` columns are
 what the runtime moves by default: the key blocks of l tokens the assigned rows attend
 (``plan.sparse.KVBlocks``); DSA moves hulls (exact sets would save nothing there).
 
-    python benchmarks/sparse_bench.py                  # the default grid (about 15-20 min on one core)
+    python benchmarks/sparse_bench.py                  # the default grid (about 12-15 min, 2 shared cores)
     python benchmarks/sparse_bench.py --quick          # P = 8, 2K tokens per rank (seconds)
-    python benchmarks/sparse_bench.py --dsa-P 8 --nsa-P 8,16 --tokens-per-rank 8192
+    python benchmarks/sparse_bench.py --dsa-P 8 --nsa-P 8,16 --seeds 0 --tokens-per-rank 8192
+
+Seeds (``--seeds``) draw new hidden states and indexer weights; the cases in ``--one-seed`` run
+the first seed only (the DSA indexer scores every (row, earlier key) pair: O(S^2)). DSA at
+P = 32 and 64 is left out of the default grid: the indexer's measured time per scored pair
+(reported) puts those masks at many minutes each on this machine.
 
 ``torch.set_num_threads(1)`` is set first.
 """
@@ -232,7 +242,7 @@ def run_case(kind: str, P: int, c: int, seed: int, areas, key_used, spec, t_inde
     owner_asg = owner_computes_assignment(areas)
     pick = "owner" if torch.equal(assignment, owner_asg) and not torch.equal(raw, owner_asg) else "solver"
     solver = volumes(areas, assignment, cost, key_used, kv_block)
-    owner = volumes(areas, owner_asg, cost, key_used)
+    owner = volumes(areas, owner_asg, cost, key_used, kv_block)
     dims = dict(seqlen=S, cp_size=P, num_heads_kv=num_heads_kv, head_dim=D, dtype_bytes=config.dtype_bytes)
     ag = all_gather_kv(**dims)
     usp_f, usp_b = usp_with_selection(S, config, spec, 1 if kind == "dsa" else num_heads_kv)
@@ -248,19 +258,36 @@ def run_case(kind: str, P: int, c: int, seed: int, areas, key_used, spec, t_inde
     if kv_block is not None:
         row["fwd_blocks"], row["bwd_blocks"] = solver["fwd_blocks"] / MB, solver["bwd_blocks"] / MB
     row.update(ag_fwd=ag.fwd_bottleneck / MB, ag_bwd=ag.bwd_bottleneck / MB, usp_fwd=usp_f / MB, usp_bwd=usp_b / MB)
-    row["step_vs_owner"] = ratio(solver["fwd"] + solver["bwd"], owner["fwd"] + owner["bwd"])
+    # what the solver prices (hulls) and what the runtime moves (NSA: key blocks; DSA: hulls)
+    priced = solver["fwd"] + solver["bwd"]
+    moved = solver["fwd_blocks"] + solver["bwd_blocks"] if kv_block is not None else priced
+    owner_moved = owner["fwd_blocks"] + owner["bwd_blocks"] if kv_block is not None else owner["fwd"] + owner["bwd"]
+    row.update(priced_step=priced / MB, moved_step=moved / MB, moved_vs_priced=ratio(moved, priced),
+               owner_moved_step=owner_moved / MB)
+    row["step_vs_owner"] = ratio(moved, owner_moved)
     return row
 
 
 COLUMNS = [
     ("mask", "mask", ""), ("Hq:Hkv", "heads", ""), ("G", "G", ""), ("P", "P", ""), ("c", "c", ""),
-    ("plan", "plan", ""), ("imb", "imb", ".3f"), ("fwd MB", "fwd", ".1f"), ("bwd MB", "bwd", ".1f"), ("solve s", "solve_s", ".2f"),
+    ("seed", "seed", ""), ("plan", "plan", ""), ("imb", "imb", ".3f"), ("fwd MB", "fwd", ".1f"), ("bwd MB", "bwd", ".1f"), ("solve s", "solve_s", ".2f"),
     ("owner imb", "owner_imb", ".3f"), ("owner fwd", "owner_fwd", ".1f"), ("owner bwd", "owner_bwd", ".1f"),
     ("AG-KV fwd", "ag_fwd", ".1f"), ("AG-KV bwd", "ag_bwd", ".1f"), ("USP fwd", "usp_fwd", ".1f"),
     ("USP bwd", "usp_bwd", ".1f"), ("step ÷ owner", "step_vs_owner", ".2f"),
 ]
+GAP_COLUMNS = [
+    ("mask", "mask", ""), ("G", "G", ""), ("P", "P", ""), ("c", "c", ""), ("seed", "seed", ""), ("plan", "plan", ""),
+    ("priced step MB", "priced_step", ".1f"), ("moved step MB", "moved_step", ".1f"),
+    ("moved ÷ priced", "moved_vs_priced", ".3f"), ("owner moved step MB", "owner_moved_step", ".1f"),
+]
+SUMMARY_COLUMNS = [
+    ("mask", "mask", ""), ("Hq:Hkv", "heads", ""), ("P", "P", ""), ("c", "c", ""), ("seeds", "seeds", ""),
+    ("plan (solver/owner)", "plans", ""), ("imb max", "imb_max", ".3f"), ("step ÷ owner min", "step_min", ".2f"),
+    ("step ÷ owner max", "step_max", ".2f"), ("moved ÷ priced min", "gap_min", ".3f"),
+    ("moved ÷ priced max", "gap_max", ".3f"), ("solve s max", "solve_max", ".2f"),
+]
 EXACT_COLUMNS = [
-    ("mask", "mask", ""), ("G", "G", ""), ("P", "P", ""), ("c", "c", ""),
+    ("mask", "mask", ""), ("G", "G", ""), ("P", "P", ""), ("c", "c", ""), ("seed", "seed", ""),
     ("fwd hull", "fwd", ".1f"), ("fwd exact", "fwd_exact", ".1f"), ("bwd hull", "bwd", ".1f"),
     ("bwd exact", "bwd_exact", ".1f"), ("fwd blocks", "fwd_blocks", ".1f"), ("bwd blocks", "bwd_blocks", ".1f"),
     ("KV exact ÷ hull", "kv_exact_share", ".3f"),
@@ -280,6 +307,17 @@ def _provenance() -> dict:
             "processor": platform.processor(), **environment()}
 
 
+def _one_seed_cases(text: str) -> set:
+    """``"dsa:16,nsa:8:32768"`` -> {("dsa", 16, None), ("nsa", 8, 32768)} (c None: every c)."""
+    out = set()
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        parts = item.split(":")
+        if len(parts) not in (2, 3) or parts[0] not in ("dsa", "nsa"):
+            raise ValueError(f"--one-seed: {item!r} is not kind:P or kind:P:c with kind dsa or nsa")
+        out.add((parts[0], int(parts[1]), int(parts[2]) if len(parts) == 3 else None))
+    return out
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dsa-P", default="8,16", help="CP sizes of the DSA masks")
@@ -287,8 +325,10 @@ def main(argv=None) -> dict:
     p.add_argument("--tokens-per-rank", default="8192", help="c values (comma list)")
     p.add_argument("--big", default="nsa:8:32768",
                    help="extra kind:P:c cases, comma list ('' for none): the large-c end of the grid")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="P = 8, 2K tokens per rank, top-k 256: seconds")
+    p.add_argument("--seeds", default="0,1,2", help="seeds (comma list)")
+    p.add_argument("--one-seed", default="dsa:16,nsa:64,nsa:8:32768",
+                   help="kind:P[:c] cases that run the first seed only ('' for none)")
+    p.add_argument("--quick", action="store_true", help="P = 8, 2K tokens per rank, top-k 256, one seed: seconds")
     p.add_argument("--json", default=str(RESULTS_DIR / "sparse_bench.json"))
     p.add_argument("--md", default=str(RESULTS_DIR / "sparse_bench.md"))
     args = p.parse_args(argv)
@@ -296,9 +336,13 @@ def main(argv=None) -> dict:
     global DSA_TOPK
     cases = []
     cs = parse_list(args.tokens_per_rank, name="--tokens-per-rank")
+    seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+    if not seeds or min(seeds) < 0:
+        raise ValueError(f"--seeds must list non-negative ints, got {args.seeds!r}")
+    one_seed = _one_seed_cases(args.one_seed)
     if args.quick:
         DSA_TOPK = 256
-        cases = [("dsa", 8, 2048), ("nsa", 8, 2048)]
+        cases, seeds = [("dsa", 8, 2048), ("nsa", 8, 2048)], seeds[:1]
     else:
         cases = [("dsa", P, c) for c in cs for P in parse_list(args.dsa_P, name="--dsa-P")]
         cases += [("nsa", P, c) for c in cs for P in parse_list(args.nsa_P, name="--nsa-P")]
@@ -306,27 +350,82 @@ def main(argv=None) -> dict:
             kind, P, c = item.split(":")
             cases.append((kind, int(P), int(c)))
     rows = []
+    t_start = time.perf_counter()
     for kind, P, c in cases:
-        t0 = time.perf_counter()
-        areas, key_used, spec, t_index = make_problem(kind, P, c, args.seed, 1 if kind == "dsa" else HKV_GQA)
-        heads = [(1, 1), (HKV_GQA, HKV_GQA)] if kind == "dsa" else [(HKV_GQA, HKV_GQA)]
-        for groups, hkv in heads:
-            row = run_case(kind, P, c, args.seed, areas, key_used, spec, t_index, groups, hkv)
-            rows.append(row)
-        print(f"{kind} P={P} c={c}: {time.perf_counter() - t0:.1f} s (indexer {t_index:.1f} s)", flush=True)
-    text = render(rows, args.seed)
+        only_first = (kind, P, None) in one_seed or (kind, P, c) in one_seed
+        for seed in seeds[:1] if only_first else seeds:
+            t0 = time.perf_counter()
+            areas, key_used, spec, t_index = make_problem(kind, P, c, seed, 1 if kind == "dsa" else HKV_GQA)
+            heads = [(1, 1), (HKV_GQA, HKV_GQA)] if kind == "dsa" else [(HKV_GQA, HKV_GQA)]
+            for groups, hkv in heads:
+                rows.append(run_case(kind, P, c, seed, areas, key_used, spec, t_index, groups, hkv))
+            print(f"{kind} P={P} c={c} seed={seed}: {time.perf_counter() - t0:.1f} s (indexer {t_index:.1f} s)",
+                  flush=True)
+    wall = time.perf_counter() - t_start
+    provenance = {**_provenance(), "wall_s": wall}
+    text = render(rows, provenance)
     print(text)
-    write_results(args.json, {"provenance": _provenance(), "rows": rows}, args.md, text)
+    write_results(args.json, {"provenance": provenance, "rows": rows}, args.md, text)
     return {"rows": rows, "text": text}
 
 
-def render(rows: list[dict], seed: int) -> str:
-    """The markdown tables of a run's rows."""
-    return "\n".join([
-        f"## Sparse masks from the reference indexers: Hq = {HQ}, D = {D}, bf16, mu = 1.10, seed {seed}",
-        "", "Bottlenecks in MB (10^6 B) per pass, KV priced as hulls per (unit, destination) (what the "
-        "solver prices; DSA moves them). NSA moves key blocks by default: its `blocks` columns below.", "",
+def summarize(rows: list[dict]) -> list[dict]:
+    """One row per (mask, heads, P, c) over its seeds: ranges of the step ratio and the price gap."""
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["mask"], r["heads"], r["P"], r["c"]), []).append(r)
+    out = []
+    for (mask, heads, P, c), rs in groups.items():
+        steps = [r["step_vs_owner"] for r in rs if r["step_vs_owner"] is not None]
+        gaps = [r["moved_vs_priced"] for r in rs if r["moved_vs_priced"] is not None]
+        n_owner = sum(r["plan"] == "owner" for r in rs)
+        out.append({"mask": mask, "heads": heads, "P": P, "c": c, "seeds": len(rs),
+                    "plans": f"{len(rs) - n_owner}/{n_owner}", "imb_max": max(r["imb"] for r in rs),
+                    "step_min": min(steps, default=None), "step_max": max(steps, default=None),
+                    "gap_min": min(gaps, default=None), "gap_max": max(gaps, default=None),
+                    "solve_max": max(r["solve_s"] for r in rs)})
+    return out
+
+
+def dsa_index_cost(rows: list[dict]) -> list[str]:
+    """Lines on the DSA indexer's measured cost per scored (row, earlier key) pair, and what it
+    implies for the DSA sizes left out of the run."""
+    dsa = {(r["P"], r["c"], r["seed"]): r["index_s"] for r in rows if r["mask"].startswith("DSA")}
+    if not dsa:
+        return []
+    per_pair = max(t / ((P * c) * (P * c + 1) / 2) for (P, c, _), t in dsa.items())
+    c = max(c for _, c, _ in dsa)
+    runs = ", ".join(f"P = {P} seed {seed}: {t:.0f} s" for (P, _, seed), t in sorted(dsa.items()))
+    left = [P for P in (32, 64) if (P, c) not in {(P_, c_) for P_, c_, _ in dsa}]
+    lines = [f"DSA indexer time per mask (all ranks, one thread): {runs}; at most "
+             f"{per_pair * 1e9:.1f} ns per scored (row, earlier key) pair."]
+    if left:
+        est = ", ".join(f"P = {P}: about {per_pair * (P * c) * (P * c + 1) / 2 / 60:.0f} min per seed" for P in left)
+        lines.append(f"DSA at c = {c} left out of this run, at that rate: {est}.")
+    return lines
+
+
+def render(rows: list[dict], provenance: dict | None = None) -> str:
+    """The markdown tables of a run's rows (with the run's commit, command and machine)."""
+    seeds = sorted({r["seed"] for r in rows})
+    head = [f"## Sparse masks from the reference indexers: Hq = {HQ}, D = {D}, bf16, mu = 1.10, "
+            f"seeds {', '.join(map(str, seeds))}", ""]
+    if provenance:
+        pv = provenance
+        head += [f"Commit `{pv.get('commit')}`, command `{pv.get('command')}`, machine {pv.get('machine')} "
+                 f"({pv.get('processor') or 'cpu'}, torch {pv.get('torch')}, {pv.get('torch_threads')} thread), "
+                 f"wall {pv.get('wall_s', 0.0) / 60:.1f} min.", ""]
+    return "\n".join(head + [
+        "Bottlenecks in MB (10^6 B) per pass, KV priced as hulls per (unit, destination) (what the "
+        "solver prices; DSA moves them). NSA moves key blocks by default: its `blocks` columns below. "
+        "`step ÷ owner`: bytes moved per training step (fwd + bwd bottleneck) by the returned plan over "
+        "owner-computes', both as the runtime moves them.", "",
+        "### Over seeds", "", markdown_table(summarize(rows), SUMMARY_COLUMNS), "",
+        *[line + "\n" for line in dsa_index_cost(rows)],
+        "### Per seed", "",
         markdown_table(rows, COLUMNS), "",
+        "### What the solver prices vs what moves (returned plan, bytes per training step)", "",
+        markdown_table(rows, GAP_COLUMNS), "",
         "### KV as hulls vs exact token sets (solver plan, and owner-computes)", "",
         markdown_table(rows, EXACT_COLUMNS), ""])
 

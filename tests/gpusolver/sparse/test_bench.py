@@ -4,6 +4,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 _BENCH = Path(__file__).resolve().parents[3] / "benchmarks"
@@ -25,18 +26,26 @@ def test_tiny_grid_writes_tables(tmp_path, monkeypatch):
         monkeypatch.setattr(bench, "NSA_BLOCK", 16)
         monkeypatch.setattr(bench, "NSA_TOPN", 3)
         out = bench.main(["--dsa-P", "4", "--nsa-P", "4", "--tokens-per-rank", "128", "--big", "",
-                          "--json", str(tmp_path / "s.json"), "--md", str(tmp_path / "s.md")])
+                          "--seeds", "0,1", "--one-seed", "dsa:4", "--json", str(tmp_path / "s.json"),
+                          "--md", str(tmp_path / "s.md")])
     finally:
         sys.path[:] = saved_path
         torch.set_num_threads(saved_threads)
         sys.modules.pop("_bench_sparse", None)
     rows = out["rows"]
-    assert [(r["mask"].split()[0], r["G"]) for r in rows] == [("DSA", 1), ("DSA", 8), ("NSA", 8)]
+    assert [(r["mask"].split()[0], r["G"], r["seed"]) for r in rows] == \
+        [("DSA", 1, 0), ("DSA", 8, 0), ("NSA", 8, 0), ("NSA", 8, 1)]  # --one-seed: DSA runs seed 0 only
     for r in rows:
         assert r["fwd_exact"] <= r["fwd"] and r["owner_fwd_exact"] <= r["owner_fwd"]
         assert 0 < r["kv_exact_share"] <= 1 and r["imb"] >= 1.0
         assert ("fwd_blocks" in r) == r["mask"].startswith("NSA")  # NSA moves key blocks by default
+        # moved bytes: hulls for DSA, key blocks (never above the hulls) for NSA
+        moved = r["fwd_blocks"] + r["bwd_blocks"] if "fwd_blocks" in r else r["fwd"] + r["bwd"]
+        assert r["moved_step"] == pytest.approx(moved) and r["priced_step"] == pytest.approx(r["fwd"] + r["bwd"])
+        assert r["moved_step"] <= r["priced_step"]
     payload = json.loads((tmp_path / "s.json").read_text())
     assert payload["rows"] == json.loads(json.dumps(rows)) and payload["provenance"]["command"]
     text = (tmp_path / "s.md").read_text()
-    assert "| DSA k=24 | 64:1 | 1 | 4 | 128 |" in text and "KV as hulls vs exact token sets" in text
+    assert "| DSA k=24 | 64:1 | 1 | 4 | 128 | 0 |" in text and "KV as hulls vs exact token sets" in text
+    assert "| NSA n=3 l=16 | 64:8 | 4 | 128 | 2 |" in text  # over seeds: two NSA seeds in one row
+    assert payload["provenance"]["commit"] in text and "DSA at c = 128 left out of this run" in text

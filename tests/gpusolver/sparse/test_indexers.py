@@ -76,3 +76,34 @@ def test_indexers_on_meta_and_errors():
         CompressedKeyIndexer(4, 2, 2)
     with pytest.raises(ValueError, match="query_offset must be a non-negative int"):
         ix(x, ix.keys(x), -1)
+
+
+
+def _untiled_lightning(ix, x_q, keys, query_offset, step):
+    """The lightning indexer without key tiles: each step of rows scores its keys in one einsum and
+    masks every future entry out of place, then top-k."""
+    T, d = x_q.shape[0], keys.shape[1]
+    q, w = (x_q @ ix.wq).view(T, -1, d), x_q @ ix.ww
+    out = []
+    for t0 in range(0, T, step):
+        t1 = min(T, t0 + step)
+        n = min(keys.shape[0], query_offset + t1)
+        score = torch.bmm(w[t0:t1, None, :], torch.einsum("thd,sd->ths", q[t0:t1], keys[:n]).relu_())[:, 0]
+        pos = query_offset + torch.arange(t0, t1)
+        score = torch.where(torch.arange(n)[None, :] <= pos[:, None], score, float("-inf"))
+        best = torch.topk(score, min(ix.topk, n), dim=-1, sorted=False)
+        idx = torch.where(torch.isinf(best.values), -1, best.indices)
+        out.append(torch.cat((idx, idx.new_full((t1 - t0, ix.topk - idx.shape[1]), -1)), -1))
+    return torch.cat(out).to(torch.int32)
+
+
+def test_key_tiles_and_tail_masking_change_nothing():
+    """Key tiles and in-place masking of a step's last columns give the untiled output, bit for bit."""
+    S, dm, step = 96, 16, 5
+    x = torch.randn(S, dm, generator=torch.Generator().manual_seed(3))
+    ix = LightningIndexer.init(dm, heads=2, head_dim=8, topk=20, seed=2)
+    keys = ix.keys(x)
+    tiled = LightningIndexer(ix.wq, ix.wk, ix.ww, ix.topk, step_elems=step * 2 * S, key_tile=7)
+    for offset, rows in ((0, S), (48, 48)):
+        assert torch.equal(tiled(x[offset:offset + rows], keys, offset),
+                           _untiled_lightning(ix, x[offset:offset + rows], keys, offset, step))
