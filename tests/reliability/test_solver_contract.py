@@ -30,17 +30,10 @@ def _mask(kind: str, S: int, seed: int) -> AttnSlices:
 # ------------------------------------------------------------------ owner-computes: never worse
 
 
-# The training-step objective (issue 15: ``SolverConfig.objective``, backward volumes in the
-# solver's state and prices) is being built; until it lands these contracts cannot run.
-needs_objective = pytest.mark.skipif(
-    "objective" not in {f.name for f in __import__("dataclasses").fields(SolverConfig)},
-    reason="needs SolverConfig.objective and the backward state (issue 15, not landed)")
-
 OWNER_BALANCED = [("full", 2, "training"), ("full", 4, "forward"), ("aligned-causal-docs", 4, "training"),
                   ("aligned-full-docs", 2, "forward"), ("window", 4, "training"), ("wide-window", 8, "training")]
 
 
-@needs_objective
 @pytest.mark.parametrize("kind,P,objective", OWNER_BALANCED, ids=[f"{k}-P{P}-{o}" for k, P, o in OWNER_BALANCED])
 def test_no_worse_than_owner_computes_where_it_is_balanced(kind, P, objective):
     """On masks where owner-computes is balanced (asserted, not assumed), the device plan is
@@ -100,7 +93,6 @@ def _check_prices(tasks, areas, config, st, prop) -> int:
     return checked
 
 
-@needs_objective
 @settings(max_examples=budget(4, 300))
 @given(kind=st.sampled_from(["random", "causal-docs", "full-docs"]), P=st.integers(2, 6), c=st.sampled_from([8, 24, 64]),
        G=st.integers(1, 2), tiles=st.sampled_from([1, 2]), objective=st.sampled_from(["training", "forward"]),
@@ -158,7 +150,6 @@ def test_tile_move_prices_are_exact(kind, G, keep, seed):
         _check_prices(tasks, areas, config, s, prop)
 
 
-@needs_objective
 def test_triton_state_equals_evaluate_per_variant():
     P, G = 3, 2
     config = SolverConfig(cp_size=P, num_heads_q=8, num_heads_kv=G, head_dim=64)
