@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 
 import pytest
@@ -20,8 +21,9 @@ def fuzzing() -> bool:
 
 
 def budget(ci: int, fuzz: int) -> int:
-    """Examples per property: a bounded, derandomized set in CI, thousands under ``make fuzz``."""
-    return fuzz if fuzzing() else ci
+    """Examples per property: a bounded, derandomized set in CI, thousands under ``make fuzz``
+    (times ``FUZZ_SCALE``, default 1, for a run bounded to the time at hand)."""
+    return max(1, round(fuzz * float(os.environ.get("FUZZ_SCALE", "1")))) if fuzzing() else ci
 
 
 def slices(rows, S_q: int, S_k: int | None = None, dtype=torch.int32) -> AttnSlices:
