@@ -71,10 +71,13 @@ def _check_state(tasks, areas, config, A: torch.Tensor, st) -> None:
         assert int(st.bottleneck[b]) == int(m.fwd_bottleneck) and int(st.bwd_bottleneck[b]) == int(m.bwd_bottleneck)
 
 
-def _check_prices(tasks, areas, config, st, prop) -> int:
-    """Each offered move, applied alone, changes its destination by exactly what it was priced at."""
+def _check_prices(tasks, areas, config, st, prop, exact: bool = False) -> int:
+    """Each offered move, applied alone, changes its destination's load by exactly its price, and its
+    volumes by exactly theirs, or (unless ``exact``) by no more in the two cases the prices bound
+    from above (``PRICE_BOUNDS``). Returns the number of moves checked."""
     checked = 0
     A = st.rank
+    P = tasks.P
     for b in range(A.shape[0]):
         m0 = evaluate(areas, _assignment(tasks, A[b]), config.cost())
         for n in prop.ok[b].nonzero()[:, 0].tolist():
@@ -83,14 +86,33 @@ def _check_prices(tasks, areas, config, st, prop) -> int:
             moved = A[b, :tasks.T].clone()
             moved[ids] = prop.dest[b, n]
             m1 = evaluate(areas, _assignment(tasks, moved), config.cost())
-            d = int(prop.dest[b, n])
+            d, s = int(prop.dest[b, n]), int(prop.source[b, n])
             got = [int(x[d]) for x in (m1.load - m0.load, m1.fwd_send - m0.fwd_send, m1.fwd_recv - m0.fwd_recv,
                                         m1.bwd_send - m0.bwd_send, m1.bwd_recv - m0.bwd_recv)]
             want = [int(x[b, n]) for x in (prop.area, prop.dest_send, prop.dest_recv, prop.dest_bsend,
                                             prop.dest_brecv)]
-            assert got == want, f"variant {b} move {n} to rank {d}: evaluate {got}, priced {want}"
+            home = d == int(tasks.q_host[ids[0]])
+            kv_here = st.kcount[b].reshape(-1)[tasks.kv_unit[ids] * P + s]
+            shared = bool(((tasks.k_host[ids] == d) & (kv_here > 1)).any())
+            what = f"variant {b} move {n} {s} -> {d} (home {home}, shared K/V unit {shared}): " \
+                   f"evaluate {got}, priced {want}"
+            assert got[0] == want[0], what
+            if (home or shared) and not exact:
+                assert all(g <= w for g, w in zip(got[1:], want[1:])), what
+            else:
+                assert got == want, what
             checked += 1
     return checked
+
+
+# The destination's volume prices are upper bounds, not exact, when (a) the destination is the
+# unit's query host: the price is the destination's own part and leaves out the Q/O rows it stops
+# sending as the host; (b) the source keeps other tasks of a moved task's K/V unit and the
+# destination is that unit's key host: the K/V rows the source stops receiving are counted only
+# when the moved task was the unit's last there (a lower bound of what is freed). Exact (b) needs
+# the hull of a K/V unit's other tasks on the source, a second extreme per (K/V unit, rank) kept in
+# the state of all three paths (torch, Triton, persistent).
+PRICE_BOUNDS = "destination volume prices are upper bounds when it is the query host or shares a K/V unit"
 
 
 @settings(max_examples=budget(4, 300))
@@ -120,17 +142,18 @@ def test_state_and_prices_equal_evaluate_per_variant(kind, P, c, G, tiles, objec
                      propose_fn=spy_prices, sideways=sideways, restart_every=restart_every, singles=singles)
     for A, s in seen:
         _check_state(tasks, areas, config, A, s)
-    if tiles == 1:  # with tiles the prices are not exact (test_tile_move_prices_are_exact, xfail)
-        for s, prop in priced[:3]:
-            _check_prices(tasks, areas, config, s, prop)
+    for s, prop in priced:
+        _check_prices(tasks, areas, config, s, prop)
 
 
-@pytest.mark.xfail(strict=True, reason="found here: with chunk_tiles > 1 a bundle's destination price differs "
-                                       "from evaluate() (the state itself is exact); for the solver's owner")
+@pytest.mark.xfail(strict=True, reason=PRICE_BOUNDS)
 @pytest.mark.parametrize("kind,G,keep,seed", [("random", 1, True, 1), ("causal-docs", 2, False, 2)])
 def test_tile_move_prices_are_exact(kind, G, keep, seed):
-    """P = 2, 24 tokens per rank, 2 tiles: e.g. (random, seed 1) a move to rank 0 priced +6336 send
-    bytes adds 5056; (causal-docs, seed 2) one priced -3072 send / 0 receive frees 9216 / 6336."""
+    """P = 2, 24 tokens per rank, 2 tiles (owner-computes puts two tasks of every K/V unit on a rank):
+    (random, seed 1) a move 1 -> 0 priced +6336 send bytes adds 5056, case (b): rank 1 keeps another
+    task of the moved task's K/V unit, whose hull shrinks by 5 tokens (1280 bytes) rank 0 no longer
+    sends; (causal-docs, seed 2) a move home to rank 1 priced -3072 send / 0 receive frees 9216 / 6336,
+    case (a): the 12 Q rows (6144 bytes) and O rows it no longer exchanges as the host."""
     P, c, tiles = 2, 24, 2
     config = SolverConfig(cp_size=P, num_heads_q=4 * G, num_heads_kv=G, head_dim=64, chunk_tiles=tiles,
                           keep_forward_buffers=keep)
@@ -147,7 +170,7 @@ def test_tile_move_prices_are_exact(kind, G, keep, seed):
     api.run_variants(tasks, api.load_cap(tasks, config), api.default_strategies(P), 6, propose_fn=spy_prices,
                      sideways=sideways, restart_every=restart_every, singles=singles)
     for s, prop in priced[:3]:
-        _check_prices(tasks, areas, config, s, prop)
+        _check_prices(tasks, areas, config, s, prop, exact=True)
 
 
 def test_triton_state_equals_evaluate_per_variant():
