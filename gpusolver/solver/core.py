@@ -10,6 +10,7 @@ U = n * P units per group (unit u on rank u // n), T = G * U * U tasks in
 """
 from __future__ import annotations
 
+import copy
 import functools
 from dataclasses import dataclass
 
@@ -116,6 +117,12 @@ class Tasks:
         by_rows = by_area.gather(1, torch.sort(q_len.gather(1, by_area), dim=1, stable=True).indices)
         by_small = torch.sort(torch.where(area > 0, area, _BIG), dim=1, stable=True).indices  # empty last
         self.unit_tasks = torch.arange(G * U, device=dev)[:, None] * U + torch.stack((by_area, by_rows, by_small))
+
+    def with_rule(self, training: bool) -> "Tasks":
+        """The same tasks with moves priced (and states ranked) by the training or the forward rule."""
+        other = copy.copy(self)
+        other.training = training
+        return other
 
     @functools.cached_property
     def unit_pos(self) -> torch.Tensor:

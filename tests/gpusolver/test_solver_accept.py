@@ -202,7 +202,8 @@ def test_triton_accept_runs_on_meta(monkeypatch):
     monkeypatch.setattr(track_kernel, "track_triton", counted_track)
     P, G, rounds = 4, 2, 3
     meta_triton_solve(P, G, rounds)
-    assert calls == [(2, G * P * P + 1)] * rounds and tracked == [(2, G * P * P + 1)] * (rounds + 1)
+    # the training objective runs the portfolio under each rule: two passes of the rounds
+    assert calls == [(2, G * P * P + 1)] * (2 * rounds) and tracked == [(2, G * P * P + 1)] * (2 * (rounds + 1))
     # the plain launcher too
     _, args = _random_round(0, 2, 3, 2)
     to_meta = lambda t: t.to("meta")  # noqa: E731

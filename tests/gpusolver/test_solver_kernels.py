@@ -297,7 +297,8 @@ def test_triton_path_runs_on_meta(monkeypatch, tiles):
 def test_triton_path_launches_each_kernel_once_per_round(monkeypatch):
     state_k, bytes_k, bundle_k = _spy_kernels(monkeypatch, launch=True)
     P, G, rounds = 3, 1, 2
-    config = SolverConfig(cp_size=P, num_heads_q=4, num_heads_kv=G)
+    # forward-only: the training objective runs the portfolio once per rule, twice the launches
+    config = SolverConfig(cp_size=P, num_heads_q=4, num_heads_kv=G, objective="forward")
     areas = block_areas(packed_documents(64 * P, seed=0), P, G, impl="torch")
     solve_device(areas, config, rounds=rounds, impl="triton",
                  strategies=(Strategy((3.0, float("inf")), units_per_rank=2, bundle_dests=4),))
