@@ -18,7 +18,13 @@ proves that no whole-chunk plan reaches 0.8x the reference. ``--tiles n``
 adds the device solver with n sub-chunk tiles per chunk. ``--bound-tiles m``
 solves the MILP over m tiles per chunk: its bound then holds for every plan at
 m tiles and at every divisor of m (whole chunks included), so with n dividing m
-the tiled plan gets its own gap (``tiled / bound``).
+the tiled plan gets its own gap (``tiled / bound``). ``--direction step``
+bounds a training step's bytes instead, ``max_r fwd_r + max_r bwd_r`` (the
+MILP with one bottleneck variable per phase), against the device solver's
+training objective (the default; ``fwd`` compares the forward-only solver,
+``SolverConfig(objective="forward")``, as the earlier tables did).
+
+    python benchmarks/optimality_gap.py --quality-masks --direction step --time-limit 120
 """
 from __future__ import annotations
 
@@ -55,9 +61,14 @@ TILED_COLUMNS = [("device tiled MB", "tiled_mb", ".1f"), ("tiled / reference", "
                  ("tiled / bound", "tiled_gap", ".2f")]
 
 
+def _bytes(m, direction: str) -> int:
+    return int(m.fwd_bottleneck + m.bwd_bottleneck) if direction == "step" else int(m.fwd_bottleneck)
+
+
 def row(kind: str, P: int, hq: int, hkv: int, seed: int, time_limit: float, tokens_per_rank: int = TOKENS_PER_RANK,
-        tiles: int = 1, bound_tiles: int = 1) -> dict:
-    config = SolverConfig(cp_size=P, num_heads_q=hq, num_heads_kv=hkv)
+        tiles: int = 1, bound_tiles: int = 1, direction: str = "fwd") -> dict:
+    objective = "training" if direction == "step" else "forward"
+    config = SolverConfig(cp_size=P, num_heads_q=hq, num_heads_kv=hkv, chunk_tiles=1, objective=objective)
     mask = make_mask(kind, P, seed, tokens_per_rank)
     units = {}  # the areas at each tile count, computed once
 
@@ -70,26 +81,34 @@ def row(kind: str, P: int, hq: int, hkv: int, seed: int, time_limit: float, toke
     cost = config.cost()
     # a plan at n tiles is also a plan at every multiple of n, measured there with no more
     # bytes (per-tile hulls nest in the chunk's), so the bound at m tiles holds for it
-    milp = milp_bottleneck(areas_at(bound_tiles), cost, mu=config.imbalance_tol, time_limit=time_limit, max_tasks=1 << 16)
-    ref = evaluate(areas, assign(areas, config).assignment, cost)
-    dev = evaluate(areas, solve_device(areas, config).assignment, cost)
+    milp = milp_bottleneck(areas_at(bound_tiles), cost, mu=config.imbalance_tol, direction=direction,
+                           time_limit=time_limit, max_tasks=1 << 16)
+    ref = _bytes(ref_m := evaluate(areas, assign(areas, config).assignment, cost), direction)
+    dev = _bytes(dev_m := evaluate(areas, solve_device(areas, config).assignment, cost), direction)
     lb = milp.lower_bound
     mb = lambda v: None if v is None else v / MB  # noqa: E731
     out = {"kind": kind, "P": P, "G": config.head_groups, "seed": seed, "bound_tiles": bound_tiles,
-           "status": milp.status,
+           "direction": direction, "status": milp.status,
            "lower_mb": mb(lb), "milp_mb": mb(milp.bottleneck),
-           "reference_mb": mb(ref.fwd_bottleneck.item()), "device_mb": mb(dev.fwd_bottleneck.item()),
-           "reference_gap": ratio(ref.fwd_bottleneck.item(), lb), "device_gap": ratio(dev.fwd_bottleneck.item(), lb),
-           "bound_over_reference": ratio(lb, ref.fwd_bottleneck.item()),
-           "imbalance_reference": ref.imbalance.item(), "imbalance_device": dev.imbalance.item()}
+           "reference_mb": mb(ref), "device_mb": mb(dev),
+           "reference_gap": ratio(ref, lb), "device_gap": ratio(dev, lb),
+           "bound_over_reference": ratio(lb, ref),
+           "imbalance_reference": ref_m.imbalance.item(), "imbalance_device": dev_m.imbalance.item()}
     if tiles > 1:
-        t_config = dataclasses.replace(config, chunk_tiles=tiles)
+        t_config = dataclasses.replace(config, chunk_tiles=tiles, auto_tiles=False)
         t_areas = areas_at(tiles)
-        tiled = evaluate(t_areas, solve_device(t_areas, t_config).assignment, cost)
-        out.update(tiled_mb=mb(tiled.fwd_bottleneck.item()),
-                   tiled_over_reference=ratio(tiled.fwd_bottleneck.item(), ref.fwd_bottleneck.item()),
-                   tiled_gap=ratio(tiled.fwd_bottleneck.item(), lb) if bound_tiles % tiles == 0 else None)
+        tiled = _bytes(evaluate(t_areas, solve_device(t_areas, t_config).assignment, cost), direction)
+        out.update(tiled_mb=mb(tiled), tiled_over_reference=ratio(tiled, ref),
+                   tiled_gap=ratio(tiled, lb) if bound_tiles % tiles == 0 else None)
     return out
+
+
+def _provenance(argv) -> dict:
+    """The quality benchmark's record of a run (commit, command line, machine), for this script."""
+    from solver_quality import provenance
+
+    run = provenance(argv)
+    return {**run, "command": run["command"].replace("solver_quality.py", "optimality_gap.py", 1)}
 
 
 def main(argv=None) -> dict:
@@ -101,6 +120,8 @@ def main(argv=None) -> dict:
                    help="the quality benchmark's masks: P = 8, GQA 64:8, 8K tokens per rank")
     p.add_argument("--tiles", type=int, default=1, help="also the device solver with this many tiles per chunk")
     p.add_argument("--bound-tiles", type=int, default=1, help="tiles per chunk of the MILP's units")
+    p.add_argument("--direction", default="fwd", choices=("fwd", "step"),
+                   help="fwd: the forward bottleneck (forward-only solver); step: forward + backward (training)")
     p.add_argument("--json", default=str(RESULTS_DIR / "optimality_gap.json"))
     p.add_argument("--md", default=str(RESULTS_DIR / "optimality_gap.md"),
                    help="the printed table, without the MILP solver's own log lines")
@@ -110,16 +131,19 @@ def main(argv=None) -> dict:
                 f"{args.time_limit}, {args.tiles}, {args.bound_tiles}")
     torch.set_num_threads(1)
     tokens, cases = (QUALITY_TOKENS_PER_RANK, QUALITY_CASES) if args.quality_masks else (TOKENS_PER_RANK, CASES)
-    rows = [row(kind, P, hq, hkv, seed, args.time_limit, tokens, args.tiles, args.bound_tiles)
+    rows = [row(kind, P, hq, hkv, seed, args.time_limit, tokens, args.tiles, args.bound_tiles, args.direction)
             for kind in args.kinds.split(",") for P, hq, hkv in cases for seed in range(args.seeds)]
     columns = COLUMNS + (TILED_COLUMNS if args.tiles > 1 else [])
     tiled = f"; device tiled: {args.tiles} tiles per chunk" if args.tiles > 1 else ""
     tiled += f"; MILP over {args.bound_tiles} tiles per chunk" if args.bound_tiles > 1 else ""
-    text = ("## Optimality gap: forward bottleneck vs the MILP lower bound (packed documents, "
-            f"{tokens} tokens per rank, D = 128, bf16, mu = 1.10{tiled})\n\n{markdown_table(rows, columns)}\n")
+    what = "training step bottleneck (fwd + bwd)" if args.direction == "step" else "forward bottleneck"
+    run = _provenance(argv)
+    text = (f"## Optimality gap: {what} vs the MILP lower bound (packed documents, "
+            f"{tokens} tokens per rank, D = 128, bf16, mu = 1.10{tiled})\n\n"
+            f"Commit {run['commit']}, `{run['command']}`, {run['machine']}.\n\n{markdown_table(rows, columns)}\n")
     print(text)
     write_text(args.md, text)
-    payload = {"benchmark": "optimality_gap", "environment": environment(), "rows": rows}
+    payload = {"benchmark": "optimality_gap", "environment": environment(), "provenance": run, "rows": rows}
     write_json(args.json, payload)
     return payload
 

@@ -4,13 +4,18 @@ Masks: packed causal documents and packed full documents drawn from the
 shipped document-length histogram, 8K tokens per rank, GQA Hq:Hkv = 64:8,
 D = 128, bf16, head groups G = 8, mu = 1.10 (``SolverConfig`` defaults).
 For every (mask kind, P, seed) and solver (``reference``: the CPU greedy,
-``device``: ``solve_device``) it records
+``device``: ``solve_device`` with the training-step objective, the default;
+``device-fwd``: ``SolverConfig(objective="forward")``, the forward-only plans
+of the earlier figures) it records
 
     imbalance            max load / mean load (balanced when <= mu)
-    fwd / bwd MB         bottleneck bytes, max_r max(send_r, recv_r), 10^6 B
-    fwd / bwd vs USP     bottleneck change vs USP in % (-55 = 55 % fewer bytes)
+    fwd / bwd MB         bottleneck bytes, max_r max(send_r, recv_r), 10^6 B (backward under
+                         the runtime's protocol, ``CommCost``)
+    step MB              fwd + bwd: what a training step waits for (the device objective)
+    fwd / bwd / step vs USP  change vs USP in % (-55 = 55 % fewer bytes)
     fwd / bwd ÷ owner    bottleneck ratio to owner-computes (unbalanced, no Q/O traffic)
-    dev/ref fwd          device forward bottleneck / reference forward bottleneck
+    dev/ref fwd, step    device bytes / reference bytes
+    fwd ÷ fwd-only       device forward / the forward-only solve's (with ``device-fwd``)
     solve ms             one solve, wall time (see solver_latency.py for latency)
 
 then a summary of medians per (kind, P, solver) next to MagiAttention's
@@ -56,7 +61,12 @@ from gpusolver.metrics import evaluate, owner_computes_assignment  # noqa: E402
 from gpusolver.solver.device import solve_device  # noqa: E402
 from gpusolver.solver.reference import assign  # noqa: E402
 
-SOLVERS = ("reference", "device")
+SOLVERS = ("reference", "device", "device-fwd")
+# the indexer masks of ``python -m gpusolver quality --mask nsa|dsa`` (block areas only: a plan
+# needs slices, the solve does not); uniform work per query, so owner-computes is often balanced
+SPARSE_KINDS = {"nsa": "NSA block selections (64-token blocks, top-16)", "dsa": "DSA token top-k (k = 2048)"}
+ALL_KINDS = {**{k: v[1] for k, v in KINDS.items()}, **SPARSE_KINDS}
+DEFAULT_SOLVERS = ("reference", "device")
 FULL_P, QUICK_P = (8, 16, 32, 64), (8, 16)
 FULL_SEEDS, QUICK_SEEDS = 3, 1
 MB = 1e6
@@ -71,16 +81,23 @@ ANCHOR_LINE = ("Anchor (MagiAttention published, dynamic solver vs USP, GQA 64:8
 RUN_COLUMNS = [
     ("kind", "kind", ""), ("P", "P", "d"), ("seed", "seed", "d"), ("solver", "solver", ""),
     ("imbalance", "imbalance", ".3f"), ("fwd MB", "fwd_mb", ".1f"), ("bwd MB", "bwd_mb", ".1f"),
+    ("step MB", "step_mb", ".1f"),
     ("fwd vs USP %", "fwd_vs_usp_pct", "+.1f"), ("bwd vs USP %", "bwd_vs_usp_pct", "+.1f"),
+    ("step vs USP %", "step_vs_usp_pct", "+.1f"),
     ("fwd ÷ owner", "fwd_vs_owner", ".2f"), ("bwd ÷ owner", "bwd_vs_owner", ".2f"),
-    ("dev/ref fwd", "dev_over_ref_fwd", ".2f"), ("solve ms", "solve_ms", ".1f"),
+    ("step ÷ owner", "step_vs_owner", ".2f"),
+    ("dev/ref fwd", "dev_over_ref_fwd", ".2f"), ("dev/ref step", "dev_over_ref_step", ".2f"),
+    ("fwd ÷ fwd-only", "fwd_vs_fwd_only", ".3f"), ("solve ms", "solve_ms", ".1f"),
 ]
 SUMMARY_COLUMNS = [
     ("kind", "kind", ""), ("P", "P", "d"), ("solver", "solver", ""), ("runs", "runs", "d"),
     ("imbalance", "imbalance", ".3f"), ("balanced %", "balanced_pct", ".0f"),
-    ("fwd MB", "fwd_mb", ".1f"), ("bwd MB", "bwd_mb", ".1f"),
+    ("fwd MB", "fwd_mb", ".1f"), ("bwd MB", "bwd_mb", ".1f"), ("step MB", "step_mb", ".1f"),
     ("fwd vs USP %", "fwd_vs_usp_pct", "+.1f"), ("bwd vs USP %", "bwd_vs_usp_pct", "+.1f"),
-    ("fwd ÷ owner", "fwd_vs_owner", ".2f"), ("dev/ref fwd", "dev_over_ref_fwd", ".2f"),
+    ("step vs USP %", "step_vs_usp_pct", "+.1f"),
+    ("fwd ÷ owner", "fwd_vs_owner", ".2f"), ("step ÷ owner", "step_vs_owner", ".2f"),
+    ("dev/ref fwd", "dev_over_ref_fwd", ".2f"),
+    ("dev/ref step", "dev_over_ref_step", ".2f"), ("fwd ÷ fwd-only", "fwd_vs_fwd_only", ".3f"),
     ("solve ms", "solve_ms", ".1f"), ("anchor fwd", "anchor_fwd", ""), ("anchor bwd", "anchor_bwd", ""),
 ]
 
@@ -98,7 +115,8 @@ def _solve(name: str, areas, config: SolverConfig) -> tuple[torch.Tensor, float]
     if name == "reference":
         asg = assign(areas, config).assignment
     else:
-        asg = solve_device(areas, config).assignment
+        cfg = dataclasses.replace(config, objective="forward") if name.startswith("device-fwd") else config
+        asg = solve_device(areas, cfg).assignment
     sync()
     return asg, time.perf_counter() - t0
 
@@ -108,9 +126,12 @@ def _plan_row(areas, asg, config, usp, owner) -> dict:
     fwd, bwd, imb = int(m.fwd_bottleneck), int(m.bwd_bottleneck), float(m.imbalance)
     return {
         "imbalance": imb, "balanced": imb <= config.imbalance_tol + 1e-9,
-        "fwd_bytes": fwd, "bwd_bytes": bwd, "fwd_mb": fwd / MB, "bwd_mb": bwd / MB,
+        "fwd_bytes": fwd, "bwd_bytes": bwd, "step_bytes": fwd + bwd, "fwd_mb": fwd / MB, "bwd_mb": bwd / MB,
+        "step_mb": (fwd + bwd) / MB,
         "fwd_vs_usp_pct": _pct(fwd, usp["fwd_bottleneck"]), "bwd_vs_usp_pct": _pct(bwd, usp["bwd_bottleneck"]),
+        "step_vs_usp_pct": _pct(fwd + bwd, usp["step_bottleneck"]),
         "fwd_vs_owner": ratio(fwd, owner["fwd_bottleneck"]), "bwd_vs_owner": ratio(bwd, owner["bwd_bottleneck"]),
+        "step_vs_owner": ratio(fwd + bwd, owner["fwd_bottleneck"] + owner["bwd_bottleneck"]),
         "local_fraction": float(m.local_fraction),
     }
 
@@ -121,36 +142,51 @@ def run_instance(kind: str, cp_size: int, seed: int, solvers, tokens_per_rank: i
     baselines' bytes in each row. ``heads`` (Hq, Hkv) overrides the config's 64:8."""
     config = SolverConfig(cp_size=cp_size) if heads is None else \
         SolverConfig(cp_size=cp_size, num_heads_q=heads[0], num_heads_kv=heads[1])
-    mask = make_mask(kind, cp_size, seed, tokens_per_rank, device=device)
     t0 = time.perf_counter()
-    areas = block_areas(mask, cp_size, config.head_groups, impl="auto")
+    if kind in SPARSE_KINDS:
+        from gpusolver.cli.quality import _sparse_areas  # the quality command's indexer masks
+
+        mask = None
+        areas_at = lambda n: _sparse_areas(kind, cp_size * tokens_per_rank,  # noqa: E731
+                                           dataclasses.replace(config, chunk_tiles=n, auto_tiles=False), seed)
+    else:
+        mask = make_mask(kind, cp_size, seed, tokens_per_rank, device=device)
+        areas_at = lambda n: block_areas(mask, cp_size, config.head_groups, impl="auto", tiles=n)  # noqa: E731
+    areas = areas_at(1)
     areas_s = time.perf_counter() - t0
     base = baseline_table(areas, config)
     usp, owner = base["usp"], base["owner_computes"]
     owner_imb = float(evaluate(areas, owner_computes_assignment(areas), config.cost()).imbalance)
-    common = {"kind": kind, "P": cp_size, "seed": seed, "num_slices": mask.num_slices, "areas_ms": 1e3 * areas_s,
+    common = {"kind": kind, "P": cp_size, "seed": seed, "num_slices": None if mask is None else mask.num_slices,
+              "areas_ms": 1e3 * areas_s,
               "usp_fwd_bytes": usp["fwd_bottleneck"], "usp_bwd_bytes": usp["bwd_bottleneck"],
               "owner_fwd_bytes": owner["fwd_bottleneck"], "owner_bwd_bytes": owner["bwd_bottleneck"],
               "owner_imbalance": owner_imb}
     rows = []
     for name in solvers:
-        for n in (tiles if name == "device" else (1,)):
-            cfg = config if n == 1 else dataclasses.replace(config, chunk_tiles=n)
-            units = areas if n == 1 else block_areas(mask, cp_size, config.head_groups, impl="auto", tiles=n)
+        for n in (tiles if name.startswith("device") else (1,)):
+            # an exact tile count (chunk_tiles="auto", the default, would pick the fewest that balance)
+            cfg = dataclasses.replace(config, chunk_tiles=n, auto_tiles=False)
+            units = areas if n == 1 else areas_at(n)
             asg, secs = _solve(name, units, cfg)
             label = name if n == 1 else f"{name} t{n}"
             rows.append({**common, "solver": label, "tiles": n, **_plan_row(units, asg, cfg, usp, owner),
                          "solve_ms": 1e3 * secs})
     ref = next((r for r in rows if r["solver"] == "reference"), None)
     for r in rows:
-        r["dev_over_ref_fwd"] = ratio(r["fwd_bytes"], ref["fwd_bytes"]) if ref and r["solver"] != "reference" else None
+        dev = ref and r["solver"] != "reference"
+        r["dev_over_ref_fwd"] = ratio(r["fwd_bytes"], ref["fwd_bytes"]) if dev else None
+        r["dev_over_ref_step"] = ratio(r["step_bytes"], ref["step_bytes"]) if dev else None
+        fwd_only = next((x for x in rows if x["solver"] == r["solver"].replace("device", "device-fwd", 1)), None)
+        r["fwd_vs_fwd_only"] = (ratio(r["fwd_bytes"], fwd_only["fwd_bytes"])
+                                if fwd_only and r["solver"].split(" ")[0] == "device" else None)
     return rows
 
 
 def summarize(rows: list[dict]) -> list[dict]:
     """Medians per (kind, P, solver), plus the USP and owner-computes baselines per (kind, P)."""
     out = []
-    keys = sorted({(r["kind"], r["P"]) for r in rows}, key=lambda k: (list(KINDS).index(k[0]), k[1]))
+    keys = sorted({(r["kind"], r["P"]) for r in rows}, key=lambda k: (list(ALL_KINDS).index(k[0]), k[1]))
     for kind, P in keys:
         group = [r for r in rows if r["kind"] == kind and r["P"] == P]
         for solver in dict.fromkeys(r["solver"] for r in group):
@@ -160,8 +196,11 @@ def summarize(rows: list[dict]) -> list[dict]:
                 "imbalance": median([r["imbalance"] for r in rs]),
                 "balanced_pct": 100.0 * sum(r["balanced"] for r in rs) / len(rs),
                 **{k: median([r[k] for r in rs]) for k in (
-                    "fwd_mb", "bwd_mb", "fwd_vs_usp_pct", "bwd_vs_usp_pct", "fwd_vs_owner", "bwd_vs_owner",
-                    "dev_over_ref_fwd", "solve_ms")},
+                    "fwd_mb", "bwd_mb", "step_mb", "fwd_vs_usp_pct", "bwd_vs_usp_pct", "step_vs_usp_pct",
+                    "fwd_vs_owner", "bwd_vs_owner", "step_vs_owner", "dev_over_ref_fwd", "dev_over_ref_step", "fwd_vs_fwd_only",
+                    "solve_ms")},
+                # the worst cell, for the "at or below USP in every cell" target
+                "max_bwd_vs_usp_pct": max((r["bwd_vs_usp_pct"] for r in rs), default=None),
                 "anchor_fwd": ANCHORS.get(kind, {}).get("fwd", ""), "anchor_bwd": ANCHORS.get(kind, {}).get("bwd", ""),
             })
         firsts = {(r["seed"]): r for r in group}.values()  # one row per seed carries the baselines
@@ -174,11 +213,16 @@ def summarize(rows: list[dict]) -> list[dict]:
                 "imbalance": owner_imb if key == "owner" else None,
                 "balanced_pct": (100.0 * sum(r["owner_imbalance"] <= _MU + 1e-9 for r in firsts) / len(firsts)
                                  if key == "owner" else None),
-                "fwd_mb": fwd / MB, "bwd_mb": bwd / MB,
+                "fwd_mb": fwd / MB, "bwd_mb": bwd / MB, "step_mb": (fwd + bwd) / MB,
                 "fwd_vs_usp_pct": median([_pct(r[f"{key}_fwd_bytes"], r["usp_fwd_bytes"]) for r in firsts]),
                 "bwd_vs_usp_pct": median([_pct(r[f"{key}_bwd_bytes"], r["usp_bwd_bytes"]) for r in firsts]),
+                "step_vs_usp_pct": median([_pct(r[f"{key}_fwd_bytes"] + r[f"{key}_bwd_bytes"],
+                                                r["usp_fwd_bytes"] + r["usp_bwd_bytes"]) for r in firsts]),
+                "dev_over_ref_step": None, "fwd_vs_fwd_only": None, "max_bwd_vs_usp_pct": None,
                 "fwd_vs_owner": median([ratio(r[f"{key}_fwd_bytes"], r["owner_fwd_bytes"]) for r in firsts]),
                 "bwd_vs_owner": median([ratio(r[f"{key}_bwd_bytes"], r["owner_bwd_bytes"]) for r in firsts]),
+                "step_vs_owner": median([ratio(r[f"{key}_fwd_bytes"] + r[f"{key}_bwd_bytes"],
+                                               r["owner_fwd_bytes"] + r["owner_bwd_bytes"]) for r in firsts]),
                 "dev_over_ref_fwd": None, "solve_ms": None, "anchor_fwd": "", "anchor_bwd": "",
             })
     return out
@@ -194,7 +238,8 @@ def _config_dict() -> dict:
 # the sources a quality figure depends on: a run from a tree that changed them is marked "-dirty"
 _SOURCES = ("gpusolver/solver", "gpusolver/areas", "gpusolver/masks", "gpusolver/data", "gpusolver/metrics.py",
             "gpusolver/baselines.py", "gpusolver/config.py", "gpusolver/problem.py", "gpusolver/limits.py",
-            "gpusolver/transfers.py", "benchmarks/solver_quality.py", "benchmarks/_common.py")
+            "gpusolver/transfers.py", "gpusolver/bounds.py", "gpusolver/cli/quality.py",
+            "benchmarks/solver_quality.py", "benchmarks/optimality_gap.py", "benchmarks/_common.py")
 
 
 def _git(*args: str) -> str:
@@ -232,8 +277,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--P", default=None, help=f"CP sizes, comma-separated (default {','.join(map(str, FULL_P))})")
     p.add_argument("--seeds", type=int, default=None, help=f"seeds per (kind, P), 0..n-1 (default {FULL_SEEDS})")
     p.add_argument("--kinds", default=",".join(PACKED_KINDS),
-                   help="mask kinds: causal, full (packed documents; default), causal-seq, full-seq (one sequence)")
-    p.add_argument("--solvers", default=",".join(SOLVERS), help="solvers: reference, device")
+                   help="mask kinds: causal, full (packed documents; default), causal-seq, full-seq (one sequence), "
+                        "nsa, dsa (indexer selections)")
+    p.add_argument("--solvers", default=",".join(DEFAULT_SOLVERS),
+                   help="solvers: reference, device (training step), device-fwd (objective='forward')")
     p.add_argument("--tiles", default="1", help="device solver chunk_tiles values, comma-separated (default 1)")
     p.add_argument("--tokens-per-rank", type=int, default=TOKENS_PER_RANK)
     p.add_argument("--device", default="cpu", help="device of the masks, areas and device solve")
@@ -243,7 +290,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     try:
         args.P = parse_list(args.P, int, name="--P") if args.P else list(QUICK_P if args.quick else FULL_P)
-        args.kinds = parse_list(args.kinds, str, allowed=tuple(KINDS), name="--kinds")
+        args.kinds = parse_list(args.kinds, str, allowed=tuple(ALL_KINDS), name="--kinds")
         args.solvers = parse_list(args.solvers, str, allowed=SOLVERS, name="--solvers")
         args.tiles = parse_list(args.tiles, int, name="--tiles")
     except ValueError as e:
@@ -268,7 +315,7 @@ def main(argv=None) -> dict:
     summary = summarize(rows)
     run = provenance(argv)
     text = "\n\n".join([
-        f"## Solver quality: {', '.join(KINDS[k][1] for k in args.kinds)}, {args.tokens_per_rank} tokens per rank, "
+        f"## Solver quality: {', '.join(ALL_KINDS[k] for k in args.kinds)}, {args.tokens_per_rank} tokens per rank, "
         f"Hq:Hkv = 64:8, D = 128, "
         f"bf16, G = 8, mu = 1.10",
         f"Commit {run['commit']}, `{run['command']}`, {run['machine']}, {torch.get_num_threads()} torch thread(s).",
