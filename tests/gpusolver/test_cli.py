@@ -26,6 +26,7 @@ def test_demo_runs_layers_and_writes_the_picture(capsys, tmp_path):
     assert main(["demo", "-P", "4", "--tokens-per-rank", "32", "--layers", "2", "--out", str(png)]) == 0
     out = capsys.readouterr().out
     assert "| layer | slices | solve ms | imbalance | fwd KiB | fwd vs USP | fwd vs ring |" in out
+    assert "| step KiB | step vs USP | step vs ring |" in out  # fwd + bwd, the training objective
     assert out.count("| yes |") == 2  # both layers' bytes equal their plans'
     assert "every layer matches the single-process reference" in out
     assert "come from the benchmarks" in out
