@@ -41,7 +41,7 @@ solver's plan and for owner-computes (``exact`` columns). For NSA the ``blocks``
 what the runtime moves by default: the key blocks of l tokens the assigned rows attend
 (``plan.sparse.KVBlocks``); DSA moves hulls (exact sets would save nothing there).
 
-    python benchmarks/sparse_bench.py                  # the default grid (about 12-15 min, 2 shared cores)
+    python benchmarks/sparse_bench.py                  # the default grid (about 23 min, 2 shared cores)
     python benchmarks/sparse_bench.py --quick          # P = 8, 2K tokens per rank (seconds)
     python benchmarks/sparse_bench.py --dsa-P 8 --nsa-P 8,16 --seeds 0 --tokens-per-rank 8192
 
@@ -350,6 +350,7 @@ def main(argv=None) -> dict:
             kind, P, c = item.split(":")
             cases.append((kind, int(P), int(c)))
     rows = []
+    provenance = _provenance()  # the commit the run starts from (the tree may move during a long run)
     t_start = time.perf_counter()
     for kind, P, c in cases:
         only_first = (kind, P, None) in one_seed or (kind, P, c) in one_seed
@@ -362,7 +363,7 @@ def main(argv=None) -> dict:
             print(f"{kind} P={P} c={c} seed={seed}: {time.perf_counter() - t0:.1f} s (indexer {t_index:.1f} s)",
                   flush=True)
     wall = time.perf_counter() - t_start
-    provenance = {**_provenance(), "wall_s": wall}
+    provenance["wall_s"] = wall
     text = render(rows, provenance)
     print(text)
     write_results(args.json, {"provenance": provenance, "rows": rows}, args.md, text)
