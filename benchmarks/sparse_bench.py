@@ -55,6 +55,7 @@ P = 32 and 64 is left out of the default grid: the indexer's measured time per s
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import shlex
 import subprocess
@@ -66,7 +67,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, run as a script or loaded by path
 
-from _common import RESULTS_DIR, environment, markdown_table, parse_list, ratio, write_results  # noqa: E402
+from _common import (RESULTS_DIR, environment, markdown_table, parse_list, ratio, write_results,  # noqa: E402
+                     write_text)
 from gpusolver.areas.sparse import areas_from_rows, sparse_area_rows  # noqa: E402
 from gpusolver.baselines import all_gather_kv, ulysses_degree, usp  # noqa: E402
 from gpusolver.config import SolverConfig  # noqa: E402
@@ -331,7 +333,14 @@ def main(argv=None) -> dict:
     p.add_argument("--quick", action="store_true", help="P = 8, 2K tokens per rank, top-k 256, one seed: seconds")
     p.add_argument("--json", default=str(RESULTS_DIR / "sparse_bench.json"))
     p.add_argument("--md", default=str(RESULTS_DIR / "sparse_bench.md"))
+    p.add_argument("--from-json", default=None,
+                   help="re-render --md from a saved run's JSON (its rows and provenance) without running")
     args = p.parse_args(argv)
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        text = render(saved["rows"], saved["provenance"])
+        write_text(args.md, text)
+        return {"rows": saved["rows"], "text": text}
     torch.set_num_threads(1)
     global DSA_TOPK
     cases = []
@@ -406,6 +415,23 @@ def dsa_index_cost(rows: list[dict]) -> list[str]:
     return lines
 
 
+def where_not_to_use(summary: list[dict], within: float = 0.02) -> list[str]:
+    """Lines naming the cases where the returned plan saves less than ``within`` of owner-computes'
+    bytes per step on every seed (the solve buys nothing there), and the range where it does."""
+    lines = []
+    for r in summary:
+        if r["step_max"] is None:
+            continue
+        case = f"{r['mask']}, Hq:Hkv {r['heads']}, P = {r['P']}, c = {r['c']} ({r['seeds']} seed{'s' if r['seeds'] > 1 else ''})"
+        span = f"{r['step_min']:.2f}" if r["step_min"] == r["step_max"] else f"{r['step_min']:.2f}-{r['step_max']:.2f}"
+        if r["step_min"] >= 1 - within:
+            lines.append(f"- **skip the solve**: {case}: the returned plan moves {span} of owner-computes' "
+                         "bytes per step; run owner-computes.")
+        else:
+            lines.append(f"- solve: {case}: {span} of owner-computes' bytes per step.")
+    return lines
+
+
 def render(rows: list[dict], provenance: dict | None = None) -> str:
     """The markdown tables of a run's rows (with the run's commit, command and machine)."""
     seeds = sorted({r["seed"] for r in rows})
@@ -423,6 +449,8 @@ def render(rows: list[dict], provenance: dict | None = None) -> str:
         "owner-computes', both as the runtime moves them.", "",
         "### Over seeds", "", markdown_table(summarize(rows), SUMMARY_COLUMNS), "",
         *[line + "\n" for line in dsa_index_cost(rows)],
+        "### Where the solver buys nothing (owner-computes within 2 % on every seed)", "",
+        *where_not_to_use(summarize(rows)), "",
         "### Per seed", "",
         markdown_table(rows, COLUMNS), "",
         "### What the solver prices vs what moves (returned plan, bytes per training step)", "",
