@@ -23,8 +23,8 @@ test: install
 
 # The reliability fuzz harness: thousands of hypothesis cases over every layer (masks, areas, plans,
 # the solve up to 2^24 tokens and P = 128, kernels, the layer, collectives, sparse selections), fresh
-# draws each run; CI runs a bounded, derandomized subset of the same properties. About an hour on 2 cores;
-# FUZZ_SCALE=0.25 make fuzz runs a quarter of the examples of every property.
+# draws each run; CI runs a bounded, derandomized subset of the same properties. Hours on 2 cores, most
+# of it in the solve's 200 cases (benchmarks/results/fuzz.md); FUZZ_SCALE=0.25 runs a quarter of every count.
 fuzz: install
 	TRITON_INTERPRET=1 $(PY) -m pytest -p no:cacheprovider --hypothesis-profile=fuzz --hypothesis-show-statistics \
 		tests/reliability/test_fuzz.py tests/reliability/test_padding.py tests/reliability/test_solver_contract.py
