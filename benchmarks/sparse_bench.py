@@ -322,8 +322,8 @@ def _one_seed_cases(text: str) -> set:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--dsa-P", default="8,16", help="CP sizes of the DSA masks")
-    p.add_argument("--nsa-P", default="8,16,32,64", help="CP sizes of the NSA masks")
+    p.add_argument("--dsa-P", default="8,16", help="CP sizes of the DSA masks ('' for none)")
+    p.add_argument("--nsa-P", default="8,16,32,64", help="CP sizes of the NSA masks ('' for none)")
     p.add_argument("--tokens-per-rank", default="8192", help="c values (comma list)")
     p.add_argument("--big", default="nsa:8:32768",
                    help="extra kind:P:c cases, comma list ('' for none): the large-c end of the grid")
@@ -353,8 +353,9 @@ def main(argv=None) -> dict:
         DSA_TOPK = 256
         cases, seeds = [("dsa", 8, 2048), ("nsa", 8, 2048)], seeds[:1]
     else:
-        cases = [("dsa", P, c) for c in cs for P in parse_list(args.dsa_P, name="--dsa-P")]
-        cases += [("nsa", P, c) for c in cs for P in parse_list(args.nsa_P, name="--nsa-P")]
+        sizes = lambda text, name: parse_list(text, name=name) if text.strip() else []  # noqa: E731 ('' = none)
+        cases = [("dsa", P, c) for c in cs for P in sizes(args.dsa_P, "--dsa-P")]
+        cases += [("nsa", P, c) for c in cs for P in sizes(args.nsa_P, "--nsa-P")]
         for item in filter(None, (s.strip() for s in args.big.split(","))):
             kind, P, c = item.split(":")
             cases.append((kind, int(P), int(c)))
