@@ -394,7 +394,9 @@ def summarize(rows: list[dict]) -> list[dict]:
                     "plans": f"{len(rs) - n_owner}/{n_owner}", "imb_max": max(r["imb"] for r in rs),
                     "step_min": min(steps, default=None), "step_max": max(steps, default=None),
                     "gap_min": min(gaps, default=None), "gap_max": max(gaps, default=None),
-                    "solve_max": max(r["solve_s"] for r in rs)})
+                    "solve_max": max(r["solve_s"] for r in rs),
+                    # USP moves fewer bytes per step than the returned plan on every seed
+                    "usp_below": all(r["usp_fwd"] + r["usp_bwd"] < r["moved_step"] for r in rs)})
     return out
 
 
@@ -418,7 +420,8 @@ def dsa_index_cost(rows: list[dict]) -> list[str]:
 
 def where_not_to_use(summary: list[dict], within: float = 0.02) -> list[str]:
     """Lines naming the cases where the returned plan saves less than ``within`` of owner-computes'
-    bytes per step on every seed (the solve buys nothing there), and the range where it does."""
+    bytes per step on every seed (the solve buys nothing there) or USP moves less per step on every
+    seed, and the range where the solve pays."""
     lines = []
     for r in summary:
         if r["step_max"] is None:
@@ -428,6 +431,9 @@ def where_not_to_use(summary: list[dict], within: float = 0.02) -> list[str]:
         if r["step_min"] >= 1 - within:
             lines.append(f"- **skip the solve**: {case}: the returned plan moves {span} of owner-computes' "
                          "bytes per step; run owner-computes.")
+        elif r.get("usp_below"):
+            lines.append(f"- **use USP**: {case}: the returned plan moves {span} of owner-computes' bytes per "
+                         "step, but USP moves fewer (fwd + bwd columns).")
         else:
             lines.append(f"- solve: {case}: {span} of owner-computes' bytes per step.")
     return lines
@@ -450,7 +456,7 @@ def render(rows: list[dict], provenance: dict | None = None) -> str:
         "owner-computes', both as the runtime moves them.", "",
         "### Over seeds", "", markdown_table(summarize(rows), SUMMARY_COLUMNS), "",
         *[line + "\n" for line in dsa_index_cost(rows)],
-        "### Where the solver buys nothing (owner-computes within 2 % on every seed)", "",
+        "### Where not to use the solver (owner-computes within 2 %, or USP lower, on every seed)", "",
         *where_not_to_use(summarize(rows)), "",
         "### Per seed", "",
         markdown_table(rows, COLUMNS), "",

@@ -49,6 +49,6 @@ def test_tiny_grid_writes_tables(tmp_path, monkeypatch):
     assert "| DSA k=24 | 64:1 | 1 | 4 | 128 | 0 |" in text and "KV as hulls vs exact token sets" in text
     assert "| NSA n=3 l=16 | 64:8 | 4 | 128 | 2 |" in text  # over seeds: two NSA seeds in one row
     assert payload["provenance"]["commit"] in text and "DSA at c = 128 left out of this run" in text
-    assert "### Where the solver buys nothing" in text and "NSA n=3 l=16, Hq:Hkv 64:8, P = 4, c = 128 (2 seeds)" in text
+    assert "### Where not to use the solver" in text and "NSA n=3 l=16, Hq:Hkv 64:8, P = 4, c = 128 (2 seeds)" in text
     again = bench.main(["--from-json", str(tmp_path / "s.json"), "--md", str(tmp_path / "again.md")])["text"]
     assert again == text  # the markdown is a function of the saved rows and provenance
