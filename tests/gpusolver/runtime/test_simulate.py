@@ -43,10 +43,13 @@ def test_plan_forward_equals_dense_attention(solver, name, P, G):
     assert_close("out", ref_out, out, atol=1e-4, rtol=1e-4)
     assert_close("lse", ref_lse, lse, atol=1e-4, rtol=1e-4)
     # where owner-computes is unbalanced the plan moves work, so the exchange was exercised
-    areas = block_areas(mask, P, G, impl="torch")
+    # chunk_tiles="auto": the plan's units are tiles of c / n tokens, unit i hosted by rank i // n
+    n = plan.assignment.shape[1] // P
+    areas = block_areas(mask, P, G, impl="torch", tiles=n)
     owner = evaluate(areas, owner_computes_assignment(areas), config.cost())
     if owner.imbalance.item() > config.imbalance_tol:
-        moved = (plan.assignment >= 0) & (plan.assignment != torch.arange(P).view(1, P, 1))
+        host = torch.arange(P * n) // n
+        moved = (plan.assignment >= 0) & (plan.assignment != host.view(1, P * n, 1))
         assert moved.any() and int(plan.comm.qo_split.sum()) > 0
 
 
@@ -86,7 +89,7 @@ def test_transposed_plan_forward_equals_dense_attention():
     mask = full_mask(S)
     config = SolverConfig(cp_size=P, num_heads_q=G, num_heads_kv=G, head_dim=D, dtype=torch.float32)
     plan = solve(mask, config)
-    areas = block_areas(mask, P, G, impl="torch")
+    areas = block_areas(mask, P, G, impl="torch", tiles=plan.assignment.shape[1] // P)
     owner = evaluate(areas, owner_computes_assignment(areas), config.cost())
     assert evaluate(areas, plan.assignment, config.cost()).fwd_bottleneck < owner.fwd_bottleneck
     assert int(plan.comm.qo_split.sum()) > 0
