@@ -272,7 +272,8 @@ def run_case(kind: str, P: int, c: int, seed: int, areas, key_used, spec, t_inde
 
 COLUMNS = [
     ("mask", "mask", ""), ("Hq:Hkv", "heads", ""), ("G", "G", ""), ("P", "P", ""), ("c", "c", ""),
-    ("seed", "seed", ""), ("plan", "plan", ""), ("imb", "imb", ".3f"), ("fwd MB", "fwd", ".1f"), ("bwd MB", "bwd", ".1f"), ("solve s", "solve_s", ".2f"),
+    ("seed", "seed", ""), ("plan", "plan", ""), ("imb", "imb", ".3f"), ("fwd MB", "fwd", ".1f"),
+    ("bwd MB", "bwd", ".1f"), ("solve s", "solve_s", ".2f"),
     ("owner imb", "owner_imb", ".3f"), ("owner fwd", "owner_fwd", ".1f"), ("owner bwd", "owner_bwd", ".1f"),
     ("AG-KV fwd", "ag_fwd", ".1f"), ("AG-KV bwd", "ag_bwd", ".1f"), ("USP fwd", "usp_fwd", ".1f"),
     ("USP bwd", "usp_bwd", ".1f"), ("step ÷ owner", "step_vs_owner", ".2f"),
@@ -426,7 +427,8 @@ def where_not_to_use(summary: list[dict], within: float = 0.02) -> list[str]:
     for r in summary:
         if r["step_max"] is None:
             continue
-        case = f"{r['mask']}, Hq:Hkv {r['heads']}, P = {r['P']}, c = {r['c']} ({r['seeds']} seed{'s' if r['seeds'] > 1 else ''})"
+        seeds = f"{r['seeds']} seed{'s' if r['seeds'] > 1 else ''}"
+        case = f"{r['mask']}, Hq:Hkv {r['heads']}, P = {r['P']}, c = {r['c']} ({seeds})"
         span = f"{r['step_min']:.2f}" if r["step_min"] == r["step_max"] else f"{r['step_min']:.2f}-{r['step_max']:.2f}"
         if r["step_min"] >= 1 - within:
             lines.append(f"- **skip the solve**: {case}: the returned plan moves {span} of owner-computes' "
