@@ -15,7 +15,7 @@ from gpusolver.masks.slices import AttnSlices
 from gpusolver.masks.sparse import BlockSparseMask, NSALayerMask, TokenTopKMask
 from gpusolver.nvtx import nvtx_range
 from gpusolver.plan import IMBALANCED, Plan, build_plan
-from gpusolver.plan.sparse import solve_sparse
+from gpusolver.plan.sparse import SparsePlan, solve_sparse
 from gpusolver.problem import BlockAreas
 
 SOLVERS = ("device", "reference")
@@ -61,7 +61,7 @@ def _solve_as_ops(mask: AttnSlices, config: SolverConfig, areas_impl: str, impl:
 
 
 def solve(mask, config: SolverConfig, *, solver: str = "device", areas_impl: str = "auto",
-          impl: str = "auto", validate: bool | None = None):
+          impl: str = "auto", validate: bool | None = None) -> Plan | SparsePlan:
     """Solve one layer: block areas, assignment, then the Plan's metas.
 
     mask:       AttnSlices with q_ranges / k_ranges [R, 2] (or [G, R, 2]) int32
