@@ -39,8 +39,13 @@ def test_solver_kernels_compile_for_sm90():
         solve_device(areas, config, rounds=1, strategies=strategies, impl="triton")
         solve_device(areas, config, rounds=1, strategies=strategies, impl="persistent")
     names = sorted(r["name"] for r in records)
-    assert names == sorted(["_block_areas_kernel", "_state_kernel", "_state_bytes_kernel", "_offers_kernel",
-                            "_bundle_kernel", "_accept_kernel", "_track_kernel", "_rounds_kernel"]), names
+    # the training objective runs the portfolio under the training rule and again under the forward
+    # rule: the kernels that price or accept moves are compiled once per rule (TRAINING constexpr)
+    per_rule = ["_bundle_kernel", "_accept_kernel", "_track_kernel", "_rounds_kernel"]
+    assert names == sorted(["_block_areas_kernel", "_state_kernel", "_state_bytes_kernel", "_offers_kernel"]
+                           + 2 * per_rule), names
+    for name in per_rule:
+        assert sorted(r["constexprs"]["TRAINING"] for r in records if r["name"] == name) == [False, True], name
     # the transposed start's kernel (a portfolio with a transposed variant runs it once per solve)
     with capture_launches() as started:
         solve_device(areas, config, rounds=0, impl="persistent",
