@@ -56,8 +56,10 @@ def _check_balanced(areas, config, res):
     return m
 
 
-@pytest.mark.parametrize("P", [8, 64, 128], ids=lambda P: f"P{P}")
-@pytest.mark.parametrize("kind", ["causal", "full"])
+# P = 128 once (causal): the overflow this guards against grows with S, not P, and one default
+# solve at P = 128 costs about 50 s of CPU here
+@pytest.mark.parametrize("kind,P", [("causal", 8), ("causal", 64), ("causal", 128), ("full", 8), ("full", 64)],
+                         ids=["causal-P8", "causal-P64", "causal-P128", "full-P8", "full-P64"])
 def test_one_sequence_of_2_24_tokens_balances(kind, P):
     config = SolverConfig(cp_size=P)  # GQA 64:8, G = 8
     mask = (causal_mask if kind == "causal" else full_mask)(S24)
