@@ -175,22 +175,16 @@ def milp_bottleneck(areas: BlockAreas, cost: CommCost, mu: float = 1.10, directi
         iz = z_of[ph]
         for r in range(P):
             send, recv = [], []
-            for (g, i), base in qo_idx.items():
-                for d in range(P):
-                    if i // n == r and d != r:
-                        send.append((base + d, float(q_host_send)))
-                        recv.append((base + d, float(q_host_recv)))
-                    elif i // n != r and d == r:
-                        send.append((base + d, float(q_host_recv)))
-                        recv.append((base + d, float(q_host_send)))
-            for (g, j), base in kv_idx.items():
-                for d in range(P):
-                    if j // n == r and d != r:
-                        send.append((base + d, float(kv_host_send)))
-                        recv.append((base + d, float(kv_host_recv)))
-                    elif j // n != r and d == r:
-                        send.append((base + d, float(kv_host_recv)))
-                        recv.append((base + d, float(kv_host_send)))
+            for unit_idx, host_send, host_recv in ((qo_idx, q_host_send, q_host_recv),
+                                                   (kv_idx, kv_host_send, kv_host_recv)):
+                for (g, u), base in unit_idx.items():
+                    for d in range(P):
+                        if u // n == r and d != r:    # r hosts the unit, helper d computes some of it
+                            send.append((base + d, float(host_send)))
+                            recv.append((base + d, float(host_recv)))
+                        elif u // n != r and d == r:  # r is the helper: the host's directions reversed
+                            send.append((base + d, float(host_recv)))
+                            recv.append((base + d, float(host_send)))
             add_row(send + [(iz, -1.0)], -np.inf, 0.0)
             add_row(recv + [(iz, -1.0)], -np.inf, 0.0)
 
