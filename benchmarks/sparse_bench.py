@@ -50,7 +50,8 @@ the first seed only (the DSA indexer scores every (row, earlier key) pair: O(S^2
 P = 32 and 64 is left out of the default grid: the indexer's measured time per scored pair
 (reported) puts those masks at many minutes each on this machine.
 
-``torch.set_num_threads(1)`` is set first.
+``torch.set_num_threads(1)`` is set first (``--threads`` to change it: solve times then are not
+comparable with one-thread runs; the recorded provenance says which).
 """
 from __future__ import annotations
 
@@ -331,6 +332,7 @@ def main(argv=None) -> dict:
     p.add_argument("--seeds", default="0,1,2", help="seeds (comma list)")
     p.add_argument("--one-seed", default="dsa:16,nsa:64,nsa:8:32768",
                    help="kind:P[:c] cases that run the first seed only ('' for none)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     p.add_argument("--quick", action="store_true", help="P = 8, 2K tokens per rank, top-k 256, one seed: seconds")
     p.add_argument("--json", default=str(RESULTS_DIR / "sparse_bench.json"))
     p.add_argument("--md", default=str(RESULTS_DIR / "sparse_bench.md"))
@@ -342,7 +344,9 @@ def main(argv=None) -> dict:
         text = render(saved["rows"], saved["provenance"])
         write_text(args.md, text)
         return {"rows": saved["rows"], "text": text}
-    torch.set_num_threads(1)
+    if args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    torch.set_num_threads(args.threads)
     global DSA_TOPK
     cases = []
     cs = parse_list(args.tokens_per_rank, name="--tokens-per-rank")
@@ -449,7 +453,7 @@ def render(rows: list[dict], provenance: dict | None = None) -> str:
     if provenance:
         pv = provenance
         head += [f"Commit `{pv.get('commit')}`, command `{pv.get('command')}`, machine {pv.get('machine')} "
-                 f"({pv.get('processor') or 'cpu'}, torch {pv.get('torch')}, {pv.get('torch_threads')} thread), "
+                 f"({pv.get('processor') or 'cpu'}, torch {pv.get('torch')}, {pv.get('torch_threads')} thread(s)), "
                  f"wall {pv.get('wall_s', 0.0) / 60:.1f} min.", ""]
     return "\n".join(head + [
         "Bottlenecks in MB (10^6 B) per pass, KV priced as hulls per (unit, destination) (what the "
