@@ -415,7 +415,7 @@ def dsa_index_cost(rows: list[dict]) -> list[str]:
     c = max(c for _, c, _ in dsa)
     runs = ", ".join(f"P = {P} seed {seed}: {t:.0f} s" for (P, _, seed), t in sorted(dsa.items()))
     left = [P for P in (32, 64) if (P, c) not in {(P_, c_) for P_, c_, _ in dsa}]
-    lines = [f"DSA indexer time per mask (all ranks, one thread): {runs}; at most "
+    lines = [f"DSA indexer time per mask (all ranks; threads as recorded above): {runs}; at most "
              f"{per_pair * 1e9:.1f} ns per scored (row, earlier key) pair."]
     if left:
         est = ", ".join(f"P = {P}: about {per_pair * (P * c) * (P * c + 1) / 2 / 60:.0f} min per seed" for P in left)
