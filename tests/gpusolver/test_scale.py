@@ -27,18 +27,10 @@ from gpusolver.plan.build import plan_capacities
 from gpusolver.solve import solve
 from gpusolver.solver.device import Strategy, solve_device
 from gpusolver.solver.reference import assign as reference_assign
+from tests._threads import one_torch_thread  # noqa: F401 - autouse, module scope
 
 S24 = 1 << 24
 _INF = float("inf")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # the solver's tensors are small: threads only add overhead, and CI gives one core
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _check_balanced(areas, config, res):

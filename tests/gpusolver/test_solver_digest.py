@@ -21,6 +21,7 @@ from gpusolver.areas import block_areas
 from gpusolver.config import SolverConfig
 from gpusolver.masks import causal_mask, packed_documents, sliding_window_mask
 from gpusolver.solver.device import Strategy, solve_device
+from tests._threads import one_torch_thread  # noqa: F401 - autouse, module scope
 
 _SMALL = (Strategy((3.0, float("inf")), units_per_rank=2, bundle_dests=4),
           Strategy((float("inf"),), units_per_rank=1, bundle_dests=2, task_order="rows", start="transpose"))
@@ -69,15 +70,6 @@ FORWARD_DIGESTS = {
     "p3-g2-causal-triton": "26cc2ad3c6fb8289017d",
     "p2-g1-causal-t2-persistent": "b26f55a1defa0268e407",
 }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small tensor ops: one thread is faster than two fighting for 2 cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # the training-step objective's plans (SolverConfig(objective="training"), the default): the better

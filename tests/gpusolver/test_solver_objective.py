@@ -1,6 +1,5 @@
 """The device solver's objective (a training step's bytes, or the forward's) and its buffers."""
 import pytest
-import torch
 from hypothesis import given, settings, strategies as st
 
 from gpusolver.areas import block_areas
@@ -10,19 +9,11 @@ from gpusolver.metrics import evaluate, owner_computes_assignment
 from gpusolver.plan import BUFFER_OVERFLOW, build_plan
 from gpusolver.solver.device import Strategy, solve_device
 from tests._testing import assert_close
+from tests._threads import one_torch_thread  # noqa: F401 - autouse, module scope
 from tests.gpusolver.test_plan import _random_mask
 
 _SMALL = (Strategy((3.0, float("inf")), units_per_rank=2, bundle_dests=4),
           Strategy((float("inf"),), units_per_rank=1, bundle_dests=2, task_order="rows"))
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small tensor ops: one thread is faster than two fighting for 2 cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _max_rows(mask, areas, assignment, config) -> int:

@@ -1,7 +1,4 @@
 """Device error flags: recorded without a host read, read once by check_errors(), first error first."""
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,23 +13,12 @@ from gpusolver.runtime import DynamicCPAttention, shard
 from groupcomm import LocalGroup, group_cast
 from tests.reliability._cases import D, clean_flags, flagged, qkv, quiet, slices
 
-_BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @pytest.fixture(autouse=True)
 def _flags():
     with clean_flags():
         yield
-
-
-@pytest.fixture(scope="module")
-def counter():
-    spec = importlib.util.spec_from_file_location("_rel_common", _BENCH / "_common.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    yield mod.LaunchCounter
-    sys.modules.pop(spec.name, None)
 
 
 def _bad_ranges():

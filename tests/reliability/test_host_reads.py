@@ -4,9 +4,6 @@ interpreter) with the benchmarks' counter, which sees ``.item()``-like ops, devi
 
 The solver's three paths are counted in ``tests/benchmarks/test_benchmarks_smoke.py``.
 """
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,17 +18,6 @@ from groupcomm import LocalGroup
 from tests.gpusolver.runtime._cases import make_config, make_inputs, tight_plan
 from tests.reliability._cases import D, clean_flags, qkv, quiet
 
-_BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-@pytest.fixture(scope="module")
-def counter():
-    spec = importlib.util.spec_from_file_location("_reads_common", _BENCH / "_common.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    yield mod.LaunchCounter
-    sys.modules.pop(spec.name, None)
 
 
 def _ranges(device="cpu"):
