@@ -111,9 +111,22 @@ def _provenance(argv) -> dict:
     return {**run, "command": run["command"].replace("solver_quality.py", "optimality_gap.py", 1)}
 
 
+def _seed_list(p: argparse.ArgumentParser, text: str) -> list[int]:
+    """The seeds of ``--seed-list``; a parser error names a bad entry."""
+    try:
+        seeds = [int(s) for s in text.split(",")]
+    except ValueError:
+        p.error(f"--seed-list must be comma-separated ints, got {text!r}")
+    if any(s < 0 for s in seeds):
+        p.error(f"--seed-list seeds must be >= 0, got {text!r}")
+    return seeds
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--seed-list", default=None,
+                   help="comma-separated seeds to run instead of range(--seeds), e.g. 2 (a longer MILP on one mask)")
     p.add_argument("--time-limit", type=float, default=20.0, help="seconds for each MILP")
     p.add_argument("--kinds", default="causal,full")
     p.add_argument("--quality-masks", action="store_true",
@@ -131,8 +144,9 @@ def main(argv=None) -> dict:
                 f"{args.time_limit}, {args.tiles}, {args.bound_tiles}")
     torch.set_num_threads(1)
     tokens, cases = (QUALITY_TOKENS_PER_RANK, QUALITY_CASES) if args.quality_masks else (TOKENS_PER_RANK, CASES)
+    seeds = range(args.seeds) if args.seed_list is None else _seed_list(p, args.seed_list)
     rows = [row(kind, P, hq, hkv, seed, args.time_limit, tokens, args.tiles, args.bound_tiles, args.direction)
-            for kind in args.kinds.split(",") for P, hq, hkv in cases for seed in range(args.seeds)]
+            for kind in args.kinds.split(",") for P, hq, hkv in cases for seed in seeds]
     columns = COLUMNS + (TILED_COLUMNS if args.tiles > 1 else [])
     tiled = f"; device tiled: {args.tiles} tiles per chunk" if args.tiles > 1 else ""
     tiled += f"; MILP over {args.bound_tiles} tiles per chunk" if args.bound_tiles > 1 else ""
