@@ -1,5 +1,5 @@
-"""The "transpose" start: its rule, its Triton twin, per-variant starts on every path, and
-what it buys on one long sequence."""
+"""The "transpose" and "ulysses" starts: their rules, their Triton twin, per-variant starts on
+every path, and what they buy on one long sequence and on sparse indexer masks."""
 import pytest
 import torch
 
@@ -16,7 +16,8 @@ from gpusolver.solver.start.kernel import transpose_start_triton
 from tests._testing import assert_close
 
 _MIXED = (Strategy((float("inf"),), units_per_rank=2, bundle_dests=4),
-          Strategy((1.5, float("inf")), units_per_rank=1, bundle_dests=2, task_order="rows", start="transpose"))
+          Strategy((1.5, float("inf")), units_per_rank=1, bundle_dests=2, task_order="rows", start="transpose"),
+          Strategy((float("inf"),), units_per_rank=1, bundle_dests=2, start="ulysses"))
 
 
 def _tasks(mask, P, G, tiles=1, heads_per_group=8):
@@ -67,6 +68,18 @@ def test_rows_with_few_remote_keys_stay_home():
     assert int((_row_ranks(mqa, start_ref.transpose_start(mqa)).view(8, 16) != home).sum()) > int(moved.sum())
 
 
+def test_ulysses_start_moves_every_row():
+    """The "ulysses" start: every row, remote keys or not, on rank b + g % s of its block (P = 6,
+    G = 4: blocks of 4 and 2), where the transpose rule keeps causal rows 0-1 at home."""
+    _, _, tasks, _ = _tasks(causal_mask(64 * 6), 6, 4, heads_per_group=2)
+    rows = _row_ranks(tasks, start_ref.transpose_start(tasks, every_unit=True)).view(4, 6)
+    g, i = torch.arange(4)[:, None], torch.arange(6)[None, :]
+    block = 4 * (i // 4)
+    assert torch.equal(rows, block + g % torch.where(block == 4, 2, 4))
+    kept = _row_ranks(tasks, start_ref.transpose_start(tasks)).view(4, 6)
+    assert torch.equal(kept[:, :2], i[:, :2].expand(4, 2))
+
+
 @pytest.mark.parametrize("P,G,tiles,kind", [(6, 4, 1, "packed"), (8, 2, 1, "causal"), (5, 2, 2, "packed"),
                                             (3, 2, 3, "full")])
 def test_triton_equals_torch(P, G, tiles, kind):
@@ -75,6 +88,8 @@ def test_triton_equals_torch(P, G, tiles, kind):
     _, _, tasks, _ = _tasks(mask, P, G, tiles, heads_per_group=2)
     ref = start_ref.transpose_start(tasks)
     assert_close("start", ref, transpose_start_triton(tasks))
+    assert_close("ulysses start", start_ref.transpose_start(tasks, every_unit=True),
+                 transpose_start_triton(tasks, every_unit=True))
     unit_host = tasks.q_host.view(G * tasks.U, tasks.U)[:, 0]
     flipped = _row_ranks(tasks, ref) != unit_host
     if kind != "full":
@@ -90,7 +105,8 @@ def test_per_variant_starts_on_every_path():
     ref_A, ref_key = device.run_variants(tasks, cap, _MIXED, rounds)
     variants, K, D = strat.variants(_MIXED, G, P)
     starts = start_ref.variant_starts(tasks, variants)
-    assert starts.shape == (3, tasks.T) and not torch.equal(starts[0], starts[1])
+    assert starts.shape == (4, tasks.T) and not torch.equal(starts[0], starts[1])
+    assert not torch.equal(starts[1], starts[3]), "the ulysses start should differ from the transpose start here"
     A, key = solve_rounds_persistent(tasks, cap, strat.variant_tables(variants, "cpu"),
                                      strat.variant_scales(variants, "cpu"), K, D, rounds, 1, start=starts)
     assert_close("best_key", ref_key, key)
@@ -106,7 +122,7 @@ def test_per_variant_starts_on_every_path():
 
 def test_strategy_start_is_checked():
     with pytest.raises(ValueError, match="start must be one of"):
-        Strategy(start="ulysses")
+        Strategy(start="ring")
 
 
 def test_one_long_sequence_costs_no_more_than_usp():
@@ -129,3 +145,21 @@ def test_transposed_variants_run_on_meta():
     for impl in ("torch", "persistent"):
         res = solve_device(areas.to("meta"), config, rounds=2, strategies=_MIXED, impl=impl)
         assert res.assignment.device.type == "meta" and res.assignment.shape == (G, P, P)
+
+
+def test_nsa_training_step_not_above_usp():
+    """NSA block selections at P = 16, 2K tokens per rank (the quality benchmark's sparse mask):
+    the training portfolio's Ulysses start keeps the step's bytes below USP's (without it the
+    plan was 3-5 % above), and the forward-only portfolio is left as it was (it has no such start)."""
+    from gpusolver.cli.quality import _sparse_areas
+
+    P = 16
+    config = SolverConfig(cp_size=P, chunk_tiles=1, auto_tiles=False)
+    areas = _sparse_areas("nsa", P * 2048, config, 0)
+    usp = baseline_table(areas, config)["usp"]
+    res = solve_device(areas, config, impl="torch")
+    m = evaluate(areas, res.assignment, config.cost())
+    step, usp_step = int(m.fwd_bottleneck + m.bwd_bottleneck), usp["fwd_bottleneck"] + usp["bwd_bottleneck"]
+    assert bool(res.balanced) and step < usp_step, (step, usp_step)
+    assert int(res.variant) == len(strat.default_strategies(P, training=True)) - 1, "the Ulysses variant should win"
+    assert strat.default_strategies(P) == strat.DEFAULT_STRATEGIES

@@ -1,4 +1,4 @@
-"""Triton "transpose" start (twin of ``start.ref.transpose_start``).
+"""Triton "transpose" and "ulysses" starts (twin of ``start.ref.transpose_start``).
 
 One program per QO unit (g, u) reads the unit's U tasks in tiles, sums the
 remote key tokens they need and takes the hull of their query rows, decides
@@ -25,7 +25,7 @@ def _transpose_start_kernel(
     U, P, G,
     stride_a, stride_q, stride_k,
     Q_BYTES, O_BYTES, KV_BYTES,
-    TILES: tl.constexpr, BLOCK_J: tl.constexpr,
+    TILES: tl.constexpr, BLOCK_J: tl.constexpr, EVERY_UNIT: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)  # QO unit g * U + u
     g = row // U
@@ -47,7 +47,7 @@ def _transpose_start_kernel(
         q_lo = tl.minimum(q_lo, tl.where(valid, lo, _BIG_T))
         q_hi = tl.maximum(q_hi, tl.where(valid, hi, 0))
     q_len = tl.maximum(tl.max(q_hi, 0) - tl.min(q_lo, 0), 0)
-    flip = tl.sum(kv_tokens, 0) * KV_BYTES > q_len * (Q_BYTES + O_BYTES)
+    flip = (tl.sum(kv_tokens, 0) * KV_BYTES > q_len * (Q_BYTES + O_BYTES)) | EVERY_UNIT
     block = (host // G) * G
     target = block + g % tl.minimum(P - block, G)
     rank = tl.where(flip, target, host)
@@ -56,8 +56,9 @@ def _transpose_start_kernel(
         tl.store(out_ptr + row * U + j, tl.zeros([BLOCK_J], dtype=tl.int64) + rank, mask=j < U)
 
 
-def transpose_start_triton(tasks: Tasks) -> torch.Tensor:
-    """[T] int64 start rank of each task, equal to ``transpose_start(tasks)`` (one launch)."""
+def transpose_start_triton(tasks: Tasks, every_unit: bool = False) -> torch.Tensor:
+    """[T] int64 start rank of each task, equal to ``transpose_start(tasks, every_unit)`` (one
+    launch; ``every_unit``: the "ulysses" start)."""
     G, P, U, T = tasks.G, tasks.P, tasks.U, tasks.T
     out = torch.empty(T, dtype=torch.int64, device=tasks.area.device)
     if out.device.type == "meta":  # shapes only
@@ -67,6 +68,6 @@ def transpose_start_triton(tasks: Tasks) -> torch.Tensor:
         U, P, G,
         tasks.area.stride(0), tasks.qlo.stride(0), tasks.klo.stride(0),
         tasks.q, tasks.o, tasks.kv,
-        TILES=tasks.tiles, BLOCK_J=min(_BLOCK_J, triton.next_power_of_2(U)),
+        TILES=tasks.tiles, BLOCK_J=min(_BLOCK_J, triton.next_power_of_2(U)), EVERY_UNIT=bool(every_unit),
     )
     return out

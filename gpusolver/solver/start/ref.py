@@ -11,7 +11,7 @@ import torch
 from gpusolver.solver.core import _BIG, Tasks
 
 
-def transpose_start(tasks: Tasks) -> torch.Tensor:
+def transpose_start(tasks: Tasks, every_unit: bool = False) -> torch.Tensor:
     """The "transpose" start: [T] int64, the start rank of each task (torch twin of
     ``start.kernel.transpose_start_triton``).
 
@@ -25,13 +25,19 @@ def transpose_start(tasks: Tasks) -> torch.Tensor:
     transposed, a rank receives G - 1 rows of its head group from its block
     and only that group's K/V, which costs less once a document spans more
     than 1 + (q + o) / kv ranks (9 for GQA 64:8).
+
+    ``every_unit`` (the "ulysses" start) transposes every unit, remote keys or not: with G
+    head groups of even work this is Ulysses (times a ring over the P / G blocks), balanced
+    whatever the mask, and moves what USP moves in the forward. Sparse indexer masks need it:
+    their early rows need few remote keys and stay home under the rule above, which leaves
+    the late blocks' ranks with twice the work (NSA at P = 16: 1.90x the mean).
     """
     G, U = tasks.G, tasks.U
     remote = tasks.valid & (tasks.k_host != tasks.q_host)
     kv_tokens = torch.where(remote, tasks.khi - tasks.klo, 0).view(G * U, U).sum(1)
     q_lo = torch.where(tasks.valid, tasks.qlo, _BIG).view(G * U, U).amin(1)
     q_hi = torch.where(tasks.valid, tasks.qhi, 0).view(G * U, U).amax(1)
-    flip = kv_tokens * tasks.kv > (q_hi - q_lo).clamp(min=0) * (tasks.q + tasks.o)
+    flip = (kv_tokens * tasks.kv > (q_hi - q_lo).clamp(min=0) * (tasks.q + tasks.o)) | every_unit
     host = tasks.unit_host  # [G*U] rank of each QO unit
     block = (host // G) * G
     target = block + (tasks.g.view(G * U, U)[:, 0] % (tasks.P - block).clamp(max=G))
@@ -41,14 +47,18 @@ def transpose_start(tasks: Tasks) -> torch.Tensor:
 def variant_starts(tasks: Tasks, variants, start: torch.Tensor | None = None, transpose_fn=None):
     """The start rank of each task for ``variants``: ``start`` ([T], shared) when given, None
     when every variant starts from owner-computes, else [B, T] int64 (``transpose_fn``,
-    default ``transpose_start``, for "transpose" variants; the query host for the others)."""
+    default ``transpose_start``, for "transpose" and "ulysses" variants, the second with
+    ``every_unit``; the query host for the others). Kinds index ``strategies.STARTS``."""
     if start is not None:
         return start
     kinds = [v[4] for v in variants]
     if not any(kinds):
         return None
-    transposed = (transpose_fn or transpose_start)(tasks)
-    return torch.stack([transposed if k else tasks.q_host for k in kinds])
+    transpose_fn = transpose_fn or transpose_start
+    made = {0: tasks.q_host}
+    for k in sorted(set(kinds) - {0}):
+        made[k] = transpose_fn(tasks, every_unit=k == 2)
+    return torch.stack([made[k] for k in kinds])
 
 
 def restart(tasks: Tasks, best_A: torch.Tensor, vol: torch.Tensor) -> torch.Tensor:
