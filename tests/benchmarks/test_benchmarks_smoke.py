@@ -251,9 +251,9 @@ def test_triton_paths_launch_a_static_loop(benches):
         torch_round = count("torch", 2).launches - count("torch", 1).launches
         assert 10 * per_round < torch_round
         pers = [count("persistent", r) for r in (0, 2)]
-        # per pricing rule (the training objective runs two) the transposed start, the round loop and
-        # its winner's state (two kernels): none per round
-        assert pers[0].launches == pers[1].launches and pers[1].triton_launches <= 8
+        # per pricing rule (the training objective runs two) the transposed and Ulysses starts, the
+        # round loop and its winner's state (two kernels): none per round
+        assert pers[0].launches == pers[1].launches and pers[1].triton_launches <= 10
     finally:
         torch.set_num_threads(saved)
 
