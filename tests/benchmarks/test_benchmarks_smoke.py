@@ -190,11 +190,12 @@ def test_sweep_counts_masks_above_the_reference(benches, tmp_path, capsys):
     assert len(rows) == 2 * 2 * 2 and [s["P"] for s in summary] == [2, 3]
     for s in summary:
         rs = [r for r in rows if r["P"] == s["P"]]
-        assert s["masks"] == 4 and s["above"] == sum(r["dev_fwd_bytes"] > r["ref_fwd_bytes"] for r in rs)
+        assert s["masks"] == 4 and s["above"] == sum(r["dev_bytes"] > r["ref_bytes"] for r in rs)
         assert s["ref_balanced"] == sum(r["ref_balanced"] for r in rs)
-    for r in rows:  # no ratio where the reference moves nothing
-        assert r["ratio"] == (pytest.approx(r["dev_fwd_bytes"] / r["ref_fwd_bytes"]) if r["ref_fwd_bytes"] else None)
-    assert any(r["ref_fwd_bytes"] for r in rows)
+    for r in rows:  # the training step by default; no ratio where the reference moves nothing
+        assert r["measure"] == "step" and r["dev_bytes"] == r["dev_step_bytes"] and r["ref_bytes"] == r["ref_step_bytes"]
+        assert r["ratio"] == (pytest.approx(r["dev_bytes"] / r["ref_bytes"]) if r["ref_bytes"] else None)
+    assert any(r["ref_bytes"] for r in rows)
 
 
 def test_bad_cli_arguments_exit(benches):
