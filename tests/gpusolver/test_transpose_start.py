@@ -1,5 +1,7 @@
 """The "transpose" and "ulysses" starts: their rules, their Triton twin, per-variant starts on
 every path, and what they buy on one long sequence and on sparse indexer masks."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -149,8 +151,8 @@ def test_transposed_variants_run_on_meta():
 
 def test_nsa_training_step_not_above_usp():
     """NSA block selections at P = 16, 2K tokens per rank (the quality benchmark's sparse mask):
-    the training portfolio's Ulysses start keeps the step's bytes below USP's (without it the
-    plan was 3-5 % above), and the forward-only portfolio is left as it was (it has no such start)."""
+    the portfolio's Ulysses start keeps the step's bytes below USP's (without it the plan was
+    3-5 % above), and the forward-only solve's forward within 1 % of USP's (it was 10 % above)."""
     from gpusolver.cli.quality import _sparse_areas
 
     P = 16
@@ -161,5 +163,7 @@ def test_nsa_training_step_not_above_usp():
     m = evaluate(areas, res.assignment, config.cost())
     step, usp_step = int(m.fwd_bottleneck + m.bwd_bottleneck), usp["fwd_bottleneck"] + usp["bwd_bottleneck"]
     assert bool(res.balanced) and step < usp_step, (step, usp_step)
-    assert int(res.variant) == len(strat.default_strategies(P, training=True)) - 1, "the Ulysses variant should win"
-    assert strat.default_strategies(P) == strat.DEFAULT_STRATEGIES
+    assert int(res.variant) == len(strat.default_strategies(P)) - 1, "the Ulysses variant should win"
+    fwd_only = solve_device(areas, dataclasses.replace(config, objective="forward"), impl="torch")
+    fwd = int(evaluate(areas, fwd_only.assignment, config.cost()).fwd_bottleneck)
+    assert bool(fwd_only.balanced) and fwd <= 1.01 * usp["fwd_bottleneck"], (fwd, usp["fwd_bottleneck"])
