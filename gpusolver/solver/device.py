@@ -130,7 +130,7 @@ def run_variants(tasks: Tasks, cap: torch.Tensor, strategies: tuple[Strategy, ..
     caps = None  # [2, B] each variant's buffers for its moves, set at round 0
     # the start (owner-computes unless given or transposed); column T is a dummy that absorbs
     # writes of unused slots
-    starts = variant_starts(tasks, rows, start, start_fn)
+    starts = variant_starts(tasks, rows, start, start_fn, cap=cap)
     A = torch.where(tasks.valid, tasks.q_host if starts is None else starts, P).expand(B, T)
     A = torch.cat((A, torch.full((B, 1), P, dtype=torch.int64, device=dev)), dim=1)
     best_A = A.clone()
@@ -308,7 +308,8 @@ def _run_persistent(tasks: Tasks, cap, strategies, rounds, workers, start, sidew
         workers = default_workers(len(rows), tasks.P * K, dev)
     return solve_rounds_persistent(tasks, cap, variant_tables(rows, dev), variant_scales(rows, dev), K, D, rounds,
                                    workers, sideways, restart_every,
-                                   start=variant_starts(tasks, rows, start, transpose_start_triton), singles=singles)
+                                   start=variant_starts(tasks, rows, start, transpose_start_triton, cap=cap),
+                                   singles=singles)
 
 
 def _report(tasks: Tasks, row: torch.Tensor, cap, state_fn, variant, tiles) -> DeviceSolveResult:

@@ -9,6 +9,10 @@ from __future__ import annotations
 import torch
 
 from gpusolver.solver.core import _BIG, Tasks
+from gpusolver.solver.start.shed import shed_start
+
+# the index of the "shed" start in ``strategies.STARTS`` (the steps import nothing above core)
+SHED = 3
 
 
 def transpose_start(tasks: Tasks, every_unit: bool = False) -> torch.Tensor:
@@ -44,20 +48,24 @@ def transpose_start(tasks: Tasks, every_unit: bool = False) -> torch.Tensor:
     return torch.where(flip, target, host)[tasks.qo_unit]
 
 
-def variant_starts(tasks: Tasks, variants, start: torch.Tensor | None = None, transpose_fn=None):
-    """The start rank of each task for ``variants``: ``start`` ([T], shared) when given, None
-    when every variant starts from owner-computes, else [B, T] int64 (``transpose_fn``,
-    default ``transpose_start``, for "transpose" and "ulysses" variants, the second with
-    ``every_unit``; the query host for the others). Kinds index ``strategies.STARTS``."""
-    if start is not None:
-        return start
+def variant_starts(tasks: Tasks, variants, start: torch.Tensor | None = None, transpose_fn=None,
+                   cap: torch.Tensor | None = None):
+    """The start rank of each task for ``variants``: None when every variant starts from
+    owner-computes, else [T] (one start for all) or [B, T] int64. ``transpose_fn`` (default
+    ``transpose_start``) gives the "transpose" and "ulysses" starts, the second with
+    ``every_unit``; ``shed.shed_start`` the "shed" start (it needs ``cap``, the largest balanced
+    load); the others start on the query host. A given ``start`` ([T], the tiled refine's coarser
+    plan) replaces every start but "shed", which is made at this tile level: the shed pieces of a
+    finer level are not the coarser plan's. Kinds index ``strategies.STARTS``."""
     kinds = [v[4] for v in variants]
+    if start is not None and SHED not in kinds:
+        return start
     if not any(kinds):
         return None
     transpose_fn = transpose_fn or transpose_start
-    made = {0: tasks.q_host}
-    for k in sorted(set(kinds) - {0}):
-        made[k] = transpose_fn(tasks, every_unit=k == 2)
+    made = {k: start for k in kinds if k != SHED} if start is not None else {0: tasks.q_host}
+    for k in sorted(set(kinds) - set(made)):
+        made[k] = shed_start(tasks, cap) if k == SHED else transpose_fn(tasks, every_unit=k == 2)
     return torch.stack([made[k] for k in kinds])
 
 
