@@ -71,6 +71,26 @@ def _coeffs(cost: CommCost, direction: str) -> tuple[int, int, int, int]:
 DIRECTIONS = ("fwd", "bwd", "step")
 
 
+def _solve(entries, nvar: int, n_binary: int, objective_cols, time_limit: float, rel_gap: float, pinned=()):
+    """HiGHS on ``min sum(x[objective_cols])`` subject to lo <= A x <= hi (``entries``: the
+    rows, cols, vals, lo and hi lists), x >= 0, the first ``n_binary`` variables in {0, 1} and
+    the ``pinned`` ones 0."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_matrix
+
+    rows, cols, vals, lo, hi = entries
+    A = coo_matrix((vals, (rows, cols)), shape=(len(lo), nvar)).tocsr()
+    c_obj = np.zeros(nvar)
+    c_obj[list(objective_cols)] = 1.0
+    integrality = np.zeros(nvar)
+    integrality[:n_binary] = 1
+    ub = np.full(nvar, np.inf)
+    ub[:n_binary] = 1.0
+    ub[list(pinned)] = 0.0
+    return milp(c_obj, constraints=LinearConstraint(A, lo, hi), integrality=integrality,
+                bounds=Bounds(np.zeros(nvar), ub), options={"time_limit": float(time_limit), "mip_rel_gap": rel_gap})
+
+
 def milp_bottleneck(areas: BlockAreas, cost: CommCost, mu: float = 1.10, direction: str = "fwd",
                     time_limit: float = 30.0, max_tasks: int = MAX_MILP_TASKS) -> MilpResult:
     """Exact-ish minimum of the forward, backward or step bottleneck under max load <= mu * mean.
@@ -107,9 +127,6 @@ def milp_bottleneck(areas: BlockAreas, cost: CommCost, mu: float = 1.10, directi
     assignment is an upper bound. They coincide when needs nest (e.g. all
     blocks full).
     """
-    from scipy.optimize import Bounds, LinearConstraint, milp
-    from scipy.sparse import coo_matrix
-
     G, P, U, n = areas.head_groups, areas.cp_size, areas.num_units, areas.tiles
     if cost.head_groups != G:
         raise ValueError(f"cost.head_groups={cost.head_groups} must equal areas' G={G}")
@@ -188,21 +205,9 @@ def milp_bottleneck(areas: BlockAreas, cost: CommCost, mu: float = 1.10, directi
             add_row(send + [(iz, -1.0)], -np.inf, 0.0)
             add_row(recv + [(iz, -1.0)], -np.inf, 0.0)
 
-    A = coo_matrix((vals, (rows, cols)), shape=(nrow, nvar)).tocsr()
-    c_obj = np.zeros(nvar)
-    c_obj[list(z_of.values())] = 1.0
-    integrality = np.zeros(nvar)
-    integrality[:nx] = 1
-    ub = np.full(nvar, np.inf)
-    ub[:nx] = 1.0
     # vq / vk to a unit's own host never appear in a row; pin them to 0
-    for (g, i), base in qo_idx.items():
-        ub[base + i // n] = 0.0
-    for (g, j), base in kv_idx.items():
-        ub[base + j // n] = 0.0
-    res = milp(c_obj, constraints=LinearConstraint(A, lo, hi), integrality=integrality,
-               bounds=Bounds(np.zeros(nvar), ub),
-               options={"time_limit": float(time_limit), "mip_rel_gap": 1e-6})
+    pinned = [base + i // n for (g, i), base in qo_idx.items()] + [base + j // n for (g, j), base in kv_idx.items()]
+    res = _solve((rows, cols, vals, lo, hi), nvar, nx, list(z_of.values()), time_limit, 1e-6, pinned)
 
     if res.status == 2:
         return MilpResult(None, None, None, "infeasible", None, None)
@@ -249,9 +254,6 @@ def shed_lower_bound(areas: BlockAreas, cost: CommCost, mu: float = 1.10, direct
     after 30 minutes. Any size (no task limit); the dual bound is used when a rank's program
     stops at ``time_limit``.
     """
-    from scipy.optimize import Bounds, LinearConstraint, milp
-    from scipy.sparse import coo_matrix
-
     if direction not in DIRECTIONS:
         _coeffs(cost, direction)  # raises, naming the directions
     if not mu >= 1.0:
@@ -317,15 +319,7 @@ def shed_lower_bound(areas: BlockAreas, cost: CommCost, mu: float = 1.10, direct
             for factor in (send_f, recv_f):
                 add_row([(c, factor[key[0]]) for key, c in var.items() if factor[key[0]]] + [(z[ph], -1.0)],
                         -np.inf, 0.0)
-        A = coo_matrix((vals, (rows, cols)), shape=(len(lo), nvar)).tocsr()
-        c_obj = np.zeros(nvar)
-        c_obj[list(z.values())] = 1.0
-        integrality = np.zeros(nvar)
-        integrality[:T] = 1
-        ub = np.full(nvar, np.inf)
-        ub[:T] = 1.0
-        res = milp(c_obj, constraints=LinearConstraint(A, lo, hi), integrality=integrality,
-                   bounds=Bounds(np.zeros(nvar), ub), options={"time_limit": float(time_limit), "mip_rel_gap": 1e-9})
+        res = _solve((rows, cols, vals, lo, hi), nvar, T, list(z.values()), time_limit, 1e-9)
         if res.status == 2:  # r cannot shed enough at all: no balanced assignment exists
             per_rank.append(0)
             continue
