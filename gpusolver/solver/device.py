@@ -9,7 +9,9 @@ The algorithm (DESIGN.md, "The solver", family 2):
 * Start from owner-computes: every task on its query host (no Q/O traffic,
   usually unbalanced). With sub-chunk tiles (``chunk_tiles`` n > 1, units of
   c / n tokens, unit u on rank u // n) start instead from the plan solved for
-  whole chunks: tile moves then refine it (coarse to fine).
+  whole chunks: tile moves then refine it (coarse to fine). Some variants
+  start elsewhere: transposed, Ulysses, or (below P = 32) shed, where each
+  overloaded rank first ships a few head groups' best units whole.
 * Every round, each source rank offers its heaviest QO units; a *bundle
   move* ships a prefix of one unit's tasks (in one of three task orders:
   largest first, fewest needed query rows first, or smallest first) to one
@@ -48,7 +50,7 @@ This module is the round driver; the package is laid out as it works:
     bundle/        each offered unit's best bundle move, priced exactly
     accept/        which proposals to apply, and the moves
     track/         each variant's best state and the round's limits
-    start/         the transposed start and the restart
+    start/         the transposed and shed starts and the restart (shed.py: torch on every path)
     rounds.py      the whole round loop as one persistent Triton kernel
     reference.py   the CPU yardstick (numpy)
 
