@@ -71,6 +71,17 @@ def _coeffs(cost: CommCost, direction: str) -> tuple[int, int, int, int]:
 DIRECTIONS = ("fwd", "bwd", "step")
 
 
+def _check_bound_args(areas: BlockAreas, cost: CommCost, mu: float, direction: str) -> None:
+    """ValueError naming the argument: cost for other head groups than the areas', mu < 1, or
+    an unknown direction."""
+    if cost.head_groups != areas.head_groups:
+        raise ValueError(f"cost.head_groups={cost.head_groups} must equal areas' G={areas.head_groups}")
+    if not mu >= 1.0:
+        raise ValueError(f"mu must be >= 1.0, got {mu}")
+    if direction not in DIRECTIONS:
+        _coeffs(cost, direction)  # raises, naming the directions
+
+
 def _solve(entries, nvar: int, n_binary: int, objective_cols, time_limit: float, rel_gap: float, pinned=()):
     """HiGHS on ``min sum(x[objective_cols])`` subject to lo <= A x <= hi (``entries``: the
     rows, cols, vals, lo and hi lists), x >= 0, the first ``n_binary`` variables in {0, 1} and
@@ -128,14 +139,9 @@ def milp_bottleneck(areas: BlockAreas, cost: CommCost, mu: float = 1.10, directi
     blocks full).
     """
     G, P, U, n = areas.head_groups, areas.cp_size, areas.num_units, areas.tiles
-    if cost.head_groups != G:
-        raise ValueError(f"cost.head_groups={cost.head_groups} must equal areas' G={G}")
+    _check_bound_args(areas, cost, mu, direction)
     if P > MAX_MILP_RANKS:
         raise ValueError(f"milp_bottleneck is for small instances: P={P} > {MAX_MILP_RANKS}")
-    if not mu >= 1.0:
-        raise ValueError(f"mu must be >= 1.0, got {mu}")
-    if direction not in DIRECTIONS:
-        _coeffs(cost, direction)  # raises, naming the directions
     phases = ("fwd", "bwd") if direction == "step" else (direction,)
     factors = {ph: _coeffs(cost, ph) for ph in phases}
     scale = math.gcd(*(f for fs in factors.values() for f in fs))  # units of `scale` bytes: smaller coefficients
@@ -254,13 +260,8 @@ def shed_lower_bound(areas: BlockAreas, cost: CommCost, mu: float = 1.10, direct
     after 30 minutes. Any size (no task limit); the dual bound is used when a rank's program
     stops at ``time_limit``.
     """
-    if direction not in DIRECTIONS:
-        _coeffs(cost, direction)  # raises, naming the directions
-    if not mu >= 1.0:
-        raise ValueError(f"mu must be >= 1.0, got {mu}")
+    _check_bound_args(areas, cost, mu, direction)
     G, P, n = areas.head_groups, areas.cp_size, areas.tiles
-    if cost.head_groups != G:
-        raise ValueError(f"cost.head_groups={cost.head_groups} must equal areas' G={G}")
     phases = ("fwd", "bwd") if direction == "step" else (direction,)
     area = areas.area.detach().cpu().numpy()
     qn = areas.q_need.detach().cpu().numpy()

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from gpusolver.solver.core import _BIG, Tasks
-from gpusolver.solver.start.shed import shed_start
+from gpusolver.solver.core import Tasks
+from gpusolver.solver.start.shed import hull_length, shed_start
 
 # the index of the "shed" start in ``strategies.STARTS`` (the steps import nothing above core)
 SHED = 3
@@ -39,9 +39,8 @@ def transpose_start(tasks: Tasks, every_unit: bool = False) -> torch.Tensor:
     G, U = tasks.G, tasks.U
     remote = tasks.valid & (tasks.k_host != tasks.q_host)
     kv_tokens = torch.where(remote, tasks.khi - tasks.klo, 0).view(G * U, U).sum(1)
-    q_lo = torch.where(tasks.valid, tasks.qlo, _BIG).view(G * U, U).amin(1)
-    q_hi = torch.where(tasks.valid, tasks.qhi, 0).view(G * U, U).amax(1)
-    flip = (kv_tokens * tasks.kv > (q_hi - q_lo).clamp(min=0) * (tasks.q + tasks.o)) | every_unit
+    rows = hull_length(tasks.qlo.view(G * U, U), tasks.qhi.view(G * U, U), tasks.valid.view(G * U, U), 1)
+    flip = (kv_tokens * tasks.kv > rows * (tasks.q + tasks.o)) | every_unit
     host = tasks.unit_host  # [G*U] rank of each QO unit
     block = (host // G) * G
     target = block + (tasks.g.view(G * U, U)[:, 0] % (tasks.P - block).clamp(max=G))

@@ -33,8 +33,8 @@ import torch
 from gpusolver.solver.core import _BIG, Tasks
 
 
-def _unit_hull(lo: torch.Tensor, hi: torch.Tensor, valid: torch.Tensor, dim: int):
-    """Hull length of the valid [lo, hi) intervals along ``dim``."""
+def hull_length(lo: torch.Tensor, hi: torch.Tensor, valid: torch.Tensor, dim: int) -> torch.Tensor:
+    """Length of the hull of the valid [lo, hi) intervals along ``dim`` (0 where none is valid)."""
     lo = torch.where(valid, lo, _BIG).amin(dim)
     hi = torch.where(valid, hi, 0).amax(dim)
     return (hi - lo).clamp(min=0)
@@ -50,7 +50,7 @@ def shed_start(tasks: Tasks, cap: torch.Tensor) -> torch.Tensor:
     excess = (load - cap).clamp(min=0)
     # units of each (g, s), best area per needed query row first
     unit_area = area.sum(3)  # [G, P, n]
-    rows = _unit_hull(tasks.qlo.view(G, P, n, U), tasks.qhi.view(G, P, n, U), valid, 3)
+    rows = hull_length(tasks.qlo.view(G, P, n, U), tasks.qhi.view(G, P, n, U), valid, 3)
     ratio = unit_area.double() / rows.clamp(min=1).double()
     rank_of = torch.sort(-ratio, dim=2, stable=True).indices  # [G, P, n] unit positions, best first
     piece_area = unit_area.gather(2, rank_of).cumsum(2)  # [G, P, k]: the first k + 1 units
@@ -58,8 +58,9 @@ def shed_start(tasks: Tasks, cap: torch.Tensor) -> torch.Tensor:
     # keys of s the piece needs: per key unit of s, the hull over the piece's units' tasks
     own = lambda t: torch.diagonal(t.view(G, P, n, P, n), dim1=1, dim2=3).permute(0, 3, 1, 2)  # noqa: E731
     k_valid = own(tasks.valid)
-    klo = torch.where(k_valid, own(tasks.klo), _BIG).gather(2, rank_of[..., None].expand(G, P, n, n))
-    khi = torch.where(k_valid, own(tasks.khi), 0).gather(2, rank_of[..., None].expand(G, P, n, n))
+    by_rank = rank_of[..., None].expand(G, P, n, n)
+    klo = torch.where(k_valid, own(tasks.klo), _BIG).gather(2, by_rank)
+    khi = torch.where(k_valid, own(tasks.khi), 0).gather(2, by_rank)
     key_rows = (khi.cummax(2).values - klo.cummin(2).values).clamp(min=0).sum(3)  # [G, P, k]
     piece_cost = piece_rows * tasks.q + key_rows * tasks.kv  # [G, P, k] forward bytes the source sends
 
