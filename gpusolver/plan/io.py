@@ -65,11 +65,15 @@ def _read(path, map_location) -> dict:
 
 
 def _build(cls, values: dict, nested: dict):
-    names = {f.name for f in dataclasses.fields(cls)}
-    missing = names - set(values)
+    fields = dataclasses.fields(cls)
+    names = {f.name for f in fields}
+    # fields added later with a default (the sub-stage tables) may be absent from older files
+    optional = {f.name for f in fields if f.default is not dataclasses.MISSING}
+    names_present = {k for k in names if k in values or k not in optional}
+    missing = names_present - set(values)
     if missing:
         raise ValueError(f"saved {cls.__name__} lacks fields {sorted(missing)}")
-    kw = {k: (nested[k](values[k]) if k in nested else values[k]) for k in names}
+    kw = {k: (nested[k](values[k]) if k in nested else values[k]) for k in names_present}
     return cls(**kw)
 
 
