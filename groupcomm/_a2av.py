@@ -19,15 +19,17 @@ from ._routing import put_targets
 
 
 class HostSplits:
-    """The ``[P, P]`` split matrix on the host, copied once without blocking.
+    """The ``[P, P]`` split matrix (or a stack ``[B, P, P]`` of them) on the host, copied once
+    without blocking.
 
     On CUDA the copy goes into pinned memory behind an event; ``get()`` waits
-    for it and returns the matrix as a list of lists (cached).
+    for it and returns the matrix as a list of lists (cached). ``parts()`` of a
+    stack gives one ``HostSplits`` per matrix, all sharing the one copy.
     """
 
     def __init__(self, split: torch.Tensor):
-        if split.dim() != 2 or split.shape[0] != split.shape[1]:
-            raise ValueError(f"host_splits: split must be [P, P], got {tuple(split.shape)}")
+        if split.dim() not in (2, 3) or split.shape[-1] != split.shape[-2]:
+            raise ValueError(f"host_splits: split must be [P, P] or [B, P, P], got {tuple(split.shape)}")
         self._event = None
         self._rows: list[list[int]] | None = None
         if split.is_cuda:
@@ -47,9 +49,26 @@ class HostSplits:
             self._rows = self._host.tolist()
         return self._rows
 
+    def parts(self) -> list["HostSplits"]:
+        """One ``HostSplits`` per matrix of a ``[B, P, P]`` stack (they share this copy)."""
+        if self._host.dim() != 3:
+            raise ValueError(f"parts() needs a [B, P, P] stack, this holds {tuple(self._host.shape)}")
+        return [_HostSplitPart(self, b) for b in range(self._host.shape[0])]
+
+
+class _HostSplitPart(HostSplits):
+    """Matrix ``b`` of a stacked ``HostSplits``: its ``get()`` waits for the shared copy."""
+
+    def __init__(self, parent: HostSplits, b: int):  # noqa: D107 - no copy of its own
+        self._parent, self._b = parent, b
+
+    def get(self) -> list[list[int]]:
+        return self._parent.get()[self._b]
+
 
 def host_splits(split: torch.Tensor) -> HostSplits:
-    """Start the one device-to-host copy of ``split [P, P]``; pass the result as ``host_split=``."""
+    """Start the one device-to-host copy of ``split [P, P]`` (or ``[B, P, P]``: then pass
+    ``.parts()[b]``); pass the result as ``host_split=``."""
     return HostSplits(split)
 
 

@@ -40,6 +40,7 @@ from gpusolver import errors
 from gpusolver.nvtx import nvtx_range
 from gpusolver.plan import IMBALANCED, Plan
 from gpusolver.runtime.layout import from_group_major, to_group_major
+from gpusolver.runtime.pipelined import StageRoutes, backward_stages, forward_stages, stage_routes
 from gpusolver.support import check_supported
 from groupcomm import CollectiveError, TorchGroup, group_cast, group_reduce, host_splits
 
@@ -57,6 +58,8 @@ class LayerRoutes:
     qo_index, kv_index: send lists, ``[send_cap]`` (or ``[P, send_cap]`` batched) int64.
     qo_split, kv_split: ``[P, P]`` int64 split matrices.
     qo_host, kv_host:   their host copies (``TorchGroup`` only, else None).
+    stages:       the sub-stages' routing when the plan has S > 1 (``pipelined.StageRoutes``;
+                  the fields above are then None), else None.
     """
 
     plan: Plan
@@ -68,6 +71,7 @@ class LayerRoutes:
     kv_split: torch.Tensor
     qo_host: object
     kv_host: object
+    stages: StageRoutes | None = None
 
     @property
     def groups(self) -> int:
@@ -90,6 +94,10 @@ def layer_routes(plan: Plan, group) -> LayerRoutes:
         raise ValueError(f"the plan is for P = {P} ranks but the group has {group.size}")
     batched = bool(getattr(group, "batched", False))
     ranks = tuple(range(P)) if batched else (group.rank,)
+    if comm.num_stages > 1:
+        return LayerRoutes(plan=plan, ranks=ranks, batched=batched, qo_index=None, kv_index=None, qo_split=None,
+                           kv_split=None, qo_host=None, kv_host=None,
+                           stages=stage_routes(plan, group, ranks, batched))
 
     def index(kind: str) -> torch.Tensor:
         if batched:
@@ -128,6 +136,12 @@ class _DistAttn(torch.autograd.Function):
         lead = 1 if routes.batched else 0
         G, cap = routes.groups, routes.capacity
         ql, kl, vl = (to_group_major(x, G, lead).contiguous() for x in (q, k, v))
+        if routes.stages is not None:  # S remote sub-stages
+            ctx.routes, ctx.group, ctx.scale, ctx.keep, ctx.deterministic = routes, group, scale, keep, deterministic
+            o, lse, operands = forward_stages(routes.plan, group, routes.ranks, routes.batched, routes.stages,
+                                              ql, kl, vl, scale, deterministic)
+            ctx.save_for_backward(ql, kl, vl, o, lse, *(operands if keep else ()))
+            return from_group_major(o, G, lead), from_group_major(lse, G, lead)
         with nvtx_range("comm/cast fwd.qo fwd.kv"):
             cast_q = group_cast([ql], routes.qo_index, routes.qo_split, cap, group, phase="fwd.qo",
                                 host_split=routes.qo_host, async_op=True, flag_errors=False)
@@ -171,6 +185,12 @@ class _DistAttn(torch.autograd.Function):
         ql, kl, vl, o, lse = ctx.saved_tensors[:5]
         d_o = torch.zeros_like(o) if d_out is None else to_group_major(d_out, G, lead).contiguous()
         d_l = None if d_lse is None else to_group_major(d_lse, G, lead).contiguous()
+        if routes.stages is not None:  # S remote sub-stages
+            kept = list(ctx.saved_tensors[5:8]) if ctx.keep else None
+            dq, dk, dv = backward_stages(routes.plan, group, routes.ranks, routes.batched, routes.stages, ql, kl, vl,
+                                         o, lse, kept, d_o, d_l, scale, ctx.deterministic)
+            return (from_group_major(dq, G, lead), from_group_major(dk, G, lead), from_group_major(dv, G, lead),
+                    None, None, None, None, None)
         # the host computes delta from its final O: O itself never travels
         with nvtx_range("attn/bwd delta"):
             delta = _per_rank(routes, lambda r, a, b, *c_: (row_delta(a, b, c_[0] if c_ else None),),

@@ -1,0 +1,265 @@
+"""The layer in S remote sub-stages: every cast up front, each sub-stage waits only for its own.
+
+Shape legend: P ranks, c tokens per rank, G head groups, n = G * c local
+group-major rows, cap = the plan's receive rows per sub-stage, S sub-stages,
+h heads per group, D head dim. ``[B, ...]`` is the leading rank dim of a
+``LocalGroup`` (absent for one rank).
+
+Operand rows of sub-stage s: ``X[:n + s * cap]`` of ``X = concat(local rows,
+buffer of cast 1, ..., buffer of cast S)`` (CalcMeta's coordinates): a unit
+travels once, in the cast of the first sub-stage that uses it, so sub-stage s
+reads only casts 1..s. ``X`` is allocated once and each cast's buffer is
+copied into its slot when that cast is waited for.
+
+Forward (``forward_stages``):
+1. casts 1..S of Q (``fwd.qo.s``) and of K, V (``fwd.kv.s``) are issued;
+2. stage 0 (local tasks) runs; then for s = 1..S: wait for cast s, run
+   sub-stage s, merge its partial (out, lse) into the rows of ``X`` it covers,
+   and send back the rows whose last task was in s (reduce ``fwd.o.s``, into
+   a neutral accumulator, in flight while s + 1 computes);
+3. the host merges its own rows with reduces 1..S in that order (the
+   log-sum-exp merge is associative, so the result is exact up to rounding, and
+   the fixed order makes it deterministic).
+
+Backward (``backward_stages``) pipelines the same way: dO, lse and delta (and
+Q, K, V again without kept buffers) are cast per sub-stage (``bwd.qo.s``,
+``bwd.kv.s``) while the local stage's backward runs; after sub-stage s the dQ
+rows (``bwd.dq.s``) and dK, dV rows (``bwd.dkv.s``) whose last task was in s
+are summed back to their hosts.
+
+Host reads: none with ``LocalGroup``; with ``TorchGroup`` the 4 S ``[P, P]``
+split matrices, stacked and copied once without blocking (``host_splits``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from attn_kernels import flex_attn, flex_attn_backward, merge_out_lse, row_delta
+from gpusolver.nvtx import nvtx_range
+from gpusolver.plan import Plan
+from groupcomm import TorchGroup, group_cast, group_reduce, host_splits
+
+_INTERNAL = dict(validate=False, flag_errors=False)
+KINDS = ("qo", "kv")
+WHICH = ("cast", "return")
+
+
+def stage_phase(base: str, stage: int) -> str:
+    """The byte-counter phase of ``base`` (``"fwd.qo"``, ...) in sub-stage ``stage`` (1..S)."""
+    return f"{base}.{stage}"
+
+
+@dataclass(frozen=True)
+class StageRoutes:
+    """The routing of each sub-stage's cast and reduce, for the ranks run here.
+
+    index[(kind, which)]:  S send lists, ``[send_cap]`` (``[P, send_cap]`` batched) int64.
+    split[(kind, which)]:  S ``[P, P]`` int64 split matrices.
+    host[(kind, which)]:   S host copies (``TorchGroup``), else S Nones.
+    gather[kind]:          S ``[cap]`` (``[P, cap]``) int64 rows of ``X``'s remote part that
+                           make each reduce's buffer (-1 past the fill).
+    """
+
+    num_stages: int
+    index: dict
+    split: dict
+    host: dict
+    gather: dict
+
+
+def stage_routes(plan: Plan, group, ranks: tuple[int, ...], batched: bool) -> StageRoutes:
+    comm = plan.comm
+    S = comm.num_stages
+
+    def per_rank(fn):
+        return torch.stack([fn(r) for r in ranks]) if batched else fn(ranks[0])
+
+    index, split, host = {}, {}, {}
+    for kind in KINDS:
+        for which in WHICH:
+            index[kind, which] = [per_rank(lambda r: comm.send_index(kind, r, s, which)) for s in range(1, S + 1)]
+            split[kind, which] = list(comm.stage_split(kind, which).unbind(0))
+    if isinstance(group, TorchGroup):
+        # the only host read: all 4 S matrices in one non-blocking copy, awaited by the first collective
+        stacked = torch.cat([comm.stage_split(kind, which) for kind in KINDS for which in WHICH])
+        parts = host_splits(stacked).parts()
+        for b, key in enumerate((kind, which) for kind in KINDS for which in WHICH):
+            host[key] = parts[b * S:(b + 1) * S]
+    else:
+        host = {key: [None] * S for key in index}
+    gather = {kind: list(per_rank(lambda r: comm.return_gather(kind, r)).unbind(1 if batched else 0))
+              for kind in KINDS}
+    return StageRoutes(num_stages=S, index=index, split=split, host=host, gather=gather)
+
+
+def _per_rank(ranks, batched, fn, *tensors):
+    if not batched:
+        return fn(ranks[0], *tensors)
+    outs = [fn(r, *(t[r] for t in tensors)) for r in ranks]
+    return tuple(torch.stack(parts) for parts in zip(*outs))
+
+
+def _slices(plan: Plan, rank: int, stage: int):
+    c = plan.calc
+    return c.q_ranges[rank, stage], c.k_ranges[rank, stage], c.attn_type[rank, stage]
+
+
+def _rows(x: torch.Tensor, lead: int, start: int, length: int) -> torch.Tensor:
+    return x.narrow(lead, start, length)
+
+
+class _Operands:
+    """``X = concat(local rows, S cast buffers)`` per tensor, filled cast by cast."""
+
+    def __init__(self, local: list[torch.Tensor], cap: int, S: int, lead: int):
+        self.n, self.cap, self.lead = local[0].shape[lead], cap, lead
+        self.x = []
+        for t in local:
+            shape = list(t.shape)
+            shape[lead] = self.n + S * cap
+            x = t.new_zeros(shape)
+            _rows(x, lead, 0, self.n).copy_(t)
+            self.x.append(x)
+
+    def fill(self, stage: int, bufs: list[torch.Tensor]) -> None:
+        for x, b in zip(self.x, bufs):
+            _rows(x, self.lead, self.n + (stage - 1) * self.cap, self.cap).copy_(b)
+
+    def prefix(self, stage: int) -> list[torch.Tensor]:
+        return [_rows(x, self.lead, 0, self.n + stage * self.cap) for x in self.x]
+
+
+def _gather_remote(x: torch.Tensor, gather: torch.Tensor, n: int, lead: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``gather`` of x's remote part as a reduce buffer in ``dtype`` (-1: row 0, past the fill:
+    never sent)."""
+    remote = x.narrow(lead, n, x.shape[lead] - n)
+    idx = gather.clamp(min=0)
+    if lead == 0:
+        return remote.index_select(0, idx).to(dtype)
+    b = torch.arange(remote.shape[0], device=idx.device)[:, None]
+    return remote[b, idx].to(dtype)
+
+
+def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql, kl, vl, scale: float,
+                   deterministic: bool):
+    """(o, lse, saved operand tensors [Xq, Xk, Xv]) of the S-sub-stage forward; rows group-major."""
+    lead = 1 if batched else 0
+    S, cap = sr.num_stages, plan.comm.recv_capacity
+    casts = []
+    with nvtx_range("comm/cast fwd.qo fwd.kv (stages)"):
+        for s in range(1, S + 1):
+            i = s - 1
+            cq = group_cast([ql], sr.index["qo", "cast"][i], sr.split["qo", "cast"][i], cap, group,
+                            phase=stage_phase("fwd.qo", s), host_split=sr.host["qo", "cast"][i], async_op=True,
+                            flag_errors=False)
+            ckv = group_cast([kl, vl], sr.index["kv", "cast"][i], sr.split["kv", "cast"][i], cap, group,
+                             phase=stage_phase("fwd.kv", s), host_split=sr.host["kv", "cast"][i], async_op=True,
+                             flag_errors=False)
+            casts.append((cq, ckv))
+    with nvtx_range("attn/fwd stage0"):
+        o0, l0 = _per_rank(ranks, batched, lambda r, q_, k_, v_: flex_attn(q_, k_, v_, *_slices(plan, r, 0), scale,
+                                                                            **_INTERNAL), ql, kl, vl)
+    X = _Operands([ql, kl, vl], cap, S, lead)
+    n = X.n
+    acc = _Operands([o0.float(), l0], cap, S, lead)   # running (out fp32, lse) of every row of X
+    _rows(acc.x[1], lead, n, S * cap).fill_(float("-inf"))
+    reduces = []
+    for s in range(1, S + 1):
+        i = s - 1
+        with nvtx_range(f"comm/wait fwd.qo fwd.kv {s}"):
+            (q_buf,), (k_buf, v_buf) = casts[i][0].wait(), casts[i][1].wait()
+        X.fill(s, [q_buf, k_buf, v_buf])
+        with nvtx_range(f"attn/fwd stage{s}"):
+            o_s, l_s = _per_rank(ranks, batched, lambda r, q_, k_, v_: flex_attn(
+                q_, k_, v_, *_slices(plan, r, s), scale, **_INTERNAL), *X.prefix(s))
+            a_o, a_l = acc.prefix(s)
+            o_m, l_m = _per_rank(ranks, batched, lambda r, a, b, c_, d: merge_out_lse(a, b, c_, d),
+                                 a_o, a_l, o_s, l_s)
+            a_o.copy_(o_m)
+            a_l.copy_(l_m)
+        partial = [_gather_remote(t, sr.gather["qo"][i], n, lead, d) for t, d in zip(acc.x, (o0.dtype, l0.dtype))]
+        neutral = [torch.zeros_like(o0), torch.full_like(l0, float("-inf"))]
+        with nvtx_range(f"comm/reduce fwd.o {s}"):
+            reduces.append(group_reduce(partial, sr.index["qo", "return"][i], sr.split["qo", "return"][i], neutral,
+                                        group, op="lse", phase=stage_phase("fwd.o", s),
+                                        host_split=sr.host["qo", "return"][i], deterministic=deterministic,
+                                        async_op=True, flag_errors=False))
+    o, lse = (_rows(t, lead, 0, n) for t in acc.x)
+    o = o.to(o0.dtype)
+    with nvtx_range("attn/fwd merge"):
+        for work in reduces:  # stage order: a fixed merge order
+            r_o, r_l = work.wait()
+            o, lse = _per_rank(ranks, batched, lambda r, a, b, c_, d: merge_out_lse(a, b, c_, d), o, lse, r_o, r_l)
+    return o.contiguous(), lse.contiguous(), X.x
+
+
+def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql, kl, vl, o, lse, kept,
+                    d_o, d_l, scale: float, deterministic: bool):
+    """(dq, dk, dv) group-major of the S-sub-stage backward. ``kept``: the forward's [Xq, Xk, Xv] or None."""
+    lead = 1 if batched else 0
+    S, cap = sr.num_stages, plan.comm.recv_capacity
+    with nvtx_range("attn/bwd delta"):
+        delta = _per_rank(ranks, batched, lambda r, a, b, *c_: (row_delta(a, b, c_[0] if c_ else None),),
+                          d_o, o, *(() if d_l is None else (d_l,)))[0]
+    sent = [d_o, lse, delta] + ([] if kept is not None else [ql])
+    casts = []
+    with nvtx_range("comm/cast bwd.qo (stages)"):
+        for s in range(1, S + 1):
+            i = s - 1
+            cq = group_cast(sent, sr.index["qo", "cast"][i], sr.split["qo", "cast"][i], cap, group,
+                            phase=stage_phase("bwd.qo", s), host_split=sr.host["qo", "cast"][i], async_op=True,
+                            flag_errors=False)
+            ckv = None if kept is not None else group_cast(
+                [kl, vl], sr.index["kv", "cast"][i], sr.split["kv", "cast"][i], cap, group,
+                phase=stage_phase("bwd.kv", s), host_split=sr.host["kv", "cast"][i], async_op=True,
+                flag_errors=False)
+            casts.append((cq, ckv))
+
+    def run(s):
+        def fn(r, *t):
+            return flex_attn_backward(*t, *_slices(plan, r, s), scale, **_INTERNAL)
+        return fn
+
+    with nvtx_range("attn/bwd stage0"):
+        dq0, dk0, dv0 = _per_rank(ranks, batched, run(0), d_o, ql, kl, vl, lse, delta)
+    Xg = _Operands([d_o, lse, delta], cap, S, lead)
+    Xqkv = kept if kept is not None else _Operands([ql, kl, vl], cap, S, lead).x
+    n = Xg.n
+    grads = _Operands([dq0.float(), dk0.float(), dv0.float()], cap, S, lead)  # fp32 sums over sub-stages
+    red_q, red_kv = [], []
+    for s in range(1, S + 1):
+        i = s - 1
+        with nvtx_range(f"comm/wait bwd.qo {s}"):
+            recv = casts[i][0].wait()
+        Xg.fill(s, recv[:3])
+        if kept is None:
+            k_buf, v_buf = casts[i][1].wait()
+            for x, b in zip(Xqkv, (recv[3], k_buf, v_buf)):
+                _rows(x, lead, n + i * cap, cap).copy_(b)
+        m = n + s * cap
+        g_do, g_lse, g_delta = Xg.prefix(s)
+        q_, k_, v_ = (_rows(x, lead, 0, m) for x in Xqkv)
+        with nvtx_range(f"attn/bwd stage{s}"):
+            parts = _per_rank(ranks, batched, run(s), g_do, q_, k_, v_, g_lse, g_delta)
+            for acc_, part in zip(grads.prefix(s), parts):
+                acc_.add_(part)
+        dq_x, dk_x, dv_x = grads.x
+        with nvtx_range(f"comm/reduce bwd.dq bwd.dkv {s}"):
+            red_q.append(group_reduce(
+                [_gather_remote(dq_x, sr.gather["qo"][i], n, lead, dq0.dtype)], sr.index["qo", "return"][i],
+                sr.split["qo", "return"][i], [torch.zeros_like(dq0)], group, op="sum",
+                phase=stage_phase("bwd.dq", s), host_split=sr.host["qo", "return"][i],
+                deterministic=deterministic, async_op=True, flag_errors=False))
+            red_kv.append(group_reduce(
+                [_gather_remote(t, sr.gather["kv"][i], n, lead, dk0.dtype) for t in (dk_x, dv_x)],
+                sr.index["kv", "return"][i], sr.split["kv", "return"][i],
+                [torch.zeros_like(dk0), torch.zeros_like(dv0)], group, op="sum",
+                phase=stage_phase("bwd.dkv", s), host_split=sr.host["kv", "return"][i],
+                deterministic=deterministic, async_op=True, flag_errors=False))
+    dq, dk, dv = (_rows(t, lead, 0, n) for t in grads.x)
+    for wq, wkv in zip(red_q, red_kv):  # stage order: a fixed summation order
+        (r_dq,), (r_dk, r_dv) = wq.wait(), wkv.wait()
+        dq, dk, dv = dq + r_dq.float(), dk + r_dk.float(), dv + r_dv.float()
+    return dq.to(dq0.dtype), dk.to(dk0.dtype), dv.to(dv0.dtype)
