@@ -101,6 +101,16 @@ def _per_rank(ranks, batched, fn, *tensors):
     return tuple(torch.stack(parts) for parts in zip(*outs))
 
 
+def _merge(o_a, l_a, o_b, l_b, lead: int):
+    """The log-sum-exp merge of two (out, lse) row sets; elementwise, so all ranks in one call."""
+    if lead == 0:
+        return merge_out_lse(o_a, l_a, o_b, l_b)
+    B, T = l_a.shape[:2]
+    flat = lambda x: x.reshape(B * T, *x.shape[2:])  # noqa: E731
+    o, lse = merge_out_lse(flat(o_a), flat(l_a), flat(o_b), flat(l_b))
+    return o.view(o_a.shape), lse.view(l_a.shape)
+
+
 def _slices(plan: Plan, rank: int, stage: int):
     c = plan.calc
     return c.q_ranges[rank, stage], c.k_ranges[rank, stage], c.attn_type[rank, stage]
@@ -175,8 +185,7 @@ def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql,
             o_s, l_s = _per_rank(ranks, batched, lambda r, q_, k_, v_: flex_attn(
                 q_, k_, v_, *_slices(plan, r, s), scale, **_INTERNAL), *X.prefix(s))
             a_o, a_l = acc.prefix(s)
-            o_m, l_m = _per_rank(ranks, batched, lambda r, a, b, c_, d: merge_out_lse(a, b, c_, d),
-                                 a_o, a_l, o_s, l_s)
+            o_m, l_m = _merge(a_o, a_l, o_s, l_s, lead)
             a_o.copy_(o_m)
             a_l.copy_(l_m)
         partial = [_gather_remote(t, sr.gather["qo"][i], n, lead, d) for t, d in zip(acc.x, (o0.dtype, l0.dtype))]
@@ -191,7 +200,7 @@ def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql,
     with nvtx_range("attn/fwd merge"):
         for work in reduces:  # stage order: a fixed merge order
             r_o, r_l = work.wait()
-            o, lse = _per_rank(ranks, batched, lambda r, a, b, c_, d: merge_out_lse(a, b, c_, d), o, lse, r_o, r_l)
+            o, lse = _merge(o, lse, r_o, r_l, lead)
     return o.contiguous(), lse.contiguous(), X.x
 
 
