@@ -66,6 +66,8 @@ def _read(path, map_location) -> dict:
 
 def _build(cls, values: dict, nested: dict):
     names = {f.name for f in dataclasses.fields(cls)}
+    optional = {f.name for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+    names = {n for n in names if n in values or n not in optional}  # a file may predate an optional field
     missing = names - set(values)
     if missing:
         raise ValueError(f"saved {cls.__name__} lacks fields {sorted(missing)}")
@@ -77,12 +79,14 @@ def load_plan(path: str | os.PathLike, *, map_location="cpu"):
     """The ``Plan`` saved at ``path``, its tensors on ``map_location``."""
     from gpusolver.metrics import PlanMetrics
     from gpusolver.plan.meta import CalcMeta, CommMeta, Plan
+    from gpusolver.problem import CommCost
 
     p = _read(path, map_location)["plan"]
     return _build(Plan, p, {
         "metrics": lambda d: _build(PlanMetrics, d, {}),
         "comm": lambda d: _build(CommMeta, d, {}),
         "calc": lambda d: _build(CalcMeta, d, {}),
+        "cost": lambda d: None if d is None else _build(CommCost, d, {}),
     })
 
 
