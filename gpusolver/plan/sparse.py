@@ -55,7 +55,8 @@ from gpusolver.masks.sparse import BlockSparseMask, NSALayerMask, TokenTopKMask
 from gpusolver.metrics import PlanMetrics, _volumes, evaluate
 from gpusolver.plan.build import plan_capacities
 from gpusolver.plan.calc_meta import build_calc_meta
-from gpusolver.plan.comm_meta import _recv_offsets, build_comm_meta, send_index
+from gpusolver.plan.comm_meta import _recv_offsets, build_comm_meta
+from gpusolver.plan.gather import send_index
 from gpusolver.plan.meta import (BUFFER_OVERFLOW, CALC_OVERFLOW, IMBALANCED, INVALID_MASK, NEED_MISMATCH, UNASSIGNED,
                                  CalcMeta, CommMeta, _explain_status)
 from gpusolver.problem import BlockAreas, CommCost
@@ -510,42 +511,3 @@ def default_kv_block(mask, config: SolverConfig) -> int | None:
         unit = mask.total_seqlen_k // config.num_units
         return mask.block_size if unit % mask.block_size == 0 else None
     return None
-
-
-def solve_sparse(mask, config: SolverConfig, *, areas: BlockAreas | None = None, solver: str = "device",
-                 impl: str = "auto", validate: bool | None = None, kv_block: int | None | str = "auto") -> SparsePlan:
-    """Solve one sparse layer from a whole-sequence mask (or its already gathered ``areas``).
-
-    mask:     BlockSparseMask, TokenTopKMask or NSALayerMask (rows of the whole sequence, or
-              any shard when ``areas`` are given: the sharded flow gathers them first).
-    config:   SolverConfig; the solver prices query moves with the selection bytes.
-    areas:    BlockAreas of the whole problem (default: computed from ``mask``, which must
-              then hold every row).
-    solver, impl: as in ``gpusolver.solve``.
-    validate: host-side checks of the mask values and the plan status (default: on for CPU).
-    kv_block: K and V as blocks of this many keys, or hulls (None); "auto": ``default_kv_block``
-              (needs the whole mask's rows).
-    """
-    from gpusolver.areas.sparse import sparse_areas, used_block_rows
-    from gpusolver.plan.sparse_ops import sparse_assignment
-
-    spec = SelectionSpec.of(mask, config.head_groups)
-    S = mask.total_seqlen_k
-    config.check_seqlen(S)
-    if validate is None:
-        validate = mask.device.type == "cpu" and not torch.compiler.is_compiling()
-    if validate:
-        mask.validate()
-    if areas is None:
-        areas = sparse_areas(mask, config.cp_size, config.head_groups, tiles=config.chunk_tiles)
-    if kv_block == "auto":
-        kv_block = default_kv_block(mask, config)
-    used = None if kv_block is None else used_block_rows(mask, config.num_units, config.head_groups, kv_block)
-    priced = sparse_config(config, spec)
-    assignment = sparse_assignment(areas, priced, solver=solver, impl=impl)
-    assignment = no_worse_than_owner(areas, assignment, config, spec, used, kv_block)
-    plan = build_sparse_plan(areas, assignment, config, spec, S, mask_error=mask.value_error(),
-                             used_blocks=used, kv_block=kv_block)
-    if validate:
-        plan.validate(ignore=IMBALANCED)
-    return plan
