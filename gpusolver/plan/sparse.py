@@ -27,19 +27,18 @@ KV as key blocks (``kv_block``, ``KVBlocks``): instead of one hull per (unit,
 destination), a destination receives exactly the blocks of ``kv_block`` keys
 that its tasks' rows attend (from every rank's all-gathered ``used`` block
 bitmaps). On NSA selections with ``kv_block = l`` that is the exact token set
-up to the causal clip of a query's own block, and it moved 5-19 % less than
-hulls per training step in ``benchmarks/sparse_bench.py`` (8K tokens per rank,
-P = 8 to 64, seeds 0-2) and 30 % less at 32K per rank; on DSA top-k it moves
-what hulls move. The stage tables then have one window per key block.
+up to the causal clip of a query's own block, which moves less than hulls;
+on DSA top-k it moves what hulls move (the figures:
+``benchmarks/results/sparse_bench.md``). The stage tables then have one
+window per key block.
 
 What the solver optimises and what moves: the device solver prices K and V
 as hulls per (unit, destination) (its state holds intervals), so with key
 blocks it minimises an upper bound of the bytes that move. A plan's
 ``metrics`` are what moves (the runtime's byte counters equal them), and
 ``no_worse_than_owner`` compares the solver's plan with owner-computes by what
-moves. The gap, moved / priced bytes per training step of the returned plan:
-NSA 0.90-0.95 at P = 8 to 32, 0.81 at P = 64 (8K per rank), 0.70 at P = 8 with
-32K per rank; DSA 1.000 (hulls move) (``benchmarks/results/sparse_bench.md``).
+moves. The gap between moved and priced bytes is reported per run in
+``benchmarks/results/sparse_bench.md`` (none on DSA, where hulls move).
 Nothing here reads device values except ``validate()`` and ``summary()``.
 """
 from __future__ import annotations
@@ -504,8 +503,8 @@ def build_sparse_plan(areas: BlockAreas, assignment: torch.Tensor, config: Solve
 
 def default_kv_block(mask, config: SolverConfig) -> int | None:
     """How K and V travel, as measured (``benchmarks/sparse_bench.py``): NSA selections as blocks of
-    their block size l (the exact token sets up to the causal clip: 5-30 % fewer bytes per step
-    than hulls), when l divides the unit size; token top-k and NSA layer masks as hulls (top-k
+    their block size l (the exact token sets up to the causal clip: fewer bytes per step than
+    hulls), when l divides the unit size; token top-k and NSA layer masks as hulls (top-k
     spreads over whole units: blocks would move the same; a window branch needs hull buffers)."""
     if isinstance(mask, BlockSparseMask):
         unit = mask.total_seqlen_k // config.num_units
