@@ -43,7 +43,7 @@ from gpusolver.plan.meta import IMBALANCED
 from gpusolver.plan.sparse import (SelectionSpec, SparsePlan, build_sparse_plan, default_kv_block, no_worse_than_owner,
                                    sparse_config)
 from gpusolver.plan.schedule import ATTN, CAST, DELTA, MERGE, REDUCE, WAIT, backward_ops, forward_ops
-from gpusolver.plan.sparse_ops import sparse_assignment
+from gpusolver.sparse_solve import sparse_assignment
 from gpusolver.runtime.dist_attn import LayerRoutes, issue, layer_routes, op_range
 from gpusolver.runtime.layout import from_group_major, to_group_major
 from groupcomm import TorchGroup, host_splits
