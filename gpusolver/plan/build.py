@@ -143,4 +143,4 @@ def build_plan(mask: AttnSlices, areas: BlockAreas, assignment: torch.Tensor, co
               | bit(flags["unassigned"], UNASSIGNED) | bit(flags["mismatch"], NEED_MISMATCH)
               | bit(mask.value_error(), INVALID_MASK))
     return Plan(assignment=assignment, metrics=metrics, comm=comm, calc=calc, status=status,
-                area=areas.area, imbalance_tol=mu, task_stage=task_stage)
+                area=areas.area, imbalance_tol=mu, cost=cost, stage_of_task=task_stage)

@@ -1,0 +1,54 @@
+"""Send lists as gather indices: which local rows a rank sends, in send order (sync-free).
+
+Its own module so that ``CommMeta`` (a dataclass in ``plan.meta``) and the
+builders in ``plan.comm_meta`` / ``plan.sparse`` share it without importing
+each other. See ``gpusolver.plan.meta`` for the group-major layout.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def send_index(rng: torch.Tensor, chunk: int, send_capacity: int) -> torch.Tensor:
+    """Gather indices into one source's group-major rows, in send order.
+
+    rng: [G, n, P(dst), 2] int64 chunk-local ranges of the source's n tiles
+         (or [G, P(dst), 2] without tiling).
+    Returns [send_capacity] int64: segments ordered by (dst, g, tile), rows of
+    segment (dst, g, tile) are ``g * c + lo + t``; -1 after the last row sent.
+    """
+    if rng.dim() == 3:
+        rng = rng[:, None]
+    G, n, P = rng.shape[0], rng.shape[1], rng.shape[2]
+    S = P * G * n
+    lo = rng[..., 0].permute(2, 0, 1).reshape(S)  # [(dst, g, tile)]
+    length = (rng[..., 1] - rng[..., 0]).permute(2, 0, 1).reshape(S)
+    ends = length.cumsum(dim=0)
+    starts = ends - length
+    pos = torch.arange(send_capacity, device=rng.device)
+    seg = torch.searchsorted(ends, pos, right=True).clamp_(max=S - 1)  # segment holding pos
+    g = seg // n % G
+    idx = g * chunk + lo[seg] + pos - starts[seg]
+    return torch.where(pos < ends[-1:], idx, -1)
+
+
+def return_gather(comm, kind: str, rank: int) -> torch.Tensor:
+    """``[S, recv_capacity]`` int64 rows of ``rank``'s sub-stage buffers (laid end to end, buffer s at
+    ``(s - 1) * recv_capacity``) that make reduce s's buffer, in its (host, g, tile) order; -1 past the fill."""
+    G, U, P = comm.qo_recv_offset.shape
+    n, S, cap = comm.tiles, comm.num_stages, comm.recv_capacity
+    rng = (comm.qo_range if kind == "qo" else comm.kv_range)[:, :, rank]            # [G, U, 2]
+    stage = (comm.qo_stage if kind == "qo" else comm.kv_stage)[:, :, rank]         # [G, U, 2]
+    cast_off = (comm.qo_recv_offset if kind == "qo" else comm.kv_recv_offset)[:, :, rank]
+    order = lambda x: x.reshape(G, P, n).permute(1, 0, 2).reshape(-1)  # noqa: E731  (host, g, tile)
+    length = order(rng[..., 1] - rng[..., 0])
+    base = order((stage[..., 0] - 1).clamp(min=0) * cap + cast_off)
+    last = order(stage[..., 1])
+    s = torch.arange(1, S + 1, device=length.device)[:, None]
+    per = length[None] * (last[None] == s)                                          # [S, M]
+    ends = per.cumsum(dim=1)
+    starts = ends - per
+    pos = torch.arange(cap, device=length.device).expand(S, cap).contiguous()
+    seg = torch.searchsorted(ends, pos, right=True).clamp_(max=length.numel() - 1)
+    idx = base[seg] + pos - starts.gather(1, seg)
+    return torch.where(pos < ends[:, -1:], idx, -1)
