@@ -288,16 +288,17 @@ class Plan:
         """S, remote sub-stages."""
         return self.calc.num_stages
 
-    def pair_bytes(self, phase: str, cost=None) -> torch.Tensor:
+    def pair_bytes(self, phase: str, cost=None, stage: int | None = None) -> torch.Tensor:
         """[P(src), P(dst)] int64 bytes the layer moves from source to destination (sync-free).
 
         phase: "fwd", "bwd", or one collective (``"fwd.qo"``, ``"fwd.kv"``, ``"fwd.o"``, ``"bwd.qo"``,
-        ``"bwd.kv"``, ``"bwd.dq"``, ``"bwd.dkv"``); cost: default the plan's own CommCost.
+        ``"bwd.kv"``, ``"bwd.dq"``, ``"bwd.dkv"``); cost: default the plan's own CommCost;
+        stage: None for all sub-stages, s in 1..S for sub-stage s's collectives alone.
         The sums over destinations and sources are the metrics' send and receive volumes.
         """
         from gpusolver.plan.schedule import pair_bytes
 
-        return pair_bytes(self, phase, self.cost if cost is None else cost)
+        return pair_bytes(self, phase, self.cost if cost is None else cost, stage)
 
     @property
     def task_stage(self) -> torch.Tensor:

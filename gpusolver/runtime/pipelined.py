@@ -11,21 +11,21 @@ travels once, in the cast of the first sub-stage that uses it, so sub-stage s
 reads only casts 1..s. ``X`` is allocated once and each cast's buffer is
 copied into its slot when that cast is waited for.
 
-Forward (``forward_stages``):
-1. casts 1..S of Q (``fwd.qo.s``) and of K, V (``fwd.kv.s``) are issued;
-2. stage 0 (local tasks) runs; then for s = 1..S: wait for cast s, run
-   sub-stage s, merge its partial (out, lse) into the rows of ``X`` it covers,
-   and send back the rows whose last task was in s (reduce ``fwd.o.s``, into
-   a neutral accumulator, in flight while s + 1 computes);
-3. the host merges its own rows with reduces 1..S in that order (the
-   log-sum-exp merge is associative, so the result is exact up to rounding, and
-   the fixed order makes it deterministic).
+Both passes execute ``gpusolver.plan.schedule``'s ``forward_ops(S + 1)`` /
+``backward_ops(S + 1)`` op by op (the lists the simulator prices):
 
-Backward (``backward_stages``) pipelines the same way: dO, lse and delta (and
-Q, K, V again without kept buffers) are cast per sub-stage (``bwd.qo.s``,
-``bwd.kv.s``) while the local stage's backward runs; after sub-stage s the dQ
-rows (``bwd.dq.s``) and dK, dV rows (``bwd.dkv.s``) whose last task was in s
-are summed back to their hosts.
+Forward: casts 1..S of Q (``fwd.qo.s``) and of K, V (``fwd.kv.s``) are issued
+up front; stage 0 (local tasks) runs; sub-stage s waits for cast s only, runs,
+merges its partial (out, lse) into the rows of ``X`` it covers, and sends back
+the rows whose last task was in s (reduce ``fwd.o.s``, into a neutral
+accumulator, in flight while s + 1 computes); last, the host merges its own
+rows with reduces 1..S in that order (the log-sum-exp merge is associative:
+exact up to rounding, and the fixed order makes it deterministic).
+
+Backward: dO, lse and delta (and Q, K, V again without kept buffers) are cast
+per sub-stage (``bwd.qo.s``, ``bwd.kv.s``) while the local stage's backward
+runs; after sub-stage s the dQ rows (``bwd.dq.s``) and dK, dV rows
+(``bwd.dkv.s``) whose last task was in s are summed back to their hosts.
 
 Host reads: none with ``LocalGroup``; with ``TorchGroup`` the 4 S ``[P, P]``
 split matrices, stacked and copied once without blocking (``host_splits``).
@@ -39,6 +39,7 @@ import torch
 from attn_kernels import flex_attn, flex_attn_backward, merge_out_lse, row_delta
 from gpusolver.nvtx import nvtx_range
 from gpusolver.plan import Plan
+from gpusolver.plan.schedule import ATTN, CAST, DELTA, MERGE, REDUCE, WAIT, Op, backward_ops, forward_ops
 from groupcomm import TorchGroup, group_cast, group_reduce, host_splits
 
 _INTERNAL = dict(validate=False, flag_errors=False)
@@ -92,6 +93,15 @@ def stage_routes(plan: Plan, group, ranks: tuple[int, ...], batched: bool) -> St
     gather = {kind: list(per_rank(lambda r: comm.return_gather(kind, r)).unbind(1 if batched else 0))
               for kind in KINDS}
     return StageRoutes(num_stages=S, index=index, split=split, host=host, gather=gather)
+
+
+def op_range(op: Op) -> str:
+    """The NVTX range of one scheduled op of sub-stage s (``comm/cast fwd.qo.2``, ``attn/fwd stage2``, ...)."""
+    if op.kind in (CAST, REDUCE, WAIT):
+        return f"comm/{op.kind} {stage_phase(op.phase, op.stages[0])}"
+    if op.kind == ATTN:
+        return f"attn/{op.phase} stage{op.stages[0]}"
+    return f"attn/{op.phase} {op.kind}"
 
 
 def _per_rank(ranks, batched, fn, *tensors):
@@ -152,123 +162,134 @@ def _gather_remote(x: torch.Tensor, gather: torch.Tensor, n: int, lead: int, dty
     return remote[b, idx].to(dtype)
 
 
+def _issue(op: Op, sr: StageRoutes, group, cap: int, tensors, acc=None, deterministic: bool = True):
+    """Start collective ``op`` of sub-stage ``op.stages[0]``: its Work."""
+    (s,) = op.stages
+    which = "return" if op.back else "cast"
+    key, i = (op.route, which), s - 1
+    phase = stage_phase(op.phase, s)
+    if op.kind == CAST:
+        return group_cast(list(tensors), sr.index[key][i], sr.split[key][i], cap, group, phase=phase,
+                          host_split=sr.host[key][i], async_op=True, flag_errors=False)
+    return group_reduce(list(tensors), sr.index[key][i], sr.split[key][i], list(acc), group,
+                        op="lse" if op.phase == "fwd.o" else "sum", phase=phase, host_split=sr.host[key][i],
+                        deterministic=deterministic, async_op=True, flag_errors=False)
+
+
 def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql, kl, vl, scale: float,
                    deterministic: bool):
-    """(o, lse, saved operand tensors [Xq, Xk, Xv]) of the S-sub-stage forward; rows group-major."""
+    """Run ``forward_ops(S + 1)``: (o, lse, the operand tensors [Xq, Xk, Xv] for the backward), group-major."""
     lead = 1 if batched else 0
     S, cap = sr.num_stages, plan.comm.recv_capacity
-    casts = []
-    with nvtx_range("comm/cast fwd.qo fwd.kv (stages)"):
-        for s in range(1, S + 1):
-            i = s - 1
-            cq = group_cast([ql], sr.index["qo", "cast"][i], sr.split["qo", "cast"][i], cap, group,
-                            phase=stage_phase("fwd.qo", s), host_split=sr.host["qo", "cast"][i], async_op=True,
-                            flag_errors=False)
-            ckv = group_cast([kl, vl], sr.index["kv", "cast"][i], sr.split["kv", "cast"][i], cap, group,
-                             phase=stage_phase("fwd.kv", s), host_split=sr.host["kv", "cast"][i], async_op=True,
-                             flag_errors=False)
-            casts.append((cq, ckv))
-    with nvtx_range("attn/fwd stage0"):
-        o0, l0 = _per_rank(ranks, batched, lambda r, q_, k_, v_: flex_attn(q_, k_, v_, *_slices(plan, r, 0), scale,
-                                                                            **_INTERNAL), ql, kl, vl)
-    X = _Operands([ql, kl, vl], cap, S, lead)
-    n = X.n
-    acc = _Operands([o0.float(), l0], cap, S, lead)   # running (out fp32, lse) of every row of X
-    _rows(acc.x[1], lead, n, S * cap).fill_(float("-inf"))
-    reduces = []
-    for s in range(1, S + 1):
-        i = s - 1
-        with nvtx_range(f"comm/wait fwd.qo fwd.kv {s}"):
-            (q_buf,), (k_buf, v_buf) = casts[i][0].wait(), casts[i][1].wait()
-        X.fill(s, [q_buf, k_buf, v_buf])
-        with nvtx_range(f"attn/fwd stage{s}"):
-            o_s, l_s = _per_rank(ranks, batched, lambda r, q_, k_, v_: flex_attn(
-                q_, k_, v_, *_slices(plan, r, s), scale, **_INTERNAL), *X.prefix(s))
-            a_o, a_l = acc.prefix(s)
-            o_m, l_m = _merge(a_o, a_l, o_s, l_s, lead)
-            a_o.copy_(o_m)
-            a_l.copy_(l_m)
-        partial = [_gather_remote(t, sr.gather["qo"][i], n, lead, d) for t, d in zip(acc.x, (o0.dtype, l0.dtype))]
-        neutral = [torch.zeros_like(o0), torch.full_like(l0, float("-inf"))]
-        with nvtx_range(f"comm/reduce fwd.o {s}"):
-            reduces.append(group_reduce(partial, sr.index["qo", "return"][i], sr.split["qo", "return"][i], neutral,
-                                        group, op="lse", phase=stage_phase("fwd.o", s),
-                                        host_split=sr.host["qo", "return"][i], deterministic=deterministic,
-                                        async_op=True, flag_errors=False))
-    o, lse = (_rows(t, lead, 0, n) for t in acc.x)
-    o = o.to(o0.dtype)
-    with nvtx_range("attn/fwd merge"):
-        for work in reduces:  # stage order: a fixed merge order
-            r_o, r_l = work.wait()
-            o, lse = _merge(o, lse, r_o, r_l, lead)
-    return o.contiguous(), lse.contiguous(), X.x
+    sent = {"qo": (ql,), "kv": (kl, vl)}
+    works, returned = {}, []
+    X = acc = None
+    n = ql.shape[lead]
+    for op in forward_ops(S + 1):
+        with nvtx_range(op_range(op)):
+            if op.kind == CAST:
+                works[op.name] = _issue(op, sr, group, cap, sent[op.route])
+            elif op.kind == WAIT and op.back:
+                returned.append(works[op.deps[0]].wait())
+            elif op.kind == WAIT:
+                (s,) = op.stages
+                bufs = works[op.deps[0]].wait()
+                (X if op.route == "qo" else Xkv).fill(s, bufs)
+            elif op.kind == ATTN and op.stages == (0,):
+                o0, l0 = _per_rank(ranks, batched, lambda r, q_, k_, v_: flex_attn(
+                    q_, k_, v_, *_slices(plan, r, 0), scale, **_INTERNAL), ql, kl, vl)
+                X, Xkv = _Operands([ql], cap, S, lead), _Operands([kl, vl], cap, S, lead)
+                acc = _Operands([o0.float(), l0], cap, S, lead)   # running (out fp32, lse) of every row of X
+                _rows(acc.x[1], lead, n, S * cap).fill_(float("-inf"))
+            elif op.kind == ATTN:
+                (s,) = op.stages
+                o_s, l_s = _per_rank(ranks, batched, lambda r, q_, k_, v_: flex_attn(
+                    q_, k_, v_, *_slices(plan, r, s), scale, **_INTERNAL), *X.prefix(s), *Xkv.prefix(s))
+                a_o, a_l = acc.prefix(s)
+                o_m, l_m = _merge(a_o, a_l, o_s, l_s, lead)
+                a_o.copy_(o_m)
+                a_l.copy_(l_m)
+            elif op.kind == REDUCE:
+                (s,) = op.stages
+                partial = [_gather_remote(t, sr.gather["qo"][s - 1], n, lead, d)
+                           for t, d in zip(acc.x, (o0.dtype, l0.dtype))]
+                neutral = (torch.zeros_like(o0), torch.full_like(l0, float("-inf")))
+                works[op.name] = _issue(op, sr, group, cap, partial, neutral, deterministic)
+            elif op.kind == MERGE:  # the host's rows, then reduces 1..S in that order: a fixed merge order
+                o, lse = (_rows(t, lead, 0, n) for t in acc.x)
+                for r_o, r_l in returned:
+                    o, lse = _merge(o, lse, r_o, r_l, lead)
+            else:
+                raise AssertionError(f"dist_attn cannot run forward op {op}")
+    return o.to(o0.dtype).contiguous(), lse.contiguous(), X.x + Xkv.x
 
 
 def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql, kl, vl, o, lse, kept,
                     d_o, d_l, scale: float, deterministic: bool):
-    """(dq, dk, dv) group-major of the S-sub-stage backward. ``kept``: the forward's [Xq, Xk, Xv] or None."""
+    """Run ``backward_ops(S + 1)``: (dq, dk, dv) group-major. ``kept``: the forward's [Xq, Xk, Xv] or None."""
     lead = 1 if batched else 0
     S, cap = sr.num_stages, plan.comm.recv_capacity
-    with nvtx_range("attn/bwd delta"):
-        delta = _per_rank(ranks, batched, lambda r, a, b, *c_: (row_delta(a, b, c_[0] if c_ else None),),
-                          d_o, o, *(() if d_l is None else (d_l,)))[0]
-    sent = [d_o, lse, delta] + ([] if kept is not None else [ql])
-    casts = []
-    with nvtx_range("comm/cast bwd.qo (stages)"):
-        for s in range(1, S + 1):
-            i = s - 1
-            cq = group_cast(sent, sr.index["qo", "cast"][i], sr.split["qo", "cast"][i], cap, group,
-                            phase=stage_phase("bwd.qo", s), host_split=sr.host["qo", "cast"][i], async_op=True,
-                            flag_errors=False)
-            ckv = None if kept is not None else group_cast(
-                [kl, vl], sr.index["kv", "cast"][i], sr.split["kv", "cast"][i], cap, group,
-                phase=stage_phase("bwd.kv", s), host_split=sr.host["kv", "cast"][i], async_op=True,
-                flag_errors=False)
-            casts.append((cq, ckv))
+    n = ql.shape[lead]
+    works, returned = {}, []
+    Xqkv = kept if kept is not None else _Operands([ql, kl, vl], cap, S, lead).x
+    delta = Xg = grads = None
 
     def run(s):
         def fn(r, *t):
             return flex_attn_backward(*t, *_slices(plan, r, s), scale, **_INTERNAL)
         return fn
 
-    with nvtx_range("attn/bwd stage0"):
-        dq0, dk0, dv0 = _per_rank(ranks, batched, run(0), d_o, ql, kl, vl, lse, delta)
-    Xg = _Operands([d_o, lse, delta], cap, S, lead)
-    Xqkv = kept if kept is not None else _Operands([ql, kl, vl], cap, S, lead).x
-    n = Xg.n
-    grads = _Operands([dq0.float(), dk0.float(), dv0.float()], cap, S, lead)  # fp32 sums over sub-stages
-    red_q, red_kv = [], []
-    for s in range(1, S + 1):
-        i = s - 1
-        with nvtx_range(f"comm/wait bwd.qo {s}"):
-            recv = casts[i][0].wait()
-        Xg.fill(s, recv[:3])
-        if kept is None:
-            k_buf, v_buf = casts[i][1].wait()
-            for x, b in zip(Xqkv, (recv[3], k_buf, v_buf)):
-                _rows(x, lead, n + i * cap, cap).copy_(b)
-        m = n + s * cap
-        g_do, g_lse, g_delta = Xg.prefix(s)
-        q_, k_, v_ = (_rows(x, lead, 0, m) for x in Xqkv)
-        with nvtx_range(f"attn/bwd stage{s}"):
-            parts = _per_rank(ranks, batched, run(s), g_do, q_, k_, v_, g_lse, g_delta)
-            for acc_, part in zip(grads.prefix(s), parts):
-                acc_.add_(part)
-        dq_x, dk_x, dv_x = grads.x
-        with nvtx_range(f"comm/reduce bwd.dq bwd.dkv {s}"):
-            red_q.append(group_reduce(
-                [_gather_remote(dq_x, sr.gather["qo"][i], n, lead, dq0.dtype)], sr.index["qo", "return"][i],
-                sr.split["qo", "return"][i], [torch.zeros_like(dq0)], group, op="sum",
-                phase=stage_phase("bwd.dq", s), host_split=sr.host["qo", "return"][i],
-                deterministic=deterministic, async_op=True, flag_errors=False))
-            red_kv.append(group_reduce(
-                [_gather_remote(t, sr.gather["kv"][i], n, lead, dk0.dtype) for t in (dk_x, dv_x)],
-                sr.index["kv", "return"][i], sr.split["kv", "return"][i],
-                [torch.zeros_like(dk0), torch.zeros_like(dv0)], group, op="sum",
-                phase=stage_phase("bwd.dkv", s), host_split=sr.host["kv", "return"][i],
-                deterministic=deterministic, async_op=True, flag_errors=False))
-    dq, dk, dv = (_rows(t, lead, 0, n) for t in grads.x)
-    for wq, wkv in zip(red_q, red_kv):  # stage order: a fixed summation order
-        (r_dq,), (r_dk, r_dv) = wq.wait(), wkv.wait()
-        dq, dk, dv = dq + r_dq.float(), dk + r_dk.float(), dv + r_dv.float()
+    def fill(x, s, bufs):
+        for t, b in zip(x, bufs):
+            _rows(t, lead, n + (s - 1) * cap, cap).copy_(b)
+
+    for op in backward_ops(S + 1, kept is not None):
+        with nvtx_range(op_range(op)):
+            if op.kind == DELTA:  # the host computes delta from its final O: O itself never travels
+                delta = _per_rank(ranks, batched, lambda r, a, b, *c_: (row_delta(a, b, c_[0] if c_ else None),),
+                                  d_o, o, *(() if d_l is None else (d_l,)))[0]
+                Xg = _Operands([d_o, lse, delta], cap, S, lead)
+            elif op.kind == CAST:
+                tensors = ((d_o, lse, delta) + (() if kept is not None else (ql,))) if op.route == "qo" else (kl, vl)
+                works[op.name] = _issue(op, sr, group, cap, tensors)
+            elif op.kind == WAIT and op.back:
+                returned.append((op.phase, works[op.deps[0]].wait()))
+            elif op.kind == WAIT:
+                (s,) = op.stages
+                bufs = works[op.deps[0]].wait()
+                if op.route == "qo":
+                    Xg.fill(s, bufs[:3])
+                    if kept is None:
+                        fill(Xqkv[:1], s, bufs[3:])
+                else:
+                    fill(Xqkv[1:], s, bufs)
+            elif op.kind == ATTN and op.stages == (0,):
+                dq0, dk0, dv0 = _per_rank(ranks, batched, run(0), d_o, ql, kl, vl, lse, delta)
+                grads = _Operands([dq0.float(), dk0.float(), dv0.float()], cap, S, lead)  # fp32 sums
+            elif op.kind == ATTN:
+                (s,) = op.stages
+                m = n + s * cap
+                g_do, g_lse, g_delta = Xg.prefix(s)
+                q_, k_, v_ = (_rows(x, lead, 0, m) for x in Xqkv)
+                parts = _per_rank(ranks, batched, run(s), g_do, q_, k_, v_, g_lse, g_delta)
+                for acc_, part in zip(grads.prefix(s), parts):
+                    acc_.add_(part)
+            elif op.kind == REDUCE:
+                (s,) = op.stages
+                kind = "qo" if op.phase == "bwd.dq" else "kv"
+                pick = grads.x[:1] if kind == "qo" else grads.x[1:]
+                dtype = dq0.dtype if kind == "qo" else dk0.dtype
+                partial = [_gather_remote(t, sr.gather[kind][s - 1], n, lead, dtype) for t in pick]
+                works[op.name] = _issue(op, sr, group, cap, partial,
+                                        [torch.zeros_like(dq0)] if kind == "qo" else
+                                        [torch.zeros_like(dk0), torch.zeros_like(dv0)], deterministic)
+            elif op.kind == MERGE:  # the host's rows plus reduces 1..S in that order: a fixed summation order
+                dq, dk, dv = (_rows(t, lead, 0, n) for t in grads.x)
+                for phase, parts in returned:
+                    if phase == "bwd.dq":
+                        dq = dq + parts[0].float()
+                    else:
+                        dk, dv = dk + parts[0].float(), dv + parts[1].float()
+            else:
+                raise AssertionError(f"dist_attn cannot run backward op {op}")
     return dq.to(dq0.dtype), dk.to(dk0.dtype), dv.to(dv0.dtype)
