@@ -10,10 +10,21 @@ that every rank holds); the module solves the mask on the device and runs
 Masks are solved once per step and name: layers that pass the same mask
 object under the same ``mask_name`` share one solve (a model with sliding-
 window and global layers names the two masks, so they do not evict each
-other). A new mask object under a name solves again.
+other). A new mask object under a name solves again, and so does the same
+object once one of its tensors was written in place (the entry keeps the
+tensors' version counters).
+
+Under ``torch.compile`` the cache is not used at all: a compiled graph keeps
+what it read while tracing, so a cached plan inside a graph would be reused
+for every later mask. Each layer solves inside the graph instead (the solve
+is sync-free), which makes a compiled layer correct for any sequence of
+masks of one shape with no recompile per mask. A compiled model that wants
+one solve per step for several layers solves once (``layer.plan_for``)
+and passes ``plan=`` to each layer (docs/debugging.md, "torch.compile").
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -31,9 +42,27 @@ from gpusolver.runtime.sparse_attn import (SPARSE_MASKS, local_selection, mask_o
 from gpusolver.solve import solve
 
 
+def mask_tensors(mask) -> tuple[torch.Tensor, ...]:
+    """Every tensor of a mask (a slice or sparse mask dataclass, nested ones included)."""
+    out = []
+    for f in dataclasses.fields(mask):
+        x = getattr(mask, f.name)
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif dataclasses.is_dataclass(x):
+            out.extend(mask_tensors(x))
+    return tuple(out)
+
+
+def _versions(mask) -> tuple[int, ...]:
+    # a tensor's version counter moves on every in-place write: host metadata, no host read
+    return tuple(t._version for t in mask_tensors(mask))
+
+
 @dataclass
 class _Entry:
     mask: AttnSlices
+    versions: tuple[int, ...]
     config: SolverConfig
     plan: Plan
 
@@ -42,19 +71,31 @@ class PlanCache:
     """The last plan solved for each mask name (shared by the layers of a model).
 
     ``get(name, mask, config)`` returns the cached plan when ``mask`` is the very
-    object it was solved for (identity, no host read) under the same config, else None.
+    object it was solved for (identity, no host read), none of its tensors was
+    written since (version counters) and the config is the same; else None.
+
+    Inside a ``torch.compile`` trace ``get`` answers None and ``put`` stores
+    nothing: a hit would be baked into the graph and replayed for every later
+    mask, and a store would make the next call recompile. Compiled layers
+    solve in the graph or take ``plan=``.
     """
 
     def __init__(self):
         self._entries: dict[str, _Entry] = {}
-        self.solves = 0  # how many plans were solved through this cache
+        self.solves = 0  # how many plans were solved through this cache (eager calls)
 
     def get(self, name: str, mask: AttnSlices, config: SolverConfig) -> Plan | None:
+        if torch.compiler.is_compiling():
+            return None
         e = self._entries.get(name)
-        return e.plan if e is not None and e.mask is mask and e.config == config else None
+        if e is None or e.mask is not mask or e.config != config or e.versions != _versions(mask):
+            return None
+        return e.plan
 
     def put(self, name: str, mask: AttnSlices, config: SolverConfig, plan: Plan) -> None:
-        self._entries[name] = _Entry(mask, config, plan)
+        if torch.compiler.is_compiling():
+            return
+        self._entries[name] = _Entry(mask, _versions(mask), config, plan)
         self.solves += 1
 
     def clear(self) -> None:
