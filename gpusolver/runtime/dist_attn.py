@@ -168,7 +168,9 @@ class _DistAttn(torch.autograd.Function):
         routes, group, scale = ctx.routes, ctx.group, ctx.scale
         lead = 1 if routes.batched else 0
         G, cap = routes.groups, routes.capacity
-        ql, kl, vl, o, lse = ctx.saved_tensors[:5]
+        # read once: non-reentrant checkpointing unpacks each saved tensor a single time
+        saved = ctx.saved_tensors
+        ql, kl, vl, o, lse = saved[:5]
         d_o = torch.zeros_like(o) if d_out is None else to_group_major(d_out, G, lead).contiguous()
         d_l = None if d_lse is None else to_group_major(d_lse, G, lead).contiguous()
         # the host computes delta from its final O: O itself never travels
@@ -181,7 +183,7 @@ class _DistAttn(torch.autograd.Function):
                               host_split=routes.qo_host, flag_errors=False)
         d_o_buf, lse_buf, delta_buf = recv[:3]
         if ctx.keep:
-            q_buf, k_buf, v_buf = ctx.saved_tensors[5:]
+            q_buf, k_buf, v_buf = saved[5:]
         else:
             q_buf = recv[3]
             with nvtx_range("comm/cast bwd.kv"):
