@@ -39,9 +39,10 @@ from attn_kernels import flex_attn, flex_attn_backward, merge_out_lse, row_delta
 from gpusolver import errors
 from gpusolver.nvtx import nvtx_range
 from gpusolver.plan import IMBALANCED, Plan
+from gpusolver.plan.sparse import SparsePlan
 from gpusolver.runtime.layout import from_group_major, to_group_major
 from gpusolver.support import check_supported
-from groupcomm import CollectiveError, TorchGroup, group_cast, group_reduce, host_splits
+from groupcomm import CollectiveError, TorchGroup, as_group, group_cast, group_reduce, host_splits
 
 # The stages run the plan's own tables, checked once per layer through the plan's status
 # (validation: plan.validate(); sync-free: one device flag), so the calls skip their own checks.
@@ -323,7 +324,8 @@ def dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, gro
             natural order); with a ``LocalGroup`` every rank's shard, ``[P, c, Hq, D]``.
         k, v: ``[c, Hkv, D]`` (``[P, c, Hkv, D]``), Hq a multiple of Hkv (GQA, or MHA).
         plan: the layer's ``Plan`` (``gpusolver.solve``), for the same P, G and c.
-        group: ``LocalGroup``, ``TorchGroup`` or ``SymmMemGroup`` (``groupcomm``).
+        group: ``LocalGroup``, ``TorchGroup`` or ``SymmMemGroup`` (``groupcomm``), or a
+            ``torch.distributed`` process group (wrapped as ``groupcomm.default_group`` does).
         softmax_scale: default ``D ** -0.5``.
         deterministic: partial results are reduced rank by rank in a fixed order
             (no float atomics), so outputs are bit-identical across runs.
@@ -345,6 +347,11 @@ def dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, gro
         no valid key gives out 0 and lse -inf), with a leading ``[P]`` for ``LocalGroup``.
         Differentiable in q, k and v.
     """
+    group = as_group(group)
+    if not isinstance(plan, Plan):
+        hint = " (a sparse mask's plan: run it with sparse_dist_attn or DynamicCPAttention)" \
+            if isinstance(plan, SparsePlan) else ""
+        raise TypeError(f"plan must be a Plan (gpusolver.solve), got {type(plan).__name__}{hint}")
     _check_inputs(q, k, v, plan, group)
     check_supported(q, k, v, group)  # the support matrix (docs/support_matrix.md), host metadata only
     if validate is None:

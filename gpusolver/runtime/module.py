@@ -40,6 +40,8 @@ from gpusolver.runtime.dist_attn import config_digest, dist_attn
 from gpusolver.runtime.sparse_attn import (SPARSE_MASKS, local_selection, mask_on_device, solve_sparse_sharded,
                                            sparse_dist_attn)
 from gpusolver.solve import solve
+from gpusolver.support import HEAD_DIMS
+from groupcomm import as_group
 
 
 def mask_tensors(mask) -> tuple[torch.Tensor, ...]:
@@ -126,7 +128,8 @@ class DynamicCPAttention(nn.Module):
 
     Args:
         group: ``groupcomm`` group (``LocalGroup(P)``, ``TorchGroup``, ``SymmMemGroup``;
-            ``groupcomm.default_group()`` picks one).
+            ``groupcomm.default_group()`` picks one), or a ``torch.distributed`` process group,
+            wrapped as ``default_group`` does.
         config: ``SolverConfig`` (P, heads, D, dtype, mu, capacities,
             ``keep_forward_buffers``); ``cp_size`` must equal the group's size.
         solver, impl: as in ``gpusolver.solve``.
@@ -147,6 +150,10 @@ class DynamicCPAttention(nn.Module):
                  plan_cache: PlanCache | None = None, validate: bool | None = None,
                  check_every: int | None = None, debug_digest: bool = False):
         super().__init__()
+        group = as_group(group)
+        if config.head_dim not in HEAD_DIMS:  # the kernels' list: fail here, not after the first solve
+            raise ValueError(f"config.head_dim={config.head_dim} is not a head dim of the attention kernels "
+                             f"{HEAD_DIMS}")
         if config.cp_size != group.size:
             raise ValueError(f"config.cp_size={config.cp_size} but the group has {group.size} ranks")
         if check_every is not None and (isinstance(check_every, bool) or not isinstance(check_every, int)
@@ -194,6 +201,7 @@ class DynamicCPAttention(nn.Module):
         ``(out_sel, out_win)`` (with lse: ``((out, lse), (out, lse))``)."""
         if (mask is None) == (plan is None):
             raise ValueError("pass exactly one of mask= and plan=")
+        self._check_heads(q, k, v)
         if not torch.compiler.is_compiling():
             errors.arm(q.device)  # the flag table exists before a compiled call records into it
         res = self._forward(q, k, v, mask, plan, mask_name, return_lse)
@@ -203,6 +211,18 @@ class DynamicCPAttention(nn.Module):
             if self._calls % self.check_every == 0:
                 errors.check_errors()
         return res
+
+    def _check_heads(self, q, k, v) -> None:
+        """q, k, v heads and head dim against the config the plans are solved for (host metadata)."""
+        c = self.config
+        for name, t, heads in (("q", q, c.num_heads_q), ("k", k, c.num_heads_kv), ("v", v, c.num_heads_kv)):
+            if t.dim() < 2:
+                raise ValueError(f"{name} must be [c, H, D] (or [P, c, H, D]), got shape {tuple(t.shape)}")
+            if t.shape[-2] != heads:
+                field = "num_heads_q" if name == "q" else "num_heads_kv"
+                raise ValueError(f"{name} has {t.shape[-2]} heads but config.{field}={heads}")
+            if t.shape[-1] != c.head_dim:
+                raise ValueError(f"{name} has head dim {t.shape[-1]} but config.head_dim={c.head_dim}")
 
     def _forward(self, q, k, v, mask, plan, mask_name: str, return_lse: bool):
         if isinstance(mask, SPARSE_MASKS):
