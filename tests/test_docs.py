@@ -1,8 +1,11 @@
 """Every ```python block of README.md and docs/**/*.md runs, one test per block (id: file:line).
 
 Blocks are written at CPU sizes so that they run here as they read; blocks in
-other fence languages (bash, text, plain) are not run. Each block runs in a
-fresh namespace in a temporary working directory.
+other fence languages (bash, text, plain) are not run. The blocks of one file
+share a namespace and run in order, as a reader would run them: a block may
+use what an earlier block of its page defined. A block selected alone first
+runs the earlier blocks of its file. Each file runs in its own temporary
+working directory.
 """
 from __future__ import annotations
 
@@ -57,9 +60,36 @@ def test_blocks_are_found(tmp_path):
     assert _blocks(md) == [(3, "x = 1"), (9, "y = 2\nz = 3")]
 
 
+# per file: (namespace, working directory, lines of the blocks run in it so far)
+_PAGES: dict[str, tuple[dict, Path, list[int]]] = {}
+
+
+def _run(rel: str, line: int, code: str, namespace: dict) -> None:
+    # padded so that line numbers in a traceback point into the markdown file
+    exec(compile("\n" * (line - 1) + code, str(ROOT / rel), "exec"), namespace)
+
+
 @pytest.mark.parametrize("rel, line, code", CASES)
-def test_doc_block_runs(rel, line, code, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    # line numbers in a traceback point into the markdown file
-    compiled = compile("\n" * (line - 1) + code, str(ROOT / rel), "exec")
-    exec(compiled, {"__name__": f"doc_block_{line}"})
+def test_doc_block_runs(rel, line, code, tmp_path_factory, monkeypatch):
+    if rel not in _PAGES:
+        _PAGES[rel] = ({"__name__": "doc_page"}, tmp_path_factory.mktemp("doc"), [])
+    namespace, cwd, done = _PAGES[rel]
+    monkeypatch.chdir(cwd)
+    for earlier, earlier_code in _blocks(ROOT / rel):
+        if earlier < line and earlier not in done:
+            done.append(earlier)
+            _run(rel, earlier, earlier_code, namespace)
+    done.append(line)
+    _run(rel, line, code, namespace)
+
+
+LINK = re.compile(r"\]\(([^)#\s]+)(#[^)\s]*)?\)")
+
+
+@pytest.mark.parametrize("rel", [c.as_posix() for c in [Path("README.md")] + sorted(
+    p.relative_to(ROOT) for p in (ROOT / "docs").rglob("*.md"))] + ["CHANGELOG.md"])
+def test_relative_links_resolve(rel):
+    path = ROOT / rel
+    missing = [target for target, _ in LINK.findall(path.read_text())
+               if "://" not in target and not (path.parent / target).exists()]
+    assert not missing, f"{rel} links to missing files: {missing}"
