@@ -115,7 +115,8 @@ def build_plan(mask: AttnSlices, areas: BlockAreas, assignment: torch.Tensor, co
                    (default: ``plan_capacities``); with ``config.num_stages`` S > 1 each
                    sub-stage has its own receive buffer of ``recv_capacity`` rows.
     topology:      the cluster (``gpusolver.topology.Topology``) for the order of the
-                   sub-stages (intra-node sources first); None: one link class.
+                   sub-stages (intra-node sources first); None: ``config.topology`` if the
+                   config has one, else one link class.
 
     Returns a Plan whose shapes depend only on (config, R, c, capacities).
     Problems are reported in ``plan.status``; call ``plan.validate()`` on the
@@ -130,6 +131,8 @@ def build_plan(mask: AttnSlices, areas: BlockAreas, assignment: torch.Tensor, co
     cost = config.cost()
     metrics = evaluate(areas, assignment, cost)
     S = config.num_stages
+    if topology is None:  # the config's cluster, where the config carries one
+        topology = getattr(config, "topology", None)
     task_stage = assign_stages(areas, assignment, S, cost=cost, topology=topology)
     comm, comm_overflow = build_comm_meta(areas, assignment, recv_capacity=recv_cap, send_capacity=send_cap,
                                           task_stage=task_stage, num_stages=S)
