@@ -399,16 +399,23 @@ def _explain_status(plan: Plan, ignore: int) -> list[str]:
                        f"capacity {cap}: raise SolverConfig.max_stage_slices")
     if status & BUFFER_OVERFLOW:
         m = plan.comm
+        before = len(out)
         for kind, rows, split in (("QO", m.qo_recv_rows, m.qo_split), ("KV", m.kv_recv_rows, m.kv_split)):
-            rows, sent = rows.cpu(), split.sum(1).cpu()
-            if (rows > m.recv_capacity).any():
-                r = int(rows.argmax())
-                out.append(f"BUFFER_OVERFLOW: rank {r} receives {int(rows[r])} {kind} rows, receive capacity "
-                           f"{m.recv_capacity}: raise build_plan(recv_capacity=...)")
+            sent = split.sum(1).cpu()
+            # one receive buffer per sub-stage: [S, P] rows each rank receives in each cast
+            per = m.stage_split(kind.lower()).sum(1).cpu()
+            if (per > m.recv_capacity).any():
+                s_, r = divmod(int(per.argmax()), per.shape[1])
+                where = "" if m.num_stages == 1 else f" in sub-stage {s_ + 1}"
+                out.append(f"BUFFER_OVERFLOW: rank {r} receives {int(per[s_, r])} {kind} rows{where}, receive "
+                           f"capacity {m.recv_capacity}: raise build_plan(recv_capacity=...)")
             if (sent > m.send_capacity).any():
                 r = int(sent.argmax())
                 out.append(f"BUFFER_OVERFLOW: rank {r} sends {int(sent[r])} {kind} rows, send capacity "
                            f"{m.send_capacity}: raise build_plan(send_capacity=...)")
+        if len(out) == before:
+            out.append("BUFFER_OVERFLOW: a slice piece lies past its receive buffer: raise "
+                       "build_plan(recv_capacity=...)")
     if status & INVALID_MASK:
         out.append("INVALID_MASK: a slice range is reversed or outside [0, S), or a type code is not 0..3; "
                    "mask.validate() names the row")

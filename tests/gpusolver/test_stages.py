@@ -140,3 +140,14 @@ def test_sparse_plans_refuse_sub_stages():
     topk = (torch.arange(P * c)[:, None] - torch.arange(4)).clamp(min=-1)
     with pytest.raises(ValueError, match="num_stages=2: sparse plans"):
         solve(TokenTopKMask(topk.to(torch.int32), P * c), make_config(P, 4, 2, num_stages=2))
+
+
+def test_overflow_of_one_sub_stage_is_named():
+    """A buffer per sub-stage: past the capacity in one cast is BUFFER_OVERFLOW, named with its sub-stage."""
+    mask, areas, plan, config = _solved(S=2)
+    per = plan.comm.stage_split("kv").sum(1)
+    cap = int(per.max()) - 1
+    assert cap >= int(per.min())
+    small = build_plan(mask, areas, plan.assignment, config, recv_capacity=cap)
+    with pytest.raises(ValueError, match=r"BUFFER_OVERFLOW: rank \d+ receives \d+ KV rows in sub-stage [12]"):
+        small.validate(ignore=1)
