@@ -77,18 +77,24 @@ class TorchGroup:
 
     ``timeout`` bounds each wait (default: the process group's own timeout);
     a failed or timed-out exchange raises ``CollectiveError``.
+    ``transport``: ``"a2a"`` (default) moves each call's rows in one ``all_to_all_single``;
+    ``"p2p"`` posts one send and one receive per peer with rows to move
+    (``batch_isend_irecv``), so a pair's rows need not wait for the whole group.
     ``traffic(phase)`` returns this rank's (sent, recv) bytes as host ints.
     """
 
     batched = False
 
-    def __init__(self, process_group=None, timeout: timedelta | None = None):
+    def __init__(self, process_group=None, timeout: timedelta | None = None, transport: str = "a2a"):
+        if transport not in ("a2a", "p2p"):
+            raise ValueError(f"TorchGroup: transport must be 'a2a' or 'p2p', got {transport!r}")
         if not dist.is_initialized():
             raise ValueError("TorchGroup: torch.distributed is not initialized (call init_process_group)")
         self.process_group = process_group
         self.rank = dist.get_rank(process_group)
         self.size = dist.get_world_size(process_group)
         self.timeout = timeout
+        self.transport = transport
         self._traffic = HostTraffic()
 
     def __repr__(self) -> str:
@@ -110,21 +116,43 @@ class TorchGroup:
             return CollectiveError(f"rank {self.rank}: {phase} all-to-all over {self.size} ranks failed: {e}")
 
         try:
-            work = dist.all_to_all_single(out, inp, out_sizes, in_sizes, group=self.process_group,
-                                          async_op=True)
+            if self.transport == "a2a":
+                works = [dist.all_to_all_single(out, inp, out_sizes, in_sizes, group=self.process_group,
+                                                async_op=True)]
+            else:
+                works = self._p2p(out, inp, out_sizes, in_sizes)
         except Exception as e:
             raise fail(e) from e
 
         def wait() -> None:
             try:
-                if self.timeout is None:
-                    work.wait()
-                else:
-                    work.wait(self.timeout)
+                for work in works:
+                    if self.timeout is None:
+                        work.wait()
+                    else:
+                        work.wait(self.timeout)
             except Exception as e:
                 raise fail(e) from e
 
         return wait
+
+    def _p2p(self, out: torch.Tensor, inp: torch.Tensor, out_sizes: list[int], in_sizes: list[int]) -> list:
+        """One isend / irecv per peer with rows (the all-to-all-v's layout: segments by peer rank)."""
+        ops = []
+        o_off = i_off = 0
+        for peer in range(self.size):
+            n_out, n_in = out_sizes[peer], in_sizes[peer]
+            if peer == self.rank:  # rows to itself (none in a plan's routing) are a local copy
+                out[o_off:o_off + n_out].copy_(inp[i_off:i_off + n_in])
+            else:
+                g = peer if self.process_group is None else dist.get_global_rank(self.process_group, peer)
+                if n_in:
+                    ops.append(dist.P2POp(dist.isend, inp[i_off:i_off + n_in], g, group=self.process_group))
+                if n_out:
+                    ops.append(dist.P2POp(dist.irecv, out[o_off:o_off + n_out], g, group=self.process_group))
+            o_off += n_out
+            i_off += n_in
+        return dist.batch_isend_irecv(ops) if ops else []
 
     def _sizes(self, rows: list[list[int]], send_cap: int, recv_capacity: int, what: str):
         r = self.rank

@@ -122,7 +122,8 @@ def build_calc_meta(mask: AttnSlices, areas: BlockAreas, assignment: torch.Tenso
     valid = valid.reshape(Gm, M)
 
     # 2. compact to a static capacity in (i, j, slice, piece) order.
-    ncap = min(M, -(-2 * P * capacity // G) if Gm == 1 else 2 * P * capacity)
+    ns = comm.num_stages + 1  # the pieces fill at most (S + 1) * P buckets of cap rows
+    ncap = min(M, -(-ns * P * capacity // G) if Gm == 1 else ns * P * capacity)
     count = valid.sum(dim=1)                                   # [Gm]
     pos = valid.long().cumsum(dim=1) - 1
     dst = torch.where(valid & (pos < ncap), pos, ncap)
@@ -174,7 +175,6 @@ def build_calc_meta(mask: AttnSlices, areas: BlockAreas, assignment: torch.Tenso
     keep = placed & need_ok & range_ok & buf_ok
 
     # 4. deal to (rank, stage) buckets in (g, slice order), clip at capacity.
-    ns = S + 1
     nb = ns * P
     key = torch.where(keep, r * ns + stage, nb).reshape(-1)
     counts = torch.zeros(nb + 1, dtype=torch.long, device=dev).scatter_add_(0, key, torch.ones_like(key))

@@ -80,7 +80,7 @@ def _stage_bytes(plan, cost, keep):
             sent, recv = split.sum(1) * b, split.sum(0) * b
             if which == "return":  # partials flow from the helper (dst of the cast) back to the host
                 sent, recv = recv, sent
-            out[stage_phase(base, s)] = (sent, recv)
+            out[stage_phase(base, s) if comm.num_stages > 1 else base] = (sent, recv)  # S = 1: the plain phases
     return out
 
 
@@ -161,12 +161,12 @@ def test_stages_compile_fullgraph():
         assert_close(f"d{name}", a.grad, b.grad, atol=ATOL, rtol=RTOL)
 
 
-def _rank_stages(rank, P, name, c, Hq, Hkv, tiles, S, keep, seed):
+def _rank_stages(rank, P, name, c, Hq, Hkv, tiles, S, keep, seed, transport="a2a"):
     T = P * c
     mask = make_mask(name, T, seed)
     config = make_config(P, Hq, Hkv, True, tiles, num_stages=S, keep_forward_buffers=keep)
     plan, _ = tight_plan(mask, config)
-    group = TorchGroup()
+    group = TorchGroup(transport=transport)
     q, k, v, d_out, d_lse = make_inputs(T, Hq, Hkv, seed)
     qs, ks, vs = (shard(x, group).clone().requires_grad_() for x in (q, k, v))
     out, lse = dist_attn(qs, ks, vs, plan, group, keep_forward_buffers=keep)
@@ -178,8 +178,8 @@ def _rank_stages(rank, P, name, c, Hq, Hkv, tiles, S, keep, seed):
             "counted": counted, "planned": planned}
 
 
-def _check_gloo(P, name, c, Hq, Hkv, tiles, S, keep, seed):
-    results = run_ranks(_rank_stages, P, name, c, Hq, Hkv, tiles, S, keep, seed, timeout=120)
+def _check_gloo(P, name, c, Hq, Hkv, tiles, S, keep, seed, transport="a2a"):
+    results = run_ranks(_rank_stages, P, name, c, Hq, Hkv, tiles, S, keep, seed, transport, timeout=120)
     T = P * c
     ref = reference(make_mask(name, T, seed), *make_inputs(T, Hq, Hkv, seed))
     for rank, res in enumerate(results):
@@ -189,20 +189,21 @@ def _check_gloo(P, name, c, Hq, Hkv, tiles, S, keep, seed):
         assert res["counted"] == res["planned"], f"rank {rank}"
 
 
-# (P, mask, c, Hq, Hkv, tiles, S, keep, seed)
-GLOO = [(2, "random", 32, 4, 2, 2, 2, True, 2), (4, "docs-causal", 16, 2, 2, 1, 4, False, 0)]
+# (P, mask, c, Hq, Hkv, tiles, S, keep, seed, transport)
+GLOO = [(2, "random", 32, 4, 2, 2, 2, True, 2, "a2a"), (4, "docs-causal", 16, 2, 2, 1, 4, False, 0, "a2a"),
+        (4, "docs-full", 16, 4, 2, 2, 2, True, 1, "p2p")]
 
 
-@pytest.mark.parametrize("case", GLOO, ids=[f"P{c[0]}-{c[1]}-n{c[5]}-S{c[6]}" for c in GLOO])
+@pytest.mark.parametrize("case", GLOO, ids=[f"P{c[0]}-{c[1]}-n{c[5]}-S{c[6]}-{c[9]}" for c in GLOO])
 def test_stages_gloo(case):
     _check_gloo(*case)
 
 
-GLOO_SLOW = [(P, "docs-causal", 16, 4, 2, tiles, S, True, 0) for P in (2, 4) for S in (1, 2, 4, 8)
-             for tiles in (1, 2)]
+GLOO_SLOW = [(P, "docs-causal", 16, 4, 2, tiles, S, True, 0, transport) for P in (2, 4) for S in (1, 2, 4, 8)
+             for tiles in (1, 2) for transport in ("a2a", "p2p")]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", GLOO_SLOW, ids=[f"P{c[0]}-n{c[5]}-S{c[6]}" for c in GLOO_SLOW])
+@pytest.mark.parametrize("case", GLOO_SLOW, ids=[f"P{c[0]}-n{c[5]}-S{c[6]}-{c[9]}" for c in GLOO_SLOW])
 def test_stages_gloo_matrix(case):
     _check_gloo(*case)
