@@ -86,11 +86,13 @@ def run(kind, P, seed, tokens, stages, comms, topo, cache) -> list[dict]:
         extra = costs(plan, config, S)
         for comm in comms:
             t = simulate(plan, topo, comm=comm)
-            base.setdefault(comm, t.step_ms) if S == 1 else None
+            if S == 1:
+                base[comm] = t.step_ms
             rows.append({"kind": kind, "P": P, "seed": seed, "S": S, "comm": comm, "step_ms": t.step_ms,
                          "fwd_ms": t.fwd_ms, "bwd_ms": t.bwd_ms, "ideal_ms": t.ideal_ms,
                          "compute_ms": t.compute_ms, "vs_ideal": t.step_ms / t.ideal_ms,
                          "vs_s1": t.step_ms / base[comm] if comm in base else None,
+                         "vs_s1_a2a": t.step_ms / base["a2a"] if "a2a" in base else None,
                          "exposed_pct": 100.0 * t.exposed_comm_ms / t.step_ms, "build_ms": build_ms, **extra})
         print(f"# {kind} P={P} seed={seed} S={S}: " + "  ".join(
             f"{r['comm']} {r['step_ms']:.3f} ms ({r['vs_ideal']:.2f}x ideal)" for r in rows[-len(comms):]),
@@ -101,8 +103,32 @@ def run(kind, P, seed, tokens, stages, comms, topo, cache) -> list[dict]:
 COLUMNS = [("kind", "kind", "s"), ("P", "P", "d"), ("seed", "seed", "d"), ("S", "S", "d"), ("comm", "comm", "s"),
            ("step ms (sim)", "step_ms", ".3f"), ("fwd ms", "fwd_ms", ".3f"), ("bwd ms", "bwd_ms", ".3f"),
            ("ideal ms", "ideal_ms", ".3f"), ("/ ideal", "vs_ideal", ".2f"), ("/ S=1", "vs_s1", ".2f"),
+           ("/ S=1 a2a", "vs_s1_a2a", ".2f"),
            ("exposed %", "exposed_pct", ".1f"), ("collectives", "collectives", "d"),
            ("CalcMeta rows", "calc_rows", "d"), ("recv MB", "recv_mb", ".1f"), ("fill MB", "fill_mb", ".1f")]
+
+
+SUMMARY_COLUMNS = [("S", "S", "d"), ("comm", "comm", "s"), ("masks", "n", "d"),
+                   ("/ ideal median", "ideal_med", ".2f"), ("/ ideal max", "ideal_max", ".2f"),
+                   ("/ S=1 median", "s1_med", ".2f"), ("/ S=1 a2a median", "s1a_med", ".2f"),
+                   ("/ S=1 a2a best", "s1a_min", ".2f"), ("exposed % max", "exp_max", ".1f"),
+                   ("<= 1.15 ideal", "ok_ideal", "d"), ("<= 0.75 S=1 a2a", "ok_s1", "d"), ("exposed <= 15 %", "ok_exp", "d")]
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per (S, comm) over the masks: the ratios' median and extremes, and how many meet each target."""
+    out = []
+    for key in sorted({(r["S"], r["comm"]) for r in rows}):
+        sel = [r for r in rows if (r["S"], r["comm"]) == key]
+        med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731  (upper median)
+        out.append({"S": key[0], "comm": key[1], "n": len(sel),
+                    "ideal_med": med([r["vs_ideal"] for r in sel]), "ideal_max": max(r["vs_ideal"] for r in sel),
+                    "s1_med": med([r["vs_s1"] for r in sel]), "s1a_med": med([r["vs_s1_a2a"] for r in sel]),
+                    "s1a_min": min(r["vs_s1_a2a"] for r in sel), "exp_max": max(r["exposed_pct"] for r in sel),
+                    "ok_ideal": sum(r["vs_ideal"] <= 1.15 for r in sel),
+                    "ok_s1": sum(r["vs_s1_a2a"] <= 0.75 for r in sel),
+                    "ok_exp": sum(r["exposed_pct"] <= 15.0 for r in sel)})
+    return out
 
 
 def main(argv=None):
@@ -127,7 +153,11 @@ def main(argv=None):
                             parse_list(args.comm, str, ("a2a", "p2p"), "comm"), topo, args.plan_cache)
     cmd = "python benchmarks/stages_bench.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     text = (f"# Sub-stages: SIMULATED training step ({args.topology})\n\nCommand: `{cmd}`\n\n"
-            "All times are simulated by `gpusolver.sim` (not measured).\n\n" + markdown_table(rows, COLUMNS) + "\n")
+            "All times are simulated by `gpusolver.sim` (not measured). `/ S=1` is against the same plan's "
+            "two-stage step with the same transport, `/ S=1 a2a` against the two-stage step over all-to-all-v "
+            "(today's `TorchGroup`).\n\n## Summary over the masks\n\n"
+            + markdown_table(summarize(rows), SUMMARY_COLUMNS) + "\n\n## Every mask\n\n"
+            + markdown_table(rows, COLUMNS) + "\n")
     print(text)
     write_results(Path(RESULTS_DIR) / "stages_bench.json", {"rows": rows, "environment": environment(),
                                                             "command": cmd}, args.md, text)
