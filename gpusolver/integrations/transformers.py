@@ -57,9 +57,9 @@ TESTED_VERSIONS = ("5.23",)  # major.minor releases the tests run against (tests
 
 _MISSING_MASK = ("no CP mask: pass cp_mask=<the whole sequence's AttnSlices> to the model call (e.g. "
                  "gpusolver.packing.pack(...).mask), wrap the call in `with cp_context(mask):`, or pass cp_plan=")
-_POSITIONS_MESSAGE = ("row {row} (rank {v0}): position_ids are the model's default 0..{v1} but the shard's first "
-                      "token continues a document: pass position_ids= (PackedBatch.position_ids, per document or "
-                      "global: rank * c + arange(c))")
+_POSITIONS_MESSAGE = ("row {row} (rank {v0}): position_ids are the model's default 0..{v1} (what it makes when "
+                      "none are passed) but in the mask the shard's first token continues a document: pass "
+                      "position_ids= (PackedBatch.position_ids, per document or global: rank * c + arange(c))")
 _PADDING_MESSAGE = ("row {row}: attention_mask has padding (a 0): gpusolver takes no padding mask; pack the "
                     "documents (gpusolver.packing.pack pads with a document of its own) and drop attention_mask")
 errors.register("gpusolver attention", "position_ids", _POSITIONS_MESSAGE)
