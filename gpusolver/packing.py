@@ -182,7 +182,8 @@ def pack(tokens: torch.Tensor, doc_lengths=None, *, group, cu_seqlens=None, labe
 
     tokens:          ``[S]`` integer tokens of the whole packed sequence (the same on every rank).
     doc_lengths / cu_seqlens: the documents (exactly one; host ints, or tensors read once).
-    group:           the CP group (``TorchGroup``, ``SymmMemGroup``, ``LocalGroup``).
+    group:           the CP group (``TorchGroup``, ``SymmMemGroup``, ``LocalGroup``), or None for
+                     one process holding the whole sequence (a single-process reference).
     labels:          ``[S]`` unshifted targets with -100 where a token is no target (default: tokens).
     positions:       ``"document"`` (restart at each document) or ``"global"`` (``arange(S)``).
     sliding_window:  a window of this many keys inside each document (None: causal).
@@ -202,7 +203,7 @@ def pack(tokens: torch.Tensor, doc_lengths=None, *, group, cu_seqlens=None, labe
     if labels is not None and (not isinstance(labels, torch.Tensor) or labels.shape != tokens.shape):
         raise ValueError(f"labels must be a tensor of tokens' shape {tuple(tokens.shape)}, got "
                          f"{tuple(getattr(labels, 'shape', ()))}")
-    _, P = _rank_and_size(group)
+    P = 1 if group is None else _rank_and_size(group)[1]
     multiple = P if pad_to_multiple is None else pad_to_multiple
     if isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1 or multiple % P:
         raise ValueError(f"pad_to_multiple must be a positive multiple of P = {P}, got {pad_to_multiple!r}")
@@ -218,8 +219,8 @@ def pack(tokens: torch.Tensor, doc_lengths=None, *, group, cu_seqlens=None, labe
     pos = document_positions(lengths, tokens.device) if positions == "document" else \
         torch.arange(tokens.shape[0], device=tokens.device)
     mask = document_mask(lengths, sliding_window=sliding_window, device=tokens.device, max_documents=max_documents)
-    return PackedBatch(input_ids=shard(tokens.long(), group), labels=shard(targets, group),
-                       position_ids=shard(pos, group), mask=mask,
+    cut = (lambda x: x) if group is None else (lambda x: shard(x, group))
+    return PackedBatch(input_ids=cut(tokens.long()), labels=cut(targets), position_ids=cut(pos), mask=mask,
                        num_targets=(targets != IGNORE_INDEX).sum(), doc_lengths=lengths)
 
 
