@@ -17,7 +17,7 @@ import sys
 
 from gpusolver.cli import args as a
 
-HEAD_DIMS = (32, 64, 128)  # the attention kernels' head dims
+HEAD_DIMS = (16, 32, 64, 128)  # the attention kernels' head dims
 
 
 def _shape_options(p, *, P: int | None, tokens: int, heads: str, head_dim: int, dtype: str,

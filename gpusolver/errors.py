@@ -319,6 +319,7 @@ def _install_sinks() -> None:
     comm_base.set_error_sink(record)
     for kind in flex_op.ERROR_KINDS + [("block_areas", "mask", _slices_message), ("block_areas", "mask", _overlap_message),
                                        ("dist_attn", "plan", _plan_message),
+                                       ("sparse_dist_attn", "plan", _plan_message),
                                        ("check_errors", "plan", _plan_message)]:
         register(*kind)
     arm("cpu")

@@ -39,9 +39,10 @@ from attn_kernels import flex_attn, flex_attn_backward, merge_out_lse, row_delta
 from gpusolver import errors
 from gpusolver.nvtx import nvtx_range
 from gpusolver.plan import IMBALANCED, Plan
+from gpusolver.plan.sparse import SparsePlan
 from gpusolver.runtime.layout import from_group_major, to_group_major
 from gpusolver.support import check_supported
-from groupcomm import CollectiveError, TorchGroup, group_cast, group_reduce, host_splits
+from groupcomm import CollectiveError, TorchGroup, as_group, group_cast, group_reduce, host_splits
 
 # The stages run the plan's own tables, checked once per layer through the plan's status
 # (validation: plan.validate(); sync-free: one device flag), so the calls skip their own checks.
@@ -168,7 +169,9 @@ class _DistAttn(torch.autograd.Function):
         routes, group, scale = ctx.routes, ctx.group, ctx.scale
         lead = 1 if routes.batched else 0
         G, cap = routes.groups, routes.capacity
-        ql, kl, vl, o, lse = ctx.saved_tensors[:5]
+        # read once: non-reentrant checkpointing unpacks each saved tensor a single time
+        saved = ctx.saved_tensors
+        ql, kl, vl, o, lse = saved[:5]
         d_o = torch.zeros_like(o) if d_out is None else to_group_major(d_out, G, lead).contiguous()
         d_l = None if d_lse is None else to_group_major(d_lse, G, lead).contiguous()
         # the host computes delta from its final O: O itself never travels
@@ -181,7 +184,7 @@ class _DistAttn(torch.autograd.Function):
                               host_split=routes.qo_host, flag_errors=False)
         d_o_buf, lse_buf, delta_buf = recv[:3]
         if ctx.keep:
-            q_buf, k_buf, v_buf = ctx.saved_tensors[5:]
+            q_buf, k_buf, v_buf = saved[5:]
         else:
             q_buf = recv[3]
             with nvtx_range("comm/cast bwd.kv"):
@@ -321,7 +324,8 @@ def dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, gro
             natural order); with a ``LocalGroup`` every rank's shard, ``[P, c, Hq, D]``.
         k, v: ``[c, Hkv, D]`` (``[P, c, Hkv, D]``), Hq a multiple of Hkv (GQA, or MHA).
         plan: the layer's ``Plan`` (``gpusolver.solve``), for the same P, G and c.
-        group: ``LocalGroup``, ``TorchGroup`` or ``SymmMemGroup`` (``groupcomm``).
+        group: ``LocalGroup``, ``TorchGroup`` or ``SymmMemGroup`` (``groupcomm``), or a
+            ``torch.distributed`` process group (wrapped as ``groupcomm.default_group`` does).
         softmax_scale: default ``D ** -0.5``.
         deterministic: partial results are reduced rank by rank in a fixed order
             (no float atomics), so outputs are bit-identical across runs.
@@ -343,6 +347,11 @@ def dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, gro
         no valid key gives out 0 and lse -inf), with a leading ``[P]`` for ``LocalGroup``.
         Differentiable in q, k and v.
     """
+    group = as_group(group)
+    if not isinstance(plan, Plan):
+        hint = " (a sparse mask's plan: run it with sparse_dist_attn or DynamicCPAttention)" \
+            if isinstance(plan, SparsePlan) else ""
+        raise TypeError(f"plan must be a Plan (gpusolver.solve), got {type(plan).__name__}{hint}")
     _check_inputs(q, k, v, plan, group)
     check_supported(q, k, v, group)  # the support matrix (docs/support_matrix.md), host metadata only
     if validate is None:

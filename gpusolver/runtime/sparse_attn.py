@@ -42,10 +42,10 @@ from gpusolver.nvtx import nvtx_range
 from gpusolver.plan.meta import IMBALANCED
 from gpusolver.plan.sparse import (SelectionSpec, SparsePlan, build_sparse_plan, default_kv_block, no_worse_than_owner,
                                    sparse_config)
-from gpusolver.plan.sparse_ops import sparse_assignment
+from gpusolver.sparse_solve import sparse_assignment
 from gpusolver.runtime.dist_attn import LayerRoutes, layer_routes
 from gpusolver.runtime.layout import from_group_major, to_group_major
-from groupcomm import TorchGroup, group_cast, group_reduce, host_splits
+from groupcomm import TorchGroup, as_group, group_cast, group_reduce, host_splits
 
 SPARSE_MASKS = (BlockSparseMask, TokenTopKMask, NSALayerMask)
 # The stages run the plan's own tables, checked once per layer through the plan's status
@@ -128,6 +128,7 @@ def solve_sparse_sharded(mask, config: SolverConfig, group, *, solver: str = "de
     """
     if not isinstance(mask, SPARSE_MASKS):
         raise TypeError(f"mask must be a BlockSparseMask, TokenTopKMask or NSALayerMask, got {type(mask).__name__}")
+    group = as_group(group)
     if config.cp_size != group.size:
         raise ValueError(f"config.cp_size={config.cp_size} but the group has {group.size} ranks")
     spec = SelectionSpec.of(mask, config.head_groups)
@@ -361,6 +362,7 @@ def sparse_dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sel: tor
         for an NSA layer mask, ``((out_sel, lse_sel), (out_win, lse_win))``, one pair per
         branch. Differentiable in q, k and v.
     """
+    group = as_group(group)
     _check_inputs(q, k, v, sel, plan, group)
     if validate is None:
         validate = q.device.type == "cpu" and not torch.compiler.is_compiling()
