@@ -94,13 +94,21 @@ def _sum_grads(model, group) -> list[torch.Tensor]:
 
 
 def train_side_by_side(family: str, group, steps: int = 3, optimizer: str = "adamw", use_cache=False,
-                       pass_ones_mask: bool = False) -> list[dict]:
-    """Per step: ``{"loss", "logits", "grads"}`` max abs errors of the CP model against the reference."""
+                       pass_ones_mask: bool = False, checkpointing: str | None = None) -> list[dict]:
+    """Per step: ``{"loss", "logits", "grads"}`` max abs errors of the CP model against the reference.
+
+    checkpointing: None, "reentrant" or "non-reentrant" activation checkpointing of the CP
+    model's layers (transformers' ``gradient_checkpointing_enable``).
+    """
     warnings.filterwarnings("ignore", message="imbalance_tol")  # tiny masks: balance is not the point here
-    cp_attention(group)
+    attn = cp_attention(group)
+    calls = []
+    attn.register_forward_hook(lambda *_: calls.append(1))
     ref, cp = models(family)
     ref.train()
     cp.train()
+    if checkpointing is not None:
+        cp.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
     make = (lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3)) if optimizer == "adamw" else \
         (lambda m: torch.optim.SGD(m.parameters(), lr=0.1))
     opt_ref, opt_cp = make(ref), make(cp)
@@ -136,6 +144,7 @@ def train_side_by_side(family: str, group, steps: int = 3, optimizer: str = "ada
             "logits": (cp_logits - ref_out.logits[0]).abs().max().item(),
             "grads": max((g - p.grad).abs().max().item() for g, p in zip(grads, ref.parameters())),
             "ref_loss": ref_loss.item(),
+            "attn_calls": len(calls),        # forward calls of the CP attention so far (recomputes included)
         })
         for model, opt, gs in ((ref, opt_ref, None), (cp, opt_cp, grads)):
             if gs is not None:
