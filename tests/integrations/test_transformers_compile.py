@@ -20,7 +20,8 @@ from torch._dynamo.testing import CompileCounterWithBackend  # noqa: E402
 
 from gpusolver.integrations.transformers import cp_plans  # noqa: E402
 from gpusolver.packing import pack, shard_loss  # noqa: E402
-from groupcomm import LocalGroup  # noqa: E402
+from groupcomm import LocalGroup, TorchGroup  # noqa: E402
+from tests._dist import run_ranks  # noqa: E402
 from tests._testing import assert_close  # noqa: E402
 from tests.integrations._hf import VOCAB, cp_attention, models, train_side_by_side  # noqa: E402
 from tests.integrations.test_transformers import _assert_records  # noqa: E402
@@ -29,11 +30,22 @@ ORDER = (0, 0, 1, 2, 1)           # three packed batches, each seen again after 
 DOCS = ([10, 6, 16], [20, 12], [3, 9, 4, 16])
 
 
+def _checkpointed(rank, P, kind):
+    return train_side_by_side("llama", TorchGroup(), steps=3, checkpointing=kind)
+
+
 @pytest.mark.parametrize("kind", ["non-reentrant", "reentrant"])
 def test_checkpointing_matches_one_process(kind):
-    records = train_side_by_side("llama", LocalGroup(4), steps=2, checkpointing=kind)
+    for records in run_ranks(_checkpointed, 2, kind, timeout=240):
+        _assert_records(records)
+        assert [r["attn_calls"] for r in records] == [4, 8, 12]  # 2 layers, each run again in the backward
+
+
+@pytest.mark.slow
+def test_checkpointing_on_a_local_group():
+    records = train_side_by_side("llama", LocalGroup(4), steps=2, checkpointing="non-reentrant")
     _assert_records(records, steps=2)
-    assert [r["attn_calls"] for r in records] == [4, 8]  # 2 layers, each run again in the backward
+    assert [r["attn_calls"] for r in records] == [4, 8]
 
 
 def _compiled_against_eager(family: str, P: int, mode: str, grads: bool):
