@@ -31,7 +31,13 @@ What the function maps and what it refuses (each refusal says what to pass):
 
 The value checks (padding, positions) run once per forward, at layer 0: on
 the host in validation mode (the default for CPU tensors), else as device
-error flags that ``gpusolver.check_errors()`` reads.
+error flags that ``gpusolver.check_errors()`` reads. With a mask function
+registered, transformers itself looks for packed sequences in
+``position_ids`` once per mask it builds (a host read in eager mode, skipped
+under ``torch.compile``); the mask it would build is not used.
+
+Under ``torch.compile`` pass ``cp_mask=`` or ``cp_plan=`` as arguments (the
+tested way); ``cp_context`` is read from a module global, for eager models.
 
 Versions: written for and tested with transformers ``TESTED_VERSIONS``; it
 needs ``AttentionInterface`` and ``AttentionMaskInterface`` (transformers 5).

@@ -6,7 +6,6 @@ loss, every shard's logits and the gradients summed over the ranks within 1e-5.
 The default tier runs one family per group kind; the full matrix is ``slow``.
 """
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 
