@@ -4,7 +4,7 @@ Shape legend: P ranks, c tokens per rank, G head groups, Hq / Hkv query / KV
 heads (hq = Hq / G, hkv = Hkv / G per group), D head dim, cap = the plan's
 receive capacity in group-major rows.
 
-Forward, per rank (DESIGN.md, "Data flow of one layer"):
+Forward, per rank (docs/design/layers.md, "Data flow of one layer"):
 
 1. the local shards become group-major rows ``[G * c, h, D]``;
 2. the cast of remote Q (phase ``fwd.qo``) and of K with V (``fwd.kv``)

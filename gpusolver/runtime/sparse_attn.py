@@ -4,7 +4,7 @@ Shape legend: P ranks, c tokens per rank, G head groups, Hq / Hkv heads (hq,
 hkv per group), D head dim, cap receive rows, hs selection heads per
 group-major row, w selection width.
 
-The layer runs as ``dist_attn`` does (DESIGN.md, "Data flow of one layer")
+The layer runs as ``dist_attn`` does (docs/design/layers.md, "Data flow of one layer")
 with the sparse kernel in its stages:
 
 1. local shards become group-major rows; the selection rows too
