@@ -143,8 +143,9 @@ def cp_plans(attn: DynamicCPAttention, mask: AttnSlices, config) -> dict:
     if window is not None:
         types = getattr(config, "layer_types", None)
         windows = {window if t == "sliding_attention" else None for t in types} if types else {window}
-    device = mask.device
-    return {w: attn.plan_for(mask if w is None else windowed(mask, w), device, _mask_name(w)) for w in windows}
+    validate = attn.validate if attn.validate is not None else mask.device.type == "cpu"
+    return {w: attn.plan_for(mask if w is None else _windowed_once(mask, w, validate), mask.device, _mask_name(w))
+            for w in windows}
 
 
 def _mask_name(window: int | None) -> str:

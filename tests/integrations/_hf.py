@@ -145,6 +145,7 @@ def train_side_by_side(family: str, group, steps: int = 3, optimizer: str = "ada
             "grads": max((g - p.grad).abs().max().item() for g, p in zip(grads, ref.parameters())),
             "ref_loss": ref_loss.item(),
             "attn_calls": len(calls),        # forward calls of the CP attention so far (recomputes included)
+            "solves": attn.plan_cache.solves,  # plans solved so far
         })
         for model, opt, gs in ((ref, opt_ref, None), (cp, opt_cp, grads)):
             if gs is not None:

@@ -39,6 +39,7 @@ def test_checkpointing_matches_one_process(kind):
     for records in run_ranks(_checkpointed, 2, kind, timeout=240):
         _assert_records(records)
         assert [r["attn_calls"] for r in records] == [4, 8, 12]  # 2 layers, each run again in the backward
+        assert [r["solves"] for r in records] == [1, 2, 3]        # the recompute takes the step's plan
 
 
 @pytest.mark.slow

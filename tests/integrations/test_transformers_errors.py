@@ -53,8 +53,13 @@ def test_context_and_plans_give_the_cp_mask_output():
         plans = cp_plans(attn, b.mask, model.config)
         assert sorted(plans, key=str) == [5, None]  # the full layer's plan and the windowed layer's
         planned = model(input_ids=b.input_ids, position_ids=b.position_ids, cp_plan=plans, use_cache=False).logits
+        with cp_context(plan=plans):
+            planned_in_context = model(input_ids=b.input_ids, position_ids=b.position_ids, use_cache=False).logits
     assert_close("cp_context", want, got, atol=0, rtol=0)
     assert_close("cp_plan", want, planned, atol=0, rtol=0)
+    assert_close("cp_context(plan=)", want, planned_in_context, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="one of cp_mask= and cp_plan="):
+        model(input_ids=b.input_ids, position_ids=b.position_ids, cp_mask=b.mask, cp_plan=plans, use_cache=False)
     with pytest.raises(ValueError, match="sliding_window=5"):
         model(input_ids=b.input_ids, position_ids=b.position_ids, cp_plan={None: plans[None]}, use_cache=False)
 
