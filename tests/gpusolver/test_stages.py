@@ -151,3 +151,19 @@ def test_overflow_of_one_sub_stage_is_named():
     small = build_plan(mask, areas, plan.assignment, config, recv_capacity=cap)
     with pytest.raises(ValueError, match=r"BUFFER_OVERFLOW: rank \d+ receives \d+ KV rows in sub-stage [12]"):
         small.validate(ignore=1)
+
+
+@pytest.mark.parametrize("comm", ["a2a", "p2p"])
+def test_simulated_sub_stages_respect_the_bound_and_the_bytes(comm):
+    """The simulator prices the sub-stage op lists: never below the ideal bound, and the bytes it
+    moves per pass are the plan's ``pair_bytes`` (the per-stage splits summed)."""
+    from gpusolver.sim import simulate
+
+    topo = Topology(ranks_per_node=4, nvlink_gbps=450.0, ib_gbps=50.0, attn_tflops=400.0)
+    for S in (1, 4):
+        mask, areas, plan, config = _solved(S=S)
+        plan = build_plan(mask, areas, plan.assignment, config, topology=topo)
+        t = simulate(plan, topo, comm=comm)
+        assert t.step_ms >= t.ideal_ms * (1 - 1e-9)
+        for phase, pt in (("fwd", t.fwd), ("bwd", t.bwd)):
+            assert pt.pair_bytes == plan.pair_bytes(phase).tolist(), (S, phase)
