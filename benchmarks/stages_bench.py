@@ -142,6 +142,7 @@ def main(argv=None):
     ap.add_argument("--topology", default="h200_hgx", choices=sorted(PRESETS))
     ap.add_argument("--plan-cache", default=None)
     ap.add_argument("--md", default=None)
+    ap.add_argument("--json", default=str(Path(RESULTS_DIR) / "stages_bench.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     topo = PRESETS[args.topology]
@@ -159,8 +160,7 @@ def main(argv=None):
             + markdown_table(summarize(rows), SUMMARY_COLUMNS) + "\n\n## Every mask\n\n"
             + markdown_table(rows, COLUMNS) + "\n")
     print(text)
-    write_results(Path(RESULTS_DIR) / "stages_bench.json", {"rows": rows, "environment": environment(),
-                                                            "command": cmd}, args.md, text)
+    write_results(args.json, {"rows": rows, "environment": environment(), "command": cmd}, args.md, text)
     return rows
 
 
