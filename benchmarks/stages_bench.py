@@ -38,7 +38,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import PACKED_KINDS, RESULTS_DIR, environment, make_mask, markdown_table, parse_list, write_results  # noqa: E402
+from _common import (  # noqa: E402
+    PACKED_KINDS, RESULTS_DIR, environment, make_mask, markdown_table, parse_list, write_results,
+)
 
 from gpusolver import SolverConfig, block_areas  # noqa: E402
 from gpusolver.assign import solve_assignment  # noqa: E402
@@ -112,7 +114,8 @@ SUMMARY_COLUMNS = [("S", "S", "d"), ("comm", "comm", "s"), ("masks", "n", "d"),
                    ("/ ideal median", "ideal_med", ".2f"), ("/ ideal max", "ideal_max", ".2f"),
                    ("/ S=1 median", "s1_med", ".2f"), ("/ S=1 a2a median", "s1a_med", ".2f"),
                    ("/ S=1 a2a best", "s1a_min", ".2f"), ("exposed % max", "exp_max", ".1f"),
-                   ("<= 1.15 ideal", "ok_ideal", "d"), ("<= 0.75 S=1 a2a", "ok_s1", "d"), ("exposed <= 15 %", "ok_exp", "d")]
+                   ("<= 1.15 ideal", "ok_ideal", "d"), ("<= 0.75 S=1 a2a", "ok_s1", "d"),
+                   ("exposed <= 15 %", "ok_exp", "d")]
 
 
 def summarize(rows: list[dict]) -> list[dict]:

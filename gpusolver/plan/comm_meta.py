@@ -23,7 +23,8 @@ def _recv_offsets(length: torch.Tensor, tiles: int) -> tuple[torch.Tensor, torch
     *lead, G, U, P = length.shape
     k = len(lead)
     perm = tuple(range(k)) + tuple(k + d for d in (3, 1, 0, 2))
-    by_dest = length.reshape(*lead, G, P, tiles, P).permute(perm).reshape(*lead, P, U * G)  # [.., dest, (host, g, tile)]
+    # [.., dest, (host, g, tile)]
+    by_dest = length.reshape(*lead, G, P, tiles, P).permute(perm).reshape(*lead, P, U * G)
     incl = by_dest.cumsum(dim=-1)
     back = tuple(range(k)) + tuple(k + d for d in (2, 1, 3, 0))
     offset = (incl - by_dest).reshape(*lead, P, P, G, tiles).permute(back).reshape(*lead, G, U, P).contiguous()
