@@ -42,7 +42,7 @@ from gpusolver.plan import IMBALANCED, Plan
 from gpusolver.plan.sparse import SparsePlan
 from gpusolver.runtime.layout import from_group_major, to_group_major
 from gpusolver.support import check_supported
-from groupcomm import CollectiveError, TorchGroup, as_group, group_cast, group_reduce, host_splits
+from groupcomm import CollectiveError, TorchGroup, as_group, group_cast, group_reduce, host_splits, retain
 
 # The stages run the plan's own tables, checked once per layer through the plan's status
 # (validation: plan.validate(); sync-free: one device flag), so the calls skip their own checks.
@@ -106,6 +106,15 @@ def layer_routes(plan: Plan, group) -> LayerRoutes:
                        qo_split=comm.qo_split, kv_split=comm.kv_split, qo_host=qo_host, kv_host=kv_host)
 
 
+def drain(*works) -> None:
+    """Wait for collectives still in flight before an error propagates (their peers sent already)."""
+    for work in works:
+        try:
+            work.wait()
+        except Exception:  # noqa: BLE001 - the error being raised is the one to report
+            pass
+
+
 def _stage_slices(plan: Plan, rank: int, stage: int):
     c = plan.calc
     return c.q_ranges[rank, stage], c.k_ranges[rank, stage], c.attn_type[rank, stage]
@@ -139,7 +148,11 @@ class _DistAttn(torch.autograd.Function):
             return flex_attn(q_, k_, v_, *_stage_slices(routes.plan, r, 0), scale, **_INTERNAL)
 
         with nvtx_range("attn/fwd stage0"):
-            o0, l0 = _per_rank(routes, stage0, ql, kl, vl)  # local work while the cast is in flight
+            try:
+                o0, l0 = _per_rank(routes, stage0, ql, kl, vl)  # local work while the cast is in flight
+            except BaseException:
+                drain(cast_q, cast_kv)  # never leave a collective in flight behind an error
+                raise
         with nvtx_range("comm/wait fwd.qo fwd.kv"):
             (q_buf,), (k_buf, v_buf) = cast_q.wait(), cast_kv.wait()
         q1, k1, v1 = _cat(ql, q_buf, lead), _cat(kl, k_buf, lead), _cat(vl, v_buf, lead)
@@ -293,6 +306,7 @@ def check_plan_digest(plan: Plan, group, config_key: int, *, validate: bool) -> 
     pg = getattr(group, "process_group", None)
     try:
         work = dist.all_gather(parts, mine, group=pg, async_op=True)
+        retain(mine, *parts)  # freed by Python, never by a gloo worker thread (groupcomm._retain)
         timeout = getattr(group, "timeout", None)
         work.wait() if timeout is None else work.wait(timeout)
     except Exception as e:  # a peer that failed or stalled

@@ -43,9 +43,9 @@ from gpusolver.plan.meta import IMBALANCED
 from gpusolver.plan.sparse import (SelectionSpec, SparsePlan, build_sparse_plan, default_kv_block, no_worse_than_owner,
                                    sparse_config)
 from gpusolver.sparse_solve import sparse_assignment
-from gpusolver.runtime.dist_attn import LayerRoutes, layer_routes
+from gpusolver.runtime.dist_attn import LayerRoutes, drain, layer_routes
 from gpusolver.runtime.layout import from_group_major, to_group_major
-from groupcomm import TorchGroup, as_group, group_cast, group_reduce, host_splits
+from groupcomm import TorchGroup, as_group, group_cast, group_reduce, host_splits, retain
 
 SPARSE_MASKS = (BlockSparseMask, TokenTopKMask, NSALayerMask)
 # The stages run the plan's own tables, checked once per layer through the plan's status
@@ -110,6 +110,7 @@ def gather_sparse_areas(mask, config: SolverConfig, group, kv_block: int | None 
         flat = torch.cat(words)
         gathered = [torch.empty_like(flat) for _ in range(group.size)]
         dist.all_gather(gathered, flat, group=getattr(group, "process_group", None))
+        retain(flat, *gathered)  # freed by Python, never by a gloo worker thread (groupcomm._retain)
         n = local.numel()
         packed = torch.cat([x[:n].view(local.shape) for x in gathered])
         used = torch.cat([x[n:].view(used[0].shape).bool() for x in gathered]) if used else None
@@ -217,7 +218,11 @@ class _SparseDistAttn(torch.autograd.Function):
             return run
 
         with nvtx_range("attn/fwd stage0"):
-            part0 = _per_rank(routes, stage(0), ql, kl, vl, sl)
+            try:
+                part0 = _per_rank(routes, stage(0), ql, kl, vl, sl)
+            except BaseException:
+                drain(cast_q, cast_kv)  # never leave a collective in flight behind an error
+                raise
         with nvtx_range("comm/wait fwd.qo fwd.kv"):
             (q_buf, s_buf), (k_buf, v_buf) = cast_q.wait(), cast_kv.wait()
         cat = lambda a, b: torch.cat((a, b), dim=lead)  # noqa: E731
