@@ -1,6 +1,6 @@
 """Device error flags: value errors found on the sync-free path, read once by ``check_errors()``.
 
-Two modes (DESIGN.md, "Rules every part follows", 7):
+Two modes (docs/design/layers.md, "Validation: two modes"):
 
 - Validation mode (``validate=True``, the default for CPU tensors): every
   entry point checks values on the host at once and raises a ``ValueError``
