@@ -15,6 +15,7 @@ import torch.distributed as dist
 from ._base import CollectiveError, HostTraffic, Work
 from ._pack import pack, row_layout, unpack
 from ._reduce import reduce_rows
+from ._retain import retain
 from ._routing import put_targets
 
 
@@ -123,6 +124,7 @@ class TorchGroup:
                 works = self._p2p(out, inp, out_sizes, in_sizes)
         except Exception as e:
             raise fail(e) from e
+        retain(out, inp)  # freed by Python later, never by a gloo worker thread (groupcomm._retain)
 
         def wait() -> None:
             try:

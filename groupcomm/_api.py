@@ -6,7 +6,6 @@ object, which decides how rows move (see ``__init__`` for the backends).
 from __future__ import annotations
 
 import logging
-import weakref
 
 import torch
 
@@ -121,23 +120,16 @@ def default_group(process_group=None):
     return group
 
 
-
-
-# one wrapper per process group (weak: a destroyed group takes its wrapper with it)
-_wrapped: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
 def as_group(group):
     """``group`` as a groupcomm group: ``LocalGroup`` / ``TorchGroup`` / ``SymmMemGroup`` pass
-    through; a ``torch.distributed`` ``ProcessGroup`` is wrapped the way ``default_group`` does
-    (once per process group, so its byte counters persist across calls)."""
+    through; a ``torch.distributed`` ``ProcessGroup`` is wrapped the way ``default_group`` does.
+
+    Each call wraps anew (no cache: a wrapper kept here would hold the process group past
+    ``destroy_process_group``); a module wraps once when it is built, so its counters persist."""
     import torch.distributed as dist
 
     if dist.is_available() and isinstance(group, dist.ProcessGroup):
-        wrapped = _wrapped.get(group)
-        if wrapped is None:
-            wrapped = _wrapped[group] = default_group(group)
-        return wrapped
+        return default_group(group)
     size = getattr(group, "size", None)
     if isinstance(size, bool) or not isinstance(size, int):
         raise TypeError(f"group must be a groupcomm group (LocalGroup, TorchGroup, SymmMemGroup, "

@@ -48,7 +48,7 @@ from gpusolver.plan.sparse import SparsePlan
 from gpusolver.runtime.layout import from_group_major, to_group_major
 from gpusolver.runtime.pipelined import StageRoutes, backward_stages, forward_stages, stage_routes
 from gpusolver.support import check_supported
-from groupcomm import CollectiveError, TorchGroup, as_group, group_cast, group_reduce, host_splits
+from groupcomm import CollectiveError, TorchGroup, as_group, group_cast, group_reduce, host_splits, retain
 
 # The stages run the plan's own tables, checked once per layer through the plan's status
 # (validation: plan.validate(); sync-free: one device flag), so the calls skip their own checks.
@@ -358,6 +358,7 @@ def check_plan_digest(plan: Plan, group, config_key: int, *, validate: bool) -> 
     pg = getattr(group, "process_group", None)
     try:
         work = dist.all_gather(parts, mine, group=pg, async_op=True)
+        retain(mine, *parts)  # freed by Python, never by a gloo worker thread (groupcomm._retain)
         timeout = getattr(group, "timeout", None)
         work.wait() if timeout is None else work.wait(timeout)
     except Exception as e:  # a peer that failed or stalled

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from groupcomm import retain
+
 
 def to_group_major(x: torch.Tensor, groups: int, lead: int = 0) -> torch.Tensor:
     """``[*lead, c, H, *tail]`` -> ``[*lead, G * c, H / G, *tail]`` (a copy unless G = 1)."""
@@ -76,5 +78,7 @@ def unshard(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
         return torch.cat(x.unbind(0), dim=dim)
     pg = getattr(group, "process_group", group)
     parts = [torch.empty_like(x) for _ in range(P)]
-    dist.all_gather(parts, x.contiguous(), group=pg)
+    mine = x.contiguous()
+    dist.all_gather(parts, mine, group=pg)
+    retain(mine, *parts)  # freed by Python, never by a gloo worker thread (groupcomm._retain)
     return torch.cat(parts, dim=dim)

@@ -56,9 +56,13 @@ def mask_tensors(mask) -> tuple[torch.Tensor, ...]:
     return tuple(out)
 
 
-def _versions(mask) -> tuple[int, ...]:
-    # a tensor's version counter moves on every in-place write: host metadata, no host read
-    return tuple(t._version for t in mask_tensors(mask))
+def _versions(mask) -> tuple[int, ...] | None:
+    """The version counters of the mask's tensors (each moves on every in-place write: host
+    metadata, no host read); None when one has none (an inference tensor): never cached."""
+    tensors = mask_tensors(mask)
+    if any(t.is_inference() for t in tensors):
+        return None
+    return tuple(t._version for t in tensors)
 
 
 @dataclass
@@ -97,8 +101,12 @@ class PlanCache:
     def put(self, name: str, mask: AttnSlices, config: SolverConfig, plan: Plan) -> None:
         if torch.compiler.is_compiling():
             return
-        self._entries[name] = _Entry(mask, _versions(mask), config, plan)
         self.solves += 1
+        versions = _versions(mask)
+        if versions is None:  # no version counter: a later in-place write could not be seen
+            self._entries.pop(name, None)
+            return
+        self._entries[name] = _Entry(mask, versions, config, plan)
 
     def clear(self) -> None:
         self._entries.clear()

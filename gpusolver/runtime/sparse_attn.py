@@ -46,7 +46,7 @@ from gpusolver.plan.schedule import ATTN, CAST, DELTA, MERGE, REDUCE, WAIT, back
 from gpusolver.sparse_solve import sparse_assignment
 from gpusolver.runtime.dist_attn import LayerRoutes, issue, layer_routes, op_range
 from gpusolver.runtime.layout import from_group_major, to_group_major
-from groupcomm import TorchGroup, as_group, host_splits
+from groupcomm import TorchGroup, as_group, host_splits, retain
 
 SPARSE_MASKS = (BlockSparseMask, TokenTopKMask, NSALayerMask)
 # The stages run the plan's own tables, checked once per layer through the plan's status
@@ -111,6 +111,7 @@ def gather_sparse_areas(mask, config: SolverConfig, group, kv_block: int | None 
         flat = torch.cat(words)
         gathered = [torch.empty_like(flat) for _ in range(group.size)]
         dist.all_gather(gathered, flat, group=getattr(group, "process_group", None))
+        retain(flat, *gathered)  # freed by Python, never by a gloo worker thread (groupcomm._retain)
         n = local.numel()
         packed = torch.cat([x[:n].view(local.shape) for x in gathered])
         used = torch.cat([x[n:].view(used[0].shape).bool() for x in gathered]) if used else None

@@ -133,3 +133,15 @@ def test_cache_misses_after_an_in_place_write():
     ref = DynamicCPAttention(group, layer.config, plan_cache=PlanCache())(q, k, v, b)
     assert_close("out after the write", ref, got, atol=ATOL, rtol=RTOL)
     assert not torch.allclose(first, got)  # the two masks give different attention
+
+
+@pytest.mark.filterwarnings("ignore:imbalance_tol")
+def test_inference_mask_is_never_cached():
+    """An inference tensor has no version counter, so a write to it could not be seen: no entry."""
+    group, (layer,) = _layers("own", 1)
+    q, k, v, _, _ = (shard(x, group) for x in make_inputs(S, HQ, HKV, seed=7))
+    with torch.inference_mode():
+        mask = varlen_causal_mask([10, 6, 16], pad_to=6)
+        layer(q, k, v, mask)
+        layer(q, k, v, mask)
+    assert layer.plan_cache.solves == 2
