@@ -64,3 +64,15 @@ def pytest_collection_modifyitems(config, items):
     stale = [e for e in entries if e not in used and e.split("::", 1)[0] in modules]
     if stale:
         raise pytest.UsageError(f"tests/slow_tier.txt names tests that do not exist: {stale}")
+
+
+# GPUSOLVER_TEST_TIMES=path: each test's phase times appended as they finish (nodeid, phase,
+# seconds; tab-separated), so a run cut short still leaves its times (scripts/test_times.py reads them)
+# (written by the main process only: xdist hands it every worker's reports)
+_TIMES = None if "PYTEST_XDIST_WORKER" in os.environ else os.environ.get("GPUSOLVER_TEST_TIMES")
+
+
+def pytest_runtest_logreport(report):
+    if _TIMES:
+        with open(_TIMES, "a") as f:
+            f.write(f"{report.nodeid}\t{report.when}\t{report.duration:.3f}\t{report.outcome}\n")
