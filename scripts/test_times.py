@@ -5,10 +5,12 @@
     python scripts/test_times.py --read          # report the last run again (build/test_times/)
     python scripts/test_times.py --tier fast -n 1 tests/gpusolver   # other arguments go to pytest
 
-Each tier runs as its own pytest process with a JUnit XML report (per test:
-set-up + call + tear-down seconds); the report lists the slowest tests of all
-tiers run and, per tier, its test count, the summed test seconds and the
-tier's wall time. Times move with other load on the machine.
+Each tier runs as its own pytest process that records every test's phase
+times as it finishes (``GPUSOLVER_TEST_TIMES``, tests/conftest.py; a run cut
+short keeps what it finished); the report lists the slowest tests of all
+tiers run (set-up + call + tear-down seconds) and, per tier, its test count,
+the summed test seconds and the tier's wall time. Times move with other load
+on the machine. ``--file PATH`` reports one such times file instead.
 """
 from __future__ import annotations
 
@@ -18,7 +20,6 @@ import os
 import subprocess
 import sys
 import time
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,9 +30,11 @@ TIERS = {"fast": "not slow", "slow": "slow"}
 def run_tier(tier: str, workers: int, extra: list[str]) -> float:
     """Run one tier under pytest, its JUnit report into OUT; returns wall seconds."""
     OUT.mkdir(parents=True, exist_ok=True)
+    times = OUT / f"{tier}.tsv"
+    times.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-m", TIERS[tier],
-           f"--junitxml={OUT / f'{tier}.xml'}", *(["-n", str(workers)] if workers > 1 else []), *(extra or ["tests"])]
-    env = dict(os.environ, TRITON_INTERPRET="1")
+           *(["-n", str(workers)] if workers > 1 else []), *(extra or ["tests"])]
+    env = dict(os.environ, TRITON_INTERPRET="1", GPUSOLVER_TEST_TIMES=str(times))
     t0 = time.perf_counter()
     rc = subprocess.call(cmd, cwd=ROOT, env=env)
     wall = time.perf_counter() - t0
@@ -39,17 +42,24 @@ def run_tier(tier: str, workers: int, extra: list[str]) -> float:
     return wall
 
 
+def read_times(path: Path) -> list[tuple[float, str, str]]:
+    """(seconds, test id, outcome) per test from a GPUSOLVER_TEST_TIMES file (tests/conftest.py):
+    set-up + call + tear-down seconds; the outcome is the first phase that did not pass."""
+    seconds, outcome = {}, {}
+    for line in path.read_text().splitlines():
+        nodeid, phase, t, result = line.split("\t")
+        seconds[nodeid] = seconds.get(nodeid, 0.0) + float(t)
+        if outcome.get(nodeid, "passed") == "passed":
+            outcome[nodeid] = result if phase == "call" or result != "passed" else "passed"
+    return [(t, nodeid, outcome[nodeid]) for nodeid, t in seconds.items()]
+
+
 def read_tier(tier: str) -> tuple[list[tuple[float, str, str]], dict]:
-    """(seconds, test id, outcome) per test of the tier's last report, and its run record."""
-    xml, meta = OUT / f"{tier}.xml", OUT / f"{tier}.json"
-    if not xml.exists():
+    """The tier's last run: its tests (``read_times``) and its run record (wall seconds, exit status)."""
+    times, meta = OUT / f"{tier}.tsv", OUT / f"{tier}.json"
+    if not times.exists():
         return [], {}
-    tests = []
-    for case in ET.parse(xml).getroot().iter("testcase"):
-        outcome = next((c.tag for c in case if c.tag in ("failure", "error", "skipped")), "passed")
-        name = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
-        tests.append((float(case.get("time", 0.0)), name, outcome))
-    return tests, json.loads(meta.read_text()) if meta.exists() else {}
+    return read_times(times), json.loads(meta.read_text()) if meta.exists() else {}
 
 
 def report(tiers: list[str], top: int = 20) -> dict:
@@ -60,7 +70,7 @@ def report(tiers: list[str], top: int = 20) -> dict:
             print(f"{tier}: no report in {OUT} (run without --read first)")
             continue
         rows += [(t, name, tier, outcome) for t, name, outcome in tests]
-        failed = sum(o in ("failure", "error") for _, _, o in tests)
+        failed = sum(o == "failed" for _, _, o in tests)
         totals[tier] = dict(tests=len(tests), failed=failed, skipped=sum(o == "skipped" for _, _, o in tests),
                             test_s=sum(t for t, _, _ in tests), wall_s=meta.get("wall_s"), rc=meta.get("rc"))
     rows.sort(reverse=True)
@@ -75,13 +85,25 @@ def report(tiers: list[str], top: int = 20) -> dict:
     return totals
 
 
+def report_file(path: Path, top: int) -> int:
+    tests = sorted(read_times(path), reverse=True)
+    print(f"{min(top, len(tests))} slowest tests of {path} (seconds: set-up + call + tear-down):")
+    for t, name, outcome in tests[:top]:
+        print(f"  {t:8.2f}  {name}{'' if outcome == 'passed' else f'  [{outcome}]'}")
+    print(f"{len(tests)} tests, {sum(t for t, _, _ in tests):.0f} s of test time")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tier", choices=("all", *TIERS), default="all")
     ap.add_argument("--read", action="store_true", help="report the last run, run nothing")
     ap.add_argument("-n", "--workers", type=int, default=2, help="pytest-xdist workers (1: none)")
     ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--file", type=Path, help="report this GPUSOLVER_TEST_TIMES file, run nothing")
     args, extra = ap.parse_known_args(argv)
+    if args.file:
+        return report_file(args.file, args.top)
     tiers = list(TIERS) if args.tier == "all" else [args.tier]
     if not args.read:
         for tier in tiers:
