@@ -178,6 +178,14 @@ def bundle_proposals(tasks: Tasks, st: State, cap, excess, balance, threshold,
     kv_to_host = torch.where(i_of != s_of, tok_on[1] * tasks.kv, 0)
     # the destination as key host: it no longer sends the K/V it ships to the source alone
     kv_to_dest = tok_on[3] * tasks.kv
+    if n > 1 or tasks.training or caps is not None:
+        # the moved tasks of each (destination, size), their token change and those whose key host
+        # is not a touched rank: [B, P, K, D1, 2, U], built once for the tiled maximum below, the
+        # training scores and the buffer check
+        moved6 = mine[:, :, :, None, None, :] & (upos < cut[..., None])
+        tok = moved6 * (kg_t - kf_t[:, :, :, None, :])[:, :, :, :, None, :]
+        j6 = j_t[:, :, :, None, None, :]
+        away = moved6 & (j6 != s_of[..., None]) & (j6 != i_of[..., None]) & (j6 != d_of[..., None])
     # the busiest key host other than the touched ranks after the move
     if n == 1:
         # one task per key host: its send plus its own change, for the tasks whose key host is
@@ -192,11 +200,7 @@ def bundle_proposals(tasks: Tasks, st: State, cap, excess, balance, threshold,
         kvh_max = torch.stack((kvh0, kvh1), 4)
     else:
         # up to n tasks per key host: their changes add up (``_busiest_key_host``)
-        inc = mine[:, :, :, None, None, :] & (upos < cut[..., None])  # [B, P, K, D1, 2, U]
-        kv_delta = inc * ((kg_t - kf_t[:, :, :, None, :]) * tasks.kv)[:, :, :, :, None, :]
-        j6 = j_t[:, :, :, None, None, :]
-        elsewhere = inc & (j6 != s_of[..., None]) & (j6 != i_of[..., None]) & (j6 != d_of[..., None])
-        kvh_max = _busiest_key_host(st.send, j6, elsewhere, kv_delta, n)
+        kvh_max = _busiest_key_host(st.send, j6, away, tok * tasks.kv, n)
     k_grow = _at_cut(kg_t.cumsum(4, dtype=torch.int32), cut, 0).long()  # [B, P, K, D1, 2] bundle tokens
     k_free = _at_cut(kf_t.cumsum(3), cut, 0)
 
@@ -244,19 +248,15 @@ def bundle_proposals(tasks: Tasks, st: State, cap, excess, balance, threshold,
     dest_bsend = q_grow * tasks.dqb + tok_on[3] * tasks.kvb + k_grow * tasks.dkv
     dest_brecv = q_grow * tasks.qb + k_grow * tasks.kvb + tok_on[3] * tasks.dkv
     if tasks.training or caps is not None:
-        # the moved tasks of each (destination, size) whose key host is not a touched rank, and
-        # their token change: [B, P, K, D1, 2, U]
-        inc = mine[:, :, :, None, None, :] & (upos < cut[..., None])
-        tok = inc * (kg_t - kf_t[:, :, :, None, :])[:, :, :, :, None, :]
-        j6 = j_t[:, :, :, None, None, :]
-        elsewhere = inc & (j6 != s_of[..., None]) & (j6 != i_of[..., None]) & (j6 != d_of[..., None])
+        # the token change of each key host other than the touched ranks (training scores, buffers)
+        per_host = _tokens_per_key_host(st, j6, away, tok)
     if tasks.training:
         ok, score = _training_scores(
-            tasks, st, j6, elsewhere, tok, tok_on, any_on, i_of, s_of, d_of, dq, q_grow, q_free, k_grow,
+            tasks, st, per_host, tok_on, any_on, i_of, s_of, d_of, dq, q_grow, q_free, k_grow,
             k_free, area, excess, balance, threshold, sideways, gather_at,
             torch.maximum(host_send, host_recv), torch.maximum(src_send, src_recv), torch.maximum(d_send, d_recv))
     if caps is not None:
-        ok = ok & _fits_buffers(st, caps, j6, elsewhere, tok, tok_on, i_of, s_of, d_of, dq, q_grow, k_grow, gather_at)
+        ok = ok & _fits_buffers(st, caps, per_host, tok_on, i_of, s_of, d_of, dq, q_grow, k_grow, gather_at)
         score = torch.where(ok, score, float("inf"))
 
     # each offered unit proposes its best (destination, size): proposals [B, P*K]
@@ -273,27 +273,37 @@ def bundle_proposals(tasks: Tasks, st: State, cap, excess, balance, threshold,
 
 
 
-def _key_host_peaks(tasks: Tasks, st: State, key_host, elsewhere, tok):
-    """The largest forward and backward volume among the key hosts of moved tasks other than the
-    touched ranks, after the move (0 if none): their K/V out grows by the tasks' token changes
-    (summed per host), which adds K/V to their forward send and dK/dV to their backward receive.
+def _tokens_per_key_host(st: State, key_host, elsewhere, tok):
+    """[B, ..., P] int64: the token change of each rank as the key host of moved tasks other than
+    the touched ranks (summed over its tasks), and [B, ..., P] bool: whether it hosts any.
 
     key_host, elsewhere, tok: [B, ..., M] per moved task slot (key_host broadcastable); tok int64.
-    Returns (fwd, bwd), [B, ...] int64 each.
     """
-    B, P = st.send.shape
-    lead = (B,) + (1,) * (elsewhere.dim() - 2)
+    P = st.send.shape[1]
     idx = key_host.expand_as(elsewhere)
     per_host = torch.zeros(elsewhere.shape[:-1] + (P,), dtype=torch.int64, device=tok.device)
     per_host = per_host.scatter_add(-1, idx, torch.where(elsewhere, tok, 0))
     hit = torch.zeros_like(per_host).scatter_add(-1, idx, elsewhere.long()) > 0
+    return per_host, hit
+
+
+def _key_host_peaks(tasks: Tasks, st: State, per_host):
+    """The largest forward and backward volume among the key hosts of moved tasks other than the
+    touched ranks, after the move (0 if none): their K/V out grows by the tasks' token changes
+    (summed per host), which adds K/V to their forward send and dK/dV to their backward receive.
+
+    per_host: ``_tokens_per_key_host``'s pair. Returns (fwd, bwd), [B, ...] int64 each.
+    """
+    per_host, hit = per_host
+    B, P = st.send.shape
+    lead = (B,) + (1,) * (per_host.dim() - 2)
     at = lambda t: t.view(*lead, P)  # noqa: E731
     fwd = torch.maximum(at(st.send) + per_host * tasks.kv, at(st.recv))
     bwd = torch.maximum(at(st.bsend) + per_host * tasks.kvb, at(st.brecv) + per_host * tasks.dkv)
     return torch.where(hit, fwd, 0).amax(-1), torch.where(hit, bwd, 0).amax(-1)
 
 
-def _training_scores(tasks: Tasks, st: State, j6, elsewhere, tok, tok_on, any_on, i_of, s_of, d_of, dq,
+def _training_scores(tasks: Tasks, st: State, per_host, tok_on, any_on, i_of, s_of, d_of, dq,
                      q_grow, q_free, k_grow, k_free, area, excess, balance, threshold, sideways, gather_at,
                      host_f, src_f, dest_f):
     """(ok, score) [B, P, K, D1, 2] of the bundle moves under the training objective
@@ -325,7 +335,7 @@ def _training_scores(tasks: Tasks, st: State, j6, elsewhere, tok, tok_on, any_on
                 tok_on[0], -k_free)
     dest_b = bwd(at(st.bsend, d_of), at(st.brecv, d_of), torch.where(d_is_h, dq, 0), q_grow, tok_on[3], k_grow)
     # key hosts other than the touched ranks
-    kh_f, kh_b = _key_host_peaks(tasks, st, j6, elsewhere, tok)
+    kh_f, kh_b = _key_host_peaks(tasks, st, per_host)
     new_f = torch.maximum(torch.maximum(host_f, src_f), torch.maximum(dest_f, kh_f))
     new_b = torch.maximum(torch.maximum(host_b, src_b), torch.maximum(dest_b, kh_b))
 
@@ -355,7 +365,7 @@ def _training_scores(tasks: Tasks, st: State, j6, elsewhere, tok, tok_on, any_on
     return ok, torch.where(ok, score, float("inf"))
 
 
-def _fits_buffers(st: State, caps, j6, elsewhere, tok, tok_on, i_of, s_of, d_of, dq, q_grow, k_grow, gather_at):
+def _fits_buffers(st: State, caps, per_host, tok_on, i_of, s_of, d_of, dq, q_grow, k_grow, gather_at):
     """[B, P, K, D1, 2] bool: the move keeps every rank's rows within the plan's buffers.
 
     caps: [2, B] int64, each variant's receive and send rows per rank and kind. A rank's QO
@@ -373,8 +383,7 @@ def _fits_buffers(st: State, caps, j6, elsewhere, tok, tok_on, i_of, s_of, d_of,
     ok = fits(at(st.q_out, i_of), dq, S) & fits(at(st.q_in, d_of), q_grow, R) & fits(at(st.k_in, d_of), k_grow, R)
     ok &= fits(st.k_out.view(B, P, 1, 1, 1), tok_on[0], S)  # the source as a key host
     ok &= (s_of == i_of) | fits(at(st.k_out, i_of), tok_on[1], S)  # the query host as one
-    per_host = torch.zeros(elsewhere.shape[:-1] + (P,), dtype=torch.int64, device=tok.device)
-    per_host = per_host.scatter_add(-1, j6.expand_as(elsewhere), torch.where(elsewhere, tok, 0))
-    lead = (B,) + (1,) * (elsewhere.dim() - 2)
+    per_host = per_host[0]  # ``_tokens_per_key_host``'s token change
+    lead = (B,) + (1,) * (per_host.dim() - 2)
     over = (per_host > 0) & (st.k_out.view(*lead, P) + per_host > S[..., None])
     return ok & ~over.any(-1)
