@@ -97,6 +97,9 @@ class Tasks:
         self.qb, self.dqb, self.kvb, self.dkv = cost.q_bwd, cost.dq_bwd, cost.kv_bwd, cost.dkv_bwd
         # the objective: forward plus backward bottleneck (a training step), or the forward's alone
         self.training = config.objective == "training"
+        # (ranks per node, NVLink weight, InfiniBand weight): every byte priced by the link it
+        # crosses; None when all links are alike (the plain-byte solve, untouched)
+        self.links = config.link_weights
         # the plan's receive and send buffers, in group-major rows per rank and kind: hard limits of
         # every move (``plan_capacities``, the sizes the runtime allocates)
         from gpusolver.plan.build import plan_capacities
@@ -130,6 +133,17 @@ class Tasks:
         inverted); built on first use (the torch proposals read it, the kernels do not)."""
         pos = torch.empty_like(self.unit_tasks)
         return pos.scatter_(2, self.unit_tasks % self.U, torch.arange(self.U, device=pos.device).expand_as(pos))
+
+    def link_weight(self, a, b):
+        """The price of one byte between ranks ``a`` and ``b`` (tensors or ints, broadcast):
+        the NVLink weight inside a node, the InfiniBand weight across nodes (``links``)."""
+        per_node, w_nv, w_ib = self.links
+        return torch.where(a // per_node == b // per_node, w_nv, w_ib)
+
+    @functools.cached_property
+    def unit_dest_weight(self) -> torch.Tensor:
+        """[G*U, P] int64, the price of a byte from each unit's host to each rank (``links``)."""
+        return self.link_weight(self.unit_host[:, None], torch.arange(self.P, device=self.area.device))
 
     @functools.cached_property
     def unit_host(self) -> torch.Tensor:

@@ -275,6 +275,11 @@ def _check(areas: BlockAreas, config: SolverConfig, rounds: int, strategies, imp
         raise ValueError(f"need rounds >= 0 and strategies with threshold scales, got {rounds}, {strategies}")
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "persistent" and config.link_weights is not None:
+        # the one-launch loop has never run on a GPU; it prices plain bytes until one times it
+        raise ValueError(f"impl='persistent' does not take a topology across nodes (ranks_per_node="
+                         f"{config.topology.ranks_per_node} < cp_size={P}); use impl='triton' or 'torch' "
+                         "(docs/support_matrix.md)")
     return strategies
 
 
