@@ -24,6 +24,9 @@ from typing import Any
 
 import torch
 
+from gpusolver.plan import records
+from gpusolver.plan.gather import send_index
+
 # Status bits of Plan.status (a 0-dim int32 bitfield computed on device).
 IMBALANCED = 1       # max load > imbalance_tol * mean load
 CALC_OVERFLOW = 2    # some rank/stage needs more slice rows than CalcMeta's capacity
@@ -94,8 +97,6 @@ class CommMeta:
         the ``kind`` ("qo" or "kv") units it sends, in send order (dst ascending,
         then g, then tile, then token); -1 pads. Built on demand (sync-free) so a plan never
         holds the send lists of all P ranks."""
-        from gpusolver.plan.comm_meta import send_index
-
         if kind not in ("qo", "kv"):
             raise ValueError(f"kind must be 'qo' or 'kv', got {kind!r}")
         if not 0 <= rank < self.cp_size:
@@ -243,17 +244,20 @@ class Plan:
         return "\n".join(lines)
 
     def save(self, path, *, config=None) -> None:
-        """Write the plan (and its ``SolverConfig``, if given) to ``path`` (``plan.io.save_plan``)."""
-        from gpusolver.plan.io import save_plan
-
-        save_plan(self, path, config=config)
+        """Write the plan (and its ``SolverConfig``, if given) to ``path`` (the ``plan.records`` format)."""
+        records.write(self, path, config)
 
     @staticmethod
     def load(path, *, map_location="cpu") -> "Plan":
-        """The plan saved at ``path`` (``plan.io.load_plan``)."""
-        from gpusolver.plan.io import load_plan
+        """The plan saved at ``path``, its tensors on ``map_location``."""
+        from gpusolver.metrics import PlanMetrics
 
-        return load_plan(path, map_location=map_location)
+        p = records.read(path, map_location)["plan"]
+        return records.from_plain(Plan, p, {
+            "metrics": lambda d: records.from_plain(PlanMetrics, d, {}),
+            "comm": lambda d: records.from_plain(CommMeta, d, {}),
+            "calc": lambda d: records.from_plain(CalcMeta, d, {}),
+        })
 
 
 def _explain_status(plan: Plan, ignore: int) -> list[str]:

@@ -42,7 +42,7 @@ from gpusolver.nvtx import nvtx_range
 from gpusolver.plan.meta import IMBALANCED
 from gpusolver.plan.sparse import (SelectionSpec, SparsePlan, build_sparse_plan, default_kv_block, no_worse_than_owner,
                                    sparse_config)
-from gpusolver.plan.sparse_ops import sparse_assignment
+from gpusolver.sparse_solve import sparse_assignment
 from gpusolver.runtime.dist_attn import LayerRoutes, layer_routes
 from gpusolver.runtime.layout import from_group_major, to_group_major
 from groupcomm import TorchGroup, group_cast, group_reduce, host_splits

@@ -56,7 +56,7 @@ def variant_starts(tasks: Tasks, variants, start: torch.Tensor | None = None, tr
     load); the others start on the query host. A given ``start`` ([T], the tiled refine's coarser
     plan) replaces every start but "shed", which is made at this tile level: the shed pieces of a
     finer level are not the coarser plan's. Kinds index ``strategies.STARTS``."""
-    kinds = [v[4] for v in variants]
+    kinds = [v.start for v in variants]
     if start is not None and SHED not in kinds:
         return start
     if not any(kinds):
