@@ -25,13 +25,13 @@ PACKAGES = ("attn_kernels", "groupcomm", "gpusolver")
 # placed by its longest listed prefix ("gpusolver" itself is the package's __init__ only).
 LAYERS = (
     ("gpusolver.limits", "gpusolver.problem", "gpusolver.nvtx", "gpusolver.support",
-     "gpusolver._flag_kernel", "gpusolver.transfers", "gpusolver.config"),
+     "gpusolver._flag_kernel", "gpusolver.transfers", "gpusolver.config", "gpusolver.topology"),
     ("gpusolver.masks", "gpusolver.metrics"),
     ("gpusolver.plan",),
     ("gpusolver.errors", "gpusolver.areas", "gpusolver.baselines", "gpusolver.bounds"),
     ("gpusolver.solver",),
     ("gpusolver.assign", "gpusolver.ops"),
-    ("gpusolver.sparse_solve", "gpusolver.solve"),
+    ("gpusolver.sparse_solve", "gpusolver.solve", "gpusolver.sim"),
     ("gpusolver.runtime",),
     ("gpusolver.viz", "gpusolver.cli", "gpusolver.__main__", "gpusolver"),
 )

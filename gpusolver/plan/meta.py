@@ -192,6 +192,9 @@ class Plan:
                 UNASSIGNED, NEED_MISMATCH, INVALID_MASK (0 = usable and balanced).
     area:       [G, U, U] int64 — the block areas the plan was built from.
     imbalance_tol: mu the IMBALANCED bit was judged against (host float, config).
+    cost:       the CommCost the metrics were priced with (host ints; None for a plan built
+                without one): bytes per row of each collective (``pair_bytes``) and
+                heads and head dim for the simulator's FLOPs.
 
     ``validate()`` and ``summary()`` read the tensors on the host; everything
     else stays on device.
@@ -204,6 +207,25 @@ class Plan:
     status: torch.Tensor
     area: torch.Tensor
     imbalance_tol: float
+    cost: Any = None
+
+    def pair_bytes(self, phase: str, cost=None) -> torch.Tensor:
+        """[P(src), P(dst)] int64 bytes the layer moves from source to destination (sync-free).
+
+        phase: "fwd", "bwd", or one collective (``"fwd.qo"``, ``"fwd.kv"``, ``"fwd.o"``, ``"bwd.qo"``,
+        ``"bwd.kv"``, ``"bwd.dq"``, ``"bwd.dkv"``); cost: default the plan's own CommCost.
+        The sums over destinations and sources are the metrics' send and receive volumes.
+        """
+        from gpusolver.plan.schedule import pair_bytes
+
+        return pair_bytes(self, phase, self.cost if cost is None else cost)
+
+    @property
+    def task_stage(self) -> torch.Tensor:
+        """[G, U, U] int32: -1 empty task, 0 local stage (both units on its rank), 1 remote stage."""
+        from gpusolver.plan.schedule import task_stage
+
+        return task_stage(self)
 
     def for_rank(self, rank: int) -> RankPlan:
         """Rank ``rank``'s CalcMeta stages and send/receive lists (views)."""
@@ -251,12 +273,14 @@ class Plan:
     def load(path, *, map_location="cpu") -> "Plan":
         """The plan saved at ``path``, its tensors on ``map_location``."""
         from gpusolver.metrics import PlanMetrics
+        from gpusolver.problem import CommCost
 
         p = records.read(path, map_location)["plan"]
         return records.from_plain(Plan, p, {
             "metrics": lambda d: records.from_plain(PlanMetrics, d, {}),
             "comm": lambda d: records.from_plain(CommMeta, d, {}),
             "calc": lambda d: records.from_plain(CalcMeta, d, {}),
+            "cost": lambda d: None if d is None else records.from_plain(CommCost, d, {}),
         })
 
 

@@ -41,7 +41,9 @@ def to_plain(obj) -> dict:
 
 def from_plain(cls, values: dict, nested: dict):
     """``cls`` rebuilt from ``to_plain`` values; ``nested`` maps a field name to its rebuilder."""
-    names = {f.name for f in dataclasses.fields(cls)}
+    # a field with a default may be absent from a file that predates it
+    names = {f.name for f in dataclasses.fields(cls)
+             if f.name in values or (f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)}
     missing = names - set(values)
     if missing:
         raise ValueError(f"saved {cls.__name__} lacks fields {sorted(missing)}")

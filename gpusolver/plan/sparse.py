@@ -248,6 +248,7 @@ class SparsePlan:
     window_calc:   CalcMeta of the NSA window branch's slices (None without one).
     kv_blocks:     KVBlocks when K and V travel as key blocks (then ``comm``'s KV fields are the
                    hulls the solver priced, not what moves), None for hulls.
+    cost:          the SparseCommCost of the metrics (None for a plan built without one).
 
     ``stage(rank, s)`` builds a stage's tables on demand (sync-free), so a plan
     never holds every rank's [G * c + cap] row tables.
@@ -262,6 +263,20 @@ class SparsePlan:
     spec: SelectionSpec
     window_calc: CalcMeta | None = None
     kv_blocks: KVBlocks | None = None
+    cost: SparseCommCost | None = None
+
+    def pair_bytes(self, phase: str, cost=None) -> torch.Tensor:
+        """[P(src), P(dst)] int64 bytes moved per (source, destination): ``Plan.pair_bytes``."""
+        from gpusolver.plan.schedule import pair_bytes
+
+        return pair_bytes(self, phase, self.cost if cost is None else cost)
+
+    @property
+    def task_stage(self) -> torch.Tensor:
+        """[G, U, U] int32: -1 empty task, 0 local stage, 1 remote stage."""
+        from gpusolver.plan.schedule import task_stage
+
+        return task_stage(self)
 
     @property
     def head_groups(self) -> int:
@@ -498,7 +513,7 @@ def build_sparse_plan(areas: BlockAreas, assignment: torch.Tensor, config: Solve
         status = (status | bit(flags["calc_overflow"], CALC_OVERFLOW)
                   | bit(flags["buffer_overflow"], BUFFER_OVERFLOW) | bit(flags["mismatch"], NEED_MISMATCH))
     return SparsePlan(assignment=assignment, metrics=metrics, comm=comm, status=status, area=areas.area,
-                      imbalance_tol=mu, spec=spec, window_calc=window_calc, kv_blocks=kv_blocks)
+                      imbalance_tol=mu, spec=spec, window_calc=window_calc, kv_blocks=kv_blocks, cost=cost)
 
 
 def default_kv_block(mask, config: SolverConfig) -> int | None:
