@@ -11,7 +11,8 @@ Shape legend: B variants, G head groups, P ranks, n sub-chunk tiles per rank
 (TILES), U = n * P units per group (unit u on rank u // n), T = G * U * U
 tasks, K units offered per source, D destinations per unit from the headroom
 window, D1 = D + 3 (plus the unit's first key host, its query host, and the
-helper holding most of its rows). n = 1 compiles to the untiled kernels.
+helper holding most of its rows; with a topology D + 4, plus the rank of the
+source's node with most headroom). n = 1 compiles to the untiled kernels.
 """
 from __future__ import annotations
 
@@ -375,6 +376,16 @@ def _bundle_unit(
     held = tl.load(qlen_ptr + o_cell + u * P + o_p, mask=m_p, other=0)
     held = tl.where(m_p, tl.where(o_p == i_s, -1, held), -_BIG_T)
     holder = tl.min(tl.min(tl.where(held == tl.max(tl.max(held, axis=1), axis=0), o_p, BLOCK_P), axis=1), axis=0)
+    if TOPO:  # and the other rank of the source's node with most headroom (first on ties; none: the source)
+        extra = 4
+        peer = m_p & (o_p // PER_NODE == i_s // PER_NODE) & (o_p != i_s)
+        peer_room = tl.where(peer, tl.load(headroom_ptr + o_row + o_p, mask=m_p, other=0), -_BIG_T)
+        top_room = tl.max(tl.max(peer_room, axis=1), axis=0)
+        node_peer = tl.min(tl.min(tl.where(peer & (peer_room == top_room), o_p, BLOCK_P), axis=1), axis=0)
+        node_peer = tl.where(node_peer < P, node_peer, i_s)
+    else:
+        extra = 3
+        node_peer = i_s
 
     # prefixes: size 0 = the first task (bottleneck phase only, unless SINGLES), size 1 = while
     # it fits the destination (and, balancing, until the excess is covered)
@@ -433,11 +444,13 @@ def _bundle_unit(
     best_dbr = tl.zeros([], tl.int64)
     best_dqi = tl.zeros([], tl.int64)
     best_dki = tl.zeros([], tl.int64)
-    for d0 in range(0, D + 3, BLOCK_D):
+    for d0 in range(0, D + extra, BLOCK_D):
         o_d = d0 + tl.arange(0, BLOCK_D).to(tl.int64)  # [BLOCK_D] destinations of this tile
-        m_d = o_d < D + 3
+        m_d = o_d < D + extra
         d_win = tl.load(dests_ptr + (o_row + i_s) * D + o_d, mask=o_d < D, other=0)
-        d_of = tl.where(o_d == D, key_host, tl.where(o_d == D + 1, i, tl.where(o_d == D + 2, holder, d_win)))
+        d_of = tl.where(o_d == D, key_host, tl.where(o_d == D + 1, i, tl.where(o_d == D + 2, holder,
+                                                                                tl.where(o_d == D + 3, node_peer,
+                                                                                         d_win))))
         d_of = tl.where(m_d, d_of, 0)
         node_d = d_of // PER_NODE
         w_id = tl.where(i // PER_NODE == node_d, W_NV, W_IB).to(tl.int64)  # [BLOCK_D]
@@ -486,7 +499,7 @@ def _bundle_unit(
         score0 = tl.where(m_d, score0, float("inf"))
         score1 = tl.where(m_d, score1, float("inf"))
         t_score = tl.minimum(tl.min(score0, axis=0), tl.min(score1, axis=0))
-        n_pad = 2 * (D + 3)
+        n_pad = 2 * (D + extra)
         t_idx = tl.minimum(tl.min(tl.where(m_d & (score0 == t_score), 2 * o_d, n_pad), axis=0),
                            tl.min(tl.where(m_d & (score1 == t_score), 2 * o_d + 1, n_pad), axis=0))
         size1 = (t_idx % 2) == 1

@@ -44,6 +44,17 @@ def _busiest_key_host(send, key_host, elsewhere, kv_delta, tiles: int):
     return torch.where(hit, send.view(*lead, P) + per_host, 0).amax(-1)
 
 
+def _node_peer(tasks: Tasks, headroom: torch.Tensor) -> torch.Tensor:
+    """[B, P] int64: for each source, the other rank of its node with the most headroom (first
+    on ties), the source itself when its node has no other rank (``Tasks.links``)."""
+    P = tasks.P
+    ranks = torch.arange(P, device=headroom.device)
+    node = ranks // tasks.links[0]
+    peer = (node[:, None] == node[None, :]) & (ranks[:, None] != ranks[None, :])  # [P(s), P(r)]
+    room = torch.where(peer, headroom[:, None, :], -_BIG)  # [B, P(s), P(r)]
+    return torch.where(peer.any(1), room.argmax(2), ranks)
+
+
 def _at_cut(running: torch.Tensor, cut: torch.Tensor, empty: int, suffix: bool = False) -> torch.Tensor:
     """Read ``running`` [..., U] (prefix values along a unit's order, or suffix values with
     ``suffix``) at ``cut`` [..., C] in 0..U: the value over positions [0, cut) (or [cut, U)),
@@ -107,8 +118,11 @@ def bundle_proposals(tasks: Tasks, st: State, cap, excess, balance, threshold,
     held = st.qlen.gather(1, unit.view(B, -1, 1).expand(-1, -1, P).reshape(B, -1, P)).view(B, P, K, P)
     held = torch.where(ranks.view(1, P, 1, 1) == ranks, -1, held)  # not the source itself
     holder = held.argmax(3, keepdim=True)
-    dests = torch.cat((dests[:, :, None, :].expand(B, P, K, D), key_host, home, holder), 3)  # [B, P, K, D1]
-    D1 = D + 3
+    extra = (key_host, home, holder)
+    if tasks.links is not None:  # and the rank of the source's node with most headroom (NVLink only)
+        extra += (_node_peer(tasks, headroom).view(B, P, 1, 1).expand(B, P, K, 1),)
+    dests = torch.cat((dests[:, :, None, :].expand(B, P, K, D),) + extra, 3)  # [B, P, K, D1]
+    D1 = dests.shape[3]
     # each size ships the source's tasks before a cut of the order, [B, P, K, D1, 2(size)]:
     # size 0 = the first task here if it fits the destination (bottleneck phase, or ``singles``);
     # size 1 = while the running area fits (and, balancing, until the excess is covered)
