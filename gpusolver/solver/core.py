@@ -44,7 +44,9 @@ class DeviceSolveResult:
     fits:           bool, every rank's rows within the plan's receive and send buffers
                     (``plan_capacities``). A solve whose starts all fit returns a plan that fits.
     fwd_bottleneck: int64 bytes, ``max_r max(send_r, recv_r)`` of the forward (-1 when
-                    not balanced).
+                    not balanced). With a topology across nodes every figure here is
+                    link-weighted bytes (``SolverConfig.link_weights``), the solver's
+                    own measure; the plan's metrics count plain bytes.
     bwd_bottleneck: int64 bytes, the same for the backward (-1 when not balanced).
     objective:      int64 bytes, what was minimised: their sum with ``objective="training"``,
                     the forward's alone with "forward" (-1 when not balanced).
@@ -165,7 +167,7 @@ class State:
     qlen: torch.Tensor  # [B, G*U, P] tokens that travel (0 at the host)
     klen: torch.Tensor
     kcount: torch.Tensor  # [B, G*U, P] tasks of each KV unit on each rank
-    send: torch.Tensor  # [B, P] forward bytes
+    send: torch.Tensor  # [B, P] forward bytes (link-weighted with ``Tasks.links``)
     recv: torch.Tensor
     vol: torch.Tensor  # [B, P] max(send, recv)
     bottleneck: torch.Tensor  # [B] max over ranks of vol

@@ -39,7 +39,11 @@ The algorithm (DESIGN.md, "The solver", family 2):
   first, then the lowest forward bottleneck) and the best variant wins.
 
 All volumes are forward bytes in int64; ties break by index, so the result
-is bit-identical on every rank.
+is bit-identical on every rank. With ``SolverConfig(topology=...)`` across
+nodes every byte is priced by its link (an InfiniBand byte weighs the
+NVLink / NIC bandwidth ratio, an NVLink byte 1: integers, so every path
+agrees), and each bundle is also priced against the rank of the source's
+node with most headroom; the persistent path refuses such a configuration.
 
 This module is the round driver; the package is laid out as it works:
 
