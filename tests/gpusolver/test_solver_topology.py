@@ -81,6 +81,12 @@ def test_state_matches_torch_with_topology(shape, G, tiles, seed):
     _check_state(state_ref.state(tasks, A), state_triton(tasks, A))
 
 
+def test_bundle_proposals_match_torch_with_topology_small():
+    """One fixed small round (the default tier's check; the sweeps below are slow)."""
+    _bundle_case(4, 1, 2, 1, 2, True, 16, 3, states=("triton",), topology=_nodes(2))
+
+
+@pytest.mark.slow
 @settings(max_examples=2, deadline=None)
 @given(shape=st.sampled_from([(4, 2), (6, 3), (6, 2)]), G=st.integers(1, 2), K=st.integers(1, 3),
        D=st.integers(1, 6), sideways=st.booleans(), singles=st.booleans(), tile=st.sampled_from([2, 16]),
@@ -111,6 +117,7 @@ def _case(P, G, tokens, topology, seed=1):
     return block_areas(packed_documents(tokens * P, seed=seed, causal=True), P, G, impl="torch"), config
 
 
+@pytest.mark.slow
 def test_solve_triton_equals_torch_with_topology():
     areas, config = _case(4, 2, 64, _nodes(2))
     kw = dict(rounds=3, strategies=_SMALL, restart_every=2)
@@ -127,8 +134,9 @@ def test_persistent_path_refuses_topology():
 
 def test_one_node_topology_gives_the_plain_plan():
     areas, config = _case(8, 2, 64, h200_hgx)
-    plain = solve_device(areas, dataclasses.replace(config, topology=None), impl="torch")
-    one_node = solve_device(areas, config, impl="torch")
+    kw = dict(rounds=3, strategies=_SMALL, restart_every=2)
+    plain = solve_device(areas, dataclasses.replace(config, topology=None), impl="torch", **kw)
+    one_node = solve_device(areas, config, impl="torch", **kw)
     assert torch.equal(plain.assignment, one_node.assignment)
     assert torch.equal(plain.objective, one_node.objective)
 
@@ -137,5 +145,16 @@ def test_topology_meta_device():
     """No host reads: the topology-aware solve runs on meta tensors."""
     areas, config = _case(4, 2, 64, _nodes(2))
     meta = dataclasses.replace(areas, **{f: getattr(areas, f).to("meta") for f in ("area", "q_need", "k_need")})
-    res = solve_device(meta, config, impl="torch", rounds=2, strategies=_SMALL)
+    res = solve_device(meta, config, impl="torch", rounds=1, strategies=_SMALL)
     assert res.assignment.device.type == "meta"
+
+
+def test_saved_config_keeps_its_topology(tmp_path):
+    from gpusolver.plan.io import load_plan_config, save_plan
+    from gpusolver.solve import solve
+
+    config = SolverConfig(cp_size=4, num_heads_q=8, num_heads_kv=2, head_dim=8, dtype=torch.float16,
+                          chunk_tiles=1, topology=_nodes(2))
+    plan = solve(packed_documents(4 * 64, seed=0, causal=True), config, impl="torch")
+    save_plan(plan, tmp_path / "plan.pt", config=config)
+    assert load_plan_config(tmp_path / "plan.pt") == config
