@@ -102,6 +102,7 @@ class Tasks:
         # (ranks per node, NVLink weight, InfiniBand weight): every byte priced by the link it
         # crosses; None when all links are alike (the plain-byte solve, untouched)
         self.links = config.link_weights
+        self.problem = (areas, config)  # what the "nodes" start solves over the nodes
         # the plan's receive and send buffers, in group-major rows per rank and kind: hard limits of
         # every move (``plan_capacities``, the sizes the runtime allocates)
         from gpusolver.plan.build import plan_capacities

@@ -15,7 +15,9 @@ from gpusolver.areas import block_areas
 from gpusolver.config import SolverConfig
 from gpusolver.masks import packed_documents
 from gpusolver.solver import core
-from gpusolver.solver.device import Strategy, solve_device
+from gpusolver.limits import balanced_load_cap
+from gpusolver.solver.device import Strategy, node_start, solve_device
+from gpusolver.solver.strategies import NODES_STRATEGY
 from gpusolver.solver.state import ref as state_ref
 from gpusolver.solver.state.kernel import state_triton
 from gpusolver.topology import Topology, h200_hgx
@@ -108,7 +110,8 @@ def test_bundle_proposals_match_torch_with_topology_tiled(K, D, objective, rows,
 
 
 _SMALL = (Strategy((3.0, float("inf")), units_per_rank=2, bundle_dests=4),
-          Strategy((float("inf"),), units_per_rank=1, bundle_dests=2, task_order="rows", start="transpose"))
+          Strategy((float("inf"),), units_per_rank=1, bundle_dests=2, task_order="rows", start="transpose"),
+          NODES_STRATEGY)
 
 
 def _case(P, G, tokens, topology, seed=1):
@@ -158,3 +161,24 @@ def test_saved_config_keeps_its_topology(tmp_path):
     plan = solve(packed_documents(4 * 64, seed=0, causal=True), config, impl="torch")
     save_plan(plan, tmp_path / "plan.pt", config=config)
     assert load_plan_config(tmp_path / "plan.pt") == config
+
+
+def test_node_start_balances_the_nodes():
+    """The two-level start: node loads within mu (the solve over the nodes), each task on a rank
+    of its node, on its query host whenever that host is in the node."""
+    P, G, per_node = 8, 2, 4
+    areas, config = _case(P, G, 128, _nodes(per_node), seed=2)
+    tasks = core.Tasks(areas, config)
+    start = node_start(tasks, 6)
+    assert node_start(tasks, 6) is start  # made once per solve
+    area = torch.where(tasks.valid, tasks.area, 0)
+    load = torch.zeros(P, dtype=torch.int64).scatter_add(0, start.clamp(max=P - 1), area)
+    node_load = load.view(P // per_node, per_node).sum(1)
+    assert node_load.max() <= balanced_load_cap(tasks.area.sum(), config.imbalance_tol, P // per_node)
+    # owner-computes leaves the nodes further apart on this mask
+    home = torch.zeros(P, dtype=torch.int64).scatter_add(0, tasks.q_host, area)
+    assert home.view(P // per_node, per_node).sum(1).max() > node_load.max()
+    assert (start[~tasks.valid] == P).all() and (start[tasks.valid] < P).all()
+    node_of = start // per_node
+    at_home = tasks.valid & (tasks.q_host // per_node == node_of)
+    assert torch.equal(start[at_home], tasks.q_host[at_home])
