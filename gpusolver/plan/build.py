@@ -61,7 +61,7 @@ def plan_capacities(config: SolverConfig, num_slices: int, chunk: int, *, recv_c
     The default comes from the device solver's plans of the quality benchmark
     masks (packed documents, 8K tokens per rank, 64:8), measured by
     ``benchmarks/layer_bench.py --tiles 1,2,4 --fill-seeds 20 --fill-kinds
-    causal-seq,full-seq`` (``benchmarks/results/layer_bench.md``). Largest
+    causal-seq,full-seq`` (its run at commit 995ec0e; the file now leads with simulated layer times). Largest
     rows a rank receives / sends (QO or KV; KV always the larger), as a
     multiple of G * c, over seeds 0-19 with whole chunks (seeds 0-2 with 2 and
     4 tiles stay below these), next to one causal sequence:

@@ -4,7 +4,7 @@ Shape legend: P ranks, c tokens per rank, G head groups, Hq / Hkv query / KV
 heads (hq = Hq / G, hkv = Hkv / G per group), D head dim, cap = the plan's
 receive capacity in group-major rows.
 
-Forward, per rank (DESIGN.md, "Data flow of one layer"):
+Forward, per rank (docs/design/layers.md, "Data flow of one layer"):
 
 1. the local shards become group-major rows ``[G * c, h, D]``;
 2. the cast of remote Q (phase ``fwd.qo``) and of K with V (``fwd.kv``)
@@ -44,9 +44,10 @@ from gpusolver import errors
 from gpusolver.nvtx import nvtx_range
 from gpusolver.plan import IMBALANCED, Plan
 from gpusolver.plan.schedule import ATTN, CAST, DELTA, MERGE, REDUCE, WAIT, Op, backward_ops, forward_ops
+from gpusolver.plan.sparse import SparsePlan
 from gpusolver.runtime.layout import from_group_major, to_group_major
 from gpusolver.support import check_supported
-from groupcomm import CollectiveError, TorchGroup, group_cast, group_reduce, host_splits
+from groupcomm import CollectiveError, TorchGroup, as_group, group_cast, group_reduce, host_splits
 
 # The stages run the plan's own tables, checked once per layer through the plan's status
 # (validation: plan.validate(); sync-free: one device flag), so the calls skip their own checks.
@@ -203,15 +204,17 @@ class _DistAttn(torch.autograd.Function):
         routes, group, scale = ctx.routes, ctx.group, ctx.scale
         lead = 1 if routes.batched else 0
         G, cap = routes.groups, routes.capacity
-        ql, kl, vl, o, lse = ctx.saved_tensors[:5]
+        # read once: non-reentrant checkpointing unpacks each saved tensor a single time
+        saved = ctx.saved_tensors
+        ql, kl, vl, o, lse = saved[:5]
         n = ql.shape[lead]
         local = lambda x: x.narrow(lead, 0, n)  # noqa: E731
         remote = lambda x: x.narrow(lead, n, cap).contiguous()  # noqa: E731
         d_o = torch.zeros_like(o) if d_out is None else to_group_major(d_out, G, lead).contiguous()
         d_l = None if d_lse is None else to_group_major(d_lse, G, lead).contiguous()
         works, parts, out = {}, {}, {}
-        recv = {"kv": ctx.saved_tensors[6:]} if ctx.keep else {}
-        q_buf = ctx.saved_tensors[5] if ctx.keep else None
+        recv = {"kv": saved[6:]} if ctx.keep else {}
+        q_buf = saved[5] if ctx.keep else None
         delta = None
         for op in backward_ops(routes.plan.calc.q_ranges.shape[1], ctx.keep):
             with nvtx_range(op_range(op)):
@@ -364,7 +367,8 @@ def dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, gro
             natural order); with a ``LocalGroup`` every rank's shard, ``[P, c, Hq, D]``.
         k, v: ``[c, Hkv, D]`` (``[P, c, Hkv, D]``), Hq a multiple of Hkv (GQA, or MHA).
         plan: the layer's ``Plan`` (``gpusolver.solve``), for the same P, G and c.
-        group: ``LocalGroup``, ``TorchGroup`` or ``SymmMemGroup`` (``groupcomm``).
+        group: ``LocalGroup``, ``TorchGroup`` or ``SymmMemGroup`` (``groupcomm``), or a
+            ``torch.distributed`` process group (wrapped as ``groupcomm.default_group`` does).
         softmax_scale: default ``D ** -0.5``.
         deterministic: partial results are reduced rank by rank in a fixed order
             (no float atomics), so outputs are bit-identical across runs.
@@ -386,6 +390,11 @@ def dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, gro
         no valid key gives out 0 and lse -inf), with a leading ``[P]`` for ``LocalGroup``.
         Differentiable in q, k and v.
     """
+    group = as_group(group)
+    if not isinstance(plan, Plan):
+        hint = " (a sparse mask's plan: run it with sparse_dist_attn or DynamicCPAttention)" \
+            if isinstance(plan, SparsePlan) else ""
+        raise TypeError(f"plan must be a Plan (gpusolver.solve), got {type(plan).__name__}{hint}")
     _check_inputs(q, k, v, plan, group)
     check_supported(q, k, v, group)  # the support matrix (docs/support_matrix.md), host metadata only
     if validate is None:

@@ -4,7 +4,7 @@ Shape legend: P ranks, c tokens per rank, G head groups, Hq / Hkv heads (hq,
 hkv per group), D head dim, cap receive rows, hs selection heads per
 group-major row, w selection width.
 
-The layer runs as ``dist_attn`` does (DESIGN.md, "Data flow of one layer")
+The layer runs as ``dist_attn`` does (docs/design/layers.md, "Data flow of one layer")
 with the sparse kernel in its stages:
 
 1. local shards become group-major rows; the selection rows too
@@ -46,7 +46,7 @@ from gpusolver.plan.schedule import ATTN, CAST, DELTA, MERGE, REDUCE, WAIT, back
 from gpusolver.sparse_solve import sparse_assignment
 from gpusolver.runtime.dist_attn import LayerRoutes, issue, layer_routes, op_range
 from gpusolver.runtime.layout import from_group_major, to_group_major
-from groupcomm import TorchGroup, host_splits
+from groupcomm import TorchGroup, as_group, host_splits
 
 SPARSE_MASKS = (BlockSparseMask, TokenTopKMask, NSALayerMask)
 # The stages run the plan's own tables, checked once per layer through the plan's status
@@ -129,6 +129,7 @@ def solve_sparse_sharded(mask, config: SolverConfig, group, *, solver: str = "de
     """
     if not isinstance(mask, SPARSE_MASKS):
         raise TypeError(f"mask must be a BlockSparseMask, TokenTopKMask or NSALayerMask, got {type(mask).__name__}")
+    group = as_group(group)
     if config.cp_size != group.size:
         raise ValueError(f"config.cp_size={config.cp_size} but the group has {group.size} ranks")
     spec = SelectionSpec.of(mask, config.head_groups)
@@ -383,6 +384,7 @@ def sparse_dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sel: tor
         for an NSA layer mask, ``((out_sel, lse_sel), (out_win, lse_win))``, one pair per
         branch. Differentiable in q, k and v.
     """
+    group = as_group(group)
     _check_inputs(q, k, v, sel, plan, group)
     if validate is None:
         validate = q.device.type == "cpu" and not torch.compiler.is_compiling()

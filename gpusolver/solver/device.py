@@ -4,7 +4,7 @@ Every operation is a whole-tensor op over static shapes and the loop runs a
 fixed number of rounds, so the solve runs on any device without host reads
 (it runs on ``device="meta"``) and can be captured in a CUDA graph.
 
-The algorithm (DESIGN.md, "The solver", family 2):
+The algorithm (docs/design/solver.md, "The device algorithm"):
 
 * Start from owner-computes: every task on its query host (no Q/O traffic,
   usually unbalanced). With sub-chunk tiles (``chunk_tiles`` n > 1, units of

@@ -35,7 +35,7 @@ def transpose_start(tasks: Tasks, every_unit: bool = False) -> torch.Tensor:
     head groups of even work this is Ulysses (times a ring over the P / G blocks), balanced
     whatever the mask, and moves what USP moves in the forward. Sparse indexer masks need it:
     their early rows need few remote keys and stay home under the rule above, which leaves
-    the late blocks' ranks with twice the work (NSA at P = 16: 1.90x the mean).
+    the late blocks' ranks with about twice the mean work.
     """
     G, U = tasks.G, tasks.U
     remote = tasks.valid & (tasks.k_host != tasks.q_host)
