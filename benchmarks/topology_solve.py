@@ -15,6 +15,10 @@ both plans and reads each plan's own bytes per (source, destination)
   inside a node), the same for every GPU.
 - IB time (simulated, ideal: bytes / bandwidth, no latency, no overlap) of a
   training step: (IB fwd + IB bwd) / NIC bandwidth, in ms.
+- step ms (simulated): the layer's training step, forward plus backward, from
+  ``gpusolver.sim.simulate`` (the runtime's own schedule on the topology,
+  today's transport and stages), and USP's and load-balanced USP's from
+  ``simulate_baseline`` on the same shards.
 
     python benchmarks/topology_solve.py                      # P = 16, 32, 64; seed 0
     python benchmarks/topology_solve.py --P 16 --seeds 0,1
@@ -36,6 +40,7 @@ from _common import (  # noqa: E402
     write_json,
 )
 from gpusolver.baselines import usp  # noqa: E402
+from gpusolver.sim import simulate, simulate_baseline  # noqa: E402
 from gpusolver.config import SolverConfig  # noqa: E402
 from gpusolver.solve import solve  # noqa: E402
 from gpusolver.topology import PRESETS  # noqa: E402
@@ -46,6 +51,8 @@ COLUMNS = [
     ("IB fwd / USP", "ib_fwd_vs_usp", ".2f"), ("IB bwd MB/GPU", "ib_bwd_mb", ".1f"),
     ("NV fwd MB/GPU", "nv_fwd_mb", ".1f"), ("IB step ms (sim.)", "ib_step_ms", ".2f"),
     ("IB step / today", "ib_vs_today", ".2f"), ("imbalance", "imbalance", ".3f"),
+    ("step ms (sim.)", "step_ms", ".2f"), ("step / USP", "step_vs_usp", ".2f"),
+    ("step / bal. USP", "step_vs_usp_bal", ".2f"),
     ("solve s (CPU)", "solve_s", ".2f"), ("solve / today", "solve_vs_today", ".2f"),
 ]
 
@@ -77,6 +84,8 @@ def measure(kind: str, P: int, seed: int, topology, tokens: int) -> list[dict]:
     mask = make_mask(kind, P, seed, tokens_per_rank=tokens)
     base = SolverConfig(cp_size=P)
     usp_fwd = usp_ib_fwd(base, mask.total_seqlen_q, topology.ranks_per_node)
+    usp_ms = simulate_baseline("usp", mask, base, topology).step_ms
+    usp_bal_ms = simulate_baseline("usp_balanced", mask, base, topology).step_ms
     rows = []
     for name, config in (("today", base), ("topology", replace(base, topology=topology))):
         t0 = time.perf_counter()
@@ -85,11 +94,14 @@ def measure(kind: str, P: int, seed: int, topology, tokens: int) -> list[dict]:
         ib_fwd, nv_fwd = link_bottlenecks(plan.pair_bytes("fwd"), topology.ranks_per_node)
         ib_bwd, _ = link_bottlenecks(plan.pair_bytes("bwd"), topology.ranks_per_node)
         nic_bps = topology.ib_gbps * 1e9 * topology.nics_per_node / topology.ranks_per_node
+        step_ms = simulate(plan, topology).step_ms
         rows.append({"kind": kind, "P": P, "seed": seed, "solve": name, "ib_fwd_mb": ib_fwd / 1e6,
                      "usp_ib_fwd_mb": usp_fwd / 1e6, "ib_fwd_vs_usp": ib_fwd / usp_fwd,
                      "ib_bwd_mb": ib_bwd / 1e6, "nv_fwd_mb": nv_fwd / 1e6,
                      "ib_step_ms": (ib_fwd + ib_bwd) / nic_bps * 1e3,
-                     "imbalance": float(plan.metrics.imbalance), "solve_s": seconds})
+                     "imbalance": float(plan.metrics.imbalance), "solve_s": seconds, "step_ms": step_ms,
+                     "usp_step_ms": usp_ms, "usp_balanced_step_ms": usp_bal_ms, "step_vs_usp": step_ms / usp_ms,
+                     "step_vs_usp_bal": step_ms / usp_bal_ms})
     today, topo = rows
     for r in rows:
         r["ib_vs_today"] = r["ib_step_ms"] / today["ib_step_ms"] if today["ib_step_ms"] else None
@@ -126,6 +138,7 @@ def main(argv=None) -> dict:
     topo = [r for r in rows if r["solve"] == "topology"]
     print(f"\nmedians of the topology-aware solve: IB fwd / USP {median([r['ib_fwd_vs_usp'] for r in topo]):.2f}, "
           f"IB step / today {median([r['ib_vs_today'] for r in topo]):.2f}, "
+          f"step / USP {median([r['step_vs_usp'] for r in topo]):.2f} (simulated), "
           f"solve time / today {median([r['solve_vs_today'] for r in topo]):.2f}")
     payload = {"benchmark": "topology_solve", "environment": environment(), "topology": args.topology,
                "tokens_per_rank": args.tokens, "rows": rows}
