@@ -182,3 +182,13 @@ def test_node_start_balances_the_nodes():
     node_of = start // per_node
     at_home = tasks.valid & (tasks.q_host // per_node == node_of)
     assert torch.equal(start[at_home], tasks.q_host[at_home])
+
+
+def test_compile_op_carries_the_topology():
+    """The custom op ``solve`` uses under torch.compile solves with the config's topology."""
+    from gpusolver.ops import solve_assignment_op, solve_op_options
+
+    areas, config = _case(4, 2, 128, _nodes(2), seed=3)
+    op = solve_assignment_op(areas.area, areas.q_need, areas.k_need, areas.chunk, 4, 1, 8, 2, 8, torch.float16,
+                             config.imbalance_tol, "torch", *solve_op_options(config))
+    assert torch.equal(op, solve_device(areas, config, impl="torch").assignment)
