@@ -33,6 +33,8 @@ LAYERS = (
     ("gpusolver.assign", "gpusolver.ops"),
     ("gpusolver.sparse_solve", "gpusolver.solve", "gpusolver.sim"),
     ("gpusolver.runtime",),
+    ("gpusolver.packing",),
+    ("gpusolver.integrations",),
     ("gpusolver.viz", "gpusolver.cli", "gpusolver.__main__", "gpusolver"),
 )
 TIES = ("gpusolver.runtime", "gpusolver.cli", "gpusolver.errors")
