@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test fuzz demo bench gpu-check clean
+.PHONY: install test test-slow test-times fuzz demo bench gpu-check clean
 
 install: $(STAMP)
 
@@ -17,9 +17,18 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
-# two workers: the interpreted Triton tests are CPU-bound and independent
+# two workers: the interpreted Triton tests are CPU-bound and independent. `make test` is the fast
+# tier (every behaviour at its smallest shape); `make test-slow` the sweeps, fuzz at scale and the
+# 2^24-token runs (tests marked `slow`). CI (.ci/run) runs both.
 test: install
-	TRITON_INTERPRET=1 $(PY) -m pytest -n 2 tests
+	TRITON_INTERPRET=1 $(PY) -m pytest -n 2 -m "not slow" tests
+
+test-slow: install
+	TRITON_INTERPRET=1 $(PY) -m pytest -n 2 -m slow tests
+
+# both tiers timed: the 20 slowest tests and each tier's totals (scripts/test_times.py --read reports again)
+test-times: install
+	$(PY) scripts/test_times.py
 
 # The reliability fuzz harness: thousands of hypothesis cases over every layer (masks, areas, plans,
 # the solve up to 2^24 tokens and P = 128, kernels, the layer, collectives, sparse selections), fresh

@@ -21,11 +21,13 @@ launch, so its per-round count is 0 and a solve is its fixed part plus one.
     python benchmarks/solver_launches.py            # P = 4, 8
     python benchmarks/solver_launches.py --P 8,16
     python benchmarks/solver_launches.py --P 64 --paths persistent   # minutes: the interpreter runs it
+    python benchmarks/solver_launches.py --P 8 --ranks-per-node 4 --paths torch,triton   # topology-aware
 """
 from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import replace
 import sys
 from pathlib import Path
 
@@ -42,6 +44,7 @@ from _common import (  # noqa: E402
 from gpusolver.areas import block_areas  # noqa: E402
 from gpusolver.config import SolverConfig  # noqa: E402
 from gpusolver.solver.device import DEFAULT_ROUNDS, default_local_search, solve_device  # noqa: E402
+from gpusolver.topology import h200_hgx  # noqa: E402
 
 PATHS = ("torch", "triton", "persistent")
 COLUMNS = [
@@ -57,9 +60,11 @@ def count(areas, config, impl: str, rounds: int, restart_every: int = 0) -> Laun
     return counter
 
 
-def measure(P: int, impl: str, device: str, rounds: int = DEFAULT_ROUNDS) -> dict:
-    """fixed + rounds * per_round + restarts * per_restart, each term from short solves."""
-    config = SolverConfig(cp_size=P)
+def measure(P: int, impl: str, device: str, rounds: int = DEFAULT_ROUNDS, ranks_per_node: int = 0) -> dict:
+    """fixed + rounds * per_round + restarts * per_restart, each term from short solves
+    (``ranks_per_node`` > 0: topology-aware, nodes of that many ranks with h200_hgx links)."""
+    topology = replace(h200_hgx, ranks_per_node=ranks_per_node, nics_per_node=None) if ranks_per_node else None
+    config = SolverConfig(cp_size=P, topology=topology)
     mask = make_mask("causal", P, seed=0, device=device)
     areas = block_areas(mask, P, config.head_groups, impl="torch")
     one, two = count(areas, config, impl, 1), count(areas, config, impl, 2)
@@ -71,7 +76,7 @@ def measure(P: int, impl: str, device: str, rounds: int = DEFAULT_ROUNDS) -> dic
     triton_restart = restarted.triton_launches - two.triton_launches
     every = default_local_search(P)[1]
     restarts = len(range(every, rounds, every)) if every else 0
-    return {"P": P, "path": impl, "per_round": per_round, "fixed": fixed, "rounds": rounds,
+    return {"P": P, "path": impl, "ranks_per_node": ranks_per_node or None, "per_round": per_round, "fixed": fixed, "rounds": rounds,
             "per_restart": per_restart, "restarts": restarts,
             "per_solve": fixed + rounds * per_round + restarts * per_restart,
             "triton_per_solve": (one.triton_launches - triton_round + rounds * triton_round
@@ -83,6 +88,8 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--P", default="4,8", help="comma-separated CP sizes (default 4,8)")
     p.add_argument("--paths", default=",".join(PATHS), help=f"solver paths (default {','.join(PATHS)})")
+    p.add_argument("--ranks-per-node", type=int, default=0,
+                   help="topology-aware solve over nodes of this many ranks (h200_hgx links; default 0: none)")
     p.add_argument("--json", default=str(RESULTS_DIR / "solver_launches.json"))
     args = p.parse_args(argv)
     try:
@@ -92,7 +99,9 @@ def main(argv=None) -> dict:
         p.error(str(e))
     torch.set_num_threads(1)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    rows = [measure(P, impl, device) for P in sizes for impl in paths]
+    if args.ranks_per_node < 0:
+        p.error(f"--ranks-per-node must be >= 0, got {args.ranks_per_node}")
+    rows = [measure(P, impl, device, ranks_per_node=args.ranks_per_node) for P in sizes for impl in paths]
     print(f"## Kernel launches per device solve ({DEFAULT_ROUNDS} rounds, default portfolio, device {device})\n")
     print(markdown_table(rows, COLUMNS))
     payload = {"benchmark": "solver_launches", "environment": environment(), "rows": rows}

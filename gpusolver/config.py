@@ -5,8 +5,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from gpusolver.limits import CONFIG_LIMITS, MAX_IMBALANCE_TOL, check_seqlen_limit
+from gpusolver.limits import CONFIG_LIMITS, MAX_IMBALANCE_TOL, MAX_LINK_WEIGHT, check_seqlen_limit
 from gpusolver.problem import CommCost
+from gpusolver.topology import Topology
 
 
 # what the device solver minimises: a training step's forward plus backward bottleneck, or the
@@ -102,6 +103,7 @@ class SolverConfig:
     objective: str = "training"
     num_stages: int = 1
     auto_tiles: bool = False
+    topology: Topology | None = None
 
     def __post_init__(self):
         if self.chunk_tiles == "auto":  # an int from here on: whole chunks until solve resolves the cap
@@ -120,6 +122,11 @@ class SolverConfig:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
         if not isinstance(self.keep_forward_buffers, bool):
             raise ValueError(f"keep_forward_buffers must be a bool, got {self.keep_forward_buffers!r}")
+        if self.topology is not None:
+            if not isinstance(self.topology, Topology):
+                raise TypeError(f"topology must be a gpusolver.topology.Topology or None, got "
+                                f"{type(self.topology).__name__} {self.topology!r}")
+            self.topology.check_group(self.cp_size)
         if not self.imbalance_tol >= 1.0:
             raise ValueError(f"imbalance_tol must be >= 1.0, got {self.imbalance_tol}")
         for name, (limit_name, limit) in CONFIG_LIMITS.items():
@@ -140,6 +147,21 @@ class SolverConfig:
         while n > 1 and total_seqlen % (n * self.cp_size):
             n //= 2
         return self if n == self.chunk_tiles else replace(self, chunk_tiles=n)
+
+    @property
+    def link_weights(self) -> tuple[int, int, int] | None:
+        """(ranks per node, NVLink weight, InfiniBand weight) the solver prices bytes by, or None
+        when every byte costs the same (no topology, or the group inside one node).
+
+        Integer weights keep the solve's arithmetic exact and bit-identical on every path: an
+        NVLink byte costs 1 and an InfiniBand byte the ratio of a GPU's NVLink bandwidth to its
+        share of the node's NICs, rounded (450 / 50 GB/s: 9), at most ``MAX_LINK_WEIGHT`` (past
+        it InfiniBand decides alone; the cap keeps weighted bytes within the keys' range)."""
+        topo = self.topology
+        if topo is None or topo.ranks_per_node >= self.cp_size:
+            return None
+        ib_per_gpu = topo.ib_gbps * topo.nics_per_node / topo.ranks_per_node
+        return topo.ranks_per_node, 1, min(MAX_LINK_WEIGHT, max(1, round(topo.nvlink_gbps / ib_per_gpu)))
 
     @property
     def head_groups(self) -> int:

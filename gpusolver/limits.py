@@ -15,6 +15,9 @@ overflow; past a limit the entry points raise a ValueError that names it.
     MAX_HEADS_Q       Hq <= 1024, MAX_HEAD_DIM D <= 1024: bytes per token stay below 2^24,
                       so per-rank volumes stay below 2^50.
     MAX_IMBALANCE_TOL mu <= 4.
+    MAX_LINK_WEIGHT   a topology-aware solve prices an InfiniBand byte at most 64 NVLink bytes
+                      (``SolverConfig.link_weights``), so link-weighted volumes stay below 2^56
+                      and a step's (forward plus backward) below 2^57, under the keys' 2^59.
     MAX_PLAN_ROWS     CalcMeta row coordinates are int32: a rank's local rows plus its receive
                       buffer, G * c + recv_capacity, must stay below 2^31 (``build_plan``
                       refuses more; the default capacity G * c * (P - 1) makes it G * S).
@@ -45,6 +48,7 @@ MAX_HEADS_Q = 1024
 MAX_HEAD_DIM = 1024
 MAX_IMBALANCE_TOL = 4.0
 MAX_PLAN_ROWS = (1 << 31) - 1
+MAX_LINK_WEIGHT = 64
 
 # what each SolverConfig field may be at most, with the limit's name for the message
 CONFIG_LIMITS = {

@@ -1,9 +1,10 @@
 """Torch twins of the slice-attention launchers: same signatures, same outputs.
 
-Dense math on a mask built with broadcast comparisons (``[R, Tq, Tk]``), so it
-runs on any device, including ``meta``, with no host read. It is the CPU path
-of the op and the kernels' test twin; memory grows as R·Tq·Tk, so it is meant
-for small problems. Scores and softmax are computed in fp32.
+Dense math on a ``[Tq, Tk]`` mask built from the slice table with scatters and
+running sums (``slices_mask``), so it runs on any device, including ``meta``,
+with no host read, and padding rows of the table cost next to nothing. It is
+the CPU path of the op and the kernels' test twin; memory grows as Tq·Tk per
+head, so it is meant for small problems. Scores and softmax are computed in fp32.
 """
 from __future__ import annotations
 
@@ -14,22 +15,46 @@ from attn_kernels.flex_attn import worklist
 
 def slices_mask(q_ranges: torch.Tensor, k_ranges: torch.Tensor, attn_type: torch.Tensor,
                 seqlen_q: int, seqlen_k: int) -> torch.Tensor:
-    """Dense mask of a slice list, built on device.
+    """Dense mask of a slice list, built on device with no host read.
 
     q_ranges/k_ranges: [R, 2] int, attn_type: [R] int. Returns [Tq, Tk] bool.
+
+    Cost O(R + Tq·Tk), so padding rows cost next to nothing. Each slice
+    (clipped by ``worklist.slice_rect``) covers, in each of its rows q in
+    [qa, qb), the keys [lo(q), hi(q)) with lo = max(ka, q + di) and
+    hi = min(kb, q + dc + 1). Marking +1 at lo and -1 at hi and summing along
+    the row counts the slices covering each entry; the mask is count > 0.
+    The marks of a slice lie on two column segments and two diagonal
+    segments, so they are written as four end-point pairs per slice into
+    difference arrays: one summed down columns, one summed down diagonals
+    (sheared so that a diagonal is a column).
     """
     dev = q_ranges.device
-    qs, qe = q_ranges[:, 0, None, None].long(), q_ranges[:, 1, None, None].long()
-    ks, ke = k_ranges[:, 0, None, None].long(), k_ranges[:, 1, None, None].long()
-    t = attn_type[:, None, None]
-    o_q = torch.arange(seqlen_q, device=dev)[None, :, None]
-    o_k = torch.arange(seqlen_k, device=dev)[None, None, :]
-    m = (o_q >= qs) & (o_q < qe) & (o_k >= ks) & (o_k < ke)
-    causal = (t == 1) | (t == 3)
-    inv = (t == 2) | (t == 3)
-    m = m & ((o_k <= o_q + (ke - qe)) | ~causal)
-    m = m & ((o_k >= o_q + (ks - qs)) | ~inv)
-    return m.any(0)
+    Tq, Tk = seqlen_q, seqlen_k
+    r = worklist.slice_rect(q_ranges, k_ranges, attn_type, Tq, Tk).long()
+    qa, qb, ka, kb, dc, di = (r[:, i] for i in range(6))
+    # rows where lo leaves the column ka for the diagonal q + di, and where
+    # hi leaves the diagonal q + dc + 1 for the column kb (empty slices: all 0)
+    qm = torch.minimum(torch.maximum(ka - di, qa), qb)
+    qn = torch.minimum(torch.maximum(kb - dc - 1, qa), qb)
+    one = torch.ones_like(qa)
+    # column segments [qa, qm) at ka (+1) and [qn, qb) at kb (-1); width Tk + 1 holds hi = Tk
+    col = torch.zeros((Tq + 1) * (Tk + 1), dtype=torch.int32, device=dev)
+    col.index_add_(0, torch.cat([qa * (Tk + 1) + ka, qm * (Tk + 1) + ka, qn * (Tk + 1) + kb, qb * (Tk + 1) + kb]),
+                   torch.cat([one, -one, -one, one]).to(torch.int32))
+    col = col.view(Tq + 1, Tk + 1).cumsum(0, dtype=torch.int32)
+    # diagonal segments [qm, qb) at k = q + di (+1) and [qa, qn) at k = q + dc + 1 (-1),
+    # stored at column k - q + Tq + 1 (di, dc + 1 are clamped into [-Tq, Tk + 1])
+    W = Tq + Tk + 3
+    d0, d1 = di + Tq + 1, dc + Tq + 2
+    diag = torch.zeros((Tq + 1) * W, dtype=torch.int32, device=dev)
+    diag.index_add_(0, torch.cat([qm * W + d0, qb * W + d0, qa * W + d1, qn * W + d1]),
+                    torch.cat([one, -one, -one, one]).to(torch.int32))
+    diag = diag.view(Tq + 1, W).cumsum(0, dtype=torch.int32)
+    o_q = torch.arange(Tq, device=dev)[:, None]
+    o_k = torch.arange(Tk + 1, device=dev)[None, :]
+    marks = col[:Tq] + torch.gather(diag[:Tq], 1, o_k - o_q + Tq + 1)
+    return marks.cumsum(1, dtype=torch.int32)[:, :Tk] > 0
 
 
 def _count(counts, at, q_ranges, k_ranges, attn_type, Tq, Tk, HQ, axis, block_q, block_k):

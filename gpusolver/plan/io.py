@@ -45,5 +45,9 @@ def load_plan_config(path: str | os.PathLike):
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"{path}: unknown dtype {d['dtype']!r} in the saved config")
     d["dtype"] = dtype
+    if isinstance(d.get("topology"), dict):
+        from gpusolver.topology import Topology
+
+        d["topology"] = Topology(**d["topology"])
     known = {f.name for f in dataclasses.fields(SolverConfig)}
     return SolverConfig(**{k: v for k, v in d.items() if k in known})

@@ -44,7 +44,9 @@ class DeviceSolveResult:
     fits:           bool, every rank's rows within the plan's receive and send buffers
                     (``plan_capacities``). A solve whose starts all fit returns a plan that fits.
     fwd_bottleneck: int64 bytes, ``max_r max(send_r, recv_r)`` of the forward (-1 when
-                    not balanced).
+                    not balanced). With a topology across nodes every figure here is
+                    link-weighted bytes (``SolverConfig.link_weights``), the solver's
+                    own measure; the plan's metrics count plain bytes.
     bwd_bottleneck: int64 bytes, the same for the backward (-1 when not balanced).
     objective:      int64 bytes, what was minimised: their sum with ``objective="training"``,
                     the forward's alone with "forward" (-1 when not balanced).
@@ -97,6 +99,10 @@ class Tasks:
         self.qb, self.dqb, self.kvb, self.dkv = cost.q_bwd, cost.dq_bwd, cost.kv_bwd, cost.dkv_bwd
         # the objective: forward plus backward bottleneck (a training step), or the forward's alone
         self.training = config.objective == "training"
+        # (ranks per node, NVLink weight, InfiniBand weight): every byte priced by the link it
+        # crosses; None when all links are alike (the plain-byte solve, untouched)
+        self.links = config.link_weights
+        self.problem = (areas, config)  # what the "nodes" start solves over the nodes
         # the plan's receive and send buffers, in group-major rows per rank and kind: hard limits of
         # every move (``plan_capacities``, the sizes the runtime allocates)
         from gpusolver.plan.build import plan_capacities
@@ -131,6 +137,17 @@ class Tasks:
         pos = torch.empty_like(self.unit_tasks)
         return pos.scatter_(2, self.unit_tasks % self.U, torch.arange(self.U, device=pos.device).expand_as(pos))
 
+    def link_weight(self, a, b):
+        """The price of one byte between ranks ``a`` and ``b`` (tensors or ints, broadcast):
+        the NVLink weight inside a node, the InfiniBand weight across nodes (``links``)."""
+        per_node, w_nv, w_ib = self.links
+        return torch.where(a // per_node == b // per_node, w_nv, w_ib)
+
+    @functools.cached_property
+    def unit_dest_weight(self) -> torch.Tensor:
+        """[G*U, P] int64, the price of a byte from each unit's host to each rank (``links``)."""
+        return self.link_weight(self.unit_host[:, None], torch.arange(self.P, device=self.area.device))
+
     @functools.cached_property
     def unit_host(self) -> torch.Tensor:
         """[G*U] rank holding each QO / KV unit index g*U + u; built on first use (the kernels
@@ -151,7 +168,7 @@ class State:
     qlen: torch.Tensor  # [B, G*U, P] tokens that travel (0 at the host)
     klen: torch.Tensor
     kcount: torch.Tensor  # [B, G*U, P] tasks of each KV unit on each rank
-    send: torch.Tensor  # [B, P] forward bytes
+    send: torch.Tensor  # [B, P] forward bytes (link-weighted with ``Tasks.links``)
     recv: torch.Tensor
     vol: torch.Tensor  # [B, P] max(send, recv)
     bottleneck: torch.Tensor  # [B] max over ranks of vol

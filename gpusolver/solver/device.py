@@ -39,7 +39,11 @@ The algorithm (docs/design/solver.md, "The device algorithm"):
   first, then the lowest forward bottleneck) and the best variant wins.
 
 All volumes are forward bytes in int64; ties break by index, so the result
-is bit-identical on every rank.
+is bit-identical on every rank. With ``SolverConfig(topology=...)`` across
+nodes every byte is priced by its link (an InfiniBand byte weighs the
+NVLink / NIC bandwidth ratio, an NVLink byte 1: integers, so every path
+agrees), and each bundle is also priced against the rank of the source's
+node with most headroom; the persistent path refuses such a configuration.
 
 This module is the round driver; the package is laid out as it works:
 
@@ -65,7 +69,7 @@ from dataclasses import fields, replace
 import torch
 
 from gpusolver.config import SolverConfig
-from gpusolver.limits import balanced_load_cap
+from gpusolver.limits import MAX_CHUNK_TILES, balanced_load_cap
 from gpusolver.problem import BlockAreas
 from gpusolver.solver.accept.ref import accept_apply
 from gpusolver.solver.bundle.ref import bundle_proposals
@@ -73,7 +77,8 @@ from gpusolver.solver.core import _BIG, _MU_SCALE, DeviceSolveResult, Tasks, obj
 from gpusolver.solver.start.ref import restart, variant_starts
 from gpusolver.solver.state.ref import state
 from gpusolver.solver.strategies import (
-    _INF, DEFAULT_ROUNDS, DEFAULT_STRATEGIES, LARGE_P, LARGE_P_STRATEGIES, RESTART_EVERY, SINGLES_P, STARTS,
+    _INF, DEFAULT_ROUNDS, DEFAULT_STRATEGIES, LARGE_P, LARGE_P_STRATEGIES, NODE_LEVEL_STRATEGIES, RESTART_EVERY,
+    SINGLES_P, STARTS,
     TASK_ORDERS, Strategy, default_local_search, default_strategies, variant_scales, variant_tables, variants)
 from gpusolver.solver.track.ref import track
 
@@ -132,7 +137,9 @@ def run_variants(tasks: Tasks, cap: torch.Tensor, strategies: tuple[Strategy, ..
     caps = None  # [2, B] each variant's buffers for its moves, set at round 0
     # the start (owner-computes unless given or transposed); column T is a dummy that absorbs
     # writes of unused slots
-    starts = variant_starts(tasks, rows, start, start_fn, cap=cap)
+    nodes_fn = lambda: node_start(tasks, rounds, state_fn=state_fn, propose_fn=propose_fn,  # noqa: E731
+                                  accept_apply_fn=accept_apply_fn, track_fn=track_fn)
+    starts = variant_starts(tasks, rows, start, start_fn, cap=cap, nodes_fn=nodes_fn)
     A = torch.where(tasks.valid, tasks.q_host if starts is None else starts, P).expand(B, T)
     A = torch.cat((A, torch.full((B, 1), P, dtype=torch.int64, device=dev)), dim=1)
     best_A = A.clone()
@@ -166,6 +173,41 @@ def run_variants(tasks: Tasks, cap: torch.Tensor, strategies: tuple[Strategy, ..
         A, stuck = accept_apply_fn(A, prop, st, dest_cap, limit, excess, balance, training=tasks.training,
                                    recv_cap=None if caps is None else caps[0])
     return best_A, best_key
+
+
+def node_start(tasks: Tasks, rounds: int, **steps) -> torch.Tensor:
+    """The "nodes" start, [T] int64: a two-level assignment over a topology's nodes.
+
+    First a solve over the nodes: each node is one rank whose R ranks' chunks are its R tiles
+    (unit u on node u // R, the tiled problem's layout), so the node-level plan balances the
+    nodes' loads within mu and minimises the bytes between nodes. Then each task goes to a rank
+    of its node: its query host when that is there, else its key host, else the rank at its
+    query host's local index; the rounds of the topology-aware solve balance the ranks inside
+    each node from there. ``steps`` are the round's step functions (``run_variants``), so every
+    path computes the same start. Owner-computes without a topology across nodes, with tiles,
+    or past MAX_CHUNK_TILES ranks per node. Made once per solve (kept on ``tasks``).
+    """
+    made = tasks.__dict__.get("_node_start")
+    if made is not None:
+        return made
+    areas, config = tasks.problem
+    if tasks.links is None or areas.tiles != 1 or tasks.links[0] > MAX_CHUNK_TILES:
+        return tasks.q_host
+    R, N = tasks.links[0], tasks.P // tasks.links[0]
+    node_areas = BlockAreas(areas.area, areas.q_need, areas.k_need, areas.chunk, R)
+    node_config = replace(config, cp_size=N, chunk_tiles=R, auto_tiles=False, topology=None, max_recv_rows=None,
+                          max_stage_slices=None)
+    node_tasks = Tasks(node_areas, node_config)
+    node_cap = balanced_load_cap(node_tasks.area.sum(), config.imbalance_tol, N, _MU_SCALE)
+    sideways, restart_every, singles = default_local_search(N)
+    best_A, best_key = run_variants(node_tasks, node_cap, NODE_LEVEL_STRATEGIES, rounds, sideways=sideways,
+                                    restart_every=restart_every, singles=singles, **steps)
+    node = best_A.index_select(0, best_key.argmin().view(1))[0, :tasks.T]
+    q, k = tasks.q_host, tasks.k_host
+    rank = torch.where(q // R == node, q, torch.where(k // R == node, k, node * R + q % R))
+    made = torch.where(tasks.valid, rank, tasks.P)
+    tasks._node_start = made
+    return made
 
 
 def start_caps(tasks: Tasks, st) -> torch.Tensor:
@@ -274,6 +316,11 @@ def _check(areas: BlockAreas, config: SolverConfig, rounds: int, strategies, imp
         raise ValueError(f"need rounds >= 0 and strategies with threshold scales, got {rounds}, {strategies}")
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "persistent" and config.link_weights is not None:
+        # the one-launch loop has never run on a GPU; it prices plain bytes until one times it
+        raise ValueError(f"impl='persistent' does not take a topology across nodes (ranks_per_node="
+                         f"{config.topology.ranks_per_node} < cp_size={P}); use impl='triton' or 'torch' "
+                         "(docs/support_matrix.md)")
     return strategies
 
 

@@ -123,7 +123,8 @@ def _state_pass(a_ptr, area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr, lo_ptr, acc
     _sync(bar, phase, W, True)
     for i_r in range(w, P, W):
         _state_bytes_rank(lo_ptr, acc_ptr, len_ptr, len_ptr + 2 * n, acc_ptr + 3 * n + B * P, i_b, _i64(i_r), B, G, P,
-                          Q_BYTES, O_BYTES, KV_BYTES, QB_BYTES, DQ_BYTES, KVB_BYTES, DKV_BYTES, BLOCK_G, BLOCK_P, TILES)
+                          Q_BYTES, O_BYTES, KV_BYTES, QB_BYTES, DQ_BYTES, KVB_BYTES, DKV_BYTES, BLOCK_G, BLOCK_P, TILES,
+                          1, 1, 1, False)  # plain bytes: the persistent path refuses a topology
     phase += 1
     _sync(bar, phase, W, True)  # the bottlenecks' atomic max
     return phase
@@ -299,7 +300,8 @@ def _rounds_kernel(
                              units_ptr, caps_ptr, i_b, _i64(i_sk // K), _i64(i_sk % K),
                              T, P, K, D, GU, RS, stride_a, stride_area, stride_q, stride_k,
                              Q_BYTES, O_BYTES, KV_BYTES, QB_BYTES, DQ_BYTES, KVB_BYTES, DKV_BYTES,
-                             BLOCK_P, BLOCK_D, True, SIDEWAYS, SINGLES, TRAINING, CAPS, TILES, BLOCK_M, BLOCK_TL)
+                             BLOCK_P, BLOCK_D, True, SIDEWAYS, SINGLES, TRAINING, CAPS, TILES, BLOCK_M, BLOCK_TL,
+                             1, 1, 1, False)  # plain bytes: the persistent path refuses a topology
             phase += 1
             _sync(bar, phase, W)
             if w == 0:

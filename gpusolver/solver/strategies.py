@@ -51,7 +51,11 @@ class Strategy:
                       group's rank of an aligned block of G ranks, as in
                       Ulysses), "ulysses" (every row so, remote keys or
                       not) or "shed" (``start.shed``: each overloaded rank
-                      ships whole units, a few head groups at a time). A
+                      ships whole units, a few head groups at a time) or
+                      "nodes" (with a topology across nodes: a solve over
+                      the nodes first, each node a rank holding its ranks'
+                      chunks as tiles, then each task on a rank of its node,
+                      ``device.node_start``; without one, owner-computes). A
                       solve given a start (the tiled refine) starts every
                       variant but "shed" there.
     """
@@ -72,7 +76,7 @@ class Strategy:
 
 
 TASK_ORDERS = ("area", "rows", "small")
-STARTS = ("owner", "transpose", "ulysses", "shed")
+STARTS = ("owner", "transpose", "ulysses", "shed", "nodes")
 
 
 # Batches that differ in how widely they search and in the order bundles take
@@ -121,6 +125,15 @@ LARGE_P_ULYSSES_STRATEGY = Strategy((_INF,), units_per_rank=4, bundle_dests=32, 
 # destinations ended lowest from this start; last, so every other variant keeps its index and
 # a plan changes only where this one ends strictly lower.
 SHED_STRATEGY = Strategy((_INF,), units_per_rank=16, bundle_dests=8, task_order="small", start="shed")
+
+
+# A strategy from the two-level "nodes" start (balance the nodes, then the ranks inside each),
+# for a topology-aware solve; the solve over the nodes runs NODE_LEVEL_STRATEGIES. Not in the
+# default portfolio: appended to it, it won no benchmark mask (packed causal and full documents,
+# P = 16 and 32, nodes of 8) and cost a solve over the nodes plus one strategy.
+NODES_STRATEGY = Strategy((_INF,), units_per_rank=16, bundle_dests=8, start="nodes")
+NODE_LEVEL_STRATEGIES = (Strategy((_INF,), units_per_rank=16, bundle_dests=8),
+                         Strategy((_INF,), units_per_rank=4, bundle_dests=8, task_order="rows"))
 
 
 def default_strategies(cp_size: int) -> tuple[Strategy, ...]:

@@ -106,12 +106,13 @@ def test_state_matches_torch_over_several_task_tiles():
 
 
 def _bundle_case(P, G, B, K, D, sideways, tile, seed, tiles=1, states=("torch", "triton"), singles=False,
-                 objective="training", rows=None):
+                 objective="training", rows=None, topology=None):
     """A random round's proposals from both twins, on the torch state and/or the Triton state
-    (``rows``: the receive and send buffers' rows, None for the worst case)."""
+    (``rows``: the receive and send buffers' rows, None for the worst case; ``topology``: the
+    cluster whose links price the bytes)."""
     gen = torch.Generator().manual_seed(seed)
     areas = _random_areas(gen, P, G, **({} if tiles == 1 else {"chunk": 8, "tiles": tiles}))
-    tasks = core.Tasks(areas, _config(P, G, tiles, objective=objective, max_recv_rows=rows))
+    tasks = core.Tasks(areas, _config(P, G, tiles, objective=objective, max_recv_rows=rows, topology=topology))
     assert tasks.caps == (rows is not None)
     A = _random_assignments(gen, tasks, B)
     ref_st = state_ref.state(tasks, A)

@@ -11,7 +11,8 @@ Shape legend: B variants, G head groups, P ranks, n sub-chunk tiles per rank
 (TILES), U = n * P units per group (unit u on rank u // n), T = G * U * U
 tasks, K units offered per source, D destinations per unit from the headroom
 window, D1 = D + 3 (plus the unit's first key host, its query host, and the
-helper holding most of its rows). n = 1 compiles to the untiled kernels.
+helper holding most of its rows; with a topology D + 4, plus the rank of the
+source's node with most headroom). n = 1 compiles to the untiled kernels.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import triton.language as tl
 
 from gpusolver.solver.core import _BIG, Proposals, State, Tasks
 from gpusolver.solver.offers.kernel import offers_triton
-from gpusolver.solver.state.kernel import byte_prices, rank_table
+from gpusolver.solver.state.kernel import byte_prices, link_prices, rank_table
 
 _BIG_T = tl.constexpr(_BIG)
 # Destinations priced at once by the bundle kernel: small enough that ptxas (sm_90a) reports no
@@ -62,15 +63,18 @@ def _price(
     s, i, bn, q_cur, send_i, recv_i, send_s, recv_s, send_bn, recv_bn, bnv, bal, exc, thr,  # scalars
     bsend_i, brecv_i, bsend_s, brecv_s, qout_i, kout_i, kout_s, b_bn, bwv, f_2nd, b_2nd,  # scalars
     Q_BYTES, O_BYTES, KV_BYTES, QB_BYTES, DQ_BYTES, KVB_BYTES, DKV_BYTES, RECV_CAP, SEND_CAP,
+    w_id, w_is, w_jd, w_js,  # TOPO only: link prices (i, d) [BLOCK_D], (i, s), (j, d) [BLOCK_D, BLOCK_S], (j, s)
     SIDEWAYS: tl.constexpr, TRAINING: tl.constexpr, CAPS: tl.constexpr,
     TILES: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_TL: tl.constexpr,
+    TOPO: tl.constexpr,
 ):
     """ok [BLOCK_D] bool, score [BLOCK_D] fp64, area, dest_send, dest_recv, dest_bsend, dest_brecv,
     dest_qin, dest_kin [BLOCK_D] int64 of one size (``bundle.ref``: the forward rule, or with
     TRAINING ``_training_scores``; with CAPS ``_fits_buffers``).
 
     Every task term is a sum, min or max over the slots, so the slots may hold the tasks in any
-    order; with TILES > 1 they must be the key-host-major slots of ``_bundle_unit``."""
+    order; with TILES > 1 they must be the key-host-major slots of ``_bundle_unit``. With TOPO
+    the bytes price each token by its link (the twin's b* tokens); the rows stay plain."""
     area = tl.sum(tl.where(inc, t_area, 0), axis=1)
     # query rows: growth of the destination's hull, and what the source frees when it is not the host
     b_lo = tl.min(tl.where(inc, qlo_t, _BIG_T), axis=1)
@@ -82,34 +86,53 @@ def _price(
     q_free = tl.where((area > 0) & (s != i), q_cur - tl.maximum(r_hi - r_lo, 0), 0)
     # key columns of the moved tasks, per key host: token changes, and their K/V bytes
     tok_t = tl.where(inc, k_grow_t - k_free_t, 0)  # [BLOCK_D, BLOCK_S]
-    kv_delta = tok_t * KV_BYTES
+    if TOPO:  # priced tokens: rows over link (i, d) and (i, s), each task's keys over (j, d) and (j, s)
+        bq_grow = q_grow * w_id
+        bq_free = q_free * w_is
+        btok_t = tl.where(inc, k_grow_t * w_jd - k_free_t * w_js, 0)
+    else:
+        bq_grow = q_grow
+        bq_free = q_free
+        btok_t = tok_t
+    kv_delta = btok_t * KV_BYTES
     tok_src = tl.sum(tl.where(j_t == s, tok_t, 0), axis=1)
     tok_host = tl.sum(tl.where(j_t == i, tok_t, 0), axis=1)
+    btok_src = tl.sum(tl.where(j_t == s, btok_t, 0), axis=1)
+    btok_host = tl.sum(tl.where(j_t == i, btok_t, 0), axis=1)
     # the destination as key host: it no longer sends the K/V it ships to the source alone
-    tok_dest = tl.sum(tl.where(j_t == d_of[:, None], tok_t, 0), axis=1)
-    kv_to_src = tok_src * KV_BYTES
-    kv_to_host = tl.where(i != s, tok_host * KV_BYTES, 0)
+    tok_dest = tl.sum(tl.where(j_t == d_of[:, None], btok_t, 0), axis=1)
+    kv_to_src = btok_src * KV_BYTES
+    kv_to_host = tl.where(i != s, btok_host * KV_BYTES, 0)
     kv_to_dest = tok_dest * KV_BYTES
     elsewhere = inc & (j_t != s) & (j_t != i) & (j_t != d_of[:, None])
     if TILES == 1:  # each task's key unit has its own host
         kvh_max = tl.max(tl.where(elsewhere, j_send + kv_delta, 0), axis=1)
         tok_j = tok_t  # [BLOCK_D, BLOCK_P] per key host
+        btok_j = btok_t
         hit_j = elsewhere
     else:  # slot h * BLOCK_TL + t holds key host h's tile t: up to TILES deltas add up per host
         tok_j = tl.sum(tl.reshape(tl.where(elsewhere, tok_t, 0), [BLOCK_D, BLOCK_P, BLOCK_TL]), axis=2)
+        btok_j = tl.sum(tl.reshape(tl.where(elsewhere, btok_t, 0), [BLOCK_D, BLOCK_P, BLOCK_TL]), axis=2)
         hit_j = tl.max(tl.reshape(elsewhere.to(tl.int32), [BLOCK_D, BLOCK_P, BLOCK_TL]), axis=2) > 0
-        kvh_max = tl.max(tl.where(hit_j, j_send + tok_j * KV_BYTES, 0), axis=1)
+        kvh_max = tl.max(tl.where(hit_j, j_send + btok_j * KV_BYTES, 0), axis=1)
     k_grow = tl.sum(tl.where(inc, k_grow_t, 0), axis=1)
     k_free = tl.sum(tl.where(inc, k_free_t, 0), axis=1)
+    if TOPO:
+        bk_grow = tl.sum(tl.where(inc, k_grow_t * w_jd, 0), axis=1)
+        bk_free = tl.sum(tl.where(inc, k_free_t * w_js, 0), axis=1)
+    else:
+        bk_grow = k_grow
+        bk_free = k_free
 
     # byte deltas of the three touched ranks (the query host may be the source or the destination)
     dq = q_grow - q_free
-    h_ds = dq * Q_BYTES
-    h_dr = dq * O_BYTES
-    s_ds = -q_free * O_BYTES
-    s_dr = -q_free * Q_BYTES - k_free * KV_BYTES
-    dest_send = q_grow * O_BYTES
-    dest_recv = q_grow * Q_BYTES + k_grow * KV_BYTES
+    bdq = bq_grow - bq_free
+    h_ds = bdq * Q_BYTES
+    h_dr = bdq * O_BYTES
+    s_ds = -bq_free * O_BYTES
+    s_dr = -bq_free * Q_BYTES - bk_free * KV_BYTES
+    dest_send = bq_grow * O_BYTES
+    dest_recv = bq_grow * Q_BYTES + bk_grow * KV_BYTES
     s_is_h = s == i
     d_is_h = d_of == i
     host_send = (send_i + h_ds + tl.where(s_is_h, s_ds + kv_to_src, kv_to_host)
@@ -125,19 +148,23 @@ def _price(
         src_f = tl.maximum(src_send, src_recv)
         dest_f = tl.maximum(d_send, d_recv)
         # backward volumes from each touched rank's token changes (QO out, QO in, KV out, KV in)
-        h_ko = tl.where(s_is_h, tok_src, tok_host)
-        h_ki = tl.where(s_is_h, -k_free, 0) + tl.where(d_is_h, k_grow, 0)
-        host_b = tl.maximum(bsend_i + dq * QB_BYTES + h_ko * KVB_BYTES + h_ki * DKV_BYTES,
-                            brecv_i + dq * DQ_BYTES + h_ki * KVB_BYTES + h_ko * DKV_BYTES)
-        s_qo = tl.where(s_is_h, dq, 0)
-        src_b = tl.maximum(bsend_s + s_qo * QB_BYTES - q_free * DQ_BYTES + tok_src * KVB_BYTES - k_free * DKV_BYTES,
-                           brecv_s - q_free * QB_BYTES + s_qo * DQ_BYTES - k_free * KVB_BYTES + tok_src * DKV_BYTES)
-        d_qo = tl.where(d_is_h, dq, 0)
-        dest_b = tl.maximum(bsend_d + d_qo * QB_BYTES + q_grow * DQ_BYTES + tok_dest * KVB_BYTES + k_grow * DKV_BYTES,
-                            brecv_d + q_grow * QB_BYTES + d_qo * DQ_BYTES + k_grow * KVB_BYTES + tok_dest * DKV_BYTES)
+        h_ko = tl.where(s_is_h, btok_src, btok_host)
+        h_ki = tl.where(s_is_h, -bk_free, 0) + tl.where(d_is_h, bk_grow, 0)
+        host_b = tl.maximum(bsend_i + bdq * QB_BYTES + h_ko * KVB_BYTES + h_ki * DKV_BYTES,
+                            brecv_i + bdq * DQ_BYTES + h_ki * KVB_BYTES + h_ko * DKV_BYTES)
+        s_qo = tl.where(s_is_h, bdq, 0)
+        src_b = tl.maximum(bsend_s + s_qo * QB_BYTES - bq_free * DQ_BYTES + btok_src * KVB_BYTES
+                           - bk_free * DKV_BYTES,
+                           brecv_s - bq_free * QB_BYTES + s_qo * DQ_BYTES - bk_free * KVB_BYTES
+                           + btok_src * DKV_BYTES)
+        d_qo = tl.where(d_is_h, bdq, 0)
+        dest_b = tl.maximum(bsend_d + d_qo * QB_BYTES + bq_grow * DQ_BYTES + tok_dest * KVB_BYTES
+                            + bk_grow * DKV_BYTES,
+                            brecv_d + bq_grow * QB_BYTES + d_qo * DQ_BYTES + bk_grow * KVB_BYTES
+                            + tok_dest * DKV_BYTES)
         # key hosts other than the touched ranks: K/V out, dK/dV back
-        kh_f = tl.max(tl.where(hit_j, tl.maximum(j_send + tok_j * KV_BYTES, j_recv), 0), axis=1)
-        kh_b = tl.max(tl.where(hit_j, tl.maximum(j_bsend + tok_j * KVB_BYTES, j_brecv + tok_j * DKV_BYTES), 0),
+        kh_f = tl.max(tl.where(hit_j, tl.maximum(j_send + btok_j * KV_BYTES, j_recv), 0), axis=1)
+        kh_b = tl.max(tl.where(hit_j, tl.maximum(j_bsend + btok_j * KVB_BYTES, j_brecv + btok_j * DKV_BYTES), 0),
                       axis=1)
         new_f = tl.maximum(tl.maximum(host_f, src_f), tl.maximum(dest_f, kh_f))
         new_b = tl.maximum(tl.maximum(host_b, src_b), tl.maximum(dest_b, kh_b))
@@ -145,7 +172,8 @@ def _price(
         b_hit = (s == b_bn) | (i == b_bn) | (d_of == b_bn) | (tl.max((inc & (j_t == b_bn)).to(tl.int32), axis=1) > 0)
         goal = bnv + bwv
         goal_new = (tl.maximum(new_f, tl.where(f_hit, f_2nd, bnv)) + tl.maximum(new_b, tl.where(b_hit, b_2nd, bwv)))
-        added = dq * (Q_BYTES + O_BYTES + QB_BYTES + DQ_BYTES) + (k_grow - k_free) * (KV_BYTES + KVB_BYTES + DKV_BYTES)
+        added = bdq * (Q_BYTES + O_BYTES + QB_BYTES + DQ_BYTES) + (bk_grow - bk_free) * (KV_BYTES + KVB_BYTES
+                                                                                           + DKV_BYTES)
         below = (new_f < bnv) & (new_b < bwv)
         ok_bn = ((goal_new < goal) | (below & (f_hit | b_hit))) & (dest_f < bnv) & (dest_b < bwv)
         if SIDEWAYS:
@@ -161,7 +189,7 @@ def _price(
     else:
         new_max = tl.maximum(tl.maximum(tl.maximum(host_send, host_recv), tl.maximum(src_send, src_recv)),
                              tl.maximum(tl.maximum(d_send, d_recv), kvh_max))
-        added = dq * (Q_BYTES + O_BYTES) + (k_grow - k_free) * KV_BYTES
+        added = bdq * (Q_BYTES + O_BYTES) + (bk_grow - bk_free) * KV_BYTES
 
         bn_is_j = elsewhere & (j_t == bn)
         bn_as_j = tl.maximum(send_bn + tl.sum(tl.where(bn_is_j, kv_delta, 0), axis=1), recv_bn)
@@ -189,8 +217,8 @@ def _price(
         ok = ok & (tl.max(over.to(tl.int32), axis=1) == 0)
     score = tl.where(ok, tl.where(bal, score_bal, score_bn), float("inf"))
     # the destination's backward change (its own part, as dest_send)
-    dest_bsend = q_grow * DQ_BYTES + tok_dest * KVB_BYTES + k_grow * DKV_BYTES
-    dest_brecv = q_grow * QB_BYTES + k_grow * KVB_BYTES + tok_dest * DKV_BYTES
+    dest_bsend = bq_grow * DQ_BYTES + tok_dest * KVB_BYTES + bk_grow * DKV_BYTES
+    dest_brecv = bq_grow * QB_BYTES + bk_grow * KVB_BYTES + tok_dest * DKV_BYTES
     return ok, score, area, dest_send + kv_to_dest, dest_recv, dest_bsend, dest_brecv, q_grow, k_grow
 
 
@@ -213,9 +241,10 @@ def _bundle_kernel(
     T, P, K, D, GU, RS,
     stride_rb, stride_a, stride_q, stride_k,
     Q_BYTES, O_BYTES, KV_BYTES, QB_BYTES, DQ_BYTES, KVB_BYTES, DKV_BYTES,
+    PER_NODE, W_NV, W_IB,  # TOPO only: ranks per node, the price of a byte inside and across nodes
     BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, SIDEWAYS: tl.constexpr, SINGLES: tl.constexpr,
     TRAINING: tl.constexpr, CAPS: tl.constexpr, TILES: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_TL: tl.constexpr,
+    BLOCK_TL: tl.constexpr, TOPO: tl.constexpr,
 ):
     _bundle_unit(rank_ptr, area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr, unit_tasks_ptr, order_ptr, unit_ptr,
                  dests_ptr, headroom_ptr, excess_ptr, ranks_ptr, bal_ptr, bneck_ptr, bwd_bneck_ptr, thr_ptr,
@@ -225,7 +254,8 @@ def _bundle_kernel(
                  tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64),
                  T, P, K, D, GU, RS, stride_rb, stride_a, stride_q, stride_k,
                  Q_BYTES, O_BYTES, KV_BYTES, QB_BYTES, DQ_BYTES, KVB_BYTES, DKV_BYTES,
-                 BLOCK_P, BLOCK_D, False, SIDEWAYS, SINGLES, TRAINING, CAPS, TILES, BLOCK_M, BLOCK_TL)
+                 BLOCK_P, BLOCK_D, False, SIDEWAYS, SINGLES, TRAINING, CAPS, TILES, BLOCK_M, BLOCK_TL,
+                 PER_NODE, W_NV, W_IB, TOPO)
 
 
 @triton.jit
@@ -242,6 +272,7 @@ def _bundle_unit(
     BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, HAS_UNITS: tl.constexpr, SIDEWAYS: tl.constexpr,
     SINGLES: tl.constexpr, TRAINING: tl.constexpr, CAPS: tl.constexpr, TILES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_TL: tl.constexpr,
+    PER_NODE, W_NV, W_IB, TOPO: tl.constexpr,  # link prices (``_bundle_kernel``)
 ):
     """Program (i_b, i_s, i_k) of ``_bundle_kernel`` (its arguments, plus the per-variant unit count).
 
@@ -345,6 +376,16 @@ def _bundle_unit(
     held = tl.load(qlen_ptr + o_cell + u * P + o_p, mask=m_p, other=0)
     held = tl.where(m_p, tl.where(o_p == i_s, -1, held), -_BIG_T)
     holder = tl.min(tl.min(tl.where(held == tl.max(tl.max(held, axis=1), axis=0), o_p, BLOCK_P), axis=1), axis=0)
+    if TOPO:  # and the other rank of the source's node with most headroom (first on ties; none: the source)
+        extra = 4
+        peer = m_p & (o_p // PER_NODE == i_s // PER_NODE) & (o_p != i_s)
+        peer_room = tl.where(peer, tl.load(headroom_ptr + o_row + o_p, mask=m_p, other=0), -_BIG_T)
+        top_room = tl.max(tl.max(peer_room, axis=1), axis=0)
+        node_peer = tl.min(tl.min(tl.where(peer & (peer_room == top_room), o_p, BLOCK_P), axis=1), axis=0)
+        node_peer = tl.where(node_peer < P, node_peer, i_s)
+    else:
+        extra = 3
+        node_peer = i_s
 
     # prefixes: size 0 = the first task (bottleneck phase only, unless SINGLES), size 1 = while
     # it fits the destination (and, balancing, until the excess is covered)
@@ -358,6 +399,10 @@ def _bundle_unit(
     o_ks = o_cell + kv_u * P + i_s
     sole = tl.load(kcount_ptr + o_ks, mask=m_t, other=0) == 1
     k_free_t = tl.where(mine & sole, tl.load(klen_ptr + o_ks, mask=m_t, other=0), 0)
+    # link prices of the source's side (TOPO): query host to source, each task's key host to source
+    node_s = i_s // PER_NODE
+    w_is = tl.where(i // PER_NODE == node_s, W_NV, W_IB).to(tl.int64)
+    w_js = tl.where(j_t // PER_NODE == node_s, W_NV, W_IB).to(tl.int64)  # [1, BLOCK_S]
 
     # the bottleneck rank (first on ties) and the ranks' current bytes
     vol = tl.load(vol_ptr + o_row + o_p, mask=m_p, other=-1)
@@ -399,12 +444,17 @@ def _bundle_unit(
     best_dbr = tl.zeros([], tl.int64)
     best_dqi = tl.zeros([], tl.int64)
     best_dki = tl.zeros([], tl.int64)
-    for d0 in range(0, D + 3, BLOCK_D):
+    for d0 in range(0, D + extra, BLOCK_D):
         o_d = d0 + tl.arange(0, BLOCK_D).to(tl.int64)  # [BLOCK_D] destinations of this tile
-        m_d = o_d < D + 3
+        m_d = o_d < D + extra
         d_win = tl.load(dests_ptr + (o_row + i_s) * D + o_d, mask=o_d < D, other=0)
-        d_of = tl.where(o_d == D, key_host, tl.where(o_d == D + 1, i, tl.where(o_d == D + 2, holder, d_win)))
+        d_of = tl.where(o_d == D, key_host, tl.where(o_d == D + 1, i, tl.where(o_d == D + 2, holder,
+                                                                                tl.where(o_d == D + 3, node_peer,
+                                                                                         d_win))))
         d_of = tl.where(m_d, d_of, 0)
+        node_d = d_of // PER_NODE
+        w_id = tl.where(i // PER_NODE == node_d, W_NV, W_IB).to(tl.int64)  # [BLOCK_D]
+        w_jd = tl.where(j_t // PER_NODE == node_d[:, None], W_NV, W_IB).to(tl.int64)  # [BLOCK_D, BLOCK_S]
         room = tl.load(headroom_ptr + o_row + d_of, mask=m_d, other=0)
         fit = mine & (after <= room[:, None]) & m_d[:, None]  # [BLOCK_D, BLOCK_S]
         inc0 = fit & first_only
@@ -437,19 +487,19 @@ def _bundle_unit(
             i_s, i, bn, q_cur, send_i, recv_i, send_s, recv_s, send_bn, recv_bn, bnv, bal, exc, thr,
             bsend_i, brecv_i, bsend_s, brecv_s, qout_i, kout_i, kout_s, b_bn, bwv, f_2nd, b_2nd,
             Q_BYTES, O_BYTES, KV_BYTES, QB_BYTES, DQ_BYTES, KVB_BYTES, DKV_BYTES, recv_cap, send_cap,
-            SIDEWAYS, TRAINING, CAPS, TILES, BLOCK_D, BLOCK_P, BLOCK_TL)
+            w_id, w_is, w_jd, w_js, SIDEWAYS, TRAINING, CAPS, TILES, BLOCK_D, BLOCK_P, BLOCK_TL, TOPO)
         ok1, score1, area1, ds1, dr1, dbs1, dbr1, dqi1, dki1 = _price(
             inc1, mine, t_area, qlo_t, qhi_t, k_free_t, j_t, j_send, j_recv, j_bsend, j_brecv, j_kout, k_grow_t,
             d_of, qlo_d, qhi_d, send_d, recv_d, bsend_d, brecv_d, qin_d, kin_d,
             i_s, i, bn, q_cur, send_i, recv_i, send_s, recv_s, send_bn, recv_bn, bnv, bal, exc, thr,
             bsend_i, brecv_i, bsend_s, brecv_s, qout_i, kout_i, kout_s, b_bn, bwv, f_2nd, b_2nd,
             Q_BYTES, O_BYTES, KV_BYTES, QB_BYTES, DQ_BYTES, KVB_BYTES, DKV_BYTES, recv_cap, send_cap,
-            SIDEWAYS, TRAINING, CAPS, TILES, BLOCK_D, BLOCK_P, BLOCK_TL)
+            w_id, w_is, w_jd, w_js, SIDEWAYS, TRAINING, CAPS, TILES, BLOCK_D, BLOCK_P, BLOCK_TL, TOPO)
 
         score0 = tl.where(m_d, score0, float("inf"))
         score1 = tl.where(m_d, score1, float("inf"))
         t_score = tl.minimum(tl.min(score0, axis=0), tl.min(score1, axis=0))
-        n_pad = 2 * (D + 3)
+        n_pad = 2 * (D + extra)
         t_idx = tl.minimum(tl.min(tl.where(m_d & (score0 == t_score), 2 * o_d, n_pad), axis=0),
                            tl.min(tl.where(m_d & (score1 == t_score), 2 * o_d + 1, n_pad), axis=0))
         size1 = (t_idx % 2) == 1
@@ -549,10 +599,11 @@ def bundle_proposals_triton(tasks: Tasks, st: State, cap, excess, balance, thres
         ok, score, dest, area, dest_send, dest_recv, dx, moved, ok if caps is None else caps.contiguous(),
         T, P, K, D, G * U, B * P,
         st.rank.stride(0), tasks.area.stride(0), tasks.qlo.stride(0), tasks.klo.stride(0),
-        *byte_prices(tasks),
+        *byte_prices(tasks), *link_prices(tasks),
         BLOCK_P=triton.next_power_of_2(P), BLOCK_D=dest_tile(D, tiles), SIDEWAYS=bool(sideways),
         SINGLES=bool(singles), TRAINING=tasks.training, CAPS=caps is not None, TILES=tiles,
-        BLOCK_M=triton.next_power_of_2(U), BLOCK_TL=triton.next_power_of_2(tiles), num_warps=8,
+        BLOCK_M=triton.next_power_of_2(U), BLOCK_TL=triton.next_power_of_2(tiles), TOPO=tasks.links is not None,
+        num_warps=8,
         enable_fp_fusion=False,  # no fused multiply-add: scores round like the twin's separate ops
     )
     return out

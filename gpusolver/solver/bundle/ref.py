@@ -44,6 +44,17 @@ def _busiest_key_host(send, key_host, elsewhere, kv_delta, tiles: int):
     return torch.where(hit, send.view(*lead, P) + per_host, 0).amax(-1)
 
 
+def _node_peer(tasks: Tasks, headroom: torch.Tensor) -> torch.Tensor:
+    """[B, P] int64: for each source, the other rank of its node with the most headroom (first
+    on ties), the source itself when its node has no other rank (``Tasks.links``)."""
+    P = tasks.P
+    ranks = torch.arange(P, device=headroom.device)
+    node = ranks // tasks.links[0]
+    peer = (node[:, None] == node[None, :]) & (ranks[:, None] != ranks[None, :])  # [P(s), P(r)]
+    room = torch.where(peer, headroom[:, None, :], -_BIG)  # [B, P(s), P(r)]
+    return torch.where(peer.any(1), room.argmax(2), ranks)
+
+
 def _at_cut(running: torch.Tensor, cut: torch.Tensor, empty: int, suffix: bool = False) -> torch.Tensor:
     """Read ``running`` [..., U] (prefix values along a unit's order, or suffix values with
     ``suffix``) at ``cut`` [..., C] in 0..U: the value over positions [0, cut) (or [cut, U)),
@@ -107,8 +118,11 @@ def bundle_proposals(tasks: Tasks, st: State, cap, excess, balance, threshold,
     held = st.qlen.gather(1, unit.view(B, -1, 1).expand(-1, -1, P).reshape(B, -1, P)).view(B, P, K, P)
     held = torch.where(ranks.view(1, P, 1, 1) == ranks, -1, held)  # not the source itself
     holder = held.argmax(3, keepdim=True)
-    dests = torch.cat((dests[:, :, None, :].expand(B, P, K, D), key_host, home, holder), 3)  # [B, P, K, D1]
-    D1 = D + 3
+    extra = (key_host, home, holder)
+    if tasks.links is not None:  # and the rank of the source's node with most headroom (NVLink only)
+        extra += (_node_peer(tasks, headroom).view(B, P, 1, 1).expand(B, P, K, 1),)
+    dests = torch.cat((dests[:, :, None, :].expand(B, P, K, D),) + extra, 3)  # [B, P, K, D1]
+    D1 = dests.shape[3]
     # each size ships the source's tasks before a cut of the order, [B, P, K, D1, 2(size)]:
     # size 0 = the first task here if it fits the destination (bottleneck phase, or ``singles``);
     # size 1 = while the running area fits (and, balancing, until the excess is covered)
@@ -140,6 +154,15 @@ def bundle_proposals(tasks: Tasks, st: State, cap, excess, balance, threshold,
     r_hi = _at_cut(hi_here.flip(3).cummax(3).values.flip(3), cut, 0, suffix=True)
     q_cur = gather_at(st.qlen, (unit * P)[..., None, None] + s_of).expand(shape)
     q_free = torch.where((area > 0) & (s_of != i_of), q_cur - (r_hi - r_lo).clamp(min=0), 0)
+    # with a topology the bytes price each token by its link (``Tasks.links``): the rows the
+    # destination gains come from the query host over link (i, d), those freed at the source over
+    # (i, s); each task's key columns over (j, d) and (j, s). The b* names are the priced tokens
+    # (the plain ones without a topology); the rows stay plain for the buffers.
+    topo = tasks.links is not None
+    if topo:
+        bq_grow, bq_free = q_grow * tasks.link_weight(i_of, d_of), q_free * tasks.link_weight(i_of, s_of)
+    else:
+        bq_grow, bq_free = q_grow, q_free
 
     # key columns of each task here: growth at the destination (none when the destination is
     # the key host), freed at the source
@@ -155,6 +178,11 @@ def bundle_proposals(tasks: Tasks, st: State, cap, excess, balance, threshold,
     k_cur = gather_at(st.klen, kv_u * P + s4)
     sole = gather_at(st.kcount, kv_u * P + s4) == 1
     kf_t = k_cur * (mine & sole)  # [B, P, K, U]
+    if topo:
+        bkg_t = kg_t.long() * tasks.link_weight(j_t[:, :, :, None, :], d_of)
+        bkf_t = kf_t * tasks.link_weight(j_t, s4)
+    else:
+        bkg_t, bkf_t = kg_t, kf_t
 
     # token change (k_grow - k_free) of the bundle's tasks whose key host is the source, the
     # query host, the bottleneck rank or the destination, in one pass (the n positions of each
@@ -171,20 +199,23 @@ def bundle_proposals(tasks: Tasks, st: State, cap, excess, balance, threshold,
                          hosts[..., None] * n + torch.arange(n, device=dev)]  # [B, P, K, H, D1, n]
     flat = pos.flatten(3)
     inc = mine.gather(3, flat).view(pos.shape)[..., None, :] & (pos[..., None, :] < cut[:, :, :, None, :, :, None])
-    delta = (kg_t[:, :, :, None].expand(B, P, K, H, D1, U).gather(5, pos)
-             - kf_t.gather(3, flat).view(pos.shape))
-    tok_on, any_on = (delta[..., None, :] * inc).sum(-1).unbind(3), inc.any(-1).unbind(3)
-    kv_to_src = tok_on[0] * tasks.kv
-    kv_to_host = torch.where(i_of != s_of, tok_on[1] * tasks.kv, 0)
+    def on_hosts(kg, kf):  # [B, P, K, H, D1, 2] token change of the bundle's tasks per key host
+        delta = kg[:, :, :, None].expand(B, P, K, H, D1, U).gather(5, pos) - kf.gather(3, flat).view(pos.shape)
+        return (delta[..., None, :] * inc).sum(-1).unbind(3)
+
+    tok_on, any_on = on_hosts(kg_t, kf_t), inc.any(-1).unbind(3)
+    btok_on = on_hosts(bkg_t, bkf_t) if topo else tok_on
+    kv_to_src = btok_on[0] * tasks.kv
+    kv_to_host = torch.where(i_of != s_of, btok_on[1] * tasks.kv, 0)
     # the destination as key host: it no longer sends the K/V it ships to the source alone
-    kv_to_dest = tok_on[3] * tasks.kv
+    kv_to_dest = btok_on[3] * tasks.kv
     # the busiest key host other than the touched ranks after the move
     if n == 1:
         # one task per key host: its send plus its own change, for the tasks whose key host is
         # neither the source, the query host nor the destination; a prefix maximum per cut
-        base = st.send.gather(1, j_t.view(B, -1)).view(B, P, K, U) - kf_t * tasks.kv
+        base = st.send.gather(1, j_t.view(B, -1)).view(B, P, K, U) - bkf_t * tasks.kv
         other = mine & (j_t != s4) & (j_t != u_host[..., None])
-        val = torch.add(base[:, :, :, None, :], kg_t, alpha=tasks.kv)  # [B, P, K, D1, U] int64
+        val = torch.add(base[:, :, :, None, :], bkg_t, alpha=tasks.kv)  # [B, P, K, D1, U] int64
         elsewhere = other[:, :, :, None, :] & not_d
         at_first = first_at[:, :, :, None, :].expand(B, P, K, D1, 1)
         kvh0 = (val.gather(4, at_first) * elsewhere.gather(4, at_first)).squeeze(4) * (cut0 > 0)
@@ -193,19 +224,24 @@ def bundle_proposals(tasks: Tasks, st: State, cap, excess, balance, threshold,
     else:
         # up to n tasks per key host: their changes add up (``_busiest_key_host``)
         inc = mine[:, :, :, None, None, :] & (upos < cut[..., None])  # [B, P, K, D1, 2, U]
-        kv_delta = inc * ((kg_t - kf_t[:, :, :, None, :]) * tasks.kv)[:, :, :, :, None, :]
+        kv_delta = inc * ((bkg_t - bkf_t[:, :, :, None, :]) * tasks.kv)[:, :, :, :, None, :]
         j6 = j_t[:, :, :, None, None, :]
         elsewhere = inc & (j6 != s_of[..., None]) & (j6 != i_of[..., None]) & (j6 != d_of[..., None])
         kvh_max = _busiest_key_host(st.send, j6, elsewhere, kv_delta, n)
     k_grow = _at_cut(kg_t.cumsum(4, dtype=torch.int32), cut, 0).long()  # [B, P, K, D1, 2] bundle tokens
     k_free = _at_cut(kf_t.cumsum(3), cut, 0)
+    if topo:
+        bk_grow, bk_free = _at_cut(bkg_t.cumsum(4), cut, 0), _at_cut(bkf_t.cumsum(3), cut, 0)
+    else:
+        bk_grow, bk_free = k_grow, k_free
 
     # byte deltas of the three touched ranks (the query host may be the source or the destination)
     dq = q_grow - q_free
-    h_ds, h_dr = dq * tasks.q, dq * tasks.o
-    s_ds, s_dr = -q_free * tasks.o, -q_free * tasks.q - k_free * tasks.kv
-    dest_send = q_grow * tasks.o
-    dest_recv = q_grow * tasks.q + k_grow * tasks.kv
+    bdq = bq_grow - bq_free if topo else dq
+    h_ds, h_dr = bdq * tasks.q, bdq * tasks.o
+    s_ds, s_dr = -bq_free * tasks.o, -bq_free * tasks.q - bk_free * tasks.kv
+    dest_send = bq_grow * tasks.o
+    dest_recv = bq_grow * tasks.q + bk_grow * tasks.kv
     s_is_h, d_is_h = s_of == i_of, d_of == i_of
     at = lambda t, r: gather_at(t, r.expand(shape))  # noqa: E731
     host_send = (at(st.send, i_of) + h_ds + torch.where(s_is_h, s_ds + kv_to_src, kv_to_host)
@@ -217,13 +253,13 @@ def bundle_proposals(tasks: Tasks, st: State, cap, excess, balance, threshold,
     d_recv = at(st.recv, d_of) + dest_recv + torch.where(d_is_h, h_dr, 0)
     new_max = torch.maximum(torch.maximum(torch.maximum(host_send, host_recv), torch.maximum(src_send, src_recv)),
                             torch.maximum(torch.maximum(d_send, d_recv), kvh_max))
-    added = dq * (tasks.q + tasks.o) + (k_grow - k_free) * tasks.kv
+    added = bdq * (tasks.q + tasks.o) + (bk_grow - bk_free) * tasks.kv
 
     bal = balance.view(B, 1, 1, 1, 1)
     bnv = st.bottleneck.view(B, 1, 1, 1, 1)
     bn = bn.view(B, 1, 1, 1, 1)
     # the bottleneck rank as a key host of moved tasks (not otherwise touched)
-    to_bn, any_bn = tok_on[2], any_on[2]
+    to_bn, any_bn = btok_on[2], any_on[2]
     bn_is_j = any_bn & (bn != s_of) & (bn != i_of) & (bn != d_of)
     bn_as_j = torch.maximum(at(st.send, bn) + to_bn * tasks.kv, at(st.recv, bn))
     bn_new = torch.where(s_of == bn, torch.maximum(src_send, src_recv),
@@ -241,19 +277,20 @@ def bundle_proposals(tasks: Tasks, st: State, cap, excess, balance, threshold,
     score = torch.where(ok, score, float("inf"))
 
     # the destination's backward change (its own part: as dest_send, not the host's when it is the host)
-    dest_bsend = q_grow * tasks.dqb + tok_on[3] * tasks.kvb + k_grow * tasks.dkv
-    dest_brecv = q_grow * tasks.qb + k_grow * tasks.kvb + tok_on[3] * tasks.dkv
+    dest_bsend = bq_grow * tasks.dqb + btok_on[3] * tasks.kvb + bk_grow * tasks.dkv
+    dest_brecv = bq_grow * tasks.qb + bk_grow * tasks.kvb + btok_on[3] * tasks.dkv
     if tasks.training or caps is not None:
         # the moved tasks of each (destination, size) whose key host is not a touched rank, and
         # their token change: [B, P, K, D1, 2, U]
         inc = mine[:, :, :, None, None, :] & (upos < cut[..., None])
         tok = inc * (kg_t - kf_t[:, :, :, None, :])[:, :, :, :, None, :]
+        btok = inc * (bkg_t - bkf_t[:, :, :, None, :])[:, :, :, :, None, :] if topo else tok
         j6 = j_t[:, :, :, None, None, :]
         elsewhere = inc & (j6 != s_of[..., None]) & (j6 != i_of[..., None]) & (j6 != d_of[..., None])
     if tasks.training:
         ok, score = _training_scores(
-            tasks, st, j6, elsewhere, tok, tok_on, any_on, i_of, s_of, d_of, dq, q_grow, q_free, k_grow,
-            k_free, area, excess, balance, threshold, sideways, gather_at,
+            tasks, st, j6, elsewhere, btok, btok_on, any_on, i_of, s_of, d_of, bdq, bq_grow, bq_free, bk_grow,
+            bk_free, area, excess, balance, threshold, sideways, gather_at,
             torch.maximum(host_send, host_recv), torch.maximum(src_send, src_recv), torch.maximum(d_send, d_recv))
     if caps is not None:
         ok = ok & _fits_buffers(st, caps, j6, elsewhere, tok, tok_on, i_of, s_of, d_of, dq, q_grow, k_grow, gather_at)

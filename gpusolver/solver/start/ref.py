@@ -11,8 +11,9 @@ import torch
 from gpusolver.solver.core import Tasks
 from gpusolver.solver.start.shed import hull_length, shed_start
 
-# the index of the "shed" start in ``strategies.STARTS`` (the steps import nothing above core)
-SHED = 3
+# the indices of the "shed" and "nodes" starts in ``strategies.STARTS`` (the steps import nothing
+# above core)
+SHED, NODES = 3, 4
 
 
 def transpose_start(tasks: Tasks, every_unit: bool = False) -> torch.Tensor:
@@ -48,14 +49,15 @@ def transpose_start(tasks: Tasks, every_unit: bool = False) -> torch.Tensor:
 
 
 def variant_starts(tasks: Tasks, variants, start: torch.Tensor | None = None, transpose_fn=None,
-                   cap: torch.Tensor | None = None):
+                   cap: torch.Tensor | None = None, nodes_fn=None):
     """The start rank of each task for ``variants``: None when every variant starts from
     owner-computes, else [T] (one start for all) or [B, T] int64. ``transpose_fn`` (default
     ``transpose_start``) gives the "transpose" and "ulysses" starts, the second with
     ``every_unit``; ``shed.shed_start`` the "shed" start (it needs ``cap``, the largest balanced
     load); the others start on the query host. A given ``start`` ([T], the tiled refine's coarser
     plan) replaces every start but "shed", which is made at this tile level: the shed pieces of a
-    finer level are not the coarser plan's. Kinds index ``strategies.STARTS``."""
+    finer level are not the coarser plan's. ``nodes_fn()`` gives the "nodes" start ([T]; None:
+    owner-computes). Kinds index ``strategies.STARTS``."""
     kinds = [v.start for v in variants]
     if start is not None and SHED not in kinds:
         return start
@@ -64,7 +66,10 @@ def variant_starts(tasks: Tasks, variants, start: torch.Tensor | None = None, tr
     transpose_fn = transpose_fn or transpose_start
     made = {k: start for k in kinds if k != SHED} if start is not None else {0: tasks.q_host}
     for k in sorted(set(kinds) - set(made)):
-        made[k] = shed_start(tasks, cap) if k == SHED else transpose_fn(tasks, every_unit=k == 2)
+        if k == NODES:
+            made[k] = tasks.q_host if nodes_fn is None else nodes_fn()
+        else:
+            made[k] = shed_start(tasks, cap) if k == SHED else transpose_fn(tasks, every_unit=k == 2)
     return torch.stack([made[k] for k in kinds])
 
 

@@ -81,20 +81,25 @@ def _state_bytes_kernel(
     bneck_ptr,  # [2, B] int64, zero-initialised: max over ranks of vol, of bvol
     B, G, P,
     Q_BYTES, O_BYTES, KV_BYTES, QB_BYTES, DQ_BYTES, KVB_BYTES, DKV_BYTES,
-    BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, TILES: tl.constexpr,
+    PER_NODE, W_NV, W_IB,  # TOPO only: ranks per node and the price of a byte inside and across nodes
+    BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, TILES: tl.constexpr, TOPO: tl.constexpr,
 ):
     _state_bytes_rank(lo_ptr, hi_ptr, len_ptr, bytes_ptr, bneck_ptr,
                       tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), B, G, P,
-                      Q_BYTES, O_BYTES, KV_BYTES, QB_BYTES, DQ_BYTES, KVB_BYTES, DKV_BYTES, BLOCK_G, BLOCK_P, TILES)
+                      Q_BYTES, O_BYTES, KV_BYTES, QB_BYTES, DQ_BYTES, KVB_BYTES, DKV_BYTES, BLOCK_G, BLOCK_P, TILES,
+                      PER_NODE, W_NV, W_IB, TOPO)
 
 
 @triton.jit
 def _state_bytes_rank(lo_ptr, hi_ptr, len_ptr, bytes_ptr, bneck_ptr, i_b, i_r, B, G, P,
                       Q_BYTES, O_BYTES, KV_BYTES, QB_BYTES, DQ_BYTES, KVB_BYTES, DKV_BYTES,
-                      BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, TILES: tl.constexpr):
+                      BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, TILES: tl.constexpr,
+                      PER_NODE=1, W_NV=1, W_IB=1, TOPO: tl.constexpr = False):
     """Rank ``i_r`` of variant ``i_b`` of ``_state_bytes_kernel`` (its arguments; indices int64).
 
-    Unit ``u`` of a group lives on rank ``u // TILES``; one ``[BLOCK_G, BLOCK_P]`` tile per tile offset t."""
+    Unit ``u`` of a group lives on rank ``u // TILES``; one ``[BLOCK_G, BLOCK_P]`` tile per tile offset t.
+    With TOPO the bytes price each token by its link (rank r and rank o_p on one node or not),
+    the rows stay plain."""
     o_g = tl.arange(0, BLOCK_G).to(tl.int64)[:, None]  # [BLOCK_G, 1]
     o_p = tl.arange(0, BLOCK_P).to(tl.int64)[None, :]  # [1, BLOCK_P]
     m_gp = (o_g < G) & (o_p < P)
@@ -105,6 +110,12 @@ def _state_bytes_rank(lo_ptr, hi_ptr, len_ptr, bytes_ptr, bneck_ptr, i_b, i_r, B
     k_out = tl.zeros([], tl.int64)
     q_in = tl.zeros([], tl.int64)
     k_in = tl.zeros([], tl.int64)
+    if TOPO:  # link-weighted tokens for the bytes; the link of r and o_p is the same both ways
+        w = tl.where(i_r // PER_NODE == o_p // PER_NODE, W_NV, W_IB).to(tl.int64)  # [1, BLOCK_P]
+        wq_out = tl.zeros([], tl.int64)
+        wk_out = tl.zeros([], tl.int64)
+        wq_in = tl.zeros([], tl.int64)
+        wk_in = tl.zeros([], tl.int64)
     for t in tl.static_range(TILES):
         # [BLOCK_G, BLOCK_P] cells: unit t of rank r (all destinations), and unit t of every rank at rank r
         o_row = i_b * G * U * P + (o_g * U + i_r * TILES + t) * P + o_p
@@ -123,11 +134,20 @@ def _state_bytes_rank(lo_ptr, hi_ptr, len_ptr, bytes_ptr, bneck_ptr, i_b, i_r, B
         k_out += tl.sum(tl.sum(tl.where(m_gp, k_row, 0), axis=1), axis=0)
         q_in += tl.sum(tl.sum(tl.where(m_gp, q_col, 0), axis=1), axis=0)
         k_in += tl.sum(tl.sum(tl.where(m_gp, k_col, 0), axis=1), axis=0)
-    send = q_out * Q_BYTES + q_in * O_BYTES + k_out * KV_BYTES
-    recv = q_in * Q_BYTES + q_out * O_BYTES + k_in * KV_BYTES
+        if TOPO:
+            wq_out += tl.sum(tl.sum(tl.where(m_gp, q_row * w, 0), axis=1), axis=0)
+            wk_out += tl.sum(tl.sum(tl.where(m_gp, k_row * w, 0), axis=1), axis=0)
+            wq_in += tl.sum(tl.sum(tl.where(m_gp, q_col * w, 0), axis=1), axis=0)
+            wk_in += tl.sum(tl.sum(tl.where(m_gp, k_col * w, 0), axis=1), axis=0)
+    if TOPO:
+        qo, qi, ko, ki = wq_out, wq_in, wk_out, wk_in
+    else:
+        qo, qi, ko, ki = q_out, q_in, k_out, k_in
+    send = qo * Q_BYTES + qi * O_BYTES + ko * KV_BYTES
+    recv = qi * Q_BYTES + qo * O_BYTES + ki * KV_BYTES
     vol = tl.maximum(send, recv)
-    bsend = q_out * QB_BYTES + q_in * DQ_BYTES + k_out * KVB_BYTES + k_in * DKV_BYTES
-    brecv = q_in * QB_BYTES + q_out * DQ_BYTES + k_in * KVB_BYTES + k_out * DKV_BYTES
+    bsend = qo * QB_BYTES + qi * DQ_BYTES + ko * KVB_BYTES + ki * DKV_BYTES
+    brecv = qi * QB_BYTES + qo * DQ_BYTES + ki * KVB_BYTES + ko * DKV_BYTES
     bvol = tl.maximum(bsend, brecv)
     o_rank = i_b * P + i_r
     tl.store(bytes_ptr + o_rank, send)
@@ -162,6 +182,12 @@ def rank_table(st: State) -> torch.Tensor:
 def byte_prices(tasks: Tasks) -> tuple[int, ...]:
     """The seven bytes-per-token prices the kernels take, forward then backward (``Tasks``)."""
     return tasks.q, tasks.o, tasks.kv, tasks.qb, tasks.dqb, tasks.kvb, tasks.dkv
+
+
+def link_prices(tasks: Tasks) -> tuple[int, int, int]:
+    """(ranks per node, NVLink weight, InfiniBand weight) the kernels take (``Tasks.links``;
+    unused ones without a topology)."""
+    return (1, 1, 1) if tasks.links is None else tasks.links
 
 
 def state_triton(tasks: Tasks, A: torch.Tensor) -> State:
@@ -209,6 +235,7 @@ def _launch_state(tasks: Tasks, rank, lo, acc, out, bottleneck, B):
     )
     _state_bytes_kernel[(B, P)](
         lo, acc, out, out[2 * n:], bottleneck,
-        B, G, P, *byte_prices(tasks),
+        B, G, P, *byte_prices(tasks), *link_prices(tasks),
         BLOCK_G=triton.next_power_of_2(G), BLOCK_P=triton.next_power_of_2(P), TILES=tiles,
+        TOPO=tasks.links is not None,
     )

@@ -34,15 +34,21 @@ def state(tasks: Tasks, A: torch.Tensor) -> State:
     qlen = torch.where(at_host, 0, (q_hi - q_lo).clamp(min=0))
     klen = torch.where(at_host, 0, (k_hi - k_lo).clamp(min=0))
     n = tasks.tiles
-    q4, k4 = qlen.view(B, G, P, n, P), klen.view(B, G, P, n, P)  # [B, G, host, tile, dest]
-    q_out, q_in = q4.sum(dim=(1, 3, 4)), q4.sum(dim=(1, 2, 3))
-    k_out, k_in = k4.sum(dim=(1, 3, 4)), k4.sum(dim=(1, 2, 3))
-    send = q_out * tasks.q + q_in * tasks.o + k_out * tasks.kv
-    recv = q_in * tasks.q + q_out * tasks.o + k_in * tasks.kv
+
+    def host_dest_sums(qlen, klen):  # per rank: QO and KV tokens out (as host) and in (as destination)
+        q4, k4 = qlen.view(B, G, P, n, P), klen.view(B, G, P, n, P)  # [B, G, host, tile, dest]
+        return q4.sum(dim=(1, 3, 4)), q4.sum(dim=(1, 2, 3)), k4.sum(dim=(1, 3, 4)), k4.sum(dim=(1, 2, 3))
+
+    q_out, q_in, k_out, k_in = host_dest_sums(qlen, klen)  # rows, for the buffers
+    # bytes: with a topology each token priced by its link (``Tasks.links``), else plain
+    qo, qi, ko, ki = (q_out, q_in, k_out, k_in) if tasks.links is None else \
+        host_dest_sums(qlen * tasks.unit_dest_weight, klen * tasks.unit_dest_weight)
+    send = qo * tasks.q + qi * tasks.o + ko * tasks.kv
+    recv = qi * tasks.q + qo * tasks.o + ki * tasks.kv
     vol = torch.maximum(send, recv)
     # backward: dO out and dQ back per QO token, K/V out again (kv_bwd) and dK/dV back per KV token
-    bsend = q_out * tasks.qb + q_in * tasks.dqb + k_out * tasks.kvb + k_in * tasks.dkv
-    brecv = q_in * tasks.qb + q_out * tasks.dqb + k_in * tasks.kvb + k_out * tasks.dkv
+    bsend = qo * tasks.qb + qi * tasks.dqb + ko * tasks.kvb + ki * tasks.dkv
+    brecv = qi * tasks.qb + qo * tasks.dqb + ki * tasks.kvb + ko * tasks.dkv
     bvol = torch.maximum(bsend, brecv)
     load = torch.zeros((B, P + 1), dtype=torch.int64, device=A.device)
     load = load.scatter_add(1, rank, tasks.area.expand(B, -1))[:, :P]
