@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from gpusolver.areas import block_areas as _block_areas
+from gpusolver.capacity import buffer_fields, buffer_ints
 from gpusolver.config import SolverConfig
 from gpusolver.masks.slices import AttnSlices
 from gpusolver.problem import BlockAreas
@@ -45,21 +46,25 @@ def solve_assignment_op(area: torch.Tensor, q_need: torch.Tensor, k_need: torch.
                         cp_size: int, tiles: int, num_heads_q: int, num_heads_kv: int, head_dim: int,
                         dtype: torch.dtype, imbalance_tol: float, impl: str, objective: str = "training",
                         keep_forward_buffers: bool = True, max_recv_rows: int = -1,
-                        auto_tiles: bool = False) -> torch.Tensor:
+                        auto_tiles: bool = False, max_qo_recv_rows: int = -1, max_kv_recv_rows: int = -1,
+                        max_qo_send_rows: int = -1, max_kv_send_rows: int = -1, keep_only: str = "") -> torch.Tensor:
     from gpusolver.solver.device import solve_device
 
     G = area.shape[0]
+    rows = buffer_fields(max_recv_rows, max_qo_recv_rows, max_kv_recv_rows, max_qo_send_rows, max_kv_send_rows)
     config = SolverConfig(cp_size=cp_size, num_heads_q=num_heads_q, num_heads_kv=num_heads_kv, head_dim=head_dim,
                           dtype=dtype, imbalance_tol=imbalance_tol, head_group_flatten=G != 1, chunk_tiles=tiles,
-                          objective=objective, keep_forward_buffers=keep_forward_buffers,
-                          max_recv_rows=None if max_recv_rows < 0 else max_recv_rows, auto_tiles=auto_tiles)
+                          objective=objective, keep_forward_buffers=keep_only or keep_forward_buffers,
+                          auto_tiles=auto_tiles,
+                          **rows)
     return solve_device(BlockAreas(area, q_need, k_need, chunk, tiles), config, impl=impl).assignment
 
 
 @solve_assignment_op.register_fake
 def _solve_assignment_fake(area, q_need, k_need, chunk, cp_size, tiles, num_heads_q, num_heads_kv, head_dim, dtype,
                            imbalance_tol, impl, objective="training", keep_forward_buffers=True, max_recv_rows=-1,
-                           auto_tiles=False):
+                           auto_tiles=False, max_qo_recv_rows=-1, max_kv_recv_rows=-1, max_qo_send_rows=-1,
+                           max_kv_send_rows=-1, keep_only=""):
     return area.new_empty(area.shape, dtype=torch.int32)
 
 
@@ -81,6 +86,9 @@ def solve_assignment_compiled(mask: AttnSlices, config: SolverConfig, impl: str 
 
 def solve_op_options(config: SolverConfig) -> tuple:
     """The trailing arguments of ``solve_assignment_op`` from a config: objective, kept buffers,
-    receive rows (-1 for the default), auto tiles."""
-    rows = -1 if config.max_recv_rows is None else config.max_recv_rows
-    return config.objective, config.keep_forward_buffers, rows, config.auto_tiles
+    receive rows (-1 for the default), auto tiles, then the per-kind buffer rows and the one kind
+    kept ("qo" / "kv", or "" when ``keep_forward_buffers`` is a bool)."""
+    shared, *kinds = buffer_ints(config)
+    keep = config.keep_forward_buffers
+    only = keep if isinstance(keep, str) else ""
+    return (config.objective, keep is True, shared, config.auto_tiles, *kinds, only)

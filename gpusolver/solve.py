@@ -10,6 +10,7 @@ from dataclasses import replace
 import torch
 
 from gpusolver.areas import block_areas
+from gpusolver.capacity import keep_for_budget
 from gpusolver.config import SolverConfig
 from gpusolver.masks.slices import AttnSlices
 from gpusolver.masks.sparse import BlockSparseMask, NSALayerMask, TokenTopKMask
@@ -89,7 +90,8 @@ def solve(mask, config: SolverConfig, *, solver: str = "device", areas_impl: str
         raise TypeError(f"mask must be an AttnSlices, BlockSparseMask, TokenTopKMask or NSALayerMask, got "
                         f"{type(mask).__name__}; for block areas alone use solve_assignment(areas, config)")
     config = config.tiles_for(mask.total_seqlen_q)  # chunk_tiles="auto": the cap of its coarse-to-fine choice
-    config.check_seqlen(mask.total_seqlen_q)
+    # memory_budget: the kinds of receive buffers kept for the backward, which the solve prices
+    config = keep_for_budget(config, config.check_seqlen(mask.total_seqlen_q))
     if validate is None:
         validate = mask.device.type == "cpu"
     if validate:

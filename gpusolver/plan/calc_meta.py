@@ -154,8 +154,7 @@ def build_calc_meta(mask: AttnSlices, areas: BlockAreas, assignment: torch.Tenso
                 & (k_local | ((kl >= kv_lo) & (kl + kn <= kv_hi))))
     qrow = torch.where(q_local, g * c + ql, G * c + comm.qo_recv_offset[g, i, r] + ql - qo_lo)
     krow = torch.where(k_local, g * c + kl, G * c + comm.kv_recv_offset[g, j, r] + kl - kv_lo)
-    limit = G * c + comm.recv_capacity
-    buf_ok = (qrow + qn <= limit) & (krow + kn <= limit)
+    buf_ok = (qrow + qn <= G * c + comm.qo_recv_capacity) & (krow + kn <= G * c + comm.kv_recv_capacity)
     placed = item & has_rank
     keep = placed & need_ok & range_ok & buf_ok
 

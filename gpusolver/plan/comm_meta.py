@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from gpusolver.capacity import BufferRows
 from gpusolver.plan.meta import CommMeta
 from gpusolver.problem import BlockAreas
 from gpusolver.transfers import transfer_ranges
@@ -60,18 +61,18 @@ def chunk_local(rng: torch.Tensor, areas: BlockAreas) -> torch.Tensor:
 
 
 def build_comm_meta(areas: BlockAreas, assignment: torch.Tensor, *,
-                    recv_capacity: int, send_capacity: int) -> tuple[CommMeta, torch.Tensor]:
+                    buffers: BufferRows) -> tuple[CommMeta, torch.Tensor]:
     """CommMeta of an assignment, for all ranks, plus a buffer-overflow flag.
 
     areas:         BlockAreas (area [G, U, U], q_need / k_need [G, U, U, 2] int64; U = P
                    without tiling).
     assignment:    [G, U, U] integer, rank of task (g, i, j), -1 for empty tasks.
-    recv_capacity: rows of each receive buffer (QO and KV alike), static.
-    send_capacity: rows each rank can send per kind, static (length of the send lists).
+    buffers:       BufferRows, each rank's receive rows and send rows (the length of the
+                   send lists) per kind, static.
 
     Returns (CommMeta, overflow [] bool): overflow is true when some rank
-    receives more than ``recv_capacity`` or sends more than ``send_capacity``
-    rows of either kind. Sync-free: static shapes, no host reads.
+    receives or sends more rows of a kind than its buffer holds. Sync-free:
+    static shapes, no host reads.
     """
     n, P = areas.tiles, areas.cp_size
     qo_range, kv_range = (chunk_local(r, areas) for r in transfer_ranges(areas, assignment))
@@ -81,11 +82,12 @@ def build_comm_meta(areas: BlockAreas, assignment: torch.Tensor, *,
     kv_off, kv_rows = _recv_offsets(kv_len, n)
     by_source = lambda length: length.sum(0).view(P, n, P).sum(1)  # noqa: E731
     qo_split, kv_split = by_source(qo_len), by_source(kv_len)
-    overflow = ((qo_rows > recv_capacity).any() | (kv_rows > recv_capacity).any()
-                | (qo_split.sum(1) > send_capacity).any() | (kv_split.sum(1) > send_capacity).any())
+    overflow = ((qo_rows > buffers.qo_recv).any() | (kv_rows > buffers.kv_recv).any()
+                | (qo_split.sum(1) > buffers.qo_send).any() | (kv_split.sum(1) > buffers.kv_send).any())
     meta = CommMeta(
         qo_range=qo_range, kv_range=kv_range, qo_recv_offset=qo_off, kv_recv_offset=kv_off,
         qo_split=qo_split, kv_split=kv_split,
-        qo_recv_rows=qo_rows, kv_recv_rows=kv_rows, chunk=areas.rank_tokens, recv_capacity=recv_capacity,
-        send_capacity=send_capacity, tiles=n)
+        qo_recv_rows=qo_rows, kv_recv_rows=kv_rows, chunk=areas.rank_tokens, qo_recv_capacity=buffers.qo_recv,
+        kv_recv_capacity=buffers.kv_recv, qo_send_capacity=buffers.qo_send, kv_send_capacity=buffers.kv_send,
+        tiles=n)
     return meta, overflow

@@ -64,15 +64,18 @@ class CommMeta:
                                     (exclusive prefix sum over (host, g, tile) in that order).
     qo_split, kv_split:             [P(src), P(dst)] int64 — rows src sends to dst
                                     (the all-to-all-v split sizes).
-    send_capacity:                  rows of each send list (host int, static).
     qo_recv_rows, kv_recv_rows:     [P] int64 — rows each rank receives (its buffer fill).
     chunk:                          c, tokens per chunk (host int).
-    recv_capacity:                  rows of each receive buffer (host int, static).
+    qo_recv_capacity, kv_recv_capacity: rows of each rank's QO / KV receive buffer
+                                    (host ints, static; ``gpusolver.capacity``).
+    qo_send_capacity, kv_send_capacity: rows of each rank's QO / KV send list (host
+                                    ints, static), and of the buffer the partial
+                                    results of those rows come back into.
     tiles:                          n, units per rank (host int, default 1).
 
     A remote QO row ``t`` (chunk-local) of unit (g, u) on dest r sits at buffer row
     ``qo_recv_offset[g, u, r] + t - qo_range[g, u, r, 0]``. Rows beyond
-    ``recv_capacity`` or ``send_cap`` are never indexed: the plan's status gets
+    a receive or send capacity are never indexed: the plan's status gets
     BUFFER_OVERFLOW instead and the collectives must not run.
     """
 
@@ -85,12 +88,22 @@ class CommMeta:
     qo_recv_rows: torch.Tensor
     kv_recv_rows: torch.Tensor
     chunk: int
-    recv_capacity: int
-    send_capacity: int
+    qo_recv_capacity: int
+    kv_recv_capacity: int
+    qo_send_capacity: int
+    kv_send_capacity: int
     tiles: int = 1
 
+    @property
+    def buffers(self):
+        """The four capacities as a ``gpusolver.capacity.BufferRows``."""
+        from gpusolver.capacity import BufferRows
+
+        return BufferRows(self.qo_recv_capacity, self.kv_recv_capacity, self.qo_send_capacity,
+                          self.kv_send_capacity)
+
     def send_index(self, kind: str, rank: int) -> torch.Tensor:
-        """[send_cap] int64 gather indices into ``rank``'s group-major local rows of
+        """[send_cap(kind)] int64 gather indices into ``rank``'s group-major local rows of
         the ``kind`` ("qo" or "kv") units it sends, in send order (dst ascending,
         then g, then tile, then token); -1 pads. Built on demand (sync-free) so a plan never
         holds the send lists of all P ranks."""
@@ -102,7 +115,7 @@ class CommMeta:
             raise ValueError(f"rank must be in [0, {self.cp_size}), got {rank}")
         rng = self.qo_range if kind == "qo" else self.kv_range
         n = self.tiles
-        return send_index(rng[:, rank * n:(rank + 1) * n], self.chunk, self.send_capacity)
+        return send_index(rng[:, rank * n:(rank + 1) * n], self.chunk, self.buffers.send(kind))
 
     @property
     def head_groups(self) -> int:
@@ -237,10 +250,24 @@ class Plan:
         c = self.calc
         lines.append(f"calc rows per stage (max over ranks): stage0 {int(c.needed_rows[:, 0].max())}, "
                      f"stage1 {int(c.needed_rows[:, 1].max())}, capacity {c.capacity}")
-        lines.append(f"recv rows (max over ranks): qo {int(self.comm.qo_recv_rows.max())}, "
-                     f"kv {int(self.comm.kv_recv_rows.max())}, capacity {self.comm.recv_capacity}")
+        m = self.comm
+        lines.append(f"recv rows (max over ranks): qo {int(m.qo_recv_rows.max())} of {m.qo_recv_capacity}, "
+                     f"kv {int(m.kv_recv_rows.max())} of {m.kv_recv_capacity}")
         lines.append("status: " + ("OK" if not names else " | ".join(names)))
         return "\n".join(lines)
+
+    def memory(self, config, keep_forward_buffers=None):
+        """Bytes per rank of this plan's collective buffers (``plan.memory.BufferMemory``:
+        forward peak, backward peak, kept for the backward), for ``config``'s heads, head dim
+        and dtype. ``keep_forward_buffers``: what helpers keep (True, False, "qo", "kv"; default
+        the config's, within its ``memory_budget``). Host ints from static shapes: no device read."""
+        from gpusolver.capacity import keep_for_budget
+        from gpusolver.plan.memory import buffer_memory
+
+        keep = keep_forward_buffers
+        if keep is None:
+            keep = keep_for_budget(config, self.comm.chunk).keep_forward_buffers
+        return buffer_memory(self.comm, config.num_heads_q, config.num_heads_kv, config.head_dim, config.dtype, keep)
 
     def save(self, path, *, config=None) -> None:
         """Write the plan (and its ``SolverConfig``, if given) to ``path`` (``plan.io.save_plan``)."""
@@ -289,16 +316,17 @@ def _explain_status(plan: Plan, ignore: int) -> list[str]:
                        f"capacity {cap}: raise SolverConfig.max_stage_slices")
     if status & BUFFER_OVERFLOW:
         m = plan.comm
-        for kind, rows, split in (("QO", m.qo_recv_rows, m.qo_split), ("KV", m.kv_recv_rows, m.kv_split)):
+        for kind, rows, split in (("qo", m.qo_recv_rows, m.qo_split), ("kv", m.kv_recv_rows, m.kv_split)):
             rows, sent = rows.cpu(), split.sum(1).cpu()
-            if (rows > m.recv_capacity).any():
+            recv_cap, send_cap = m.buffers.recv(kind), m.buffers.send(kind)
+            if (rows > recv_cap).any():
                 r = int(rows.argmax())
-                out.append(f"BUFFER_OVERFLOW: rank {r} receives {int(rows[r])} {kind} rows, receive capacity "
-                           f"{m.recv_capacity}: raise build_plan(recv_capacity=...)")
-            if (sent > m.send_capacity).any():
+                out.append(f"BUFFER_OVERFLOW: rank {r} receives {int(rows[r])} {kind.upper()} rows, receive "
+                           f"capacity {recv_cap}: raise SolverConfig.max_{kind}_recv_rows")
+            if (sent > send_cap).any():
                 r = int(sent.argmax())
-                out.append(f"BUFFER_OVERFLOW: rank {r} sends {int(sent[r])} {kind} rows, send capacity "
-                           f"{m.send_capacity}: raise build_plan(send_capacity=...)")
+                out.append(f"BUFFER_OVERFLOW: rank {r} sends {int(sent[r])} {kind.upper()} rows, send capacity "
+                           f"{send_cap}: raise SolverConfig.max_{kind}_send_rows")
     if status & INVALID_MASK:
         out.append("INVALID_MASK: a slice range is reversed or outside [0, S), or a type code is not 0..3; "
                    "mask.validate() names the row")

@@ -1,8 +1,8 @@
 """``dist_attn``: one attention layer over a CP group, forward and backward, from a Plan.
 
 Shape legend: P ranks, c tokens per rank, G head groups, Hq / Hkv query / KV
-heads (hq = Hq / G, hkv = Hkv / G per group), D head dim, cap = the plan's
-receive capacity in group-major rows.
+heads (hq = Hq / G, hkv = Hkv / G per group), D head dim, qcap / kcap = the
+plan's QO / KV receive capacities in group-major rows.
 
 Forward, per rank (DESIGN.md, "Data flow of one layer"):
 
@@ -39,6 +39,7 @@ from attn_kernels import flex_attn, flex_attn_backward, merge_out_lse, row_delta
 from gpusolver import errors
 from gpusolver.nvtx import nvtx_range
 from gpusolver.plan import IMBALANCED, Plan
+from gpusolver.problem import kept_kinds
 from gpusolver.runtime.layout import from_group_major, to_group_major
 from gpusolver.support import check_supported
 from groupcomm import CollectiveError, TorchGroup, group_cast, group_reduce, host_splits
@@ -78,8 +79,14 @@ class LayerRoutes:
         return self.plan.comm.chunk
 
     @property
-    def capacity(self) -> int:
-        return self.plan.comm.recv_capacity
+    def qo_capacity(self) -> int:
+        """Rows of the QO receive buffer."""
+        return self.plan.comm.qo_recv_capacity
+
+    @property
+    def kv_capacity(self) -> int:
+        """Rows of the KV receive buffer."""
+        return self.plan.comm.kv_recv_capacity
 
 
 def layer_routes(plan: Plan, group) -> LayerRoutes:
@@ -124,14 +131,14 @@ def _cat(a: torch.Tensor, b: torch.Tensor, lead: int) -> torch.Tensor:
 
 class _DistAttn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, routes: LayerRoutes, group, scale: float, keep: bool, deterministic: bool):
+    def forward(ctx, q, k, v, routes: LayerRoutes, group, scale: float, keep: tuple, deterministic: bool):
         lead = 1 if routes.batched else 0
-        G, cap = routes.groups, routes.capacity
+        G, qcap, kcap = routes.groups, routes.qo_capacity, routes.kv_capacity
         ql, kl, vl = (to_group_major(x, G, lead).contiguous() for x in (q, k, v))
         with nvtx_range("comm/cast fwd.qo fwd.kv"):
-            cast_q = group_cast([ql], routes.qo_index, routes.qo_split, cap, group, phase="fwd.qo",
+            cast_q = group_cast([ql], routes.qo_index, routes.qo_split, qcap, group, phase="fwd.qo",
                                 host_split=routes.qo_host, async_op=True, flag_errors=False)
-            cast_kv = group_cast([kl, vl], routes.kv_index, routes.kv_split, cap, group, phase="fwd.kv",
+            cast_kv = group_cast([kl, vl], routes.kv_index, routes.kv_split, kcap, group, phase="fwd.kv",
                                  host_split=routes.kv_host, async_op=True, flag_errors=False)
 
         def stage0(r, q_, k_, v_):
@@ -150,7 +157,7 @@ class _DistAttn(torch.autograd.Function):
             o1, l1 = _per_rank(routes, stage1, q1, k1, v1)
         n = ql.shape[lead]  # G * c local rows; the rest of stage 1's rows are the receive buffer
         local = lambda x: x.narrow(lead, 0, n)  # noqa: E731
-        remote = lambda x: x.narrow(lead, n, cap)  # noqa: E731
+        remote = lambda x: x.narrow(lead, n, qcap)  # noqa: E731
         with nvtx_range("attn/fwd merge"):
             o, lse = _per_rank(routes, lambda r, a, b, c_, d: merge_out_lse(a, b, c_, d), o0, l0, local(o1),
                                local(l1))
@@ -158,7 +165,8 @@ class _DistAttn(torch.autograd.Function):
             o, lse = group_reduce([remote(o1).contiguous(), remote(l1).contiguous()], routes.qo_index,
                                   routes.qo_split, [o, lse], group, op="lse", phase="fwd.o",
                                   host_split=routes.qo_host, deterministic=deterministic, flag_errors=False)
-        saved = (ql, kl, vl, o, lse) + ((q_buf, k_buf, v_buf) if keep else ())
+        # only what the backward reads: the kinds not kept are cast again there
+        saved = (ql, kl, vl, o, lse) + ((q_buf,) if "qo" in keep else ()) + ((k_buf, v_buf) if "kv" in keep else ())
         ctx.save_for_backward(*saved)
         ctx.routes, ctx.group, ctx.scale, ctx.keep, ctx.deterministic = routes, group, scale, keep, deterministic
         return from_group_major(o, G, lead), from_group_major(lse, G, lead)
@@ -167,25 +175,27 @@ class _DistAttn(torch.autograd.Function):
     def backward(ctx, d_out, d_lse):
         routes, group, scale = ctx.routes, ctx.group, ctx.scale
         lead = 1 if routes.batched else 0
-        G, cap = routes.groups, routes.capacity
-        ql, kl, vl, o, lse = ctx.saved_tensors[:5]
+        G, qcap, kcap = routes.groups, routes.qo_capacity, routes.kv_capacity
+        saved = ctx.saved_tensors  # read once: each read unpacks every saved tensor again
+        ql, kl, vl, o, lse = saved[:5]
+        keep_q, keep_kv = "qo" in ctx.keep, "kv" in ctx.keep
         d_o = torch.zeros_like(o) if d_out is None else to_group_major(d_out, G, lead).contiguous()
         d_l = None if d_lse is None else to_group_major(d_lse, G, lead).contiguous()
         # the host computes delta from its final O: O itself never travels
         with nvtx_range("attn/bwd delta"):
             delta = _per_rank(routes, lambda r, a, b, *c_: (row_delta(a, b, c_[0] if c_ else None),),
                               d_o, o, *(() if d_l is None else (d_l,)))[0]
-        sent = [d_o, lse, delta] + ([] if ctx.keep else [ql])
+        sent = [d_o, lse, delta] + ([] if keep_q else [ql])
         with nvtx_range("comm/cast bwd.qo"):
-            recv = group_cast(sent, routes.qo_index, routes.qo_split, cap, group, phase="bwd.qo",
+            recv = group_cast(sent, routes.qo_index, routes.qo_split, qcap, group, phase="bwd.qo",
                               host_split=routes.qo_host, flag_errors=False)
         d_o_buf, lse_buf, delta_buf = recv[:3]
-        if ctx.keep:
-            q_buf, k_buf, v_buf = ctx.saved_tensors[5:]
+        q_buf = saved[5] if keep_q else recv[3]
+        if keep_kv:
+            k_buf, v_buf = saved[5 + keep_q:]
         else:
-            q_buf = recv[3]
             with nvtx_range("comm/cast bwd.kv"):
-                k_buf, v_buf = group_cast([kl, vl], routes.kv_index, routes.kv_split, cap, group, phase="bwd.kv",
+                k_buf, v_buf = group_cast([kl, vl], routes.kv_index, routes.kv_split, kcap, group, phase="bwd.kv",
                                           host_split=routes.kv_host, flag_errors=False)
 
         def stage(s):
@@ -201,13 +211,13 @@ class _DistAttn(torch.autograd.Function):
                                       _cat(delta, delta_buf, lead))
         n = ql.shape[lead]
         local = lambda x: x.narrow(lead, 0, n)  # noqa: E731
-        remote = lambda x: x.narrow(lead, n, cap).contiguous()  # noqa: E731
+        remote = lambda x, cap: x.narrow(lead, n, cap).contiguous()  # noqa: E731
         with nvtx_range("comm/reduce bwd.dq"):
-            (dq,) = group_reduce([remote(dq1)], routes.qo_index, routes.qo_split, [dq0 + local(dq1)], group,
+            (dq,) = group_reduce([remote(dq1, qcap)], routes.qo_index, routes.qo_split, [dq0 + local(dq1)], group,
                                  op="sum", phase="bwd.dq", host_split=routes.qo_host,
                                  deterministic=ctx.deterministic, flag_errors=False)
         with nvtx_range("comm/reduce bwd.dkv"):
-            dk, dv = group_reduce([remote(dk1), remote(dv1)], routes.kv_index, routes.kv_split,
+            dk, dv = group_reduce([remote(dk1, kcap), remote(dv1, kcap)], routes.kv_index, routes.kv_split,
                                   [dk0 + local(dk1), dv0 + local(dv1)], group, op="sum", phase="bwd.dkv",
                                   host_split=routes.kv_host, deterministic=ctx.deterministic, flag_errors=False)
         return (from_group_major(dq, G, lead), from_group_major(dk, G, lead), from_group_major(dv, G, lead),
@@ -311,7 +321,7 @@ def check_plan_digest(plan: Plan, group, config_key: int, *, validate: bool) -> 
 
 
 def dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, group, *,
-              softmax_scale: float | None = None, deterministic: bool = True, keep_forward_buffers: bool = True,
+              softmax_scale: float | None = None, deterministic: bool = True, keep_forward_buffers: bool | str = True,
               validate: bool | None = None, debug_digest: bool = False,
               config_key: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of this rank's query shard over the whole sequence, as ``plan`` assigns the work.
@@ -325,9 +335,10 @@ def dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, gro
         softmax_scale: default ``D ** -0.5``.
         deterministic: partial results are reduced rank by rank in a fixed order
             (no float atomics), so outputs are bit-identical across runs.
-        keep_forward_buffers: keep the received Q, K, V for the backward (default; the
-            plan's backward volumes assume this unless its config says otherwise), or
-            cast them again (less activation memory, more bytes).
+        keep_forward_buffers: keep the received Q, K, V for the backward (True, default; the
+            plan's backward volumes assume this unless its config says otherwise), cast them
+            again (False: less activation memory, more bytes), or keep only one kind ("qo":
+            Q, "kv": K and V; the other is cast again).
         validate: read ``plan.status`` on the host and raise on a capacity overflow or a
             mask the plan does not fit (default: on for CPU tensors; off on GPU, where
             reading it would sync, and under ``torch.compile``, where it would break the graph).
@@ -354,10 +365,11 @@ def dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, gro
     if debug_digest:
         if config_key is None:
             m = plan.comm
-            config_key = config_digest(m.cp_size, m.chunk, m.head_groups, m.tiles, m.recv_capacity,
-                                       m.send_capacity, plan.calc.capacity, plan.imbalance_tol)
+            config_key = config_digest(m.cp_size, m.chunk, m.head_groups, m.tiles, m.buffers.as_tuple(),
+                                       plan.calc.capacity, plan.imbalance_tol)
         check_plan_digest(plan, group, config_key, validate=validate)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     with nvtx_range("solve/routes"):
         routes = layer_routes(plan, group)
-    return _DistAttn.apply(q, k, v, routes, group, scale, bool(keep_forward_buffers), bool(deterministic))
+    keep = kept_kinds(keep_forward_buffers)
+    return _DistAttn.apply(q, k, v, routes, group, scale, keep, bool(deterministic))

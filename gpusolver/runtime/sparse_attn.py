@@ -160,7 +160,7 @@ def sparse_routes(plan: SparsePlan, group) -> LayerRoutes:
     kb = plan.kv_blocks
     if kb is None:
         return routes
-    c, cap = plan.comm.chunk, plan.comm.send_capacity
+    c, cap = plan.comm.chunk, plan.comm.kv_send_capacity
     if routes.batched:
         index = torch.stack([kb.send_index(r, c, cap) for r in routes.ranks])
     else:
@@ -194,13 +194,13 @@ class _SparseDistAttn(torch.autograd.Function):
         plan: SparsePlan = routes.plan
         spec = plan.spec
         lead = 1 if routes.batched else 0
-        G, cap = routes.groups, routes.capacity
+        G, qcap, kcap = routes.groups, routes.qo_capacity, routes.kv_capacity
         ql, kl, vl = (to_group_major(x, G, lead).contiguous() for x in (q, k, v))
         sl = _selection_rows(sel, G, lead)
         with nvtx_range("comm/cast fwd.qo fwd.kv"):
-            cast_q = group_cast([ql, sl], routes.qo_index, routes.qo_split, cap, group, phase="fwd.qo",
+            cast_q = group_cast([ql, sl], routes.qo_index, routes.qo_split, qcap, group, phase="fwd.qo",
                                 host_split=routes.qo_host, async_op=True, flag_errors=False)
-            cast_kv = group_cast([kl, vl], routes.kv_index, routes.kv_split, cap, group, phase="fwd.kv",
+            cast_kv = group_cast([kl, vl], routes.kv_index, routes.kv_split, kcap, group, phase="fwd.kv",
                                  host_split=routes.kv_host, async_op=True, flag_errors=False)
 
         def stage(s):
@@ -224,7 +224,7 @@ class _SparseDistAttn(torch.autograd.Function):
             part1 = _per_rank(routes, stage(1), cat(ql, q_buf), cat(kl, k_buf), cat(vl, v_buf), cat(sl, s_buf))
         n = ql.shape[lead]
         local = lambda x: x.narrow(lead, 0, n)  # noqa: E731
-        remote = lambda x: x.narrow(lead, n, cap).contiguous()  # noqa: E731
+        remote = lambda x: x.narrow(lead, n, qcap).contiguous()  # noqa: E731
         results = []
         for b in range(len(part0) // 2):  # one (out, lse) per branch
             o0, l0, o1, l1 = part0[2 * b], part0[2 * b + 1], part1[2 * b], part1[2 * b + 1]
@@ -248,7 +248,7 @@ class _SparseDistAttn(torch.autograd.Function):
         plan: SparsePlan = routes.plan
         spec = plan.spec
         lead = 1 if routes.batched else 0
-        G, cap, nb = routes.groups, routes.capacity, ctx.branches
+        G, qcap, kcap, nb = routes.groups, routes.qo_capacity, routes.kv_capacity, ctx.branches
         saved = ctx.saved_tensors
         ql, kl, vl, sl = saved[:4]
         outs = saved[4:4 + 2 * nb]
@@ -263,14 +263,14 @@ class _SparseDistAttn(torch.autograd.Function):
                                   d_o, o, *(() if d_l is None else (d_l,)))[0]
             sent += [d_o, lse, delta]
         with nvtx_range("comm/cast bwd.qo"):
-            recv = group_cast(sent + ([] if ctx.keep else [ql, sl]), routes.qo_index, routes.qo_split, cap, group,
+            recv = group_cast(sent + ([] if ctx.keep else [ql, sl]), routes.qo_index, routes.qo_split, qcap, group,
                               phase="bwd.qo", host_split=routes.qo_host, flag_errors=False)
         if ctx.keep:
             q_buf, s_buf, k_buf, v_buf = saved[4 + 2 * nb:]
         else:
             q_buf, s_buf = recv[3 * nb:]
             with nvtx_range("comm/cast bwd.kv"):
-                k_buf, v_buf = group_cast([kl, vl], routes.kv_index, routes.kv_split, cap, group, phase="bwd.kv",
+                k_buf, v_buf = group_cast([kl, vl], routes.kv_index, routes.kv_split, kcap, group, phase="bwd.kv",
                                           host_split=routes.kv_host, flag_errors=False)
 
         def stage(s):
@@ -298,13 +298,13 @@ class _SparseDistAttn(torch.autograd.Function):
                                       cat(sl, s_buf), *(cat(a, b) for a, b in zip(sent, recv[:3 * nb])))
         n = ql.shape[lead]
         local = lambda x: x.narrow(lead, 0, n)  # noqa: E731
-        remote = lambda x: x.narrow(lead, n, cap).contiguous()  # noqa: E731
+        remote = lambda x, cap: x.narrow(lead, n, cap).contiguous()  # noqa: E731
         with nvtx_range("comm/reduce bwd.dq"):
-            (dq,) = group_reduce([remote(dq1)], routes.qo_index, routes.qo_split, [dq0 + local(dq1)], group,
+            (dq,) = group_reduce([remote(dq1, qcap)], routes.qo_index, routes.qo_split, [dq0 + local(dq1)], group,
                                  op="sum", phase="bwd.dq", host_split=routes.qo_host,
                                  deterministic=ctx.deterministic, flag_errors=False)
         with nvtx_range("comm/reduce bwd.dkv"):
-            dk, dv = group_reduce([remote(dk1), remote(dv1)], routes.kv_index, routes.kv_split,
+            dk, dv = group_reduce([remote(dk1, kcap), remote(dv1, kcap)], routes.kv_index, routes.kv_split,
                                   [dk0 + local(dk1), dv0 + local(dv1)], group, op="sum", phase="bwd.dkv",
                                   host_split=routes.kv_host, deterministic=ctx.deterministic, flag_errors=False)
         return (from_group_major(dq, G, lead), from_group_major(dk, G, lead), from_group_major(dv, G, lead),
@@ -372,7 +372,10 @@ def sparse_dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sel: tor
     with nvtx_range("solve/routes"):
         routes = sparse_routes(plan, group)
         stages = {r: (plan.stage(r, 0), plan.stage(r, 1)) for r in routes.ranks}
-    outs = _SparseDistAttn.apply(q, k, v, sel, routes, stages, group, scale, bool(keep_forward_buffers),
+    if not isinstance(keep_forward_buffers, bool):
+        raise ValueError(f"sparse_dist_attn: keep_forward_buffers must be True or False (one kept kind is for slice "
+                         f"masks), got {keep_forward_buffers!r}")
+    outs = _SparseDistAttn.apply(q, k, v, sel, routes, stages, group, scale, keep_forward_buffers,
                                  bool(deterministic), backend)
     if len(outs) == 2:
         return outs[0], outs[1]
