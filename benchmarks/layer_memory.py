@@ -35,7 +35,9 @@ from torch.utils._pytree import tree_leaves
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import PACKED_KINDS, TOKENS_PER_RANK, make_mask, markdown_table, parse_list  # noqa: E402
+from benchmarks.layer_bench import IB_GBPS, NVLINK_GBPS, TFLOPS  # noqa: E402
 from gpusolver import SolverConfig, block_areas, solve  # noqa: E402
+from gpusolver.capacity import keep_for_budget  # noqa: E402
 from gpusolver.plan import build_plan  # noqa: E402
 from gpusolver.runtime import dist_attn  # noqa: E402
 from groupcomm import LocalGroup  # noqa: E402
@@ -124,13 +126,18 @@ def shape_plan(mask, config: SolverConfig):
     return build_plan(mask, areas, owner.expand(config.head_groups, U, U).to(torch.int32), config)
 
 
-def measure(kind: str, P: int, shapes: dict, device: str, *, seed: int = 0, keep: bool = True,
-            config_kw: dict | None = None) -> dict:
+def make_config(P: int, shapes: dict, keep=True, budget=None) -> SolverConfig:
+    return SolverConfig(cp_size=P, num_heads_q=shapes["num_heads_q"], num_heads_kv=shapes["num_heads_kv"],
+                        head_dim=shapes["head_dim"], dtype=shapes["dtype"], keep_forward_buffers=keep,
+                        memory_budget=budget)
+
+
+def measure(kind: str, P: int, shapes: dict, device: str, *, seed: int = 0, keep=True, budget=None) -> dict:
     """Kept and peak bytes per rank of one layer (forward and backward) for one mask."""
-    c, Hq, Hkv, D, dtype = (shapes[k] for k in ("tokens_per_rank", "num_heads_q", "num_heads_kv", "head_dim",
-                                                "dtype"))
-    config = SolverConfig(cp_size=P, num_heads_q=Hq, num_heads_kv=Hkv, head_dim=D, dtype=dtype,
-                          keep_forward_buffers=keep, **(config_kw or {}))
+    c, D, dtype = shapes["tokens_per_rank"], shapes["head_dim"], shapes["dtype"]
+    Hq, Hkv = shapes["num_heads_q"], shapes["num_heads_kv"]
+    config = keep_for_budget(make_config(P, shapes, keep, budget), c)  # the kinds kept within the budget
+    keep = config.keep_forward_buffers
     mask = make_mask(kind, P, seed, c, device=device)
     t0 = time.perf_counter()
     plan = solve(mask, config) if device == "cpu" else shape_plan(mask, config)
@@ -151,20 +158,50 @@ def measure(kind: str, P: int, shapes: dict, device: str, *, seed: int = 0, keep
     with bwd_live:
         torch.autograd.backward(out, d_out)
     ref = layer_shapes(shapes, P)
-    row = {"kind": kind, "P": P, "keep": keep, "device": device, "solve_s": solve_s,
+    row = {"kind": kind, "P": P, "budget": budget, "keep": keep, "device": device, "solve_s": solve_s,
            "kept": saved.total / P, "fwd_peak": fwd_live.peak / P, "bwd_peak": bwd_live.peak / P, **ref}
     row["kept_ratio"] = row["kept"] / ref["plain_kept"]
     row["peak_ratio"] = max(row["fwd_peak"], row["bwd_peak"]) / ref["own"]
-    if hasattr(plan, "memory"):
-        m = plan.memory(config, keep_forward_buffers=keep)
-        row.update({"plan_kept": m.kept, "plan_fwd": m.fwd_peak, "plan_bwd": m.bwd_peak})
+    m = plan.memory(config)
+    row.update({"plan_kept": m.kept, "plan_fwd": m.fwd_peak, "plan_bwd": m.bwd_peak})
     return row
 
 
-COLUMNS = [("kind", "kind", ""), ("P", "P", "d"), ("keep", "keep", ""), ("kept", "kept MB", ".1f"),
+def step_cost(kind: str, P: int, seed: int, budget: float) -> dict:
+    """Simulated training step (forward + backward, ``layer_bench.model_plan``) of the device solver's
+    plan at real shapes keeping every receive buffer, and within ``budget`` (kinds sent again in the
+    backward, priced by the solve)."""
+    from benchmarks.layer_bench import model_plan, phase_bytes, stage_loads
+    from gpusolver.solve import solve_assignment
+
+    mask = make_mask(kind, P, seed, REAL["tokens_per_rank"])
+    out = {"kind": kind, "P": P, "budget": budget}
+    for name, cfg in (("keep", make_config(P, REAL)),
+                      ("budget", keep_for_budget(make_config(P, REAL, budget=budget), REAL["tokens_per_rank"]))):
+        areas = block_areas(mask, P, cfg.head_groups, impl="torch")
+        asg = solve_assignment(areas, cfg, impl="torch")
+        plan = build_plan(mask, areas, asg, cfg)
+        s0, load = stage_loads(areas, asg, P)
+        t = model_plan(phase_bytes(plan.comm, cfg.cost()), s0, load, cfg, nvlink=NVLINK_GBPS, ib=IB_GBPS,
+                       tflops=TFLOPS)
+        out[f"{name}_ms"] = 1e3 * (t["fwd"] + t["bwd"])
+        out[f"{name}_kept"] = plan.memory(cfg).kept
+        out[f"{name}_status"] = int(plan.status)
+        if name == "budget":
+            out["budget_keep"] = cfg.keep_forward_buffers
+    out["step_ratio"] = out["budget_ms"] / out["keep_ms"]
+    return out
+
+
+COLUMNS = [("kind", "kind", ""), ("P", "P", "d"), ("budget", "budget", ""), ("keep", "keep", ""),
+           ("kept", "kept MB", ".1f"), ("plan_kept", "plan.memory kept MB", ".1f"),
            ("plain_kept", "plain attn MB", ".1f"), ("kept_ratio", "kept / plain", ".2f"),
            ("fwd_peak", "fwd transient MB", ".1f"), ("bwd_peak", "bwd transient MB", ".1f"),
+           ("plan_fwd", "plan.memory fwd MB", ".1f"), ("plan_bwd", "plan.memory bwd MB", ".1f"),
            ("own", "own q,k,v,out MB", ".1f"), ("peak_ratio", "peak / own", ".2f")]
+STEP_COLUMNS = [("kind", "kind", ""), ("P", "P", "d"), ("budget", "budget", ""), ("budget_keep", "kept kinds", ""),
+                ("keep_ms", "step ms, all kept (simulated)", ".2f"), ("budget_ms", "step ms, budget (simulated)", ".2f"),
+                ("step_ratio", "ratio", ".3f")]
 
 
 def _mb(rows):
@@ -179,6 +216,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kinds", default=",".join(PACKED_KINDS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-real", action="store_true", help="skip the real-shape runs on meta")
+    p.add_argument("--no-small", action="store_true", help="skip the small runs on CPU")
+    p.add_argument("--budget", type=float, default=1.5, help="memory_budget of the budget runs")
+    p.add_argument("--step", action="store_true",
+                   help="also solve the real masks on CPU (slow) for the simulated step cost of the budget")
     p.add_argument("--md", default=None, help="write the tables to this markdown file")
     return p.parse_args(argv)
 
@@ -186,27 +227,34 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     kinds = parse_list(args.kinds, str, name="--kinds")
-    rows = []
-    for keep in (True, False):
+    rows, steps = [], []
+    for keep, budget in ((True, None), (False, None), (True, args.budget)):
         for kind in kinds:
-            for P in parse_list(args.small_cp_sizes, name="--small-cp-sizes"):
-                rows.append(measure(kind, P, SMALL, "cpu", seed=args.seed, keep=keep))
+            for P in [] if args.no_small else parse_list(args.small_cp_sizes, name="--small-cp-sizes"):
+                rows.append(measure(kind, P, SMALL, "cpu", seed=args.seed, keep=keep, budget=budget))
             if not args.no_real:
                 for P in parse_list(args.cp_sizes, name="--cp-sizes"):
-                    rows.append(measure(kind, P, REAL, "meta", seed=args.seed, keep=keep))
+                    rows.append(measure(kind, P, REAL, "meta", seed=args.seed, keep=keep, budget=budget))
     for r in rows:
-        print(f"{r['device']:4} {r['kind']:6} P={r['P']:3} keep={r['keep']!s:5} kept {r['kept'] / 1e6:9.1f} MB "
+        print(f"{r['device']:4} {r['kind']:6} P={r['P']:3} budget={r['budget']} keep={r['keep']!s:5} kept {r['kept'] / 1e6:9.1f} MB "
               f"= {r['kept_ratio']:.2f}x plain; transient fwd {r['fwd_peak'] / 1e6:9.1f} bwd "
               f"{r['bwd_peak'] / 1e6:9.1f} MB = {r['peak_ratio']:.2f}x own"
               + (f"; plan.memory kept {r['plan_kept'] / 1e6:.1f} fwd {r['plan_fwd'] / 1e6:.1f} "
                  f"bwd {r['plan_bwd'] / 1e6:.1f} MB" if "plan_kept" in r else ""), flush=True)
+    if args.step:
+        for kind in kinds:
+            for P in parse_list(args.cp_sizes, name="--cp-sizes"):
+                steps.append(step_cost(kind, P, args.seed, args.budget))
+                r = steps[-1]
+                print(f"step {kind:6} P={P:3} budget {args.budget} keeps {r['budget_keep']}: {r['budget_ms']:.2f} ms "
+                      f"vs {r['keep_ms']:.2f} ms all kept (simulated), x{r['step_ratio']:.3f}", flush=True)
     if args.md:
-        text = render(rows, argv)
+        text = render(rows, steps, argv)
         Path(args.md).write_text(text)
     return rows
 
 
-def render(rows, argv) -> str:
+def render(rows, steps, argv) -> str:
     cmd = "python benchmarks/layer_memory.py " + " ".join(argv if argv is not None else sys.argv[1:])
     small = [r for r in rows if r["device"] == "cpu"]
     real = [r for r in rows if r["device"] == "meta"]
@@ -217,6 +265,9 @@ def render(rows, argv) -> str:
              f"\n### Small shapes on CPU (real values): {s['tokens_per_rank']} tokens per rank, "
              f"{s['num_heads_q']}:{s['num_heads_kv']}, D = {s['head_dim']}, fp32\n",
              markdown_table(_mb(small), COLUMNS)]
+    if steps:
+        parts += ["\n### Simulated step cost of the budget (real shapes, device solver on CPU, "
+                  "`layer_bench.model_plan`: modelled, not measured)\n", markdown_table(steps, STEP_COLUMNS)]
     return "\n".join(parts) + "\n"
 
 
