@@ -170,11 +170,12 @@ def run_variants(tasks: Tasks, cap: torch.Tensor, strategies: tuple[Strategy, ..
 
 def start_caps(tasks: Tasks, st) -> torch.Tensor:
     """[4, B] int64, the rows each variant's moves keep to, (QO recv, KV recv, QO send, KV send)
-    in ``Tasks.buffer_rows`` order: the plan's buffers when the variant's start fits them, else none (``_BIG``): a start already past a buffer
-    cannot be brought within by moves that never grow a rank past it, so that variant searches
-    as without buffers, and its plans rank after every plan that fits (``core.state_key``)."""
-    fits = ~over_buffers(st, tasks.buffer_rows)
-    return torch.stack([torch.where(fits, cap, _BIG) for cap in tasks.buffer_rows])
+    in ``Tasks.buffer_rows`` order, buffer by buffer: the plan's buffer when the variant's start
+    fits it, else none (``_BIG``): a start already past a buffer cannot be brought within it by
+    moves that never grow a rank past it, so that variant searches as without that buffer (the
+    others still bind), and its plans rank after every plan that fits (``core.state_key``)."""
+    rows = (st.q_in, st.k_in, st.q_out, st.k_out)  # [B, P] each, in buffer_rows order
+    return torch.stack([torch.where((r > cap).any(1), _BIG, cap) for r, cap in zip(rows, tasks.buffer_rows)])
 
 
 def solve_device(areas: BlockAreas, config: SolverConfig, *, rounds: int = DEFAULT_ROUNDS,

@@ -225,15 +225,15 @@ def _rounds_kernel(
                     o_p = tl.arange(0, BLOCK_P)
                     o_r = i_b * P + o_p
                     m_r = o_p < P
-                    past = ((tl.load(send_ptr + 7 * RS + o_r, mask=m_r, other=0) > QIN_CAP)
-                            | (tl.load(send_ptr + 9 * RS + o_r, mask=m_r, other=0) > KIN_CAP)
-                            | (tl.load(send_ptr + 6 * RS + o_r, mask=m_r, other=0) > QOUT_CAP)
-                            | (tl.load(send_ptr + 8 * RS + o_r, mask=m_r, other=0) > KOUT_CAP))
-                    fits = tl.max(past.to(tl.int32), axis=0) == 0
-                    tl.store(caps_ptr + i_b, tl.where(fits, _i64(QIN_CAP), _BIG_T))
-                    tl.store(caps_ptr + B + i_b, tl.where(fits, _i64(KIN_CAP), _BIG_T))
-                    tl.store(caps_ptr + 2 * B + i_b, tl.where(fits, _i64(QOUT_CAP), _BIG_T))
-                    tl.store(caps_ptr + 3 * B + i_b, tl.where(fits, _i64(KOUT_CAP), _BIG_T))
+                    # buffer by buffer: the plan's when the start fits it, else none
+                    q_in = tl.max(tl.load(send_ptr + 7 * RS + o_r, mask=m_r, other=0), axis=0)
+                    k_in = tl.max(tl.load(send_ptr + 9 * RS + o_r, mask=m_r, other=0), axis=0)
+                    q_out = tl.max(tl.load(send_ptr + 6 * RS + o_r, mask=m_r, other=0), axis=0)
+                    k_out = tl.max(tl.load(send_ptr + 8 * RS + o_r, mask=m_r, other=0), axis=0)
+                    tl.store(caps_ptr + i_b, tl.where(q_in <= QIN_CAP, _i64(QIN_CAP), _BIG_T))
+                    tl.store(caps_ptr + B + i_b, tl.where(k_in <= KIN_CAP, _i64(KIN_CAP), _BIG_T))
+                    tl.store(caps_ptr + 2 * B + i_b, tl.where(q_out <= QOUT_CAP, _i64(QOUT_CAP), _BIG_T))
+                    tl.store(caps_ptr + 3 * B + i_b, tl.where(k_out <= KOUT_CAP, _i64(KOUT_CAP), _BIG_T))
                 tl.debug_barrier()
             _track_variant(a_ptr, best_a_ptr, load_ptr, bneck_ptr, cap_ptr, stuck_ptr, thr_ptr, best_key_ptr,
                            dest_cap_ptr, balance_ptr, limit_ptr, excess_ptr, bwd_bneck_ptr, send_ptr,
