@@ -194,14 +194,14 @@ def step_cost(kind: str, P: int, seed: int, budget: float) -> dict:
 
 
 COLUMNS = [("kind", "kind", ""), ("P", "P", "d"), ("budget", "budget", ""), ("keep", "keep", ""),
-           ("kept", "kept MB", ".1f"), ("plan_kept", "plan.memory kept MB", ".1f"),
-           ("plain_kept", "plain attn MB", ".1f"), ("kept_ratio", "kept / plain", ".2f"),
-           ("fwd_peak", "fwd transient MB", ".1f"), ("bwd_peak", "bwd transient MB", ".1f"),
-           ("plan_fwd", "plan.memory fwd MB", ".1f"), ("plan_bwd", "plan.memory bwd MB", ".1f"),
-           ("own", "own q,k,v,out MB", ".1f"), ("peak_ratio", "peak / own", ".2f")]
-STEP_COLUMNS = [("kind", "kind", ""), ("P", "P", "d"), ("budget", "budget", ""), ("budget_keep", "kept kinds", ""),
-                ("keep_ms", "step ms, all kept (simulated)", ".2f"), ("budget_ms", "step ms, budget (simulated)", ".2f"),
-                ("step_ratio", "ratio", ".3f")]
+           ("kept MB", "kept", ".1f"), ("plan.memory kept MB", "plan_kept", ".1f"),
+           ("plain attn MB", "plain_kept", ".1f"), ("kept / plain", "kept_ratio", ".2f"),
+           ("fwd transient MB", "fwd_peak", ".1f"), ("bwd transient MB", "bwd_peak", ".1f"),
+           ("plan.memory fwd MB", "plan_fwd", ".1f"), ("plan.memory bwd MB", "plan_bwd", ".1f"),
+           ("own q,k,v,out MB", "own", ".1f"), ("peak / own", "peak_ratio", ".2f")]
+STEP_COLUMNS = [("kind", "kind", ""), ("P", "P", "d"), ("budget", "budget", ""), ("kept kinds", "budget_keep", ""),
+                ("step ms, all kept (simulated)", "keep_ms", ".2f"), ("step ms, budget (simulated)", "budget_ms", ".2f"),
+                ("ratio", "step_ratio", ".3f")]
 
 
 def _mb(rows):
