@@ -4,7 +4,7 @@ Shape legend:
 
     Tq, Tk   query / key tokens held by this call
     Hq, Hkv  query / KV heads (Hq a multiple of Hkv: GQA; equal: MHA)
-    D        head dim, one of 32, 64, 128
+    D        head dim, one of 16, 32, 64, 128
     R        slices (rows of q_ranges / k_ranges / attn_type), padded freely
 
     q              [Tq, Hq, D]   fp16 / bf16 (GPU), fp32 / fp16 (CPU)

@@ -8,7 +8,7 @@ whole report takes minutes (``--quick``: about a minute on 2 CPU cores):
 
   quality   benchmarks/solver_quality.py  both solvers vs USP / owner-computes (8K tokens per rank, 64:8)
   latency   benchmarks/solver_latency.py  solve time and launches per solve (CUDA paths on a GPU)
-  layer     benchmarks/layer_bench.py     bytes, buffer fill and modelled layer time (the real
+  layer     benchmarks/layer_bench.py     bytes, buffer fill and simulated layer time (the real
                                           dist_attn run only on a GPU: on CPU it takes minutes)
   kernels   benchmarks/kernel_bench.py    on a GPU: TFLOP/s vs SDPA and FlexAttention; on CPU: the
                                           plan stages' static cost (no compile)

@@ -1,4 +1,4 @@
-"""Layer benchmark: what one attention layer moves, holds and (modelled) costs, next to USP and ring.
+"""Layer benchmark: one attention layer's time on a cluster (SIMULATED), bytes, and buffers, next to USP.
 
 Masks: the quality benchmark's (packed causal / full documents drawn from the
 length histogram, ``--tokens-per-rank`` 8K), GQA Hq:Hkv = 64:8, D = 128, bf16,
@@ -6,10 +6,17 @@ G = 8 head groups, mu = 1.10 (``SolverConfig`` defaults). Per (kind, P, seed):
 
     solve ms     block areas + device solve + plan build (``gpusolver.solve``'s
                  path without validation), torch path on CPU, one thread
+                 (blank when the plan came from ``--plan-cache``)
     fwd / bwd MB bottleneck bytes per rank, ``max_r max(send_r, recv_r)``, of
                  the plan (``CommCost``'s protocol, kept forward buffers), of
                  USP and of ring attention for the same mask (10^6 B)
-    model ms     MODELLED layer time (not measured), ours and USP, below
+    sim ms       SIMULATED layer time (``gpusolver.sim``, not measured):
+                 forward, backward and training step (their sum) of the plan
+                 run by the runtime's own schedule, of USP and of a
+                 load-balanced USP on the same sequential shards, and the
+                 plan's ideal bound; hidden %: the share of the plan's
+                 communication time that runs under compute
+    IB / USP     InfiniBand bytes of the busiest NIC side over a step, ours / USP's
     fill         the largest QO / KV receive and send rows of the plan, as a
                  multiple of G * c: what sizes the default receive capacity
                  (``plan_capacities``); with ``--tiles 1,2,4`` also for tiled plans
@@ -17,28 +24,19 @@ G = 8 head groups, mu = 1.10 (``SolverConfig`` defaults). Per (kind, P, seed):
 Then, per P, the receive-buffer memory per rank at the default capacity and
 at the old worst case ``G * c * (P - 1)``; a small real run of the layer
 through ``dist_attn`` on ``LocalGroup`` (CPU), whose byte counters must equal
-the plan's per-phase bytes; and, on a GPU only, each rank's attention time of
-both stages at the real shapes.
+the plan's per-phase bytes (``plan.pair_bytes``); and, on a GPU only, each
+rank's attention time of both stages at the real shapes next to the
+simulator's compute.
 
-Modelled layer time. Links: NVLink ``--nvlink`` GB/s per direction between
-the GPUs of a node of 8, InfiniBand ``--ib`` GB/s per direction per GPU
-between nodes; a collective takes, over all ranks, the largest of
-bytes / bandwidth per (direction, link kind). Attention runs at ``--tflops``
-TFLOP/s with ``4 * D`` FLOPs per (q, k) entry per query head forward and 2.5
-times that backward. Ours, per pass:
-``max_r(max(stage0_r, cast) + stage1_r) + reduce``: stage 0 (the rank's
-local-local tasks) runs while the cast of Q and K, V (backward: dO, lse,
-delta) is in flight; stage 1 and the reduce of partial O (backward: dQ, dK,
-dV) follow. USP (Ulysses degree u = 8 inside a node, ring of P / u across
-nodes): its all-to-alls are not overlapped; each ring hop overlaps the
-compute of the block in hand. On the same sequential shards its compute is
-the mask's own work per ring position; "USP bal." puts every rank's compute
-at the mean, the best a load-balancing token permutation could do.
+The simulator: ``--topology`` (default ``h200_hgx``: nodes of 8, NVLink 450
+GB/s per direction per GPU, one 50 GB/s InfiniBand NIC per GPU, attention at
+400 TFLOP/s forward with 4·D FLOPs per (q, k) entry per query head, 2.5x
+backward). See ``gpusolver.sim`` for what it models.
 
     python benchmarks/layer_bench.py                           # P = 8,16,32,64, 3 seeds
     python benchmarks/layer_bench.py --P 8 --seeds 1 --tokens-per-rank 1024
-    python benchmarks/layer_bench.py --tiles 1,2,4 --fill-seeds 20 --fill-kinds causal-seq,full-seq \
-        --md benchmarks/results/layer_bench.md                 # the committed results (about 13 min)
+    python benchmarks/layer_bench.py --seeds 1 --plan-cache build/sim_plans \
+        --md benchmarks/results/layer_bench.md                 # the committed results
 """
 from __future__ import annotations
 
@@ -61,19 +59,18 @@ from _common import (  # noqa: E402
     parse_list, write_results,
 )
 from gpusolver.areas import block_areas  # noqa: E402
-from gpusolver.baselines import baseline_table, ulysses_degree  # noqa: E402
+from gpusolver.baselines import baseline_table  # noqa: E402
 from gpusolver.config import SolverConfig  # noqa: E402
 from gpusolver.capacity import BufferRows  # noqa: E402
-from gpusolver.plan import BUFFER_OVERFLOW, build_plan, plan_capacities  # noqa: E402
+from gpusolver.plan import BUFFER_OVERFLOW, Plan, build_plan, plan_capacities  # noqa: E402
 from gpusolver.plan.comm_meta import build_comm_meta  # noqa: E402
+from gpusolver.plan.schedule import PHASES, stage_area  # noqa: E402
+from gpusolver.sim import simulate, simulate_baseline  # noqa: E402
 from gpusolver.solve import solve, solve_assignment  # noqa: E402
+from gpusolver.topology import PRESETS, Topology  # noqa: E402
 
 FULL_P, FULL_SEEDS = (8, 16, 32, 64), 3
-NODE = 8              # GPUs per node (HGX H200)
-NVLINK_GBPS = 450.0   # NVLink, per direction per GPU
-IB_GBPS = 50.0        # InfiniBand, one 400 Gb/s NIC per GPU, per direction
-TFLOPS = 400.0        # assumed sustained attention throughput of one H200 (989 TFLOP/s dense bf16 peak)
-BWD_FLOPS = 2.5       # backward FLOPs / forward FLOPs
+TOPOLOGY = "h200_hgx"
 MB, GB = 1e6, 1e9
 # the small real run (P and tokens per rank are options): shapes the CPU torch path handles in seconds
 REAL = {"P": 8, "tokens_per_rank": 256, "num_heads_q": 8, "num_heads_kv": 2, "head_dim": 32, "dtype": torch.float32}
@@ -83,13 +80,19 @@ RUN_COLUMNS = [
     ("imbalance", "imbalance", ".3f"),
     ("fwd MB", "fwd_mb", ".1f"), ("USP fwd", "usp_fwd_mb", ".1f"), ("ring fwd", "ring_fwd_mb", ".1f"),
     ("bwd MB", "bwd_mb", ".1f"), ("USP bwd", "usp_bwd_mb", ".1f"), ("ring bwd", "ring_bwd_mb", ".1f"),
-    ("model fwd ms", "model_fwd_ms", ".2f"), ("USP fwd ms", "usp_fwd_ms", ".2f"),
-    ("USP bal. fwd ms", "usp_bal_fwd_ms", ".2f"),
-    ("model bwd ms", "model_bwd_ms", ".2f"), ("USP bwd ms", "usp_bwd_ms", ".2f"),
-    ("USP bal. bwd ms", "usp_bal_bwd_ms", ".2f"),
 ]
-SUMMARY_COLUMNS = [("kind", "kind", ""), ("P", "P", "d"), ("runs", "runs", "d")] + RUN_COLUMNS[3:] + [
-    ("compute fwd ms", "compute_fwd_ms", ".2f"), ("stage 0 %", "stage0_pct", ".0f")]
+SIM_COLUMNS = [
+    ("kind", "kind", ""), ("P", "P", "d"), ("runs", "runs", "d"),
+    ("fwd ms", "sim_fwd_ms", ".2f"), ("bwd ms", "sim_bwd_ms", ".2f"), ("step ms", "sim_step_ms", ".2f"),
+    ("USP fwd", "usp_fwd_ms", ".2f"), ("USP bwd", "usp_bwd_ms", ".2f"), ("USP step", "usp_step_ms", ".2f"),
+    ("bal. USP fwd", "usp_bal_fwd_ms", ".2f"), ("bal. USP bwd", "usp_bal_bwd_ms", ".2f"),
+    ("bal. USP step", "usp_bal_step_ms", ".2f"),
+    ("ideal fwd", "ideal_fwd_ms", ".2f"), ("ideal bwd", "ideal_bwd_ms", ".2f"), ("ideal step", "ideal_step_ms", ".2f"),
+    ("step / USP", "step_vs_usp", ".2f"), ("step / bal. USP", "step_vs_usp_bal", ".2f"),
+    ("step / ideal", "step_vs_ideal", ".2f"), ("hidden %", "hidden_pct", ".0f"),
+    ("compute ms", "compute_ms", ".2f"), ("stage 0 %", "stage0_pct", ".0f"), ("IB / USP", "ib_vs_usp", ".2f"),
+]
+SUMMARY_COLUMNS = [("kind", "kind", ""), ("P", "P", "d"), ("runs", "runs", "d")] + RUN_COLUMNS[3:]
 FILL_COLUMNS = [
     ("kind", "kind", ""), ("P", "P", "d"), ("tiles", "tiles", "d"), ("runs", "runs", "d"),
     ("QO recv", "qo_recv", ".2f"), ("KV recv", "kv_recv", ".2f"), ("QO send", "qo_send", ".2f"),
@@ -113,114 +116,47 @@ REAL_COLUMNS = [
 GPU_COLUMNS = [
     ("kind", "kind", ""), ("P", "P", "d"),
     ("stage 0 fwd ms", "s0_fwd_ms", ".3f"), ("stage 1 fwd ms", "s1_fwd_ms", ".3f"), ("fwd ms", "fwd_ms", ".3f"), ("stage 0 bwd ms", "s0_bwd_ms", ".3f"), ("stage 1 bwd ms", "s1_bwd_ms", ".3f"),
-    ("bwd ms", "bwd_ms", ".3f"), ("modelled compute fwd ms", "model_compute_fwd_ms", ".3f"),
+    ("bwd ms", "bwd_ms", ".3f"), ("simulated compute fwd ms", "sim_compute_fwd_ms", ".3f"),
 ]
 
 
-# -- bytes per phase -------------------------------------------------------------------------------
+# -- simulated layer time -------------------------------------------------------------------------
 
-def phase_bytes(comm, cost) -> dict[str, torch.Tensor]:
-    """Bytes each rank sends each other rank per runtime phase: ``{phase: [P(src), P(dst)] int64}``.
-
-    Rows travel as ``CommMeta``'s split matrices say (QO and KV), at ``CommCost``'s bytes per
-    row; partial results go back along the transposed split. With kept forward buffers
-    ``bwd.kv`` moves nothing and is left out, as the runtime leaves it out.
-    """
-    qo, kv = comm.qo_split.to(torch.int64).cpu(), comm.kv_split.to(torch.int64).cpu()
-    out = {"fwd.qo": qo * cost.q_fwd, "fwd.kv": kv * cost.kv_fwd, "fwd.o": qo.t() * cost.o_fwd,
-           "bwd.qo": qo * cost.q_bwd, "bwd.kv": kv * cost.kv_bwd, "bwd.dq": qo.t() * cost.dq_bwd,
-           "bwd.dkv": kv.t() * cost.dkv_bwd}
-    if cost.kv_bwd == 0:
-        del out["bwd.kv"]
-    return out
+def ib_bytes(pass_times, topo: Topology) -> int:
+    """InfiniBand bytes of the busiest NIC side (send or receive) over the given passes."""
+    load: dict = {}
+    for pt in pass_times:
+        for s, row in enumerate(pt.pair_bytes):
+            for d, b in enumerate(row):
+                if b and not topo.same_node(s, d):
+                    for side in (("send", topo.nic_of(s)), ("recv", topo.nic_of(d))):
+                        load[side] = load.get(side, 0) + b
+    return max(load.values(), default=0)
 
 
-def _sum(mats) -> torch.Tensor:
-    return sum(mats[1:], mats[0].clone())
-
-
-def link_seconds(mat: torch.Tensor, nvlink: float, ib: float, node: int = NODE) -> float:
-    """Time of one collective moving ``mat [P(src), P(dst)]`` bytes: over ranks, the largest of
-    bytes / bandwidth per (direction, link kind); bandwidths in GB/s."""
-    P = mat.shape[0]
-    host = torch.arange(P) // node
-    same = host[:, None] == host[None, :]
-    intra, inter = torch.where(same, mat, 0), torch.where(same, 0, mat)
-    t = torch.stack([intra.sum(1) / nvlink, intra.sum(0) / nvlink, inter.sum(1) / ib, inter.sum(0) / ib])
-    return float(t.max()) / GB
-
-
-# -- modelled layer time ---------------------------------------------------------------------------
-
-def _flop_seconds(area, config: SolverConfig, heads: int, tflops: float):
-    """Seconds of attention over ``area`` (q, k) entries with ``heads`` query heads each, forward."""
-    return area * heads * 4 * config.head_dim / (tflops * 1e12)
-
-
-def stage_loads(areas, assignment: torch.Tensor, cp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(stage-0 area [P], total area [P]) int64: stage 0 holds the tasks whose QO and KV units are
-    both hosted on the rank computing them."""
-    area, asg = areas.area.cpu(), assignment.cpu().long()
-    host = torch.arange(areas.num_units) // areas.tiles
-    local = (asg == host[:, None]) & (asg == host[None, :])
-    on = asg >= 0
-    load = torch.zeros(cp_size, dtype=torch.int64).index_add_(0, asg[on], area[on])
-    s0 = torch.zeros(cp_size, dtype=torch.int64).index_add_(0, asg[local], area[local])
-    return s0, load
-
-
-def model_plan(phases: dict, s0: torch.Tensor, load: torch.Tensor, config: SolverConfig, *, nvlink: float,
-               ib: float, tflops: float) -> dict:
-    """Modelled forward and backward time of a plan (seconds), and its compute alone."""
-    hq = config.num_heads_q // config.head_groups
-    c0 = _flop_seconds(s0.double(), config, hq, tflops)
-    c1 = _flop_seconds((load - s0).double(), config, hq, tflops)
-    out = {}
-    for name, mult, cast, back in (
-            ("fwd", 1.0, ("fwd.qo", "fwd.kv"), ("fwd.o",)),
-            ("bwd", BWD_FLOPS, ("bwd.qo", "bwd.kv"), ("bwd.dq", "bwd.dkv"))):
-        t_cast = link_seconds(_sum([phases[p] for p in cast if p in phases]), nvlink, ib)
-        t_back = link_seconds(_sum([phases[p] for p in back]), nvlink, ib)
-        out[name] = float((torch.clamp(mult * c0, min=t_cast) + mult * c1).max()) + t_back
-        out[f"{name}_compute"] = float(mult * (c0 + c1).max())
-        out[f"{name}_cast"], out[f"{name}_reduce"] = t_cast, t_back
-    return out
-
-
-def model_usp(mask, config: SolverConfig, *, nvlink: float, ib: float, tflops: float) -> dict:
-    """Modelled forward and backward time of USP on ``mask`` (seconds): ``fwd`` / ``bwd`` on
-    sequential shards, ``fwd_balanced`` / ``bwd_balanced`` with every rank's compute at the mean
-    (what a perfectly load-balancing token permutation could reach; a lower bound for USP).
-
-    Ulysses groups are u consecutive ranks (inside a node when u divides 8); the ring runs over
-    the P / u positions, rank ``k * u + t`` passing to ``(k + 1) * u + t``. After the all-to-all a
-    rank holds u * c tokens of Hq / u query heads, so its compute at ring step s is the area of
-    (query block k, key block k - s) of the mask at P / u blocks, times Hq / u heads.
-    """
-    P, S = config.cp_size, mask.total_seqlen_q
-    c, b, D = S // P, config.dtype_bytes, config.head_dim
-    u = ulysses_degree(config.num_heads_kv, P)
-    r = P // u
-    q_tok, kv_tok = config.num_heads_q * D * b, 2 * config.num_heads_kv * D * b
-    lane = torch.arange(P)
-    same_group = (lane[:, None] // u == lane[None, :] // u) & (lane[:, None] != lane[None, :])
-    a2a = lambda per_token: torch.where(same_group, c * per_token // u, 0)  # noqa: E731
-    hop = torch.zeros(P, P, dtype=torch.int64)
-    if r > 1:
-        hop[lane, (lane + u) % P] = c * kv_tok  # one shard of u * c tokens, Hkv / u heads
-    area = block_areas(mask, r, 1, impl="torch").area[0].double()  # [r, r] at ring granularity
-    step = _flop_seconds(area, config, config.num_heads_q // u, tflops)
-    k = torch.arange(r)
-    out = {}
-    for name, mult, a_in, a_out, hop_mult in (("fwd", 1.0, q_tok + kv_tok, q_tok, 1),
-                                              ("bwd", BWD_FLOPS, q_tok, q_tok + kv_tok, 2)):
-        t_hop = link_seconds(hop * hop_mult, nvlink, ib)
-        a2a_t = link_seconds(a2a(a_in), nvlink, ib) + link_seconds(a2a(a_out), nvlink, ib)
-        comp = torch.stack([mult * step[k, (k - s) % r] for s in range(r)], dim=1)  # [position, step]
-        for suffix, c_ in (("", comp), ("_balanced", torch.full_like(comp, float(comp.mean())))):
-            ring = torch.clamp(c_[:, :-1], min=t_hop).sum(1) + c_[:, -1]  # each hop overlaps a block
-            out[name + suffix] = a2a_t + float(ring.max())
-    return out
+def simulated(plan, mask, config: SolverConfig, topo: Topology) -> dict:
+    """The row's simulated figures (ms): ours, USP, balanced USP, the ideal bound, and ratios."""
+    areas = block_areas(mask, config.cp_size, 1, impl="torch")
+    ours = simulate(plan, topo)
+    usp = simulate_baseline("usp", mask, config, topo, areas=areas)
+    bal = simulate_baseline("usp_balanced", mask, config, topo, areas=areas)
+    sa = stage_area(plan)
+    ib_usp = ib_bytes((usp.fwd, usp.bwd), topo)
+    row = {"sim_fwd_ms": ours.fwd_ms, "sim_bwd_ms": ours.bwd_ms, "sim_step_ms": ours.step_ms,
+           "ideal_fwd_ms": ours.fwd.ideal_ms, "ideal_bwd_ms": ours.bwd.ideal_ms, "ideal_step_ms": ours.ideal_ms,
+           "compute_ms": ours.compute_ms, "compute_fwd_ms": ours.fwd.compute_ms,
+           "compute_bwd_ms": ours.bwd.compute_ms, "exposed_comm_ms": ours.exposed_comm_ms,
+           "hidden_pct": 100.0 * ours.hidden_share,
+           "stage0_pct": 100.0 * float(sa[:, 0].sum()) / max(float(sa.sum()), 1.0),
+           "ib_bytes": ib_bytes((ours.fwd, ours.bwd), topo), "usp_ib_bytes": ib_usp}
+    for name, t in (("usp", usp), ("usp_bal", bal)):
+        row.update({f"{name}_fwd_ms": t.fwd_ms, f"{name}_bwd_ms": t.bwd_ms, f"{name}_step_ms": t.step_ms,
+                    f"{name}_hidden_pct": 100.0 * t.hidden_share})
+    row["step_vs_usp"] = ours.step_ms / usp.step_ms
+    row["step_vs_usp_bal"] = ours.step_ms / bal.step_ms
+    row["step_vs_ideal"] = ours.step_ms / ours.ideal_ms
+    row["ib_vs_usp"] = row["ib_bytes"] / ib_usp if ib_usp else None
+    return row
 
 
 # -- capacity: fill and memory ---------------------------------------------------------------------
@@ -289,45 +225,47 @@ def fill_summary(fills: list[dict], tokens_per_rank: int) -> list[dict]:
 
 # -- one mask at real shapes -----------------------------------------------------------------------
 
-def run_instance(kind: str, P: int, seed: int, tokens_per_rank: int, tiles=(1,), *, nvlink: float = NVLINK_GBPS,
-                 ib: float = IB_GBPS, tflops: float = TFLOPS) -> tuple[dict, list[dict], tuple]:
+def _cached_plan(cache, kind: str, P: int, seed: int, tokens_per_rank: int):
+    """The plan saved in ``cache`` for this mask (``Plan.save``), or None."""
+    if not cache:
+        return None
+    path = Path(cache) / f"{kind}_P{P}_s{seed}_c{tokens_per_rank}.pt"
+    return Plan.load(path) if path.exists() else None
+
+
+def run_instance(kind: str, P: int, seed: int, tokens_per_rank: int, tiles=(1,), *, topology: Topology,
+                 plan_cache=None) -> tuple[dict, list[dict], tuple]:
     """(row, fills, (mask, config, plan)) for one benchmark mask, whole-chunk plan at the default capacity."""
     config = SolverConfig(cp_size=P)
     mask = make_mask(kind, P, seed, tokens_per_rank)
+    plan = _cached_plan(plan_cache, kind, P, seed, tokens_per_rank)
     t0 = time.perf_counter()
     areas = block_areas(mask, P, config.head_groups, impl="torch")
     t1 = time.perf_counter()
-    asg = solve_assignment(areas, config, impl="torch")
-    t2 = time.perf_counter()
-    plan = build_plan(mask, areas, asg, config)
-    t3 = time.perf_counter()
+    solve_ms = None
+    if plan is None:
+        asg = solve_assignment(areas, config, impl="torch")
+        t2 = time.perf_counter()
+        plan = build_plan(mask, areas, asg, config)
+        solve_ms = 1e3 * (time.perf_counter() - t0)
+        if plan_cache:
+            Path(plan_cache).mkdir(parents=True, exist_ok=True)
+            plan.save(Path(plan_cache) / f"{kind}_P{P}_s{seed}_c{tokens_per_rank}.pt", config=config)
     if int(plan.status) & BUFFER_OVERFLOW:
         print(f"# {kind} P={P} seed={seed}: BUFFER_OVERFLOW at the default capacity", file=sys.stderr)
-    cost = config.cost()
-    phases = phase_bytes(plan.comm, cost)
     m = plan.metrics
-    fwd_send = _sum([v for k, v in phases.items() if k.startswith("fwd")])
-    bwd_send = _sum([v for k, v in phases.items() if k.startswith("bwd")])
+    fwd, bwd = plan.pair_bytes("fwd"), plan.pair_bytes("bwd")
     match = all(torch.equal(a.sum(dim).cpu(), b.cpu()) for a, dim, b in (
-        (fwd_send, 1, m.fwd_send), (fwd_send, 0, m.fwd_recv), (bwd_send, 1, m.bwd_send), (bwd_send, 0, m.bwd_recv)))
-    s0, load = stage_loads(areas, asg, P)
-    ours = model_plan(phases, s0, load, config, nvlink=nvlink, ib=ib, tflops=tflops)
-    usp_t = model_usp(mask, config, nvlink=nvlink, ib=ib, tflops=tflops)
+        (fwd, 1, m.fwd_send), (fwd, 0, m.fwd_recv), (bwd, 1, m.bwd_send), (bwd, 0, m.bwd_recv)))
     base = baseline_table(areas, config)
     row = {
-        "kind": kind, "P": P, "seed": seed, "num_slices": mask.num_slices,
-        "areas_ms": 1e3 * (t1 - t0), "assign_ms": 1e3 * (t2 - t1), "plan_ms": 1e3 * (t3 - t2),
-        "solve_ms": 1e3 * (t3 - t0), "imbalance": float(m.imbalance), "status": int(plan.status),
+        "kind": kind, "P": P, "seed": seed, "num_slices": mask.num_slices, "areas_ms": 1e3 * (t1 - t0),
+        "solve_ms": solve_ms, "imbalance": float(m.imbalance), "status": int(plan.status),
         "fwd_bytes": int(m.fwd_bottleneck), "bwd_bytes": int(m.bwd_bottleneck), "phase_bytes_match_metrics": match,
         "fwd_mb": int(m.fwd_bottleneck) / MB, "bwd_mb": int(m.bwd_bottleneck) / MB,
         **{f"{n}_{p}_mb": base[key][f"{p}_bottleneck"] / MB
            for n, key in (("usp", "usp"), ("ring", "ring")) for p in ("fwd", "bwd")},
-        "model_fwd_ms": 1e3 * ours["fwd"], "model_bwd_ms": 1e3 * ours["bwd"],
-        "compute_fwd_ms": 1e3 * ours["fwd_compute"], "compute_bwd_ms": 1e3 * ours["bwd_compute"],
-        **{f"{k}_ms": 1e3 * ours[k] for k in ("fwd_cast", "fwd_reduce", "bwd_cast", "bwd_reduce")},
-        "stage0_pct": 100.0 * float(s0.sum()) / max(float(load.sum()), 1.0),
-        "usp_fwd_ms": 1e3 * usp_t["fwd"], "usp_bwd_ms": 1e3 * usp_t["bwd"],
-        "usp_bal_fwd_ms": 1e3 * usp_t["fwd_balanced"], "usp_bal_bwd_ms": 1e3 * usp_t["bwd_balanced"],
+        **simulated(plan, mask, config, topology),
     }
     fills = [{"kind": kind, "P": P, "seed": seed, "tiles": 1, **comm_fill(plan.comm, config.head_groups)}]
     for n in tiles:
@@ -352,8 +290,10 @@ def summarize(rows: list[dict]) -> list[dict]:
     out = []
     for kind, P in dict.fromkeys((r["kind"], r["P"]) for r in rows):
         rs = [r for r in rows if r["kind"] == kind and r["P"] == P]
-        keys = [k for _, k, spec in SUMMARY_COLUMNS if spec and k not in ("P", "runs")]
-        out.append({"kind": kind, "P": P, "runs": len(rs), **{k: median([r[k] for r in rs]) for k in keys}})
+        keys = dict.fromkeys(k for _, k, spec in SUMMARY_COLUMNS + SIM_COLUMNS if spec and k not in ("P", "runs"))
+        med = {k: median([r[k] for r in rs if r.get(k) is not None]) if any(r.get(k) is not None for r in rs)
+               else None for k in keys}
+        out.append({"kind": kind, "P": P, "runs": len(rs), **med})
     return out
 
 
@@ -390,13 +330,12 @@ def real_run(kind: str, keep: bool, seed: int = 0, repeats: int = 3, *, cp_size:
         out.backward(d_out)
 
     step()  # warm-up, and the one call the counters see
-    counted = {ph: torch.stack(group.traffic(ph)) for ph in
-               ("fwd.qo", "fwd.kv", "fwd.o", "bwd.qo", "bwd.kv", "bwd.dq", "bwd.dkv")}
-    want = {ph: torch.stack([mat.sum(1), mat.sum(0)]) for ph, mat in phase_bytes(plan.comm, config.cost()).items()}
-    match = all(torch.equal(counted[ph].cpu(), want.get(ph, torch.zeros_like(counted[ph]))) for ph in counted)
+    counted = {ph: torch.stack(group.traffic(ph)) for ph in PHASES}
+    # pair by pair: what the group moved from each rank to each other rank is the plan's pair_bytes
+    match = all(torch.equal(group.pair_traffic(ph).cpu(), plan.pair_bytes(ph).cpu()) for ph in PHASES)
     m = plan.metrics
     for ph, total in (("fwd", (m.fwd_send, m.fwd_recv)), ("bwd", (m.bwd_send, m.bwd_recv))):
-        got = _sum([v for k_, v in counted.items() if k_.startswith(ph)])
+        got = sum(counted[k_] for k_ in PHASES if k_.startswith(ph))
         match = match and torch.equal(got[0], total[0].cpu()) and torch.equal(got[1], total[1].cpu())
     times = []
     for _ in range(repeats):
@@ -411,7 +350,7 @@ def real_run(kind: str, keep: bool, seed: int = 0, repeats: int = 3, *, cp_size:
             "wall_ms": 1e3 * median(times)}
 
 
-def gpu_stage_times(config: SolverConfig, plan, repeats: int = 3, *, tflops: float = TFLOPS) -> dict:
+def gpu_stage_times(config: SolverConfig, plan, repeats: int = 3, *, topology: Topology) -> dict:
     """Max over ranks of each stage's attention time on the GPU at the layer's real shapes (random bf16
     activations; every rank's stages run on this one GPU in turn), forward and backward."""
     from attn_kernels import flex_attn, flex_attn_backward, row_delta
@@ -434,12 +373,11 @@ def gpu_stage_times(config: SolverConfig, plan, repeats: int = 3, *, tflops: flo
             delta = row_delta(d_out[:rows], out)
             bwd = lambda: flex_attn_backward(d_out[:rows], q[:rows], k[:rows], v[:rows], lse, delta, *sl)  # noqa: E731
             times[r, s, 1], _ = cuda_time(bwd, repeats)
-    load = plan.metrics.load.cpu().double()
     ms = 1e3 * times
     return {"s0_fwd_ms": float(ms[:, 0, 0].max()), "s1_fwd_ms": float(ms[:, 1, 0].max()),
             "fwd_ms": float(ms[:, :, 0].sum(1).max()), "s0_bwd_ms": float(ms[:, 0, 1].max()),
             "s1_bwd_ms": float(ms[:, 1, 1].max()), "bwd_ms": float(ms[:, :, 1].sum(1).max()),
-            "model_compute_fwd_ms": 1e3 * float(_flop_seconds(load, config, hq, tflops).max())}
+            "sim_compute_fwd_ms": simulate(plan, topology).fwd.compute_ms}
 
 
 # -- provenance, arguments, main -------------------------------------------------------------------
@@ -478,9 +416,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="measure the fill (only) of seeds --seeds..N-1 too, whole chunks")
     p.add_argument("--fill-kinds", default="",
                    help="extra mask kinds whose fill (only) is measured, seed 0 (e.g. causal-seq,full-seq)")
-    p.add_argument("--nvlink", type=float, default=NVLINK_GBPS, help="GB/s per direction inside a node")
-    p.add_argument("--ib", type=float, default=IB_GBPS, help="GB/s per direction per GPU between nodes")
-    p.add_argument("--tflops", type=float, default=TFLOPS, help="assumed attention TFLOP/s of one GPU")
+    p.add_argument("--topology", choices=sorted(PRESETS), default=TOPOLOGY,
+                   help=f"the simulated cluster (default {TOPOLOGY})")
+    p.add_argument("--plan-cache", default=None,
+                   help="folder of saved plans (kind_P<P>_s<seed>_c<tokens>.pt): load them instead of solving, "
+                        "save the plans solved here (solve ms is then blank for a loaded plan)")
     p.add_argument("--no-real", action="store_true", help="skip the small real run through dist_attn")
     p.add_argument("--real-P", type=int, default=REAL["P"], help="P of the real run")
     p.add_argument("--real-tokens-per-rank", type=int, default=REAL["tokens_per_rank"],
@@ -505,6 +445,7 @@ def main(argv=None) -> dict:
     """Run the benchmark; prints the tables and returns the JSON payload."""
     torch.set_num_threads(1)
     args = parse_args(argv)
+    topology = Topology.preset(args.topology)
     t_start = time.perf_counter()
     solve_assignment(block_areas(make_mask("causal", 2, 0, 64), 2, 8), SolverConfig(cp_size=2), impl="torch")  # warm-up
     rows, fills, gpu_rows = [], [], []
@@ -512,14 +453,14 @@ def main(argv=None) -> dict:
         for P in args.P:
             for seed in range(args.seeds):
                 row, fill, (mask, config, plan) = run_instance(
-                    kind, P, seed, args.tokens_per_rank, args.tiles, nvlink=args.nvlink, ib=args.ib, tflops=args.tflops)
+                    kind, P, seed, args.tokens_per_rank, args.tiles, topology=topology, plan_cache=args.plan_cache)
                 rows.append(row)
                 fills += fill
                 if seed == 0 and torch.cuda.is_available():
                     cmask = make_mask(kind, P, seed, args.tokens_per_rank, device="cuda")
                     cplan = solve(cmask, config, validate=False)
                     gpu_rows.append({"kind": kind, "P": P,
-                                     **gpu_stage_times(config, cplan, tflops=args.tflops)})
+                                     **gpu_stage_times(config, cplan, topology=topology)})
                 print(f"# done {kind} P={P} seed={seed}", file=sys.stderr, flush=True)
             for seed in range(args.seeds, args.fill_seeds):
                 fills.append(fill_only(kind, P, seed, args.tokens_per_rank))
@@ -538,17 +479,26 @@ def main(argv=None) -> dict:
         f"## Layer: {', '.join(KINDS[k][1] for k in args.kinds)}, {args.tokens_per_rank} tokens per rank, "
         "Hq:Hkv = 64:8, D = 128, bf16, G = 8, mu = 1.10",
         f"commit {prov['commit']}; `{prov['command']}`; {prov['machine']}; {prov['seconds']:.0f} s",
-        "### Per layer (medians over seeds)",
-        f"solve ms: block areas + device solve + plan build, torch path on CPU, one thread. fwd / bwd MB: "
-        "bottleneck bytes per rank (10^6 B). **model ms is modelled, not measured**: NVLink "
-        f"{args.nvlink:g} GB/s per direction inside nodes of {NODE}, InfiniBand {args.ib:g} GB/s per direction "
-        f"per GPU between nodes, attention at {args.tflops:g} TFLOP/s (H200, assumed) with 4·D FLOPs per (q, k) "
-        f"entry per query head forward and {BWD_FLOPS:g}× that backward; ours = max over ranks of "
-        "max(stage 0, cast) + stage 1, plus the reduce; USP = all-to-alls not overlapped, ring hops overlapped "
-        "with the block in hand, on the same sequential shards (its compute follows the mask's work per ring "
-        "position); USP bal. = the same with every rank's compute at the mean (a lower bound for a load-balanced "
-        "USP). compute fwd ms: the busiest rank's attention alone; stage 0 %: share of the area that runs "
-        "while the cast is in flight.",
+        "### Layer time on a cluster, SIMULATED (medians over seeds)",
+        f"**Every time in this table is simulated (`gpusolver.sim`), not measured.** Topology `{topology.name}`: "
+        f"nodes of {topology.ranks_per_node} GPUs, NVLink {topology.nvlink_gbps:g} GB/s per direction per GPU, "
+        f"{topology.nics_per_node} InfiniBand NICs of {topology.ib_gbps:g} GB/s per direction per node, attention at "
+        f"{topology.attn_tflops:g} TFLOP/s forward (4·D FLOPs per (q, k) entry per query head) and "
+        f"{topology.bwd_flops_ratio:g}× the FLOPs backward, {topology.nvlink_latency_us:g} / "
+        f"{topology.ib_latency_us:g} µs per collective inside / across nodes. Ours: the plan run by the runtime's "
+        "own schedule (`gpusolver.plan.schedule`: both casts, then stage 0 while they fly, the remote stage, the "
+        "reduce of partial O; backward: the dO cast awaited before stage 0, both stages, the dQ and the dK, dV "
+        "reduces), every collective an all-to-all-v. USP: Ulysses of degree 8 inside a node, ring across nodes, "
+        "each hop overlapped with the block in hand, on the same sequential shards; bal. USP: every ring step's "
+        "compute at the mean (what any token permutation could reach). ideal: max(busiest rank's compute, per "
+        "link class the busiest GPU's or NIC's bytes / bandwidth), per pass. hidden %: share of our communication "
+        "time that runs under compute. compute ms: the busiest rank's attention, forward + backward. stage 0 %: "
+        "share of the area that runs while the casts are in flight. IB / USP: InfiniBand bytes of the busiest NIC "
+        "side over a step, ours / USP's.",
+        markdown_table(summary, SIM_COLUMNS),
+        "### Bytes and solve (medians over seeds)",
+        "solve ms: block areas + device solve + plan build, torch path on CPU, one thread (blank: the plan came "
+        "from --plan-cache). fwd / bwd MB: bottleneck bytes per rank (10^6 B), ours, USP's and ring's.",
         markdown_table(summary, SUMMARY_COLUMNS),
         "### Receive capacity: largest fill as a multiple of G·c (max over the runs)",
         "QO / KV recv: rows a rank receives; QO / KV send: rows a rank sends. caps: each buffer's default "
@@ -561,7 +511,8 @@ def main(argv=None) -> dict:
         "copies and partial outputs are not counted.",
         markdown_table(memory, MEMORY_COLUMNS),
         "### Real run: `dist_attn` on `LocalGroup` (CPU, fp32)",
-        "counted = metrics: every phase's bytes counted by the group equal the plan's, and their sums equal "
+        "counted = metrics: every phase's bytes counted by the group, pair by pair, equal `plan.pair_bytes`, and "
+        "their sums equal "
         "`PlanMetrics`' per-rank send and receive. recv cap: rows, sized to the plan (the CPU attention path "
         "builds a dense mask per stage). The wall time is CPU torch, for what it is worth.",
         markdown_table(real, REAL_COLUMNS) if real else "Skipped (--no-real).",
@@ -575,8 +526,9 @@ def main(argv=None) -> dict:
                    "fill_seeds": max(args.fill_seeds, args.seeds), "fill_kinds": args.fill_kinds,
                    "tokens_per_rank": args.tokens_per_rank, "num_heads_q": 64, "num_heads_kv": 8, "head_dim": 128,
                    "dtype": "bfloat16", "head_groups": 8, "imbalance_tol": 1.10},
-        "model": {"nvlink_gbps": args.nvlink, "ib_gbps": args.ib, "node_gpus": NODE, "tflops": args.tflops,
-                  "fwd_flops_per_entry_per_head": "4 * D", "bwd_flops_factor": BWD_FLOPS},
+        "simulated": {"note": "every *_ms figure of the summary and rows except solve_ms and areas_ms is simulated "
+                              "(gpusolver.sim), not measured", "topology": dataclasses.asdict(topology),
+                      "fwd_flops_per_entry_per_head": "4 * D"},
         "environment": environment(), "summary": summary, "fill": fill_rows, "fill_runs": fills,
         "memory": memory, "real_run": real, "gpu_stages": gpu_rows, "rows": rows,
     }

@@ -35,7 +35,6 @@ from torch.utils._pytree import tree_leaves
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import PACKED_KINDS, TOKENS_PER_RANK, make_mask, markdown_table, parse_list  # noqa: E402
-from benchmarks.layer_bench import IB_GBPS, NVLINK_GBPS, TFLOPS  # noqa: E402
 from gpusolver import SolverConfig, block_areas, solve  # noqa: E402
 from gpusolver.capacity import keep_for_budget  # noqa: E402
 from gpusolver.plan import build_plan  # noqa: E402
@@ -167,32 +166,6 @@ def measure(kind: str, P: int, shapes: dict, device: str, *, seed: int = 0, keep
     return row
 
 
-def step_cost(kind: str, P: int, seed: int, budget: float) -> dict:
-    """Simulated training step (forward + backward, ``layer_bench.model_plan``) of the device solver's
-    plan at real shapes keeping every receive buffer, and within ``budget`` (kinds sent again in the
-    backward, priced by the solve)."""
-    from benchmarks.layer_bench import model_plan, phase_bytes, stage_loads
-    from gpusolver.solve import solve_assignment
-
-    mask = make_mask(kind, P, seed, REAL["tokens_per_rank"])
-    out = {"kind": kind, "P": P, "budget": budget}
-    for name, cfg in (("keep", make_config(P, REAL)),
-                      ("budget", keep_for_budget(make_config(P, REAL, budget=budget), REAL["tokens_per_rank"]))):
-        areas = block_areas(mask, P, cfg.head_groups, impl="torch")
-        asg = solve_assignment(areas, cfg, impl="torch")
-        plan = build_plan(mask, areas, asg, cfg)
-        s0, load = stage_loads(areas, asg, P)
-        t = model_plan(phase_bytes(plan.comm, cfg.cost()), s0, load, cfg, nvlink=NVLINK_GBPS, ib=IB_GBPS,
-                       tflops=TFLOPS)
-        out[f"{name}_ms"] = 1e3 * (t["fwd"] + t["bwd"])
-        out[f"{name}_kept"] = plan.memory(cfg).kept
-        out[f"{name}_status"] = int(plan.status)
-        if name == "budget":
-            out["budget_keep"] = cfg.keep_forward_buffers
-    out["step_ratio"] = out["budget_ms"] / out["keep_ms"]
-    return out
-
-
 COLUMNS = [("kind", "kind", ""), ("P", "P", "d"), ("budget", "budget", ""), ("keep", "keep", ""),
            ("kept MB", "kept", ".1f"), ("plan.memory kept MB", "plan_kept", ".1f"),
            ("plain attn MB", "plain_kept", ".1f"), ("kept / plain", "kept_ratio", ".2f"),
@@ -218,8 +191,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-real", action="store_true", help="skip the real-shape runs on meta")
     p.add_argument("--no-small", action="store_true", help="skip the small runs on CPU")
     p.add_argument("--budget", type=float, default=1.5, help="memory_budget of the budget runs")
-    p.add_argument("--step", action="store_true",
-                   help="also solve the real masks on CPU (slow) for the simulated step cost of the budget")
     p.add_argument("--md", default=None, help="write the tables to this markdown file")
     return p.parse_args(argv)
 
@@ -241,13 +212,6 @@ def main(argv=None) -> list[dict]:
               f"{r['bwd_peak'] / 1e6:9.1f} MB = {r['peak_ratio']:.2f}x own"
               + (f"; plan.memory kept {r['plan_kept'] / 1e6:.1f} fwd {r['plan_fwd'] / 1e6:.1f} "
                  f"bwd {r['plan_bwd'] / 1e6:.1f} MB" if "plan_kept" in r else ""), flush=True)
-    if args.step:
-        for kind in kinds:
-            for P in parse_list(args.cp_sizes, name="--cp-sizes"):
-                steps.append(step_cost(kind, P, args.seed, args.budget))
-                r = steps[-1]
-                print(f"step {kind:6} P={P:3} budget {args.budget} keeps {r['budget_keep']}: {r['budget_ms']:.2f} ms "
-                      f"vs {r['keep_ms']:.2f} ms all kept (simulated), x{r['step_ratio']:.3f}", flush=True)
     if args.md:
         text = render(rows, steps, argv)
         Path(args.md).write_text(text)

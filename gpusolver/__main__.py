@@ -6,6 +6,7 @@ demo     a few model-like layers over P ranks (simulated in one process, or
 show     the picture of a plan (PNG): from a mask kind and P, or a saved plan.
 solve    one full plan of a mask at real shapes: its summary; --save keeps it.
 quality  both solvers on one mask at real shapes vs owner-computes, USP, ring.
+simulate one mask's layer time on a cluster (simulated): ours, USP, balanced USP, ideal bound.
 bench    the benchmarks that apply to this machine, as one markdown report.
 
 ``python -m gpusolver <command> --help`` lists each command's options.
@@ -17,7 +18,7 @@ import sys
 
 from gpusolver.cli import args as a
 
-HEAD_DIMS = (32, 64, 128)  # the attention kernels' head dims
+HEAD_DIMS = (16, 32, 64, 128)  # the attention kernels' head dims
 
 
 def _shape_options(p, *, P: int | None, tokens: int, heads: str, head_dim: int, dtype: str,
@@ -37,7 +38,7 @@ def _shape_options(p, *, P: int | None, tokens: int, heads: str, head_dim: int, 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     parser = argparse.ArgumentParser(prog="gpusolver", description=__doc__.splitlines()[0],
-                                     epilog="\n".join(__doc__.splitlines()[2:10]),
+                                     epilog="\n".join(__doc__.splitlines()[2:11]),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="command")
     subs = {}
@@ -95,6 +96,20 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
                    help="sub-chunk tiles per chunk: adds a row for the device solver on tiles")
     p.add_argument("--mask", choices=("docs", "nsa", "dsa"), default="docs",
                    help="packed documents (default), or a sparse indexer's selection")
+
+    p = subs["simulate"] = sub.add_parser(
+        "simulate", help="simulated layer time on a cluster: ours, USP, balanced USP, ideal bound",
+        description="Solve one mask and simulate the layer (forward, backward, training step) on a cluster "
+                    "topology: the runtime's own schedule priced per link and per rank, next to USP and a "
+                    "load-balanced USP on the same sequential shards, and the plan's ideal bound. Every figure "
+                    "is SIMULATED (a model), not measured. Writes the timeline as a PNG.")
+    _shape_options(p, P=32, tokens=8192, heads="64:8", head_dim=128, dtype="bfloat16")
+    p.add_argument("--topology", choices=("h100_hgx", "h200_hgx", "gb200_nvl72", "single_node"), default="h200_hgx",
+                   help="cluster preset (default h200_hgx: nodes of 8, NVLink 450 GB/s, one 50 GB/s NIC per GPU)")
+    p.add_argument("--mask", choices=a.MASK_KINDS, default="docs", help=a.MASK_HELP)
+    p.add_argument("--tiles", type=a.positive_int, default=1, help="sub-chunk tiles per chunk (default 1)")
+    p.add_argument("--solver", choices=("device", "reference"), default="device")
+    p.add_argument("--out", default="build/timeline.png", help="timeline PNG ('' for none; default build/timeline.png)")
 
     p = subs["bench"] = sub.add_parser(
         "bench", help="the benchmarks that apply here, as one markdown report",
@@ -159,6 +174,10 @@ def main(argv=None) -> int:
 
         quality(args)
         return 0
+    if args.command == "simulate":
+        from gpusolver.cli import simulate
+
+        return simulate.run(args)
     from gpusolver.cli import bench
 
     return bench.run(args)

@@ -254,11 +254,9 @@ def shed_lower_bound(areas: BlockAreas, cost: CommCost, mu: float = 1.10, direct
     "step"`` r's fwd + bwd, which the step's ``max_r fwd_r + max_r bwd_r`` is at least.
 
     It ignores the other ranks, so it is weaker where several ranks compete for helpers, but
-    it is small (G x tasks of one rank) and solves in about a second where the whole program
-    does not close in 30 minutes: packed full documents at P = 8 with 4 tiles, seed 2 (two
-    long documents on ranks 1 and 6): 170.7 MB per step against ``milp_bottleneck``'s 168.1
-    after 30 minutes. Any size (no task limit); the dual bound is used when a rank's program
-    stops at ``time_limit``.
+    it is small (G x tasks of one rank) and solves quickly where the whole program may not
+    close within its time limit (a measured comparison: CHANGELOG.md, "Design notes"). Any
+    size (no task limit); the dual bound is used when a rank's program stops at ``time_limit``.
     """
     _check_bound_args(areas, cost, mu, direction)
     G, P, n = areas.head_groups, areas.cp_size, areas.tiles

@@ -1,6 +1,6 @@
 """Device error flags: value errors found on the sync-free path, read once by ``check_errors()``.
 
-Two modes (DESIGN.md, "Rules every part follows", 7):
+Two modes (docs/design/layers.md, "Validation: two modes"):
 
 - Validation mode (``validate=True``, the default for CPU tensors): every
   entry point checks values on the host at once and raises a ``ValueError``
@@ -323,6 +323,7 @@ def _install_sinks() -> None:
     comm_base.set_error_sink(record)
     for kind in flex_op.ERROR_KINDS + [("block_areas", "mask", _slices_message), ("block_areas", "mask", _overlap_message),
                                        ("dist_attn", "plan", _plan_message),
+                                       ("sparse_dist_attn", "plan", _plan_message),
                                        ("check_errors", "plan", _plan_message)]:
         register(*kind)
     arm("cpu")

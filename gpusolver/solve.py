@@ -5,45 +5,22 @@ Shape legend: S tokens, P ranks, c = S / P, G head groups, R slices.
 from __future__ import annotations
 
 import warnings
-from dataclasses import replace
 
 import torch
 
 from gpusolver.areas import block_areas
+from gpusolver.assign import SOLVERS, solve_assignment  # noqa: F401  (part of this module's API)
 from gpusolver.capacity import keep_for_budget
 from gpusolver.config import SolverConfig
 from gpusolver.masks.slices import AttnSlices
 from gpusolver.masks.sparse import BlockSparseMask, NSALayerMask, TokenTopKMask
 from gpusolver.nvtx import nvtx_range
 from gpusolver.plan import IMBALANCED, Plan, build_plan
-from gpusolver.plan.sparse import SparsePlan, solve_sparse
+from gpusolver.plan.sparse import SparsePlan
 from gpusolver.problem import BlockAreas
+from gpusolver.sparse_solve import solve_sparse
 
-SOLVERS = ("device", "reference")
 SPARSE_MASKS = (BlockSparseMask, TokenTopKMask, NSALayerMask)
-
-
-def solve_assignment(areas: BlockAreas, config: SolverConfig, *, solver: str = "device",
-                     impl: str = "auto") -> torch.Tensor:
-    """Assign every task: [G, U, U] int32 rank per task, -1 for empty tasks (U = P, or
-    n * P with ``config.chunk_tiles = n``).
-
-    ``solver="device"`` is the sync-free parallel solver (any device, no host
-    reads; ``impl`` picks its path, see ``solve_device``); ``"reference"`` is
-    the CPU yardstick (numpy, reads the areas; it places whole chunks, so with
-    tiles every tile pair of a chunk pair goes where the chunk pair goes).
-    """
-    if solver == "device":
-        from gpusolver.solver.device import solve_device
-
-        return solve_device(areas, config, impl=impl).assignment
-    if solver == "reference":
-        from gpusolver.solver.reference import solve_assignment as reference_assignment
-
-        if areas.tiles > 1:
-            return areas.refine(reference_assignment(areas.coarsen(), replace(config, chunk_tiles=1)))
-        return reference_assignment(areas, config)
-    raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}")
 
 
 def _solve_as_ops(mask: AttnSlices, config: SolverConfig, areas_impl: str, impl: str):

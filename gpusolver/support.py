@@ -13,7 +13,7 @@ import torch
 __all__ = ["MASKS", "EXECUTION", "DTYPES", "HEAD_DIMS", "check_supported", "support_matrix_markdown"]
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-HEAD_DIMS = (32, 64, 128)  # the attention kernels' head dims
+HEAD_DIMS = (16, 32, 64, 128)  # the attention kernels' head dims
 
 # mask form -> (block areas, solve to a plan, the layer that runs it, note)
 MASKS = {

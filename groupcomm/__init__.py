@@ -33,13 +33,13 @@ Shape legend: P ranks, N local rows, ``*f`` trailing row shape (any dtype),
 send_cap send positions, h heads, D head dim.
 """
 from ._a2av import HostSplits, TorchGroup, host_splits
-from ._api import default_group, group_cast, group_reduce
+from ._api import as_group, default_group, group_cast, group_reduce
 from ._base import CollectiveError, Work
 from ._sim import LocalGroup
 from ._symm_mem import SymmMemGroup
 
 __all__ = [
-    "group_cast", "group_reduce", "default_group",
+    "group_cast", "group_reduce", "default_group", "as_group",
     "LocalGroup", "TorchGroup", "SymmMemGroup",
     "host_splits", "HostSplits", "CollectiveError", "Work",
 ]

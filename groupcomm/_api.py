@@ -6,6 +6,7 @@ object, which decides how rows move (see ``__init__`` for the backends).
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 
@@ -120,3 +121,25 @@ def default_group(process_group=None):
     return group
 
 
+
+
+# one wrapper per process group (weak: a destroyed group takes its wrapper with it)
+_wrapped: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def as_group(group):
+    """``group`` as a groupcomm group: ``LocalGroup`` / ``TorchGroup`` / ``SymmMemGroup`` pass
+    through; a ``torch.distributed`` ``ProcessGroup`` is wrapped the way ``default_group`` does
+    (once per process group, so its byte counters persist across calls)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and isinstance(group, dist.ProcessGroup):
+        wrapped = _wrapped.get(group)
+        if wrapped is None:
+            wrapped = _wrapped[group] = default_group(group)
+        return wrapped
+    size = getattr(group, "size", None)
+    if isinstance(size, bool) or not isinstance(size, int):
+        raise TypeError(f"group must be a groupcomm group (LocalGroup, TorchGroup, SymmMemGroup, "
+                        f"groupcomm.default_group()) or a torch.distributed ProcessGroup, got {type(group).__name__}")
+    return group

@@ -35,6 +35,7 @@ class LocalGroup:
         self.size = P
         self.impl = impl
         self._traffic: dict[str, torch.Tensor] = {}
+        self._pairs: dict[str, torch.Tensor] = {}
 
     def __repr__(self) -> str:
         return f"LocalGroup(P={self.size}, impl={self.impl!r})"
@@ -67,6 +68,10 @@ class LocalGroup:
         step = torch.stack([sent, recv]) * row_bytes
         prev = self._traffic.get(phase)
         self._traffic[phase] = step if prev is None else prev + step
+        off_diag = 1 - torch.eye(split.shape[0], dtype=split.dtype, device=split.device)  # self rows never move
+        pairs = (split.t() if back else split) * off_diag * row_bytes
+        prev = self._pairs.get(phase)
+        self._pairs[phase] = pairs if prev is None else prev + pairs
 
     # -- the two collectives (arguments already checked by the entry points) -------------------
 
@@ -101,5 +106,15 @@ class LocalGroup:
             t = torch.zeros(2, self.size, dtype=torch.int64)
         return t[0], t[1]
 
+    def pair_traffic(self, phase: str) -> torch.Tensor:
+        """``[P(src), P(dst)]`` int64 bytes moved from each rank to each other rank in ``phase``.
+
+        Its row sums are ``traffic(phase)[0]``, its column sums ``traffic(phase)[1]``.
+        A phase never seen gives CPU zeros.
+        """
+        t = self._pairs.get(phase)
+        return torch.zeros(self.size, self.size, dtype=torch.int64) if t is None else t
+
     def reset_traffic(self) -> None:
         self._traffic.clear()
+        self._pairs.clear()

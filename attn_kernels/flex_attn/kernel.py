@@ -1,7 +1,7 @@
 """Triton kernels for attention over slices: forward (out, lse) and backward (dQ; dK, dV).
 
 Shape legend: Tq query tokens, Tk key tokens, Hq query heads, Hkv KV heads
-(Hq a multiple of Hkv), D head dim in {32, 64, 128}, R slices.
+(Hq a multiple of Hkv), D head dim in {16, 32, 64, 128}, R slices.
 
 Grids depend on shapes only, never on range values:
 

@@ -32,7 +32,7 @@ import torch
 from attn_kernels.flex_attn import kernel, ref
 
 _BACKENDS = ("auto", "triton", "torch")
-_HEAD_DIMS = (32, 64, 128)
+_HEAD_DIMS = (16, 32, 64, 128)
 
 
 def _impls(backend: str):
@@ -269,7 +269,7 @@ def flex_attn(
     """Attention over a slice mask; returns (out, lse). Differentiable in q, k, v.
 
     Args:
-        q: [Tq, Hq, D] fp16/bf16 (GPU) or fp32/fp16 (CPU), D in {32, 64, 128}.
+        q: [Tq, Hq, D] fp16/bf16 (GPU) or fp32/fp16 (CPU), D in {16, 32, 64, 128}.
         k, v: [Tk, Hkv, D], same dtype and device; Hq a multiple of Hkv (GQA).
         q_ranges, k_ranges: [R, 2] int32 half-open ranges; a row with
             start == end in either is padding and changes nothing.

@@ -39,9 +39,9 @@ from __future__ import annotations
 import torch
 
 from gpusolver.masks.slices import AttnSlices
+from gpusolver.masks.types import BI_CAUSAL, CAUSAL, INV_CAUSAL
 from gpusolver.problem import BlockAreas
 
-CAUSAL, INV_CAUSAL, BI_CAUSAL = 1, 2, 3
 
 # Stands in for +-inf in the diagonal offsets a, b (int64, far beyond any S).
 BIG = 2 ** 40

@@ -27,7 +27,8 @@ from gpusolver.masks.generators import (
     packed_document_lengths,
     packed_documents,
 )
-from gpusolver.masks.slices import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL, AttnSlices
+from gpusolver.masks.slices import AttnSlices
+from gpusolver.masks.types import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL
 from gpusolver.masks.sparse import BlockSparseMask, TokenTopKMask
 from gpusolver.masks.validation import check_heads, slices_to_dense, validate_slices
 

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from gpusolver.masks.slices import BI_CAUSAL, CAUSAL, FULL, AttnSlices
+from gpusolver.masks.slices import AttnSlices
+from gpusolver.masks.types import BI_CAUSAL, CAUSAL, FULL
 
 Row = tuple[int, int, int, int, int]  # (q_start, q_end, k_start, k_end, attn_type)
 

@@ -33,8 +33,9 @@ from dataclasses import dataclass
 
 import torch
 
-FULL, CAUSAL, INV_CAUSAL, BI_CAUSAL = 0, 1, 2, 3
-ATTN_TYPE_NAMES = {FULL: "FULL", CAUSAL: "CAUSAL", INV_CAUSAL: "INV_CAUSAL", BI_CAUSAL: "BI_CAUSAL"}
+# the type codes live in ``masks.types``; importing them from here still works
+from gpusolver.masks.types import ATTN_TYPE_NAMES, BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL  # noqa: F401
+from gpusolver.masks.validation import slices_to_dense, validate_slices
 
 _INT_DTYPES = (torch.int32, torch.int64)
 
@@ -88,8 +89,6 @@ class AttnSlices:
 
         Not for the hot path: it copies the mask to the host. Returns self.
         """
-        from gpusolver.masks.validation import validate_slices
-
         validate_slices(self, cp_size=cp_size, check_overlap=check_overlap)
         return self
 
@@ -105,8 +104,6 @@ class AttnSlices:
 
     def to_dense(self, head_group: int = 0) -> torch.Tensor:
         """The dense [S_q, S_k] bool mask of one head group (host-side, small masks)."""
-        from gpusolver.masks.validation import slices_to_dense
-
         return slices_to_dense(self, head_group)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gpusolver.masks.slices import ATTN_TYPE_NAMES, BI_CAUSAL, CAUSAL, INV_CAUSAL
+from gpusolver.masks.types import ATTN_TYPE_NAMES, BI_CAUSAL, CAUSAL, INV_CAUSAL
 
 # Overlap is checked pair by pair (exact, O(R^2) per group, any S); above this many
 # slice rows per group the default skips it (pass check_overlap=True to force it).

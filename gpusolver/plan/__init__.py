@@ -27,7 +27,7 @@ __all__ = [
     "IMBALANCED", "CALC_OVERFLOW", "BUFFER_OVERFLOW", "UNASSIGNED", "NEED_MISMATCH", "INVALID_MASK",
 ]
 
-# sparse masks (NSA blocks, DSA top-k): gpusolver.plan.sparse
-from gpusolver.plan.sparse import SparsePlan, SparseStage, build_sparse_plan, solve_sparse  # noqa: E402
+# sparse masks (NSA blocks, DSA top-k): gpusolver.plan.sparse; their solve is gpusolver.sparse_solve
+from gpusolver.plan.sparse import SparsePlan, SparseStage, build_sparse_plan  # noqa: E402
 
-__all__ += ["SparsePlan", "SparseStage", "build_sparse_plan", "solve_sparse"]
+__all__ += ["SparsePlan", "SparseStage", "build_sparse_plan"]

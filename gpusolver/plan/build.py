@@ -103,7 +103,8 @@ def build_plan(mask: AttnSlices, areas: BlockAreas, assignment: torch.Tensor, co
     mu = config.imbalance_tol if imbalance_tol is None else float(imbalance_tol)
     assignment = assignment.to(torch.int32)
 
-    metrics = evaluate(areas, assignment, config.cost())
+    cost = config.cost()
+    metrics = evaluate(areas, assignment, cost)
     comm, comm_overflow = build_comm_meta(areas, assignment, buffers=rows)
     calc, flags = build_calc_meta(mask, areas, assignment, comm, stage_cap)
 
@@ -115,4 +116,4 @@ def build_plan(mask: AttnSlices, areas: BlockAreas, assignment: torch.Tensor, co
               | bit(flags["unassigned"], UNASSIGNED) | bit(flags["mismatch"], NEED_MISMATCH)
               | bit(mask.value_error(), INVALID_MASK))
     return Plan(assignment=assignment, metrics=metrics, comm=comm, calc=calc, status=status,
-                area=areas.area, imbalance_tol=mu)
+                area=areas.area, imbalance_tol=mu, cost=cost)

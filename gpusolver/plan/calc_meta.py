@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from gpusolver.masks.slices import AttnSlices, BI_CAUSAL, CAUSAL, INV_CAUSAL
+from gpusolver.masks.slices import AttnSlices
+from gpusolver.masks.types import BI_CAUSAL, CAUSAL, INV_CAUSAL
 from gpusolver.plan.meta import CalcMeta, CommMeta
 from gpusolver.problem import BlockAreas
 

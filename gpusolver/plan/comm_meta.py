@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from gpusolver.capacity import BufferRows
+from gpusolver.plan.gather import send_index  # noqa: F401  (callers import it from here too)
 from gpusolver.plan.meta import CommMeta
 from gpusolver.problem import BlockAreas
 from gpusolver.transfers import transfer_ranges
@@ -25,29 +26,6 @@ def _recv_offsets(length: torch.Tensor, tiles: int) -> tuple[torch.Tensor, torch
     incl = by_dest.cumsum(dim=1)
     offset = (incl - by_dest).reshape(P, P, G, tiles).permute(2, 1, 3, 0).reshape(G, U, P).contiguous()
     return offset, incl[:, -1]
-
-
-def send_index(rng: torch.Tensor, chunk: int, send_capacity: int) -> torch.Tensor:
-    """Gather indices into one source's group-major rows, in send order.
-
-    rng: [G, n, P(dst), 2] int64 chunk-local ranges of the source's n tiles
-         (or [G, P(dst), 2] without tiling).
-    Returns [send_capacity] int64: segments ordered by (dst, g, tile), rows of
-    segment (dst, g, tile) are ``g * c + lo + t``; -1 after the last row sent.
-    """
-    if rng.dim() == 3:
-        rng = rng[:, None]
-    G, n, P = rng.shape[0], rng.shape[1], rng.shape[2]
-    S = P * G * n
-    lo = rng[..., 0].permute(2, 0, 1).reshape(S)  # [(dst, g, tile)]
-    length = (rng[..., 1] - rng[..., 0]).permute(2, 0, 1).reshape(S)
-    ends = length.cumsum(dim=0)
-    starts = ends - length
-    pos = torch.arange(send_capacity, device=rng.device)
-    seg = torch.searchsorted(ends, pos, right=True).clamp_(max=S - 1)  # segment holding pos
-    g = seg // n % G
-    idx = g * chunk + lo[seg] + pos - starts[seg]
-    return torch.where(pos < ends[-1:], idx, -1)
 
 
 def chunk_local(rng: torch.Tensor, areas: BlockAreas) -> torch.Tensor:

@@ -24,6 +24,9 @@ from typing import Any
 
 import torch
 
+from gpusolver.plan import records
+from gpusolver.plan.gather import send_index
+
 # Status bits of Plan.status (a 0-dim int32 bitfield computed on device).
 IMBALANCED = 1       # max load > imbalance_tol * mean load
 CALC_OVERFLOW = 2    # some rank/stage needs more slice rows than CalcMeta's capacity
@@ -107,8 +110,6 @@ class CommMeta:
         the ``kind`` ("qo" or "kv") units it sends, in send order (dst ascending,
         then g, then tile, then token); -1 pads. Built on demand (sync-free) so a plan never
         holds the send lists of all P ranks."""
-        from gpusolver.plan.comm_meta import send_index
-
         if kind not in ("qo", "kv"):
             raise ValueError(f"kind must be 'qo' or 'kv', got {kind!r}")
         if not 0 <= rank < self.cp_size:
@@ -204,6 +205,9 @@ class Plan:
                 UNASSIGNED, NEED_MISMATCH, INVALID_MASK (0 = usable and balanced).
     area:       [G, U, U] int64 — the block areas the plan was built from.
     imbalance_tol: mu the IMBALANCED bit was judged against (host float, config).
+    cost:       the CommCost the metrics were priced with (host ints; None for a plan built
+                without one): bytes per row of each collective (``pair_bytes``) and
+                heads and head dim for the simulator's FLOPs.
 
     ``validate()`` and ``summary()`` read the tensors on the host; everything
     else stays on device.
@@ -216,6 +220,25 @@ class Plan:
     status: torch.Tensor
     area: torch.Tensor
     imbalance_tol: float
+    cost: Any = None
+
+    def pair_bytes(self, phase: str, cost=None) -> torch.Tensor:
+        """[P(src), P(dst)] int64 bytes the layer moves from source to destination (sync-free).
+
+        phase: "fwd", "bwd", or one collective (``"fwd.qo"``, ``"fwd.kv"``, ``"fwd.o"``, ``"bwd.qo"``,
+        ``"bwd.kv"``, ``"bwd.dq"``, ``"bwd.dkv"``); cost: default the plan's own CommCost.
+        The sums over destinations and sources are the metrics' send and receive volumes.
+        """
+        from gpusolver.plan.schedule import pair_bytes
+
+        return pair_bytes(self, phase, self.cost if cost is None else cost)
+
+    @property
+    def task_stage(self) -> torch.Tensor:
+        """[G, U, U] int32: -1 empty task, 0 local stage (both units on its rank), 1 remote stage."""
+        from gpusolver.plan.schedule import task_stage
+
+        return task_stage(self)
 
     def for_rank(self, rank: int) -> RankPlan:
         """Rank ``rank``'s CalcMeta stages and send/receive lists (views)."""
@@ -270,17 +293,22 @@ class Plan:
         return buffer_memory(self.comm, config.num_heads_q, config.num_heads_kv, config.head_dim, config.dtype, keep)
 
     def save(self, path, *, config=None) -> None:
-        """Write the plan (and its ``SolverConfig``, if given) to ``path`` (``plan.io.save_plan``)."""
-        from gpusolver.plan.io import save_plan
-
-        save_plan(self, path, config=config)
+        """Write the plan (and its ``SolverConfig``, if given) to ``path`` (the ``plan.records`` format)."""
+        records.write(self, path, config)
 
     @staticmethod
     def load(path, *, map_location="cpu") -> "Plan":
-        """The plan saved at ``path`` (``plan.io.load_plan``)."""
-        from gpusolver.plan.io import load_plan
+        """The plan saved at ``path``, its tensors on ``map_location``."""
+        from gpusolver.metrics import PlanMetrics
+        from gpusolver.problem import CommCost
 
-        return load_plan(path, map_location=map_location)
+        p = records.read(path, map_location)["plan"]
+        return records.from_plain(Plan, p, {
+            "metrics": lambda d: records.from_plain(PlanMetrics, d, {}),
+            "comm": lambda d: records.from_plain(CommMeta, d, {}),
+            "calc": lambda d: records.from_plain(CalcMeta, d, {}),
+            "cost": lambda d: None if d is None else records.from_plain(CommCost, d, {}),
+        })
 
 
 def _explain_status(plan: Plan, ignore: int) -> list[str]:

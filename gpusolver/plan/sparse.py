@@ -27,19 +27,18 @@ KV as key blocks (``kv_block``, ``KVBlocks``): instead of one hull per (unit,
 destination), a destination receives exactly the blocks of ``kv_block`` keys
 that its tasks' rows attend (from every rank's all-gathered ``used`` block
 bitmaps). On NSA selections with ``kv_block = l`` that is the exact token set
-up to the causal clip of a query's own block, and it moved 5-19 % less than
-hulls per training step in ``benchmarks/sparse_bench.py`` (8K tokens per rank,
-P = 8 to 64, seeds 0-2) and 30 % less at 32K per rank; on DSA top-k it moves
-what hulls move. The stage tables then have one window per key block.
+up to the causal clip of a query's own block, which moves less than hulls;
+on DSA top-k it moves what hulls move (the figures:
+``benchmarks/results/sparse_bench.md``). The stage tables then have one
+window per key block.
 
 What the solver optimises and what moves: the device solver prices K and V
 as hulls per (unit, destination) (its state holds intervals), so with key
 blocks it minimises an upper bound of the bytes that move. A plan's
 ``metrics`` are what moves (the runtime's byte counters equal them), and
 ``no_worse_than_owner`` compares the solver's plan with owner-computes by what
-moves. The gap, moved / priced bytes per training step of the returned plan:
-NSA 0.90-0.95 at P = 8 to 32, 0.81 at P = 64 (8K per rank), 0.70 at P = 8 with
-32K per rank; DSA 1.000 (hulls move) (``benchmarks/results/sparse_bench.md``).
+moves. The gap between moved and priced bytes is reported per run in
+``benchmarks/results/sparse_bench.md`` (none on DSA, where hulls move).
 Nothing here reads device values except ``validate()`` and ``summary()``.
 """
 from __future__ import annotations
@@ -55,7 +54,8 @@ from gpusolver.masks.sparse import BlockSparseMask, NSALayerMask, TokenTopKMask
 from gpusolver.metrics import PlanMetrics, _volumes, evaluate
 from gpusolver.plan.build import plan_capacities
 from gpusolver.plan.calc_meta import build_calc_meta
-from gpusolver.plan.comm_meta import _recv_offsets, build_comm_meta, send_index
+from gpusolver.plan.comm_meta import _recv_offsets, build_comm_meta
+from gpusolver.plan.gather import send_index
 from gpusolver.plan.meta import (BUFFER_OVERFLOW, CALC_OVERFLOW, IMBALANCED, INVALID_MASK, NEED_MISMATCH, UNASSIGNED,
                                  CalcMeta, CommMeta, _explain_status)
 from gpusolver.problem import BlockAreas, CommCost, kept_kinds
@@ -248,6 +248,7 @@ class SparsePlan:
     window_calc:   CalcMeta of the NSA window branch's slices (None without one).
     kv_blocks:     KVBlocks when K and V travel as key blocks (then ``comm``'s KV fields are the
                    hulls the solver priced, not what moves), None for hulls.
+    cost:          the SparseCommCost of the metrics (None for a plan built without one).
 
     ``stage(rank, s)`` builds a stage's tables on demand (sync-free), so a plan
     never holds every rank's [G * c + cap] row tables.
@@ -262,6 +263,20 @@ class SparsePlan:
     spec: SelectionSpec
     window_calc: CalcMeta | None = None
     kv_blocks: KVBlocks | None = None
+    cost: SparseCommCost | None = None
+
+    def pair_bytes(self, phase: str, cost=None) -> torch.Tensor:
+        """[P(src), P(dst)] int64 bytes moved per (source, destination): ``Plan.pair_bytes``."""
+        from gpusolver.plan.schedule import pair_bytes
+
+        return pair_bytes(self, phase, self.cost if cost is None else cost)
+
+    @property
+    def task_stage(self) -> torch.Tensor:
+        """[G, U, U] int32: -1 empty task, 0 local stage, 1 remote stage."""
+        from gpusolver.plan.schedule import task_stage
+
+        return task_stage(self)
 
     @property
     def head_groups(self) -> int:
@@ -499,54 +514,15 @@ def build_sparse_plan(areas: BlockAreas, assignment: torch.Tensor, config: Solve
         status = (status | bit(flags["calc_overflow"], CALC_OVERFLOW)
                   | bit(flags["buffer_overflow"], BUFFER_OVERFLOW) | bit(flags["mismatch"], NEED_MISMATCH))
     return SparsePlan(assignment=assignment, metrics=metrics, comm=comm, status=status, area=areas.area,
-                      imbalance_tol=mu, spec=spec, window_calc=window_calc, kv_blocks=kv_blocks)
+                      imbalance_tol=mu, spec=spec, window_calc=window_calc, kv_blocks=kv_blocks, cost=cost)
 
 
 def default_kv_block(mask, config: SolverConfig) -> int | None:
     """How K and V travel, as measured (``benchmarks/sparse_bench.py``): NSA selections as blocks of
-    their block size l (the exact token sets up to the causal clip: 5-30 % fewer bytes per step
-    than hulls), when l divides the unit size; token top-k and NSA layer masks as hulls (top-k
+    their block size l (the exact token sets up to the causal clip: fewer bytes per step than
+    hulls), when l divides the unit size; token top-k and NSA layer masks as hulls (top-k
     spreads over whole units: blocks would move the same; a window branch needs hull buffers)."""
     if isinstance(mask, BlockSparseMask):
         unit = mask.total_seqlen_k // config.num_units
         return mask.block_size if unit % mask.block_size == 0 else None
     return None
-
-
-def solve_sparse(mask, config: SolverConfig, *, areas: BlockAreas | None = None, solver: str = "device",
-                 impl: str = "auto", validate: bool | None = None, kv_block: int | None | str = "auto") -> SparsePlan:
-    """Solve one sparse layer from a whole-sequence mask (or its already gathered ``areas``).
-
-    mask:     BlockSparseMask, TokenTopKMask or NSALayerMask (rows of the whole sequence, or
-              any shard when ``areas`` are given: the sharded flow gathers them first).
-    config:   SolverConfig; the solver prices query moves with the selection bytes.
-    areas:    BlockAreas of the whole problem (default: computed from ``mask``, which must
-              then hold every row).
-    solver, impl: as in ``gpusolver.solve``.
-    validate: host-side checks of the mask values and the plan status (default: on for CPU).
-    kv_block: K and V as blocks of this many keys, or hulls (None); "auto": ``default_kv_block``
-              (needs the whole mask's rows).
-    """
-    from gpusolver.areas.sparse import sparse_areas, used_block_rows
-    from gpusolver.plan.sparse_ops import sparse_assignment
-
-    spec = SelectionSpec.of(mask, config.head_groups)
-    S = mask.total_seqlen_k
-    config.check_seqlen(S)
-    if validate is None:
-        validate = mask.device.type == "cpu" and not torch.compiler.is_compiling()
-    if validate:
-        mask.validate()
-    if areas is None:
-        areas = sparse_areas(mask, config.cp_size, config.head_groups, tiles=config.chunk_tiles)
-    if kv_block == "auto":
-        kv_block = default_kv_block(mask, config)
-    used = None if kv_block is None else used_block_rows(mask, config.num_units, config.head_groups, kv_block)
-    priced = sparse_config(config, spec)
-    assignment = sparse_assignment(areas, priced, solver=solver, impl=impl)
-    assignment = no_worse_than_owner(areas, assignment, config, spec, used, kv_block)
-    plan = build_sparse_plan(areas, assignment, config, spec, S, mask_error=mask.value_error(),
-                             used_blocks=used, kv_block=kv_block)
-    if validate:
-        plan.validate(ignore=IMBALANCED)
-    return plan

@@ -4,7 +4,7 @@ Shape legend: P ranks, c tokens per rank, G head groups, Hq / Hkv query / KV
 heads (hq = Hq / G, hkv = Hkv / G per group), D head dim, qcap / kcap = the
 plan's QO / KV receive capacities in group-major rows.
 
-Forward, per rank (DESIGN.md, "Data flow of one layer"):
+Forward, per rank (docs/design/layers.md, "Data flow of one layer"):
 
 1. the local shards become group-major rows ``[G * c, h, D]``;
 2. the cast of remote Q (phase ``fwd.qo``) and of K with V (``fwd.kv``)
@@ -13,6 +13,10 @@ Forward, per rank (DESIGN.md, "Data flow of one layer"):
 3. stage 1 runs on ``concat(local rows, receive buffer)``;
 4. the partial (out, lse) of received query rows go back to their host and
    are merged there with the log-sum-exp correction (``fwd.o``).
+
+The order, streams and waits are data: ``gpusolver.plan.schedule``'s
+``forward_ops`` / ``backward_ops``, which ``_DistAttn`` executes op by op and
+``gpusolver.sim`` prices.
 
 Backward moves as little as it can: the host computes the row delta
 ``rowsum(dO * O) - dlse`` itself and casts dO, lse and delta (``bwd.qo``),
@@ -39,10 +43,12 @@ from attn_kernels import flex_attn, flex_attn_backward, merge_out_lse, row_delta
 from gpusolver import errors
 from gpusolver.nvtx import nvtx_range
 from gpusolver.plan import IMBALANCED, Plan
+from gpusolver.plan.schedule import ATTN, CAST, DELTA, MERGE, REDUCE, WAIT, Op, backward_ops, forward_ops
+from gpusolver.plan.sparse import SparsePlan
 from gpusolver.problem import kept_kinds
 from gpusolver.runtime.layout import from_group_major, to_group_major
 from gpusolver.support import check_supported
-from groupcomm import CollectiveError, TorchGroup, group_cast, group_reduce, host_splits
+from groupcomm import CollectiveError, TorchGroup, as_group, group_cast, group_reduce, host_splits
 
 # The stages run the plan's own tables, checked once per layer through the plan's status
 # (validation: plan.validate(); sync-free: one device flag), so the calls skip their own checks.
@@ -129,42 +135,73 @@ def _cat(a: torch.Tensor, b: torch.Tensor, lead: int) -> torch.Tensor:
     return torch.cat((a, b), dim=lead)
 
 
+def op_range(op: Op) -> str:
+    """The NVTX range of one scheduled op (``comm/cast fwd.qo``, ``attn/fwd stage1``, ...)."""
+    if op.kind in (CAST, REDUCE, WAIT):
+        return f"comm/{op.kind} {op.phase}"
+    if op.kind == ATTN:
+        return f"attn/{op.phase} stage{op.stages[0]}"
+    return f"attn/{op.phase} {op.kind}"
+
+
+def issue(op: Op, routes: LayerRoutes, group, tensors, acc=None, deterministic: bool = True):
+    """Start the collective ``op`` (a cast of ``tensors``, or a reduce of them into ``acc``): its Work."""
+    index = routes.qo_index if op.route == "qo" else routes.kv_index
+    split = routes.qo_split if op.route == "qo" else routes.kv_split
+    host = routes.qo_host if op.route == "qo" else routes.kv_host
+    if op.kind == CAST:
+        cap = routes.qo_capacity if op.route == "qo" else routes.kv_capacity
+        return group_cast(list(tensors), index, split, cap, group, phase=op.phase, host_split=host,
+                          async_op=True, flag_errors=False)
+    return group_reduce(list(tensors), index, split, list(acc), group, op="lse" if op.phase == "fwd.o" else "sum",
+                        phase=op.phase, host_split=host, deterministic=deterministic, async_op=True,
+                        flag_errors=False)
+
+
 class _DistAttn(torch.autograd.Function):
+    """Runs ``forward_ops`` / ``backward_ops`` (``gpusolver.plan.schedule``) op by op: the list the
+    simulator prices is the list executed here."""
+
     @staticmethod
     def forward(ctx, q, k, v, routes: LayerRoutes, group, scale: float, keep: tuple, deterministic: bool):
         lead = 1 if routes.batched else 0
-        G, qcap, kcap = routes.groups, routes.qo_capacity, routes.kv_capacity
+        G, cap = routes.groups, routes.qo_capacity  # remote rows here are QO rows (partial O, lse)
         ql, kl, vl = (to_group_major(x, G, lead).contiguous() for x in (q, k, v))
-        with nvtx_range("comm/cast fwd.qo fwd.kv"):
-            cast_q = group_cast([ql], routes.qo_index, routes.qo_split, qcap, group, phase="fwd.qo",
-                                host_split=routes.qo_host, async_op=True, flag_errors=False)
-            cast_kv = group_cast([kl, vl], routes.kv_index, routes.kv_split, kcap, group, phase="fwd.kv",
-                                 host_split=routes.kv_host, async_op=True, flag_errors=False)
-
-        def stage0(r, q_, k_, v_):
-            return flex_attn(q_, k_, v_, *_stage_slices(routes.plan, r, 0), scale, **_INTERNAL)
-
-        with nvtx_range("attn/fwd stage0"):
-            o0, l0 = _per_rank(routes, stage0, ql, kl, vl)  # local work while the cast is in flight
-        with nvtx_range("comm/wait fwd.qo fwd.kv"):
-            (q_buf,), (k_buf, v_buf) = cast_q.wait(), cast_kv.wait()
-        q1, k1, v1 = _cat(ql, q_buf, lead), _cat(kl, k_buf, lead), _cat(vl, v_buf, lead)
-
-        def stage1(r, q_, k_, v_):
-            return flex_attn(q_, k_, v_, *_stage_slices(routes.plan, r, 1), scale, **_INTERNAL)
-
-        with nvtx_range("attn/fwd stage1"):
-            o1, l1 = _per_rank(routes, stage1, q1, k1, v1)
-        n = ql.shape[lead]  # G * c local rows; the rest of stage 1's rows are the receive buffer
+        n = ql.shape[lead]  # G * c local rows; the rest of a remote stage's rows are the receive buffer
         local = lambda x: x.narrow(lead, 0, n)  # noqa: E731
-        remote = lambda x: x.narrow(lead, n, qcap)  # noqa: E731
-        with nvtx_range("attn/fwd merge"):
-            o, lse = _per_rank(routes, lambda r, a, b, c_, d: merge_out_lse(a, b, c_, d), o0, l0, local(o1),
-                               local(l1))
-        with nvtx_range("comm/reduce fwd.o"):
-            o, lse = group_reduce([remote(o1).contiguous(), remote(l1).contiguous()], routes.qo_index,
-                                  routes.qo_split, [o, lse], group, op="lse", phase="fwd.o",
-                                  host_split=routes.qo_host, deterministic=deterministic, flag_errors=False)
+        remote = lambda x: x.narrow(lead, n, cap).contiguous()  # noqa: E731
+        sent = {"qo": (ql,), "kv": (kl, vl)}
+        works, recv, parts = {}, {}, {}
+        o = lse = None
+        for op in forward_ops(routes.plan.calc.q_ranges.shape[1]):
+            with nvtx_range(op_range(op)):
+                if op.kind == CAST:
+                    works[op.name] = issue(op, routes, group, sent[op.route])
+                elif op.kind == WAIT and op.back:
+                    o, lse = works[op.deps[0]].wait()
+                elif op.kind == WAIT:
+                    recv[op.route] = works[op.deps[0]].wait()
+                elif op.kind == ATTN:
+                    (s,) = op.stages
+                    args = (ql, kl, vl) if s == 0 else (_cat(ql, recv["qo"][0], lead), _cat(kl, recv["kv"][0], lead),
+                                                        _cat(vl, recv["kv"][1], lead))
+
+                    def run(r, q_, k_, v_, s=s):
+                        return flex_attn(q_, k_, v_, *_stage_slices(routes.plan, r, s), scale, **_INTERNAL)
+
+                    parts[s] = _per_rank(routes, run, *args)  # stage 0: local work while the casts fly
+                elif op.kind == MERGE:
+                    o, lse = parts[op.stages[0]]
+                    for s in op.stages[1:]:
+                        o, lse = _per_rank(routes, lambda r, a, b, c_, d: merge_out_lse(a, b, c_, d), o, lse,
+                                           local(parts[s][0]), local(parts[s][1]))
+                elif op.kind == REDUCE:
+                    (s,) = op.stages  # the remote rows of one stage go back to their hosts
+                    works[op.name] = issue(op, routes, group, (remote(parts[s][0]), remote(parts[s][1])),
+                                           (o, lse), deterministic)
+                else:
+                    raise AssertionError(f"dist_attn cannot run forward op {op}")
+        q_buf, (k_buf, v_buf) = recv["qo"][0], recv["kv"]
         # only what the backward reads: the kinds not kept are cast again there
         saved = (ql, kl, vl, o, lse) + ((q_buf,) if "qo" in keep else ()) + ((k_buf, v_buf) if "kv" in keep else ())
         ctx.save_for_backward(*saved)
@@ -176,50 +213,60 @@ class _DistAttn(torch.autograd.Function):
         routes, group, scale = ctx.routes, ctx.group, ctx.scale
         lead = 1 if routes.batched else 0
         G, qcap, kcap = routes.groups, routes.qo_capacity, routes.kv_capacity
-        saved = ctx.saved_tensors  # read once: each read unpacks every saved tensor again
+        # read once: non-reentrant checkpointing unpacks each saved tensor a single time
+        saved = ctx.saved_tensors
         ql, kl, vl, o, lse = saved[:5]
         keep_q, keep_kv = "qo" in ctx.keep, "kv" in ctx.keep
-        d_o = torch.zeros_like(o) if d_out is None else to_group_major(d_out, G, lead).contiguous()
-        d_l = None if d_lse is None else to_group_major(d_lse, G, lead).contiguous()
-        # the host computes delta from its final O: O itself never travels
-        with nvtx_range("attn/bwd delta"):
-            delta = _per_rank(routes, lambda r, a, b, *c_: (row_delta(a, b, c_[0] if c_ else None),),
-                              d_o, o, *(() if d_l is None else (d_l,)))[0]
-        sent = [d_o, lse, delta] + ([] if keep_q else [ql])
-        with nvtx_range("comm/cast bwd.qo"):
-            recv = group_cast(sent, routes.qo_index, routes.qo_split, qcap, group, phase="bwd.qo",
-                              host_split=routes.qo_host, flag_errors=False)
-        d_o_buf, lse_buf, delta_buf = recv[:3]
-        q_buf = saved[5] if keep_q else recv[3]
-        if keep_kv:
-            k_buf, v_buf = saved[5 + keep_q:]
-        else:
-            with nvtx_range("comm/cast bwd.kv"):
-                k_buf, v_buf = group_cast([kl, vl], routes.kv_index, routes.kv_split, kcap, group, phase="bwd.kv",
-                                          host_split=routes.kv_host, flag_errors=False)
-
-        def stage(s):
-            def run(r, *t):
-                return flex_attn_backward(*t, *_stage_slices(routes.plan, r, s), scale, **_INTERNAL)
-            return run
-
-        with nvtx_range("attn/bwd stage0"):
-            dq0, dk0, dv0 = _per_rank(routes, stage(0), d_o, ql, kl, vl, lse, delta)
-        with nvtx_range("attn/bwd stage1"):
-            dq1, dk1, dv1 = _per_rank(routes, stage(1), _cat(d_o, d_o_buf, lead), _cat(ql, q_buf, lead),
-                                      _cat(kl, k_buf, lead), _cat(vl, v_buf, lead), _cat(lse, lse_buf, lead),
-                                      _cat(delta, delta_buf, lead))
         n = ql.shape[lead]
         local = lambda x: x.narrow(lead, 0, n)  # noqa: E731
         remote = lambda x, cap: x.narrow(lead, n, cap).contiguous()  # noqa: E731
-        with nvtx_range("comm/reduce bwd.dq"):
-            (dq,) = group_reduce([remote(dq1, qcap)], routes.qo_index, routes.qo_split, [dq0 + local(dq1)], group,
-                                 op="sum", phase="bwd.dq", host_split=routes.qo_host,
-                                 deterministic=ctx.deterministic, flag_errors=False)
-        with nvtx_range("comm/reduce bwd.dkv"):
-            dk, dv = group_reduce([remote(dk1, kcap), remote(dv1, kcap)], routes.kv_index, routes.kv_split,
-                                  [dk0 + local(dk1), dv0 + local(dv1)], group, op="sum", phase="bwd.dkv",
-                                  host_split=routes.kv_host, deterministic=ctx.deterministic, flag_errors=False)
+        d_o = torch.zeros_like(o) if d_out is None else to_group_major(d_out, G, lead).contiguous()
+        d_l = None if d_lse is None else to_group_major(d_lse, G, lead).contiguous()
+        works, parts, out = {}, {}, {}
+        recv = {"kv": saved[5 + keep_q:]} if keep_kv else {}
+        q_buf = saved[5] if keep_q else None
+        delta = None
+        for op in backward_ops(routes.plan.calc.q_ranges.shape[1], keep_kv):  # K, V cast again unless kept
+            with nvtx_range(op_range(op)):
+                if op.kind == DELTA:  # the host computes delta from its final O: O itself never travels
+                    delta = _per_rank(routes, lambda r, a, b, *c_: (row_delta(a, b, c_[0] if c_ else None),),
+                                      d_o, o, *(() if d_l is None else (d_l,)))[0]
+                elif op.kind == CAST:
+                    sent = (d_o, lse, delta) + (() if keep_q else (ql,)) if op.route == "qo" else (kl, vl)
+                    works[op.name] = issue(op, routes, group, sent)
+                elif op.kind == WAIT and op.back:
+                    out[op.phase] = works[op.deps[0]].wait()
+                elif op.kind == WAIT:
+                    recv[op.route] = works[op.deps[0]].wait()
+                    if op.route == "qo" and not keep_q:
+                        q_buf = recv["qo"][3]
+                elif op.kind == ATTN:
+                    (s,) = op.stages
+                    args = (d_o, ql, kl, vl, lse, delta)
+                    if s:
+                        (k_buf, v_buf), (d_o_buf, lse_buf, delta_buf) = recv["kv"], recv["qo"][:3]
+                        args = tuple(_cat(a, b, lead) for a, b in zip(args, (d_o_buf, q_buf, k_buf, v_buf, lse_buf,
+                                                                             delta_buf)))
+
+                    def run(r, *t, s=s):
+                        return flex_attn_backward(*t, *_stage_slices(routes.plan, r, s), scale, **_INTERNAL)
+
+                    parts[s] = _per_rank(routes, run, *args)
+                elif op.kind == REDUCE:
+                    (s,) = op.stages
+                    pick = (0,) if op.phase == "bwd.dq" else (1, 2)  # dQ to the QO host, dK and dV to the KV host
+                    acc = []
+                    for i in pick:
+                        a = parts[0][i]
+                        for t in range(1, len(parts)):
+                            a = a + local(parts[t][i])
+                        acc.append(a)
+                    cap = qcap if op.phase == "bwd.dq" else kcap
+                    works[op.name] = issue(op, routes, group, tuple(remote(parts[s][i], cap) for i in pick), acc,
+                                           ctx.deterministic)
+                else:
+                    raise AssertionError(f"dist_attn cannot run backward op {op}")
+        (dq,), (dk, dv) = out["bwd.dq"], out["bwd.dkv"]
         return (from_group_major(dq, G, lead), from_group_major(dk, G, lead), from_group_major(dv, G, lead),
                 None, None, None, None, None)
 
@@ -331,14 +378,15 @@ def dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, gro
             natural order); with a ``LocalGroup`` every rank's shard, ``[P, c, Hq, D]``.
         k, v: ``[c, Hkv, D]`` (``[P, c, Hkv, D]``), Hq a multiple of Hkv (GQA, or MHA).
         plan: the layer's ``Plan`` (``gpusolver.solve``), for the same P, G and c.
-        group: ``LocalGroup``, ``TorchGroup`` or ``SymmMemGroup`` (``groupcomm``).
+        group: ``LocalGroup``, ``TorchGroup`` or ``SymmMemGroup`` (``groupcomm``), or a
+            ``torch.distributed`` process group (wrapped as ``groupcomm.default_group`` does).
         softmax_scale: default ``D ** -0.5``.
         deterministic: partial results are reduced rank by rank in a fixed order
             (no float atomics), so outputs are bit-identical across runs.
         keep_forward_buffers: keep the received Q, K, V for the backward (True, default; the
             plan's backward volumes assume this unless its config says otherwise), cast them
-            again (False: less activation memory, more bytes), or keep only one kind ("qo":
-            Q, "kv": K and V; the other is cast again).
+            again (False: less activation memory, more bytes), or keep one kind only ("qo": Q,
+            "kv": K and V; the other is cast again).
         validate: read ``plan.status`` on the host and raise on a capacity overflow or a
             mask the plan does not fit (default: on for CPU tensors; off on GPU, where
             reading it would sync, and under ``torch.compile``, where it would break the graph).
@@ -354,6 +402,11 @@ def dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, gro
         no valid key gives out 0 and lse -inf), with a leading ``[P]`` for ``LocalGroup``.
         Differentiable in q, k and v.
     """
+    group = as_group(group)
+    if not isinstance(plan, Plan):
+        hint = " (a sparse mask's plan: run it with sparse_dist_attn or DynamicCPAttention)" \
+            if isinstance(plan, SparsePlan) else ""
+        raise TypeError(f"plan must be a Plan (gpusolver.solve), got {type(plan).__name__}{hint}")
     _check_inputs(q, k, v, plan, group)
     check_supported(q, k, v, group)  # the support matrix (docs/support_matrix.md), host metadata only
     if validate is None:
@@ -371,5 +424,4 @@ def dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, gro
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     with nvtx_range("solve/routes"):
         routes = layer_routes(plan, group)
-    keep = kept_kinds(keep_forward_buffers)
-    return _DistAttn.apply(q, k, v, routes, group, scale, keep, bool(deterministic))
+    return _DistAttn.apply(q, k, v, routes, group, scale, kept_kinds(keep_forward_buffers), bool(deterministic))

@@ -10,10 +10,21 @@ that every rank holds); the module solves the mask on the device and runs
 Masks are solved once per step and name: layers that pass the same mask
 object under the same ``mask_name`` share one solve (a model with sliding-
 window and global layers names the two masks, so they do not evict each
-other). A new mask object under a name solves again.
+other). A new mask object under a name solves again, and so does the same
+object once one of its tensors was written in place (the entry keeps the
+tensors' version counters).
+
+Under ``torch.compile`` the cache is not used at all: a compiled graph keeps
+what it read while tracing, so a cached plan inside a graph would be reused
+for every later mask. Each layer solves inside the graph instead (the solve
+is sync-free), which makes a compiled layer correct for any sequence of
+masks of one shape with no recompile per mask. A compiled model that wants
+one solve per step for several layers solves once (``layer.plan_for``)
+and passes ``plan=`` to each layer (docs/debugging.md, "torch.compile").
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -30,11 +41,31 @@ from gpusolver.runtime.dist_attn import config_digest, dist_attn
 from gpusolver.runtime.sparse_attn import (SPARSE_MASKS, local_selection, mask_on_device, solve_sparse_sharded,
                                            sparse_dist_attn)
 from gpusolver.solve import solve
+from gpusolver.support import HEAD_DIMS
+from groupcomm import as_group
+
+
+def mask_tensors(mask) -> tuple[torch.Tensor, ...]:
+    """Every tensor of a mask (a slice or sparse mask dataclass, nested ones included)."""
+    out = []
+    for f in dataclasses.fields(mask):
+        x = getattr(mask, f.name)
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif dataclasses.is_dataclass(x):
+            out.extend(mask_tensors(x))
+    return tuple(out)
+
+
+def _versions(mask) -> tuple[int, ...]:
+    # a tensor's version counter moves on every in-place write: host metadata, no host read
+    return tuple(t._version for t in mask_tensors(mask))
 
 
 @dataclass
 class _Entry:
     mask: AttnSlices
+    versions: tuple[int, ...]
     config: SolverConfig
     plan: Plan
 
@@ -43,19 +74,31 @@ class PlanCache:
     """The last plan solved for each mask name (shared by the layers of a model).
 
     ``get(name, mask, config)`` returns the cached plan when ``mask`` is the very
-    object it was solved for (identity, no host read) under the same config, else None.
+    object it was solved for (identity, no host read), none of its tensors was
+    written since (version counters) and the config is the same; else None.
+
+    Inside a ``torch.compile`` trace ``get`` answers None and ``put`` stores
+    nothing: a hit would be baked into the graph and replayed for every later
+    mask, and a store would make the next call recompile. Compiled layers
+    solve in the graph or take ``plan=``.
     """
 
     def __init__(self):
         self._entries: dict[str, _Entry] = {}
-        self.solves = 0  # how many plans were solved through this cache
+        self.solves = 0  # how many plans were solved through this cache (eager calls)
 
     def get(self, name: str, mask: AttnSlices, config: SolverConfig) -> Plan | None:
+        if torch.compiler.is_compiling():
+            return None
         e = self._entries.get(name)
-        return e.plan if e is not None and e.mask is mask and e.config == config else None
+        if e is None or e.mask is not mask or e.config != config or e.versions != _versions(mask):
+            return None
+        return e.plan
 
     def put(self, name: str, mask: AttnSlices, config: SolverConfig, plan: Plan) -> None:
-        self._entries[name] = _Entry(mask, config, plan)
+        if torch.compiler.is_compiling():
+            return
+        self._entries[name] = _Entry(mask, _versions(mask), config, plan)
         self.solves += 1
 
     def clear(self) -> None:
@@ -86,7 +129,8 @@ class DynamicCPAttention(nn.Module):
 
     Args:
         group: ``groupcomm`` group (``LocalGroup(P)``, ``TorchGroup``, ``SymmMemGroup``;
-            ``groupcomm.default_group()`` picks one).
+            ``groupcomm.default_group()`` picks one), or a ``torch.distributed`` process group,
+            wrapped as ``default_group`` does.
         config: ``SolverConfig`` (P, heads, D, dtype, mu, capacities,
             ``keep_forward_buffers``); ``cp_size`` must equal the group's size.
         solver, impl: as in ``gpusolver.solve``.
@@ -107,6 +151,10 @@ class DynamicCPAttention(nn.Module):
                  plan_cache: PlanCache | None = None, validate: bool | None = None,
                  check_every: int | None = None, debug_digest: bool = False):
         super().__init__()
+        group = as_group(group)
+        if config.head_dim not in HEAD_DIMS:  # the kernels' list: fail here, not after the first solve
+            raise ValueError(f"config.head_dim={config.head_dim} is not a head dim of the attention kernels "
+                             f"{HEAD_DIMS}")
         if config.cp_size != group.size:
             raise ValueError(f"config.cp_size={config.cp_size} but the group has {group.size} ranks")
         if check_every is not None and (isinstance(check_every, bool) or not isinstance(check_every, int)
@@ -154,6 +202,7 @@ class DynamicCPAttention(nn.Module):
         ``(out_sel, out_win)`` (with lse: ``((out, lse), (out, lse))``)."""
         if (mask is None) == (plan is None):
             raise ValueError("pass exactly one of mask= and plan=")
+        self._check_heads(q, k, v)
         if not torch.compiler.is_compiling():
             errors.arm(q.device)  # the flag table exists before a compiled call records into it
         res = self._forward(q, k, v, mask, plan, mask_name, return_lse)
@@ -163,6 +212,18 @@ class DynamicCPAttention(nn.Module):
             if self._calls % self.check_every == 0:
                 errors.check_errors()
         return res
+
+    def _check_heads(self, q, k, v) -> None:
+        """q, k, v heads and head dim against the config the plans are solved for (host metadata)."""
+        c = self.config
+        for name, t, heads in (("q", q, c.num_heads_q), ("k", k, c.num_heads_kv), ("v", v, c.num_heads_kv)):
+            if t.dim() < 2:
+                raise ValueError(f"{name} must be [c, H, D] (or [P, c, H, D]), got shape {tuple(t.shape)}")
+            if t.shape[-2] != heads:
+                field = "num_heads_q" if name == "q" else "num_heads_kv"
+                raise ValueError(f"{name} has {t.shape[-2]} heads but config.{field}={heads}")
+            if t.shape[-1] != c.head_dim:
+                raise ValueError(f"{name} has head dim {t.shape[-1]} but config.head_dim={c.head_dim}")
 
     def _forward(self, q, k, v, mask, plan, mask_name: str, return_lse: bool):
         if isinstance(mask, SPARSE_MASKS):

@@ -4,7 +4,7 @@ Shape legend: P ranks, c tokens per rank, G head groups, Hq / Hkv heads (hq,
 hkv per group), D head dim, cap receive rows, hs selection heads per
 group-major row, w selection width.
 
-The layer runs as ``dist_attn`` does (DESIGN.md, "Data flow of one layer")
+The layer runs as ``dist_attn`` does (docs/design/layers.md, "Data flow of one layer")
 with the sparse kernel in its stages:
 
 1. local shards become group-major rows; the selection rows too
@@ -42,10 +42,11 @@ from gpusolver.nvtx import nvtx_range
 from gpusolver.plan.meta import IMBALANCED
 from gpusolver.plan.sparse import (SelectionSpec, SparsePlan, build_sparse_plan, default_kv_block, no_worse_than_owner,
                                    sparse_config)
-from gpusolver.plan.sparse_ops import sparse_assignment
-from gpusolver.runtime.dist_attn import LayerRoutes, layer_routes
+from gpusolver.plan.schedule import ATTN, CAST, DELTA, MERGE, REDUCE, WAIT, backward_ops, forward_ops
+from gpusolver.sparse_solve import sparse_assignment
+from gpusolver.runtime.dist_attn import LayerRoutes, issue, layer_routes, op_range
 from gpusolver.runtime.layout import from_group_major, to_group_major
-from groupcomm import TorchGroup, group_cast, group_reduce, host_splits
+from groupcomm import TorchGroup, as_group, host_splits
 
 SPARSE_MASKS = (BlockSparseMask, TokenTopKMask, NSALayerMask)
 # The stages run the plan's own tables, checked once per layer through the plan's status
@@ -128,6 +129,7 @@ def solve_sparse_sharded(mask, config: SolverConfig, group, *, solver: str = "de
     """
     if not isinstance(mask, SPARSE_MASKS):
         raise TypeError(f"mask must be a BlockSparseMask, TokenTopKMask or NSALayerMask, got {type(mask).__name__}")
+    group = as_group(group)
     if config.cp_size != group.size:
         raise ValueError(f"config.cp_size={config.cp_size} but the group has {group.size} ranks")
     spec = SelectionSpec.of(mask, config.head_groups)
@@ -188,20 +190,21 @@ def _selection_rows(sel: torch.Tensor, G: int, lead: int) -> torch.Tensor:
 
 
 class _SparseDistAttn(torch.autograd.Function):
+    """Runs ``forward_ops`` / ``backward_ops`` (``gpusolver.plan.schedule``) op by op, as ``dist_attn``."""
+
     @staticmethod
     def forward(ctx, q, k, v, sel, routes: LayerRoutes, stages, group, scale: float, keep: bool,
                 deterministic: bool, backend: str):
         plan: SparsePlan = routes.plan
         spec = plan.spec
         lead = 1 if routes.batched else 0
-        G, qcap, kcap = routes.groups, routes.qo_capacity, routes.kv_capacity
+        G, cap = routes.groups, routes.qo_capacity  # remote rows here are QO rows (partial O, lse)
         ql, kl, vl = (to_group_major(x, G, lead).contiguous() for x in (q, k, v))
         sl = _selection_rows(sel, G, lead)
-        with nvtx_range("comm/cast fwd.qo fwd.kv"):
-            cast_q = group_cast([ql, sl], routes.qo_index, routes.qo_split, qcap, group, phase="fwd.qo",
-                                host_split=routes.qo_host, async_op=True, flag_errors=False)
-            cast_kv = group_cast([kl, vl], routes.kv_index, routes.kv_split, kcap, group, phase="fwd.kv",
-                                 host_split=routes.kv_host, async_op=True, flag_errors=False)
+        n = ql.shape[lead]
+        local = lambda x: x.narrow(lead, 0, n)  # noqa: E731
+        remote = lambda x: x.narrow(lead, n, cap).contiguous()  # noqa: E731
+        cat = lambda a, b: torch.cat((a, b), dim=lead)  # noqa: E731
 
         def stage(s):
             def run(r, q_, k_, v_, s_):
@@ -215,27 +218,38 @@ class _SparseDistAttn(torch.autograd.Function):
                 return out
             return run
 
-        with nvtx_range("attn/fwd stage0"):
-            part0 = _per_rank(routes, stage(0), ql, kl, vl, sl)
-        with nvtx_range("comm/wait fwd.qo fwd.kv"):
-            (q_buf, s_buf), (k_buf, v_buf) = cast_q.wait(), cast_kv.wait()
-        cat = lambda a, b: torch.cat((a, b), dim=lead)  # noqa: E731
-        with nvtx_range("attn/fwd stage1"):
-            part1 = _per_rank(routes, stage(1), cat(ql, q_buf), cat(kl, k_buf), cat(vl, v_buf), cat(sl, s_buf))
-        n = ql.shape[lead]
-        local = lambda x: x.narrow(lead, 0, n)  # noqa: E731
-        remote = lambda x: x.narrow(lead, n, qcap).contiguous()  # noqa: E731
-        results = []
-        for b in range(len(part0) // 2):  # one (out, lse) per branch
-            o0, l0, o1, l1 = part0[2 * b], part0[2 * b + 1], part1[2 * b], part1[2 * b + 1]
-            with nvtx_range("attn/fwd merge"):
-                o, lse = _per_rank(routes, lambda r, a, b_, c_, d: merge_out_lse(a, b_, c_, d), o0, l0, local(o1),
-                                   local(l1))
-            with nvtx_range("comm/reduce fwd.o"):
-                o, lse = group_reduce([remote(o1), remote(l1)], routes.qo_index, routes.qo_split, [o, lse], group,
-                                      op="lse", phase="fwd.o", host_split=routes.qo_host,
-                                      deterministic=deterministic, flag_errors=False)
-            results += [o, lse]
+        nb = 2 if spec.window_size else 1  # one (out, lse) per branch
+        sent = {"qo": (ql, sl), "kv": (kl, vl)}
+        works, recv, parts, merged, results = {}, {}, {}, [], [None] * nb
+        for op in forward_ops(2, nb):
+            with nvtx_range(op_range(op)):
+                if op.kind == CAST:
+                    works[op.name] = issue(op, routes, group, sent[op.route])
+                elif op.kind == WAIT and op.back:
+                    results[op.branch] = works[op.deps[0]].wait()
+                elif op.kind == WAIT:
+                    recv[op.route] = works[op.deps[0]].wait()
+                elif op.kind == ATTN:
+                    (s,) = op.stages
+                    args = (ql, kl, vl, sl) if s == 0 else (cat(ql, recv["qo"][0]), cat(kl, recv["kv"][0]),
+                                                            cat(vl, recv["kv"][1]), cat(sl, recv["qo"][1]))
+                    parts[s] = _per_rank(routes, stage(s), *args)
+                elif op.kind == MERGE:
+                    for b in range(nb):
+                        o, lse = parts[0][2 * b], parts[0][2 * b + 1]
+                        for s in op.stages[1:]:
+                            o, lse = _per_rank(routes, lambda r, a, b_, c_, d: merge_out_lse(a, b_, c_, d), o, lse,
+                                               local(parts[s][2 * b]), local(parts[s][2 * b + 1]))
+                        merged.append((o, lse))
+                elif op.kind == REDUCE:
+                    (s,), b = op.stages, op.branch
+                    works[op.name] = issue(op, routes, group, (remote(parts[s][2 * b]), remote(parts[s][2 * b + 1])),
+                                           merged[b], deterministic)
+                else:
+                    raise AssertionError(f"sparse_dist_attn cannot run forward op {op}")
+        results = [x for pair in results for x in pair]
+        q_buf, s_buf = recv["qo"]
+        k_buf, v_buf = recv["kv"]
         saved = (ql, kl, vl, sl, *results) + ((q_buf, s_buf, k_buf, v_buf) if keep else ())
         ctx.save_for_backward(*saved)
         ctx.routes, ctx.stages, ctx.group, ctx.scale = routes, stages, group, scale
@@ -252,26 +266,10 @@ class _SparseDistAttn(torch.autograd.Function):
         saved = ctx.saved_tensors
         ql, kl, vl, sl = saved[:4]
         outs = saved[4:4 + 2 * nb]
-        sent = []
-        for b in range(nb):
-            o, lse = outs[2 * b], outs[2 * b + 1]
-            d_out, d_lse = grads[2 * b], grads[2 * b + 1]
-            d_o = torch.zeros_like(o) if d_out is None else to_group_major(d_out, G, lead).contiguous()
-            d_l = None if d_lse is None else to_group_major(d_lse, G, lead).contiguous()
-            with nvtx_range("attn/bwd delta"):
-                delta = _per_rank(routes, lambda r, a, b_, *c_: (row_delta(a, b_, c_[0] if c_ else None),),
-                                  d_o, o, *(() if d_l is None else (d_l,)))[0]
-            sent += [d_o, lse, delta]
-        with nvtx_range("comm/cast bwd.qo"):
-            recv = group_cast(sent + ([] if ctx.keep else [ql, sl]), routes.qo_index, routes.qo_split, qcap, group,
-                              phase="bwd.qo", host_split=routes.qo_host, flag_errors=False)
-        if ctx.keep:
-            q_buf, s_buf, k_buf, v_buf = saved[4 + 2 * nb:]
-        else:
-            q_buf, s_buf = recv[3 * nb:]
-            with nvtx_range("comm/cast bwd.kv"):
-                k_buf, v_buf = group_cast([kl, vl], routes.kv_index, routes.kv_split, kcap, group, phase="bwd.kv",
-                                          host_split=routes.kv_host, flag_errors=False)
+        n = ql.shape[lead]
+        local = lambda x: x.narrow(lead, 0, n)  # noqa: E731
+        remote = lambda x, cap: x.narrow(lead, n, cap).contiguous()  # noqa: E731
+        cat = lambda a, b: torch.cat((a, b), dim=lead)  # noqa: E731
 
         def stage(s):
             def run(r, q_, k_, v_, s_, *per_branch):
@@ -290,23 +288,49 @@ class _SparseDistAttn(torch.autograd.Function):
                 return dq, dk, dv
             return run
 
-        cat = lambda a, b: torch.cat((a, b), dim=lead)  # noqa: E731
-        with nvtx_range("attn/bwd stage0"):
-            dq0, dk0, dv0 = _per_rank(routes, stage(0), ql, kl, vl, sl, *sent)
-        with nvtx_range("attn/bwd stage1"):
-            dq1, dk1, dv1 = _per_rank(routes, stage(1), cat(ql, q_buf), cat(kl, k_buf), cat(vl, v_buf),
-                                      cat(sl, s_buf), *(cat(a, b) for a, b in zip(sent, recv[:3 * nb])))
-        n = ql.shape[lead]
-        local = lambda x: x.narrow(lead, 0, n)  # noqa: E731
-        remote = lambda x, cap: x.narrow(lead, n, cap).contiguous()  # noqa: E731
-        with nvtx_range("comm/reduce bwd.dq"):
-            (dq,) = group_reduce([remote(dq1, qcap)], routes.qo_index, routes.qo_split, [dq0 + local(dq1)], group,
-                                 op="sum", phase="bwd.dq", host_split=routes.qo_host,
-                                 deterministic=ctx.deterministic, flag_errors=False)
-        with nvtx_range("comm/reduce bwd.dkv"):
-            dk, dv = group_reduce([remote(dk1, kcap), remote(dv1, kcap)], routes.kv_index, routes.kv_split,
-                                  [dk0 + local(dk1), dv0 + local(dv1)], group, op="sum", phase="bwd.dkv",
-                                  host_split=routes.kv_host, deterministic=ctx.deterministic, flag_errors=False)
+        sent, works, recv, parts, out = [], {}, {}, {}, {}
+        if ctx.keep:
+            q_buf, s_buf, k_buf, v_buf = saved[4 + 2 * nb:]
+            recv["kv"] = (k_buf, v_buf)
+        for op in backward_ops(2, ctx.keep):
+            with nvtx_range(op_range(op)):
+                if op.kind == DELTA:
+                    for b in range(nb):
+                        o, lse = outs[2 * b], outs[2 * b + 1]
+                        d_out, d_lse = grads[2 * b], grads[2 * b + 1]
+                        d_o = torch.zeros_like(o) if d_out is None else to_group_major(d_out, G, lead).contiguous()
+                        d_l = None if d_lse is None else to_group_major(d_lse, G, lead).contiguous()
+                        delta = _per_rank(routes, lambda r, a, b_, *c_: (row_delta(a, b_, c_[0] if c_ else None),),
+                                          d_o, o, *(() if d_l is None else (d_l,)))[0]
+                        sent += [d_o, lse, delta]
+                elif op.kind == CAST:
+                    tensors = sent + ([] if ctx.keep else [ql, sl]) if op.route == "qo" else [kl, vl]
+                    works[op.name] = issue(op, routes, group, tensors)
+                elif op.kind == WAIT and op.back:
+                    out[op.phase] = works[op.deps[0]].wait()
+                elif op.kind == WAIT:
+                    recv[op.route] = works[op.deps[0]].wait()
+                    if op.route == "qo" and not ctx.keep:
+                        q_buf, s_buf = recv["qo"][3 * nb:]
+                elif op.kind == ATTN:
+                    (s,) = op.stages
+                    if s == 0:
+                        args = (ql, kl, vl, sl, *sent)
+                    else:
+                        k_buf, v_buf = recv["kv"]
+                        args = (cat(ql, q_buf), cat(kl, k_buf), cat(vl, v_buf), cat(sl, s_buf),
+                                *(cat(a, b) for a, b in zip(sent, recv["qo"][:3 * nb])))
+                    parts[s] = _per_rank(routes, stage(s), *args)
+                elif op.kind == REDUCE:
+                    (s,) = op.stages
+                    pick = (0,) if op.phase == "bwd.dq" else (1, 2)
+                    acc = [parts[0][i] + local(parts[s][i]) for i in pick]
+                    cap = qcap if op.phase == "bwd.dq" else kcap
+                    works[op.name] = issue(op, routes, group, tuple(remote(parts[s][i], cap) for i in pick), acc,
+                                           ctx.deterministic)
+                else:
+                    raise AssertionError(f"sparse_dist_attn cannot run backward op {op}")
+        (dq,), (dk, dv) = out["bwd.dq"], out["bwd.dkv"]
         return (from_group_major(dq, G, lead), from_group_major(dk, G, lead), from_group_major(dv, G, lead),
                 None, None, None, None, None, None, None, None)
 
@@ -361,6 +385,7 @@ def sparse_dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sel: tor
         for an NSA layer mask, ``((out_sel, lse_sel), (out_win, lse_win))``, one pair per
         branch. Differentiable in q, k and v.
     """
+    group = as_group(group)
     _check_inputs(q, k, v, sel, plan, group)
     if validate is None:
         validate = q.device.type == "cpu" and not torch.compiler.is_compiling()

@@ -4,7 +4,7 @@ Every operation is a whole-tensor op over static shapes and the loop runs a
 fixed number of rounds, so the solve runs on any device without host reads
 (it runs on ``device="meta"``) and can be captured in a CUDA graph.
 
-The algorithm (DESIGN.md, "The solver", family 2):
+The algorithm (docs/design/solver.md, "The device algorithm"):
 
 * Start from owner-computes: every task on its query host (no Q/O traffic,
   usually unbalanced). With sub-chunk tiles (``chunk_tiles`` n > 1, units of
@@ -82,8 +82,8 @@ __all__ = ["DEFAULT_ROUNDS", "DEFAULT_STRATEGIES", "DeviceSolveResult", "IMPLS",
            "default_strategies", "run_variants", "solve_device"]
 
 IMPLS = ("torch", "triton", "persistent", "auto")
-# The torch path runs the whole portfolio as one batch below this many ranks (measured side
-# by side: 2.5x faster at P = 8, 1.1-1.3x with tiles there; the same at P = 16, slower at 32).
+# The torch path runs the whole portfolio as one batch below this many ranks: measured side by
+# side, one batch is faster there and slower above (CHANGELOG.md, "Design notes").
 TORCH_BATCH_RANKS = 16
 
 
@@ -152,8 +152,8 @@ def run_variants(tasks: Tasks, cap: torch.Tensor, strategies: tuple[Strategy, ..
             break
         if restart_every > 0 and rnd > 0 and rnd % restart_every == 0:
             # only balanced variants restart: undoing the bottleneck rank's moves of a variant
-            # still balancing throws its balancing away (a 128K-token causal pack at P = 8
-            # ended at 1.139 with every variant restarting, balanced with this rule)
+            # still balancing throws its balancing away (a long causal pack ended unbalanced with
+            # every variant restarting, balanced with this rule)
             again = (best_key < _BIG // 2)[:, None]
             A = torch.where(again, restart(tasks, best_A, step_vol(state_fn(tasks, best_A), tasks.training)), A)
             stuck = stuck & ~again[:, 0]
@@ -242,8 +242,7 @@ def solve_device(areas: BlockAreas, config: SolverConfig, *, rounds: int = DEFAU
     if tasks.training:
         # the portfolio once more under the forward rule (the forward-only plan), and the better
         # step wins: with kept buffers a plan's backward is about its forward, and either rule ends
-        # lower on some quality masks (full documents P = 16 seed 0: 336 MB per step under the
-        # training rule, 320 under the forward rule; causal P = 16 seed 0: 247 against 260)
+        # lower on some quality masks (CHANGELOG.md, "Design notes")
         other, other_variant = run(tasks.with_rule(training=False))
         theirs = _report(tasks, other, cap, state_fn, other_variant, tiles)
         usable = lambda r: r.balanced & r.fits  # noqa: E731

@@ -11,22 +11,21 @@ variants of different widths side by side.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-# Rounds of moves; measured quality stops changing after about 20.
+# Rounds of moves: more rounds changed no plan of the benchmark masks at P <= 16 (CHANGELOG.md).
 DEFAULT_ROUNDS = 24
 # Below LARGE_P ranks the bottleneck phase also takes sideways moves, and every
 # RESTART_EVERY rounds (8 and 16 of 24) each variant restarts from its best
-# state with its bottleneck rank's moves undone. Measured on the benchmark
-# masks (seeds 0-5): both lower the P = 8 and 16 medians and raise none; at
-# P = 64 they cost quality (balancing still runs past round 8 there).
+# state with its bottleneck rank's moves undone: on the benchmark masks both
+# lower the small-P medians and raise none, while from LARGE_P up balancing
+# still runs past round 8 and a restart costs quality.
 RESTART_EVERY = 8
 # Below SINGLES_P ranks the balance phase may also ship a unit's first task alone (without it,
-# only the prefix that covers the source's excess). Measured on the grid of
-# benchmarks/solver_sweep.py (48 masks per P), masks above the reference's bytes with / without:
-# P = 2: 0 / 1, P = 4: 3 / 9, P = 6: 6 / 8, but P = 8: 4 / 2; on the quality benchmark's masks
-# it raised one P = 32 and one P = 64 mask by 11-15 %.
+# only the prefix that covers the source's excess): in small CP groups that leaves fewer masks
+# above the reference's bytes, from P = 8 up more (the sweep: CHANGELOG.md).
 SINGLES_P = 8
 
 
@@ -77,37 +76,20 @@ STARTS = ("owner", "transpose", "ulysses", "shed")
 
 
 # Batches that differ in how widely they search and in the order bundles take
-# a unit's tasks, chosen by measurement: every single strategy of a grid
-# (threshold scale 1.05..inf, 1..16 units, 4..64 destinations, both orders,
-# 24..48 rounds) was run on the benchmark masks (packed documents, causal and
-# full, P = 8..64, seeds 0-2), portfolios were picked greedily within the
-# torch path's time budget, and checked on seeds 3-5: the medians of the
-# device / reference forward bottleneck are equal or lower in every cell on
-# both seed sets. More rounds than 24 changed nothing at P <= 16. The fifth
-# and sixth strategies are there for balance alone: on a wider sweep (P = 4..16,
-# 2K..8K tokens per rank, G = 4 and 8, both kinds, 4 seeds: 144 masks) the
-# first four leave two masks above mu that the reference balances, and only a
-# finite threshold or a narrow rows-first window balances them; with all six,
-# none is left. Each portfolio has a strategy that starts transposed
-# (Strategy.start): on documents that span many ranks owner-computes gathers
-# K/V from all of them, and no sequence of single moves leaves that state
-# cheaply. Measured (seeds 0-5): full documents at P = 64 drop from a median
-# of 0.90x the reference to 0.74x, and no other median of P = 32 and 64
-# rises; one full-attention sequence over P = 64 ranks from 4.2x USP's bytes
-# to 1.0x. Below P = 32 a narrow window does as well on one long sequence
-# (P = 16) at a third of the cost of the widest; from P = 32 up the wide one
-# wins on full documents. The last strategy below P = 32, smallest task
-# first, came from the small-P sweep (benchmarks/solver_sweep.py, 192 masks):
-# there a rank just above the cap whose unit's largest task fits no rank could
-# only move that task, and the worst mask (P = 6) ended at 2.07x the
-# reference; with it, 1.30x at worst, the P = 8 median 0.849 -> 0.839, 17
-# masks lower and none higher (a variant more never raises a mask); on the
-# quality masks (P = 8, 16, seeds 0-5) no median moves by more than 0.01. It
-# costs 15-30 % more torch time at P = 8 and 16 (side by side; a 16-wide
-# window, no better on any of the 192 masks, costs more at P = 16). From
-# P = 32 up a smallest-first strategy (4 units on 32 destinations, or 1 on
-# 64) lowers no median of the quality masks (seeds 0-2) and would cost a third
-# more time.
+# a unit's tasks. Picked greedily from a grid of single strategies within the
+# torch path's time budget and checked on held-out seeds (the method and the
+# figures: CHANGELOG.md, "Design notes"). Why each kind is there:
+# - the fifth and sixth are for balance alone: a finite threshold or a narrow
+#   rows-first window balances masks the first four leave above mu;
+# - the transposed start: on documents that span many ranks owner-computes
+#   gathers K/V from all of them, and no sequence of single moves leaves that
+#   state cheaply;
+# - below P = 32 a narrow window does as well on one long sequence as the
+#   widest at a fraction of its cost; from P = 32 up the wide one wins;
+# - smallest task first (last below P = 32): a rank just above the cap whose
+#   unit's largest task fits no rank could otherwise only move that task. A
+#   variant more never raises a mask; from P = 32 up this one lowers no median
+#   and would cost time.
 _INF = float("inf")
 DEFAULT_STRATEGIES = (Strategy((_INF,), units_per_rank=16, bundle_dests=16),
                       Strategy((_INF,), units_per_rank=16, bundle_dests=8, task_order="rows"),
@@ -118,7 +100,7 @@ DEFAULT_STRATEGIES = (Strategy((_INF,), units_per_rank=16, bundle_dests=16),
                       Strategy((_INF,), units_per_rank=4, bundle_dests=8, start="transpose"),
                       Strategy((_INF,), units_per_rank=16, bundle_dests=8, task_order="small"))
 # From P = 32 up: wide destination windows win (full documents), and three
-# strategies keep the torch path at P = 64 to seconds on 2 CPU cores.
+# strategies bound the torch path's time at P = 64.
 LARGE_P = 32
 LARGE_P_STRATEGIES = (Strategy((_INF,), units_per_rank=4, bundle_dests=32),
                       Strategy((_INF,), units_per_rank=1, bundle_dests=64, task_order="rows"),
@@ -126,24 +108,18 @@ LARGE_P_STRATEGIES = (Strategy((_INF,), units_per_rank=4, bundle_dests=32),
 
 
 # The last strategy of each portfolio starts from Ulysses ("ulysses": every row on its head
-# group's rank of its block). On sparse indexer masks (NSA, DSA; 2K tokens per rank, GQA 64:8)
-# the portfolio without it ended 3-5 % above USP's bytes per training step at P = 16 (forward
-# +10 %), where the Ulysses start alone is balanced (1.02-1.03) and 4.5 % below USP per step
-# (150.3 against 157.3 MB). It comes last, so the variants before it keep their indices and a
-# plan changes only where it ends strictly lower: every pinned plan digest (both objectives)
-# and every packed-document quality run but one (128K, causal, P = 8, seed 1: 0.6 % lower)
-# kept its plan.
+# group's rank of its block): on sparse indexer masks (NSA, DSA) the Ulysses start alone can
+# be balanced and below USP's bytes where the moves from the other starts end above them. It
+# comes last, so the variants before it keep their indices and a plan changes only where it
+# ends strictly lower.
 ULYSSES_STRATEGY = Strategy((_INF,), units_per_rank=4, bundle_dests=8, start="ulysses")
 LARGE_P_ULYSSES_STRATEGY = Strategy((_INF,), units_per_rank=4, bundle_dests=32, start="ulysses")
 # Below P = 32 the portfolio ends with a strategy from the "shed" start (``start.shed``): a rank
 # far above the cap ships a few head groups' best units whole, so a helper pays for their keys
-# once. Packed full documents at P = 8 with 4 tiles, seed 2 (one document of 7,392 tokens inside
-# a chunk, another of 7,625 over two): 190.2 -> 173.6 MB per training step (the reference moves
-# 224.7), which brings the P = 8 median of full documents with 4 tiles from 0.85 to 0.77 of the
-# reference's. From owner-computes or from the coarser plan single moves cannot get there: the
-# first unit of a head group to leave pays its keys alone. Smallest first with 16 units on 8
-# destinations ended lowest from this start on that mask; last, so every other variant keeps
-# its index and a plan changes only where this one ends strictly lower.
+# once. From owner-computes or from the coarser plan single moves cannot get there: the first
+# unit of a head group to leave pays its keys alone. Smallest first with 16 units on 8
+# destinations ended lowest from this start; last, so every other variant keeps its index and
+# a plan changes only where this one ends strictly lower.
 SHED_STRATEGY = Strategy((_INF,), units_per_rank=16, bundle_dests=8, task_order="small", start="shed")
 
 
@@ -162,17 +138,26 @@ def default_local_search(cp_size: int) -> tuple[bool, int, bool]:
 
 
 
+class Variant(NamedTuple):
+    """One variant of a portfolio, on the host: a row of the device tables."""
+
+    scale: float   # balance-phase threshold, a multiple of the start's forward bottleneck (inf = none)
+    units: int     # QO units each source offers per round (at most K)
+    window: int    # destinations each unit is priced against (at most D)
+    order: int     # index into TASK_ORDERS
+    start: int     # index into STARTS
+
+
 def variants(strategies: tuple[Strategy, ...], G: int, P: int, tiles: int = 1):
-    """The variants of a portfolio: ([(scale, units, window, order index, start index)] host
-    tuples, K, D).
+    """The variants of a portfolio: ([Variant], K, D).
 
     K = unit slots per source and D = window width of the widest variant; each
     variant's own counts are clipped to them.
     """
     K = min(max(st.units_per_rank for st in strategies), G * P * tiles)
     D = min(max(st.bundle_dests for st in strategies), P)
-    rows = [(x, min(st.units_per_rank, K), min(st.bundle_dests, D), TASK_ORDERS.index(st.task_order),
-             STARTS.index(st.start)) for st in strategies for x in st.threshold_scales]
+    rows = [Variant(x, min(st.units_per_rank, K), min(st.bundle_dests, D), TASK_ORDERS.index(st.task_order),
+                    STARTS.index(st.start)) for st in strategies for x in st.threshold_scales]
     return rows, K, D
 
 
@@ -183,13 +168,14 @@ def variant_tables(variants, dev) -> torch.Tensor:
     copy on a GPU, which a CUDA graph cannot capture.
     """
     fill = _fills(torch.int64, dev)
-    return torch.cat([fill(v[k]) for k in (3, 2, 1) for v in variants]).view(3, len(variants))
+    return torch.cat([fill(getattr(v, name)) for name in ("order", "window", "units")
+                      for v in variants]).view(3, len(variants))
 
 
 def variant_scales(variants, dev) -> torch.Tensor:
     """[B] fp64 threshold scale of each variant (inf = unbounded)."""
     fill = _fills(torch.float64, dev)
-    return torch.cat([fill(float(v[0])) for v in variants])
+    return torch.cat([fill(float(v.scale)) for v in variants])
 
 
 def _fills(dtype, dev):

@@ -116,3 +116,11 @@ def test_fp16_interpreter():
     q, k, v = _inputs(48, 48, 2, 1, 32, dtype=torch.float16)
     qr, kr, t = ranges([[0, 48]], [[0, 48]], [1])
     _check(q, k, v, qr, kr, t, atol=2e-3, twin=False)
+
+
+@pytest.mark.parametrize("attn_type", [0, 1, 2, 3], ids=["full", "causal", "inv_causal", "bi_causal"])
+def test_head_dim_16(attn_type):
+    """D = 16 (small models): forward and backward against the oracle and the twin."""
+    q, k, v = _inputs(40, 50, 4, 2, 16)
+    qr, kr, t = ranges([(3, 37)], [(2, 48)], [attn_type])
+    _check(q, k, v, qr, kr, t)

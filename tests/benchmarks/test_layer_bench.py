@@ -1,5 +1,6 @@
-"""benchmarks/layer_bench.py: one small run in-process writes every table, and the bytes the
-LocalGroup counted in the real run equal the plan's metrics."""
+"""benchmarks/layer_bench.py: one small run in-process writes every table, the simulated times are
+consistent (never below the ideal bound, balanced USP never slower than USP), the plan cache gives the
+same figures, and the bytes the LocalGroup counted in the real run equal the plan's, pair by pair."""
 import importlib.util
 import json
 import math
@@ -42,22 +43,27 @@ def test_layer_bench_small(bench, tmp_path, capsys):
     text = capsys.readouterr().out
     assert md.read_text().strip() == text.strip()
     assert _header(text, "kind", "P")[:3] == ["kind", "P", "runs"]  # the summary comes first
-    for columns, first, second in ((bench.SUMMARY_COLUMNS, "kind", "P"), (bench.FILL_COLUMNS, "kind", "P"),
+    for columns, first, second in ((bench.SIM_COLUMNS, "kind", "P"), (bench.SUMMARY_COLUMNS, "kind", "P"),
+                                   (bench.FILL_COLUMNS, "kind", "P"),
                                    (bench.MEMORY_COLUMNS, "P", "capacity"), (bench.REAL_COLUMNS, "kind", "keep")):
         headers = [h for h, _, _ in columns]
         assert any(ln.startswith("| " + " | ".join(headers) + " |") for ln in text.splitlines()), headers
-    assert "modelled" in text and "not measured" in text.lower()
+    assert "SIMULATED" in text and "simulated (`gpusolver.sim`), not measured" in text
 
     data = json.loads(path.read_text())
     assert data == json.loads(json.dumps(payload))
     assert data["command"].startswith("python benchmarks/layer_bench.py --P 4") and data["machine"]
     (row,) = data["rows"]
     assert row["phase_bytes_match_metrics"] and row["status"] & 4 == 0  # no BUFFER_OVERFLOW
-    for k in ("solve_ms", "fwd_mb", "bwd_mb", "usp_fwd_mb", "ring_fwd_mb", "model_fwd_ms", "model_bwd_ms",
-              "usp_fwd_ms", "usp_bwd_ms", "usp_bal_fwd_ms", "usp_bal_bwd_ms"):
+    for k in ("solve_ms", "fwd_mb", "bwd_mb", "usp_fwd_mb", "ring_fwd_mb", "sim_fwd_ms", "sim_bwd_ms",
+              "usp_fwd_ms", "usp_bwd_ms", "usp_bal_fwd_ms", "usp_bal_bwd_ms", "ideal_step_ms", "compute_ms"):
         assert isinstance(row[k], (int, float)) and math.isfinite(row[k]) and row[k] > 0, k
-    assert row["model_fwd_ms"] >= row["compute_fwd_ms"] and row["model_bwd_ms"] >= row["compute_bwd_ms"]
-    assert row["usp_bal_fwd_ms"] <= row["usp_fwd_ms"] and row["usp_bal_bwd_ms"] <= row["usp_bwd_ms"]
+    assert row["sim_step_ms"] == pytest.approx(row["sim_fwd_ms"] + row["sim_bwd_ms"])
+    assert row["sim_fwd_ms"] >= row["ideal_fwd_ms"] >= row["compute_fwd_ms"]
+    assert row["sim_bwd_ms"] >= row["ideal_bwd_ms"] >= row["compute_bwd_ms"]
+    assert row["usp_bal_step_ms"] <= row["usp_step_ms"] * (1 + 1e-12)
+    assert row["step_vs_usp"] == pytest.approx(row["sim_step_ms"] / row["usp_step_ms"])
+    assert 0 <= row["hidden_pct"] <= 100 and 0 <= row["stage0_pct"] <= 100
 
     (fill,) = data["fill"]
     # P = 4: each buffer's default is the worst case P - 1 but the QO receive buffer's, 2 G * c
@@ -71,6 +77,17 @@ def test_layer_bench_small(bench, tmp_path, capsys):
         assert r["counted"]["bwd.kv"][0] == again
     assert {m["capacity"] for m in data["memory"]} == {"default", "worst case"}
     assert data["gpu_stages"] == [] or torch.cuda.is_available()
+
+
+def test_plan_cache_gives_the_same_figures(bench, tmp_path):
+    topo = bench.Topology.preset("h200_hgx")
+    kw = dict(topology=topo, plan_cache=tmp_path / "plans")
+    first, _, _ = bench.run_instance("full", 2, 0, 64, **kw)
+    assert (tmp_path / "plans" / "full_P2_s0_c64.pt").exists() and first["solve_ms"] > 0
+    again, _, _ = bench.run_instance("full", 2, 0, 64, **kw)
+    assert again["solve_ms"] is None  # loaded, not solved
+    for k in ("sim_fwd_ms", "sim_bwd_ms", "usp_step_ms", "fwd_bytes", "bwd_bytes", "ideal_step_ms"):
+        assert again[k] == first[k], k
 
 
 def test_default_capacity():

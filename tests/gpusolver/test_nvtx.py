@@ -88,7 +88,7 @@ def test_compiled_layer_with_ranges(ranges):
     out.sum().backward()
     pushed = [n for n in ranges if n != "pop"]
     assert len(pushed) == ranges.count("pop")
-    for name in ("layer/default", "solve/metas", "solve/routes", "comm/cast fwd.qo fwd.kv", "attn/fwd stage0",
+    for name in ("layer/default", "solve/metas", "solve/routes", "comm/cast fwd.qo", "comm/cast fwd.kv", "attn/fwd stage0",
                  "attn/fwd stage1", "comm/reduce fwd.o", "attn/bwd stage1", "comm/reduce bwd.dkv"):
         assert name in pushed, name
     ranges.clear()

@@ -1,17 +1,11 @@
 """Plan digests: the device solver's assignments on a fixed set of masks, pinned.
 
-The forward constants were computed before the solver package was relaid
-out and before the training-step objective; a relayout (or a speed-up) must
-leave every plan as it was, and forward-only solves
-(``SolverConfig(objective="forward")``) keep the old figures' plans. The
-training-step objective has its own constants. The torch cases run the default
-portfolio and rounds; the Triton and persistent cases, interpreted, a small
-portfolio with a restart (the paths equal the torch one bit for bit, which
-the twin tests check step by step).
-
-The shed start's strategy (last below P = 32) changed two cases, each to a
-strictly lower objective (a later variant wins only when strictly lower), as
-the comments say.
+A relayout (or a speed-up) must leave every plan as it was. Forward-only
+solves (``SolverConfig(objective="forward")``) and the training-step objective
+have their own constants. The torch cases run the default portfolio and
+rounds; the Triton and persistent cases, interpreted, a small portfolio with a
+restart (the paths equal the torch one bit for bit, which the twin tests check
+step by step). Why each constant last changed: CHANGELOG.md, "Plan digests".
 
 Regenerate (only when plans change on purpose, saying why in the commit):
 ``TRITON_INTERPRET=1 python -m tests.gpusolver.test_solver_digest``.
@@ -65,10 +59,10 @@ def _digest(case, **config_kw) -> str:
 
 FORWARD_DIGESTS = {
     "p4-g2-causal-docs": "0db056904342e172c3b4",
-    "p8-g8-full-docs": "e171ba2cd5af7bebf955",  # the shed start's variant: 8,912,896 -> 8,825,920 B
+    "p8-g8-full-docs": "e171ba2cd5af7bebf955",
     "p8-g8-causal-docs-t2": "617d6c3f3799cd92b3a0",
     "p6-g4-causal": "20fc5fb35f68c79681eb",
-    "p8-g2-window-t3": "e305d9311369ef35629c",  # a lower whole-chunk plan to refine: 877,296 -> 840,192 B
+    "p8-g2-window-t3": "e305d9311369ef35629c",
     "p16-g8-causal-docs": "ed1605d9c24c1a904729",
     "p32-g8-full-docs": "7435b4090e7c96c38060",
     "p3-g2-causal-triton": "26cc2ad3c6fb8289017d",
@@ -84,7 +78,7 @@ TRAINING_DIGESTS = {
     "p8-g8-full-docs": "fa81a329f1fb0ed5c736",
     "p8-g8-causal-docs-t2": "617d6c3f3799cd92b3a0",
     "p6-g4-causal": "20fc5fb35f68c79681eb",
-    "p8-g2-window-t3": "e305d9311369ef35629c",  # as forward: 1,729,264 -> 1,682,432 B per step
+    "p8-g2-window-t3": "e305d9311369ef35629c",
     "p16-g8-causal-docs": "ed1605d9c24c1a904729",  # the forward rule's plan wins the step here
     "p32-g8-full-docs": "7435b4090e7c96c38060",
     "p3-g2-causal-triton": "26cc2ad3c6fb8289017d",

@@ -21,7 +21,7 @@ def _qkv(dtype=torch.float32, D=32, Hq=4, Hkv=2, device="cpu", lead=(2,)):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("D", [32, 64, 128])
+@pytest.mark.parametrize("D", [16, 32, 64, 128])
 def test_supported_combinations_pass(dtype, D):
     check_supported(*_qkv(dtype, D), LocalGroup(2))
     check_supported(*_qkv(dtype, D, device="meta"), LocalGroup(2))
@@ -29,7 +29,7 @@ def test_supported_combinations_pass(dtype, D):
 
 @pytest.mark.parametrize("kw, fragment", [
     (dict(dtype=torch.float64), "supports float32, float16, bfloat16"),
-    (dict(D=48), "head dims (32, 64, 128)"),
+    (dict(D=48), "head dims (16, 32, 64, 128)"),
     (dict(Hq=6, Hkv=4), "multiple of Hkv"),
 ])
 def test_unsupported_combinations_raise(kw, fragment):

@@ -92,6 +92,58 @@ def test_layer_inputs_checked_against_the_plan():
         dist_attn(q[0], k, v, plan, group)
 
 
+def test_layer_config_checked_at_the_call():
+    """DynamicCPAttention: the head dim at construction, head counts against q and k at the call,
+    each naming the config field and both values; dist_attn names the sparse entry points."""
+    P, c = 2, 16
+    group = LocalGroup(P)
+    with pytest.raises(ValueError, match=r"config.head_dim=48 is not a head dim of the attention kernels "
+                                         r"\(16, 32, 64, 128\)"):
+        DynamicCPAttention(group, SolverConfig(cp_size=P, num_heads_q=4, num_heads_kv=2, head_dim=48))
+    q, k, v = (shard(x, group) for x in qkv(P * c, P * c, 4, 2))  # a 4:2 model
+    for hq, hkv, match in ((8, 2, r"q has 4 heads but config.num_heads_q=8"),
+                           (4, 1, r"k has 2 heads but config.num_heads_kv=1")):
+        layer = DynamicCPAttention(group, SolverConfig(cp_size=P, num_heads_q=hq, num_heads_kv=hkv, head_dim=D,
+                                                       dtype=torch.float32), solver="reference")
+        with pytest.raises(ValueError, match=match):
+            layer(q, k, v, causal_mask(P * c))
+    sparse_mask = TokenTopKMask(torch.tensor([[0, -1]] * (P * c), dtype=torch.int32), P * c)
+    from gpusolver.runtime.sparse_attn import solve_sparse_sharded
+
+    with quiet():
+        sparse_plan = solve_sparse_sharded(sparse_mask, SolverConfig(cp_size=P, num_heads_q=4, num_heads_kv=2,
+                                                                     head_dim=D), group, solver="reference")
+    with pytest.raises(TypeError, match=r"plan must be a Plan .*got SparsePlan .*sparse_dist_attn or "
+                                        r"DynamicCPAttention"):
+        dist_attn(q, k, v, sparse_plan, group)
+    with pytest.raises(TypeError, match=r"group must be a groupcomm group .* or a torch.distributed "
+                                        r"ProcessGroup, got str"):
+        DynamicCPAttention("world", SolverConfig(cp_size=P, num_heads_q=4, num_heads_kv=2, head_dim=D))
+
+
+def _process_group_rank(rank, P):
+    """A plain torch.distributed group (the world) in place of a groupcomm one: same result as TorchGroup."""
+    import torch.distributed as torch_dist
+    from groupcomm import TorchGroup
+
+    c = 8
+    config = SolverConfig(cp_size=P, num_heads_q=2, num_heads_kv=1, head_dim=D, dtype=torch.float32)
+    mask = varlen_causal_mask([5, 7, 4])
+    q, k, v = (x[rank * c:(rank + 1) * c] for x in qkv(P * c, P * c))
+    with quiet():
+        plan = solve(mask, config, solver="reference")
+    plain = DynamicCPAttention(torch_dist.group.WORLD, config)(q, k, v, plan=plan)
+    wrapped = DynamicCPAttention(TorchGroup(), config)(q, k, v, plan=plan)
+    direct, _ = dist_attn(q, k, v, plan, torch_dist.group.WORLD)
+    return torch.equal(plain, wrapped) and torch.equal(direct, wrapped)
+
+
+def test_plain_process_group_is_accepted():
+    from tests._dist import run_ranks
+
+    assert run_ranks(_process_group_rank, 2) == [True, True]
+
+
 def test_mask_tensors_dtype_shape_device():
     good = torch.tensor([[0, 8]], dtype=torch.int32)
     from gpusolver.masks import AttnSlices
@@ -259,11 +311,11 @@ def test_heads_not_a_multiple():
         flex_attn(q, k, v, *_ranges([(0, 8, 0, 8, 1)]))
 
 
-@pytest.mark.parametrize("head_dim", [16, 48, 256])
+@pytest.mark.parametrize("head_dim", [8, 48, 256])
 def test_unsupported_head_dims(head_dim):
     q = torch.randn(8, 2, head_dim)
     k = v = torch.randn(8, 1, head_dim)
-    with pytest.raises(ValueError, match=rf"head dim D must be one of \(32, 64, 128\) .* got q D={head_dim}"):
+    with pytest.raises(ValueError, match=rf"head dim D must be one of \(16, 32, 64, 128\) .* got q D={head_dim}"):
         flex_attn(q, k, v, *_ranges([(0, 8, 0, 8, 1)]))
     with pytest.raises(ValueError, match=r"MAX_HEAD_DIM"):
         SolverConfig(cp_size=2, head_dim=2048)

@@ -1,4 +1,4 @@
-"""Numerical edges (DESIGN.md, numerics contract): rows with no key, empty masks, large logits in
+"""Numerical edges (docs/numerics.md, the numerics contract): rows with no key, empty masks, large logits in
 fp16 and bf16, softcap, merges where every lse is -inf, and P = 1.
 
 bf16 runs on the torch path only: the Triton interpreter computes bf16 wrongly (it refuses it).

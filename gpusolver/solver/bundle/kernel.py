@@ -24,9 +24,9 @@ from gpusolver.solver.offers.kernel import offers_triton
 from gpusolver.solver.state.kernel import byte_prices, rank_table
 
 _BIG_T = tl.constexpr(_BIG)
-# Destinations priced at once by the bundle kernel. At P = 64 (window 64) with 8 warps, ptxas
-# (sm_90a) reports no spill stores for tiles of 8 (184 B before the destination's key-host
-# term; a whole [128, 64] tile with 4 warps: 23,936 B). With n tiles a destination's row
+# Destinations priced at once by the bundle kernel: small enough that ptxas (sm_90a) reports no
+# spill stores at P = 64 (window 64) with 8 warps, where a whole [128, 64] tile spills (the
+# compile records: CHANGELOG.md, "Design notes"). With n tiles a destination's row
 # holds n times the task slots, so the tile holds n times fewer destinations (n = 2: none).
 _DEST_TILE = 8
 

@@ -29,7 +29,7 @@ def offers(tasks: Tasks, st: State, cap, units_per_rank: int, n_dests: int, dest
     ua = ua.scatter_add(1, tasks.qo_unit * (P + 1) + st.rank, tasks.area.expand(B, -1))
     ua = ua.view(B, G * tasks.U, P + 1)[..., :P].transpose(1, 2)  # [B, P(s), G*U]
     # heaviest first, ties by unit index: a top-k over keys made unique by the index (topk's
-    # own tie order is unspecified), 10x faster than a stable sort; a unit's area is at most
+    # own tie order is unspecified), much faster than a stable sort; a unit's area is at most
     # U * chunk^2, so the keys fit in int64 unless the chunks are huge
     GU = G * tasks.U
     if tasks.U * tasks.chunk ** 2 * GU < 1 << 62:

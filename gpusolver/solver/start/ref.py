@@ -34,7 +34,7 @@ def transpose_start(tasks: Tasks, every_unit: bool = False) -> torch.Tensor:
     head groups of even work this is Ulysses (times a ring over the P / G blocks), balanced
     whatever the mask, and moves what USP moves in the forward. Sparse indexer masks need it:
     their early rows need few remote keys and stay home under the rule above, which leaves
-    the late blocks' ranks with twice the work (NSA at P = 16: 1.90x the mean).
+    the late blocks' ranks with about twice the mean work.
     """
     G, U = tasks.G, tasks.U
     remote = tasks.valid & (tasks.k_host != tasks.q_host)
@@ -56,7 +56,7 @@ def variant_starts(tasks: Tasks, variants, start: torch.Tensor | None = None, tr
     load); the others start on the query host. A given ``start`` ([T], the tiled refine's coarser
     plan) replaces every start but "shed", which is made at this tile level: the shed pieces of a
     finer level are not the coarser plan's. Kinds index ``strategies.STARTS``."""
-    kinds = [v[4] for v in variants]
+    kinds = [v.start for v in variants]
     if start is not None and SHED not in kinds:
         return start
     if not any(kinds):

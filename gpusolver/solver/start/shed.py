@@ -7,9 +7,8 @@ pays for those keys once. So the cheapest way to shed a large excess is a few
 *pieces*, each the best few units of one head group, rather than one unit of
 many groups, and single moves from owner-computes do not find it: the first
 unit of a group to leave pays the keys alone, so it always looks dearer than
-the first unit of another group. Packed full documents at P = 8 with 4 tiles
-(seed 2): the moves from owner-computes or from the coarser plan end at
-190 MB per training step; from this start, 174 MB.
+the first unit of another group (the mask where it matters: CHANGELOG.md,
+"Design notes").
 
 Per source rank s above the cap and head group g, s's units are ranked by
 area per needed query row; a piece is a prefix of that ranking, priced as its

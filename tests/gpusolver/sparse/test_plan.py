@@ -6,8 +6,9 @@ import torch
 
 from attn_kernels.sparse_attn.ref import selected_rows
 from gpusolver.plan import BUFFER_OVERFLOW, UNASSIGNED
-from gpusolver.plan.sparse import (SelectionSpec, SparseCommCost, build_sparse_plan, solve_sparse, sparse_config)
+from gpusolver.plan.sparse import SelectionSpec, SparseCommCost, build_sparse_plan, sparse_config
 from gpusolver.runtime.sparse_attn import gather_sparse_areas, solve_sparse_sharded
+from gpusolver.sparse_solve import solve_sparse
 from groupcomm import LocalGroup
 from tests.gpusolver.sparse._cases import make_config, make_mask, scatter_plan
 

@@ -70,6 +70,8 @@ def test_local_group_equals_dense(kind, P, c, Hq, Hkv, flatten, tiles, keep, kv_
         sent, got = traffic_sums(group, phases)
         assert_close(f"{name} sent bytes", send, sent)
         assert_close(f"{name} received bytes", recv, got)
+        for ph in phases:  # the schedule's bytes, pair by pair (what the simulator prices)
+            assert torch.equal(group.pair_traffic(ph), plan.pair_bytes(ph)), ph
 
 
 @pytest.mark.parametrize("kind", ["dsa", "nsa"])

@@ -1,4 +1,8 @@
-"""The sparse solve as a torch.library custom op, for ``torch.compile(fullgraph=True)``.
+"""The solve of sparse masks (``solve_sparse``), and its assignment as a torch.library custom op.
+
+``solve_sparse`` turns a whole-sequence sparse mask into a ``SparsePlan``
+(``gpusolver.plan.sparse``); under ``torch.compile(fullgraph=True)`` its device solve
+is one custom op:
 
     gpusolver::solve_sparse_assignment(area, q_need, k_need, chunk, cp_size, tiles, num_heads_q,
                                        num_heads_kv, head_dim, dtype, imbalance_tol, impl,
@@ -17,7 +21,11 @@ from __future__ import annotations
 import torch
 
 from gpusolver.capacity import buffer_fields, buffer_ints
-from gpusolver.plan.sparse import SparseSolverConfig
+from gpusolver.assign import solve_assignment
+from gpusolver.config import SolverConfig
+from gpusolver.plan.meta import IMBALANCED
+from gpusolver.plan.sparse import (SelectionSpec, SparsePlan, SparseSolverConfig, build_sparse_plan, default_kv_block,
+                                   no_worse_than_owner, sparse_config)
 from gpusolver.problem import BlockAreas
 
 
@@ -63,6 +71,42 @@ def sparse_assignment(areas: BlockAreas, config: SparseSolverConfig, *, solver: 
     """``solve_assignment`` of sparse areas; under ``torch.compile`` the device solve is the op."""
     if torch.compiler.is_compiling() and solver == "device":
         return solve_sparse_assignment(areas, config, impl)
-    from gpusolver.solve import solve_assignment
-
     return solve_assignment(areas, config, solver=solver, impl=impl)
+
+
+def solve_sparse(mask, config: SolverConfig, *, areas: BlockAreas | None = None, solver: str = "device",
+                 impl: str = "auto", validate: bool | None = None, kv_block: int | None | str = "auto") -> SparsePlan:
+    """Solve one sparse layer from a whole-sequence mask (or its already gathered ``areas``).
+
+    mask:     BlockSparseMask, TokenTopKMask or NSALayerMask (rows of the whole sequence, or
+              any shard when ``areas`` are given: the sharded flow gathers them first).
+    config:   SolverConfig; the solver prices query moves with the selection bytes.
+    areas:    BlockAreas of the whole problem (default: computed from ``mask``, which must
+              then hold every row).
+    solver, impl: as in ``gpusolver.solve``.
+    validate: host-side checks of the mask values and the plan status (default: on for CPU).
+    kv_block: K and V as blocks of this many keys, or hulls (None); "auto": ``default_kv_block``
+              (needs the whole mask's rows).
+    """
+    from gpusolver.areas.sparse import sparse_areas, used_block_rows
+
+    spec = SelectionSpec.of(mask, config.head_groups)
+    S = mask.total_seqlen_k
+    config.check_seqlen(S)
+    if validate is None:
+        validate = mask.device.type == "cpu" and not torch.compiler.is_compiling()
+    if validate:
+        mask.validate()
+    if areas is None:
+        areas = sparse_areas(mask, config.cp_size, config.head_groups, tiles=config.chunk_tiles)
+    if kv_block == "auto":
+        kv_block = default_kv_block(mask, config)
+    used = None if kv_block is None else used_block_rows(mask, config.num_units, config.head_groups, kv_block)
+    priced = sparse_config(config, spec)
+    assignment = sparse_assignment(areas, priced, solver=solver, impl=impl)
+    assignment = no_worse_than_owner(areas, assignment, config, spec, used, kv_block)
+    plan = build_sparse_plan(areas, assignment, config, spec, S, mask_error=mask.value_error(),
+                             used_blocks=used, kv_block=kv_block)
+    if validate:
+        plan.validate(ignore=IMBALANCED)
+    return plan

@@ -1,0 +1,236 @@
+"""The runtime's schedule as data: the operations one layer executes, in order, per rank.
+
+``dist_attn`` and ``sparse_dist_attn`` run these lists op by op, and the
+simulator (``gpusolver.sim``) prices the same lists, so the model of a
+layer's time cannot drift from the code that runs it.
+
+Every rank executes the same list. An ``Op`` runs on one of two streams of
+its rank: ``"compute"`` (attention kernels, merges, and the waits that block
+it) or ``"comm"`` (the collectives, issued asynchronously in list order; the
+backend runs them one after another). An op starts when the ops before it on
+its stream have finished and its ``deps`` have finished. A collective moves
+rows of one route (``"qo"``: the plan's ``qo_split``, ``"kv"``: ``kv_split``)
+from source to destination (``back=False``) or the way back (a reduce,
+``back=True``); its bytes per (source, destination) are the split times
+``row_bytes(op, cost)``.
+
+Stages: stage 0 holds a rank's tasks whose two units are local, stages 1..
+the remote work (``CalcMeta`` has two stages: one remote stage today). Each
+remote stage lists the casts it waits for in its deps, so a schedule with
+more sub-stages only changes which waits each stage names.
+
+Shape legend: G head groups, U units (P without tiling), P ranks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+import torch
+
+__all__ = ["Op", "CAST", "REDUCE", "WAIT", "ATTN", "MERGE", "DELTA", "forward_ops", "backward_ops",
+           "row_bytes", "pair_bytes", "task_stage", "stage_area", "PHASES"]
+
+CAST, REDUCE, WAIT, ATTN, MERGE, DELTA = "cast", "reduce", "wait", "attn", "merge", "delta"
+COMPUTE, COMM = "compute", "comm"
+
+# every collective phase, with the route it moves and its direction (False: host -> helper)
+PHASES = {"fwd.qo": ("qo", False), "fwd.kv": ("kv", False), "fwd.o": ("qo", True),
+          "bwd.qo": ("qo", False), "bwd.kv": ("kv", False), "bwd.dq": ("qo", True), "bwd.dkv": ("kv", True)}
+
+
+@dataclass(frozen=True)
+class Op:
+    """One operation of a layer, as every rank runs it.
+
+    name:   unique within its list (``"fwd.cast.qo"``, ``"fwd.attn.1"``, ...).
+    kind:   CAST, REDUCE (collectives), WAIT (the compute stream blocks on a collective),
+            ATTN (one stage's attention kernel), MERGE (log-sum-exp merge of the stages'
+            local partials), DELTA (the backward's row delta on the host).
+    stream: "compute" or "comm".
+    deps:   names of ops (earlier in the list) that must finish before this one starts.
+    phase:  the groupcomm phase of a collective or wait (``"fwd.qo"``); "fwd" / "bwd" otherwise.
+    route:  "qo" or "kv" for a collective or wait, else None.
+    back:   a collective's rows go from helper to host (reduces).
+    stages: ATTN: the stage it computes; MERGE: the stages merged; REDUCE: the stages whose
+            remote partials it returns.
+    branch: the output branch a fwd.o reduce returns (NSA layers have two), else 0.
+    """
+
+    name: str
+    kind: str
+    stream: str
+    deps: tuple[str, ...] = ()
+    phase: str = ""
+    route: str | None = None
+    back: bool = False
+    stages: tuple[int, ...] = ()
+    branch: int = 0
+
+    @property
+    def collective(self) -> bool:
+        return self.kind in (CAST, REDUCE)
+
+
+def _collective(kind: str, phase: str, deps=(), stages=(), branch: int = 0, tag: str = "") -> Op:
+    route, back = PHASES[phase]
+    return Op(name=f"{phase.split('.')[0]}.{kind}.{phase.split('.')[1]}{tag}", kind=kind, stream=COMM,
+              deps=tuple(deps), phase=phase, route=route, back=back, stages=tuple(stages), branch=branch)
+
+
+def _wait(op: Op) -> Op:
+    return Op(name=op.name.replace(f".{op.kind}.", ".wait.", 1), kind=WAIT, stream=COMPUTE, deps=(op.name,),
+              phase=op.phase, route=op.route, back=op.back, stages=op.stages, branch=op.branch)
+
+
+# built once per shape, before any layer is traced: under torch.compile the lists are constants
+_LISTS: dict[tuple, tuple[Op, ...]] = {}
+
+
+def forward_ops(num_stages: int = 2, branches: int = 1) -> tuple[Op, ...]:
+    """The forward: both casts up front, stage 0 while they fly, the remote stages, merge, reduce O.
+
+    num_stages: CalcMeta stages (2: local + one remote). branches: outputs per query row.
+    """
+    key = ("fwd", num_stages, branches)
+    if key not in _LISTS:
+        _check(num_stages, branches)
+        _LISTS[key] = _forward_ops(num_stages, branches)
+    return _LISTS[key]
+
+
+def _forward_ops(num_stages: int, branches: int) -> tuple[Op, ...]:
+    cast_q, cast_kv = _collective(CAST, "fwd.qo"), _collective(CAST, "fwd.kv")
+    waits = (_wait(cast_q), _wait(cast_kv))
+    ops = [cast_q, cast_kv, Op("fwd.attn.0", ATTN, COMPUTE, phase="fwd", stages=(0,))]
+    ops += waits
+    remote = tuple(range(1, num_stages))
+    for s in remote:
+        ops.append(Op(f"fwd.attn.{s}", ATTN, COMPUTE, deps=tuple(w.name for w in waits), phase="fwd", stages=(s,)))
+    attn = tuple(f"fwd.attn.{s}" for s in range(num_stages))
+    ops.append(Op("fwd.merge", MERGE, COMPUTE, deps=attn, phase="fwd", stages=tuple(range(num_stages))))
+    reduces = [_collective(REDUCE, "fwd.o", deps=("fwd.merge",) + attn, stages=remote, branch=b,
+                           tag="" if branches == 1 else f".{b}") for b in range(branches)]
+    # the runtime reduces one branch and waits for it before the next (group_reduce is blocking there)
+    for r in reduces:
+        ops += [r, _wait(r)]
+    return tuple(ops)
+
+
+def backward_ops(num_stages: int = 2, keep_forward_buffers: bool = True) -> tuple[Op, ...]:
+    """The backward: delta on the host, the dO cast (awaited before stage 0), the stages, dQ and dK/dV back.
+
+    Without kept forward buffers Q travels with dO and K, V are cast again (``bwd.kv``).
+    """
+    key = ("bwd", num_stages, bool(keep_forward_buffers))
+    if key not in _LISTS:
+        _check(num_stages, 1)
+        _LISTS[key] = _backward_ops(num_stages, bool(keep_forward_buffers))
+    return _LISTS[key]
+
+
+def _backward_ops(num_stages: int, keep_forward_buffers: bool) -> tuple[Op, ...]:
+    ops = [Op("bwd.delta", DELTA, COMPUTE, phase="bwd")]
+    casts = [_collective(CAST, "bwd.qo", deps=("bwd.delta",))]
+    if not keep_forward_buffers:
+        casts.append(_collective(CAST, "bwd.kv"))
+    waits = []
+    for c in casts:  # the runtime casts synchronously: each is awaited before the next starts
+        waits.append(_wait(c))
+        ops += [c, waits[-1]]
+    attn = []
+    for s in range(num_stages):
+        deps = () if s == 0 else tuple(w.name for w in waits)
+        ops.append(Op(f"bwd.attn.{s}", ATTN, COMPUTE, deps=deps, phase="bwd", stages=(s,)))
+        attn.append(ops[-1].name)
+    remote = tuple(range(1, num_stages))
+    for phase in ("bwd.dq", "bwd.dkv"):
+        r = _collective(REDUCE, phase, deps=tuple(attn), stages=remote)
+        ops += [r, _wait(r)]
+    return tuple(ops)
+
+
+def _check(num_stages: int, branches: int) -> None:
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
+    if isinstance(branches, bool) or not isinstance(branches, int) or branches < 1:
+        raise ValueError(f"branches must be an int >= 1, got {branches!r}")
+
+
+def row_bytes(op: Op, cost) -> int:
+    """Bytes of one row of ``op``'s collective, priced by ``cost`` (a ``CommCost``)."""
+    branches = getattr(cost, "branches", 1)
+    table = {"fwd.qo": cost.q_fwd, "fwd.kv": cost.kv_fwd, "fwd.o": cost.o_fwd // branches,
+             "bwd.qo": cost.q_bwd, "bwd.kv": cost.kv_fwd, "bwd.dq": cost.dq_bwd, "bwd.dkv": cost.dkv_bwd}
+    if op.phase not in table:
+        raise ValueError(f"op {op.name!r} is not a collective (phase {op.phase!r})")
+    return int(table[op.phase])
+
+
+def kv_split_of(plan) -> torch.Tensor:
+    """The KV split matrix that really moves: the key blocks' when a sparse plan has them."""
+    kb = getattr(plan, "kv_blocks", None)
+    return plan.comm.kv_split if kb is None else kb.kv_split
+
+
+def op_pair_bytes(plan, op: Op, cost) -> torch.Tensor:
+    """[P(src), P(dst)] int64 bytes ``op`` moves from each source to each destination."""
+    split = plan.comm.qo_split if op.route == "qo" else kv_split_of(plan)
+    split = split.t() if op.back else split
+    return split.to(torch.int64) * row_bytes(op, cost)
+
+
+def plan_ops(plan, phase: str, keep_forward_buffers: bool) -> tuple[Op, ...]:
+    """The forward or backward op list a plan runs (its stage count and branches)."""
+    calc = getattr(plan, "calc", None)
+    num_stages = calc.q_ranges.shape[1] if calc is not None else 2
+    if phase == "fwd":
+        branches = 2 if getattr(getattr(plan, "spec", None), "window_size", 0) else 1
+        return forward_ops(num_stages, branches)
+    return backward_ops(num_stages, keep_forward_buffers)
+
+
+def pair_bytes(plan, phase: str, cost) -> torch.Tensor:
+    """[P(src), P(dst)] int64 bytes a layer moves from source to destination.
+
+    phase: "fwd" or "bwd" (every collective of that pass), or one collective's phase
+    (``"fwd.qo"``, ``"fwd.kv"``, ``"fwd.o"``, ``"bwd.qo"``, ``"bwd.kv"``, ``"bwd.dq"``, ``"bwd.dkv"``).
+    cost: the ``CommCost`` pricing a row (its ``keep_forward_buffers`` decides ``bwd.kv``).
+    """
+    if cost is None:
+        raise ValueError("pair_bytes needs the plan's CommCost (the plan was built without one: pass cost=)")
+    if phase not in ("fwd", "bwd") and phase not in PHASES:
+        raise ValueError(f"phase must be 'fwd', 'bwd' or one of {sorted(PHASES)}, got {phase!r}")
+    P = plan.comm.cp_size
+    total = torch.zeros(P, P, dtype=torch.int64, device=plan.comm.qo_split.device)
+    for op in plan_ops(plan, phase.split(".")[0], cost.keep_forward_buffers):
+        if op.collective and (op.phase == phase or op.phase.startswith(phase + ".")):
+            total = total + op_pair_bytes(plan, op, cost)
+    return total
+
+
+def task_stage(plan) -> torch.Tensor:
+    """[G, U, U] int32: -1 for an empty task, 0 when both its units are on its rank, 1 otherwise."""
+    a = plan.assignment.long()
+    G, U, _ = a.shape
+    P = plan.comm.cp_size
+    host = plan.comm.unit_host()
+    r = a.clamp(0, P - 1)
+    remote = (host.view(1, U, 1) != r) | (host.view(1, 1, U) != r)
+    empty = (a < 0) | (a >= P) | (plan.area <= 0)
+    return torch.where(empty, -1, remote.to(torch.int32)).to(torch.int32)
+
+
+def stage_area(plan, num_stages: int = 2) -> torch.Tensor:
+    """[P, num_stages] int64: valid (q, k) entries per head group each rank computes in each stage."""
+    P = plan.comm.cp_size
+    st = task_stage(plan).long()
+    a = plan.assignment.long().clamp(0, P - 1)
+    key = torch.where(st >= 0, a * num_stages + st.clamp(max=num_stages - 1), P * num_stages).reshape(-1)
+    area = torch.where(st >= 0, plan.area.long(), 0).reshape(-1)
+    out = torch.zeros(P * num_stages + 1, dtype=torch.int64, device=area.device).scatter_add_(0, key, area)
+    return out[:-1].view(P, num_stages)
+
+
+for _branches in (1, 2):
+    forward_ops(2, _branches)
+for _keep in (True, False):
+    backward_ops(2, _keep)

@@ -1,0 +1,196 @@
+"""The discrete-event core: per-rank streams, serialised links, collectives that move bytes.
+
+A run takes one list of ``SimOp`` that every rank executes in order (the
+runtime's own schedule, priced, or a baseline's) and a ``Topology``, and
+places every op in time:
+
+- each rank has streams (``"compute"``, ``"comm"``, ...); an op starts when
+  the ops before it on its stream have finished and its deps have finished
+  on that rank;
+- a compute op lasts its per-rank ``duration``; a wait lasts nothing (it
+  blocks its stream until its deps are done);
+- a collective moves ``transfers`` (source, destination, bytes). A transfer
+  inside a node goes through the source GPU's NVLink send side and the
+  destination GPU's NVLink receive side; across nodes, through the source
+  NIC's send side and the destination NIC's receive side. Each side moves its
+  bytes one collective after another at its full bandwidth (serialised), so no
+  link ever carries more than its bandwidth allows;
+- ``mode="a2a"`` (an all-to-all-v): it starts when every rank has reached it;
+  each link side then moves all of the collective's bytes through it back to
+  back (as a pipelined exchange does), and the collective completes on every
+  rank at once, when the busiest side is done; ``mode="p2p"``: each transfer
+  starts when both its ends have reached the op and both its sides are free
+  (the one that can start first goes first), holds them for its own bytes, and a rank is done when its own transfers are.
+  Each collective (a2a) or transfer (p2p) pays the topology's latency once,
+  the inter-node one when it crosses nodes.
+
+Times are seconds from the start of the run.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gpusolver.topology import Topology
+
+__all__ = ["SimOp", "Interval", "Run", "run_ops"]
+
+
+@dataclass(frozen=True)
+class SimOp:
+    """One op of a priced schedule.
+
+    name:      unique in the list.
+    stream:    the rank's stream it runs on.
+    deps:      names of earlier ops it waits for (on the same rank).
+    duration:  compute: seconds per rank ([P] floats); None for collectives and waits.
+    transfers: collective: ((src, dst, bytes), ...); None otherwise.
+    mode:      "a2a" or "p2p" for a collective.
+    label:     what the timeline shows (default the name).
+    """
+
+    name: str
+    stream: str
+    deps: tuple[str, ...] = ()
+    duration: tuple[float, ...] | None = None
+    transfers: tuple[tuple[int, int, int], ...] | None = None
+    mode: str = "a2a"
+    label: str = ""
+
+    @property
+    def collective(self) -> bool:
+        return self.transfers is not None
+
+
+@dataclass(frozen=True)
+class Interval:
+    """One bar of the timeline: ``rank``'s ``lane`` busy with ``label`` from ``start`` to ``end`` (seconds).
+
+    lane: a stream name, or a link side: "nvlink send", "nvlink recv", "ib send", "ib recv"
+    (a NIC's bars are drawn on each GPU that moves bytes through it).
+    """
+
+    rank: int
+    lane: str
+    label: str
+    start: float
+    end: float
+
+
+@dataclass
+class Run:
+    """What a run placed: per-rank end of every op, the timeline, busy time per stream."""
+
+    cp_size: int
+    end: dict[str, list[float]] = field(default_factory=dict)
+    start: dict[str, list[float]] = field(default_factory=dict)
+    intervals: list[Interval] = field(default_factory=list)
+
+    @property
+    def makespan(self) -> float:
+        return max((max(v) for v in self.end.values()), default=0.0)
+
+    def busy(self, rank: int, lane: str) -> float:
+        return sum(i.end - i.start for i in self.intervals if i.rank == rank and i.lane == lane)
+
+
+class _Links:
+    """Free time of every link side, and the placement of transfers on them."""
+
+    def __init__(self, topo: Topology):
+        self.topo = topo
+        self.free: dict[tuple[str, int], float] = {}
+
+    def sides(self, src: int, dst: int) -> tuple[bool, tuple[str, int], tuple[str, int]]:
+        t = self.topo
+        if t.same_node(src, dst):
+            return False, ("nvlink send", src), ("nvlink recv", dst)
+        return True, ("ib send", t.nic_of(src)), ("ib recv", t.nic_of(dst))
+
+    def place_all(self, moves, earliest: float, label: str, out: list) -> float:
+        """Every side moves its share of ``moves`` back to back from ``earliest``: when the last is done."""
+        load: dict[tuple[str, int], int] = {}
+        ranks: dict[tuple[str, int], set] = {}
+        for s, d, b in moves:
+            _, a, c = self.sides(s, d)
+            for side, rank in ((a, s), (c, d)):
+                load[side] = load.get(side, 0) + b
+                ranks.setdefault(side, set()).add(rank)
+        last = earliest
+        for side, b in load.items():
+            start = max(earliest, self.free.get(side, 0.0))
+            end = start + self.topo.link_seconds(b, inter_node=side[0].startswith("ib"))
+            self.free[side] = end
+            last = max(last, end)
+            out.extend(Interval(r, side[0], label, start, end) for r in sorted(ranks[side]))
+        return last
+
+    def earliest(self, src: int, dst: int, nbytes: int, earliest: float) -> float:
+        """When a transfer could start: both its sides free, not before ``earliest``."""
+        _, a, b = self.sides(src, dst)
+        return max(earliest, self.free.get(a, 0.0), self.free.get(b, 0.0))
+
+    def place(self, src: int, dst: int, nbytes: int, earliest: float, label: str, out: list) -> float:
+        inter, a, b = self.sides(src, dst)
+        start = max(earliest, self.free.get(a, 0.0), self.free.get(b, 0.0))
+        end = start + self.topo.link_seconds(nbytes, inter_node=inter)
+        self.free[a] = self.free[b] = end
+        out.append(Interval(src, a[0], label, start, end))
+        out.append(Interval(dst, b[0], label, start, end))
+        return end
+
+
+def run_ops(ops, cp_size: int, topo: Topology) -> Run:
+    """Place ``ops`` (every rank runs the same list) on ``cp_size`` ranks of ``topo``."""
+    P = cp_size
+    run = Run(P)
+    links = _Links(topo)
+    stream_free: dict[str, list[float]] = {}
+    for op in ops:
+        if op.name in run.end:
+            raise ValueError(f"op name {op.name!r} appears twice")
+        missing = [d for d in op.deps if d not in run.end]
+        if missing:
+            raise ValueError(f"op {op.name!r} depends on {missing}, which come later or not at all")
+        free = stream_free.setdefault(op.stream, [0.0] * P)
+        ready = [max([free[r]] + [run.end[d][r] for d in op.deps]) for r in range(P)]
+        label = op.label or op.name
+        if op.collective:
+            end = _collective(op, ready, links, label, run.intervals, P)
+        elif op.duration is not None:
+            if len(op.duration) != P:
+                raise ValueError(f"op {op.name!r} has {len(op.duration)} durations for {P} ranks")
+            end = [ready[r] + op.duration[r] for r in range(P)]
+            run.intervals.extend(Interval(r, op.stream, label, ready[r], end[r])
+                                 for r in range(P) if op.duration[r] > 0)
+        else:  # a wait
+            end = ready
+        run.start[op.name] = ready
+        run.end[op.name] = end
+        stream_free[op.stream] = end
+    return run
+
+
+def _latency(topo: Topology, transfers) -> float:
+    inter = any(not topo.same_node(s, d) for s, d, _ in transfers)
+    return topo.latency_seconds(inter_node=inter)
+
+
+def _collective(op: SimOp, ready: list[float], links: _Links, label: str, out: list, P: int) -> list[float]:
+    moves = [(s, d, b) for s, d, b in op.transfers if b > 0 and s != d]
+    for s, d, _ in moves:
+        if not (0 <= s < P and 0 <= d < P):
+            raise ValueError(f"op {op.name!r} moves bytes between ranks {s} and {d} outside [0, {P})")
+    topo = links.topo
+    if op.mode == "a2a":
+        start = max(ready) + _latency(topo, moves)
+        return [links.place_all(moves, start, label, out)] * P
+    if op.mode != "p2p":
+        raise ValueError(f"op {op.name!r}: mode must be 'a2a' or 'p2p', got {op.mode!r}")
+    end = list(ready)
+    left = [(s, d, b, max(ready[s], ready[d]) + _latency(topo, [(s, d, b)])) for s, d, b in moves]
+    while left:  # the transfer that can start first goes first (ties: source, then destination)
+        k = min(range(len(left)), key=lambda i: (links.earliest(*left[i]), left[i][0], left[i][1]))
+        s, d, b, earliest = left.pop(k)
+        t = links.place(s, d, b, earliest, label, out)
+        end[s], end[d] = max(end[s], t), max(end[d], t)
+    return end
