@@ -85,6 +85,15 @@ class SolverConfig:
                         (``capacity.keep_for_budget``, a function of the config
                         and c alone); the kinds not kept are sent again in the
                         backward, and the solve prices those bytes.
+    num_stages:         S, remote sub-stages of the layer (static). Stage 0 computes
+                        the tasks whose units are all local; the remote tasks of
+                        each rank are cut into S sub-stages by when their bytes
+                        land (``gpusolver.plan.stages``), each with its own cast,
+                        receive buffers (the QO and KV receive rows each, so S
+                        times the receive memory) and reduce, so later casts overlap
+                        earlier sub-stages and each sub-stage's partials return
+                        while the next computes. 1 (default) is the two-stage
+                        layer: one cast, one remote stage, one reduce.
     objective:          what the device solver minimises among balanced plans.
                         "training" (default): the bytes of a training step,
                         ``max_r fwd_r + max_r bwd_r`` (each phase a rank's
@@ -111,15 +120,16 @@ class SolverConfig:
     keep_forward_buffers: bool | str = True
     memory_budget: float | None = None
     objective: str = "training"
+    num_stages: int = 1
     auto_tiles: bool = False
 
     def __post_init__(self):
         if self.chunk_tiles == "auto":  # an int from here on: whole chunks until solve resolves the cap
             object.__setattr__(self, "chunk_tiles", 1)
             object.__setattr__(self, "auto_tiles", True)
-        for name in ("cp_size", "num_heads_q", "num_heads_kv", "head_dim", "chunk_tiles"):
+        for name in ("cp_size", "num_heads_q", "num_heads_kv", "head_dim", "chunk_tiles", "num_stages"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v <= 0:
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if self.num_heads_q % self.num_heads_kv:
             raise ValueError(

@@ -19,15 +19,17 @@ from ._routing import put_targets
 
 
 class HostSplits:
-    """The ``[P, P]`` split matrix on the host, copied once without blocking.
+    """The ``[P, P]`` split matrix (or a stack ``[B, P, P]`` of them) on the host, copied once
+    without blocking.
 
     On CUDA the copy goes into pinned memory behind an event; ``get()`` waits
-    for it and returns the matrix as a list of lists (cached).
+    for it and returns the matrix as a list of lists (cached). ``parts()`` of a
+    stack gives one ``HostSplits`` per matrix, all sharing the one copy.
     """
 
     def __init__(self, split: torch.Tensor):
-        if split.dim() != 2 or split.shape[0] != split.shape[1]:
-            raise ValueError(f"host_splits: split must be [P, P], got {tuple(split.shape)}")
+        if split.dim() not in (2, 3) or split.shape[-1] != split.shape[-2]:
+            raise ValueError(f"host_splits: split must be [P, P] or [B, P, P], got {tuple(split.shape)}")
         self._event = None
         self._rows: list[list[int]] | None = None
         if split.is_cuda:
@@ -47,9 +49,26 @@ class HostSplits:
             self._rows = self._host.tolist()
         return self._rows
 
+    def parts(self) -> list["HostSplits"]:
+        """One ``HostSplits`` per matrix of a ``[B, P, P]`` stack (they share this copy)."""
+        if self._host.dim() != 3:
+            raise ValueError(f"parts() needs a [B, P, P] stack, this holds {tuple(self._host.shape)}")
+        return [_HostSplitPart(self, b) for b in range(self._host.shape[0])]
+
+
+class _HostSplitPart(HostSplits):
+    """Matrix ``b`` of a stacked ``HostSplits``: its ``get()`` waits for the shared copy."""
+
+    def __init__(self, parent: HostSplits, b: int):  # noqa: D107 - no copy of its own
+        self._parent, self._b = parent, b
+
+    def get(self) -> list[list[int]]:
+        return self._parent.get()[self._b]
+
 
 def host_splits(split: torch.Tensor) -> HostSplits:
-    """Start the one device-to-host copy of ``split [P, P]``; pass the result as ``host_split=``."""
+    """Start the one device-to-host copy of ``split [P, P]`` (or ``[B, P, P]``: then pass
+    ``.parts()[b]``); pass the result as ``host_split=``."""
     return HostSplits(split)
 
 
@@ -58,18 +77,24 @@ class TorchGroup:
 
     ``timeout`` bounds each wait (default: the process group's own timeout);
     a failed or timed-out exchange raises ``CollectiveError``.
+    ``transport``: ``"a2a"`` (default) moves each call's rows in one ``all_to_all_single``;
+    ``"p2p"`` posts one send and one receive per peer with rows to move
+    (``batch_isend_irecv``), so a pair's rows need not wait for the whole group.
     ``traffic(phase)`` returns this rank's (sent, recv) bytes as host ints.
     """
 
     batched = False
 
-    def __init__(self, process_group=None, timeout: timedelta | None = None):
+    def __init__(self, process_group=None, timeout: timedelta | None = None, transport: str = "a2a"):
+        if transport not in ("a2a", "p2p"):
+            raise ValueError(f"TorchGroup: transport must be 'a2a' or 'p2p', got {transport!r}")
         if not dist.is_initialized():
             raise ValueError("TorchGroup: torch.distributed is not initialized (call init_process_group)")
         self.process_group = process_group
         self.rank = dist.get_rank(process_group)
         self.size = dist.get_world_size(process_group)
         self.timeout = timeout
+        self.transport = transport
         self._traffic = HostTraffic()
 
     def __repr__(self) -> str:
@@ -91,21 +116,43 @@ class TorchGroup:
             return CollectiveError(f"rank {self.rank}: {phase} all-to-all over {self.size} ranks failed: {e}")
 
         try:
-            work = dist.all_to_all_single(out, inp, out_sizes, in_sizes, group=self.process_group,
-                                          async_op=True)
+            if self.transport == "a2a":
+                works = [dist.all_to_all_single(out, inp, out_sizes, in_sizes, group=self.process_group,
+                                                async_op=True)]
+            else:
+                works = self._p2p(out, inp, out_sizes, in_sizes)
         except Exception as e:
             raise fail(e) from e
 
         def wait() -> None:
             try:
-                if self.timeout is None:
-                    work.wait()
-                else:
-                    work.wait(self.timeout)
+                for work in works:
+                    if self.timeout is None:
+                        work.wait()
+                    else:
+                        work.wait(self.timeout)
             except Exception as e:
                 raise fail(e) from e
 
         return wait
+
+    def _p2p(self, out: torch.Tensor, inp: torch.Tensor, out_sizes: list[int], in_sizes: list[int]) -> list:
+        """One isend / irecv per peer with rows (the all-to-all-v's layout: segments by peer rank)."""
+        ops = []
+        o_off = i_off = 0
+        for peer in range(self.size):
+            n_out, n_in = out_sizes[peer], in_sizes[peer]
+            if peer == self.rank:  # rows to itself (none in a plan's routing) are a local copy
+                out[o_off:o_off + n_out].copy_(inp[i_off:i_off + n_in])
+            else:
+                g = peer if self.process_group is None else dist.get_global_rank(self.process_group, peer)
+                if n_in:
+                    ops.append(dist.P2POp(dist.isend, inp[i_off:i_off + n_in], g, group=self.process_group))
+                if n_out:
+                    ops.append(dist.P2POp(dist.irecv, out[o_off:o_off + n_out], g, group=self.process_group))
+            o_off += n_out
+            i_off += n_in
+        return dist.batch_isend_irecv(ops) if ops else []
 
     def _sizes(self, rows: list[list[int]], send_cap: int, recv_capacity: int, what: str):
         r = self.rank

@@ -18,6 +18,7 @@ from gpusolver.plan.calc_meta import build_calc_meta, default_stage_capacity
 from gpusolver.plan.comm_meta import build_comm_meta
 from gpusolver.plan.meta import (BUFFER_OVERFLOW, CALC_OVERFLOW, IMBALANCED, INVALID_MASK, NEED_MISMATCH, UNASSIGNED,
                                  Plan)
+from gpusolver.plan.stages import assign_stages
 from gpusolver.problem import BlockAreas
 
 
@@ -74,13 +75,14 @@ def plan_capacities(config: SolverConfig, num_slices: int, chunk: int, *, recv_c
         rows = replace(rows, qo_recv=recv_capacity, kv_recv=recv_capacity)
     if send_capacity is not None:
         rows = replace(rows, qo_send=send_capacity, kv_send=send_capacity)
-    check_plan_rows(G, chunk, rows.largest_recv)  # CalcMeta rows index local rows, then a receive buffer, in int32
+    # CalcMeta rows index local rows, then the sub-stages' receive buffers (per kind), in int32
+    check_plan_rows(G, chunk, rows.largest_recv, config.num_stages)
     return stage, rows
 
 
 def build_plan(mask: AttnSlices, areas: BlockAreas, assignment: torch.Tensor, config: SolverConfig, *,
                imbalance_tol: float | None = None, recv_capacity: int | None = None,
-               send_capacity: int | None = None, buffers: BufferRows | None = None) -> Plan:
+               send_capacity: int | None = None, buffers: BufferRows | None = None, topology=None) -> Plan:
     """The Plan of an assignment, for all ranks at once. Sync-free.
 
     mask:          AttnSlices, q_ranges / k_ranges [R, 2] or [G, R, 2], attn_type
@@ -91,7 +93,11 @@ def build_plan(mask: AttnSlices, areas: BlockAreas, assignment: torch.Tensor, co
     config:        SolverConfig (P, G, byte costs, mu, ``max_stage_slices``).
     imbalance_tol: mu for the IMBALANCED bit (default ``config.imbalance_tol``).
     recv_capacity, send_capacity, buffers: the collective buffers' rows
-                   (default: ``plan_capacities``).
+                   (default: ``plan_capacities``); with ``config.num_stages`` S > 1 each
+                   sub-stage has its own QO and KV receive buffers of those rows.
+    topology:      the cluster (``gpusolver.topology.Topology``) for the order of the
+                   sub-stages (intra-node sources first); None: ``config.topology`` if the
+                   config has one, else one link class.
 
     Returns a Plan whose shapes depend only on (config, R, c, capacities).
     Problems are reported in ``plan.status``; call ``plan.validate()`` on the
@@ -105,8 +111,12 @@ def build_plan(mask: AttnSlices, areas: BlockAreas, assignment: torch.Tensor, co
 
     cost = config.cost()
     metrics = evaluate(areas, assignment, cost)
-    comm, comm_overflow = build_comm_meta(areas, assignment, buffers=rows)
-    calc, flags = build_calc_meta(mask, areas, assignment, comm, stage_cap)
+    S = config.num_stages
+    if topology is None:  # the config's cluster, where the config carries one
+        topology = getattr(config, "topology", None)
+    task_stage = assign_stages(areas, assignment, S, cost=cost, topology=topology)
+    comm, comm_overflow = build_comm_meta(areas, assignment, buffers=rows, task_stage=task_stage, num_stages=S)
+    calc, flags = build_calc_meta(mask, areas, assignment, comm, stage_cap, task_stage if S > 1 else None)
 
     def bit(flag: torch.Tensor, value: int) -> torch.Tensor:
         return flag.to(torch.int32) * value
@@ -116,4 +126,4 @@ def build_plan(mask: AttnSlices, areas: BlockAreas, assignment: torch.Tensor, co
               | bit(flags["unassigned"], UNASSIGNED) | bit(flags["mismatch"], NEED_MISMATCH)
               | bit(mask.value_error(), INVALID_MASK))
     return Plan(assignment=assignment, metrics=metrics, comm=comm, calc=calc, status=status,
-                area=areas.area, imbalance_tol=mu, cost=cost)
+                area=areas.area, imbalance_tol=mu, cost=cost, stage_of_task=task_stage)

@@ -86,14 +86,16 @@ def slice_pieces(qs, qe, ks, ke, attn_type, i, j, chunk: int):
 
 
 def build_calc_meta(mask: AttnSlices, areas: BlockAreas, assignment: torch.Tensor, comm: CommMeta,
-                    capacity: int) -> tuple[CalcMeta, dict[str, torch.Tensor]]:
+                    capacity: int, task_stage: torch.Tensor | None = None) -> tuple[CalcMeta, dict[str, torch.Tensor]]:
     """CalcMeta for all ranks, plus device flags.
 
     mask:       AttnSlices, ungrouped [R, 2] or grouped [G, R, 2].
     areas:      BlockAreas of the same mask (q_need / k_need [G, U, U, 2] int64, U = n * P).
     assignment: [G, U, U] integer, rank of task (g, i, j); -1 for empty tasks.
-    comm:       the CommMeta of the same assignment (buffer offsets).
+    comm:       the CommMeta of the same assignment (buffer offsets, ``num_stages`` S).
     capacity:   cap, slice rows per rank and stage (static).
+    task_stage: [G, U, U] int32 stage of each task (``gpusolver.plan.stages``); None: 0 for
+                tasks whose units are both on their rank, 1 for the rest (needs S = 1).
 
     Returns (CalcMeta, flags) with flags ``calc_overflow``, ``buffer_overflow``,
     ``unassigned``, ``mismatch``: [] bool tensors. A piece that cannot be placed
@@ -120,7 +122,8 @@ def build_calc_meta(mask: AttnSlices, areas: BlockAreas, assignment: torch.Tenso
     valid = valid.reshape(Gm, M)
 
     # 2. compact to a static capacity in (i, j, slice, piece) order.
-    ncap = min(M, -(-2 * P * capacity // G) if Gm == 1 else 2 * P * capacity)
+    ns = comm.num_stages + 1  # the pieces fill at most (S + 1) * P buckets of cap rows
+    ncap = min(M, -(-ns * P * capacity // G) if Gm == 1 else ns * P * capacity)
     count = valid.sum(dim=1)                                   # [Gm]
     pos = valid.long().cumsum(dim=1) - 1
     dst = torch.where(valid & (pos < ncap), pos, ncap)
@@ -142,7 +145,11 @@ def build_calc_meta(mask: AttnSlices, areas: BlockAreas, assignment: torch.Tenso
     has_rank = (r >= 0) & (r < P)
     r = r.clamp(0, P - 1)
     q_local, k_local = host[i] == r, host[j] == r
-    stage = (~(q_local & k_local)).long()
+    S = comm.num_stages
+    if task_stage is None and S > 1:
+        raise ValueError(f"a plan of {S} sub-stages needs the task_stage of its assignment")
+    two = (~(q_local & k_local)).long()  # 0 local, 1 remote: the stage of a task with no sub-stage
+    stage = two if task_stage is None else torch.where(task_stage[g, i, j] >= 0, task_stage[g, i, j].long(), two)
     qu, ku, qn, kn = q0 - i * cu, k0 - j * cu, q1 - q0, k1 - k0  # unit-local starts
     qn_lo, qn_hi = areas.q_need[g, i, j, 0], areas.q_need[g, i, j, 1]
     kn_lo, kn_hi = areas.k_need[g, i, j, 0], areas.k_need[g, i, j, 1]
@@ -153,15 +160,22 @@ def build_calc_meta(mask: AttnSlices, areas: BlockAreas, assignment: torch.Tenso
     kv_lo, kv_hi = comm.kv_range[g, j, r, 0], comm.kv_range[g, j, r, 1]
     range_ok = ((q_local | ((ql >= qo_lo) & (ql + qn <= qo_hi)))
                 & (k_local | ((kl >= kv_lo) & (kl + kn <= kv_hi))))
-    qrow = torch.where(q_local, g * c + ql, G * c + comm.qo_recv_offset[g, i, r] + ql - qo_lo)
-    krow = torch.where(k_local, g * c + kl, G * c + comm.kv_recv_offset[g, j, r] + kl - kv_lo)
-    buf_ok = (qrow + qn <= G * c + comm.qo_recv_capacity) & (krow + kn <= G * c + comm.kv_recv_capacity)
+    cap_q, cap_k = comm.qo_recv_capacity, comm.kv_recv_capacity
+    if S == 1:
+        q_base = k_base = G * c
+    else:  # a remote unit sits in its kind's buffer of the first sub-stage that uses it
+        q_first, k_first = comm.qo_stage[g, i, r, 0].clamp(min=1), comm.kv_stage[g, j, r, 0].clamp(min=1)
+        q_base, k_base = G * c + (q_first - 1) * cap_q, G * c + (k_first - 1) * cap_k
+    q_end, k_end = q_base + cap_q, k_base + cap_k
+    qrow = torch.where(q_local, g * c + ql, q_base + comm.qo_recv_offset[g, i, r] + ql - qo_lo)
+    krow = torch.where(k_local, g * c + kl, k_base + comm.kv_recv_offset[g, j, r] + kl - kv_lo)
+    buf_ok = (qrow + qn <= q_end) & (krow + kn <= k_end)
     placed = item & has_rank
     keep = placed & need_ok & range_ok & buf_ok
 
     # 4. deal to (rank, stage) buckets in (g, slice order), clip at capacity.
-    nb = 2 * P
-    key = torch.where(keep, r * 2 + stage, nb).reshape(-1)
+    nb = ns * P
+    key = torch.where(keep, r * ns + stage, nb).reshape(-1)
     counts = torch.zeros(nb + 1, dtype=torch.long, device=dev).scatter_add_(0, key, torch.ones_like(key))
     starts = counts.cumsum(0) - counts
     skey, perm = torch.sort(key, stable=True)
@@ -170,16 +184,17 @@ def build_calc_meta(mask: AttnSlices, areas: BlockAreas, assignment: torch.Tenso
     rows = torch.stack((qrow, qrow + qn, krow, krow + kn, ptype), dim=-1).reshape(-1, 5)[perm]
     out = torch.zeros(nb * capacity + 1, 5, dtype=torch.long, device=dev)
     out[out_at] = rows
-    out = out[:-1].view(P, 2, capacity, 5).to(torch.int32)
+    out = out[:-1].view(P, ns, capacity, 5).to(torch.int32)
 
     # 5. per-task counts (exact, independent of compaction) and flags.
     pieces_g = task_pieces.expand(G, U, U)
     task_has = (assign >= 0) & (assign < P)
     task_r = assign.clamp(0, P - 1)
-    task_stage = ((host.view(1, U, 1) != task_r) | (host.view(1, 1, U) != task_r)).long()
-    task_key = torch.where(task_has, task_r * 2 + task_stage, nb).reshape(-1)
+    task_two = ((host.view(1, U, 1) != task_r) | (host.view(1, 1, U) != task_r)).long()
+    task_st = task_two if task_stage is None else torch.where(task_stage >= 0, task_stage.long(), task_two)
+    task_key = torch.where(task_has, task_r * ns + task_st, nb).reshape(-1)
     needed = torch.zeros(nb + 1, dtype=torch.long, device=dev).scatter_add_(0, task_key, pieces_g.reshape(-1))
-    needed = needed[:nb].view(P, 2)
+    needed = needed[:nb].view(P, ns)
     nonempty = (areas.area > 0) | (pieces_g > 0)
     flags = {
         "calc_overflow": (needed > capacity).any() | (count > ncap).any(),
@@ -189,6 +204,6 @@ def build_calc_meta(mask: AttnSlices, areas: BlockAreas, assignment: torch.Tenso
     }
     calc = CalcMeta(q_ranges=out[..., 0:2].contiguous(), k_ranges=out[..., 2:4].contiguous(),
                     attn_type=out[..., 4].contiguous(),
-                    num_rows=counts[:nb].clamp(max=capacity).view(P, 2).to(torch.int32),
+                    num_rows=counts[:nb].clamp(max=capacity).view(P, ns).to(torch.int32),
                     needed_rows=needed.to(torch.int32))
     return calc, flags

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from gpusolver.plan import records
-from gpusolver.plan.gather import send_index
+from gpusolver.plan.gather import return_gather, send_index
 
 # Status bits of Plan.status (a 0-dim int32 bitfield computed on device).
 IMBALANCED = 1       # max load > imbalance_tol * mean load
@@ -76,6 +76,20 @@ class CommMeta:
                                     results of those rows come back into.
     tiles:                          n, units per rank (host int, default 1).
 
+    Sub-stages (``num_stages`` S > 1; with S = 1 the fields below are None and
+    everything is one cast, one buffer, one reduce):
+
+    qo_stage, kv_stage:             [G, U(unit), P(dest), 2] int64 — (first, last) sub-stage
+                                    of dest that uses the transfer; 0 when nothing travels.
+                                    Its rows travel in cast ``first`` (into that stage's own
+                                    buffer: ``*_recv_offset`` is then the start within it) and
+                                    its partial results return in reduce ``last``.
+    qo_stage_split, kv_stage_split: [S, P(src), P(dst)] int64 — split sizes of each cast.
+    qo_return_split, kv_return_split: [S, P(src), P(dst)] int64 — rows src sent to dst whose
+                                    partials come back in reduce s.
+    qo_return_offset, kv_return_offset: [G, U, P(dest)] int64 — where the transfer's rows start
+                                    in reduce ``last``'s buffer (same (host, g, tile) order).
+
     A remote QO row ``t`` (chunk-local) of unit (g, u) on dest r sits at buffer row
     ``qo_recv_offset[g, u, r] + t - qo_range[g, u, r, 0]``. Rows beyond
     a receive or send capacity are never indexed: the plan's status gets
@@ -96,6 +110,15 @@ class CommMeta:
     qo_send_capacity: int
     kv_send_capacity: int
     tiles: int = 1
+    num_stages: int = 1
+    qo_stage: torch.Tensor | None = None
+    kv_stage: torch.Tensor | None = None
+    qo_stage_split: torch.Tensor | None = None
+    kv_stage_split: torch.Tensor | None = None
+    qo_return_split: torch.Tensor | None = None
+    kv_return_split: torch.Tensor | None = None
+    qo_return_offset: torch.Tensor | None = None
+    kv_return_offset: torch.Tensor | None = None
 
     @property
     def buffers(self):
@@ -105,18 +128,58 @@ class CommMeta:
         return BufferRows(self.qo_recv_capacity, self.kv_recv_capacity, self.qo_send_capacity,
                           self.kv_send_capacity)
 
-    def send_index(self, kind: str, rank: int) -> torch.Tensor:
+    def _kind(self, kind: str) -> str:
+        if kind not in ("qo", "kv"):
+            raise ValueError(f"kind must be 'qo' or 'kv', got {kind!r}")
+        return kind
+
+    def _stage_arg(self, stage, which: str) -> None:
+        if which not in ("cast", "return"):
+            raise ValueError(f"which must be 'cast' or 'return', got {which!r}")
+        if stage is not None and not (isinstance(stage, int) and 1 <= stage <= self.num_stages):
+            raise ValueError(f"stage must be None or an int in [1, {self.num_stages}], got {stage!r}")
+
+    def send_index(self, kind: str, rank: int, stage: int | None = None, which: str = "cast") -> torch.Tensor:
         """[send_cap(kind)] int64 gather indices into ``rank``'s group-major local rows of
         the ``kind`` ("qo" or "kv") units it sends, in send order (dst ascending,
         then g, then tile, then token); -1 pads. Built on demand (sync-free) so a plan never
-        holds the send lists of all P ranks."""
-        if kind not in ("qo", "kv"):
-            raise ValueError(f"kind must be 'qo' or 'kv', got {kind!r}")
+        holds the send lists of all P ranks.
+
+        stage: None for every row; s in 1..S for the rows of cast s (``which="cast"``) or
+        those whose partials return in reduce s (``which="return"``)."""
+        self._kind(kind)
+        self._stage_arg(stage, which)
         if not 0 <= rank < self.cp_size:
             raise ValueError(f"rank must be in [0, {self.cp_size}), got {rank}")
         rng = self.qo_range if kind == "qo" else self.kv_range
         n = self.tiles
-        return send_index(rng[:, rank * n:(rank + 1) * n], self.chunk, self.buffers.send(kind))
+        rng = rng[:, rank * n:(rank + 1) * n]
+        if stage is not None and self.num_stages > 1:
+            st = (self.qo_stage if kind == "qo" else self.kv_stage)[:, rank * n:(rank + 1) * n]
+            rng = torch.where((st[..., 0 if which == "cast" else 1] == stage)[..., None], rng, 0)
+        return send_index(rng, self.chunk, self.buffers.send(kind))
+
+    def stage_split(self, kind: str, which: str = "cast") -> torch.Tensor:
+        """[S, P(src), P(dst)] int64 split sizes of each cast (``"cast"``) or reduce (``"return"``)."""
+        self._kind(kind)
+        self._stage_arg(None, which)
+        if self.num_stages == 1:
+            return (self.qo_split if kind == "qo" else self.kv_split)[None]
+        name = f"{kind}_{'stage' if which == 'cast' else 'return'}_split"
+        return getattr(self, name)
+
+    def return_gather(self, kind: str, rank: int) -> torch.Tensor:
+        """[S, recv_capacity(kind)] int64: row p of reduce s's buffer on ``rank`` is row
+        ``gather[s - 1, p]`` of the rank's sub-stage buffers laid end to end
+        (buffer s' at ``(s' - 1) * recv_capacity(kind)``); -1 past the fill. Sync-free."""
+        self._kind(kind)
+        if not 0 <= rank < self.cp_size:
+            raise ValueError(f"rank must be in [0, {self.cp_size}), got {rank}")
+        if self.num_stages == 1:
+            pos = torch.arange(self.buffers.recv(kind), device=self.qo_split.device)
+            fill = (self.qo_recv_rows if kind == "qo" else self.kv_recv_rows)[rank]
+            return torch.where(pos < fill, pos, -1)[None]
+        return return_gather(self, kind, rank)
 
     @property
     def head_groups(self) -> int:
@@ -136,20 +199,22 @@ class CalcMeta:
     """The slice lists the attention kernel runs, per rank and stage.
 
     Stage 0 holds the pieces of rank r's tasks whose two units are both hosted
-    on r (task (g, r, r) without tiling); stage 1 the rest of rank r's tasks.
+    on r (task (g, r, r) without tiling); stages 1..S the rest of rank r's tasks,
+    by their sub-stage (``Plan.task_stage``; S = 1: all of them in stage 1).
 
-    q_ranges:    [P, 2, cap, 2] int32 — query rows of each piece.
-    k_ranges:    [P, 2, cap, 2] int32 — key rows of each piece.
-    attn_type:   [P, 2, cap] int32 — FULL / CAUSAL / INV_CAUSAL / BI_CAUSAL codes.
-    num_rows:    [P, 2] int32 — rows in use (the first ``num_rows``); the rest are
+    q_ranges:    [P, S + 1, cap, 2] int32 — query rows of each piece.
+    k_ranges:    [P, S + 1, cap, 2] int32 — key rows of each piece.
+    attn_type:   [P, S + 1, cap] int32 — FULL / CAUSAL / INV_CAUSAL / BI_CAUSAL codes.
+    num_rows:    [P, S + 1] int32 — rows in use (the first ``num_rows``); the rest are
                  dummies [0, 0) with type FULL.
-    needed_rows: [P, 2] int32 — rows the rank's tasks need; above ``cap`` means
+    needed_rows: [P, S + 1] int32 — rows the rank's tasks need; above ``cap`` means
                  CALC_OVERFLOW (``num_rows`` is then clipped and work is missing).
 
     Coordinates. Stage 0: group-major local rows for both q and k
-    (``g * c + t``, t chunk-local). Stage 1: q rows index ``concat(local Q [G*c rows],
-    QO receive buffer)`` — a remote row is ``G*c + qo_recv_offset[g, i, r] + t -
-    qo_range[g, i, r, 0]``; k rows index ``concat(local KV, KV receive buffer)``
+    (``g * c + t``, t chunk-local). Stage s >= 1: q rows index ``concat(local Q [G*c rows],
+    QO buffer of cast 1, ..., of cast s)``, each buffer ``qo_recv_capacity`` rows — a remote
+    row is ``G*c + (first - 1) * qo_recv_capacity + qo_recv_offset[g, i, r] + t -
+    qo_range[g, i, r, 0]`` (first = 1 with S = 1); k rows index the KV buffers
     likewise. A kernel runs them as they are with ``Hq / G`` query and
     ``Hkv / G`` KV heads per row.
 
@@ -168,13 +233,18 @@ class CalcMeta:
     def capacity(self) -> int:
         return self.q_ranges.shape[2]
 
+    @property
+    def num_stages(self) -> int:
+        """S, remote sub-stages (stages 1..S after the local stage 0)."""
+        return self.q_ranges.shape[1] - 1
+
 
 @dataclass(frozen=True)
 class RankPlan:
     """One rank's view of a Plan (views, plus its send lists built on demand; no host reads).
 
-    q_ranges, k_ranges: [2, cap, 2] int32; attn_type: [2, cap] int32;
-    num_rows: [2] int32 — the rank's two CalcMeta stages.
+    q_ranges, k_ranges: [S + 1, cap, 2] int32; attn_type: [S + 1, cap] int32;
+    num_rows: [S + 1] int32 — the rank's CalcMeta stages (local, then S remote).
     qo_send_index, kv_send_index: [send_cap] int64 — gather indices into local rows.
     qo_send_split, kv_send_split: [P] int64 — rows sent to each destination.
     qo_recv_split, kv_recv_split: [P] int64 — rows received from each source.
@@ -208,6 +278,9 @@ class Plan:
     cost:       the CommCost the metrics were priced with (host ints; None for a plan built
                 without one): bytes per row of each collective (``pair_bytes``) and
                 heads and head dim for the simulator's FLOPs.
+    stage_of_task: [G, U, U] int32 — stage of each task: -1 empty, 0 local, 1..S remote
+                (``gpusolver.plan.stages``); None in plans built without it (then 0 / 1 by
+                locality, ``task_stage``).
 
     ``validate()`` and ``summary()`` read the tensors on the host; everything
     else stays on device.
@@ -221,21 +294,30 @@ class Plan:
     area: torch.Tensor
     imbalance_tol: float
     cost: Any = None
+    stage_of_task: torch.Tensor | None = None
 
-    def pair_bytes(self, phase: str, cost=None) -> torch.Tensor:
+    @property
+    def num_stages(self) -> int:
+        """S, remote sub-stages."""
+        return self.calc.num_stages
+
+    def pair_bytes(self, phase: str, cost=None, stage: int | None = None) -> torch.Tensor:
         """[P(src), P(dst)] int64 bytes the layer moves from source to destination (sync-free).
 
         phase: "fwd", "bwd", or one collective (``"fwd.qo"``, ``"fwd.kv"``, ``"fwd.o"``, ``"bwd.qo"``,
-        ``"bwd.kv"``, ``"bwd.dq"``, ``"bwd.dkv"``); cost: default the plan's own CommCost.
+        ``"bwd.kv"``, ``"bwd.dq"``, ``"bwd.dkv"``); cost: default the plan's own CommCost;
+        stage: None for all sub-stages, s in 1..S for sub-stage s's collectives alone.
         The sums over destinations and sources are the metrics' send and receive volumes.
         """
         from gpusolver.plan.schedule import pair_bytes
 
-        return pair_bytes(self, phase, self.cost if cost is None else cost)
+        return pair_bytes(self, phase, self.cost if cost is None else cost, stage)
 
     @property
     def task_stage(self) -> torch.Tensor:
-        """[G, U, U] int32: -1 empty task, 0 local stage (both units on its rank), 1 remote stage."""
+        """[G, U, U] int32: -1 empty task, 0 local stage (both units on its rank), 1..S remote sub-stage."""
+        if self.stage_of_task is not None:
+            return self.stage_of_task
         from gpusolver.plan.schedule import task_stage
 
         return task_stage(self)
@@ -271,8 +353,8 @@ class Plan:
         if hasattr(self.metrics, "summary"):
             lines.append(self.metrics.summary())
         c = self.calc
-        lines.append(f"calc rows per stage (max over ranks): stage0 {int(c.needed_rows[:, 0].max())}, "
-                     f"stage1 {int(c.needed_rows[:, 1].max())}, capacity {c.capacity}")
+        per = ", ".join(f"stage{s} {int(c.needed_rows[:, s].max())}" for s in range(c.num_stages + 1))
+        lines.append(f"calc rows per stage (max over ranks): {per}, capacity {c.capacity}")
         m = self.comm
         lines.append(f"recv rows (max over ranks): qo {int(m.qo_recv_rows.max())} of {m.qo_recv_capacity}, "
                      f"kv {int(m.kv_recv_rows.max())} of {m.kv_recv_capacity}")
@@ -344,17 +426,24 @@ def _explain_status(plan: Plan, ignore: int) -> list[str]:
                        f"capacity {cap}: raise SolverConfig.max_stage_slices")
     if status & BUFFER_OVERFLOW:
         m = plan.comm
-        for kind, rows, split in (("qo", m.qo_recv_rows, m.qo_split), ("kv", m.kv_recv_rows, m.kv_split)):
-            rows, sent = rows.cpu(), split.sum(1).cpu()
+        before = len(out)
+        for kind, split in (("qo", m.qo_split), ("kv", m.kv_split)):
+            sent = split.sum(1).cpu()
             recv_cap, send_cap = m.buffers.recv(kind), m.buffers.send(kind)
-            if (rows > recv_cap).any():
-                r = int(rows.argmax())
-                out.append(f"BUFFER_OVERFLOW: rank {r} receives {int(rows[r])} {kind.upper()} rows, receive "
-                           f"capacity {recv_cap}: raise SolverConfig.max_{kind}_recv_rows")
+            # one receive buffer per kind and sub-stage: [S, P] rows each rank receives in each cast
+            per = m.stage_split(kind).sum(1).cpu()
+            if (per > recv_cap).any():
+                s_, r = divmod(int(per.argmax()), per.shape[1])
+                where = "" if m.num_stages == 1 else f" in sub-stage {s_ + 1}"
+                out.append(f"BUFFER_OVERFLOW: rank {r} receives {int(per[s_, r])} {kind.upper()} rows{where}, "
+                           f"receive capacity {recv_cap}: raise SolverConfig.max_{kind}_recv_rows")
             if (sent > send_cap).any():
                 r = int(sent.argmax())
                 out.append(f"BUFFER_OVERFLOW: rank {r} sends {int(sent[r])} {kind.upper()} rows, send capacity "
                            f"{send_cap}: raise SolverConfig.max_{kind}_send_rows")
+        if len(out) == before:
+            out.append("BUFFER_OVERFLOW: a slice piece lies past its receive buffer: raise "
+                       "SolverConfig.max_qo_recv_rows / max_kv_recv_rows")
     if status & INVALID_MASK:
         out.append("INVALID_MASK: a slice range is reversed or outside [0, S), or a type code is not 0..3; "
                    "mask.validate() names the row")

@@ -14,17 +14,24 @@ from source to destination (``back=False``) or the way back (a reduce,
 ``back=True``); its bytes per (source, destination) are the split times
 ``row_bytes(op, cost)``.
 
-Stages: stage 0 holds a rank's tasks whose two units are local, stages 1..
-the remote work (``CalcMeta`` has two stages: one remote stage today). Each
-remote stage lists the casts it waits for in its deps, so a schedule with
-more sub-stages only changes which waits each stage names.
+Stages: stage 0 holds a rank's tasks whose two units are local, stages 1..S
+the remote work (``CalcMeta`` has S + 1 stages; ``SolverConfig.num_stages``
+= S). With one remote stage every collective moves the plan's whole split.
+With S > 1 sub-stages (``gpusolver.plan.stages``) every collective belongs to
+one sub-stage (``Op.stages = (s,)``) and moves that sub-stage's split
+(``CommMeta.stage_split``): all casts are issued up front, sub-stage s waits
+only for cast s, and reduce s returns the partials whose last task was in s
+right after s ends, while s + 1 computes.
 
 Shape legend: G head groups, U units (P without tiling), P ranks.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
+
+from gpusolver.problem import kept_kinds
 
 __all__ = ["Op", "CAST", "REDUCE", "WAIT", "ATTN", "MERGE", "DELTA", "forward_ops", "backward_ops",
            "row_bytes", "pair_bytes", "task_stage", "stage_area", "PHASES"]
@@ -51,7 +58,8 @@ class Op:
     route:  "qo" or "kv" for a collective or wait, else None.
     back:   a collective's rows go from helper to host (reduces).
     stages: ATTN: the stage it computes; MERGE: the stages merged; REDUCE: the stages whose
-            remote partials it returns.
+            remote partials it returns; with S > 1 sub-stages a CAST, REDUCE or WAIT names the
+            one sub-stage whose split it moves.
     branch: the output branch a fwd.o reduce returns (NSA layers have two), else 0.
     """
 
@@ -88,13 +96,36 @@ _LISTS: dict[tuple, tuple[Op, ...]] = {}
 def forward_ops(num_stages: int = 2, branches: int = 1) -> tuple[Op, ...]:
     """The forward: both casts up front, stage 0 while they fly, the remote stages, merge, reduce O.
 
-    num_stages: CalcMeta stages (2: local + one remote). branches: outputs per query row.
+    num_stages: CalcMeta stages (2: local + one remote; S + 1 with S sub-stages).
+    branches: outputs per query row (one with sub-stages).
     """
     key = ("fwd", num_stages, branches)
     if key not in _LISTS:
         _check(num_stages, branches)
-        _LISTS[key] = _forward_ops(num_stages, branches)
+        if num_stages > 2 and branches != 1:
+            raise ValueError(f"sub-stages (num_stages={num_stages}) run one output branch, got {branches}")
+        _LISTS[key] = _forward_ops(num_stages, branches) if num_stages <= 2 else _forward_sub_stages(num_stages - 1)
     return _LISTS[key]
+
+
+def _forward_sub_stages(S: int) -> tuple[Op, ...]:
+    """S sub-stages: casts 1..S up front; sub-stage s after its own casts; reduce s right after it;
+    the host merges its rows with reduces 1..S in that order (``fwd.merge``). Each ``fwd.attn.s``
+    also merges its partials into the rows it covers."""
+    casts = [(_collective(CAST, "fwd.qo", stages=(s,), tag=f".{s}"), _collective(CAST, "fwd.kv", stages=(s,),
+                                                                                 tag=f".{s}")) for s in range(1, S + 1)]
+    ops = [c for pair in casts for c in pair] + [Op("fwd.attn.0", ATTN, COMPUTE, phase="fwd", stages=(0,))]
+    reduces = []
+    for s, (cq, ckv) in enumerate(casts, start=1):
+        waits = (_wait(cq), _wait(ckv))
+        attn = Op(f"fwd.attn.{s}", ATTN, COMPUTE, deps=tuple(w.name for w in waits), phase="fwd", stages=(s,))
+        reduces.append(_collective(REDUCE, "fwd.o", deps=(attn.name,), stages=(s,), tag=f".{s}"))
+        ops += [*waits, attn, reduces[-1]]
+    back = [_wait(r) for r in reduces]
+    ops += back
+    ops.append(Op("fwd.merge", MERGE, COMPUTE, deps=tuple(w.name for w in back), phase="fwd",
+                  stages=tuple(range(S + 1))))
+    return tuple(ops)
 
 
 def _forward_ops(num_stages: int, branches: int) -> tuple[Op, ...]:
@@ -123,8 +154,36 @@ def backward_ops(num_stages: int = 2, keep_forward_buffers: bool = True) -> tupl
     key = ("bwd", num_stages, bool(keep_forward_buffers))
     if key not in _LISTS:
         _check(num_stages, 1)
-        _LISTS[key] = _backward_ops(num_stages, bool(keep_forward_buffers))
+        keep = bool(keep_forward_buffers)
+        _LISTS[key] = _backward_ops(num_stages, keep) if num_stages <= 2 else _backward_sub_stages(num_stages - 1, keep)
     return _LISTS[key]
+
+
+def _backward_sub_stages(S: int, keep_forward_buffers: bool) -> tuple[Op, ...]:
+    """S sub-stages: delta, then casts 1..S of dO, lse, delta (and Q, K, V again without kept buffers)
+    up front and stage 0 while they fly; sub-stage s after its own casts, reduces of dQ and dK / dV s
+    right after it; the host sums its rows with reduces 1..S in that order (``bwd.merge``)."""
+    ops = [Op("bwd.delta", DELTA, COMPUTE, phase="bwd")]
+    casts = []
+    for s in range(1, S + 1):
+        mine = [_collective(CAST, "bwd.qo", deps=("bwd.delta",), stages=(s,), tag=f".{s}")]
+        if not keep_forward_buffers:
+            mine.append(_collective(CAST, "bwd.kv", stages=(s,), tag=f".{s}"))
+        casts.append(mine)
+        ops += mine
+    ops.append(Op("bwd.attn.0", ATTN, COMPUTE, phase="bwd", stages=(0,)))
+    reduces = []
+    for s, mine in enumerate(casts, start=1):
+        waits = [_wait(c) for c in mine]
+        attn = Op(f"bwd.attn.{s}", ATTN, COMPUTE, deps=tuple(w.name for w in waits), phase="bwd", stages=(s,))
+        pair = [_collective(REDUCE, ph, deps=(attn.name,), stages=(s,), tag=f".{s}") for ph in ("bwd.dq", "bwd.dkv")]
+        reduces += pair
+        ops += [*waits, attn, *pair]
+    back = [_wait(r) for r in reduces]
+    ops += back
+    ops.append(Op("bwd.merge", MERGE, COMPUTE, deps=tuple(w.name for w in back), phase="bwd",
+                  stages=tuple(range(S + 1))))
+    return tuple(ops)
 
 
 def _backward_ops(num_stages: int, keep_forward_buffers: bool) -> tuple[Op, ...]:
@@ -171,29 +230,43 @@ def kv_split_of(plan) -> torch.Tensor:
     return plan.comm.kv_split if kb is None else kb.kv_split
 
 
+def op_split(plan, op: Op) -> torch.Tensor:
+    """[P(src), P(dst)] int64 rows the collective ``op`` moves host -> helper (before ``back``)."""
+    comm = plan.comm
+    if getattr(comm, "num_stages", 1) > 1:  # one sub-stage's split
+        (s,) = op.stages
+        return comm.stage_split(op.route, "return" if op.back else "cast")[s - 1]
+    return comm.qo_split if op.route == "qo" else kv_split_of(plan)
+
+
 def op_pair_bytes(plan, op: Op, cost) -> torch.Tensor:
     """[P(src), P(dst)] int64 bytes ``op`` moves from each source to each destination."""
-    split = plan.comm.qo_split if op.route == "qo" else kv_split_of(plan)
+    split = op_split(plan, op)
     split = split.t() if op.back else split
     return split.to(torch.int64) * row_bytes(op, cost)
 
 
-def plan_ops(plan, phase: str, keep_forward_buffers: bool) -> tuple[Op, ...]:
-    """The forward or backward op list a plan runs (its stage count and branches)."""
+def plan_ops(plan, phase: str, keep_forward_buffers) -> tuple[Op, ...]:
+    """The forward or backward op list a plan runs (its stage count and branches).
+
+    keep_forward_buffers: True, False, "qo" or "kv"; K and V are cast again (``bwd.kv``) unless
+    "kv" is kept (Q travels again inside ``bwd.qo``, priced by ``CommCost.q_bwd``)."""
     calc = getattr(plan, "calc", None)
     num_stages = calc.q_ranges.shape[1] if calc is not None else 2
     if phase == "fwd":
         branches = 2 if getattr(getattr(plan, "spec", None), "window_size", 0) else 1
         return forward_ops(num_stages, branches)
-    return backward_ops(num_stages, keep_forward_buffers)
+    return backward_ops(num_stages, "kv" in kept_kinds(keep_forward_buffers))
 
 
-def pair_bytes(plan, phase: str, cost) -> torch.Tensor:
+def pair_bytes(plan, phase: str, cost, stage: int | None = None) -> torch.Tensor:
     """[P(src), P(dst)] int64 bytes a layer moves from source to destination.
 
     phase: "fwd" or "bwd" (every collective of that pass), or one collective's phase
     (``"fwd.qo"``, ``"fwd.kv"``, ``"fwd.o"``, ``"bwd.qo"``, ``"bwd.kv"``, ``"bwd.dq"``, ``"bwd.dkv"``).
     cost: the ``CommCost`` pricing a row (its ``keep_forward_buffers`` decides ``bwd.kv``).
+    stage: None for every sub-stage; s in 1..S for the collectives of sub-stage s alone
+        (with one remote stage, s = 1 is all of them).
     """
     if cost is None:
         raise ValueError("pair_bytes needs the plan's CommCost (the plan was built without one: pass cost=)")
@@ -201,14 +274,23 @@ def pair_bytes(plan, phase: str, cost) -> torch.Tensor:
         raise ValueError(f"phase must be 'fwd', 'bwd' or one of {sorted(PHASES)}, got {phase!r}")
     P = plan.comm.cp_size
     total = torch.zeros(P, P, dtype=torch.int64, device=plan.comm.qo_split.device)
+    S = getattr(plan.comm, "num_stages", 1)
+    if stage is not None and not (isinstance(stage, int) and 1 <= stage <= S):
+        raise ValueError(f"stage must be None or an int in [1, {S}], got {stage!r}")
     for op in plan_ops(plan, phase.split(".")[0], cost.keep_forward_buffers):
+        if stage is not None and S > 1 and op.stages != (stage,):
+            continue
         if op.collective and (op.phase == phase or op.phase.startswith(phase + ".")):
             total = total + op_pair_bytes(plan, op, cost)
     return total
 
 
 def task_stage(plan) -> torch.Tensor:
-    """[G, U, U] int32: -1 for an empty task, 0 when both its units are on its rank, 1 otherwise."""
+    """[G, U, U] int32: -1 for an empty task, 0 when both its units are on its rank, else its
+    remote sub-stage 1..S (1 for every remote task of a plan without sub-stages)."""
+    own = getattr(plan, "stage_of_task", None)
+    if own is not None:
+        return own
     a = plan.assignment.long()
     G, U, _ = a.shape
     P = plan.comm.cp_size

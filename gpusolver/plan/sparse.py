@@ -467,6 +467,9 @@ def build_sparse_plan(areas: BlockAreas, assignment: torch.Tensor, config: Solve
                  [G, U, S / kv_block] bool is every query unit's ``used_block_rows``. None: hulls.
                  Not with a window branch (its slices address hull buffers).
     """
+    if config.num_stages != 1:
+        raise ValueError(f"num_stages={config.num_stages}: sparse plans (NSA, DSA) run one remote stage so far; "
+                         "use num_stages=1")
     G, P, n = config.head_groups, config.cp_size, config.chunk_tiles
     if areas.head_groups != G or areas.cp_size != P or areas.tiles != n:
         raise ValueError(f"areas are for G={areas.head_groups}, P={areas.cp_size}, tiles={areas.tiles} but the "

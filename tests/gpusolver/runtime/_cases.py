@@ -103,7 +103,9 @@ def tight_plan(mask: AttnSlices, config: SolverConfig, solver: str = "reference"
         warnings.simplefilter("ignore")
         plan = solve(mask, config, solver=solver)
     comm, calc = plan.comm, plan.calc
-    rows = max(int(s.sum(d).max()) for s in (comm.qo_split, comm.kv_split) for d in (0, 1))
+    # receive rows per sub-stage buffer (one buffer with S = 1); sends are per rank in total
+    recv = max(int(comm.stage_split(kind).sum(1).max()) for kind in ("qo", "kv"))
+    rows = max([recv] + [int(s.sum(1).max()) for s in (comm.qo_split, comm.kv_split)])
     live = (calc.q_ranges[..., 1] > calc.q_ranges[..., 0]) & (calc.k_ranges[..., 1] > calc.k_ranges[..., 0])
     last = torch.where(live, torch.arange(live.shape[-1]) + 1, 0).amax()
     tight = replace(config, max_recv_rows=rows + 2, max_stage_slices=max(int(last), 1))

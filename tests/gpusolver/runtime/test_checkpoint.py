@@ -47,7 +47,17 @@ def _module(keep: bool):
     return group, lambda q, k, v: layer(q, k, v, mask), slices.make_inputs
 
 
-LAYERS = {"dist_attn": _dist, "sparse_dist_attn": _sparse, "DynamicCPAttention": _module}
+def _dist_stages(keep: bool):
+    """dist_attn with the remote work in 2 sub-stages (its own executor, saved operand buffers)."""
+    mask = slices.make_mask("docs-causal", S, seed=3)
+    plan, _ = slices.tight_plan(mask, slices.make_config(P, HQ, HKV, keep_forward_buffers=keep, num_stages=2))
+    assert int(plan.comm.qo_split.sum()) > 0
+    group = LocalGroup(P)
+    return group, lambda q, k, v: dist_attn(q, k, v, plan, group, keep_forward_buffers=keep)[0], slices.make_inputs
+
+
+LAYERS = {"dist_attn": _dist, "sparse_dist_attn": _sparse, "DynamicCPAttention": _module,
+          "dist_attn_sub_stages": _dist_stages}
 
 
 @pytest.mark.filterwarnings("ignore:imbalance_tol")

@@ -1,0 +1,126 @@
+"""Sub-stages of the remote work: which of S sub-stages computes each remote task.
+
+Shape legend: G head groups, P ranks, n sub-chunk tiles per chunk, U = n * P units.
+
+Stage 0 of rank r holds its tasks whose query and key units are both hosted on
+r; they need nothing from the network. The rest of r's tasks are cut into S
+sub-stages 1..S so that (a) what can arrive first computes first, and (b) the
+sub-stages carry equal work, so no rank waits on a large last piece.
+
+Arrival. Each (source, destination) pair moves ``bytes[src, dst]`` (Q, K and V of
+the forward, at the plan's byte sizes). A destination receives from all its
+sources at once and its receive link is shared: under fair sharing a source
+whose total is ``b`` finishes at ``(sum of the smaller totals + b * (number of
+totals >= b)) / bandwidth``, per link class (NVLink inside a node, InfiniBand
+across; one class without a topology). A task is ready when its last remote
+source has landed; intra-node tasks order before inter-node ones when a
+topology is known (the class is the first key), then by that landing time,
+then by task index (deterministic ties).
+
+Balance. In that order a rank's remote tasks are dealt by their running work:
+a task whose work so far (before it) is ``w`` of the rank's total ``W`` goes to
+stage ``1 + floor(S * w / W)``, so each stage starts after ``(s - 1) / S`` of
+the work and stages hold about ``W / S`` each (one large task may span a
+stage boundary; it is never split).
+
+Solver-independent (any assignment), deterministic and sync-free: static
+shapes, no host reads, the same on every rank. ``num_stages = 1`` gives stage 1
+to every remote task, the two-stage layer.
+"""
+from __future__ import annotations
+
+import torch
+
+from gpusolver.problem import BlockAreas, CommCost
+from gpusolver.transfers import transfer_ranges
+
+
+def pair_bytes_fwd(areas: BlockAreas, assignment: torch.Tensor, cost: CommCost | None) -> torch.Tensor:
+    """``[P(src), P(dst)]`` int64 forward cast bytes (Q to helpers, K and V to helpers).
+
+    Without a ``cost`` rows are weighed 1 each (QO and KV alike).
+    """
+    P, n = areas.cp_size, areas.tiles
+    qo, kv = transfer_ranges(areas, assignment)
+    rows = lambda r: (r[..., 1] - r[..., 0]).sum(0).view(P, n, P).sum(1)  # noqa: E731  [src host, dst]
+    q_b, kv_b = (1, 1) if cost is None else (cost.q_fwd, cost.kv_fwd)
+    return rows(qo) * q_b + rows(kv) * kv_b
+
+
+def landing_time(pair: torch.Tensor, topology=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """When ``dst`` has all of ``src``'s bytes: ``(inter [P, P] bool, seconds [P, P] float64)``.
+
+    pair: ``[P, P]`` int64 bytes src -> dst (the diagonal is ignored).
+    topology: anything with ``ranks_per_node``, ``nvlink_gbps`` and ``ib_gbps``
+        (``gpusolver.topology.Topology``); None is one class of bandwidth 1 byte/s.
+    ``inter`` marks the pairs that cross nodes (the link class); seconds are the
+    fair-share finish time within that class at dst's receive link.
+    """
+    P = pair.shape[0]
+    dev = pair.device
+    ranks = torch.arange(P, device=dev)
+    b = pair.to(torch.float64) * (ranks[:, None] != ranks[None, :])
+    if topology is None:
+        inter = torch.zeros(P, P, dtype=torch.bool, device=dev)
+        bw = torch.ones(P, P, dtype=torch.float64, device=dev)
+    else:
+        node = ranks // int(topology.ranks_per_node)
+        inter = node[:, None] != node[None, :]
+        bw = torch.where(inter, float(topology.ib_gbps), float(topology.nvlink_gbps)).to(torch.float64) * 1e9
+    # [s', s, dst]: does source s' share dst's link class with s and finish before it (by bytes, then index)?
+    same = (inter[:, None, :] == inter[None, :, :]) & (ranks[:, None, None] != ranks[None, None, :])
+    bs, bo = b[:, None, :], b[None, :, :]
+    before = same & ((bs < bo) | ((bs == bo) & (ranks[:, None, None] < ranks[None, :, None])))
+    after = same & ~before  # s itself and the sources at or above it: they share the link until s is done
+    done = (torch.where(before, bs, 0).sum(0) + torch.where(after, bo, 0).sum(0)) / bw
+    return inter, done
+
+
+def assign_stages(areas: BlockAreas, assignment: torch.Tensor, num_stages: int, *, cost: CommCost | None = None,
+                  topology=None) -> torch.Tensor:
+    """The sub-stage of every task: ``[G, U, U]`` int32, -1 empty or unassigned, 0 local, 1..S remote.
+
+    areas:      BlockAreas (area [G, U, U] int64, needs).
+    assignment: [G, U, U] integer, rank computing task (g, i, j); -1 for empty tasks.
+    num_stages: S >= 1 (host int).
+    cost:       byte sizes per row for the landing-time model (default: 1 per row).
+    topology:   link classes and bandwidths (default: one class); see ``landing_time``.
+    Sync-free.
+    """
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"num_stages must be a positive int, got {num_stages!r}")
+    P = areas.cp_size
+    host = areas.unit_host()
+    a = assignment.long()
+    live = (a >= 0) & (a < P) & (areas.area > 0)
+    r = a.clamp(0, P - 1)
+    remote = live & ((host.view(1, -1, 1) != r) | (host.view(1, 1, -1) != r))
+    base = torch.where(live, 0, -1)
+    if num_stages == 1:
+        return torch.where(remote, 1, base).to(torch.int32)
+
+    # ready key of each task, (class, seconds): its last remote source to land (a local unit adds nothing)
+    inter, t = landing_time(pair_bytes_fwd(areas, assignment, cost), topology)
+    hi, hj = host.view(1, -1, 1).expand_as(r), host.view(1, 1, -1).expand_as(r)
+    q_rem, k_rem = hi != r, hj != r
+    cq, ck = q_rem & inter[hi, r], k_rem & inter[hj, r]
+    cls = cq | ck
+    tq = torch.where(q_rem & (cq == cls), t[hi, r], 0.0)
+    tk = torch.where(k_rem & (ck == cls), t[hj, r], 0.0)
+    ready = torch.maximum(tq, tk).reshape(-1)
+
+    # per rank, in (class, ready) order, ties by task index: running work before each task
+    rank_key = torch.where(remote, r, P).reshape(-1)
+    order = torch.sort(ready, stable=True).indices
+    order = order[torch.sort(cls.reshape(-1)[order].to(torch.int8), stable=True).indices]
+    order = order[torch.sort(rank_key[order], stable=True).indices]
+    work = torch.where(remote, areas.area, 0).reshape(-1)
+    w_sorted = work[order]
+    r_sorted = rank_key[order]
+    incl = w_sorted.cumsum(0)
+    total = torch.zeros(P + 1, dtype=torch.int64, device=a.device).scatter_add_(0, r_sorted, w_sorted)
+    first = total.cumsum(0) - total                       # work of the ranks before, in the sorted list
+    before = incl - w_sorted - first[r_sorted]
+    stage_sorted = 1 + (num_stages * before) // total[r_sorted].clamp(min=1)
+    stage = torch.empty_like(stage_sorted).scatter_(0, order, stage_sorted.clamp(max=num_stages))
+    return torch.where(remote, stage.view_as(a), base).to(torch.int32)

@@ -1,0 +1,303 @@
+"""The layer in S remote sub-stages: every cast up front, each sub-stage waits only for its own.
+
+Shape legend: P ranks, c tokens per rank, G head groups, n = G * c local
+group-major rows, cap = the plan's receive rows of a kind per sub-stage (QO for Q, O, dO,
+dQ rows; KV for K, V, dK, dV rows), S sub-stages,
+h heads per group, D head dim. ``[B, ...]`` is the leading rank dim of a
+``LocalGroup`` (absent for one rank).
+
+Operand rows of sub-stage s: ``X[:n + s * cap]`` of ``X = concat(local rows,
+buffer of cast 1, ..., buffer of cast S)`` (CalcMeta's coordinates): a unit
+travels once, in the cast of the first sub-stage that uses it, so sub-stage s
+reads only casts 1..s. ``X`` is allocated once and each cast's buffer is
+copied into its slot when that cast is waited for.
+
+Both passes execute ``gpusolver.plan.schedule``'s ``forward_ops(S + 1)`` /
+``backward_ops(S + 1)`` op by op (the lists the simulator prices):
+
+Forward: casts 1..S of Q (``fwd.qo.s``) and of K, V (``fwd.kv.s``) are issued
+up front; stage 0 (local tasks) runs; sub-stage s waits for cast s only, runs,
+merges its partial (out, lse) into the rows of ``X`` it covers, and sends back
+the rows whose last task was in s (reduce ``fwd.o.s``, into a neutral
+accumulator, in flight while s + 1 computes); last, the host merges its own
+rows with reduces 1..S in that order (the log-sum-exp merge is associative:
+exact up to rounding, and the fixed order makes it deterministic).
+
+Backward: dO, lse and delta (and Q, K, V again without kept buffers) are cast
+per sub-stage (``bwd.qo.s``, ``bwd.kv.s``) while the local stage's backward
+runs (each kind kept or cast again on its own, ``keep_forward_buffers``); after
+sub-stage s the dQ rows (``bwd.dq.s``) and dK, dV rows
+(``bwd.dkv.s``) whose last task was in s are summed back to their hosts.
+
+Host reads: none with ``LocalGroup``; with ``TorchGroup`` the 4 S ``[P, P]``
+split matrices, stacked and copied once without blocking (``host_splits``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from attn_kernels import flex_attn, flex_attn_backward, merge_out_lse, row_delta
+from gpusolver.nvtx import nvtx_range
+from gpusolver.plan import Plan
+from gpusolver.plan.schedule import ATTN, CAST, DELTA, MERGE, REDUCE, WAIT, Op, backward_ops, forward_ops
+from groupcomm import TorchGroup, group_cast, group_reduce, host_splits
+
+_INTERNAL = dict(validate=False, flag_errors=False)
+KINDS = ("qo", "kv")
+WHICH = ("cast", "return")
+
+
+def stage_phase(base: str, stage: int) -> str:
+    """The byte-counter phase of ``base`` (``"fwd.qo"``, ...) in sub-stage ``stage`` (1..S)."""
+    return f"{base}.{stage}"
+
+
+@dataclass(frozen=True)
+class StageRoutes:
+    """The routing of each sub-stage's cast and reduce, for the ranks run here.
+
+    index[(kind, which)]:  S send lists, ``[send_cap]`` (``[P, send_cap]`` batched) int64.
+    split[(kind, which)]:  S ``[P, P]`` int64 split matrices.
+    host[(kind, which)]:   S host copies (``TorchGroup``), else S Nones.
+    gather[kind]:          S ``[cap]`` (``[P, cap]``) int64 rows of ``X``'s remote part that
+                           make each reduce's buffer (-1 past the fill).
+    """
+
+    num_stages: int
+    index: dict
+    split: dict
+    host: dict
+    gather: dict
+
+
+def stage_routes(plan: Plan, group, ranks: tuple[int, ...], batched: bool) -> StageRoutes:
+    comm = plan.comm
+    S = comm.num_stages
+
+    def per_rank(fn):
+        return torch.stack([fn(r) for r in ranks]) if batched else fn(ranks[0])
+
+    index, split, host = {}, {}, {}
+    for kind in KINDS:
+        for which in WHICH:
+            index[kind, which] = [per_rank(lambda r: comm.send_index(kind, r, s, which)) for s in range(1, S + 1)]
+            split[kind, which] = list(comm.stage_split(kind, which).unbind(0))
+    if isinstance(group, TorchGroup):
+        # the only host read: all 4 S matrices in one non-blocking copy, awaited by the first collective
+        stacked = torch.cat([comm.stage_split(kind, which) for kind in KINDS for which in WHICH])
+        parts = host_splits(stacked).parts()
+        for b, key in enumerate((kind, which) for kind in KINDS for which in WHICH):
+            host[key] = parts[b * S:(b + 1) * S]
+    else:
+        host = {key: [None] * S for key in index}
+    gather = {kind: list(per_rank(lambda r: comm.return_gather(kind, r)).unbind(1 if batched else 0))
+              for kind in KINDS}
+    return StageRoutes(num_stages=S, index=index, split=split, host=host, gather=gather)
+
+
+def op_range(op: Op) -> str:
+    """The NVTX range of one scheduled op of sub-stage s (``comm/cast fwd.qo.2``, ``attn/fwd stage2``, ...)."""
+    if op.kind in (CAST, REDUCE, WAIT):
+        return f"comm/{op.kind} {stage_phase(op.phase, op.stages[0])}"
+    if op.kind == ATTN:
+        return f"attn/{op.phase} stage{op.stages[0]}"
+    return f"attn/{op.phase} {op.kind}"
+
+
+def _per_rank(ranks, batched, fn, *tensors):
+    if not batched:
+        return fn(ranks[0], *tensors)
+    outs = [fn(r, *(t[r] for t in tensors)) for r in ranks]
+    return tuple(torch.stack(parts) for parts in zip(*outs))
+
+
+def _merge(o_a, l_a, o_b, l_b, lead: int):
+    """The log-sum-exp merge of two (out, lse) row sets; elementwise, so all ranks in one call."""
+    if lead == 0:
+        return merge_out_lse(o_a, l_a, o_b, l_b)
+    B, T = l_a.shape[:2]
+    flat = lambda x: x.reshape(B * T, *x.shape[2:])  # noqa: E731
+    o, lse = merge_out_lse(flat(o_a), flat(l_a), flat(o_b), flat(l_b))
+    return o.view(o_a.shape), lse.view(l_a.shape)
+
+
+def _slices(plan: Plan, rank: int, stage: int):
+    c = plan.calc
+    return c.q_ranges[rank, stage], c.k_ranges[rank, stage], c.attn_type[rank, stage]
+
+
+def _rows(x: torch.Tensor, lead: int, start: int, length: int) -> torch.Tensor:
+    return x.narrow(lead, start, length)
+
+
+class _Operands:
+    """``X = concat(local rows, S cast buffers)`` per tensor, filled cast by cast."""
+
+    def __init__(self, local: list[torch.Tensor], cap: int, S: int, lead: int):
+        self.n, self.cap, self.lead = local[0].shape[lead], cap, lead
+        self.x = []
+        for t in local:
+            shape = list(t.shape)
+            shape[lead] = self.n + S * cap
+            x = t.new_zeros(shape)
+            _rows(x, lead, 0, self.n).copy_(t)
+            self.x.append(x)
+
+    def fill(self, stage: int, bufs: list[torch.Tensor]) -> None:
+        for x, b in zip(self.x, bufs):
+            _rows(x, self.lead, self.n + (stage - 1) * self.cap, self.cap).copy_(b)
+
+    def prefix(self, stage: int) -> list[torch.Tensor]:
+        return [_rows(x, self.lead, 0, self.n + stage * self.cap) for x in self.x]
+
+
+def _gather_remote(x: torch.Tensor, gather: torch.Tensor, n: int, lead: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``gather`` of x's remote part as a reduce buffer in ``dtype`` (-1: row 0, past the fill:
+    never sent)."""
+    remote = x.narrow(lead, n, x.shape[lead] - n)
+    idx = gather.clamp(min=0)
+    if lead == 0:
+        return remote.index_select(0, idx).to(dtype)
+    b = torch.arange(remote.shape[0], device=idx.device)[:, None]
+    return remote[b, idx].to(dtype)
+
+
+def _issue(op: Op, sr: StageRoutes, group, caps: dict, tensors, acc=None, deterministic: bool = True):
+    """Start collective ``op`` of sub-stage ``op.stages[0]``: its Work. ``caps[kind]``: receive rows."""
+    (s,) = op.stages
+    which = "return" if op.back else "cast"
+    key, i = (op.route, which), s - 1
+    phase = stage_phase(op.phase, s)
+    if op.kind == CAST:
+        return group_cast(list(tensors), sr.index[key][i], sr.split[key][i], caps[op.route], group, phase=phase,
+                          host_split=sr.host[key][i], async_op=True, flag_errors=False)
+    return group_reduce(list(tensors), sr.index[key][i], sr.split[key][i], list(acc), group,
+                        op="lse" if op.phase == "fwd.o" else "sum", phase=phase, host_split=sr.host[key][i],
+                        deterministic=deterministic, async_op=True, flag_errors=False)
+
+
+def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql, kl, vl, scale: float,
+                   deterministic: bool):
+    """Run ``forward_ops(S + 1)``: (o, lse, the operand tensors [Xq, Xk, Xv] for the backward), group-major."""
+    lead = 1 if batched else 0
+    S, buffers = sr.num_stages, plan.comm.buffers
+    caps = {kind: buffers.recv(kind) for kind in KINDS}
+    cap_q, cap_k = caps["qo"], caps["kv"]
+    sent = {"qo": (ql,), "kv": (kl, vl)}
+    works, returned = {}, []
+    X = acc = None
+    n = ql.shape[lead]
+    for op in forward_ops(S + 1):
+        with nvtx_range(op_range(op)):
+            if op.kind == CAST:
+                works[op.name] = _issue(op, sr, group, caps, sent[op.route])
+            elif op.kind == WAIT and op.back:
+                returned.append(works[op.deps[0]].wait())
+            elif op.kind == WAIT:
+                (s,) = op.stages
+                bufs = works[op.deps[0]].wait()
+                (X if op.route == "qo" else Xkv).fill(s, bufs)
+            elif op.kind == ATTN and op.stages == (0,):
+                o0, l0 = _per_rank(ranks, batched, lambda r, q_, k_, v_: flex_attn(
+                    q_, k_, v_, *_slices(plan, r, 0), scale, **_INTERNAL), ql, kl, vl)
+                X, Xkv = _Operands([ql], cap_q, S, lead), _Operands([kl, vl], cap_k, S, lead)
+                acc = _Operands([o0.float(), l0], cap_q, S, lead)   # running (out fp32, lse) of every row of X
+                _rows(acc.x[1], lead, n, S * cap_q).fill_(float("-inf"))
+            elif op.kind == ATTN:
+                (s,) = op.stages
+                o_s, l_s = _per_rank(ranks, batched, lambda r, q_, k_, v_: flex_attn(
+                    q_, k_, v_, *_slices(plan, r, s), scale, **_INTERNAL), *X.prefix(s), *Xkv.prefix(s))
+                a_o, a_l = acc.prefix(s)
+                o_m, l_m = _merge(a_o, a_l, o_s, l_s, lead)
+                a_o.copy_(o_m)
+                a_l.copy_(l_m)
+            elif op.kind == REDUCE:
+                (s,) = op.stages
+                partial = [_gather_remote(t, sr.gather["qo"][s - 1], n, lead, d)
+                           for t, d in zip(acc.x, (o0.dtype, l0.dtype))]
+                neutral = (torch.zeros_like(o0), torch.full_like(l0, float("-inf")))
+                works[op.name] = _issue(op, sr, group, caps, partial, neutral, deterministic)
+            elif op.kind == MERGE:  # the host's rows, then reduces 1..S in that order: a fixed merge order
+                o, lse = (_rows(t, lead, 0, n) for t in acc.x)
+                for r_o, r_l in returned:
+                    o, lse = _merge(o, lse, r_o, r_l, lead)
+            else:
+                raise AssertionError(f"dist_attn cannot run forward op {op}")
+    return o.to(o0.dtype).contiguous(), lse.contiguous(), X.x + Xkv.x
+
+
+def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql, kl, vl, o, lse, kept_q,
+                    kept_kv, d_o, d_l, scale: float, deterministic: bool):
+    """Run ``backward_ops(S + 1)``: (dq, dk, dv) group-major. ``kept_q``: the forward's Xq or None
+    (Q is cast again with dO); ``kept_kv``: its [Xk, Xv] or None (K, V are cast again)."""
+    lead = 1 if batched else 0
+    S, buffers = sr.num_stages, plan.comm.buffers
+    caps = {kind: buffers.recv(kind) for kind in KINDS}
+    cap_q, cap_k = caps["qo"], caps["kv"]
+    n = ql.shape[lead]
+    works, returned = {}, []
+    Xq = _Operands([ql], cap_q, S, lead) if kept_q is None else None
+    Xkv = _Operands([kl, vl], cap_k, S, lead) if kept_kv is None else None
+    xq = [kept_q] if kept_q is not None else Xq.x
+    xk, xv = kept_kv if kept_kv is not None else Xkv.x
+    delta = Xg = None
+
+    def run(s):
+        def fn(r, *t):
+            return flex_attn_backward(*t, *_slices(plan, r, s), scale, **_INTERNAL)
+        return fn
+
+    for op in backward_ops(S + 1, kept_kv is not None):
+        with nvtx_range(op_range(op)):
+            if op.kind == DELTA:  # the host computes delta from its final O: O itself never travels
+                delta = _per_rank(ranks, batched, lambda r, a, b, *c_: (row_delta(a, b, c_[0] if c_ else None),),
+                                  d_o, o, *(() if d_l is None else (d_l,)))[0]
+                Xg = _Operands([d_o, lse, delta], cap_q, S, lead)
+            elif op.kind == CAST:
+                tensors = ((d_o, lse, delta) + (() if kept_q is not None else (ql,))) if op.route == "qo" else (kl, vl)
+                works[op.name] = _issue(op, sr, group, caps, tensors)
+            elif op.kind == WAIT and op.back:
+                returned.append((op.phase, works[op.deps[0]].wait()))
+            elif op.kind == WAIT:
+                (s,) = op.stages
+                bufs = works[op.deps[0]].wait()
+                if op.route == "qo":
+                    Xg.fill(s, bufs[:3])
+                    if kept_q is None:
+                        Xq.fill(s, bufs[3:])
+                else:
+                    Xkv.fill(s, bufs)
+            elif op.kind == ATTN and op.stages == (0,):
+                dq0, dk0, dv0 = _per_rank(ranks, batched, run(0), d_o, ql, kl, vl, lse, delta)
+                # fp32 sums over the rows of each kind's operands
+                grads_q = _Operands([dq0.float()], cap_q, S, lead)
+                grads_kv = _Operands([dk0.float(), dv0.float()], cap_k, S, lead)
+            elif op.kind == ATTN:
+                (s,) = op.stages
+                g_do, g_lse, g_delta = Xg.prefix(s)
+                q_ = _rows(xq[0], lead, 0, n + s * cap_q)
+                k_, v_ = (_rows(x, lead, 0, n + s * cap_k) for x in (xk, xv))
+                parts = _per_rank(ranks, batched, run(s), g_do, q_, k_, v_, g_lse, g_delta)
+                for acc_, part in zip(grads_q.prefix(s) + grads_kv.prefix(s), parts):
+                    acc_.add_(part)
+            elif op.kind == REDUCE:
+                (s,) = op.stages
+                kind = "qo" if op.phase == "bwd.dq" else "kv"
+                pick = grads_q.x if kind == "qo" else grads_kv.x
+                dtype = dq0.dtype if kind == "qo" else dk0.dtype
+                partial = [_gather_remote(t, sr.gather[kind][s - 1], n, lead, dtype) for t in pick]
+                works[op.name] = _issue(op, sr, group, caps, partial,
+                                        [torch.zeros_like(dq0)] if kind == "qo" else
+                                        [torch.zeros_like(dk0), torch.zeros_like(dv0)], deterministic)
+            elif op.kind == MERGE:  # the host's rows plus reduces 1..S in that order: a fixed summation order
+                dq, dk, dv = (_rows(t, lead, 0, n) for t in grads_q.x + grads_kv.x)
+                for phase, parts in returned:
+                    if phase == "bwd.dq":
+                        dq = dq + parts[0].float()
+                    else:
+                        dk, dv = dk + parts[0].float(), dv + parts[1].float()
+            else:
+                raise AssertionError(f"dist_attn cannot run backward op {op}")
+    return dq.to(dq0.dtype), dk.to(dk0.dtype), dv.to(dv0.dtype)

@@ -1,0 +1,30 @@
+"""benchmarks/stages_bench.py on one small mask: every (S, transport) row, ratios against S = 1, the summary."""
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("stages_bench", ROOT / "benchmarks" / "stages_bench.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_stages_bench_quick(tmp_path, capsys):
+    mod = _load()
+    path = tmp_path / "s.json"
+    mod.main(["--P", "8", "--kinds", "causal", "--tokens-per-rank", "256", "--stages", "1,2", "--json", str(path)])
+    text = capsys.readouterr().out
+    assert "SIMULATED" in text and "Summary over the masks" in text
+    rows = json.loads(path.read_text())["rows"]
+    assert [(r["S"], r["comm"]) for r in rows] == [(1, "a2a"), (1, "p2p"), (2, "a2a"), (2, "p2p")]
+    for r in rows:
+        assert math.isfinite(r["step_ms"]) and r["step_ms"] >= r["ideal_ms"] * (1 - 1e-9)
+        assert r["collectives"] == (6 if r["S"] == 1 else 12)  # fwd 3 S, bwd 3 S (kept buffers)
+    assert rows[0]["vs_s1"] == 1.0 and rows[2]["vs_s1"] == rows[2]["step_ms"] / rows[0]["step_ms"]

@@ -1,0 +1,247 @@
+"""dist_attn with the remote work in S sub-stages, against dense attention on the whole sequence.
+
+LocalGroup (P simulated ranks) and forked gloo ranks (TorchGroup), forward and
+backward, kept and re-cast buffers; the byte counters of every sub-stage's
+cast and reduce against the plan's per-stage splits. The default tier keeps a
+small representative set; the whole matrix (P = 8, 16 and 2, 4 on gloo; S = 1,
+2, 4, 8; tiles 1 and 2) is in the slow tier.
+"""
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import nn
+
+from gpusolver import block_areas
+from gpusolver.masks import varlen_causal_mask
+from gpusolver.plan import IMBALANCED
+from gpusolver.plan.build import build_plan
+from gpusolver.problem import kept_kinds
+from gpusolver.runtime import DynamicCPAttention, PlanCache, dist_attn, shard
+from gpusolver.runtime.pipelined import stage_phase
+from groupcomm import LocalGroup, TorchGroup
+from tests._dist import run_ranks
+from tests._testing import assert_close
+from tests.gpusolver.runtime._cases import (ATOL, D, RTOL, doc_lengths, make_config, make_inputs, make_mask,
+                                            reference, tight_plan)
+from tests.gpusolver.runtime.test_dist_attn import KEYS, _assert_all_close, _run
+
+
+def _case_id(case):
+    name, P, c, Hq, Hkv, flatten, tiles, S, keep = case
+    return (f"{name}-P{P}-c{c}-Hq{Hq}-Hkv{Hkv}-{'flat' if flatten else 'G1'}-n{tiles}-S{S}-"
+            f"{'keep' if keep else 'recast'}")
+
+
+def _check_local(case):
+    name, P, c, Hq, Hkv, flatten, tiles, S, keep = case
+    T = P * c
+    mask = make_mask(name, T, seed=P)
+    plan, _ = tight_plan(mask, make_config(P, Hq, Hkv, flatten, tiles, num_stages=S, keep_forward_buffers=keep))
+    assert plan.num_stages == S and plan.calc.q_ranges.shape[1] == S + 1
+    if S > 1:  # the remote work really is spread over more than one sub-stage
+        assert int((plan.task_stage > 1).sum()) > 0
+    inputs = make_inputs(T, Hq, Hkv, seed=P)
+    _assert_all_close(reference(mask, *inputs), _run(plan, P, *inputs, keep_forward_buffers=keep), f"S={S} ")
+
+
+# (mask, P, c, Hq, Hkv, flatten, tiles, S, keep)
+CASES = [
+    ("random", 8, 16, 4, 2, True, 1, 2, True),
+    ("docs-causal", 8, 32, 4, 2, False, 2, 4, False),
+    ("docs-full", 4, 16, 2, 2, True, 1, 8, True),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_stages_equal_reference(case):
+    _check_local(case)
+
+
+SLOW_CASES = [(name, P, 16, 4, 2, flatten, tiles, S, keep)
+              for P in (8, 16) for S in (1, 2, 4, 8) for tiles in (1, 2)
+              for name, flatten, keep in (("docs-causal", True, True), ("random", False, False))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SLOW_CASES, ids=[_case_id(c) for c in SLOW_CASES])
+def test_stages_equal_reference_matrix(case):
+    _check_local(case)
+
+
+PHASES = {"fwd": ("fwd.qo", "fwd.kv", "fwd.o"), "bwd": ("bwd.qo", "bwd.kv", "bwd.dq", "bwd.dkv")}
+
+
+def _stage_bytes(plan, cost, keep):
+    """{phase of sub-stage s: (sent [P], recv [P])} from the plan's per-stage split matrices."""
+    comm = plan.comm
+    row = {"fwd.qo": ("qo", "cast", cost.q_fwd), "fwd.kv": ("kv", "cast", cost.kv_fwd),
+           "fwd.o": ("qo", "return", cost.o_fwd), "bwd.qo": ("qo", "cast", cost.q_bwd),
+           "bwd.dq": ("qo", "return", cost.dq_bwd), "bwd.dkv": ("kv", "return", cost.dkv_bwd)}
+    if "kv" not in kept_kinds(keep):  # K, V cast again; Q again rides in bwd.qo (cost.q_bwd)
+        row["bwd.kv"] = ("kv", "cast", cost.kv_bwd)
+    out = {}
+    for base, (kind, which, b) in row.items():
+        for s, split in enumerate(comm.stage_split(kind, which).unbind(0), start=1):
+            sent, recv = split.sum(1) * b, split.sum(0) * b
+            if which == "return":  # partials flow from the helper (dst of the cast) back to the host
+                sent, recv = recv, sent
+            out[stage_phase(base, s) if comm.num_stages > 1 else base] = (sent, recv)  # S = 1: the plain phases
+    return out
+
+
+@pytest.mark.parametrize("keep", [True, False], ids=["keep", "recast"])
+def test_stage_bytes_equal_plan(keep):
+    """Each sub-stage's counters equal that sub-stage's split; their sums equal the plan's volumes."""
+    P, c, Hq, Hkv, S = 8, 16, 4, 2, 4
+    T = P * c
+    config = make_config(P, Hq, Hkv, num_stages=S, keep_forward_buffers=keep)
+    plan, _ = tight_plan(make_mask("docs-causal", T, seed=1), config)
+    group = LocalGroup(P)
+    _run(plan, P, *make_inputs(T, Hq, Hkv), group=group, keep_forward_buffers=keep)
+    want = _stage_bytes(plan, config.cost(), keep)
+    for phase, (sent, recv) in want.items():
+        got = group.traffic(phase)
+        assert torch.equal(got[0], sent) and torch.equal(got[1], recv), (phase, got, sent, recv)
+    assert sum(int(s.sum()) > 0 for s, _ in want.values()) > len(want) // 2  # most stages move bytes
+    m = plan.metrics
+    for step, send, recv in (("fwd", m.fwd_send, m.fwd_recv), ("bwd", m.bwd_send, m.bwd_recv)):
+        tot_s = sum(group.traffic(stage_phase(b, s))[0] for b in PHASES[step] for s in range(1, S + 1))
+        tot_r = sum(group.traffic(stage_phase(b, s))[1] for b in PHASES[step] for s in range(1, S + 1))
+        assert torch.equal(tot_s, send) and torch.equal(tot_r, recv), step
+    assert all(int(group.traffic(b)[0].sum()) == 0 for b in PHASES["fwd"])  # no unstaged phase ran
+
+
+def _per_kind_plan(mask, config):
+    """``tight_plan`` rebuilt with QO and KV receive buffers of different rows (each its own fill plus
+    a margin), so a row indexed with the other kind's capacity would land in the wrong place."""
+    plan, tight = tight_plan(mask, config)
+    fill = {k: int(plan.comm.stage_split(k).sum(1).max()) for k in ("qo", "kv")}
+    per_kind = replace(tight, max_qo_recv_rows=fill["qo"] + 1, max_kv_recv_rows=fill["kv"] + 5)
+    areas = block_areas(mask, config.cp_size, config.head_groups, impl="torch", tiles=config.chunk_tiles)
+    return build_plan(mask, areas, plan.assignment, per_kind).validate(ignore=IMBALANCED), per_kind
+
+
+@pytest.mark.parametrize("keep", ["qo", "kv"])
+def test_stages_per_kind_keep_and_capacities(keep):
+    """S = 3 with one kind kept and the other cast again, QO and KV buffers of different rows:
+    values and gradients equal dense attention, and every sub-stage's counters equal its split."""
+    P, c, Hq, Hkv, S = 4, 16, 4, 2, 3
+    T = P * c
+    mask = make_mask("docs-causal", T, seed=3)
+    plan, config = _per_kind_plan(mask, make_config(P, Hq, Hkv, num_stages=S, keep_forward_buffers=keep))
+    comm = plan.comm
+    assert comm.num_stages == S and comm.qo_recv_capacity != comm.kv_recv_capacity
+    inputs = make_inputs(T, Hq, Hkv, seed=3)
+    group = LocalGroup(P)
+    _assert_all_close(reference(mask, *inputs), _run(plan, P, *inputs, group=group, keep_forward_buffers=keep),
+                      f"keep={keep} ")
+    want = _stage_bytes(plan, config.cost(), keep)
+    assert (stage_phase("bwd.kv", 1) in want) == (keep == "qo")
+    for phase, (sent, recv) in want.items():
+        got = group.traffic(phase)
+        assert torch.equal(got[0], sent) and torch.equal(got[1], recv), (phase, got, sent, recv)
+
+
+def test_stages_deterministic_bit_identical():
+    P, c, Hq, Hkv, S = 4, 16, 4, 2, 4
+    T = P * c
+    mask = make_mask("random", T, seed=5)
+    plan, _ = tight_plan(mask, make_config(P, Hq, Hkv, num_stages=S))
+    inputs = make_inputs(T, Hq, Hkv, seed=5)
+    first, second = (_run(plan, P, *inputs) for _ in range(2))
+    for key in KEYS:
+        assert torch.equal(first[key], second[key]), key
+    _assert_all_close(first, _run(plan, P, *inputs, deterministic=False), "deterministic=False ")
+
+
+def test_stages_layer_on_meta():
+    """Solve, stage pass, per-stage metas, casts, reduces and backward with no host read."""
+    P, c, Hq, Hkv = 4, 16, 4, 2
+    T = P * c
+    mask = varlen_causal_mask(doc_lengths(T, 0), device="meta")
+    layer = DynamicCPAttention(LocalGroup(P), make_config(P, Hq, Hkv, num_stages=3), plan_cache=PlanCache())
+    q = torch.empty(P, c, Hq, D, device="meta", requires_grad=True)
+    k = torch.empty(P, c, Hkv, D, device="meta", requires_grad=True)
+    v = torch.empty(P, c, Hkv, D, device="meta", requires_grad=True)
+    out, lse = layer(q, k, v, mask, return_lse=True)
+    assert out.shape == (P, c, Hq, D) and lse.shape == (P, c, Hq) and out.device.type == "meta"
+    (out.sum() + lse.sum()).backward()
+    for x in (q, k, v):
+        assert x.grad is not None and x.grad.shape == x.shape and x.grad.device.type == "meta"
+
+
+class _Attn(nn.Module):
+    def __init__(self, group, config):
+        super().__init__()
+        self.attn = DynamicCPAttention(group, config, plan_cache=PlanCache())
+
+    def forward(self, q, k, v, mask):
+        return self.attn(q, k, v, mask)
+
+
+def test_stages_compile_fullgraph():
+    """The whole S = 2 layer, solve included, under torch.compile(fullgraph=True) with a LocalGroup."""
+    P, c, Hq, Hkv = 2, 16, 4, 2
+    T = P * c
+    mask = varlen_causal_mask(doc_lengths(T, 2))
+    config = make_config(P, Hq, Hkv, num_stages=2)
+    group = LocalGroup(P)
+    q, k, v, d_out, _ = (shard(x, group) for x in make_inputs(T, Hq, Hkv, seed=3))
+    eager_in = [x.clone().requires_grad_() for x in (q, k, v)]
+    comp_in = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref = _Attn(group, config)(*eager_in, mask)
+    got = torch.compile(_Attn(group, config), fullgraph=True, backend="aot_eager")(*comp_in, mask)
+    assert_close("out", ref, got, atol=ATOL, rtol=RTOL)
+    ref.backward(d_out)
+    got.backward(d_out)
+    for name, a, b in zip("qkv", eager_in, comp_in):
+        assert_close(f"d{name}", a.grad, b.grad, atol=ATOL, rtol=RTOL)
+
+
+def _rank_stages(rank, P, name, c, Hq, Hkv, tiles, S, keep, seed, transport="a2a"):
+    T = P * c
+    mask = make_mask(name, T, seed)
+    config = make_config(P, Hq, Hkv, True, tiles, num_stages=S, keep_forward_buffers=keep)
+    plan, _ = tight_plan(mask, config)
+    group = TorchGroup(transport=transport)
+    q, k, v, d_out, d_lse = make_inputs(T, Hq, Hkv, seed)
+    qs, ks, vs = (shard(x, group).clone().requires_grad_() for x in (q, k, v))
+    out, lse = dist_attn(qs, ks, vs, plan, group, keep_forward_buffers=keep)
+    torch.autograd.backward((out, lse), (shard(d_out, group), shard(d_lse, group)))
+    want = _stage_bytes(plan, config.cost(), keep)
+    counted = {ph: group.traffic(ph) for ph in want}
+    planned = {ph: (int(s_[rank]), int(r_[rank])) for ph, (s_, r_) in want.items()}
+    return {"got": dict(zip(KEYS, (out.detach(), lse.detach(), qs.grad, ks.grad, vs.grad))),
+            "counted": counted, "planned": planned}
+
+
+def _check_gloo(P, name, c, Hq, Hkv, tiles, S, keep, seed, transport="a2a"):
+    results = run_ranks(_rank_stages, P, name, c, Hq, Hkv, tiles, S, keep, seed, transport, timeout=120)
+    T = P * c
+    ref = reference(make_mask(name, T, seed), *make_inputs(T, Hq, Hkv, seed))
+    for rank, res in enumerate(results):
+        rows = slice(rank * c, (rank + 1) * c)
+        for key in KEYS:
+            assert_close(f"rank {rank} {key}", ref[key][rows], res["got"][key], atol=ATOL, rtol=RTOL)
+        assert res["counted"] == res["planned"], f"rank {rank}"
+
+
+# (P, mask, c, Hq, Hkv, tiles, S, keep, seed, transport)
+GLOO = [(2, "random", 32, 4, 2, 2, 2, True, 2, "a2a"), (4, "docs-causal", 16, 2, 2, 1, 4, False, 0, "a2a"),
+        (4, "docs-full", 16, 4, 2, 2, 2, True, 1, "p2p")]
+
+
+@pytest.mark.parametrize("case", GLOO, ids=[f"P{c[0]}-{c[1]}-n{c[5]}-S{c[6]}-{c[9]}" for c in GLOO])
+def test_stages_gloo(case):
+    _check_gloo(*case)
+
+
+GLOO_SLOW = [(P, "docs-causal", 16, 4, 2, tiles, S, True, 0, transport) for P in (2, 4) for S in (1, 2, 4, 8)
+             for tiles in (1, 2) for transport in ("a2a", "p2p")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", GLOO_SLOW, ids=[f"P{c[0]}-n{c[5]}-S{c[6]}-{c[9]}" for c in GLOO_SLOW])
+def test_stages_gloo_matrix(case):
+    _check_gloo(*case)

@@ -1,0 +1,169 @@
+"""The sub-stage pass (``gpusolver.plan.stages``) and the per-stage metas it feeds.
+
+The runtime tests (``tests/gpusolver/runtime/test_stages.py``) show the plans
+compute the right attention; these check the pass itself: arrival order,
+balance, S = 1 unchanged, determinism, meta, and that per-stage routing adds
+up to the whole plan.
+"""
+import pytest
+import torch
+
+from gpusolver import SolverConfig, block_areas, solve
+from gpusolver.plan.build import build_plan
+from gpusolver.plan.stages import assign_stages, landing_time
+from gpusolver.topology import Topology, h200_hgx
+from tests.gpusolver.runtime._cases import make_config, make_mask
+
+
+def _solved(P=8, c=16, S=4, tiles=1, name="docs-causal", seed=1):
+    config = make_config(P, 4, 2, True, tiles, num_stages=S)
+    mask = make_mask(name, P * c, seed=seed)
+    plan = solve(mask, config, solver="reference", validate=False)
+    areas = block_areas(mask, P, config.head_groups, impl="torch", tiles=tiles)
+    return mask, areas, plan, config
+
+
+def test_config_num_stages_is_checked():
+    for bad in (0, -1, True, 1.5, 33):
+        with pytest.raises(ValueError, match="num_stages"):
+            SolverConfig(cp_size=4, num_stages=bad)
+    assert SolverConfig(cp_size=4).num_stages == 1
+
+
+def test_landing_time_by_hand():
+    """Fair share at each receiver: 1 and 3 bytes into rank 0 finish at 2 and 4 (bandwidth 1)."""
+    pair = torch.tensor([[0, 5, 0], [1, 0, 2], [3, 2, 0]])
+    inter, t = landing_time(pair)
+    assert not inter.any()
+    # into 0: sources 1 (1 byte) and 2 (3 bytes): 1 finishes at 1 * 2, then 2 at 1 + 3
+    assert t[1, 0].item() == 2.0 and t[2, 0].item() == 4.0
+    # into 2: only source 1 sends (rank 0 sends 0 bytes, which finishes at 0)
+    assert t[1, 2].item() == 2.0 and t[0, 2].item() == 0.0
+    # two nodes of 2 ranks: the cross-node pair is in the other class, priced by IB
+    topo = Topology(ranks_per_node=2, nvlink_gbps=4e-9, ib_gbps=1e-9, attn_tflops=1.0)
+    inter, t = landing_time(pair, topo)
+    assert inter[2, 0] and not inter[1, 0]
+    assert t[1, 0].item() == pytest.approx(1 / 4) and t[2, 0].item() == pytest.approx(3 / 1)
+
+
+def test_stages_cover_remote_work_in_order_and_balanced():
+    _, areas, plan, _ = _solved(S=4)
+    st = plan.task_stage
+    P, S = 8, 4
+    a = plan.assignment.long()
+    host = areas.unit_host()
+    live = (a >= 0) & (areas.area > 0)
+    local = live & (host.view(1, -1, 1) == a) & (host.view(1, 1, -1) == a)
+    assert torch.equal(st == 0, local) and torch.equal(st < 0, ~live)
+    assert bool(((st >= 1) & (st <= S) | ~live | local).all())
+    # balance: every stage's work is within one task of W / S
+    for r in range(P):
+        mine = live & ~local & (a == r)
+        w = torch.stack([areas.area[mine & (st == s)].sum() for s in range(1, S + 1)])
+        total, biggest = int(w.sum()), int(areas.area[mine].max()) if mine.any() else 0
+        assert all(abs(int(x) - total / S) <= biggest for x in w), (r, w.tolist())
+        assert int(w.sum()) == int(areas.area[mine].sum())
+
+
+def test_intra_node_sources_first_with_a_topology():
+    """Two nodes of 4: on every rank, no task that needs a cross-node source sits in an earlier
+    sub-stage than a task that needs only intra-node sources."""
+    P = 8
+    _, areas, plan, config = _solved(P=P, S=4, name="docs-full", seed=3)
+    topo = Topology(ranks_per_node=4, nvlink_gbps=450.0, ib_gbps=50.0, attn_tflops=400.0)
+    st = assign_stages(areas, plan.assignment, 4, cost=config.cost(), topology=topo)
+    a = plan.assignment.long()
+    node = areas.unit_host() // 4
+    rnode = a.clamp(min=0) // 4
+    cross = (node.view(1, -1, 1) != rnode) | (node.view(1, 1, -1) != rnode)
+    checked = 0
+    for r in range(P):
+        mine = (a == r) & (st >= 1)
+        if (mine & cross).any() and (mine & ~cross).any():
+            assert int(st[mine & ~cross].max()) <= int(st[mine & cross].min()), r
+            checked += 1
+    assert checked > 0  # some rank had both kinds
+
+
+def test_one_stage_is_the_two_stage_plan():
+    mask, areas, plan, config = _solved(S=1)
+    st = plan.task_stage
+    assert plan.calc.q_ranges.shape[1] == 2 and plan.comm.qo_stage is None
+    a = plan.assignment.long()
+    host = areas.unit_host()
+    remote = (host.view(1, -1, 1) != a) | (host.view(1, 1, -1) != a)
+    live = (a >= 0) & (areas.area > 0)
+    assert torch.equal(st, torch.where(live, remote.int(), -1).int())
+
+
+@pytest.mark.parametrize("tiles", [1, 2])
+def test_per_stage_routing_adds_up(tiles):
+    mask, areas, plan, config = _solved(S=4, tiles=tiles)
+    one = build_plan(mask, areas, plan.assignment, make_config(8, 4, 2, True, tiles, num_stages=1))
+    comm = plan.comm
+    for kind in ("qo", "kv"):
+        total = getattr(comm, f"{kind}_split")
+        assert torch.equal(total, getattr(one.comm, f"{kind}_split"))  # the same bytes travel
+        for which in ("cast", "return"):
+            assert torch.equal(comm.stage_split(kind, which).sum(0), total), (kind, which)
+        first, last = getattr(comm, f"{kind}_stage").unbind(-1)
+        moved = getattr(comm, f"{kind}_range")[..., 1] > getattr(comm, f"{kind}_range")[..., 0]
+        assert torch.equal(first > 0, moved) and bool((last >= first).all())
+        for r in range(8):  # each stage's send list holds exactly that stage's rows, all of them once
+            rows = torch.cat([comm.send_index(kind, r, s) for s in range(1, 5)])
+            rows = rows[rows >= 0].sort().values
+            allrows = comm.send_index(kind, r)
+            assert torch.equal(rows, allrows[allrows >= 0].sort().values)
+    # the stages' slice rows are the remote stage's, dealt out; stage 0 is unchanged
+    assert torch.equal(plan.calc.needed_rows[:, 0], one.calc.needed_rows[:, 0])
+    assert torch.equal(plan.calc.needed_rows[:, 1:].sum(1), one.calc.needed_rows[:, 1])
+    for phase in ("fwd", "bwd"):  # pair_bytes per stage sums to the whole
+        whole = plan.pair_bytes(phase)
+        assert torch.equal(sum(plan.pair_bytes(phase, stage=s) for s in range(1, 5)), whole)
+        assert torch.equal(whole, one.pair_bytes(phase))
+
+
+def test_stage_pass_deterministic_and_on_meta():
+    _, areas, plan, config = _solved(S=8)
+    again = assign_stages(areas, plan.assignment, 8, cost=config.cost())
+    assert torch.equal(again, plan.task_stage)
+    meta_areas = type(areas)(*(t.to("meta") if isinstance(t, torch.Tensor) else t
+                               for t in (areas.area, areas.q_need, areas.k_need, areas.chunk, areas.tiles)))
+    out = assign_stages(meta_areas, plan.assignment.to("meta"), 8, cost=config.cost(), topology=h200_hgx)
+    assert out.device.type == "meta" and out.shape == plan.task_stage.shape and out.dtype == torch.int32
+
+
+def test_sparse_plans_refuse_sub_stages():
+    from gpusolver.masks.sparse import TokenTopKMask
+
+    P, c = 4, 16
+    topk = (torch.arange(P * c)[:, None] - torch.arange(4)).clamp(min=-1)
+    with pytest.raises(ValueError, match="num_stages=2: sparse plans"):
+        solve(TokenTopKMask(topk.to(torch.int32), P * c), make_config(P, 4, 2, num_stages=2))
+
+
+def test_overflow_of_one_sub_stage_is_named():
+    """A buffer per sub-stage: past the capacity in one cast is BUFFER_OVERFLOW, named with its sub-stage."""
+    mask, areas, plan, config = _solved(S=2)
+    per = plan.comm.stage_split("kv").sum(1)
+    cap = int(per.max()) - 1
+    assert cap >= int(per.min())
+    small = build_plan(mask, areas, plan.assignment, config, recv_capacity=cap)
+    with pytest.raises(ValueError, match=r"BUFFER_OVERFLOW: rank \d+ receives \d+ KV rows in sub-stage [12]"):
+        small.validate(ignore=1)
+
+
+@pytest.mark.parametrize("comm", ["a2a", "p2p"])
+def test_simulated_sub_stages_respect_the_bound_and_the_bytes(comm):
+    """The simulator prices the sub-stage op lists: never below the ideal bound, and the bytes it
+    moves per pass are the plan's ``pair_bytes`` (the per-stage splits summed)."""
+    from gpusolver.sim import simulate
+
+    topo = Topology(ranks_per_node=4, nvlink_gbps=450.0, ib_gbps=50.0, attn_tflops=400.0)
+    for S in (1, 4):
+        mask, areas, plan, config = _solved(S=S)
+        plan = build_plan(mask, areas, plan.assignment, config, topology=topo)
+        t = simulate(plan, topo, comm=comm)
+        assert t.step_ms >= t.ideal_ms * (1 - 1e-9)
+        for phase, pt in (("fwd", t.fwd), ("bwd", t.bwd)):
+            assert pt.pair_bytes == plan.pair_bytes(phase).tolist(), (S, phase)
