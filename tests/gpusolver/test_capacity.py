@@ -50,3 +50,12 @@ def test_budget_keeps_the_most_that_fits():
     assert keep_for_budget(SolverConfig(cp_size=8, keep_forward_buffers="qo", memory_budget=100.0), c) \
         .keep_forward_buffers == "qo"
     assert keep_for_budget(base, c) is base
+
+
+def test_sub_stages_keep_a_buffer_each():
+    """With S remote sub-stages every sub-stage casts into receive buffers of its own: S times the kept bytes."""
+    c = 256
+    one, three = SolverConfig(cp_size=8), SolverConfig(cp_size=8, num_stages=3)
+    for keep in (True, "qo", "kv", False):
+        assert kept_bytes(three, c, keep) == 3 * kept_bytes(one, c, keep), keep
+    assert kept_bytes(three, c, "qo") > 0

@@ -141,6 +141,14 @@ def test_stages_per_kind_keep_and_capacities(keep):
     for phase, (sent, recv) in want.items():
         got = group.traffic(phase)
         assert torch.equal(got[0], sent) and torch.equal(got[1], recv), (phase, got, sent, recv)
+    for base in PHASES["bwd"]:  # the schedule the simulator prices moves what ran, pair by pair
+        ran = sum(group.pair_traffic(stage_phase(base, s)) for s in range(1, S + 1))
+        assert torch.equal(ran, plan.pair_bytes(base)), base
+    # each sub-stage keeps its own buffer of the kept kind
+    m, rows = plan.memory(config), comm.buffers
+    G = comm.head_groups
+    q_row, kv_row = Hq // G * D * 4, 2 * Hkv // G * D * 4  # fp32
+    assert m.kept == S * (rows.qo_recv * q_row if keep == "qo" else rows.kv_recv * kv_row)
 
 
 def test_stages_deterministic_bit_identical():
