@@ -304,7 +304,7 @@ def stage_rows(mask_kind: str, cp_size: int, tokens_per_rank: int, hq: int = 64,
     heads_q, heads_kv = hq // G, hkv // G
     rows = []
     for stage in (0, 1):
-        n = G * plan.comm.chunk + (plan.comm.recv_capacity if stage else 0)
+        n = G * plan.comm.chunk + (plan.comm.buffers.largest_recv if stage else 0)
         rects = [worklist.slice_rect(calc.q_ranges[r, stage], calc.k_ranges[r, stage], calc.attn_type[r, stage], n, n)
                  for r in range(cp_size)]
         work = [worklist.inner_iterations(x, 0, n, *_blocks("fwd"))["iterations"] for x in rects]

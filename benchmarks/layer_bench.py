@@ -61,6 +61,7 @@ from _common import (  # noqa: E402
 from gpusolver.areas import block_areas  # noqa: E402
 from gpusolver.baselines import baseline_table  # noqa: E402
 from gpusolver.config import SolverConfig  # noqa: E402
+from gpusolver.capacity import BufferRows  # noqa: E402
 from gpusolver.plan import BUFFER_OVERFLOW, Plan, build_plan, plan_capacities  # noqa: E402
 from gpusolver.plan.comm_meta import build_comm_meta  # noqa: E402
 from gpusolver.plan.schedule import PHASES, stage_area  # noqa: E402
@@ -95,17 +96,20 @@ SUMMARY_COLUMNS = [("kind", "kind", ""), ("P", "P", "d"), ("runs", "runs", "d")]
 FILL_COLUMNS = [
     ("kind", "kind", ""), ("P", "P", "d"), ("tiles", "tiles", "d"), ("runs", "runs", "d"),
     ("QO recv", "qo_recv", ".2f"), ("KV recv", "kv_recv", ".2f"), ("QO send", "qo_send", ".2f"),
-    ("KV send", "kv_send", ".2f"), ("recv cap", "recv_cap", ".0f"), ("send cap", "send_cap", ".0f"),
+    ("KV send", "kv_send", ".2f"), ("QO recv cap", "qo_recv_cap", ".0f"), ("KV recv cap", "kv_recv_cap", ".0f"),
+    ("QO send cap", "qo_send_cap", ".0f"), ("KV send cap", "kv_send_cap", ".0f"),
     ("worst", "worst", ".0f"), ("fits", "fits", ""),
 ]
+CAP_KEYS = ("qo_recv", "kv_recv", "qo_send", "kv_send")  # BufferRows order
 MEMORY_COLUMNS = [
-    ("P", "P", "d"), ("capacity", "capacity", ""), ("keep", "keep", ""), ("recv rows", "recv_rows", "d"),
-    ("send rows", "send_rows", "d"), ("fwd GB", "fwd_gb", ".2f"), ("bwd GB", "bwd_gb", ".2f"),
+    ("P", "P", "d"), ("capacity", "capacity", ""), ("keep", "keep", ""), ("QO recv rows", "qo_recv_rows", "d"),
+    ("KV recv rows", "kv_recv_rows", "d"), ("QO send rows", "qo_send_rows", "d"),
+    ("KV send rows", "kv_send_rows", "d"), ("fwd GB", "fwd_gb", ".2f"), ("bwd GB", "bwd_gb", ".2f"),
     ("held GB", "held_gb", ".2f"), ("peak GB", "peak_gb", ".2f"),
 ]
 REAL_COLUMNS = [
     ("kind", "kind", ""), ("keep", "keep", ""), ("P", "P", "d"), ("tokens/rank", "tokens_per_rank", "d"),
-    ("Hq:Hkv", "heads", ""), ("D", "head_dim", "d"), ("recv cap", "recv_capacity", "d"),
+    ("Hq:Hkv", "heads", ""), ("D", "head_dim", "d"), ("max recv rows", "recv_capacity", "d"),
     ("counted = metrics", "bytes_match", ""),
     ("fwd MB", "fwd_mb", ".3f"), ("bwd MB", "bwd_mb", ".3f"), ("fwd+bwd ms (CPU)", "wall_ms", ".0f"),
 ]
@@ -165,11 +169,11 @@ def comm_fill(comm, head_groups: int) -> dict:
             "qo_send": f(comm.qo_split.sum(1)), "kv_send": f(comm.kv_split.sum(1))}
 
 
-def buffer_memory(config: SolverConfig, chunk: int, recv_rows: int, send_rows: int) -> dict:
+def buffer_memory(config: SolverConfig, chunk: int, rows: BufferRows) -> dict:
     """Bytes per rank of the capacity-sized collective buffers of one layer.
 
-    fwd:  Q, K, V receive buffers (``recv_rows`` each) and the send-capacity buffer
-          the partial O and lse come back into.
+    fwd:  Q, K, V receive buffers (``rows``' QO and KV receive rows) and the QO
+          send-capacity buffer the partial O and lse come back into.
     bwd:  dO, lse, delta receive buffers; Q, K, V (kept from the forward, or cast again);
           the send-capacity buffers partial dQ and dK, dV come back into.
     held: what stays allocated from a layer's forward to its backward: the kept Q, K, V
@@ -180,10 +184,10 @@ def buffer_memory(config: SolverConfig, chunk: int, recv_rows: int, send_rows: i
     """
     cost = config.cost()
     hq, D, b = cost.hq, config.head_dim, config.dtype_bytes
-    qkv = recv_rows * (cost.q_fwd + cost.kv_fwd)
-    fwd = qkv + send_rows * cost.o_fwd
-    bwd = recv_rows * hq * (D * b + 8) + qkv + send_rows * (hq * D * b + cost.kv_fwd)
-    held = qkv if config.keep_forward_buffers else 0
+    q, kv = rows.qo_recv * cost.q_fwd, rows.kv_recv * cost.kv_fwd
+    fwd = q + kv + rows.qo_send * cost.o_fwd
+    bwd = rows.qo_recv * hq * (D * b + 8) + q + kv + rows.qo_send * hq * D * b + rows.kv_send * cost.kv_fwd
+    held = q + kv if config.keep_forward_buffers else 0
     return {"fwd": fwd, "bwd": bwd, "held": held, "peak": max(fwd, bwd)}
 
 
@@ -193,11 +197,12 @@ def memory_rows(cp_sizes, tokens_per_rank: int) -> list[dict]:
         for keep in (True, False):
             config = SolverConfig(cp_size=P, keep_forward_buffers=keep)
             G, c = config.head_groups, tokens_per_rank
-            _, recv, send = plan_capacities(config, 1, c)
+            _, default = plan_capacities(config, 1, c)
             worst = G * c * (P - 1)
-            for label, (R, S) in (("default", (recv, send)), ("worst case", (worst, worst))):
-                m = buffer_memory(config, c, R, S)
-                rows.append({"P": P, "capacity": label, "keep": keep, "recv_rows": R, "send_rows": S,
+            for label, b in (("default", default), ("worst case", BufferRows(worst, worst, worst, worst))):
+                m = buffer_memory(config, c, b)
+                rows.append({"P": P, "capacity": label, "keep": keep, **{f"{k}_rows": v for k, v in
+                                                                         zip(CAP_KEYS, b.as_tuple())},
                              **{f"{k}_gb": v / GB for k, v in m.items()}})
     return rows
 
@@ -209,12 +214,11 @@ def fill_summary(fills: list[dict], tokens_per_rank: int) -> list[dict]:
         fs = [f for f in fills if (f["kind"], f["P"], f["tiles"]) == key]
         config = SolverConfig(cp_size=key[1])
         unit = config.head_groups * tokens_per_rank
-        _, recv, send = plan_capacities(config, 1, tokens_per_rank)
+        _, caps = plan_capacities(config, 1, tokens_per_rank)
         row = {"kind": key[0], "P": key[1], "tiles": key[2], "runs": len(fs),
-               **{k: max(f[k] for f in fs) for k in ("qo_recv", "kv_recv", "qo_send", "kv_send")},
-               "recv_cap": recv / unit, "send_cap": send / unit, "worst": float(key[1] - 1)}
-        row["fits"] = (max(row["qo_recv"], row["kv_recv"]) <= row["recv_cap"]
-                       and max(row["qo_send"], row["kv_send"]) <= row["send_cap"])
+               **{k: max(f[k] for f in fs) for k in CAP_KEYS},
+               **{f"{k}_cap": v / unit for k, v in zip(CAP_KEYS, caps.as_tuple())}, "worst": float(key[1] - 1)}
+        row["fits"] = all(row[k] <= row[f"{k}_cap"] for k in CAP_KEYS)
         out.append(row)
     return out
 
@@ -278,7 +282,7 @@ def fill_only(kind: str, P: int, seed: int, tokens_per_rank: int, tiles: int = 1
     units = block_areas(mask, P, config.head_groups, impl="torch", tiles=tiles)
     asg = solve_assignment(units, config, impl="torch")
     big = config.head_groups * tokens_per_rank * P  # never overflows: only the fill is read
-    comm, _ = build_comm_meta(units, asg, recv_capacity=big, send_capacity=big)
+    comm, _ = build_comm_meta(units, asg, buffers=BufferRows(big, big, big, big))
     return {"kind": kind, "P": P, "seed": seed, "tiles": tiles, **comm_fill(comm, config.head_groups)}
 
 
@@ -352,7 +356,7 @@ def gpu_stage_times(config: SolverConfig, plan, repeats: int = 3, *, topology: T
     from attn_kernels import flex_attn, flex_attn_backward, row_delta
 
     dev = torch.device("cuda")
-    G, c, cap = config.head_groups, plan.comm.chunk, plan.comm.recv_capacity
+    G, c, cap = config.head_groups, plan.comm.chunk, plan.comm.buffers.largest_recv
     hq, hkv, D = config.num_heads_q // G, config.num_heads_kv // G, config.head_dim
     n = G * c + cap
     q = torch.randn(n, hq, D, device=dev, dtype=config.dtype)
@@ -497,8 +501,8 @@ def main(argv=None) -> dict:
         "from --plan-cache). fwd / bwd MB: bottleneck bytes per rank (10^6 B), ours, USP's and ring's.",
         markdown_table(summary, SUMMARY_COLUMNS),
         "### Receive capacity: largest fill as a multiple of G·c (max over the runs)",
-        "QO / KV recv: rows a rank receives; QO / KV send: rows a rank sends (both kinds share one "
-        "receive and one send capacity). recv cap / send cap: the default (`plan_capacities`); worst: P − 1.",
+        "QO / KV recv: rows a rank receives; QO / KV send: rows a rank sends. caps: each buffer's default "
+        "(`plan_capacities`, `gpusolver.capacity.DEFAULT_CHUNKS`); worst: P − 1.",
         markdown_table(fill_rows, FILL_COLUMNS),
         "### Receive-buffer memory per rank and layer",
         "fwd: Q, K, V receive buffers plus the buffer partial O and lse return into (send capacity); bwd: dO, lse, "

@@ -46,7 +46,7 @@ from gpusolver import SolverConfig, block_areas  # noqa: E402
 from gpusolver.assign import solve_assignment  # noqa: E402
 from gpusolver.plan import Plan  # noqa: E402
 from gpusolver.plan.build import build_plan  # noqa: E402
-from gpusolver.plan.schedule import backward_ops, forward_ops  # noqa: E402
+from gpusolver.plan.schedule import plan_ops  # noqa: E402
 from gpusolver.sim import simulate  # noqa: E402
 from gpusolver.topology import PRESETS  # noqa: E402
 
@@ -66,13 +66,14 @@ def _assignment(kind, P, seed, tokens, cache, mask, areas, config):
 
 def costs(plan, config: SolverConfig, S: int) -> dict:
     comm = plan.comm
-    ops = forward_ops(S + 1) + backward_ops(S + 1, config.keep_forward_buffers)
-    row_bytes = config.cost().q_fwd + config.cost().kv_fwd  # a Q row and a K+V row (per group-major row)
-    fill = max(int(comm.stage_split(k).sum(1).max()) for k in ("qo", "kv"))
+    ops = plan_ops(plan, "fwd", config.keep_forward_buffers) + plan_ops(plan, "bwd", config.keep_forward_buffers)
+    cost = config.cost()
+    row_bytes = {"qo": cost.q_fwd, "kv": cost.kv_fwd}  # a Q row, a K+V row (per group-major row)
+    fill = {k: int(comm.stage_split(k).sum(1).max()) for k in ("qo", "kv")}
     return {"collectives": sum(op.collective for op in ops),
             "calc_rows": (S + 1) * plan.calc.capacity,
-            "recv_mb": S * comm.recv_capacity * row_bytes / MB,
-            "fill_mb": S * fill * row_bytes / MB}
+            "recv_mb": S * sum(comm.buffers.recv(k) * row_bytes[k] for k in row_bytes) / MB,
+            "fill_mb": S * sum(fill[k] * row_bytes[k] for k in row_bytes) / MB}
 
 
 def run(kind, P, seed, tokens, stages, comms, topo, cache) -> list[dict]:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from gpusolver.limits import CONFIG_LIMITS, MAX_IMBALANCE_TOL, MAX_LINK_WEIGHT, check_seqlen_limit
-from gpusolver.problem import CommCost
+from gpusolver.problem import CommCost, kept_kinds
 from gpusolver.topology import Topology
 
 
@@ -58,25 +58,40 @@ class SolverConfig:
     max_stage_slices:   static capacity of each CalcMeta stage (slice rows per
                         rank per stage); None picks a default from P and the
                         mask's slice count.
-    max_recv_rows:      static capacity of each rank's QO and KV receive
-                        buffers (and send lists), in group-major rows. None
-                        is ``min(G * c * (P - 1), 16 * G * c)``: the worst
-                        case G * c * (P - 1) up to P = 17, then 16 chunks,
-                        measured to hold the benchmark masks' plans with a
-                        1.5x margin (``plan_capacities``). A plan that needs
-                        more reports BUFFER_OVERFLOW (work is never dropped);
-                        set a larger value, up to the worst case, for it.
+    max_recv_rows:      rows of every collective buffer at once (QO and KV receive
+                        buffers and send lists), in group-major rows; the per-kind
+                        fields below take precedence. None (default): each buffer
+                        its own default (``gpusolver.capacity.DEFAULT_CHUNKS``):
+                        ``min(G * c * (P - 1), k * G * c)`` with k = 2 (QO recv),
+                        13 (KV recv), 3 (QO send), 16 (KV send), at least 1.5x the
+                        largest fill of the benchmark masks' plans. The solve keeps
+                        every plan within the buffers (a hard constraint; work is
+                        never dropped): a plan that cannot fit reports
+                        BUFFER_OVERFLOW; set larger values, up to the worst case,
+                        for it. ``16 * G * c`` gives the single shared capacity of
+                        earlier versions back.
+    max_qo_recv_rows, max_kv_recv_rows, max_qo_send_rows, max_kv_send_rows:
+                        rows of one buffer (None: ``max_recv_rows``, else its default).
     keep_forward_buffers: in the backward, helpers reuse the Q, K and V they
                         received in the forward (default), so only dO, lse,
                         delta go out and dQ, dK, dV come back. False re-sends
                         Q and K, V in the backward: less activation memory,
-                        more bytes (see ``CommCost``).
+                        more bytes (see ``CommCost``). "qo" keeps only Q, "kv"
+                        only K and V (the other kind is sent again).
+    memory_budget:      what a layer keeps for its backward, at most this multiple of
+                        what plain attention of the rank's shard keeps (q, k, v,
+                        out, lse). None (default): helpers keep what
+                        ``keep_forward_buffers`` says. Set: of the kinds it allows,
+                        they keep the largest set of receive buffers that fits
+                        (``capacity.keep_for_budget``, a function of the config
+                        and c alone); the kinds not kept are sent again in the
+                        backward, and the solve prices those bytes.
     num_stages:         S, remote sub-stages of the layer (static). Stage 0 computes
                         the tasks whose units are all local; the remote tasks of
                         each rank are cut into S sub-stages by when their bytes
                         land (``gpusolver.plan.stages``), each with its own cast,
-                        receive buffer (``max_recv_rows`` rows each, so S times
-                        the receive memory) and reduce, so later casts overlap
+                        receive buffers (the QO and KV receive rows each, so S
+                        times the receive memory) and reduce, so later casts overlap
                         earlier sub-stages and each sub-stage's partials return
                         while the next computes. 1 (default) is the two-stage
                         layer: one cast, one remote stage, one reduce.
@@ -99,7 +114,12 @@ class SolverConfig:
     chunk_tiles: int | str = "auto"
     max_stage_slices: int | None = None
     max_recv_rows: int | None = None
-    keep_forward_buffers: bool = True
+    max_qo_recv_rows: int | None = None
+    max_kv_recv_rows: int | None = None
+    max_qo_send_rows: int | None = None
+    max_kv_send_rows: int | None = None
+    keep_forward_buffers: bool | str = True
+    memory_budget: float | None = None
     objective: str = "training"
     num_stages: int = 1
     auto_tiles: bool = False
@@ -120,8 +140,17 @@ class SolverConfig:
             raise ValueError(f"auto_tiles must be a bool, got {self.auto_tiles!r}")
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
-        if not isinstance(self.keep_forward_buffers, bool):
-            raise ValueError(f"keep_forward_buffers must be a bool, got {self.keep_forward_buffers!r}")
+        kept_kinds(self.keep_forward_buffers)  # True, False, "qo" or "kv", else ValueError
+        for name in ("max_recv_rows", "max_qo_recv_rows", "max_kv_recv_rows", "max_qo_send_rows",
+                     "max_kv_send_rows"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise ValueError(f"{name} must be None or a non-negative int, got {v!r}")
+        if self.memory_budget is not None and (isinstance(self.memory_budget, bool)
+                                               or not isinstance(self.memory_budget, (int, float))
+                                               or not self.memory_budget >= 1.0):
+            raise ValueError(f"memory_budget must be None or a number >= 1.0 (a multiple of plain attention's "
+                             f"saved bytes), got {self.memory_budget!r}")
         if self.topology is not None:
             if not isinstance(self.topology, Topology):
                 raise TypeError(f"topology must be a gpusolver.topology.Topology or None, got "

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from gpusolver.areas import block_areas as _block_areas
+from gpusolver.capacity import buffer_fields, buffer_ints
 from gpusolver.config import SolverConfig
 from gpusolver.masks.slices import AttnSlices
 from gpusolver.problem import BlockAreas
@@ -45,28 +46,32 @@ def solve_assignment_op(area: torch.Tensor, q_need: torch.Tensor, k_need: torch.
                         cp_size: int, tiles: int, num_heads_q: int, num_heads_kv: int, head_dim: int,
                         dtype: torch.dtype, imbalance_tol: float, impl: str, objective: str = "training",
                         keep_forward_buffers: bool = True, max_recv_rows: int = -1,
-                        auto_tiles: bool = False, ranks_per_node: int = 0, nvlink_gbps: float = 0.0,
-                        ib_gbps: float = 0.0, nics_per_node: int = 0) -> torch.Tensor:
+                        auto_tiles: bool = False, max_qo_recv_rows: int = -1, max_kv_recv_rows: int = -1,
+                        max_qo_send_rows: int = -1, max_kv_send_rows: int = -1, keep_only: str = "",
+                        ranks_per_node: int = 0, nvlink_gbps: float = 0.0, ib_gbps: float = 0.0,
+                        nics_per_node: int = 0) -> torch.Tensor:
     from gpusolver.solver.device import solve_device
     from gpusolver.topology import Topology
 
     G = area.shape[0]
+    rows = buffer_fields(max_recv_rows, max_qo_recv_rows, max_kv_recv_rows, max_qo_send_rows, max_kv_send_rows)
     # the solver reads only the links of a topology (ranks_per_node 0: none); attention speed is unused
     topology = None if ranks_per_node <= 0 else Topology(ranks_per_node=ranks_per_node, nvlink_gbps=nvlink_gbps,
                                                          ib_gbps=ib_gbps, attn_tflops=1.0,
                                                          nics_per_node=nics_per_node)
     config = SolverConfig(cp_size=cp_size, num_heads_q=num_heads_q, num_heads_kv=num_heads_kv, head_dim=head_dim,
                           dtype=dtype, imbalance_tol=imbalance_tol, head_group_flatten=G != 1, chunk_tiles=tiles,
-                          objective=objective, keep_forward_buffers=keep_forward_buffers,
-                          max_recv_rows=None if max_recv_rows < 0 else max_recv_rows, auto_tiles=auto_tiles,
-                          topology=topology)
+                          objective=objective, keep_forward_buffers=keep_only or keep_forward_buffers,
+                          auto_tiles=auto_tiles, topology=topology, **rows)
     return solve_device(BlockAreas(area, q_need, k_need, chunk, tiles), config, impl=impl).assignment
 
 
 @solve_assignment_op.register_fake
 def _solve_assignment_fake(area, q_need, k_need, chunk, cp_size, tiles, num_heads_q, num_heads_kv, head_dim, dtype,
                            imbalance_tol, impl, objective="training", keep_forward_buffers=True, max_recv_rows=-1,
-                           auto_tiles=False, ranks_per_node=0, nvlink_gbps=0.0, ib_gbps=0.0, nics_per_node=0):
+                           auto_tiles=False, max_qo_recv_rows=-1, max_kv_recv_rows=-1, max_qo_send_rows=-1,
+                           max_kv_send_rows=-1, keep_only="", ranks_per_node=0, nvlink_gbps=0.0, ib_gbps=0.0,
+                           nics_per_node=0):
     return area.new_empty(area.shape, dtype=torch.int32)
 
 
@@ -88,10 +93,13 @@ def solve_assignment_compiled(mask: AttnSlices, config: SolverConfig, impl: str 
 
 def solve_op_options(config: SolverConfig) -> tuple:
     """The trailing arguments of ``solve_assignment_op`` from a config: objective, kept buffers,
-    receive rows (-1 for the default), auto tiles, and the topology's links (ranks per node 0:
-    none)."""
-    rows = -1 if config.max_recv_rows is None else config.max_recv_rows
+    receive rows (-1 for the default), auto tiles, the per-kind buffer rows, the one kind kept
+    ("qo" / "kv", or "" when ``keep_forward_buffers`` is a bool), and the topology's links (ranks
+    per node 0: none)."""
+    shared, *kinds = buffer_ints(config)
+    keep = config.keep_forward_buffers
+    only = keep if isinstance(keep, str) else ""
     topo = config.topology
     links = (0, 0.0, 0.0, 0) if topo is None else (topo.ranks_per_node, float(topo.nvlink_gbps),
                                                    float(topo.ib_gbps), topo.nics_per_node)
-    return (config.objective, config.keep_forward_buffers, rows, config.auto_tiles) + links
+    return (config.objective, keep is True, shared, config.auto_tiles, *kinds, only) + links

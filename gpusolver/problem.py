@@ -133,6 +133,21 @@ class BlockAreas:
         return self
 
 
+KEEP_CHOICES = (True, False, "qo", "kv")
+
+
+def kept_kinds(keep) -> tuple[str, ...]:
+    """The unit kinds whose forward receive buffers a helper keeps for the backward
+    (``keep_forward_buffers``): True both, False none, "qo" only Q, "kv" only K and V."""
+    if keep is True:
+        return ("qo", "kv")
+    if keep is False:
+        return ()
+    if isinstance(keep, str) and keep in ("qo", "kv"):
+        return (keep,)
+    raise ValueError(f"keep_forward_buffers must be one of {KEEP_CHOICES}, got {keep!r}")
+
+
 @dataclass(frozen=True)
 class CommCost:
     """Bytes per transferred token of each unit kind, per head group.
@@ -158,7 +173,8 @@ class CommCost:
     delta ``rowsum(dO * O)`` itself, so O never travels. With
     ``keep_forward_buffers`` (default) a helper keeps the Q, K and V it
     received in the forward; without it they are sent again (fewer saved
-    activations, more bytes).
+    activations, more bytes); ``"qo"`` keeps only Q (K and V sent again), ``"kv"`` only K
+    and V (Q sent again).
     """
 
     num_heads_q: int
@@ -166,9 +182,10 @@ class CommCost:
     head_dim: int
     dtype_bytes: int
     head_groups: int
-    keep_forward_buffers: bool = True
+    keep_forward_buffers: bool | str = True
 
     def __post_init__(self):
+        kept_kinds(self.keep_forward_buffers)  # raises on anything but True, False, "qo", "kv"
         if self.num_heads_q % self.num_heads_kv:
             raise ValueError(f"num_heads_q={self.num_heads_q} must be a multiple of num_heads_kv={self.num_heads_kv}")
         if self.num_heads_kv % self.head_groups:
@@ -196,7 +213,7 @@ class CommCost:
 
     @property
     def q_bwd(self) -> int:
-        again = 0 if self.keep_forward_buffers else self.q_fwd  # Q re-sent
+        again = 0 if "qo" in kept_kinds(self.keep_forward_buffers) else self.q_fwd  # Q re-sent
         return self.hq * (self.head_dim * self.dtype_bytes + 8) + again  # dO, fp32 lse and delta
 
     @property
@@ -205,7 +222,7 @@ class CommCost:
 
     @property
     def kv_bwd(self) -> int:
-        return 0 if self.keep_forward_buffers else self.kv_fwd
+        return 0 if "kv" in kept_kinds(self.keep_forward_buffers) else self.kv_fwd
 
     @property
     def dkv_bwd(self) -> int:

@@ -5,11 +5,13 @@ Shape legend: S tokens, P ranks, c = S / P, G head groups, R slices.
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 
 import torch
 
 from gpusolver.areas import block_areas
 from gpusolver.assign import SOLVERS, solve_assignment  # noqa: F401  (part of this module's API)
+from gpusolver.capacity import buffer_ints, keep_for_budget
 from gpusolver.config import SolverConfig
 from gpusolver.masks.slices import AttnSlices
 from gpusolver.masks.sparse import BlockSparseMask, NSALayerMask, TokenTopKMask
@@ -66,7 +68,12 @@ def solve(mask, config: SolverConfig, *, solver: str = "device", areas_impl: str
         raise TypeError(f"mask must be an AttnSlices, BlockSparseMask, TokenTopKMask or NSALayerMask, got "
                         f"{type(mask).__name__}; for block areas alone use solve_assignment(areas, config)")
     config = config.tiles_for(mask.total_seqlen_q)  # chunk_tiles="auto": the cap of its coarse-to-fine choice
-    config.check_seqlen(mask.total_seqlen_q)
+    # memory_budget: the kinds of receive buffers kept for the backward, which the solve prices
+    c = config.check_seqlen(mask.total_seqlen_q)
+    config = keep_for_budget(config, c)
+    if solver == "reference" and all(v < 0 for v in buffer_ints(config)):
+        # the CPU reference places tasks with no buffer limit: its plan gets buffers that hold any plan
+        config = replace(config, max_recv_rows=config.head_groups * c * (config.cp_size - 1))
     if validate is None:
         validate = mask.device.type == "cpu"
     if validate:

@@ -25,7 +25,8 @@ PACKAGES = ("attn_kernels", "groupcomm", "gpusolver")
 # placed by its longest listed prefix ("gpusolver" itself is the package's __init__ only).
 LAYERS = (
     ("gpusolver.limits", "gpusolver.problem", "gpusolver.nvtx", "gpusolver.support",
-     "gpusolver._flag_kernel", "gpusolver.transfers", "gpusolver.config", "gpusolver.topology"),
+     "gpusolver._flag_kernel", "gpusolver.transfers", "gpusolver.config", "gpusolver.topology",
+     "gpusolver.capacity"),
     ("gpusolver.masks", "gpusolver.metrics"),
     ("gpusolver.plan",),
     ("gpusolver.errors", "gpusolver.areas", "gpusolver.baselines", "gpusolver.bounds"),

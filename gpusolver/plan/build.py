@@ -5,8 +5,11 @@ Sync-free (static shapes, no host reads): it runs inside the per-layer solve.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
+from gpusolver.capacity import BufferRows, buffer_rows
 from gpusolver.config import SolverConfig
 from gpusolver.limits import check_plan_rows
 from gpusolver.masks.slices import AttnSlices
@@ -44,64 +47,42 @@ def _check_args(mask: AttnSlices, areas: BlockAreas, assignment: torch.Tensor, c
             raise ValueError(f"{name} is on {t.device} but assignment is on {assignment.device}")
 
 
-_DEFAULT_CHUNKS = 16  # default receive and send capacity, in units of G * c rows
-
-
 def plan_capacities(config: SolverConfig, num_slices: int, chunk: int, *, recv_capacity: int | None = None,
-                    send_capacity: int | None = None) -> tuple[int, int, int]:
-    """Static capacities (stage slice rows, receive rows, send rows), host ints.
+                    send_capacity: int | None = None, buffers: BufferRows | None = None) -> tuple[int, BufferRows]:
+    """Static capacities: (stage slice rows, the four collective buffers' rows), host values.
 
-    stage:  ``config.max_stage_slices``, else ``default_stage_capacity(R, G, P, n)``
-            = ``3 * G * n * max(R, 2 * P)``.
-    recv / send: ``config.max_recv_rows``, else ``min(G * c * (P - 1), 16 * G * c)``
-            rows. ``G * c * (P - 1)`` is the worst case (every other rank's
-            whole chunk, or the whole local chunk to every other rank), about
-            1 GB per K buffer at P = 64; the default equals it up to P = 17.
+    stage:   ``config.max_stage_slices``, else ``default_stage_capacity(R, G, P, n)``
+             = ``3 * G * n * max(R, 2 * P)``.
+    buffers: ``buffers`` when given, else ``capacity.buffer_rows(config, chunk)`` (per kind:
+             its ``max_*_rows`` field, else ``max_recv_rows``, else ``min(G * c * (P - 1),
+             k * G * c)`` with k from ``capacity.DEFAULT_CHUNKS``, sized from the benchmark
+             masks' fills); ``recv_capacity`` / ``send_capacity`` then set both kinds' receive /
+             send rows. ``G * c * (P - 1)`` is the worst case (every other rank's whole chunk, or
+             the whole local chunk to every other rank).
     Raises ValueError when ``G * c + recv`` is past ``limits.MAX_PLAN_ROWS`` (int32 rows).
-
-    The default comes from the device solver's plans of the quality benchmark
-    masks (packed documents, 8K tokens per rank, 64:8), measured by
-    ``benchmarks/layer_bench.py --tiles 1,2,4 --fill-seeds 20 --fill-kinds
-    causal-seq,full-seq`` (its run at commit 995ec0e; the file now leads with simulated layer times). Largest
-    rows a rank receives / sends (QO or KV; KV always the larger), as a
-    multiple of G * c, over seeds 0-19 with whole chunks (seeds 0-2 with 2 and
-    4 tiles stay below these), next to one causal sequence:
-
-        P     causal recv  send     full recv  send     one causal sequence recv  send
-        8          1.85     1.49         2.87   2.12                         3.88  5.25
-        16         3.12     2.88         4.67   3.88                         6.62  8.00
-        32         4.73     5.72         7.93   7.12                        10.25 11.00
-        64         8.63    10.57         7.95   8.62                        14.75 15.00
-
-    Receiving stays near 8 G * c as P grows (a helper receives about the work
-    it takes on), sending grows with P (a long document's key chunk is wanted
-    by many helpers; 13.1 at P = 128 over 3 seeds). 16 is at least 1.5x the
-    largest packed-document need up to P = 64 and also holds one causal or
-    full sequence there (its last rank needs nearly every key chunk). The
-    solve does not yet treat capacity as a constraint: a mask that needs more
-    gets BUFFER_OVERFLOW (one causal sequence past P = 64 will); set
-    ``max_recv_rows`` for it.
     """
     G, P = config.head_groups, config.cp_size
-    worst = G * chunk * (P - 1)
     stage = config.max_stage_slices
     if stage is None:
         stage = default_stage_capacity(num_slices, G, P, config.chunk_tiles)
-    default = min(worst, _DEFAULT_CHUNKS * G * chunk) if config.max_recv_rows is None else config.max_recv_rows
-    recv = default if recv_capacity is None else recv_capacity
-    send = default if send_capacity is None else send_capacity
-    for name, v in (("max_stage_slices", stage), ("recv_capacity", recv), ("send_capacity", send)):
-        if not isinstance(v, int) or v < (1 if name == "max_stage_slices" else 0):
-            raise ValueError(f"{name} must be a {'positive' if name == 'max_stage_slices' else 'non-negative'} "
-                             f"int, got {v!r}")
-    # CalcMeta rows index local rows, then the sub-stages' receive buffers, in int32
-    check_plan_rows(G, chunk, recv, config.num_stages)
-    return stage, recv, send
+    if not isinstance(stage, int) or stage < 1:
+        raise ValueError(f"max_stage_slices must be a positive int, got {stage!r}")
+    rows = buffer_rows(config, chunk) if buffers is None else buffers
+    for name, v in (("recv_capacity", recv_capacity), ("send_capacity", send_capacity)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+    if recv_capacity is not None:
+        rows = replace(rows, qo_recv=recv_capacity, kv_recv=recv_capacity)
+    if send_capacity is not None:
+        rows = replace(rows, qo_send=send_capacity, kv_send=send_capacity)
+    # CalcMeta rows index local rows, then the sub-stages' receive buffers (per kind), in int32
+    check_plan_rows(G, chunk, rows.largest_recv, config.num_stages)
+    return stage, rows
 
 
 def build_plan(mask: AttnSlices, areas: BlockAreas, assignment: torch.Tensor, config: SolverConfig, *,
                imbalance_tol: float | None = None, recv_capacity: int | None = None,
-               send_capacity: int | None = None, topology=None) -> Plan:
+               send_capacity: int | None = None, buffers: BufferRows | None = None, topology=None) -> Plan:
     """The Plan of an assignment, for all ranks at once. Sync-free.
 
     mask:          AttnSlices, q_ranges / k_ranges [R, 2] or [G, R, 2], attn_type
@@ -111,9 +92,9 @@ def build_plan(mask: AttnSlices, areas: BlockAreas, assignment: torch.Tensor, co
     assignment:    [G, U, U] integer, rank computing task (g, i, j); -1 for empty tasks.
     config:        SolverConfig (P, G, byte costs, mu, ``max_stage_slices``).
     imbalance_tol: mu for the IMBALANCED bit (default ``config.imbalance_tol``).
-    recv_capacity, send_capacity: rows of each receive buffer / send list
+    recv_capacity, send_capacity, buffers: the collective buffers' rows
                    (default: ``plan_capacities``); with ``config.num_stages`` S > 1 each
-                   sub-stage has its own receive buffer of ``recv_capacity`` rows.
+                   sub-stage has its own QO and KV receive buffers of those rows.
     topology:      the cluster (``gpusolver.topology.Topology``) for the order of the
                    sub-stages (intra-node sources first); None: ``config.topology`` if the
                    config has one, else one link class.
@@ -123,8 +104,8 @@ def build_plan(mask: AttnSlices, areas: BlockAreas, assignment: torch.Tensor, co
     host to turn them into errors.
     """
     _check_args(mask, areas, assignment, config)
-    stage_cap, recv_cap, send_cap = plan_capacities(
-        config, mask.num_slices, areas.rank_tokens, recv_capacity=recv_capacity, send_capacity=send_capacity)
+    stage_cap, rows = plan_capacities(config, mask.num_slices, areas.rank_tokens, recv_capacity=recv_capacity,
+                                      send_capacity=send_capacity, buffers=buffers)
     mu = config.imbalance_tol if imbalance_tol is None else float(imbalance_tol)
     assignment = assignment.to(torch.int32)
 
@@ -134,8 +115,7 @@ def build_plan(mask: AttnSlices, areas: BlockAreas, assignment: torch.Tensor, co
     if topology is None:  # the config's cluster, where the config carries one
         topology = getattr(config, "topology", None)
     task_stage = assign_stages(areas, assignment, S, cost=cost, topology=topology)
-    comm, comm_overflow = build_comm_meta(areas, assignment, recv_capacity=recv_cap, send_capacity=send_cap,
-                                          task_stage=task_stage, num_stages=S)
+    comm, comm_overflow = build_comm_meta(areas, assignment, buffers=rows, task_stage=task_stage, num_stages=S)
     calc, flags = build_calc_meta(mask, areas, assignment, comm, stage_cap, task_stage if S > 1 else None)
 
     def bit(flag: torch.Tensor, value: int) -> torch.Tensor:

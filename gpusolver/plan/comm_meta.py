@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from gpusolver.capacity import BufferRows
 from gpusolver.plan.gather import send_index  # noqa: F401  (callers import it from here too)
 from gpusolver.plan.meta import CommMeta
 from gpusolver.problem import BlockAreas
@@ -77,22 +78,22 @@ def chunk_local(rng: torch.Tensor, areas: BlockAreas) -> torch.Tensor:
 
 
 def build_comm_meta(areas: BlockAreas, assignment: torch.Tensor, *,
-                    recv_capacity: int, send_capacity: int, task_stage: torch.Tensor | None = None,
+                    buffers: BufferRows, task_stage: torch.Tensor | None = None,
                     num_stages: int = 1) -> tuple[CommMeta, torch.Tensor]:
     """CommMeta of an assignment, for all ranks, plus a buffer-overflow flag.
 
     areas:         BlockAreas (area [G, U, U], q_need / k_need [G, U, U, 2] int64; U = P
                    without tiling).
     assignment:    [G, U, U] integer, rank of task (g, i, j), -1 for empty tasks.
-    recv_capacity: rows of each receive buffer (QO and KV alike; one per sub-stage), static.
-    send_capacity: rows each rank can send per kind, static (length of the send lists).
+    buffers:       BufferRows, each rank's receive rows (one QO and one KV buffer per
+                   sub-stage) and send rows (the length of the send lists) per kind, static.
     task_stage:    [G, U, U] int32 sub-stage of each task (``gpusolver.plan.stages``);
                    required when ``num_stages > 1``.
     num_stages:    S, remote sub-stages (host int).
 
     Returns (CommMeta, overflow [] bool): overflow is true when some rank
-    receives more than ``recv_capacity`` rows in one sub-stage or sends more
-    than ``send_capacity`` rows of either kind. Sync-free: static shapes, no host reads.
+    receives more rows of a kind in one sub-stage than its buffer holds, or sends
+    more rows of a kind than its send list holds. Sync-free: static shapes, no host reads.
     """
     n, P = areas.tiles, areas.cp_size
     qo_range, kv_range = (chunk_local(r, areas) for r in transfer_ranges(areas, assignment))
@@ -119,12 +120,13 @@ def build_comm_meta(areas: BlockAreas, assignment: torch.Tensor, *,
                         kv_stage_split=kv_cast, qo_return_split=qo_ret, kv_return_split=kv_ret,
                         qo_return_offset=qo_ret_off, kv_return_offset=kv_ret_off)
         stage_rows = (qo_cast_rows, kv_cast_rows)
-    overflow = ((stage_rows[0] > recv_capacity).any() | (stage_rows[1] > recv_capacity).any()
-                | (qo_split.sum(1) > send_capacity).any() | (kv_split.sum(1) > send_capacity).any())
+    overflow = ((stage_rows[0] > buffers.qo_recv).any() | (stage_rows[1] > buffers.kv_recv).any()
+                | (qo_split.sum(1) > buffers.qo_send).any() | (kv_split.sum(1) > buffers.kv_send).any())
     meta = CommMeta(
         qo_range=qo_range, kv_range=kv_range, qo_recv_offset=qo_off, kv_recv_offset=kv_off,
         qo_split=qo_split, kv_split=kv_split,
-        qo_recv_rows=qo_rows, kv_recv_rows=kv_rows, chunk=areas.rank_tokens, recv_capacity=recv_capacity,
-        send_capacity=send_capacity, tiles=n, **stage_kw)
+        qo_recv_rows=qo_rows, kv_recv_rows=kv_rows, chunk=areas.rank_tokens, qo_recv_capacity=buffers.qo_recv,
+        kv_recv_capacity=buffers.kv_recv, qo_send_capacity=buffers.qo_send, kv_send_capacity=buffers.kv_send,
+        tiles=n, **stage_kw)
     return meta, overflow
 

@@ -33,10 +33,10 @@ def send_index(rng: torch.Tensor, chunk: int, send_capacity: int) -> torch.Tenso
 
 
 def return_gather(comm, kind: str, rank: int) -> torch.Tensor:
-    """``[S, recv_capacity]`` int64 rows of ``rank``'s sub-stage buffers (laid end to end, buffer s at
-    ``(s - 1) * recv_capacity``) that make reduce s's buffer, in its (host, g, tile) order; -1 past the fill."""
+    """``[S, cap]`` int64 rows of ``rank``'s sub-stage buffers of ``kind`` (laid end to end, buffer s at
+    ``(s - 1) * cap``, cap that kind's receive rows) that make reduce s's buffer, in its (host, g, tile) order; -1 past the fill."""
     G, U, P = comm.qo_recv_offset.shape
-    n, S, cap = comm.tiles, comm.num_stages, comm.recv_capacity
+    n, S, cap = comm.tiles, comm.num_stages, comm.buffers.recv(kind)
     rng = (comm.qo_range if kind == "qo" else comm.kv_range)[:, :, rank]            # [G, U, 2]
     stage = (comm.qo_stage if kind == "qo" else comm.kv_stage)[:, :, rank]         # [G, U, 2]
     cast_off = (comm.qo_recv_offset if kind == "qo" else comm.kv_recv_offset)[:, :, rank]

@@ -67,10 +67,13 @@ class CommMeta:
                                     (exclusive prefix sum over (host, g, tile) in that order).
     qo_split, kv_split:             [P(src), P(dst)] int64 — rows src sends to dst
                                     (the all-to-all-v split sizes).
-    send_capacity:                  rows of each send list (host int, static).
     qo_recv_rows, kv_recv_rows:     [P] int64 — rows each rank receives (its buffer fill).
     chunk:                          c, tokens per chunk (host int).
-    recv_capacity:                  rows of each receive buffer (host int, static).
+    qo_recv_capacity, kv_recv_capacity: rows of each rank's QO / KV receive buffer
+                                    (host ints, static; ``gpusolver.capacity``).
+    qo_send_capacity, kv_send_capacity: rows of each rank's QO / KV send list (host
+                                    ints, static), and of the buffer the partial
+                                    results of those rows come back into.
     tiles:                          n, units per rank (host int, default 1).
 
     Sub-stages (``num_stages`` S > 1; with S = 1 the fields below are None and
@@ -89,7 +92,7 @@ class CommMeta:
 
     A remote QO row ``t`` (chunk-local) of unit (g, u) on dest r sits at buffer row
     ``qo_recv_offset[g, u, r] + t - qo_range[g, u, r, 0]``. Rows beyond
-    ``recv_capacity`` or ``send_cap`` are never indexed: the plan's status gets
+    a receive or send capacity are never indexed: the plan's status gets
     BUFFER_OVERFLOW instead and the collectives must not run.
     """
 
@@ -102,8 +105,10 @@ class CommMeta:
     qo_recv_rows: torch.Tensor
     kv_recv_rows: torch.Tensor
     chunk: int
-    recv_capacity: int
-    send_capacity: int
+    qo_recv_capacity: int
+    kv_recv_capacity: int
+    qo_send_capacity: int
+    kv_send_capacity: int
     tiles: int = 1
     num_stages: int = 1
     qo_stage: torch.Tensor | None = None
@@ -114,6 +119,14 @@ class CommMeta:
     kv_return_split: torch.Tensor | None = None
     qo_return_offset: torch.Tensor | None = None
     kv_return_offset: torch.Tensor | None = None
+
+    @property
+    def buffers(self):
+        """The four capacities as a ``gpusolver.capacity.BufferRows``."""
+        from gpusolver.capacity import BufferRows
+
+        return BufferRows(self.qo_recv_capacity, self.kv_recv_capacity, self.qo_send_capacity,
+                          self.kv_send_capacity)
 
     def _kind(self, kind: str) -> str:
         if kind not in ("qo", "kv"):
@@ -127,7 +140,7 @@ class CommMeta:
             raise ValueError(f"stage must be None or an int in [1, {self.num_stages}], got {stage!r}")
 
     def send_index(self, kind: str, rank: int, stage: int | None = None, which: str = "cast") -> torch.Tensor:
-        """[send_cap] int64 gather indices into ``rank``'s group-major local rows of
+        """[send_cap(kind)] int64 gather indices into ``rank``'s group-major local rows of
         the ``kind`` ("qo" or "kv") units it sends, in send order (dst ascending,
         then g, then tile, then token); -1 pads. Built on demand (sync-free) so a plan never
         holds the send lists of all P ranks.
@@ -144,7 +157,7 @@ class CommMeta:
         if stage is not None and self.num_stages > 1:
             st = (self.qo_stage if kind == "qo" else self.kv_stage)[:, rank * n:(rank + 1) * n]
             rng = torch.where((st[..., 0 if which == "cast" else 1] == stage)[..., None], rng, 0)
-        return send_index(rng, self.chunk, self.send_capacity)
+        return send_index(rng, self.chunk, self.buffers.send(kind))
 
     def stage_split(self, kind: str, which: str = "cast") -> torch.Tensor:
         """[S, P(src), P(dst)] int64 split sizes of each cast (``"cast"``) or reduce (``"return"``)."""
@@ -156,14 +169,14 @@ class CommMeta:
         return getattr(self, name)
 
     def return_gather(self, kind: str, rank: int) -> torch.Tensor:
-        """[S, recv_capacity] int64: row p of reduce s's buffer on ``rank`` is row
+        """[S, recv_capacity(kind)] int64: row p of reduce s's buffer on ``rank`` is row
         ``gather[s - 1, p]`` of the rank's sub-stage buffers laid end to end
-        (buffer s' at ``(s' - 1) * recv_capacity``); -1 past the fill. Sync-free."""
+        (buffer s' at ``(s' - 1) * recv_capacity(kind)``); -1 past the fill. Sync-free."""
         self._kind(kind)
         if not 0 <= rank < self.cp_size:
             raise ValueError(f"rank must be in [0, {self.cp_size}), got {rank}")
         if self.num_stages == 1:
-            pos = torch.arange(self.recv_capacity, device=self.qo_split.device)
+            pos = torch.arange(self.buffers.recv(kind), device=self.qo_split.device)
             fill = (self.qo_recv_rows if kind == "qo" else self.kv_recv_rows)[rank]
             return torch.where(pos < fill, pos, -1)[None]
         return return_gather(self, kind, rank)
@@ -199,8 +212,8 @@ class CalcMeta:
 
     Coordinates. Stage 0: group-major local rows for both q and k
     (``g * c + t``, t chunk-local). Stage s >= 1: q rows index ``concat(local Q [G*c rows],
-    QO buffer of cast 1, ..., of cast s)``, each buffer ``recv_capacity`` rows — a remote
-    row is ``G*c + (first - 1) * recv_capacity + qo_recv_offset[g, i, r] + t -
+    QO buffer of cast 1, ..., of cast s)``, each buffer ``qo_recv_capacity`` rows — a remote
+    row is ``G*c + (first - 1) * qo_recv_capacity + qo_recv_offset[g, i, r] + t -
     qo_range[g, i, r, 0]`` (first = 1 with S = 1); k rows index the KV buffers
     likewise. A kernel runs them as they are with ``Hq / G`` query and
     ``Hkv / G`` KV heads per row.
@@ -342,10 +355,24 @@ class Plan:
         c = self.calc
         per = ", ".join(f"stage{s} {int(c.needed_rows[:, s].max())}" for s in range(c.num_stages + 1))
         lines.append(f"calc rows per stage (max over ranks): {per}, capacity {c.capacity}")
-        lines.append(f"recv rows (max over ranks): qo {int(self.comm.qo_recv_rows.max())}, "
-                     f"kv {int(self.comm.kv_recv_rows.max())}, capacity {self.comm.recv_capacity}")
+        m = self.comm
+        lines.append(f"recv rows (max over ranks): qo {int(m.qo_recv_rows.max())} of {m.qo_recv_capacity}, "
+                     f"kv {int(m.kv_recv_rows.max())} of {m.kv_recv_capacity}")
         lines.append("status: " + ("OK" if not names else " | ".join(names)))
         return "\n".join(lines)
+
+    def memory(self, config, keep_forward_buffers=None):
+        """Bytes per rank of this plan's collective buffers (``plan.memory.BufferMemory``:
+        forward peak, backward peak, kept for the backward), for ``config``'s heads, head dim
+        and dtype. ``keep_forward_buffers``: what helpers keep (True, False, "qo", "kv"; default
+        the config's, within its ``memory_budget``). Host ints from static shapes: no device read."""
+        from gpusolver.capacity import keep_for_budget
+        from gpusolver.plan.memory import buffer_memory
+
+        keep = keep_forward_buffers
+        if keep is None:
+            keep = keep_for_budget(config, self.comm.chunk).keep_forward_buffers
+        return buffer_memory(self.comm, config.num_heads_q, config.num_heads_kv, config.head_dim, config.dtype, keep)
 
     def save(self, path, *, config=None) -> None:
         """Write the plan (and its ``SolverConfig``, if given) to ``path`` (the ``plan.records`` format)."""
@@ -400,22 +427,23 @@ def _explain_status(plan: Plan, ignore: int) -> list[str]:
     if status & BUFFER_OVERFLOW:
         m = plan.comm
         before = len(out)
-        for kind, rows, split in (("QO", m.qo_recv_rows, m.qo_split), ("KV", m.kv_recv_rows, m.kv_split)):
+        for kind, split in (("qo", m.qo_split), ("kv", m.kv_split)):
             sent = split.sum(1).cpu()
-            # one receive buffer per sub-stage: [S, P] rows each rank receives in each cast
-            per = m.stage_split(kind.lower()).sum(1).cpu()
-            if (per > m.recv_capacity).any():
+            recv_cap, send_cap = m.buffers.recv(kind), m.buffers.send(kind)
+            # one receive buffer per kind and sub-stage: [S, P] rows each rank receives in each cast
+            per = m.stage_split(kind).sum(1).cpu()
+            if (per > recv_cap).any():
                 s_, r = divmod(int(per.argmax()), per.shape[1])
                 where = "" if m.num_stages == 1 else f" in sub-stage {s_ + 1}"
-                out.append(f"BUFFER_OVERFLOW: rank {r} receives {int(per[s_, r])} {kind} rows{where}, receive "
-                           f"capacity {m.recv_capacity}: raise build_plan(recv_capacity=...)")
-            if (sent > m.send_capacity).any():
+                out.append(f"BUFFER_OVERFLOW: rank {r} receives {int(per[s_, r])} {kind.upper()} rows{where}, "
+                           f"receive capacity {recv_cap}: raise SolverConfig.max_{kind}_recv_rows")
+            if (sent > send_cap).any():
                 r = int(sent.argmax())
-                out.append(f"BUFFER_OVERFLOW: rank {r} sends {int(sent[r])} {kind} rows, send capacity "
-                           f"{m.send_capacity}: raise build_plan(send_capacity=...)")
+                out.append(f"BUFFER_OVERFLOW: rank {r} sends {int(sent[r])} {kind.upper()} rows, send capacity "
+                           f"{send_cap}: raise SolverConfig.max_{kind}_send_rows")
         if len(out) == before:
             out.append("BUFFER_OVERFLOW: a slice piece lies past its receive buffer: raise "
-                       "build_plan(recv_capacity=...)")
+                       "SolverConfig.max_qo_recv_rows / max_kv_recv_rows")
     if status & INVALID_MASK:
         out.append("INVALID_MASK: a slice range is reversed or outside [0, S), or a type code is not 0..3; "
                    "mask.validate() names the row")

@@ -19,7 +19,7 @@ import os
 import torch
 
 FORMAT = "gpusolver.plan"
-VERSION = 1
+VERSION = 2  # 2: four buffer capacities (QO / KV receive and send) instead of one receive and one send
 
 
 def to_plain(obj) -> dict:

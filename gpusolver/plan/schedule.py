@@ -28,7 +28,10 @@ Shape legend: G head groups, U units (P without tiling), P ranks.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
+
+from gpusolver.problem import kept_kinds
 
 __all__ = ["Op", "CAST", "REDUCE", "WAIT", "ATTN", "MERGE", "DELTA", "forward_ops", "backward_ops",
            "row_bytes", "pair_bytes", "task_stage", "stage_area", "PHASES"]
@@ -243,14 +246,17 @@ def op_pair_bytes(plan, op: Op, cost) -> torch.Tensor:
     return split.to(torch.int64) * row_bytes(op, cost)
 
 
-def plan_ops(plan, phase: str, keep_forward_buffers: bool) -> tuple[Op, ...]:
-    """The forward or backward op list a plan runs (its stage count and branches)."""
+def plan_ops(plan, phase: str, keep_forward_buffers) -> tuple[Op, ...]:
+    """The forward or backward op list a plan runs (its stage count and branches).
+
+    keep_forward_buffers: True, False, "qo" or "kv"; K and V are cast again (``bwd.kv``) unless
+    "kv" is kept (Q travels again inside ``bwd.qo``, priced by ``CommCost.q_bwd``)."""
     calc = getattr(plan, "calc", None)
     num_stages = calc.q_ranges.shape[1] if calc is not None else 2
     if phase == "fwd":
         branches = 2 if getattr(getattr(plan, "spec", None), "window_size", 0) else 1
         return forward_ops(num_stages, branches)
-    return backward_ops(num_stages, keep_forward_buffers)
+    return backward_ops(num_stages, "kv" in kept_kinds(keep_forward_buffers))
 
 
 def pair_bytes(plan, phase: str, cost, stage: int | None = None) -> torch.Tensor:

@@ -58,7 +58,7 @@ from gpusolver.plan.comm_meta import _recv_offsets, build_comm_meta
 from gpusolver.plan.gather import send_index
 from gpusolver.plan.meta import (BUFFER_OVERFLOW, CALC_OVERFLOW, IMBALANCED, INVALID_MASK, NEED_MISMATCH, UNASSIGNED,
                                  CalcMeta, CommMeta, _explain_status)
-from gpusolver.problem import BlockAreas, CommCost
+from gpusolver.problem import BlockAreas, CommCost, kept_kinds
 
 _INDEX_BYTES = 4  # selection indices travel as int32
 
@@ -94,7 +94,7 @@ class SparseCommCost(CommCost):
     @property
     def q_bwd(self) -> int:
         per_branch = self.hq * (self.head_dim * self.dtype_bytes + 8)  # dO, fp32 lse and delta
-        again = 0 if self.keep_forward_buffers else self._q_row + self.selection_bytes
+        again = 0 if "qo" in kept_kinds(self.keep_forward_buffers) else self._q_row + self.selection_bytes
         return self.branches * per_branch + again
 
 
@@ -316,7 +316,8 @@ class SparsePlan:
         names = status_names(int(self.status.item()))
         lines = [self.metrics.summary(),
                  f"recv rows (max over ranks): qo {int(self.comm.qo_recv_rows.max())}, "
-                 f"kv {int(self.comm.kv_recv_rows.max())}, capacity {self.comm.recv_capacity}",
+                 f"kv {int(self.comm.kv_recv_rows.max())}, capacities qo {self.comm.qo_recv_capacity} "
+                 f"kv {self.comm.kv_recv_capacity}",
                  "status: " + ("OK" if not names else " | ".join(names))]
         return "\n".join(lines)
 
@@ -393,7 +394,7 @@ def _recv_rows(comm: CommMeta, rank: int, G: int, U: int) -> tuple[torch.Tensor,
     """Global position and query unit class of each row of ``rank``'s QO receive buffer ([cap] int64 each;
     -1 / 0 past the fill). Segments lie in (host, g, tile) order at ``qo_recv_offset``."""
     n, P, c, cu, dev, units, host = _unit_table(comm, G, U)
-    cap = comm.recv_capacity
+    cap = comm.qo_recv_capacity
     rng = comm.qo_range[:, :, rank]  # [G, U, 2] chunk-local
     length = (rng[..., 1] - rng[..., 0]).view(G, P, n).permute(1, 0, 2).reshape(-1)  # (host, g, tile)
     start = rng[..., 0].view(G, P, n).permute(1, 0, 2).reshape(-1)
@@ -460,8 +461,8 @@ def build_sparse_plan(areas: BlockAreas, assignment: torch.Tensor, config: Solve
     spec:        SelectionSpec of the mask.
     total_seqlen: S.
     mask_error:  [] bool device flag of bad mask values (``mask.value_error()``), or None.
-    recv_capacity, send_capacity: rows of each receive buffer / send list (default
-                 ``config.max_recv_rows``, else ``plan_capacities``' default).
+    recv_capacity, send_capacity: rows of both kinds' receive buffers / send lists (default
+                 ``plan_capacities``: per kind from the config).
     used_blocks, kv_block: K and V travel as blocks of ``kv_block`` keys (``KVBlocks``); used_blocks
                  [G, U, S / kv_block] bool is every query unit's ``used_block_rows``. None: hulls.
                  Not with a window branch (its slices address hull buffers).
@@ -477,22 +478,22 @@ def build_sparse_plan(areas: BlockAreas, assignment: torch.Tensor, config: Solve
     U = areas.num_units
     if tuple(assignment.shape) != (G, U, U):
         raise ValueError(f"assignment must be [G, U, U] = {(G, U, U)}, got {tuple(assignment.shape)}")
-    stage_cap, recv_cap, send_cap = plan_capacities(config, 2, c, recv_capacity=recv_capacity,
-                                                    send_capacity=send_capacity)
+    stage_cap, rows = plan_capacities(config, 2, c, recv_capacity=recv_capacity, send_capacity=send_capacity)
     mu = config.imbalance_tol if imbalance_tol is None else float(imbalance_tol)
     assignment = assignment.to(torch.int32)
     cost = sparse_config(config, spec).cost()
     metrics = evaluate(areas, assignment, cost)
-    comm, overflow = build_comm_meta(areas, assignment, recv_capacity=recv_cap, send_capacity=send_cap)
+    comm, overflow = build_comm_meta(areas, assignment, buffers=rows)
     kv_blocks = None
     if kv_block is not None:
         if spec.window_size:
             raise ValueError("kv_block: an NSA layer mask's window branch needs hull transfers (kv_block=None)")
         if used_blocks is None or areas.chunk % kv_block:
             raise ValueError(f"kv_block={kv_block} needs used_blocks and must divide the unit size {areas.chunk}")
-        kv_blocks, kv_overflow = build_kv_blocks(used_blocks, assignment, n, c, kv_block, recv_cap, send_cap)
+        kv_blocks, kv_overflow = build_kv_blocks(used_blocks, assignment, n, c, kv_block, rows.kv_recv,
+                                                 rows.kv_send)
         # what moves: Q hulls as before, K and V blocks
-        overflow = ((comm.qo_recv_rows > recv_cap).any() | (comm.qo_split.sum(1) > send_cap).any()
+        overflow = ((comm.qo_recv_rows > rows.qo_recv).any() | (comm.qo_split.sum(1) > rows.qo_send).any()
                     | kv_overflow)
         qo_len = comm.qo_range[..., 1] - comm.qo_range[..., 0]
         kv_len = kv_blocks.need.long().view(G, U, -1, P).sum(2) * kv_block

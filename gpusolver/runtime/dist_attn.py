@@ -1,8 +1,8 @@
 """``dist_attn``: one attention layer over a CP group, forward and backward, from a Plan.
 
 Shape legend: P ranks, c tokens per rank, G head groups, Hq / Hkv query / KV
-heads (hq = Hq / G, hkv = Hkv / G per group), D head dim, cap = the plan's
-receive capacity in group-major rows.
+heads (hq = Hq / G, hkv = Hkv / G per group), D head dim, qcap / kcap = the
+plan's QO / KV receive capacities in group-major rows.
 
 Forward, per rank (docs/design/layers.md, "Data flow of one layer"):
 
@@ -45,6 +45,7 @@ from gpusolver.nvtx import nvtx_range
 from gpusolver.plan import IMBALANCED, Plan
 from gpusolver.plan.schedule import ATTN, CAST, DELTA, MERGE, REDUCE, WAIT, Op, backward_ops, forward_ops
 from gpusolver.plan.sparse import SparsePlan
+from gpusolver.problem import kept_kinds
 from gpusolver.runtime.layout import from_group_major, to_group_major
 from gpusolver.runtime.pipelined import StageRoutes, backward_stages, forward_stages, stage_routes
 from gpusolver.support import check_supported
@@ -88,8 +89,14 @@ class LayerRoutes:
         return self.plan.comm.chunk
 
     @property
-    def capacity(self) -> int:
-        return self.plan.comm.recv_capacity
+    def qo_capacity(self) -> int:
+        """Rows of the QO receive buffer."""
+        return self.plan.comm.qo_recv_capacity
+
+    @property
+    def kv_capacity(self) -> int:
+        """Rows of the KV receive buffer."""
+        return self.plan.comm.kv_recv_capacity
 
 
 def layer_routes(plan: Plan, group) -> LayerRoutes:
@@ -151,7 +158,8 @@ def issue(op: Op, routes: LayerRoutes, group, tensors, acc=None, deterministic: 
     split = routes.qo_split if op.route == "qo" else routes.kv_split
     host = routes.qo_host if op.route == "qo" else routes.kv_host
     if op.kind == CAST:
-        return group_cast(list(tensors), index, split, routes.capacity, group, phase=op.phase, host_split=host,
+        cap = routes.qo_capacity if op.route == "qo" else routes.kv_capacity
+        return group_cast(list(tensors), index, split, cap, group, phase=op.phase, host_split=host,
                           async_op=True, flag_errors=False)
     return group_reduce(list(tensors), index, split, list(acc), group, op="lse" if op.phase == "fwd.o" else "sum",
                         phase=op.phase, host_split=host, deterministic=deterministic, async_op=True,
@@ -163,15 +171,17 @@ class _DistAttn(torch.autograd.Function):
     simulator prices is the list executed here."""
 
     @staticmethod
-    def forward(ctx, q, k, v, routes: LayerRoutes, group, scale: float, keep: bool, deterministic: bool):
+    def forward(ctx, q, k, v, routes: LayerRoutes, group, scale: float, keep: tuple, deterministic: bool):
         lead = 1 if routes.batched else 0
-        G, cap = routes.groups, routes.capacity
+        G, cap = routes.groups, routes.qo_capacity  # remote rows here are QO rows (partial O, lse)
         ql, kl, vl = (to_group_major(x, G, lead).contiguous() for x in (q, k, v))
         if routes.stages is not None:  # S remote sub-stages: their own executor of the same op lists
             ctx.routes, ctx.group, ctx.scale, ctx.keep, ctx.deterministic = routes, group, scale, keep, deterministic
             o, lse, operands = forward_stages(routes.plan, group, routes.ranks, routes.batched, routes.stages,
                                               ql, kl, vl, scale, deterministic)
-            ctx.save_for_backward(ql, kl, vl, o, lse, *(operands if keep else ()))
+            x_q, x_k, x_v = operands  # only the kept kinds' operands: the others are cast again
+            ctx.save_for_backward(ql, kl, vl, o, lse, *((x_q,) if "qo" in keep else ()),
+                                  *((x_k, x_v) if "kv" in keep else ()))
             return from_group_major(o, G, lead), from_group_major(lse, G, lead)
         n = ql.shape[lead]  # G * c local rows; the rest of a remote stage's rows are the receive buffer
         local = lambda x: x.narrow(lead, 0, n)  # noqa: E731
@@ -208,7 +218,8 @@ class _DistAttn(torch.autograd.Function):
                 else:
                     raise AssertionError(f"dist_attn cannot run forward op {op}")
         q_buf, (k_buf, v_buf) = recv["qo"][0], recv["kv"]
-        saved = (ql, kl, vl, o, lse) + ((q_buf, k_buf, v_buf) if keep else ())
+        # only what the backward reads: the kinds not kept are cast again there
+        saved = (ql, kl, vl, o, lse) + ((q_buf,) if "qo" in keep else ()) + ((k_buf, v_buf) if "kv" in keep else ())
         ctx.save_for_backward(*saved)
         ctx.routes, ctx.group, ctx.scale, ctx.keep, ctx.deterministic = routes, group, scale, keep, deterministic
         return from_group_major(o, G, lead), from_group_major(lse, G, lead)
@@ -217,40 +228,43 @@ class _DistAttn(torch.autograd.Function):
     def backward(ctx, d_out, d_lse):
         routes, group, scale = ctx.routes, ctx.group, ctx.scale
         lead = 1 if routes.batched else 0
-        G, cap = routes.groups, routes.capacity
+        G, qcap, kcap = routes.groups, routes.qo_capacity, routes.kv_capacity
         # read once: non-reentrant checkpointing unpacks each saved tensor a single time
         saved = ctx.saved_tensors
         ql, kl, vl, o, lse = saved[:5]
+        keep_q, keep_kv = "qo" in ctx.keep, "kv" in ctx.keep
         if routes.stages is not None:  # S remote sub-stages
             d_o = torch.zeros_like(o) if d_out is None else to_group_major(d_out, G, lead).contiguous()
             d_l = None if d_lse is None else to_group_major(d_lse, G, lead).contiguous()
-            kept = list(saved[5:8]) if ctx.keep else None
+            kept = list(saved[5:])  # the kept kinds' operands, Xq then Xk, Xv
+            kept_q = kept.pop(0) if keep_q else None
+            kept_kv = kept if keep_kv else None
             dq, dk, dv = backward_stages(routes.plan, group, routes.ranks, routes.batched, routes.stages, ql, kl, vl,
-                                         o, lse, kept, d_o, d_l, scale, ctx.deterministic)
+                                         o, lse, kept_q, kept_kv, d_o, d_l, scale, ctx.deterministic)
             return (from_group_major(dq, G, lead), from_group_major(dk, G, lead), from_group_major(dv, G, lead),
                     None, None, None, None, None)
         n = ql.shape[lead]
         local = lambda x: x.narrow(lead, 0, n)  # noqa: E731
-        remote = lambda x: x.narrow(lead, n, cap).contiguous()  # noqa: E731
+        remote = lambda x, cap: x.narrow(lead, n, cap).contiguous()  # noqa: E731
         d_o = torch.zeros_like(o) if d_out is None else to_group_major(d_out, G, lead).contiguous()
         d_l = None if d_lse is None else to_group_major(d_lse, G, lead).contiguous()
         works, parts, out = {}, {}, {}
-        recv = {"kv": saved[6:]} if ctx.keep else {}
-        q_buf = saved[5] if ctx.keep else None
+        recv = {"kv": saved[5 + keep_q:]} if keep_kv else {}
+        q_buf = saved[5] if keep_q else None
         delta = None
-        for op in backward_ops(routes.plan.calc.q_ranges.shape[1], ctx.keep):
+        for op in backward_ops(routes.plan.calc.q_ranges.shape[1], keep_kv):  # K, V cast again unless kept
             with nvtx_range(op_range(op)):
                 if op.kind == DELTA:  # the host computes delta from its final O: O itself never travels
                     delta = _per_rank(routes, lambda r, a, b, *c_: (row_delta(a, b, c_[0] if c_ else None),),
                                       d_o, o, *(() if d_l is None else (d_l,)))[0]
                 elif op.kind == CAST:
-                    sent = (d_o, lse, delta) + (() if ctx.keep else (ql,)) if op.route == "qo" else (kl, vl)
+                    sent = (d_o, lse, delta) + (() if keep_q else (ql,)) if op.route == "qo" else (kl, vl)
                     works[op.name] = issue(op, routes, group, sent)
                 elif op.kind == WAIT and op.back:
                     out[op.phase] = works[op.deps[0]].wait()
                 elif op.kind == WAIT:
                     recv[op.route] = works[op.deps[0]].wait()
-                    if op.route == "qo" and not ctx.keep:
+                    if op.route == "qo" and not keep_q:
                         q_buf = recv["qo"][3]
                 elif op.kind == ATTN:
                     (s,) = op.stages
@@ -273,7 +287,8 @@ class _DistAttn(torch.autograd.Function):
                         for t in range(1, len(parts)):
                             a = a + local(parts[t][i])
                         acc.append(a)
-                    works[op.name] = issue(op, routes, group, tuple(remote(parts[s][i]) for i in pick), acc,
+                    cap = qcap if op.phase == "bwd.dq" else kcap
+                    works[op.name] = issue(op, routes, group, tuple(remote(parts[s][i], cap) for i in pick), acc,
                                            ctx.deterministic)
                 else:
                     raise AssertionError(f"dist_attn cannot run backward op {op}")
@@ -380,7 +395,7 @@ def check_plan_digest(plan: Plan, group, config_key: int, *, validate: bool) -> 
 
 
 def dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, group, *,
-              softmax_scale: float | None = None, deterministic: bool = True, keep_forward_buffers: bool = True,
+              softmax_scale: float | None = None, deterministic: bool = True, keep_forward_buffers: bool | str = True,
               validate: bool | None = None, debug_digest: bool = False,
               config_key: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of this rank's query shard over the whole sequence, as ``plan`` assigns the work.
@@ -395,9 +410,10 @@ def dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, gro
         softmax_scale: default ``D ** -0.5``.
         deterministic: partial results are reduced rank by rank in a fixed order
             (no float atomics), so outputs are bit-identical across runs.
-        keep_forward_buffers: keep the received Q, K, V for the backward (default; the
-            plan's backward volumes assume this unless its config says otherwise), or
-            cast them again (less activation memory, more bytes).
+        keep_forward_buffers: keep the received Q, K, V for the backward (True, default; the
+            plan's backward volumes assume this unless its config says otherwise), cast them
+            again (False: less activation memory, more bytes), or keep one kind only ("qo": Q,
+            "kv": K and V; the other is cast again).
         validate: read ``plan.status`` on the host and raise on a capacity overflow or a
             mask the plan does not fit (default: on for CPU tensors; off on GPU, where
             reading it would sync, and under ``torch.compile``, where it would break the graph).
@@ -429,10 +445,10 @@ def dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, gro
     if debug_digest:
         if config_key is None:
             m = plan.comm
-            config_key = config_digest(m.cp_size, m.chunk, m.head_groups, m.tiles, m.recv_capacity,
-                                       m.send_capacity, plan.calc.capacity, plan.imbalance_tol)
+            config_key = config_digest(m.cp_size, m.chunk, m.head_groups, m.tiles, m.buffers.as_tuple(),
+                                       plan.calc.capacity, plan.imbalance_tol)
         check_plan_digest(plan, group, config_key, validate=validate)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     with nvtx_range("solve/routes"):
         routes = layer_routes(plan, group)
-    return _DistAttn.apply(q, k, v, routes, group, scale, bool(keep_forward_buffers), bool(deterministic))
+    return _DistAttn.apply(q, k, v, routes, group, scale, kept_kinds(keep_forward_buffers), bool(deterministic))

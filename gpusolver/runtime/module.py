@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from gpusolver import errors
+from gpusolver.capacity import keep_for_budget
 from gpusolver.config import SolverConfig
 from gpusolver.masks.slices import AttnSlices
 from gpusolver.masks.sparse import NSALayerMask
@@ -247,9 +248,10 @@ class DynamicCPAttention(nn.Module):
         with nvtx_range(f"layer/{mask_name}"):
             if plan is None:
                 plan = self.plan_for(mask, q.device, mask_name)
+            # what the plan's solve priced: the kinds the memory budget keeps (capacity.keep_for_budget)
+            keep = keep_for_budget(self.config, plan.comm.chunk).keep_forward_buffers
             out, lse = dist_attn(q, k, v, plan, self.group, softmax_scale=self.softmax_scale,
-                                 deterministic=self.deterministic,
-                                 keep_forward_buffers=self.config.keep_forward_buffers, validate=self.validate,
+                                 deterministic=self.deterministic, keep_forward_buffers=keep, validate=self.validate,
                                  debug_digest=self.debug_digest,
                                  config_key=config_digest(self.config) if self.debug_digest else None)
         return (out, lse) if return_lse else out

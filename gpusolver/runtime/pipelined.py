@@ -1,7 +1,8 @@
 """The layer in S remote sub-stages: every cast up front, each sub-stage waits only for its own.
 
 Shape legend: P ranks, c tokens per rank, G head groups, n = G * c local
-group-major rows, cap = the plan's receive rows per sub-stage, S sub-stages,
+group-major rows, cap = the plan's receive rows of a kind per sub-stage (QO for Q, O, dO,
+dQ rows; KV for K, V, dK, dV rows), S sub-stages,
 h heads per group, D head dim. ``[B, ...]`` is the leading rank dim of a
 ``LocalGroup`` (absent for one rank).
 
@@ -24,7 +25,8 @@ exact up to rounding, and the fixed order makes it deterministic).
 
 Backward: dO, lse and delta (and Q, K, V again without kept buffers) are cast
 per sub-stage (``bwd.qo.s``, ``bwd.kv.s``) while the local stage's backward
-runs; after sub-stage s the dQ rows (``bwd.dq.s``) and dK, dV rows
+runs (each kind kept or cast again on its own, ``keep_forward_buffers``); after
+sub-stage s the dQ rows (``bwd.dq.s``) and dK, dV rows
 (``bwd.dkv.s``) whose last task was in s are summed back to their hosts.
 
 Host reads: none with ``LocalGroup``; with ``TorchGroup`` the 4 S ``[P, P]``
@@ -162,14 +164,14 @@ def _gather_remote(x: torch.Tensor, gather: torch.Tensor, n: int, lead: int, dty
     return remote[b, idx].to(dtype)
 
 
-def _issue(op: Op, sr: StageRoutes, group, cap: int, tensors, acc=None, deterministic: bool = True):
-    """Start collective ``op`` of sub-stage ``op.stages[0]``: its Work."""
+def _issue(op: Op, sr: StageRoutes, group, caps: dict, tensors, acc=None, deterministic: bool = True):
+    """Start collective ``op`` of sub-stage ``op.stages[0]``: its Work. ``caps[kind]``: receive rows."""
     (s,) = op.stages
     which = "return" if op.back else "cast"
     key, i = (op.route, which), s - 1
     phase = stage_phase(op.phase, s)
     if op.kind == CAST:
-        return group_cast(list(tensors), sr.index[key][i], sr.split[key][i], cap, group, phase=phase,
+        return group_cast(list(tensors), sr.index[key][i], sr.split[key][i], caps[op.route], group, phase=phase,
                           host_split=sr.host[key][i], async_op=True, flag_errors=False)
     return group_reduce(list(tensors), sr.index[key][i], sr.split[key][i], list(acc), group,
                         op="lse" if op.phase == "fwd.o" else "sum", phase=phase, host_split=sr.host[key][i],
@@ -180,7 +182,9 @@ def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql,
                    deterministic: bool):
     """Run ``forward_ops(S + 1)``: (o, lse, the operand tensors [Xq, Xk, Xv] for the backward), group-major."""
     lead = 1 if batched else 0
-    S, cap = sr.num_stages, plan.comm.recv_capacity
+    S, buffers = sr.num_stages, plan.comm.buffers
+    caps = {kind: buffers.recv(kind) for kind in KINDS}
+    cap_q, cap_k = caps["qo"], caps["kv"]
     sent = {"qo": (ql,), "kv": (kl, vl)}
     works, returned = {}, []
     X = acc = None
@@ -188,7 +192,7 @@ def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql,
     for op in forward_ops(S + 1):
         with nvtx_range(op_range(op)):
             if op.kind == CAST:
-                works[op.name] = _issue(op, sr, group, cap, sent[op.route])
+                works[op.name] = _issue(op, sr, group, caps, sent[op.route])
             elif op.kind == WAIT and op.back:
                 returned.append(works[op.deps[0]].wait())
             elif op.kind == WAIT:
@@ -198,9 +202,9 @@ def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql,
             elif op.kind == ATTN and op.stages == (0,):
                 o0, l0 = _per_rank(ranks, batched, lambda r, q_, k_, v_: flex_attn(
                     q_, k_, v_, *_slices(plan, r, 0), scale, **_INTERNAL), ql, kl, vl)
-                X, Xkv = _Operands([ql], cap, S, lead), _Operands([kl, vl], cap, S, lead)
-                acc = _Operands([o0.float(), l0], cap, S, lead)   # running (out fp32, lse) of every row of X
-                _rows(acc.x[1], lead, n, S * cap).fill_(float("-inf"))
+                X, Xkv = _Operands([ql], cap_q, S, lead), _Operands([kl, vl], cap_k, S, lead)
+                acc = _Operands([o0.float(), l0], cap_q, S, lead)   # running (out fp32, lse) of every row of X
+                _rows(acc.x[1], lead, n, S * cap_q).fill_(float("-inf"))
             elif op.kind == ATTN:
                 (s,) = op.stages
                 o_s, l_s = _per_rank(ranks, batched, lambda r, q_, k_, v_: flex_attn(
@@ -214,7 +218,7 @@ def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql,
                 partial = [_gather_remote(t, sr.gather["qo"][s - 1], n, lead, d)
                            for t, d in zip(acc.x, (o0.dtype, l0.dtype))]
                 neutral = (torch.zeros_like(o0), torch.full_like(l0, float("-inf")))
-                works[op.name] = _issue(op, sr, group, cap, partial, neutral, deterministic)
+                works[op.name] = _issue(op, sr, group, caps, partial, neutral, deterministic)
             elif op.kind == MERGE:  # the host's rows, then reduces 1..S in that order: a fixed merge order
                 o, lse = (_rows(t, lead, 0, n) for t in acc.x)
                 for r_o, r_l in returned:
@@ -224,34 +228,36 @@ def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql,
     return o.to(o0.dtype).contiguous(), lse.contiguous(), X.x + Xkv.x
 
 
-def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql, kl, vl, o, lse, kept,
-                    d_o, d_l, scale: float, deterministic: bool):
-    """Run ``backward_ops(S + 1)``: (dq, dk, dv) group-major. ``kept``: the forward's [Xq, Xk, Xv] or None."""
+def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql, kl, vl, o, lse, kept_q,
+                    kept_kv, d_o, d_l, scale: float, deterministic: bool):
+    """Run ``backward_ops(S + 1)``: (dq, dk, dv) group-major. ``kept_q``: the forward's Xq or None
+    (Q is cast again with dO); ``kept_kv``: its [Xk, Xv] or None (K, V are cast again)."""
     lead = 1 if batched else 0
-    S, cap = sr.num_stages, plan.comm.recv_capacity
+    S, buffers = sr.num_stages, plan.comm.buffers
+    caps = {kind: buffers.recv(kind) for kind in KINDS}
+    cap_q, cap_k = caps["qo"], caps["kv"]
     n = ql.shape[lead]
     works, returned = {}, []
-    Xqkv = kept if kept is not None else _Operands([ql, kl, vl], cap, S, lead).x
-    delta = Xg = grads = None
+    Xq = _Operands([ql], cap_q, S, lead) if kept_q is None else None
+    Xkv = _Operands([kl, vl], cap_k, S, lead) if kept_kv is None else None
+    xq = [kept_q] if kept_q is not None else Xq.x
+    xk, xv = kept_kv if kept_kv is not None else Xkv.x
+    delta = Xg = None
 
     def run(s):
         def fn(r, *t):
             return flex_attn_backward(*t, *_slices(plan, r, s), scale, **_INTERNAL)
         return fn
 
-    def fill(x, s, bufs):
-        for t, b in zip(x, bufs):
-            _rows(t, lead, n + (s - 1) * cap, cap).copy_(b)
-
-    for op in backward_ops(S + 1, kept is not None):
+    for op in backward_ops(S + 1, kept_kv is not None):
         with nvtx_range(op_range(op)):
             if op.kind == DELTA:  # the host computes delta from its final O: O itself never travels
                 delta = _per_rank(ranks, batched, lambda r, a, b, *c_: (row_delta(a, b, c_[0] if c_ else None),),
                                   d_o, o, *(() if d_l is None else (d_l,)))[0]
-                Xg = _Operands([d_o, lse, delta], cap, S, lead)
+                Xg = _Operands([d_o, lse, delta], cap_q, S, lead)
             elif op.kind == CAST:
-                tensors = ((d_o, lse, delta) + (() if kept is not None else (ql,))) if op.route == "qo" else (kl, vl)
-                works[op.name] = _issue(op, sr, group, cap, tensors)
+                tensors = ((d_o, lse, delta) + (() if kept_q is not None else (ql,))) if op.route == "qo" else (kl, vl)
+                works[op.name] = _issue(op, sr, group, caps, tensors)
             elif op.kind == WAIT and op.back:
                 returned.append((op.phase, works[op.deps[0]].wait()))
             elif op.kind == WAIT:
@@ -259,32 +265,34 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
                 bufs = works[op.deps[0]].wait()
                 if op.route == "qo":
                     Xg.fill(s, bufs[:3])
-                    if kept is None:
-                        fill(Xqkv[:1], s, bufs[3:])
+                    if kept_q is None:
+                        Xq.fill(s, bufs[3:])
                 else:
-                    fill(Xqkv[1:], s, bufs)
+                    Xkv.fill(s, bufs)
             elif op.kind == ATTN and op.stages == (0,):
                 dq0, dk0, dv0 = _per_rank(ranks, batched, run(0), d_o, ql, kl, vl, lse, delta)
-                grads = _Operands([dq0.float(), dk0.float(), dv0.float()], cap, S, lead)  # fp32 sums
+                # fp32 sums over the rows of each kind's operands
+                grads_q = _Operands([dq0.float()], cap_q, S, lead)
+                grads_kv = _Operands([dk0.float(), dv0.float()], cap_k, S, lead)
             elif op.kind == ATTN:
                 (s,) = op.stages
-                m = n + s * cap
                 g_do, g_lse, g_delta = Xg.prefix(s)
-                q_, k_, v_ = (_rows(x, lead, 0, m) for x in Xqkv)
+                q_ = _rows(xq[0], lead, 0, n + s * cap_q)
+                k_, v_ = (_rows(x, lead, 0, n + s * cap_k) for x in (xk, xv))
                 parts = _per_rank(ranks, batched, run(s), g_do, q_, k_, v_, g_lse, g_delta)
-                for acc_, part in zip(grads.prefix(s), parts):
+                for acc_, part in zip(grads_q.prefix(s) + grads_kv.prefix(s), parts):
                     acc_.add_(part)
             elif op.kind == REDUCE:
                 (s,) = op.stages
                 kind = "qo" if op.phase == "bwd.dq" else "kv"
-                pick = grads.x[:1] if kind == "qo" else grads.x[1:]
+                pick = grads_q.x if kind == "qo" else grads_kv.x
                 dtype = dq0.dtype if kind == "qo" else dk0.dtype
                 partial = [_gather_remote(t, sr.gather[kind][s - 1], n, lead, dtype) for t in pick]
-                works[op.name] = _issue(op, sr, group, cap, partial,
+                works[op.name] = _issue(op, sr, group, caps, partial,
                                         [torch.zeros_like(dq0)] if kind == "qo" else
                                         [torch.zeros_like(dk0), torch.zeros_like(dv0)], deterministic)
             elif op.kind == MERGE:  # the host's rows plus reduces 1..S in that order: a fixed summation order
-                dq, dk, dv = (_rows(t, lead, 0, n) for t in grads.x)
+                dq, dk, dv = (_rows(t, lead, 0, n) for t in grads_q.x + grads_kv.x)
                 for phase, parts in returned:
                     if phase == "bwd.dq":
                         dq = dq + parts[0].float()

@@ -40,7 +40,7 @@ def ungroup(rows: torch.Tensor, chunk: int, groups: int) -> torch.Tensor:
 
 
 def _exchange(plan: Plan, kind: str, local: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Receive buffers [recv_capacity, h, D] of every rank for ``kind`` ("qo" or "kv")."""
+    """Receive buffers [receive capacity of the kind, h, D] of every rank for ``kind`` ("qo" or "kv")."""
     m = plan.comm
     P = m.cp_size
     split = m.qo_split if kind == "qo" else m.kv_split
@@ -52,7 +52,7 @@ def _exchange(plan: Plan, kind: str, local: list[torch.Tensor]) -> list[torch.Te
     buffers = []
     for r in range(P):
         rows = torch.cat([sent[s][r] for s in range(P)])
-        buf = local[r].new_zeros((m.recv_capacity,) + tuple(local[r].shape[1:]))
+        buf = local[r].new_zeros((m.buffers.recv(kind),) + tuple(local[r].shape[1:]))
         buf[:rows.shape[0]] = rows
         buffers.append(buf)
     return buffers

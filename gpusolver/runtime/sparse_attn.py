@@ -163,7 +163,7 @@ def sparse_routes(plan: SparsePlan, group) -> LayerRoutes:
     kb = plan.kv_blocks
     if kb is None:
         return routes
-    c, cap = plan.comm.chunk, plan.comm.send_capacity
+    c, cap = plan.comm.chunk, plan.comm.kv_send_capacity
     if routes.batched:
         index = torch.stack([kb.send_index(r, c, cap) for r in routes.ranks])
     else:
@@ -199,7 +199,7 @@ class _SparseDistAttn(torch.autograd.Function):
         plan: SparsePlan = routes.plan
         spec = plan.spec
         lead = 1 if routes.batched else 0
-        G, cap = routes.groups, routes.capacity
+        G, cap = routes.groups, routes.qo_capacity  # remote rows here are QO rows (partial O, lse)
         ql, kl, vl = (to_group_major(x, G, lead).contiguous() for x in (q, k, v))
         sl = _selection_rows(sel, G, lead)
         n = ql.shape[lead]
@@ -263,13 +263,13 @@ class _SparseDistAttn(torch.autograd.Function):
         plan: SparsePlan = routes.plan
         spec = plan.spec
         lead = 1 if routes.batched else 0
-        G, cap, nb = routes.groups, routes.capacity, ctx.branches
+        G, qcap, kcap, nb = routes.groups, routes.qo_capacity, routes.kv_capacity, ctx.branches
         saved = ctx.saved_tensors
         ql, kl, vl, sl = saved[:4]
         outs = saved[4:4 + 2 * nb]
         n = ql.shape[lead]
         local = lambda x: x.narrow(lead, 0, n)  # noqa: E731
-        remote = lambda x: x.narrow(lead, n, cap).contiguous()  # noqa: E731
+        remote = lambda x, cap: x.narrow(lead, n, cap).contiguous()  # noqa: E731
         cat = lambda a, b: torch.cat((a, b), dim=lead)  # noqa: E731
 
         def stage(s):
@@ -326,7 +326,8 @@ class _SparseDistAttn(torch.autograd.Function):
                     (s,) = op.stages
                     pick = (0,) if op.phase == "bwd.dq" else (1, 2)
                     acc = [parts[0][i] + local(parts[s][i]) for i in pick]
-                    works[op.name] = issue(op, routes, group, tuple(remote(parts[s][i]) for i in pick), acc,
+                    cap = qcap if op.phase == "bwd.dq" else kcap
+                    works[op.name] = issue(op, routes, group, tuple(remote(parts[s][i], cap) for i in pick), acc,
                                            ctx.deterministic)
                 else:
                     raise AssertionError(f"sparse_dist_attn cannot run backward op {op}")
@@ -397,7 +398,10 @@ def sparse_dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sel: tor
     with nvtx_range("solve/routes"):
         routes = sparse_routes(plan, group)
         stages = {r: (plan.stage(r, 0), plan.stage(r, 1)) for r in routes.ranks}
-    outs = _SparseDistAttn.apply(q, k, v, sel, routes, stages, group, scale, bool(keep_forward_buffers),
+    if not isinstance(keep_forward_buffers, bool):
+        raise ValueError(f"sparse_dist_attn: keep_forward_buffers must be True or False (one kept kind is for slice "
+                         f"masks), got {keep_forward_buffers!r}")
+    outs = _SparseDistAttn.apply(q, k, v, sel, routes, stages, group, scale, keep_forward_buffers,
                                  bool(deterministic), backend)
     if len(outs) == 2:
         return outs[0], outs[1]

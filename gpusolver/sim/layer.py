@@ -160,7 +160,7 @@ def _priced(plan, phase: str, topo: Topology, cost, keep: bool, mode: str) -> li
     return out
 
 
-def simulate(plan, topology: Topology, *, cost=None, keep_forward_buffers: bool | None = None,
+def simulate(plan, topology: Topology, *, cost=None, keep_forward_buffers: bool | str | None = None,
              comm: str = "a2a", name: str = "ours") -> LayerTime:
     """The simulated time of one layer executing ``plan`` on ``topology``.
 
@@ -180,6 +180,7 @@ def simulate(plan, topology: Topology, *, cost=None, keep_forward_buffers: bool 
         raise ValueError("simulate needs the plan's CommCost: the plan has none, pass cost=")
     P = plan.comm.cp_size
     topology.check_group(P)
-    keep = cost.keep_forward_buffers if keep_forward_buffers is None else bool(keep_forward_buffers)
+    keep = cost.keep_forward_buffers if keep_forward_buffers is None else keep_forward_buffers
+    keep = keep if isinstance(keep, str) else bool(keep)  # True, False, or the one kind kept ("qo" / "kv")
     return LayerTime(fwd=pass_time(_priced(plan, "fwd", topology, cost, keep, comm), P, topology),
                      bwd=pass_time(_priced(plan, "bwd", topology, cost, keep, comm), P, topology), name=name)

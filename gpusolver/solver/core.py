@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gpusolver.capacity import buffer_rows
 from gpusolver.config import SolverConfig
 from gpusolver.limits import check_problem_limits
 from gpusolver.problem import BlockAreas
@@ -103,15 +104,14 @@ class Tasks:
         # crosses; None when all links are alike (the plain-byte solve, untouched)
         self.links = config.link_weights
         self.problem = (areas, config)  # what the "nodes" start solves over the nodes
-        # the plan's receive and send buffers, in group-major rows per rank and kind: hard limits of
-        # every move (``plan_capacities``, the sizes the runtime allocates)
-        from gpusolver.plan.build import plan_capacities
-
-        _, self.recv_cap, self.send_cap = plan_capacities(config, 1, areas.rank_tokens)
+        # the plan's receive and send buffers, in group-major rows per rank: (QO recv, KV recv, QO
+        # send, KV send), hard limits of every move (``capacity.buffer_rows``, the sizes the
+        # runtime allocates)
+        self.buffer_rows = buffer_rows(config, areas.rank_tokens).as_tuple()
         # no rank can pass G * c * (P - 1) rows (every other rank's whole chunk): capacities at or
         # above it never bind, and the steps skip their checks
         worst = G * areas.rank_tokens * (P - 1)
-        self.caps = min(self.recv_cap, self.send_cap) < worst
+        self.caps = min(self.buffer_rows) < worst
         # the tasks of each QO unit in the orders a bundle may take them (TASK_ORDERS):
         # [3, G*U, U] task ids; "area": largest first; "rows": fewest needed query rows first
         # (then largest), so the rows a bundle ships grow as slowly as possible; "small":
@@ -200,12 +200,12 @@ def state_key(balanced, goal, max_load, over=None):
     return torch.where(over, torch.where(balanced, OVER_CAPACITY + goal, OVER_CAPACITY + (1 << 58) + max_load), key)
 
 
-def over_buffers(st: State, recv_cap, send_cap) -> torch.Tensor:
-    """[B] bool: some rank receives more rows of a kind than ``recv_cap`` or sends more than
-    ``send_cap`` (host ints or [B] tensors)."""
+def over_buffers(st: State, caps) -> torch.Tensor:
+    """[B] bool: some rank receives or sends more rows of a kind than its buffer holds. ``caps``:
+    (QO recv, KV recv, QO send, KV send) rows, host ints or [B] tensors (a [4, B] tensor)."""
     col = lambda c: c.view(-1, 1) if isinstance(c, torch.Tensor) else c  # noqa: E731  (no host-to-device copy)
-    rc, sc = col(recv_cap), col(send_cap)
-    return ((st.q_in > rc) | (st.k_in > rc) | (st.q_out > sc) | (st.k_out > sc)).any(1)
+    qr, kr, qs, ks = (col(c) for c in caps)
+    return ((st.q_in > qr) | (st.k_in > kr) | (st.q_out > qs) | (st.k_out > ks)).any(1)
 
 
 def step_vol(st: State, training: bool) -> torch.Tensor:

@@ -133,8 +133,8 @@ def run_variants(tasks: Tasks, cap: torch.Tensor, strategies: tuple[Strategy, ..
     # the objective and the buffers (host values: the best-state key ranks plans past a buffer last)
     track_kw = dict(training=tasks.training)
     if tasks.caps:
-        track_kw.update(recv_cap=tasks.recv_cap, send_cap=tasks.send_cap)
-    caps = None  # [2, B] each variant's buffers for its moves, set at round 0
+        track_kw.update(caps=tasks.buffer_rows)
+    caps = None  # [4, B] each variant's buffers for its moves, set at round 0
     # the start (owner-computes unless given or transposed); column T is a dummy that absorbs
     # writes of unused slots
     nodes_fn = lambda: node_start(tasks, rounds, state_fn=state_fn, propose_fn=propose_fn,  # noqa: E731
@@ -171,7 +171,7 @@ def run_variants(tasks: Tasks, cap: torch.Tensor, strategies: tuple[Strategy, ..
                           singles, caps=caps)
         prop = replace(prop, ok=prop.ok & offered)
         A, stuck = accept_apply_fn(A, prop, st, dest_cap, limit, excess, balance, training=tasks.training,
-                                   recv_cap=None if caps is None else caps[0])
+                                   recv_caps=None if caps is None else caps[:2])
     return best_A, best_key
 
 
@@ -211,12 +211,13 @@ def node_start(tasks: Tasks, rounds: int, **steps) -> torch.Tensor:
 
 
 def start_caps(tasks: Tasks, st) -> torch.Tensor:
-    """[2, B] int64, the receive and send rows each variant's moves keep to: the plan's buffers
-    when the variant's start fits them, else none (``_BIG``): a start already past a buffer
-    cannot be brought within by moves that never grow a rank past it, so that variant searches
-    as without buffers, and its plans rank after every plan that fits (``core.state_key``)."""
-    fits = ~over_buffers(st, tasks.recv_cap, tasks.send_cap)
-    return torch.stack((torch.where(fits, tasks.recv_cap, _BIG), torch.where(fits, tasks.send_cap, _BIG)))
+    """[4, B] int64, the rows each variant's moves keep to, (QO recv, KV recv, QO send, KV send)
+    in ``Tasks.buffer_rows`` order, buffer by buffer: the plan's buffer when the variant's start
+    fits it, else none (``_BIG``): a start already past a buffer cannot be brought within it by
+    moves that never grow a rank past it, so that variant searches as without that buffer (the
+    others still bind), and its plans rank after every plan that fits (``core.state_key``)."""
+    rows = (st.q_in, st.k_in, st.q_out, st.k_out)  # [B, P] each, in buffer_rows order
+    return torch.stack([torch.where((r > cap).any(1), _BIG, cap) for r, cap in zip(rows, tasks.buffer_rows)])
 
 
 def solve_device(areas: BlockAreas, config: SolverConfig, *, rounds: int = DEFAULT_ROUNDS,
@@ -370,6 +371,6 @@ def _report(tasks: Tasks, row: torch.Tensor, cap, state_fn, variant, tiles) -> D
     none = torch.full_like(st.bottleneck[0], -1)
     fwd, bwd = torch.where(ok, st.bottleneck[0], none), torch.where(ok, st.bwd_bottleneck[0], none)
     goal = torch.where(ok, objective(st, tasks.training)[0], none)
-    fits = ~over_buffers(st, tasks.recv_cap, tasks.send_cap)[0]
+    fits = ~over_buffers(st, tasks.buffer_rows)[0]
     return DeviceSolveResult(assignment=assignment.to(torch.int32), balanced=ok, fwd_bottleneck=fwd,
                              variant=variant, bwd_bottleneck=bwd, objective=goal, fits=fits, tiles=tiles)

@@ -153,11 +153,11 @@ def _rounds_kernel(
     dest_ptr, source_ptr, parea_ptr, dsend_ptr, drecv_ptr,  # [B, N] int64 scratch
     ptasks_ptr,  # [B, N, U] int64 scratch
     dx_ptr,  # [4, B, N] int64 scratch: each proposal's destination bsend, brecv, QO and KV rows in
-    caps_ptr,  # [2, B] int64 scratch (CAPS): each variant's receive and send rows for its moves
+    caps_ptr,  # [4, B] int64 scratch (CAPS): each variant's QO / KV receive and send rows for its moves
     bar_ptr,  # [B] int32, zero-initialised: barrier counters
     ROUNDS, RESTART_EVERY, T, P, G, B, K, D,
     stride_area, stride_q, stride_k,
-    Q_BYTES, O_BYTES, KV_BYTES, QB_BYTES, DQ_BYTES, KVB_BYTES, DKV_BYTES, RECV_CAP, SEND_CAP,
+    Q_BYTES, O_BYTES, KV_BYTES, QB_BYTES, DQ_BYTES, KVB_BYTES, DKV_BYTES, QIN_CAP, KIN_CAP, QOUT_CAP, KOUT_CAP,
     W: tl.constexpr, SIDEWAYS: tl.constexpr, SINGLES: tl.constexpr, TRAINING: tl.constexpr, CAPS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_GP: tl.constexpr,
     BLOCK_U: tl.constexpr, BLOCK_JU: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -226,17 +226,20 @@ def _rounds_kernel(
                     o_p = tl.arange(0, BLOCK_P)
                     o_r = i_b * P + o_p
                     m_r = o_p < P
-                    past = ((tl.load(send_ptr + 7 * RS + o_r, mask=m_r, other=0) > RECV_CAP)
-                            | (tl.load(send_ptr + 9 * RS + o_r, mask=m_r, other=0) > RECV_CAP)
-                            | (tl.load(send_ptr + 6 * RS + o_r, mask=m_r, other=0) > SEND_CAP)
-                            | (tl.load(send_ptr + 8 * RS + o_r, mask=m_r, other=0) > SEND_CAP))
-                    fits = tl.max(past.to(tl.int32), axis=0) == 0
-                    tl.store(caps_ptr + i_b, tl.where(fits, _i64(RECV_CAP), _BIG_T))
-                    tl.store(caps_ptr + B + i_b, tl.where(fits, _i64(SEND_CAP), _BIG_T))
+                    # buffer by buffer: the plan's when the start fits it, else none
+                    q_in = tl.max(tl.load(send_ptr + 7 * RS + o_r, mask=m_r, other=0), axis=0)
+                    k_in = tl.max(tl.load(send_ptr + 9 * RS + o_r, mask=m_r, other=0), axis=0)
+                    q_out = tl.max(tl.load(send_ptr + 6 * RS + o_r, mask=m_r, other=0), axis=0)
+                    k_out = tl.max(tl.load(send_ptr + 8 * RS + o_r, mask=m_r, other=0), axis=0)
+                    tl.store(caps_ptr + i_b, tl.where(q_in <= QIN_CAP, _i64(QIN_CAP), _BIG_T))
+                    tl.store(caps_ptr + B + i_b, tl.where(k_in <= KIN_CAP, _i64(KIN_CAP), _BIG_T))
+                    tl.store(caps_ptr + 2 * B + i_b, tl.where(q_out <= QOUT_CAP, _i64(QOUT_CAP), _BIG_T))
+                    tl.store(caps_ptr + 3 * B + i_b, tl.where(k_out <= KOUT_CAP, _i64(KOUT_CAP), _BIG_T))
                 tl.debug_barrier()
             _track_variant(a_ptr, best_a_ptr, load_ptr, bneck_ptr, cap_ptr, stuck_ptr, thr_ptr, best_key_ptr,
                            dest_cap_ptr, balance_ptr, limit_ptr, excess_ptr, bwd_bneck_ptr, send_ptr,
-                           i_b, P, T, RS, RECV_CAP, SEND_CAP, stride_a, stride_a, P, BLOCK_P, BLOCK_C, TRAINING, CAPS)
+                           i_b, P, T, RS, QIN_CAP, KIN_CAP, QOUT_CAP, KOUT_CAP, stride_a, stride_a, P, BLOCK_P, BLOCK_C,
+                           TRAINING, CAPS)
         phase += 1
         _sync(bar, phase, W)
 
@@ -279,8 +282,8 @@ def _rounds_kernel(
             if w == 0:
                 _track_variant(a_ptr, best_a_ptr, load_ptr, bneck_ptr, cap_ptr, stuck_ptr, thr_ptr, best_key_ptr,
                                dest_cap_ptr, balance_ptr, limit_ptr, excess_ptr, bwd_bneck_ptr, send_ptr,
-                               i_b, P, T, RS, RECV_CAP, SEND_CAP, stride_a, stride_a, P, BLOCK_P, BLOCK_C,
-                               TRAINING, CAPS)
+                               i_b, P, T, RS, QIN_CAP, KIN_CAP, QOUT_CAP, KOUT_CAP, stride_a, stride_a, P,
+                               BLOCK_P, BLOCK_C, TRAINING, CAPS)
             phase += 1
             _sync(bar, phase, W)
 
@@ -376,7 +379,7 @@ def solve_rounds_persistent(tasks: Tasks, cap: torch.Tensor, tables: torch.Tenso
     dest, source, parea, dsend, drecv = (empty(B, N) for _ in range(5))
     ptasks = empty(B, N, U)
     dx = empty(4, B, N)
-    caps = empty(2, B)
+    caps = empty(4, B)
     bar = torch.zeros((B,), dtype=torch.int32, device=dev)
     order, width, units = tables.contiguous().unbind(0)
     block_gp = triton.next_power_of_2(G * U)
@@ -391,7 +394,7 @@ def solve_rounds_persistent(tasks: Tasks, cap: torch.Tensor, tables: torch.Tenso
         ok, fits, keep, score, dest, source, parea, dsend, drecv, ptasks, dx, caps, bar,
         rounds, restart_every if restart_every > 0 else rounds + 1, T, P, G, B, K, D,
         tasks.area.stride(0), tasks.qlo.stride(0), tasks.klo.stride(0),
-        *byte_prices(tasks), tasks.recv_cap, tasks.send_cap,
+        *byte_prices(tasks), *tasks.buffer_rows,
         W=workers, SIDEWAYS=bool(sideways), SINGLES=bool(singles), TRAINING=tasks.training, CAPS=tasks.caps,
         BLOCK_T=min(_BLOCK_T, triton.next_power_of_2(T)), BLOCK_G=triton.next_power_of_2(G),
         BLOCK_P=triton.next_power_of_2(P), BLOCK_GP=block_gp, BLOCK_U=unit_block(block_gp),

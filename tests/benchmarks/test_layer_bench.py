@@ -66,7 +66,9 @@ def test_layer_bench_small(bench, tmp_path, capsys):
     assert 0 <= row["hidden_pct"] <= 100 and 0 <= row["stage0_pct"] <= 100
 
     (fill,) = data["fill"]
-    assert fill["fits"] and fill["recv_cap"] == fill["send_cap"] == fill["worst"] == 3  # P - 1 below 17
+    # P = 4: each buffer's default is the worst case P - 1 but the QO receive buffer's, 2 G * c
+    assert fill["fits"] and fill["kv_recv_cap"] == fill["qo_send_cap"] == fill["kv_send_cap"] == fill["worst"] == 3
+    assert fill["qo_recv_cap"] == 2
     real = data["real_run"]
     assert [(r["kind"], r["keep"]) for r in real] == [("causal", True), ("causal", False)]
     for r in real:
@@ -89,9 +91,11 @@ def test_plan_cache_gives_the_same_figures(bench, tmp_path):
 
 
 def test_default_capacity():
-    # min(worst case G * c * (P - 1), 16 * G * c) rows to receive and to send
-    for P, chunks in ((4, 3), (16, 15), (17, 16), (64, 16)):
-        _, recv, send = plan_capacities(SolverConfig(cp_size=P), 1, 100)
-        assert recv == send == chunks * 8 * 100
-    _, recv, send = plan_capacities(SolverConfig(cp_size=64, max_recv_rows=1234), 1, 100)
-    assert recv == send == 1234
+    # per buffer min(worst case G * c * (P - 1), k * G * c) rows: k = 2 QO recv, 13 KV recv, 3 QO send, 16 KV send
+    for P in (2, 4, 14, 16, 17, 64):
+        _, rows = plan_capacities(SolverConfig(cp_size=P), 1, 100)
+        assert rows.as_tuple() == tuple(min(P - 1, k) * 8 * 100 for k in (2, 13, 3, 16))
+    _, rows = plan_capacities(SolverConfig(cp_size=64, max_recv_rows=1234), 1, 100)
+    assert rows.as_tuple() == (1234,) * 4
+    _, rows = plan_capacities(SolverConfig(cp_size=64, max_recv_rows=1234, max_kv_recv_rows=99), 1, 100)
+    assert rows.as_tuple() == (1234, 99, 1234, 1234)

@@ -55,7 +55,7 @@ def _simulate_buffers(plan: Plan, kind: str, G: int, P: int, c: int, S: int) -> 
     """Run the all-to-all-v the CommMeta describes on codes g * S + token.
 
     Returns per rank the codes of concat(local group-major rows, receive buffer),
-    length G*c + recv_capacity, -1 where the buffer is unfilled. Asserts the
+    length G*c + the kind's receive capacity, -1 where the buffer is unfilled. Asserts the
     send lists, splits and offsets along the way (buffer order: host, g, tile).
     """
     m = plan.comm
@@ -77,13 +77,13 @@ def _simulate_buffers(plan: Plan, kind: str, G: int, P: int, c: int, S: int) -> 
     for d in range(P):
         buf = torch.cat([pieces[s][d] for s in range(P)])
         assert buf.numel() == int(recv_rows[d])
-        expect = torch.full((m.recv_capacity,), -1, dtype=torch.long)
+        expect = torch.full((m.buffers.recv(kind),), -1, dtype=torch.long)
         for u in range(P * n):
             for g in range(G):
                 lo, hi = rng[g, u, d].tolist()
                 o = int(off[g, u, d])
                 expect[o:o + hi - lo] = g * S + (u // n) * c + torch.arange(lo, hi)
-        got = torch.full((m.recv_capacity,), -1, dtype=torch.long)
+        got = torch.full((m.buffers.recv(kind),), -1, dtype=torch.long)
         got[:buf.numel()] = buf
         assert_close(f"{kind} recv buffer of rank {d}", expect, got)
         out.append(torch.cat([local[d], got]))
@@ -103,10 +103,13 @@ def _calc_counts(plan: Plan, G: int, P: int, c: int, S: int) -> torch.Tensor:
             assert n == min(int(cal.needed_rows[r, stage]), cap)
             qr, kr, ty = cal.q_ranges[r, stage], cal.k_ranges[r, stage], cal.attn_type[r, stage]
             assert (qr[n:] == 0).all() and (kr[n:] == 0).all() and (ty[n:] == 0).all(), "padding rows not dummies"
-            limit = G * c if stage == 0 else G * c + plan.comm.recv_capacity
+            q_limit = G * c if stage == 0 else G * c + plan.comm.qo_recv_capacity
+            k_limit = G * c if stage == 0 else G * c + plan.comm.kv_recv_capacity
+            limit = max(q_limit, k_limit)
             for row in range(n):
                 (a, b), (k0, k1), t = qr[row].tolist(), kr[row].tolist(), int(ty[row])
-                assert 0 <= a < b <= limit and 0 <= k0 < k1 <= limit, f"rank {r} stage {stage} row {row} out of buffer"
+                assert 0 <= a < b <= q_limit and 0 <= k0 < k1 <= k_limit, \
+                    f"rank {r} stage {stage} row {row} out of buffer"
                 d = _slice_dense(a, b, k0, k1, t, limit)
                 qi, ki = d.nonzero(as_tuple=True)
                 assert qi.numel() > 0, f"rank {r} stage {stage} row {row} is an empty piece"
@@ -309,8 +312,9 @@ def test_shapes_depend_only_on_config():
     cap = default_stage_capacity(5, G, P)
     assert plans[0].calc.q_ranges.shape == (P, 2, cap, 2)
     worst = G * (S // P) * (P - 1)  # below P = 17 the default capacity is the worst case
-    assert plans[0].comm.recv_capacity == plans[0].comm.send_capacity == worst
-    assert plans[0].comm.send_index("qo", 1).shape == (plans[0].comm.send_capacity,)
+    assert plans[0].comm.buffers.as_tuple() == (min(worst, 2 * G * (S // P)), worst, worst, worst)
+    for kind in ("qo", "kv"):
+        assert plans[0].comm.send_index(kind, 1).shape == (plans[0].comm.buffers.send(kind),)
 
 
 def test_build_plan_on_meta():

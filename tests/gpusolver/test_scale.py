@@ -206,7 +206,7 @@ def test_plan_rows_past_int32_name_the_limit():
         plan_capacities(config, 1, c)
     # the rows a plan really receives fit: a capacity below the limit is accepted
     recv = MAX_PLAN_ROWS - config.head_groups * c
-    assert plan_capacities(dataclasses.replace(config, max_recv_rows=recv), 1, c)[1] == recv
+    assert plan_capacities(dataclasses.replace(config, max_recv_rows=recv), 1, c)[1].largest_recv == recv
     # build_plan refuses the same before building anything
     mask = causal_mask(1 << 24)
     areas = block_areas(mask, 8, 1, impl="torch").expand_groups(config.head_groups)

@@ -56,14 +56,15 @@ def _random_round(seed, B, P, K, M=None, T=None):
 
 @settings(max_examples=12, deadline=None)
 @given(B=st.integers(1, 3), P=st.integers(1, 6), K=st.integers(1, 5), training=st.booleans(),
-       recv_cap=st.sampled_from([None, 20, 35]), seed=st.integers(0, 2**31 - 1))
-def test_accept_matches_torch(B, P, K, training, recv_cap, seed):
-    """Both objectives' limits; receive buffers of any size or of a few rows."""
+       recv_caps=st.sampled_from([None, (20, 20), (35, 12), (9, 30)]), seed=st.integers(0, 2**31 - 1))
+def test_accept_matches_torch(B, P, K, training, recv_caps, seed):
+    """Both objectives' limits; QO and KV receive buffers of any size or of a few rows, apart."""
     _, args = _random_round(seed, B, P, K)
-    if recv_cap is not None:  # per variant: the buffer, or none for a variant whose start is past it
-        recv_cap = torch.where(torch.arange(B) == 1, 1 << 60, recv_cap)
-    ref = accept_ref.accept(*args, training, recv_cap)
-    tri = accept_triton(*args, training, recv_cap)
+    if recv_caps is not None:  # per variant: the buffers, or none for a variant whose start is past them
+        free = torch.arange(B) == 1
+        recv_caps = torch.stack([torch.where(free, 1 << 60, c) for c in recv_caps])
+    ref = accept_ref.accept(*args, training, recv_caps)
+    tri = accept_triton(*args, training, recv_caps)
     assert_close("keep", ref, tri)
 
 
@@ -139,11 +140,11 @@ def _in_place_copies(args):
 
 @settings(max_examples=12, deadline=None)
 @given(B=st.integers(1, 6), P=st.integers(1, 6), T=st.integers(1, 40), training=st.booleans(),
-       caps=st.sampled_from([None, (10, 11)]), seed=st.integers(0, 2**31 - 1))
+       caps=st.sampled_from([None, (10, 10, 11, 11), (6, 14, 12, 8)]), seed=st.integers(0, 2**31 - 1))
 def test_track_matches_torch(B, P, T, training, caps, seed):
-    """Both objectives' keys; rows within or past (10 received, 11 sent) the buffers."""
+    """Both objectives' keys; rows within or past the buffers (QO / KV received, QO / KV sent)."""
     args = _random_track(seed, B, P, T)
-    kw = dict(training=training, **(dict(recv_cap=caps[0], send_cap=caps[1]) if caps else {}))
+    kw = dict(training=training, **(dict(caps=caps) if caps else {}))
     ref, tri = track(*args, **kw), track_triton(*_in_place_copies(args), **kw)
     for name, r, t in zip(("best_A", "best_key", "excess", "balance", "dest_cap", "limit"), ref, tri):
         if name == "limit":  # bit-equal float64

@@ -108,11 +108,14 @@ def test_state_matches_torch_over_several_task_tiles():
 def _bundle_case(P, G, B, K, D, sideways, tile, seed, tiles=1, states=("torch", "triton"), singles=False,
                  objective="training", rows=None, topology=None):
     """A random round's proposals from both twins, on the torch state and/or the Triton state
-    (``rows``: the receive and send buffers' rows, None for the worst case; ``topology``: the
-    cluster whose links price the bytes)."""
+    (``rows``: the QO receive buffer's rows, the KV receive and the two send lists a few rows
+    apart; None for the worst case; ``topology``: the cluster whose links price the bytes)."""
     gen = torch.Generator().manual_seed(seed)
     areas = _random_areas(gen, P, G, **({} if tiles == 1 else {"chunk": 8, "tiles": tiles}))
-    tasks = core.Tasks(areas, _config(P, G, tiles, objective=objective, max_recv_rows=rows, topology=topology))
+    worst = G * areas.rank_tokens * (P - 1)
+    bufs = dict(max_recv_rows=worst) if rows is None else \
+        dict(max_qo_recv_rows=rows, max_kv_recv_rows=rows + 3, max_qo_send_rows=rows + 1, max_kv_send_rows=rows + 2)
+    tasks = core.Tasks(areas, _config(P, G, tiles, objective=objective, topology=topology, **bufs))
     assert tasks.caps == (rows is not None)
     A = _random_assignments(gen, tasks, B)
     ref_st = state_ref.state(tasks, A)
@@ -131,7 +134,7 @@ def _bundle_case(P, G, B, K, D, sideways, tile, seed, tiles=1, states=("torch", 
     caps = None
     if rows is not None:  # each variant's buffers: the plan's, or none (a start past them)
         free = torch.rand(B, generator=gen) < 0.3
-        caps = torch.stack((torch.where(free, core._BIG, tasks.recv_cap), torch.where(free, core._BIG, tasks.send_cap)))
+        caps = torch.stack([torch.where(free, core._BIG, c) for c in tasks.buffer_rows])
     ref = bundle_ref.bundle_proposals(tasks, ref_st, *args, caps=caps)
     with mock.patch.object(bundle_kernel, "_DEST_TILE", tile):
         for state in states:

@@ -95,3 +95,36 @@ def test_paths_equal_with_buffers_and_the_training_objective(impl):
 def test_objective_is_checked():
     with pytest.raises(ValueError, match="objective"):
         SolverConfig(cp_size=2, objective="backward")
+
+
+@settings(max_examples=6, deadline=None)
+@given(data=st.data(), P=st.integers(2, 5), c=st.integers(2, 6), G=st.integers(1, 2),
+       rows=st.tuples(*(st.integers(1, 12) for _ in range(4))), objective=st.sampled_from(["training", "forward"]))
+def test_each_buffer_holds_whenever_the_start_fits(data, P, c, G, rows, objective):
+    """The four capacities (QO / KV receive, QO / KV send) are hard limits each: when owner-computes
+    fits them, so does the plan."""
+    mask = _random_mask(data, P * c, G, False)
+    areas = block_areas(mask, P, G, impl="torch")
+    config = SolverConfig(cp_size=P, num_heads_q=2 * G, num_heads_kv=G, objective=objective,
+                          **dict(zip(("max_qo_recv_rows", "max_kv_recv_rows", "max_qo_send_rows", "max_kv_send_rows"),
+                                     rows)))
+    owner = build_plan(mask, areas, owner_computes_assignment(areas), config)
+    res = solve_device(areas, config, rounds=6, impl="torch")
+    plan = build_plan(mask, areas, res.assignment, config)
+    assert plan.comm.buffers.as_tuple() == rows
+    if not int(owner.status) & BUFFER_OVERFLOW:
+        assert not int(plan.status) & BUFFER_OVERFLOW and bool(res.fits)
+
+
+@pytest.mark.parametrize("impl", ["triton", "persistent"])
+def test_paths_equal_with_per_kind_buffers(impl):
+    """QO and KV buffers of different sizes, the KV receive one below what owner-computes needs: the
+    kernels read each kind's own capacity as the twin does."""
+    P, G = 3, 2
+    config = SolverConfig(cp_size=P, num_heads_q=4 * G, num_heads_kv=G, max_qo_recv_rows=96, max_kv_recv_rows=160,
+                          max_qo_send_rows=128, max_kv_send_rows=140)
+    areas = block_areas(causal_mask(64 * P), P, G, impl="torch")
+    ref = solve_device(areas, config, rounds=3, strategies=_SMALL, impl="torch", restart_every=2)
+    res = solve_device(areas, config, rounds=3, strategies=_SMALL, impl=impl, restart_every=2)
+    for name in ("assignment", "balanced", "fwd_bottleneck", "bwd_bottleneck", "objective", "variant", "fits"):
+        assert_close(name, getattr(ref, name), getattr(res, name))

@@ -103,7 +103,7 @@ def _stage_map(plan, rank: int, stage: int, which: str):
     """Stage row -> (group, global token) for rank's q ("qo") or k ("kv") rows; -1 where unused."""
     comm = plan.comm
     G, c, n = comm.head_groups, comm.chunk, comm.tiles
-    cap = comm.recv_capacity
+    cap = comm.buffers.recv(which)
     size = G * c + (cap if stage == 1 else 0)
     grp = np.full(size, -1, dtype=np.int64)
     tok = np.full(size, -1, dtype=np.int64)

@@ -63,7 +63,7 @@ def _accept_kernel(
     dx_ptr,  # [4, B, N] int64 contiguous (TRAINING or CAPS): the destination's bsend, brecv, QO and KV rows in
     ranks_ptr,  # [10, B, P] int64 (TRAINING or CAPS; planes RS apart): ``state.kernel.rank_table``
     bneck_ptr, bwd_bneck_ptr,  # [B] int64 (TRAINING): the forward and backward bottlenecks
-    caps_ptr,  # [B] int64 (CAPS): each variant's receive rows per rank and kind
+    caps_ptr,  # [2, B] int64 (CAPS; rows RS / P apart): each variant's QO and KV receive rows per rank
     N, P, M, T, RS,
     stride_score, stride_ok, stride_dest, stride_src, stride_area, stride_ds, stride_dr,  # row strides
     stride_load, stride_send, stride_recv, stride_exc, stride_cap, stride_a,
@@ -155,8 +155,8 @@ def _accept_variant(
         o_d = i_b * P + b_dest
         qin_d = tl.load(ranks_ptr + 7 * RS + o_d, mask=m_d, other=0)
         kin_d = tl.load(ranks_ptr + 9 * RS + o_d, mask=m_d, other=0)
-        recv_cap = tl.load(caps_ptr + i_b)
-        fits = fits & ((qin_d + r_qi <= recv_cap) | (r_qi <= 0)) & ((kin_d + r_ki <= recv_cap) | (r_ki <= 0))
+        q_cap, k_cap = tl.load(caps_ptr + i_b), tl.load(caps_ptr + RS // P + i_b)
+        fits = fits & ((qin_d + r_qi <= q_cap) | (r_qi <= 0)) & ((kin_d + r_ki <= k_cap) | (r_ki <= 0))
     b_ok = b_ok & fits
     tl.store(fits_ptr + i_b * N + o_i, b_ok, mask=m_i)
     tl.debug_barrier()  # every lane's accepted flag is visible before the source pass reads it
@@ -199,7 +199,7 @@ def _accept_variant(
 
 
 def _launch(prop: Proposals, st: State, dest_cap, limit, excess, balance, A=None, training: bool = False,
-            recv_cap: torch.Tensor | None = None):
+            recv_caps: torch.Tensor | None = None):
     """Shared launcher: (keep [B, N] bool, stuck [B] bool); with A, the moves land in A."""
     B, N = prop.ok.shape
     P = st.load.shape[1]
@@ -221,7 +221,7 @@ def _launch(prop: Proposals, st: State, dest_cap, limit, excess, balance, A=None
     rows = tuple(t if t.stride(1) == 1 else t.contiguous() for t in rows)
     if dev.type == "meta":  # shapes only: there is no data to run the kernel on
         return keep, stuck
-    caps = recv_cap is not None
+    caps = recv_caps is not None
     if training or caps:
         dx = _proposal_table(prop)
         ranks = rank_table(st)
@@ -231,7 +231,7 @@ def _launch(prop: Proposals, st: State, dest_cap, limit, excess, balance, A=None
     block_n = triton.next_power_of_2(N)
     _accept_kernel[(B,)](
         *rows, cap, limit.contiguous(), balance.contiguous(), fits, keep, stuck, tasks, a, dx, ranks, bneck, bwd_bneck,
-        recv_cap.contiguous() if caps else keep, N, P, M, T, B * P,
+        recv_caps.contiguous() if caps else keep, N, P, M, T, B * P,
         *(t.stride(0) for t in rows), cap.stride(0), stride_a,
         BLOCK_N=block_n, BLOCK_J=min(_BLOCK_J, block_n), BLOCK_M=triton.next_power_of_2(M),
         APPLY=A is not None, TRAINING=bool(training), CAPS=caps, num_warps=8,
@@ -251,7 +251,7 @@ def _proposal_table(prop: Proposals) -> torch.Tensor:
 
 
 def accept_triton(prop: Proposals, st: State, dest_cap, limit, excess, balance, training: bool = False,
-                  recv_cap: torch.Tensor | None = None) -> torch.Tensor:
+                  recv_caps: torch.Tensor | None = None) -> torch.Tensor:
     """Which proposals to apply (Triton twin of ``accept``): [B, N] bool.
 
     prop:     Proposals, [B, N] fields (score fp64, ok bool, dest/source/area/
@@ -261,21 +261,21 @@ def accept_triton(prop: Proposals, st: State, dest_cap, limit, excess, balance, 
     limit:    [B] fp64, the largest send and recv bytes a destination may reach.
     excess:   [B, P] int64, load above the cap of each source.
     balance:  [B] bool, True while the variant is unbalanced.
-    training, recv_cap: the objective and the receive buffers, as ``accept.ref.accept``.
+    training, recv_caps: the objective and the receive buffers, as ``accept.ref.accept``.
     Each destination accepts proposals in score order (index breaks ties)
     while its load and bytes stay within limits; then, while balancing, each
     source keeps its accepted proposals in score order until its excess is
     covered. One kernel launch, equal to the twin entry for entry.
     """
-    return _launch(prop, st, dest_cap, limit, excess, balance, None, training, recv_cap)[0]
+    return _launch(prop, st, dest_cap, limit, excess, balance, None, training, recv_caps)[0]
 
 
 def accept_apply_triton(A: torch.Tensor, prop: Proposals, st: State, dest_cap, limit, excess, balance,
-                        training: bool = False, recv_cap: torch.Tensor | None = None):
+                        training: bool = False, recv_caps: torch.Tensor | None = None):
     """Triton twin of ``accept_apply``: one kernel launch that moves the accepted tasks in A, in place.
 
     A: [B, T+1] int64, dense rows; prop.tasks [B, N, M] int64 (T where unused).
     Returns (A, updated: columns [0, T) equal the twin's A_next; stuck [B] bool).
     """
-    _, stuck = _launch(prop, st, dest_cap, limit, excess, balance, A, training, recv_cap)
+    _, stuck = _launch(prop, st, dest_cap, limit, excess, balance, A, training, recv_caps)
     return A, stuck

@@ -29,7 +29,7 @@ def _segment_running_sum(key: torch.Tensor, order_key: torch.Tensor, values: lis
 
 
 def accept(prop: Proposals, st: State, dest_cap, limit, excess, balance, training: bool = False,
-           recv_cap: torch.Tensor | None = None) -> torch.Tensor:
+           recv_caps: torch.Tensor | None = None) -> torch.Tensor:
     """Which proposals to apply: [B, N] bool.
 
     Each destination accepts proposals in score order while its load and
@@ -40,9 +40,9 @@ def accept(prop: Proposals, st: State, dest_cap, limit, excess, balance, trainin
     receive stay within ``limit`` (the threshold while balancing, the
     bottleneck less one after); ``training``, while balancing its forward plus
     backward volume stays within ``limit``, after it its forward and backward
-    volumes stay below their bottlenecks. With ``recv_cap`` ([B] int64, each
-    variant's receive buffer rows) the QO and KV rows it receives stay within
-    it, or do not grow.
+    volumes stay below their bottlenecks. With ``recv_caps`` ([2, B] int64, each
+    variant's QO and KV receive buffer rows) the QO and KV rows it receives stay
+    within them, or do not grow.
     """
     B, N = prop.ok.shape
     P = st.load.shape[1]
@@ -55,7 +55,7 @@ def accept(prop: Proposals, st: State, dest_cap, limit, excess, balance, trainin
     values = [prop.area, prop.dest_send, prop.dest_recv]
     if training:
         values += [prop.dest_bsend, prop.dest_brecv]
-    if recv_cap is not None:
+    if recv_caps is not None:
         values += [prop.dest_qin, prop.dest_kin]
     order, running = _segment_running_sum(dest, dest * N + pos, [zero(v) for v in values])
     r_area, r_send, r_recv = running[:3]
@@ -71,10 +71,10 @@ def accept(prop: Proposals, st: State, dest_cap, limit, excess, balance, trainin
                             (fwd < st.bottleneck[:, None]) & (bwd < st.bwd_bottleneck[:, None]))
     else:
         fits &= ((at_d(st.send) + r_send).double() <= lim) & ((at_d(st.recv) + r_recv).double() <= lim)
-    if recv_cap is not None:
+    if recv_caps is not None:
         r_qin, r_kin = running[-2:]
-        rc = recv_cap[:, None]
-        fits &= ((at_d(st.q_in) + r_qin <= rc) | (r_qin <= 0)) & ((at_d(st.k_in) + r_kin <= rc) | (r_kin <= 0))
+        qc, kc = recv_caps[0][:, None], recv_caps[1][:, None]
+        fits &= ((at_d(st.q_in) + r_qin <= qc) | (r_qin <= 0)) & ((at_d(st.k_in) + r_kin <= kc) | (r_kin <= 0))
     ok = ok & torch.zeros_like(ok).scatter(1, order, fits)
     # source side: stop once the excess is covered (balance phase only)
     src = torch.where(ok, prop.source, P)
@@ -86,7 +86,7 @@ def accept(prop: Proposals, st: State, dest_cap, limit, excess, balance, trainin
 
 
 def accept_apply(A: torch.Tensor, prop: Proposals, st: State, dest_cap, limit, excess, balance,
-                 training: bool = False, recv_cap: torch.Tensor | None = None):
+                 training: bool = False, recv_caps: torch.Tensor | None = None):
     """``accept`` and the moves it accepts, as the round loop applies them (torch twin).
 
     A: [B, T+1] int64 assignment (column T is a dummy). Other arguments as
@@ -96,7 +96,7 @@ def accept_apply(A: torch.Tensor, prop: Proposals, st: State, dest_cap, limit, e
     slots there); columns [0, T) are what the twins agree on.
     """
     B, T = A.shape[0], A.shape[1] - 1
-    keep = accept(prop, st, dest_cap, limit, excess, balance, training, recv_cap)
+    keep = accept(prop, st, dest_cap, limit, excess, balance, training, recv_caps)
     stuck = balance & ~keep.any(1)
     moving = torch.where(keep[..., None], prop.tasks, T)
     A = A.scatter(1, moving.view(B, -1), prop.dest[..., None].expand_as(moving).reshape(B, -1))

@@ -62,7 +62,7 @@ def _price(
     d_of, qlo_d, qhi_d, send_d, recv_d, bsend_d, brecv_d, qin_d, kin_d,  # [BLOCK_D]
     s, i, bn, q_cur, send_i, recv_i, send_s, recv_s, send_bn, recv_bn, bnv, bal, exc, thr,  # scalars
     bsend_i, brecv_i, bsend_s, brecv_s, qout_i, kout_i, kout_s, b_bn, bwv, f_2nd, b_2nd,  # scalars
-    Q_BYTES, O_BYTES, KV_BYTES, QB_BYTES, DQ_BYTES, KVB_BYTES, DKV_BYTES, RECV_CAP, SEND_CAP,
+    Q_BYTES, O_BYTES, KV_BYTES, QB_BYTES, DQ_BYTES, KVB_BYTES, DKV_BYTES, QIN_CAP, KIN_CAP, QOUT_CAP, KOUT_CAP,
     w_id, w_is, w_jd, w_js,  # TOPO only: link prices (i, d) [BLOCK_D], (i, s), (j, d) [BLOCK_D, BLOCK_S], (j, s)
     SIDEWAYS: tl.constexpr, TRAINING: tl.constexpr, CAPS: tl.constexpr,
     TILES: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_TL: tl.constexpr,
@@ -211,9 +211,9 @@ def _price(
         bnv64 = tl.maximum(bnv, 1).to(tl.float64)
         score_bn = new_max.to(tl.float64) / bnv64 + eps * (added.to(tl.float64) / bnv64) + side.to(tl.float64)
     if CAPS:  # rows within the plan's buffers (``bundle.ref._fits_buffers``)
-        ok = (ok & _fits(qout_i, dq, SEND_CAP) & _fits(qin_d, q_grow, RECV_CAP) & _fits(kin_d, k_grow, RECV_CAP)
-              & _fits(kout_s, tok_src, SEND_CAP) & (s_is_h | _fits(kout_i, tok_host, SEND_CAP)))
-        over = hit_j & (tok_j > 0) & (j_kout + tok_j > SEND_CAP)
+        ok = (ok & _fits(qout_i, dq, QOUT_CAP) & _fits(qin_d, q_grow, QIN_CAP) & _fits(kin_d, k_grow, KIN_CAP)
+              & _fits(kout_s, tok_src, KOUT_CAP) & (s_is_h | _fits(kout_i, tok_host, KOUT_CAP)))
+        over = hit_j & (tok_j > 0) & (j_kout + tok_j > KOUT_CAP)
         ok = ok & (tl.max(over.to(tl.int32), axis=1) == 0)
     score = tl.where(ok, tl.where(bal, score_bal, score_bn), float("inf"))
     # the destination's backward change (its own part, as dest_send)
@@ -237,7 +237,7 @@ def _bundle_kernel(
     ok_ptr, score_ptr, dest_ptr, moved_area_ptr, dsend_ptr, drecv_ptr,  # [B, P*K] bool/fp64/int64
     dx_ptr,  # [4, B, P*K] int64: the destination's bsend, brecv, QO rows in, KV rows in
     tasks_out_ptr,  # [B, P*K, U] int64
-    caps_ptr,  # [2, B] int64 (CAPS only): each variant's receive and send rows
+    caps_ptr,  # [4, B] int64 (CAPS only): each variant's QO / KV receive and QO / KV send rows
     T, P, K, D, GU, RS,
     stride_rb, stride_a, stride_q, stride_k,
     Q_BYTES, O_BYTES, KV_BYTES, QB_BYTES, DQ_BYTES, KVB_BYTES, DKV_BYTES,
@@ -265,7 +265,7 @@ def _bundle_unit(
     q_lo_ptr, q_hi_ptr, k_lo_ptr, k_hi_ptr, qlen_ptr, klen_ptr, kcount_ptr,
     ok_ptr, score_ptr, dest_ptr, moved_area_ptr, dsend_ptr, drecv_ptr, dx_ptr, tasks_out_ptr,
     units_ptr,  # [B] int64 (HAS_UNITS only): units variant b offers; slots past it propose nothing
-    caps_ptr,  # [2, B] int64 (CAPS only): each variant's receive and send rows
+    caps_ptr,  # [4, B] int64 (CAPS only): each variant's QO / KV receive and QO / KV send rows
     i_b, i_s, i_k,  # int64: variant, source, offered-unit slot
     T, P, K, D, GU, RS, stride_rb, stride_a, stride_q, stride_k,
     Q_BYTES, O_BYTES, KV_BYTES, QB_BYTES, DQ_BYTES, KVB_BYTES, DKV_BYTES,
@@ -426,9 +426,10 @@ def _bundle_unit(
         bsend_i, brecv_i, bsend_s, brecv_s, b_bn, bwv, f_2nd, b_2nd = zero, zero, zero, zero, zero, zero, zero, zero
     if CAPS:
         qout_i, kout_i, kout_s = tl.load(qout_ptr + o_row + i), tl.load(kout_ptr + o_row + i), tl.load(kout_ptr + o_row + i_s)
-        recv_cap, send_cap = tl.load(caps_ptr + i_b), tl.load(caps_ptr + RS // P + i_b)
+        qin_cap, kin_cap = tl.load(caps_ptr + i_b), tl.load(caps_ptr + RS // P + i_b)
+        qout_cap, kout_cap = tl.load(caps_ptr + 2 * (RS // P) + i_b), tl.load(caps_ptr + 3 * (RS // P) + i_b)
     else:
-        qout_i, kout_i, kout_s, recv_cap, send_cap = zero, zero, zero, zero, zero
+        qout_i, kout_i, kout_s, qin_cap, kin_cap, qout_cap, kout_cap = zero, zero, zero, zero, zero, zero, zero
 
     # the best (destination, size) over the tiles, in the twin's order d * 2 + size, first index on
     # ties: a tile replaces the best so far only with a lower score (tile 0 always, so a unit with
@@ -486,14 +487,14 @@ def _bundle_unit(
             d_of, qlo_d, qhi_d, send_d, recv_d, bsend_d, brecv_d, qin_d, kin_d,
             i_s, i, bn, q_cur, send_i, recv_i, send_s, recv_s, send_bn, recv_bn, bnv, bal, exc, thr,
             bsend_i, brecv_i, bsend_s, brecv_s, qout_i, kout_i, kout_s, b_bn, bwv, f_2nd, b_2nd,
-            Q_BYTES, O_BYTES, KV_BYTES, QB_BYTES, DQ_BYTES, KVB_BYTES, DKV_BYTES, recv_cap, send_cap,
+            Q_BYTES, O_BYTES, KV_BYTES, QB_BYTES, DQ_BYTES, KVB_BYTES, DKV_BYTES, qin_cap, kin_cap, qout_cap, kout_cap,
             w_id, w_is, w_jd, w_js, SIDEWAYS, TRAINING, CAPS, TILES, BLOCK_D, BLOCK_P, BLOCK_TL, TOPO)
         ok1, score1, area1, ds1, dr1, dbs1, dbr1, dqi1, dki1 = _price(
             inc1, mine, t_area, qlo_t, qhi_t, k_free_t, j_t, j_send, j_recv, j_bsend, j_brecv, j_kout, k_grow_t,
             d_of, qlo_d, qhi_d, send_d, recv_d, bsend_d, brecv_d, qin_d, kin_d,
             i_s, i, bn, q_cur, send_i, recv_i, send_s, recv_s, send_bn, recv_bn, bnv, bal, exc, thr,
             bsend_i, brecv_i, bsend_s, brecv_s, qout_i, kout_i, kout_s, b_bn, bwv, f_2nd, b_2nd,
-            Q_BYTES, O_BYTES, KV_BYTES, QB_BYTES, DQ_BYTES, KVB_BYTES, DKV_BYTES, recv_cap, send_cap,
+            Q_BYTES, O_BYTES, KV_BYTES, QB_BYTES, DQ_BYTES, KVB_BYTES, DKV_BYTES, qin_cap, kin_cap, qout_cap, kout_cap,
             w_id, w_is, w_jd, w_js, SIDEWAYS, TRAINING, CAPS, TILES, BLOCK_D, BLOCK_P, BLOCK_TL, TOPO)
 
         score0 = tl.where(m_d, score0, float("inf"))

@@ -395,9 +395,8 @@ def _training_scores(tasks: Tasks, st: State, j6, elsewhere, tok, tok_on, any_on
 def _fits_buffers(st: State, caps, j6, elsewhere, tok, tok_on, i_of, s_of, d_of, dq, q_grow, k_grow, gather_at):
     """[B, P, K, D1, 2] bool: the move keeps every rank's rows within the plan's buffers.
 
-    caps: [2, B] int64, each variant's receive and send rows per rank and kind. A rank's QO
-    and KV rows received stay within the first and those sent within the second, or do not
-    grow. Rows that
+    caps: [4, B] int64, each variant's QO and KV receive and QO and KV send rows per rank. A
+    rank's rows of each kind received and sent stay within those, or do not grow. Rows that
     grow: the query host's QO sends (the destination's new rows), the destination's QO and KV
     receives, and the KV sends of the moved tasks' key hosts (the source, the query host and
     the others; the destination's only shrink).
@@ -406,8 +405,8 @@ def _fits_buffers(st: State, caps, j6, elsewhere, tok, tok_on, i_of, s_of, d_of,
     shape = q_grow.shape
     at = lambda t, r: gather_at(t, r.expand(shape))  # noqa: E731
     fits = lambda now, delta, cap: (now + delta <= cap) | (delta <= 0)  # noqa: E731
-    R, S = caps[0].view(B, 1, 1, 1, 1), caps[1].view(B, 1, 1, 1, 1)
-    ok = fits(at(st.q_out, i_of), dq, S) & fits(at(st.q_in, d_of), q_grow, R) & fits(at(st.k_in, d_of), k_grow, R)
+    QR, KR, QS, S = (c.view(B, 1, 1, 1, 1) for c in caps)
+    ok = fits(at(st.q_out, i_of), dq, QS) & fits(at(st.q_in, d_of), q_grow, QR) & fits(at(st.k_in, d_of), k_grow, KR)
     ok &= fits(st.k_out.view(B, P, 1, 1, 1), tok_on[0], S)  # the source as a key host
     ok &= (s_of == i_of) | fits(at(st.k_out, i_of), tok_on[1], S)  # the query host as one
     per_host = torch.zeros(elsewhere.shape[:-1] + (P,), dtype=torch.int64, device=tok.device)

@@ -39,20 +39,20 @@ def _track_kernel(
     excess_ptr,  # [B, P] int64 out, contiguous
     bwd_bneck_ptr,  # [B] int64 (TRAINING): the backward bottleneck
     ranks_ptr,  # [10, B, P] int64 (CAPS; planes RS apart): ``state.kernel.rank_table``
-    P, T, RS, RECV_CAP, SEND_CAP,
+    P, T, RS, QIN_CAP, KIN_CAP, QOUT_CAP, KOUT_CAP,
     stride_a, stride_best_a, stride_load,
     BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, TRAINING: tl.constexpr, CAPS: tl.constexpr,
 ):
     _track_variant(a_ptr, best_a_ptr, load_ptr, bneck_ptr, cap_ptr, stuck_ptr, thr_ptr, best_key_ptr,
                    dest_cap_ptr, balance_ptr, limit_ptr, excess_ptr, bwd_bneck_ptr, ranks_ptr,
-                   tl.program_id(0).to(tl.int64), P, T, RS, RECV_CAP, SEND_CAP, stride_a, stride_best_a, stride_load,
-                   BLOCK_P, BLOCK_C, TRAINING, CAPS)
+                   tl.program_id(0).to(tl.int64), P, T, RS, QIN_CAP, KIN_CAP, QOUT_CAP, KOUT_CAP,
+                   stride_a, stride_best_a, stride_load, BLOCK_P, BLOCK_C, TRAINING, CAPS)
 
 
 @triton.jit
 def _track_variant(a_ptr, best_a_ptr, load_ptr, bneck_ptr, cap_ptr, stuck_ptr, thr_ptr, best_key_ptr,
                    dest_cap_ptr, balance_ptr, limit_ptr, excess_ptr, bwd_bneck_ptr, ranks_ptr,
-                   i_b, P, T, RS, RECV_CAP, SEND_CAP, stride_a, stride_best_a, stride_load,
+                   i_b, P, T, RS, QIN_CAP, KIN_CAP, QOUT_CAP, KOUT_CAP, stride_a, stride_best_a, stride_load,
                    BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, TRAINING: tl.constexpr, CAPS: tl.constexpr):
     """Variant ``i_b`` (int64) of ``_track_kernel`` (its arguments)."""
     o_p = tl.arange(0, BLOCK_P)  # [BLOCK_P] ranks
@@ -70,10 +70,10 @@ def _track_variant(a_ptr, best_a_ptr, load_ptr, bneck_ptr, cap_ptr, stuck_ptr, t
     key = tl.where(balanced, goal, _HALF_BIG + max_load)
     if CAPS:
         o_r = i_b * P + o_p
-        over = (tl.maximum(tl.load(ranks_ptr + 7 * RS + o_r, mask=m_p, other=0) - RECV_CAP, 0)
-                + tl.maximum(tl.load(ranks_ptr + 9 * RS + o_r, mask=m_p, other=0) - RECV_CAP, 0)
-                + tl.maximum(tl.load(ranks_ptr + 6 * RS + o_r, mask=m_p, other=0) - SEND_CAP, 0)
-                + tl.maximum(tl.load(ranks_ptr + 8 * RS + o_r, mask=m_p, other=0) - SEND_CAP, 0))
+        over = (tl.maximum(tl.load(ranks_ptr + 7 * RS + o_r, mask=m_p, other=0) - QIN_CAP, 0)
+                + tl.maximum(tl.load(ranks_ptr + 9 * RS + o_r, mask=m_p, other=0) - KIN_CAP, 0)
+                + tl.maximum(tl.load(ranks_ptr + 6 * RS + o_r, mask=m_p, other=0) - QOUT_CAP, 0)
+                + tl.maximum(tl.load(ranks_ptr + 8 * RS + o_r, mask=m_p, other=0) - KOUT_CAP, 0))
         over = tl.sum(tl.where(m_p, over, 0), axis=0) > 0
         key = tl.where(over, tl.where(balanced, _OVER_CAPACITY + goal, _OVER_CAPACITY + (1 << 58) + max_load), key)
     best_key = tl.load(best_key_ptr + i_b)
@@ -93,10 +93,9 @@ def _track_variant(a_ptr, best_a_ptr, load_ptr, bneck_ptr, cap_ptr, stuck_ptr, t
 
 
 def track_triton(A: torch.Tensor, st: State, cap: torch.Tensor, stuck: torch.Tensor, threshold: torch.Tensor,
-                 best_A: torch.Tensor, best_key: torch.Tensor, training: bool = False, recv_cap: int | None = None,
-                 send_cap: int | None = None):
+                 best_A: torch.Tensor, best_key: torch.Tensor, training: bool = False, caps: tuple | None = None):
     """Triton twin of ``track``: one launch, one program per variant; same arguments and results
-    (``training``, ``recv_cap``, ``send_cap`` as ``track.ref.track``).
+    (``training``, ``caps`` as ``track.ref.track``).
 
     ``best_A`` ([B, T+1] int64, dense rows) and ``best_key`` ([B] int64,
     contiguous) are updated in place and returned as the first two results.
@@ -114,12 +113,12 @@ def track_triton(A: torch.Tensor, st: State, cap: torch.Tensor, stuck: torch.Ten
         return out
     load = st.load if st.load.stride(1) == 1 else st.load.contiguous()
     c = lambda t: t.contiguous()  # noqa: E731
-    caps = recv_cap is not None
+    rows = caps if caps is not None else (0, 0, 0, 0)
     _track_kernel[(B,)](
         A, best_A, load, c(st.bottleneck), c(cap), c(stuck), c(threshold), best_key,
-        dest_cap, balance, limit, excess, c(st.bwd_bottleneck), rank_table(st) if caps else load,
-        P, T, B * P, recv_cap if caps else 0, send_cap if caps else 0, A.stride(0), best_A.stride(0), load.stride(0),
+        dest_cap, balance, limit, excess, c(st.bwd_bottleneck), rank_table(st) if caps is not None else load,
+        P, T, B * P, *rows, A.stride(0), best_A.stride(0), load.stride(0),
         BLOCK_P=triton.next_power_of_2(P), BLOCK_C=min(_BLOCK_C, triton.next_power_of_2(T + 1)),
-        TRAINING=bool(training), CAPS=caps,
+        TRAINING=bool(training), CAPS=caps is not None,
     )
     return out

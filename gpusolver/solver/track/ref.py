@@ -10,8 +10,7 @@ from gpusolver.solver.core import State, objective, over_buffers, state_key
 
 
 def track(A: torch.Tensor, st: State, cap: torch.Tensor, stuck: torch.Tensor, threshold: torch.Tensor,
-          best_A: torch.Tensor, best_key: torch.Tensor, training: bool = False, recv_cap: int | None = None,
-          send_cap: int | None = None):
+          best_A: torch.Tensor, best_key: torch.Tensor, training: bool = False, caps: tuple | None = None):
     """Keep each variant's best state and set the round's limits (torch twin, the round loop's own lines).
 
     A, best_A: [B, T+1] int64 assignments (current, best so far).
@@ -23,7 +22,7 @@ def track(A: torch.Tensor, st: State, cap: torch.Tensor, stuck: torch.Tensor, th
     best_key:  [B] int64 (``core.state_key``): within the buffers and balanced first (key =
                the objective, ``core.objective``), then unbalanced, then past a buffer.
     training:  the objective is forward plus backward bottleneck.
-    recv_cap, send_cap: host ints, rows per rank and kind (None: not checked).
+    caps:      (QO recv, KV recv, QO send, KV send) host ints, rows per rank (None: not checked).
     Returns (best_A [B, T+1] int64, best_key [B] int64, excess [B, P] int64,
     balance [B] bool, dest_cap [B, 1] int64, limit [B] fp64).
     """
@@ -31,7 +30,7 @@ def track(A: torch.Tensor, st: State, cap: torch.Tensor, stuck: torch.Tensor, th
     max_load = st.load.amax(1)
     balanced = max_load <= cap
     goal = objective(st, training)
-    over = None if recv_cap is None else over_buffers(st, recv_cap, send_cap)
+    over = None if caps is None else over_buffers(st, caps)
     key = state_key(balanced, goal, max_load, over)
     better = key < best_key
     best_key = torch.where(better, key, best_key)

@@ -6,11 +6,17 @@ cast and reduce against the plan's per-stage splits. The default tier keeps a
 small representative set; the whole matrix (P = 8, 16 and 2, 4 on gloo; S = 1,
 2, 4, 8; tiles 1 and 2) is in the slow tier.
 """
+from dataclasses import replace
+
 import pytest
 import torch
 from torch import nn
 
+from gpusolver import block_areas
 from gpusolver.masks import varlen_causal_mask
+from gpusolver.plan import IMBALANCED
+from gpusolver.plan.build import build_plan
+from gpusolver.problem import kept_kinds
 from gpusolver.runtime import DynamicCPAttention, PlanCache, dist_attn, shard
 from gpusolver.runtime.pipelined import stage_phase
 from groupcomm import LocalGroup, TorchGroup
@@ -72,7 +78,7 @@ def _stage_bytes(plan, cost, keep):
     row = {"fwd.qo": ("qo", "cast", cost.q_fwd), "fwd.kv": ("kv", "cast", cost.kv_fwd),
            "fwd.o": ("qo", "return", cost.o_fwd), "bwd.qo": ("qo", "cast", cost.q_bwd),
            "bwd.dq": ("qo", "return", cost.dq_bwd), "bwd.dkv": ("kv", "return", cost.dkv_bwd)}
-    if not keep:
+    if "kv" not in kept_kinds(keep):  # K, V cast again; Q again rides in bwd.qo (cost.q_bwd)
         row["bwd.kv"] = ("kv", "cast", cost.kv_bwd)
     out = {}
     for base, (kind, which, b) in row.items():
@@ -104,6 +110,45 @@ def test_stage_bytes_equal_plan(keep):
         tot_r = sum(group.traffic(stage_phase(b, s))[1] for b in PHASES[step] for s in range(1, S + 1))
         assert torch.equal(tot_s, send) and torch.equal(tot_r, recv), step
     assert all(int(group.traffic(b)[0].sum()) == 0 for b in PHASES["fwd"])  # no unstaged phase ran
+
+
+def _per_kind_plan(mask, config):
+    """``tight_plan`` rebuilt with QO and KV receive buffers of different rows (each its own fill plus
+    a margin), so a row indexed with the other kind's capacity would land in the wrong place."""
+    plan, tight = tight_plan(mask, config)
+    fill = {k: int(plan.comm.stage_split(k).sum(1).max()) for k in ("qo", "kv")}
+    per_kind = replace(tight, max_qo_recv_rows=fill["qo"] + 1, max_kv_recv_rows=fill["kv"] + 5)
+    areas = block_areas(mask, config.cp_size, config.head_groups, impl="torch", tiles=config.chunk_tiles)
+    return build_plan(mask, areas, plan.assignment, per_kind).validate(ignore=IMBALANCED), per_kind
+
+
+@pytest.mark.parametrize("keep", ["qo", "kv"])
+def test_stages_per_kind_keep_and_capacities(keep):
+    """S = 3 with one kind kept and the other cast again, QO and KV buffers of different rows:
+    values and gradients equal dense attention, and every sub-stage's counters equal its split."""
+    P, c, Hq, Hkv, S = 4, 16, 4, 2, 3
+    T = P * c
+    mask = make_mask("docs-causal", T, seed=3)
+    plan, config = _per_kind_plan(mask, make_config(P, Hq, Hkv, num_stages=S, keep_forward_buffers=keep))
+    comm = plan.comm
+    assert comm.num_stages == S and comm.qo_recv_capacity != comm.kv_recv_capacity
+    inputs = make_inputs(T, Hq, Hkv, seed=3)
+    group = LocalGroup(P)
+    _assert_all_close(reference(mask, *inputs), _run(plan, P, *inputs, group=group, keep_forward_buffers=keep),
+                      f"keep={keep} ")
+    want = _stage_bytes(plan, config.cost(), keep)
+    assert (stage_phase("bwd.kv", 1) in want) == (keep == "qo")
+    for phase, (sent, recv) in want.items():
+        got = group.traffic(phase)
+        assert torch.equal(got[0], sent) and torch.equal(got[1], recv), (phase, got, sent, recv)
+    for base in PHASES["bwd"]:  # the schedule the simulator prices moves what ran, pair by pair
+        ran = sum(group.pair_traffic(stage_phase(base, s)) for s in range(1, S + 1))
+        assert torch.equal(ran, plan.pair_bytes(base)), base
+    # each sub-stage keeps its own buffer of the kept kind
+    m, rows = plan.memory(config), comm.buffers
+    G = comm.head_groups
+    q_row, kv_row = Hq // G * D * 4, 2 * Hkv // G * D * 4  # fp32
+    assert m.kept == S * (rows.qo_recv * q_row if keep == "qo" else rows.kv_recv * kv_row)
 
 
 def test_stages_deterministic_bit_identical():

@@ -89,5 +89,11 @@ def scatter_plan(mask, config, group, kv_block=None):
     rank = torch.where((i + j + g) % 3 == 0, host_i, moved)
     assignment = torch.where(areas.area > 0, rank, -1)
     spec = SelectionSpec.of(mask, G)
+    # a fixed assignment, not a solve, so nothing keeps it within the default buffers (sized from the
+    # solver's plans): unless the config sets buffers, give it the worst case, which holds any plan
+    worst = G * areas.rank_tokens * (P - 1)
+    own = any(getattr(config, f) is not None for f in ("max_recv_rows", "max_qo_recv_rows", "max_kv_recv_rows",
+                                                        "max_qo_send_rows", "max_kv_send_rows"))
+    caps = {} if own else {"recv_capacity": worst, "send_capacity": worst}
     return build_sparse_plan(areas, assignment, config, spec, mask.total_seqlen_k, mask_error=error,
-                             used_blocks=used, kv_block=kv_block)
+                             used_blocks=used, kv_block=kv_block, **caps)

@@ -29,7 +29,7 @@ def _global_selection(mask, G):
 def _key_ids(plan, rank, G):
     """[G * c + cap] global key held at each key-buffer row of ``rank`` (-1 unused), group of each row."""
     comm = plan.comm
-    c, n, cap = comm.chunk, comm.tiles, comm.recv_capacity
+    c, n, cap = comm.chunk, comm.tiles, comm.kv_recv_capacity
     kb = plan.kv_blocks
     rng, off, n = (comm.kv_range, comm.kv_recv_offset, n) if kb is None else \
         (kb.kv_range, kb.kv_recv_offset, kb.blocks_per_rank)

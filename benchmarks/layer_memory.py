@@ -1,0 +1,239 @@
+"""What one ``dist_attn`` layer holds for its backward and at its peak, next to plain attention.
+
+Measured as a user would, with no GPU: ``torch.autograd.graph.saved_tensors_hooks`` around the
+layer's forward count the bytes it keeps for the backward (unique storages), and a
+``TorchDispatchMode`` that follows every storage the layer's ops create until it is freed gives
+the peak of the buffers the layer allocates on top of its inputs (transient). Both are divided
+by P: a ``LocalGroup`` runs all P ranks in one process, each per-rank tensor with a leading
+[P] dim.
+
+Two runs per (mask kind, P):
+- ``small``: real values on CPU (``--small-*`` shapes), the plan of the device solver;
+- ``real``: 8K tokens per rank, Hq:Hkv = 64:8, D = 128, bf16 on ``device="meta"`` (the layer
+  runs there; shapes, hence bytes, are the same as on a GPU and nothing is allocated). The
+  plan is an owner-computes assignment built on meta (``shape_plan``): its values are
+  meaningless, but every buffer has the static size the solved plan would give it.
+
+Plain attention of the same shard keeps q, k, v, out and lse (``plain_kept``); the layer's own
+activations are q, k, v and out (``own``).
+
+    python benchmarks/layer_memory.py --cp-sizes 8,16,32,64 --md benchmarks/results/layer_memory.md
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import weakref
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._common import PACKED_KINDS, TOKENS_PER_RANK, make_mask, markdown_table, parse_list  # noqa: E402
+from gpusolver import SolverConfig, block_areas, solve  # noqa: E402
+from gpusolver.capacity import keep_for_budget  # noqa: E402
+from gpusolver.plan import build_plan  # noqa: E402
+from gpusolver.runtime import dist_attn  # noqa: E402
+from groupcomm import LocalGroup  # noqa: E402
+
+SMALL = {"tokens_per_rank": 64, "num_heads_q": 8, "num_heads_kv": 2, "head_dim": 32, "dtype": torch.float32}
+REAL = {"tokens_per_rank": TOKENS_PER_RANK, "num_heads_q": 64, "num_heads_kv": 8, "head_dim": 128,
+        "dtype": torch.bfloat16}
+
+
+class SavedBytes:
+    """Bytes of the unique storages autograd saves inside the ``with`` block."""
+
+    def __init__(self):
+        self.storages: dict[int, int] = {}
+        self._keep = []  # the storages themselves, so an id is never reused while counted
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        if id(s) not in self.storages:
+            self.storages[id(s)] = s.nbytes()
+            self._keep.append(s)
+        return t
+
+    @property
+    def total(self) -> int:
+        return sum(self.storages.values())
+
+    def __enter__(self):
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+        self._keep.clear()
+
+
+class LiveBytes(TorchDispatchMode):
+    """Peak bytes of the storages created by ops run under the mode, each counted until freed.
+
+    Storages that existed before the mode (the inputs) are not counted; a storage is freed
+    when its last tensor dies (a weakref finaliser on the storage, whose Python object lives
+    as long as the storage does).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._seen: set[int] = set()
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self.live -= nbytes
+        self._seen.discard(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                s = t.untyped_storage()
+                key = id(s)
+                if key not in self._seen:
+                    self._seen.add(key)
+                    self.live += s.nbytes()
+                    weakref.finalize(s, self._free, key, s.nbytes())
+        self.peak = max(self.peak, self.live)
+        return out
+
+
+def layer_shapes(shapes: dict, P: int) -> dict:
+    c, Hq, Hkv, D = shapes["tokens_per_rank"], shapes["num_heads_q"], shapes["num_heads_kv"], shapes["head_dim"]
+    b = torch.empty((), dtype=shapes["dtype"]).element_size()
+    q = c * Hq * D * b
+    kv = c * Hkv * D * b
+    return {"own": 2 * q + 2 * kv, "plain_kept": 2 * q + 2 * kv + c * Hq * 4}
+
+
+def shape_plan(mask, config: SolverConfig):
+    """A plan with the static shapes of ``solve(mask, config)`` and no solve: owner-computes (task
+    (g, i, j) on rank i's unit host). Bytes held and allocated depend only on shapes, so a meta
+    run needs no solve (the device solver's rounds at P = 64 cost minutes on meta too)."""
+    config = config.tiles_for(mask.total_seqlen_q)
+    areas = block_areas(mask, config.cp_size, config.head_groups, tiles=config.chunk_tiles)
+    U = areas.num_units
+    owner = (torch.arange(U, device=mask.device) // config.chunk_tiles).view(1, U, 1)
+    return build_plan(mask, areas, owner.expand(config.head_groups, U, U).to(torch.int32), config)
+
+
+def make_config(P: int, shapes: dict, keep=True, budget=None) -> SolverConfig:
+    return SolverConfig(cp_size=P, num_heads_q=shapes["num_heads_q"], num_heads_kv=shapes["num_heads_kv"],
+                        head_dim=shapes["head_dim"], dtype=shapes["dtype"], keep_forward_buffers=keep,
+                        memory_budget=budget)
+
+
+def measure(kind: str, P: int, shapes: dict, device: str, *, seed: int = 0, keep=True, budget=None) -> dict:
+    """Kept and peak bytes per rank of one layer (forward and backward) for one mask."""
+    c, D, dtype = shapes["tokens_per_rank"], shapes["head_dim"], shapes["dtype"]
+    Hq, Hkv = shapes["num_heads_q"], shapes["num_heads_kv"]
+    config = keep_for_budget(make_config(P, shapes, keep, budget), c)  # the kinds kept within the budget
+    keep = config.keep_forward_buffers
+    mask = make_mask(kind, P, seed, c, device=device)
+    t0 = time.perf_counter()
+    plan = solve(mask, config) if device == "cpu" else shape_plan(mask, config)
+    solve_s = time.perf_counter() - t0
+    g = torch.Generator().manual_seed(seed)
+
+    def make(h):
+        if device == "meta":
+            return torch.empty(P, c, h, D, dtype=dtype, device="meta", requires_grad=True)
+        return torch.randn(P, c, h, D, generator=g).to(dtype).requires_grad_()
+
+    q, k, v = make(Hq), make(Hkv), make(Hkv)
+    group = LocalGroup(P)
+    fwd_live, bwd_live = LiveBytes(), LiveBytes()
+    with SavedBytes() as saved, fwd_live:
+        out, lse = dist_attn(q, k, v, plan, group, keep_forward_buffers=keep)
+    d_out = torch.ones_like(out) if device == "meta" else torch.randn(out.shape, generator=g).to(dtype)
+    with bwd_live:
+        torch.autograd.backward(out, d_out)
+    ref = layer_shapes(shapes, P)
+    row = {"kind": kind, "P": P, "budget": budget, "keep": keep, "device": device, "solve_s": solve_s,
+           "kept": saved.total / P, "fwd_peak": fwd_live.peak / P, "bwd_peak": bwd_live.peak / P, **ref}
+    row["kept_ratio"] = row["kept"] / ref["plain_kept"]
+    row["peak_ratio"] = max(row["fwd_peak"], row["bwd_peak"]) / ref["own"]
+    m = plan.memory(config)
+    row.update({"plan_kept": m.kept, "plan_fwd": m.fwd_peak, "plan_bwd": m.bwd_peak})
+    return row
+
+
+COLUMNS = [("kind", "kind", ""), ("P", "P", "d"), ("budget", "budget", ""), ("keep", "keep", ""),
+           ("kept MB", "kept", ".1f"), ("plan.memory kept MB", "plan_kept", ".1f"),
+           ("plain attn MB", "plain_kept", ".1f"), ("kept / plain", "kept_ratio", ".2f"),
+           ("fwd transient MB", "fwd_peak", ".1f"), ("bwd transient MB", "bwd_peak", ".1f"),
+           ("plan.memory fwd MB", "plan_fwd", ".1f"), ("plan.memory bwd MB", "plan_bwd", ".1f"),
+           ("own q,k,v,out MB", "own", ".1f"), ("peak / own", "peak_ratio", ".2f")]
+STEP_COLUMNS = [("kind", "kind", ""), ("P", "P", "d"), ("budget", "budget", ""), ("kept kinds", "budget_keep", ""),
+                ("step ms, all kept (simulated)", "keep_ms", ".2f"), ("step ms, budget (simulated)", "budget_ms", ".2f"),
+                ("ratio", "step_ratio", ".3f")]
+
+
+def _mb(rows):
+    keys = ("kept", "plain_kept", "fwd_peak", "bwd_peak", "own", "plan_kept", "plan_fwd", "plan_bwd")
+    return [{k: (v / 1e6 if k in keys and v is not None else v) for k, v in r.items()} for r in rows]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--cp-sizes", default="8,16,32,64", help="P of the real-shape (meta) runs")
+    p.add_argument("--small-cp-sizes", default="8", help="P of the small CPU runs")
+    p.add_argument("--kinds", default=",".join(PACKED_KINDS))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-real", action="store_true", help="skip the real-shape runs on meta")
+    p.add_argument("--no-small", action="store_true", help="skip the small runs on CPU")
+    p.add_argument("--budget", type=float, default=1.5, help="memory_budget of the budget runs")
+    p.add_argument("--md", default=None, help="write the tables to this markdown file")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    kinds = parse_list(args.kinds, str, name="--kinds")
+    rows, steps = [], []
+    for keep, budget in ((True, None), (False, None), (True, args.budget)):
+        for kind in kinds:
+            for P in [] if args.no_small else parse_list(args.small_cp_sizes, name="--small-cp-sizes"):
+                rows.append(measure(kind, P, SMALL, "cpu", seed=args.seed, keep=keep, budget=budget))
+            if not args.no_real:
+                for P in parse_list(args.cp_sizes, name="--cp-sizes"):
+                    rows.append(measure(kind, P, REAL, "meta", seed=args.seed, keep=keep, budget=budget))
+    for r in rows:
+        print(f"{r['device']:4} {r['kind']:6} P={r['P']:3} budget={r['budget']} keep={r['keep']!s:5} kept {r['kept'] / 1e6:9.1f} MB "
+              f"= {r['kept_ratio']:.2f}x plain; transient fwd {r['fwd_peak'] / 1e6:9.1f} bwd "
+              f"{r['bwd_peak'] / 1e6:9.1f} MB = {r['peak_ratio']:.2f}x own"
+              + (f"; plan.memory kept {r['plan_kept'] / 1e6:.1f} fwd {r['plan_fwd'] / 1e6:.1f} "
+                 f"bwd {r['plan_bwd'] / 1e6:.1f} MB" if "plan_kept" in r else ""), flush=True)
+    if args.md:
+        text = render(rows, steps, argv)
+        Path(args.md).write_text(text)
+    return rows
+
+
+def render(rows, steps, argv) -> str:
+    cmd = "python benchmarks/layer_memory.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    small = [r for r in rows if r["device"] == "cpu"]
+    real = [r for r in rows if r["device"] == "meta"]
+    s = SMALL
+    parts = [f"## Layer memory per rank: kept for the backward and transient peak\n\n`{cmd}`\n",
+             f"### Real shapes on meta: {REAL['tokens_per_rank']} tokens per rank, 64:8, D = 128, bf16\n",
+             markdown_table(_mb(real), COLUMNS),
+             f"\n### Small shapes on CPU (real values): {s['tokens_per_rank']} tokens per rank, "
+             f"{s['num_heads_q']}:{s['num_heads_kv']}, D = {s['head_dim']}, fp32\n",
+             markdown_table(_mb(small), COLUMNS)]
+    if steps:
+        parts += ["\n### Simulated step cost of the budget (real shapes, device solver on CPU, "
+                  "`layer_bench.model_plan`: modelled, not measured)\n", markdown_table(steps, STEP_COLUMNS)]
+    return "\n".join(parts) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""The static rows of a plan's four collective buffers: QO and KV receive, QO and KV send.
+
+Each rank receives the QO rows (Q) and the KV rows (K with V) of the units it
+helps with into one receive buffer per kind, and sends its own units' rows
+from one send list per kind; the partial O and lse (forward) and dK, dV / dQ
+(backward) come back into buffers of the send lists' rows. A row is one token
+of one head group (group-major), so with Hq:Hkv = 64:8 a Q row is four times a
+K plus V row: the kinds are sized apart.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from gpusolver.config import SolverConfig
+from gpusolver.problem import kept_kinds
+
+KINDS = ("qo", "kv")
+
+# Default rows of each buffer in multiples of G * c, capped at the worst case G * c * (P - 1).
+# The largest fills of the device solver's plans on the benchmark masks (packed documents, 8K
+# tokens per rank, 64:8, P = 8..64, seeds 0-19, whole chunks; ``benchmarks/layer_bench.py``,
+# ``benchmarks/results/layer_bench.md``) are QO recv 1.12, KV recv 8.63, QO send 1.88 and KV
+# send 10.57; the defaults hold at least 1.5x each (QO recv 1.8x). One causal sequence needs
+# more KV at P = 64 (14.75 received): the solve keeps its plan within these, moving other tasks,
+# or reports BUFFER_OVERFLOW when no start fits.
+DEFAULT_CHUNKS = {"qo_recv": 2, "kv_recv": 13, "qo_send": 3, "kv_send": 16}
+# The one shared default before the kinds were sized apart (``max_recv_rows`` set to
+# ``LEGACY_CHUNKS * G * c`` gives those plans back).
+LEGACY_CHUNKS = 16
+
+
+_BUFFER_FIELDS = ("max_recv_rows", "max_qo_recv_rows", "max_kv_recv_rows", "max_qo_send_rows", "max_kv_send_rows")
+
+
+def buffer_fields(*values: int) -> dict:
+    """The config's buffer fields from the custom ops' ints (in ``_BUFFER_FIELDS`` order; -1 is None)."""
+    return {name: None if v < 0 else v for name, v in zip(_BUFFER_FIELDS, values)}
+
+
+def buffer_ints(config: SolverConfig) -> tuple[int, ...]:
+    """The config's buffer fields as the ops take them (``_BUFFER_FIELDS`` order; None is -1)."""
+    return tuple(-1 if getattr(config, n) is None else getattr(config, n) for n in _BUFFER_FIELDS)
+
+
+@dataclass(frozen=True)
+class BufferRows:
+    """Rows of each rank's buffers per kind (host ints, static): receive and send."""
+
+    qo_recv: int
+    kv_recv: int
+    qo_send: int
+    kv_send: int
+
+    def recv(self, kind: str) -> int:
+        return self.qo_recv if kind == "qo" else self.kv_recv
+
+    def send(self, kind: str) -> int:
+        return self.qo_send if kind == "qo" else self.kv_send
+
+    def as_tuple(self) -> tuple[int, int, int, int]:
+        """(QO recv, KV recv, QO send, KV send): the order the solver's kernels read."""
+        return self.qo_recv, self.kv_recv, self.qo_send, self.kv_send
+
+    @property
+    def largest_recv(self) -> int:
+        return max(self.qo_recv, self.kv_recv)
+
+
+def buffer_rows(config: SolverConfig, chunk: int) -> BufferRows:
+    """The buffers of a plan of ``config`` with ``chunk`` = c tokens per rank.
+
+    Per buffer: its ``SolverConfig.max_<kind>_<dir>_rows`` when set, else ``max_recv_rows``
+    when set (one value for all four), else ``min(G * c * (P - 1), DEFAULT_CHUNKS[...] * G * c)``.
+    """
+    G, P = config.head_groups, config.cp_size
+    worst = G * chunk * (P - 1)
+    rows = {}
+    for name, chunks in DEFAULT_CHUNKS.items():
+        v = getattr(config, f"max_{name}_rows")
+        if v is None:
+            v = config.max_recv_rows
+        if v is None:
+            v = min(worst, chunks * G * chunk)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"max_{name}_rows must be a non-negative int, got {v!r}")
+        rows[name] = v
+    return BufferRows(**rows)
+
+
+def plain_kept_bytes(config: SolverConfig, chunk: int) -> int:
+    """Bytes plain single-device attention of one rank's shard keeps for its backward: q, k, v,
+    out (the activation dtype) and the fp32 lse."""
+    b, D, Hq, Hkv = config.dtype_bytes, config.head_dim, config.num_heads_q, config.num_heads_kv
+    return chunk * ((2 * Hq + 2 * Hkv) * D * b + 4 * Hq)
+
+
+def kept_bytes(config: SolverConfig, chunk: int, keep) -> int:
+    """Bytes per rank a layer keeps in its receive buffers with ``keep`` (True, False, "qo", "kv"):
+    one buffer of each kept kind per remote sub-stage (``num_stages``)."""
+    rows = buffer_rows(config, chunk)
+    cost = config.cost()
+    S = config.num_stages
+    per_kind = {"qo": S * rows.qo_recv * cost.q_fwd, "kv": S * rows.kv_recv * cost.kv_fwd}
+    return sum(per_kind[k] for k in kept_kinds(keep))
+
+
+# the sets of kinds a budget may choose, most kept first within each size (K, V before Q: a KV row
+# is sent again by every rank that needs it, a query row by one host)
+_KEEP_ORDER = (True, "kv", "qo", False)
+
+
+def keep_for_budget(config: SolverConfig, chunk: int) -> SolverConfig:
+    """``config`` with ``keep_forward_buffers`` the largest kept set within ``memory_budget``.
+
+    The layer keeps its own activations (as plain attention does, ``plain_kept_bytes``) plus
+    the receive buffers of the kinds kept (``kept_bytes``); the choice is the allowed set
+    (a subset of what ``keep_forward_buffers`` keeps) with the most kept bytes within
+    ``memory_budget * plain_kept_bytes``. Without a budget, ``config`` itself. Host ints only:
+    every rank resolves the same choice.
+    """
+    if config.memory_budget is None:
+        return config
+    allowed = set(kept_kinds(config.keep_forward_buffers))
+    room = config.memory_budget * plain_kept_bytes(config, chunk) - plain_kept_bytes(config, chunk)
+    fits = [k for k in _KEEP_ORDER if set(kept_kinds(k)) <= allowed and kept_bytes(config, chunk, k) <= room]
+    best = max(fits, key=lambda k: kept_bytes(config, chunk, k))  # False always fits; first on ties
+    return replace(config, keep_forward_buffers=best, memory_budget=None)

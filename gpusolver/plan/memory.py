@@ -1,0 +1,62 @@
+"""What a plan's collective buffers take per rank: forward peak, backward peak, kept between them.
+
+Host ints from static shapes only (the capacities, heads, head dim and dtype), so a plan on
+any device, meta included, is priced the same. The buffers are what ``dist_attn`` receives
+into (``group_cast``) and what partial results come back into (``group_reduce``), each at
+its capacity's rows (``CommMeta.buffers``), group-major rows of ``hq = Hq / G`` query heads
+and ``hkv = Hkv / G`` KV heads, activations of ``b`` bytes:
+
+    forward   QO recv * Q (hq D b) + KV recv * (K, V) (2 hkv D b)
+              + QO send * (partial O hq D b + fp32 lse 4 hq)         [all live at the reduce]
+    backward  QO recv * (dO hq D b + fp32 lse and delta 8 hq)
+              + QO recv * Q + KV recv * (K, V)                        [kept, or cast again]
+              + QO send * dQ (hq D b) + KV send * (dK, dV) (2 hkv D b) [all live at the dK, dV reduce]
+    kept      QO recv * Q if the helper keeps Q, + KV recv * (K, V) if it keeps K and V
+
+With S remote sub-stages (``num_stages``) every receive term is S times: each sub-stage
+casts into buffers of its own.
+
+Not counted: the layer's own activations (its q, k, v, out and lse, which plain attention
+keeps too) and the runtime's copies around the buffers (stage 1's concatenation of local
+rows and buffer, the partial outputs over those rows, the reduce's fp32 work), which
+``benchmarks/layer_memory.py`` measures.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gpusolver.problem import kept_kinds
+
+@dataclass(frozen=True)
+class BufferMemory:
+    """Bytes per rank of one layer's collective buffers (host ints).
+
+    fwd_peak: receive buffers plus the buffer partial O and lse come back into.
+    bwd_peak: the backward's receive and return buffers, the kept ones included.
+    kept:     held from the layer's forward to its backward.
+    """
+
+    fwd_peak: int
+    bwd_peak: int
+    kept: int
+
+
+def buffer_memory(comm, num_heads_q: int, num_heads_kv: int, head_dim: int, dtype: torch.dtype,
+                  keep=True) -> BufferMemory:
+    """``BufferMemory`` of a ``CommMeta``'s buffers for the given heads, head dim and dtype."""
+    G = comm.head_groups
+    if num_heads_q % G or num_heads_kv % G:
+        raise ValueError(f"num_heads_q={num_heads_q} and num_heads_kv={num_heads_kv} must be multiples of the "
+                         f"plan's G = {G} head groups")
+    hq, hkv = num_heads_q // G, num_heads_kv // G
+    b = torch.empty((), dtype=dtype).element_size()
+    q_row, kv_row = hq * head_dim * b, 2 * hkv * head_dim * b
+    rows, S = comm.buffers, getattr(comm, "num_stages", 1)  # each sub-stage receives into buffers of its own
+    q_buf, kv_buf = S * rows.qo_recv * q_row, S * rows.kv_recv * kv_row
+    fwd = q_buf + kv_buf + rows.qo_send * (q_row + 4 * hq)
+    bwd = S * rows.qo_recv * (q_row + 8 * hq) + q_buf + kv_buf + rows.qo_send * q_row + rows.kv_send * kv_row
+    kinds = kept_kinds(keep)
+    kept = (q_buf if "qo" in kinds else 0) + (kv_buf if "kv" in kinds else 0)
+    return BufferMemory(fwd_peak=fwd, bwd_peak=bwd, kept=kept)

@@ -1,0 +1,79 @@
+"""``plan.memory()`` equals what ``dist_attn`` allocates for its collective buffers and keeps.
+
+On CPU with a ``LocalGroup``: saved-tensor hooks count what the layer keeps for its backward
+(unique storages), and a wrapper around the group's row mover records every receive and
+return buffer the collectives allocate, forward and backward apart. Per-rank figures are the
+batched totals over P.
+"""
+import pytest
+import torch
+
+from gpusolver import solve
+from gpusolver.masks import varlen_causal_mask
+from gpusolver.runtime import dist_attn
+from groupcomm import LocalGroup
+from tests.gpusolver.runtime._cases import D, doc_lengths, make_config
+
+
+class _Recorder:
+    """Bytes of every buffer ``LocalGroup._move`` returns, appended to ``self.current``."""
+
+    def __init__(self, group):
+        self.current = []
+        move = group._move
+
+        def recorded(*args, **kwargs):
+            out = move(*args, **kwargs)
+            self.current.append(out.numel() * out.element_size())
+            return out
+        group._move = recorded
+
+
+def _saved(fn):
+    """fn() under saved-tensor hooks: (its result, bytes of each saved tensor in save order, bytes of
+    their unique storages)."""
+    sizes, storages = [], {}
+
+    def pack(t):
+        sizes.append(t.numel() * t.element_size())
+        s = t.untyped_storage()
+        storages[id(s)] = (s, s.nbytes())  # the storage itself too, so its id is not reused
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sizes, sum(n for _, n in storages.values())
+
+
+@pytest.mark.parametrize("keep", [True, False, "qo", "kv"])
+def test_plan_memory_equals_the_runtime(keep):
+    P, c, Hq, Hkv = 4, 16, 4, 2
+    S = P * c
+    config = make_config(P, Hq, Hkv, keep_forward_buffers=keep, max_qo_recv_rows=40, max_kv_recv_rows=64,
+                         max_qo_send_rows=56, max_kv_send_rows=88)
+    plan = solve(varlen_causal_mask(doc_lengths(S, 0)), config)
+    m = plan.memory(config)
+    # distinct per-kind capacities: a formula with one kind's rows in place of another's fails
+    assert plan.comm.buffers.as_tuple() == (40, 64, 56, 88)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(P, c, Hq, D, generator=g, requires_grad=True)
+    k = torch.randn(P, c, Hkv, D, generator=g, requires_grad=True)
+    v = torch.randn(P, c, Hkv, D, generator=g, requires_grad=True)
+    group = LocalGroup(P)
+    rec = _Recorder(group)
+    (out, lse), sizes, held = _saved(lambda: dist_attn(q, k, v, plan, group, keep_forward_buffers=keep))
+    fwd = rec.current
+    rec.current = []
+    (out.sum() + lse.sum()).backward()
+    bwd = rec.current
+    # first the layer's own activations: group-major copies of q, k, v, and out, lse (fp32 here); then
+    # the kept receive buffers
+    own = P * c * (2 * Hq * D + 2 * Hkv * D + Hq) * 4
+    assert sum(sizes[:5]) == own and sum(sizes[5:]) == P * m.kept
+    # their storages hold no more than a scratch row each (the reduce's and LocalGroup's put's)
+    assert 0 <= held - sum(sizes) <= 2 * Hq // 2 * D * 4 * P
+    q_kept = 40 * (Hq // 2) * D * 4 if keep in (True, "qo") else 0
+    kv_kept = 64 * 2 * (Hkv // 2) * D * 4 if keep in (True, "kv") else 0
+    assert m.kept == q_kept + kv_kept
+    assert len(fwd) == 3 and sum(fwd) == P * m.fwd_peak  # Q cast, K+V cast, O+lse reduce
+    # dO with lse, delta (and Q unless kept), K+V unless kept, then the dQ and dK+dV reduces
+    assert len(bwd) == (3 if kv_kept else 4) and sum(bwd) + P * m.kept == P * m.bwd_peak

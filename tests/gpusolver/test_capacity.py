@@ -1,0 +1,61 @@
+"""The four buffer capacities, per-kind kept buffers and the memory budget (host-side rules)."""
+import pytest
+
+from gpusolver.capacity import buffer_rows, keep_for_budget, kept_bytes, plain_kept_bytes
+from gpusolver.config import SolverConfig
+from gpusolver.problem import CommCost
+
+
+def test_buffer_rows_precedence():
+    c, G = 100, 8
+    assert buffer_rows(SolverConfig(cp_size=64), c).as_tuple() == (2 * G * c, 13 * G * c, 3 * G * c, 16 * G * c)
+    assert buffer_rows(SolverConfig(cp_size=8), c).as_tuple() == (2 * G * c, 7 * G * c, 3 * G * c, 7 * G * c)
+    cfg = SolverConfig(cp_size=64, max_recv_rows=500, max_qo_send_rows=7)
+    assert buffer_rows(cfg, c).as_tuple() == (500, 500, 7, 500)
+
+
+@pytest.mark.parametrize("field", ["max_recv_rows", "max_qo_recv_rows", "max_kv_recv_rows", "max_qo_send_rows",
+                                   "max_kv_send_rows"])
+def test_bad_rows_name_the_field(field):
+    with pytest.raises(ValueError, match=field):
+        SolverConfig(cp_size=4, **{field: -1})
+
+
+def test_keep_values_and_budget_are_checked():
+    with pytest.raises(ValueError, match="keep_forward_buffers"):
+        SolverConfig(cp_size=4, keep_forward_buffers="q")
+    with pytest.raises(ValueError, match="memory_budget"):
+        SolverConfig(cp_size=4, memory_budget=0.5)
+
+
+def test_per_kind_keep_prices_what_is_sent_again():
+    both, none, q_only, kv_only = (CommCost(8, 2, 16, 2, 2, keep) for keep in (True, False, "qo", "kv"))
+    assert q_only.q_bwd == both.q_bwd and q_only.kv_bwd == none.kv_bwd == none.kv_fwd
+    assert kv_only.kv_bwd == both.kv_bwd == 0 and kv_only.q_bwd == none.q_bwd == both.q_bwd + both.q_fwd
+
+
+def test_budget_keeps_the_most_that_fits():
+    c = 8192
+    base = SolverConfig(cp_size=8)  # 64:8, D = 128, bf16: a Q row is 4 K+V rows
+    plain = plain_kept_bytes(base, c)
+    assert plain == c * ((2 * 64 + 2 * 8) * 128 * 2 + 4 * 64)
+    q, kv = kept_bytes(base, c, "qo"), kept_bytes(base, c, "kv")
+    assert (q, kv) == (2 * 8 * c * 8 * 128 * 2, 7 * 8 * c * 2 * 128 * 2)  # QO 2 G*c rows, KV 7 G*c rows at P = 8
+    eps = 1e-9  # a budget a hair above a boundary, past its float rounding
+    for budget, keep in ((1.0, False), (1 + (kv - 1) / plain, False), (1 + kv / plain + eps, "kv"),
+                         (1 + q / plain + eps, "qo"), (1 + (q + kv) / plain + eps, True)):
+        resolved = keep_for_budget(SolverConfig(cp_size=8, memory_budget=budget), c)
+        assert resolved.keep_forward_buffers == keep and resolved.memory_budget is None, budget
+    # the budget chooses only among what keep_forward_buffers allows
+    assert keep_for_budget(SolverConfig(cp_size=8, keep_forward_buffers="qo", memory_budget=100.0), c) \
+        .keep_forward_buffers == "qo"
+    assert keep_for_budget(base, c) is base
+
+
+def test_sub_stages_keep_a_buffer_each():
+    """With S remote sub-stages every sub-stage casts into receive buffers of its own: S times the kept bytes."""
+    c = 256
+    one, three = SolverConfig(cp_size=8), SolverConfig(cp_size=8, num_stages=3)
+    for keep in (True, "qo", "kv", False):
+        assert kept_bytes(three, c, keep) == 3 * kept_bytes(one, c, keep), keep
+    assert kept_bytes(three, c, "qo") > 0
