@@ -31,6 +31,14 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _no_pending_error_flags():
+    # device error flags are process-wide: a test that leaves one raised (a deliberately bad
+    # input read with validate=False) must not fail whichever test next calls check_errors
+    from gpusolver import errors
+    errors.reset()
+
+
 # The slow tier (``make test-slow``, ``-m slow``): the tests named in tests/slow_tier.txt get the
 # ``slow`` marker here, so re-tiering is one list rather than edits across the test modules.
 _SLOW_LIST = os.path.join(os.path.dirname(__file__), "slow_tier.txt")

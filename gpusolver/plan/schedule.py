@@ -89,8 +89,19 @@ def _wait(op: Op) -> Op:
               phase=op.phase, route=op.route, back=op.back, stages=op.stages, branch=op.branch)
 
 
-# built once per shape, before any layer is traced: under torch.compile the lists are constants
+# built once per shape and kept; under torch.compile the lists are constants, and a list first
+# asked for inside a trace is built without being stored (a store there is a side effect that
+# dynamo refuses inside an autograd.Function's backward or a checkpointed region)
 _LISTS: dict[tuple, tuple[Op, ...]] = {}
+
+
+def _kept(key: tuple, build) -> tuple[Op, ...]:
+    ops = _LISTS.get(key)
+    if ops is None:
+        ops = build()
+        if not torch.compiler.is_compiling():
+            _LISTS[key] = ops
+    return ops
 
 
 def forward_ops(num_stages: int = 2, branches: int = 1) -> tuple[Op, ...]:
@@ -99,13 +110,13 @@ def forward_ops(num_stages: int = 2, branches: int = 1) -> tuple[Op, ...]:
     num_stages: CalcMeta stages (2: local + one remote; S + 1 with S sub-stages).
     branches: outputs per query row (one with sub-stages).
     """
-    key = ("fwd", num_stages, branches)
-    if key not in _LISTS:
+    def build():
         _check(num_stages, branches)
         if num_stages > 2 and branches != 1:
             raise ValueError(f"sub-stages (num_stages={num_stages}) run one output branch, got {branches}")
-        _LISTS[key] = _forward_ops(num_stages, branches) if num_stages <= 2 else _forward_sub_stages(num_stages - 1)
-    return _LISTS[key]
+        return _forward_ops(num_stages, branches) if num_stages <= 2 else _forward_sub_stages(num_stages - 1)
+
+    return _kept(("fwd", num_stages, branches), build)
 
 
 def _forward_sub_stages(S: int) -> tuple[Op, ...]:
@@ -151,12 +162,13 @@ def backward_ops(num_stages: int = 2, keep_forward_buffers: bool = True) -> tupl
 
     Without kept forward buffers Q travels with dO and K, V are cast again (``bwd.kv``).
     """
-    key = ("bwd", num_stages, bool(keep_forward_buffers))
-    if key not in _LISTS:
+    keep = bool(keep_forward_buffers)
+
+    def build():
         _check(num_stages, 1)
-        keep = bool(keep_forward_buffers)
-        _LISTS[key] = _backward_ops(num_stages, keep) if num_stages <= 2 else _backward_sub_stages(num_stages - 1, keep)
-    return _LISTS[key]
+        return _backward_ops(num_stages, keep) if num_stages <= 2 else _backward_sub_stages(num_stages - 1, keep)
+
+    return _kept(("bwd", num_stages, keep), build)
 
 
 def _backward_sub_stages(S: int, keep_forward_buffers: bool) -> tuple[Op, ...]:
