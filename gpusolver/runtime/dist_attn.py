@@ -47,7 +47,7 @@ from gpusolver.plan.schedule import ATTN, CAST, DELTA, MERGE, REDUCE, WAIT, Op, 
 from gpusolver.plan.sparse import SparsePlan
 from gpusolver.problem import kept_kinds
 from gpusolver.runtime.layout import from_group_major, to_group_major
-from gpusolver.runtime.pipelined import StageRoutes, backward_stages, forward_stages, stage_routes
+from gpusolver.runtime.pipelined import StageRoutes, backward_stages, forward_stages, op_range, stage_routes
 from gpusolver.support import check_supported
 from groupcomm import CollectiveError, TorchGroup, as_group, group_cast, group_reduce, host_splits, retain
 
@@ -141,15 +141,6 @@ def _per_rank(routes: LayerRoutes, fn, *tensors: torch.Tensor):
 
 def _cat(a: torch.Tensor, b: torch.Tensor, lead: int) -> torch.Tensor:
     return torch.cat((a, b), dim=lead)
-
-
-def op_range(op: Op) -> str:
-    """The NVTX range of one scheduled op (``comm/cast fwd.qo``, ``attn/fwd stage1``, ...)."""
-    if op.kind in (CAST, REDUCE, WAIT):
-        return f"comm/{op.kind} {op.phase}"
-    if op.kind == ATTN:
-        return f"attn/{op.phase} stage{op.stages[0]}"
-    return f"attn/{op.phase} {op.kind}"
 
 
 def issue(op: Op, routes: LayerRoutes, group, tensors, acc=None, deterministic: bool = True):

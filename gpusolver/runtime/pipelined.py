@@ -97,10 +97,11 @@ def stage_routes(plan: Plan, group, ranks: tuple[int, ...], batched: bool) -> St
     return StageRoutes(num_stages=S, index=index, split=split, host=host, gather=gather)
 
 
-def op_range(op: Op) -> str:
-    """The NVTX range of one scheduled op of sub-stage s (``comm/cast fwd.qo.2``, ``attn/fwd stage2``, ...)."""
+def op_range(op: Op, sub_stages: bool = False) -> str:
+    """The NVTX range of one scheduled op (``comm/cast fwd.qo``, ``attn/fwd stage1``, ...); with
+    ``sub_stages`` a collective's range names its sub-stage (``comm/cast fwd.qo.2``)."""
     if op.kind in (CAST, REDUCE, WAIT):
-        return f"comm/{op.kind} {stage_phase(op.phase, op.stages[0])}"
+        return f"comm/{op.kind} {stage_phase(op.phase, op.stages[0]) if sub_stages else op.phase}"
     if op.kind == ATTN:
         return f"attn/{op.phase} stage{op.stages[0]}"
     return f"attn/{op.phase} {op.kind}"
@@ -190,7 +191,7 @@ def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql,
     X = acc = None
     n = ql.shape[lead]
     for op in forward_ops(S + 1):
-        with nvtx_range(op_range(op)):
+        with nvtx_range(op_range(op, sub_stages=True)):
             if op.kind == CAST:
                 works[op.name] = _issue(op, sr, group, caps, sent[op.route])
             elif op.kind == WAIT and op.back:
@@ -250,7 +251,7 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
         return fn
 
     for op in backward_ops(S + 1, kept_kv is not None):
-        with nvtx_range(op_range(op)):
+        with nvtx_range(op_range(op, sub_stages=True)):
             if op.kind == DELTA:  # the host computes delta from its final O: O itself never travels
                 delta = _per_rank(ranks, batched, lambda r, a, b, *c_: (row_delta(a, b, c_[0] if c_ else None),),
                                   d_o, o, *(() if d_l is None else (d_l,)))[0]

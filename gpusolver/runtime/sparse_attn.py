@@ -44,8 +44,9 @@ from gpusolver.plan.sparse import (SelectionSpec, SparsePlan, build_sparse_plan,
                                    sparse_config)
 from gpusolver.plan.schedule import ATTN, CAST, DELTA, MERGE, REDUCE, WAIT, backward_ops, forward_ops
 from gpusolver.sparse_solve import sparse_assignment
-from gpusolver.runtime.dist_attn import LayerRoutes, issue, layer_routes, op_range
+from gpusolver.runtime.dist_attn import LayerRoutes, issue, layer_routes
 from gpusolver.runtime.layout import from_group_major, to_group_major
+from gpusolver.runtime.pipelined import op_range
 from groupcomm import TorchGroup, as_group, host_splits, retain
 
 SPARSE_MASKS = (BlockSparseMask, TokenTopKMask, NSALayerMask)
