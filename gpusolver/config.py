@@ -102,6 +102,13 @@ class SolverConfig:
                         ``keep_forward_buffers``). "forward": the forward
                         bottleneck alone, for inference (the plans of the
                         forward-only solver, bit for bit).
+    topology:           the cluster (``gpusolver.topology.Topology``). When the group
+                        spans nodes the solve prices each byte by its link (an
+                        InfiniBand byte weighs ``link_weights``); None, or a group
+                        inside one node, gives the plans of an untopologised solve.
+    ib_relay:           inter-node transport. None (default): relay wherever the
+                        group spans nodes (``relays``); False: every rank pulls its
+                        own copy across nodes; True: relay (an error without nodes).
     """
 
     cp_size: int
@@ -124,6 +131,7 @@ class SolverConfig:
     num_stages: int = 1
     auto_tiles: bool = False
     topology: Topology | None = None
+    ib_relay: bool | None = None
 
     def __post_init__(self):
         if self.chunk_tiles == "auto":  # an int from here on: whole chunks until solve resolves the cap
@@ -156,6 +164,13 @@ class SolverConfig:
                 raise TypeError(f"topology must be a gpusolver.topology.Topology or None, got "
                                 f"{type(self.topology).__name__} {self.topology!r}")
             self.topology.check_group(self.cp_size)
+        if self.ib_relay is not None and not isinstance(self.ib_relay, bool):
+            raise TypeError(f"ib_relay must be None or a bool, got {type(self.ib_relay).__name__} "
+                            f"{self.ib_relay!r}")
+        if self.ib_relay and self.link_weights is None:
+            raise ValueError("ib_relay=True needs a topology whose nodes are smaller than the group "
+                             f"(cp_size = {self.cp_size}, topology = {self.topology!r}): there is no "
+                             "InfiniBand hop to relay")
         if not self.imbalance_tol >= 1.0:
             raise ValueError(f"imbalance_tol must be >= 1.0, got {self.imbalance_tol}")
         for name, (limit_name, limit) in CONFIG_LIMITS.items():
@@ -191,6 +206,14 @@ class SolverConfig:
             return None
         ib_per_gpu = topo.ib_gbps * topo.nics_per_node / topo.ranks_per_node
         return topo.ranks_per_node, 1, min(MAX_LINK_WEIGHT, max(1, round(topo.nvlink_gbps / ib_per_gpu)))
+
+    @property
+    def relays(self) -> bool:
+        """Whether inter-node rows travel by relay: each (unit, remote node) crosses InfiniBand once,
+        host to ``Topology.relay_rank(host, node)``, and fans out over NVLink from there; partial
+        results merge on the relay before they cross back. On by default wherever the group spans
+        nodes (``link_weights`` is not None); ``ib_relay=False`` keeps direct transport."""
+        return self.link_weights is not None and self.ib_relay is not False
 
     @property
     def head_groups(self) -> int:

@@ -113,6 +113,15 @@ class Topology:
     def same_node(self, a: int, b: int) -> bool:
         return a // self.ranks_per_node == b // self.ranks_per_node
 
+    def relay_rank(self, host: int, node: int) -> int:
+        """The rank of ``node`` that receives, over InfiniBand, what ``host`` sends to that node.
+
+        Rail-aligned: the rank at ``host``'s local index, so every host's inter-node bytes leave
+        through its own NIC and land on one NIC per remote node, and a node's hosts spread their
+        traffic over all of its NICs. On ``host``'s own node it is ``host`` itself (no relay).
+        """
+        return node * self.ranks_per_node + host % self.ranks_per_node
+
     def nic_of(self, rank: int) -> int:
         """Global index of the NIC rank ``rank`` sends and receives through (node-major)."""
         local = rank % self.ranks_per_node
