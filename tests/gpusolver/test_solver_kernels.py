@@ -60,6 +60,9 @@ def _random_assignments(gen, tasks, B):
 def _check_state(ref, tri):
     for name in _STATE_FIELDS:
         assert_close(name, getattr(ref, name), getattr(tri, name))
+    assert (ref.nodes is None) == (tri.nodes is None)
+    if ref.nodes is not None:  # the relay transport's node tables
+        assert_close("nodes", ref.nodes, tri.nodes)
 
 
 def _check_proposals(ref, tri):
