@@ -97,3 +97,16 @@ def test_state_triton_equals_torch_with_relays():
         ref = state_ref.state(tasks, A)
         assert ref.nodes.shape == (6, 2, G * P * tiles, P // per_node)
         _check_state(ref, state_triton(tasks, A))
+
+
+def test_relay_hops_equal_hop_count():
+    from gpusolver.solver.state.relay import relay_hops
+
+    P, G, per_node = 8, 2, 4
+    gen = torch.Generator().manual_seed(7)
+    areas = _random_areas(gen, P, G, chunk=8, tiles=2)
+    tasks = core.Tasks(areas, _config(P, G, 2, topology=_nodes(per_node)))
+    A = _random_assignments(gen, tasks, 2)
+    st = state_ref.state(tasks, A)
+    for x in ((st.qlen, st.q_lo, st.q_hi), (st.klen, st.k_lo, st.k_hi)):
+        assert torch.equal(relay_hops(tasks, *x).transpose(0, 1), hop_tokens(tasks, *x, per_node))

@@ -69,3 +69,28 @@ def relay_weighted(tasks: Tasks, length, lo, hi):
     _, w_nv, w_ib = tasks.links
     (nv_out, nv_in, ib_out, ib_in), tables = relay_tokens(tasks, length, lo, hi)
     return nv_out * w_nv + ib_out * w_ib, nv_in * w_nv + ib_in * w_ib, tables
+
+
+def relay_hops(tasks: Tasks, length, lo, hi):
+    """[2(NVLink, InfiniBand), B, P(src), P(dst)] int64 tokens of one kind each hop of the relay
+    transport moves towards the consumers (results travel the same hops back): the host to
+    its own node's consumers and to each remote node's relay (the node hull), the relay to
+    that node's other consumers. Row and column sums are ``relay_tokens``' out and in."""
+    B, GU, P = length.shape
+    R = tasks.links[0]
+    N = P // R
+    dev = length.device
+    ranks, nodes = torch.arange(P, device=dev), torch.arange(N, device=dev)
+    host = tasks.unit_host
+    n_lo, n_hi, _ = node_hulls(tasks, length, lo, hi)
+    remote = (host // R)[:, None] != nodes
+    n_len = torch.where(remote, (n_hi - n_lo).clamp(min=0), 0)  # [B, G*U, N]
+    relay = nodes * R + (host % R)[:, None]  # [G*U, N]
+    same = (host // R)[:, None] == ranks // R
+    is_relay = ~same & (ranks % R == (host % R)[:, None])
+    sender = torch.where(same, host[:, None], relay.repeat_interleave(R, dim=1))  # [G*U, P] who sends each cell
+    nv = torch.zeros((B, P * P), dtype=torch.int64, device=dev).scatter_add(
+        1, (sender * P + ranks).view(1, -1).expand(B, -1), torch.where(is_relay, 0, length).reshape(B, -1))
+    ib = torch.zeros((B, P * P), dtype=torch.int64, device=dev).scatter_add(
+        1, (host[:, None] * P + relay).view(1, -1).expand(B, -1), n_len.reshape(B, -1))
+    return torch.stack((nv.view(B, P, P), ib.view(B, P, P)))
