@@ -6,11 +6,9 @@ consumers; partial results come back the same two hops. The state's bytes per ra
 class equal a per-hop count made here cell by cell; the Triton state equals the torch one;
 ``ib_relay=False`` keeps direct transport's prices.
 """
-import dataclasses
-
+import pytest
 import torch
 
-from gpusolver.config import SolverConfig
 from gpusolver.solver import core
 from gpusolver.solver.state import ref as state_ref
 from gpusolver.solver.state.relay import relay_tokens
@@ -84,8 +82,10 @@ def test_direct_transport_keeps_its_prices():
     assert st.nodes is None
 
 
+@pytest.mark.slow
 def test_state_triton_equals_torch_with_relays():
-    """Untiled and tiled, nodes of 2 and 3 (a node size that is not a power of two)."""
+    """(The default tier: ``test_solver_topology``'s state and bundle twins, relays on by default.)
+    Untiled and tiled, nodes of 2 and 3 (a node size that is not a power of two)."""
     from gpusolver.solver.state.kernel import state_triton
     from tests.gpusolver.test_solver_kernels import _check_state
 
@@ -110,3 +110,19 @@ def test_relay_hops_equal_hop_count():
     st = state_ref.state(tasks, A)
     for x in ((st.qlen, st.q_lo, st.q_hi), (st.klen, st.k_lo, st.k_hi)):
         assert torch.equal(relay_hops(tasks, *x).transpose(0, 1), hop_tokens(tasks, *x, per_node))
+
+
+@pytest.mark.slow
+def test_bundle_proposals_triton_equal_torch_with_relays():
+    """Nodes of 4 and of 3 (not a power of two), both objectives, on the Triton state; the relay's
+    prices are not direct transport's (some proposal's score differs)."""
+    from tests.gpusolver.test_solver_kernels import _bundle_case
+
+    for P, per_node, objective, tiles, seed in ((8, 4, "training", 1, 3), (6, 3, "forward", 1, 4),
+                                                (4, 2, "training", 2, 5)):
+        ref = _bundle_case(P, 1, 2, 2, 4, True, 4, seed, tiles=tiles, states=("triton",), objective=objective,
+                           topology=_nodes(per_node))
+        direct = _bundle_case(P, 1, 2, 2, 4, True, 4, seed, tiles=tiles, states=(), objective=objective,
+                              topology=_nodes(per_node), ib_relay=False)
+        assert ref.ok.any()
+        assert not torch.equal(ref.score, direct.score), (P, per_node)
