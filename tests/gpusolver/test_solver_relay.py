@@ -126,3 +126,33 @@ def test_bundle_proposals_triton_equal_torch_with_relays():
                               topology=_nodes(per_node), ib_relay=False)
         assert ref.ok.any()
         assert not torch.equal(ref.score, direct.score), (P, per_node)
+
+
+# Plans of the direct-priced topology solve, computed on the solver before it priced relays (main
+# at dc1ce3e): ``ib_relay=False`` must keep them bit for bit, while the relay's plans differ.
+_DIRECT_DIGESTS = {(8, 2, 256, 3): "2246ef51cda18b12d865", (16, 4, 256, 0): "59ef8ddc9dfe84ed1cbf"}
+
+
+def _topology_digest(P, per_node, tokens, seed, **kw):
+    import hashlib
+
+    from gpusolver.areas import block_areas
+    from gpusolver.config import SolverConfig
+    from gpusolver.masks import packed_documents
+    from gpusolver.solver.device import Strategy, solve_device
+
+    small = (Strategy((3.0, float("inf")), units_per_rank=2, bundle_dests=4),
+             Strategy((float("inf"),), units_per_rank=1, bundle_dests=2, task_order="rows", start="transpose"))
+    config = SolverConfig(cp_size=P, num_heads_q=8, num_heads_kv=2, head_dim=8, dtype=torch.float16, chunk_tiles=1,
+                          topology=_nodes(per_node), **kw)
+    areas = block_areas(packed_documents(tokens * P, seed=seed, causal=True), P, 2, impl="torch")
+    res = solve_device(areas, config, impl="torch", rounds=4, strategies=small, restart_every=2)
+    h = hashlib.sha256(res.assignment.to(torch.int32).contiguous().numpy().tobytes())
+    h.update(f"{bool(res.balanced)}:{int(res.variant)}".encode())
+    return h.hexdigest()[:20]
+
+
+def test_direct_transport_keeps_its_plans():
+    for case, digest in _DIRECT_DIGESTS.items():
+        assert _topology_digest(*case, ib_relay=False) == digest, case
+        assert _topology_digest(*case) != digest, case  # relays priced: another plan
