@@ -116,9 +116,12 @@ def _hop(hop) -> int:
 
 
 def _offsets(length: torch.Tensor, tiles: int) -> torch.Tensor:
-    from gpusolver.plan.comm_meta import _recv_offsets
-
-    return _recv_offsets(length, tiles)[0]
+    """[G, U, P] exclusive prefix sums of ``length`` over (host, g, tile) per destination: the
+    receive-buffer order of every collective (``comm_meta``'s, which imports ``plan.meta``)."""
+    G, U, P = length.shape
+    by_dest = length.view(G, P, tiles, P).permute(3, 1, 0, 2).reshape(P, U * G)    # [dest, (host, g, tile)]
+    excl = by_dest.cumsum(-1) - by_dest
+    return excl.view(P, P, G, tiles).permute(2, 1, 3, 0).reshape(G, U, P)
 
 
 def _by_source(length: torch.Tensor, tiles: int) -> torch.Tensor:

@@ -112,6 +112,10 @@ def layer_routes(plan: Plan, group) -> LayerRoutes:
     batched = bool(getattr(group, "batched", False))
     ranks = tuple(range(P)) if batched else (group.rank,)
     if getattr(plan, "relay", None) is not None:  # inter-node rows by relay: every collective as its hops
+        if type(group).__name__ == "SymmMemGroup":
+            raise ValueError("plan has relay transport (plan.relay: its group spans nodes) but the group is a "
+                             "SymmMemGroup, which covers one node's NVLink: use TorchGroup, or build the plan "
+                             "with SolverConfig(ib_relay=False)")
         return LayerRoutes(plan=plan, ranks=ranks, batched=batched, qo_index=None, kv_index=None, qo_split=None,
                            kv_split=None, qo_host=None, kv_host=None, relay=relay_routes(plan, group, ranks, batched))
     if comm.num_stages > 1:

@@ -121,7 +121,6 @@ def test_relay_recast_tiles_and_capacity():
     assert int(plan.pair_bytes("bwd.kv", hop=1).sum()) > 0  # K and V really went through the relays again
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name,P,per_node", [("docs-causal", 32, 16), ("docs-full", 32, 8), ("window", 16, 4),
                                              ("random", 32, 8)])
 def test_relay_equals_reference_sweep(name, P, per_node):
