@@ -412,5 +412,7 @@ def stage_area(plan, num_stages: int = 2) -> torch.Tensor:
 
 for _branches in (1, 2):
     forward_ops(2, _branches)
+forward_ops(2, 1, relay=True)
 for _keep in (True, False):
     backward_ops(2, _keep)
+    backward_ops(2, _keep, relay=True)

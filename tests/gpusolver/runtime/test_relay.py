@@ -270,3 +270,23 @@ def test_relay_layer_equals_reference():
     ref = reference(mask, q, k, v, d_out, d_lse)
     for key, t in zip(KEYS, (out.detach(), lse.detach(), qs.grad, ks.grad, vs.grad)):
         assert_close(key, ref[key], unshard(t, group), atol=ATOL, rtol=RTOL)
+
+
+def test_relay_layer_compiles_once():
+    """torch.compile(fullgraph=True) of a relay layer: one graph for two masks, equal to eager."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from gpusolver.masks import varlen_causal_mask
+
+    P, c = 4, 16
+    config = make_config(P, 2, 1, topology=_topology(2))
+    group = LocalGroup(P)
+    layer = DynamicCPAttention(group, config, plan_cache=PlanCache())
+    eager = DynamicCPAttention(group, config, plan_cache=PlanCache())
+    qs, ks, vs = (shard(x, group) for x in make_inputs(P * c, 2, 1)[:3])
+    counter = CompileCounterWithBackend("aot_eager")
+    run = torch.compile(lambda q, k, v, m: layer(q, k, v, m), backend=counter, fullgraph=True)
+    for lengths in ([10, 6, 16, 32], [20, 12, 32]):
+        mask = varlen_causal_mask(lengths, pad_to=6)
+        assert_close("out", eager(qs, ks, vs, mask), run(qs, ks, vs, mask), atol=ATOL, rtol=RTOL)
+    assert counter.frame_count == 1
