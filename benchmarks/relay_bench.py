@@ -18,6 +18,9 @@ Per plan, from its own bytes per (source, destination) and hop (``Plan.pair_byte
 - step ms (simulated): ``gpusolver.sim.simulate`` of the runtime's own op lists (relay hops
   priced on the NIC and NVLink sides), and USP's and load-balanced USP's
   (``simulate_baseline``) on the same shards;
+- IB fwd side: whether the forward IB bottleneck is a GPU's send or receive side;
+- node floor MB/GPU: the busiest node's forward IB bytes (sent, or received) over its GPUs, the
+  least any spreading over a node's NICs could reach with this assignment;
 - relayed: the share of inter-node transfer rows (forward, both kinds) that went through a
   relay (the rest went direct: a hull longer than its consumers' rows, or past a relay's capacity).
 
@@ -53,7 +56,8 @@ COLUMNS = [
     ("IB fwd MB/GPU", "ib_fwd_mb", ".1f"), ("USP IB fwd MB/GPU", "usp_ib_fwd_mb", ".1f"),
     ("IB fwd / USP", "ib_fwd_vs_usp", ".2f"), ("IB bwd MB/GPU", "ib_bwd_mb", ".1f"),
     ("NV fwd MB/GPU", "nv_fwd_mb", ".1f"), ("IB ms (sim.)", "ib_ms", ".2f"), ("IB / direct", "ib_vs_direct", ".2f"),
-    ("relayed", "relayed", ".2f"), ("step ms (sim.)", "step_ms", ".2f"), ("step / direct", "step_vs_direct", ".2f"),
+    ("relayed", "relayed", ".2f"), ("IB fwd side", "ib_side", ""), ("node floor MB/GPU", "node_floor_mb", ".1f"),
+    ("step ms (sim.)", "step_ms", ".2f"), ("step / direct", "step_vs_direct", ".2f"),
     ("step / USP", "step_vs_usp", ".2f"), ("step / bal. USP", "step_vs_usp_bal", ".2f"),
 ]
 
@@ -75,6 +79,17 @@ def solved_assignment(kind: str, P: int, seed: int, tokens: int, cache, topology
         path.parent.mkdir(parents=True, exist_ok=True)
         build_plan(mask, areas, asg, config).save(path, config=config)
     return asg, seconds
+
+
+def ib_side_and_floor(pair: torch.Tensor, per_node: int) -> tuple[str, int]:
+    """("send" / "recv": the side of the IB bottleneck GPU, the busiest node's IB bytes per GPU)."""
+    P = pair.shape[0]
+    node = torch.arange(P) // per_node
+    m = torch.where(node[:, None] != node[None, :], pair, 0)
+    sent, recv = m.sum(1), m.sum(0)
+    side = "send" if int(sent.max()) >= int(recv.max()) else "recv"
+    per_node_bytes = torch.maximum(sent.view(-1, per_node).sum(1), recv.view(-1, per_node).sum(1))
+    return side, int(per_node_bytes.max()) // per_node
 
 
 def relayed_share(plan) -> float | None:
@@ -114,11 +129,12 @@ def measure(kind: str, P: int, seed: int, topology, tokens: int, cache, topo_sol
         assert (plan.relay is not None) == relay
         ib_fwd, nv_fwd = link_bottlenecks(plan.pair_bytes("fwd"), L)
         ib_bwd, _ = link_bottlenecks(plan.pair_bytes("bwd"), L)
+        side, floor = ib_side_and_floor(plan.pair_bytes("fwd"), L)
         step_ms = simulate(plan, topology).step_ms
         rows.append({"kind": kind, "P": P, "seed": seed, "transport": name, "ib_fwd_mb": ib_fwd / 1e6,
                      "usp_ib_fwd_mb": usp_fwd / 1e6, "ib_fwd_vs_usp": ib_fwd / usp_fwd, "ib_bwd_mb": ib_bwd / 1e6,
                      "nv_fwd_mb": nv_fwd / 1e6, "ib_ms": (ib_fwd + ib_bwd) / nic_bps * 1e3,
-                     "relayed": relayed_share(plan), "imbalance": float(plan.metrics.imbalance),
+                     "relayed": relayed_share(plan), "ib_side": side, "node_floor_mb": floor / 1e6, "imbalance": float(plan.metrics.imbalance),
                      "step_ms": step_ms, "usp_step_ms": usp_ms, "usp_balanced_step_ms": usp_bal_ms,
                      "step_vs_usp": step_ms / usp_ms, "step_vs_usp_bal": step_ms / usp_bal_ms,
                      "status": int(plan.status), "solve_s": solve_s})
