@@ -25,23 +25,19 @@ def _union_growth(cur_lo, cur_hi, lo, hi):
 
 
 
-def _busiest_key_host(send, key_host, elsewhere, kv_delta, tiles: int):
+def _busiest_key_host(send, delta, inc, elsewhere):
     """The largest send of a key host other than the touched ranks after a move, 0 if none.
 
-    send: [B, P]; key_host, elsewhere, kv_delta: [..., M] per moved task (key_host broadcastable).
+    send: [B, P]; delta: [B, ..., 1, U] bytes each key unit's task changes its host's send by,
+    in key order (key unit j on host j // n, n = U // P); inc: [B, ..., S, U] the bundle's
+    tasks; elsewhere: [B, ..., S, P] the key hosts of its tasks other than the touched ranks.
     With one tile per rank each task's key unit has its own host; with n tiles up to n of a
     bundle's tasks share one, and their deltas add up.
     """
     B, P = send.shape
+    per_host = (delta * inc).unflatten(-1, (P, -1)).sum(-1)
     lead = (B,) + (1,) * (elsewhere.dim() - 2)
-    if tiles == 1:
-        j_send = send.gather(1, key_host.expand(B, *key_host.shape[1:]).reshape(B, -1)).view(key_host.shape)
-        return torch.where(elsewhere, j_send + kv_delta, 0).amax(-1)
-    idx = key_host.expand_as(elsewhere)
-    per_host = torch.zeros(elsewhere.shape[:-1] + (P,), dtype=torch.int64, device=send.device)
-    per_host = per_host.scatter_add(-1, idx, torch.where(elsewhere, kv_delta, 0))
-    hit = torch.zeros_like(per_host).scatter_add(-1, idx, elsewhere.long()) > 0
-    return torch.where(hit, send.view(*lead, P) + per_host, 0).amax(-1)
+    return torch.where(elsewhere, send.view(*lead, P) + per_host, 0).amax(-1)
 
 
 def _node_peer(tasks: Tasks, headroom: torch.Tensor) -> torch.Tensor:
@@ -184,50 +180,40 @@ def bundle_proposals(tasks: Tasks, st: State, cap, excess, balance, threshold,
     else:
         bkg_t, bkf_t = kg_t, kf_t
 
-    # token change (k_grow - k_free) of the bundle's tasks whose key host is the source, the
-    # query host, the bottleneck rank or the destination, in one pass (the n positions of each
-    # key host in the unit's order): [B, P, K, 4, D1, 2] sum and any
+    # each key host's part of a bundle, per (destination, size) [B, P, K, D1, 2, P(host)]: the
+    # bundle's tasks there (any) and their token change (sum). The unit's tasks are read in key
+    # order (key unit j at its position ``Tasks.unit_pos`` in the unit's order), so host h's n
+    # tasks are the n slots h*n.. and the sums are a view and a reduction, not a scatter
+    kpos = tasks.unit_pos[order_b.view(B, 1, 1), unit]  # [B, P, K, U] position of key unit j's task
+    kpos5 = kpos[:, :, :, None, :].expand(B, P, K, D1, U)
+    inc = mine.gather(3, kpos)[:, :, :, None, None, :] & (kpos[:, :, :, None, None, :] < cut[..., None])
+    inc_h = inc.view(B, P, K, D1, 2, P, n)
+
+    def by_key(kg, kf):  # [B, P, K, D1, U] token change of each task, in key order
+        return kg.gather(4, kpos5) - kf.gather(3, kpos)[:, :, :, None, :]
+
+    def per_host(kg, kf):  # kg [B, P, K, D1, U], kf [B, P, K, U] in the unit's order
+        return (by_key(kg, kf)[:, :, :, :, None, :] * inc).view(B, P, K, D1, 2, P, n).sum(-1)
+
+    tok_h, hit_h = per_host(kg_t, kf_t), inc_h.any(-1)
+    btok_h = per_host(bkg_t, bkf_t) if topo else tok_h
+    # the hosts other than the touched ranks (source, query host, destination)
+    elsewhere = hit_h & (ranks != s_of[..., None]) & (ranks != i_of[..., None]) & (ranks != d_of[..., None])
+    # the same at the source, the query host, the bottleneck rank and the destination (and the
+    # backward's bottleneck rank, training): [B, P, K, D1, 2] each
     bn = st.vol.argmax(1).view(B, 1, 1, 1)
     per_unit = torch.cat((ranks.view(1, P, 1, 1).expand(B, P, K, 1), u_host[..., None], bn.expand(B, P, K, 1)), 3)
-    hosts = (per_unit[..., None].expand(B, P, K, 3, D1), dests[:, :, :, None, :])
-    if tasks.training:  # and the backward's bottleneck rank, fifth
+    hosts = (per_unit.expand(B, P, K, 3)[:, :, :, None, :].expand(B, P, K, D1, 3), dests[..., None])
+    if tasks.training:
         b_bn = st.bvol.argmax(1).view(B, 1, 1, 1)
-        hosts += (b_bn[..., None].expand(B, P, K, 1, D1),)
-    hosts = torch.cat(hosts, 3)  # [B, P, K, H, D1], H = 4 (5 training)
-    H = hosts.shape[3]
-    pos = tasks.unit_pos[order_b.view(B, 1, 1, 1, 1, 1), unit[..., None, None, None],
-                         hosts[..., None] * n + torch.arange(n, device=dev)]  # [B, P, K, H, D1, n]
-    flat = pos.flatten(3)
-    inc = mine.gather(3, flat).view(pos.shape)[..., None, :] & (pos[..., None, :] < cut[:, :, :, None, :, :, None])
-    def on_hosts(kg, kf):  # [B, P, K, H, D1, 2] token change of the bundle's tasks per key host
-        delta = kg[:, :, :, None].expand(B, P, K, H, D1, U).gather(5, pos) - kf.gather(3, flat).view(pos.shape)
-        return (delta[..., None, :] * inc).sum(-1).unbind(3)
-
-    tok_on, any_on = on_hosts(kg_t, kf_t), inc.any(-1).unbind(3)
-    btok_on = on_hosts(bkg_t, bkf_t) if topo else tok_on
+        hosts += (b_bn.expand(B, P, K, D1)[..., None],)
+    hosts = torch.cat(hosts, 4)[:, :, :, :, None, :].expand(B, P, K, D1, 2, -1)  # [B, P, K, D1, 2, H]
+    tok_on, any_on = tok_h.gather(5, hosts).unbind(5), hit_h.gather(5, hosts).unbind(5)
+    btok_on = btok_h.gather(5, hosts).unbind(5) if topo else tok_on
     kv_to_src = btok_on[0] * tasks.kv
     kv_to_host = torch.where(i_of != s_of, btok_on[1] * tasks.kv, 0)
     # the destination as key host: it no longer sends the K/V it ships to the source alone
     kv_to_dest = btok_on[3] * tasks.kv
-    # the busiest key host other than the touched ranks after the move
-    if n == 1:
-        # one task per key host: its send plus its own change, for the tasks whose key host is
-        # neither the source, the query host nor the destination; a prefix maximum per cut
-        base = st.send.gather(1, j_t.view(B, -1)).view(B, P, K, U) - bkf_t * tasks.kv
-        other = mine & (j_t != s4) & (j_t != u_host[..., None])
-        val = torch.add(base[:, :, :, None, :], bkg_t, alpha=tasks.kv)  # [B, P, K, D1, U] int64
-        elsewhere = other[:, :, :, None, :] & not_d
-        at_first = first_at[:, :, :, None, :].expand(B, P, K, D1, 1)
-        kvh0 = (val.gather(4, at_first) * elsewhere.gather(4, at_first)).squeeze(4) * (cut0 > 0)
-        kvh1 = val.mul_(elsewhere & (upos < cut1[..., None])).amax(-1)
-        kvh_max = torch.stack((kvh0, kvh1), 4)
-    else:
-        # up to n tasks per key host: their changes add up (``_busiest_key_host``)
-        inc = mine[:, :, :, None, None, :] & (upos < cut[..., None])  # [B, P, K, D1, 2, U]
-        kv_delta = inc * ((bkg_t - bkf_t[:, :, :, None, :]) * tasks.kv)[:, :, :, :, None, :]
-        j6 = j_t[:, :, :, None, None, :]
-        elsewhere = inc & (j6 != s_of[..., None]) & (j6 != i_of[..., None]) & (j6 != d_of[..., None])
-        kvh_max = _busiest_key_host(st.send, j6, elsewhere, kv_delta, n)
     k_grow = _at_cut(kg_t.cumsum(4, dtype=torch.int32), cut, 0).long()  # [B, P, K, D1, 2] bundle tokens
     k_free = _at_cut(kf_t.cumsum(3), cut, 0)
     if topo:
@@ -251,49 +237,57 @@ def bundle_proposals(tasks: Tasks, st: State, cap, excess, balance, threshold,
     src_recv = st.recv.view(B, P, 1, 1, 1) + s_dr + torch.where(s_is_h, h_dr, 0)
     d_send = at(st.send, d_of) + dest_send + torch.where(d_is_h, h_ds, 0) + kv_to_dest
     d_recv = at(st.recv, d_of) + dest_recv + torch.where(d_is_h, h_dr, 0)
-    new_max = torch.maximum(torch.maximum(torch.maximum(host_send, host_recv), torch.maximum(src_send, src_recv)),
-                            torch.maximum(torch.maximum(d_send, d_recv), kvh_max))
-    added = bdq * (tasks.q + tasks.o) + (bk_grow - bk_free) * tasks.kv
+    host_f, src_f, dest_f = (torch.maximum(host_send, host_recv), torch.maximum(src_send, src_recv),
+                             torch.maximum(d_send, d_recv))
 
-    bal = balance.view(B, 1, 1, 1, 1)
-    bnv = st.bottleneck.view(B, 1, 1, 1, 1)
-    bn = bn.view(B, 1, 1, 1, 1)
-    # the bottleneck rank as a key host of moved tasks (not otherwise touched)
-    to_bn, any_bn = btok_on[2], any_on[2]
-    bn_is_j = any_bn & (bn != s_of) & (bn != i_of) & (bn != d_of)
-    bn_as_j = torch.maximum(at(st.send, bn) + to_bn * tasks.kv, at(st.recv, bn))
-    bn_new = torch.where(s_of == bn, torch.maximum(src_send, src_recv),
-                         torch.where(i_of == bn, torch.maximum(host_send, host_recv),
-                                     torch.where(d_of == bn, torch.maximum(d_send, d_recv),
-                                                 torch.where(bn_is_j, bn_as_j, bnv))))
-    ok_bal = (excess.view(B, P, 1, 1, 1) > 0) & (new_max.double() <= threshold.view(B, 1, 1, 1, 1))
-    ok_bn = (bn_new < bnv) & (new_max < bnv)
-    side = ~ok_bn & (bn_new <= bnv) & (new_max < bnv) & (added < 0) & sideways
-    ok_bn = ok_bn | side
-    ok = (area > 0) & (d_of != s_of) & torch.where(bal, ok_bal, ok_bn)
-    score = torch.where(bal, added.double() / area.clamp(min=1).double(),
-                        new_max.double() / bnv.clamp(min=1).double()
-                        + 1e-12 * (added.double() / bnv.clamp(min=1).double()) + side.double())
-    score = torch.where(ok, score, float("inf"))
+    if tasks.training:
+        ok, score = _training_scores(
+            tasks, st, elsewhere, btok_h, btok_on, any_on, i_of, s_of, d_of, bdq, bq_grow, bq_free, bk_grow,
+            bk_free, area, excess, balance, threshold, sideways, gather_at, host_f, src_f, dest_f)
+    else:
+        # the busiest key host other than the touched ranks after the move
+        if n == 1:
+            # one task per key host: its send plus its own change, for the tasks whose key host is
+            # neither the source, the query host nor the destination; a prefix maximum per cut
+            base = st.send.gather(1, j_t.view(B, -1)).view(B, P, K, U) - bkf_t * tasks.kv
+            other = mine & (j_t != s4) & (j_t != u_host[..., None])
+            val = torch.add(base[:, :, :, None, :], bkg_t, alpha=tasks.kv)  # [B, P, K, D1, U] int64
+            not_there = other[:, :, :, None, :] & not_d
+            at_first = first_at[:, :, :, None, :].expand(B, P, K, D1, 1)
+            kvh0 = (val.gather(4, at_first) * not_there.gather(4, at_first)).squeeze(4) * (cut0 > 0)
+            kvh1 = val.mul_(not_there & (upos < cut1[..., None])).amax(-1)
+            kvh_max = torch.stack((kvh0, kvh1), 4)
+        else:
+            # up to n tasks per key host: their changes add up (``_busiest_key_host``)
+            kvh_max = _busiest_key_host(st.send, by_key(bkg_t, bkf_t)[:, :, :, :, None, :] * tasks.kv, inc, elsewhere)
+        new_max = torch.maximum(torch.maximum(host_f, src_f), torch.maximum(dest_f, kvh_max))
+        added = bdq * (tasks.q + tasks.o) + (bk_grow - bk_free) * tasks.kv
+
+        bal = balance.view(B, 1, 1, 1, 1)
+        bnv = st.bottleneck.view(B, 1, 1, 1, 1)
+        bn = bn.view(B, 1, 1, 1, 1)
+        # the bottleneck rank as a key host of moved tasks (not otherwise touched)
+        to_bn, any_bn = btok_on[2], any_on[2]
+        bn_is_j = any_bn & (bn != s_of) & (bn != i_of) & (bn != d_of)
+        bn_as_j = torch.maximum(at(st.send, bn) + to_bn * tasks.kv, at(st.recv, bn))
+        bn_new = torch.where(s_of == bn, src_f,
+                             torch.where(i_of == bn, host_f,
+                                         torch.where(d_of == bn, dest_f, torch.where(bn_is_j, bn_as_j, bnv))))
+        ok_bal = (excess.view(B, P, 1, 1, 1) > 0) & (new_max.double() <= threshold.view(B, 1, 1, 1, 1))
+        ok_bn = (bn_new < bnv) & (new_max < bnv)
+        side = ~ok_bn & (bn_new <= bnv) & (new_max < bnv) & (added < 0) & sideways
+        ok_bn = ok_bn | side
+        ok = (area > 0) & (d_of != s_of) & torch.where(bal, ok_bal, ok_bn)
+        score = torch.where(bal, added.double() / area.clamp(min=1).double(),
+                            new_max.double() / bnv.clamp(min=1).double()
+                            + 1e-12 * (added.double() / bnv.clamp(min=1).double()) + side.double())
+        score = torch.where(ok, score, float("inf"))
 
     # the destination's backward change (its own part: as dest_send, not the host's when it is the host)
     dest_bsend = bq_grow * tasks.dqb + btok_on[3] * tasks.kvb + bk_grow * tasks.dkv
     dest_brecv = bq_grow * tasks.qb + bk_grow * tasks.kvb + btok_on[3] * tasks.dkv
-    if tasks.training or caps is not None:
-        # the moved tasks of each (destination, size) whose key host is not a touched rank, and
-        # their token change: [B, P, K, D1, 2, U]
-        inc = mine[:, :, :, None, None, :] & (upos < cut[..., None])
-        tok = inc * (kg_t - kf_t[:, :, :, None, :])[:, :, :, :, None, :]
-        btok = inc * (bkg_t - bkf_t[:, :, :, None, :])[:, :, :, :, None, :] if topo else tok
-        j6 = j_t[:, :, :, None, None, :]
-        elsewhere = inc & (j6 != s_of[..., None]) & (j6 != i_of[..., None]) & (j6 != d_of[..., None])
-    if tasks.training:
-        ok, score = _training_scores(
-            tasks, st, j6, elsewhere, btok, btok_on, any_on, i_of, s_of, d_of, bdq, bq_grow, bq_free, bk_grow,
-            bk_free, area, excess, balance, threshold, sideways, gather_at,
-            torch.maximum(host_send, host_recv), torch.maximum(src_send, src_recv), torch.maximum(d_send, d_recv))
     if caps is not None:
-        ok = ok & _fits_buffers(st, caps, j6, elsewhere, tok, tok_on, i_of, s_of, d_of, dq, q_grow, k_grow, gather_at)
+        ok = ok & _fits_buffers(st, caps, elsewhere, tok_h, tok_on, i_of, s_of, d_of, dq, q_grow, k_grow, gather_at)
         score = torch.where(ok, score, float("inf"))
 
     # each offered unit proposes its best (destination, size): proposals [B, P*K]
@@ -310,27 +304,23 @@ def bundle_proposals(tasks: Tasks, st: State, cap, excess, balance, threshold,
 
 
 
-def _key_host_peaks(tasks: Tasks, st: State, key_host, elsewhere, tok):
+def _key_host_peaks(tasks: Tasks, st: State, elsewhere, tok):
     """The largest forward and backward volume among the key hosts of moved tasks other than the
     touched ranks, after the move (0 if none): their K/V out grows by the tasks' token changes
     (summed per host), which adds K/V to their forward send and dK/dV to their backward receive.
 
-    key_host, elsewhere, tok: [B, ..., M] per moved task slot (key_host broadcastable); tok int64.
-    Returns (fwd, bwd), [B, ...] int64 each.
+    elsewhere, tok: [B, ..., P] per key host, whether it is such a host and its tasks' token
+    change (int64). Returns (fwd, bwd), [B, ...] int64 each.
     """
     B, P = st.send.shape
     lead = (B,) + (1,) * (elsewhere.dim() - 2)
-    idx = key_host.expand_as(elsewhere)
-    per_host = torch.zeros(elsewhere.shape[:-1] + (P,), dtype=torch.int64, device=tok.device)
-    per_host = per_host.scatter_add(-1, idx, torch.where(elsewhere, tok, 0))
-    hit = torch.zeros_like(per_host).scatter_add(-1, idx, elsewhere.long()) > 0
     at = lambda t: t.view(*lead, P)  # noqa: E731
-    fwd = torch.maximum(at(st.send) + per_host * tasks.kv, at(st.recv))
-    bwd = torch.maximum(at(st.bsend) + per_host * tasks.kvb, at(st.brecv) + per_host * tasks.dkv)
-    return torch.where(hit, fwd, 0).amax(-1), torch.where(hit, bwd, 0).amax(-1)
+    fwd = torch.maximum(at(st.send) + tok * tasks.kv, at(st.recv))
+    bwd = torch.maximum(at(st.bsend) + tok * tasks.kvb, at(st.brecv) + tok * tasks.dkv)
+    return torch.where(elsewhere, fwd, 0).amax(-1), torch.where(elsewhere, bwd, 0).amax(-1)
 
 
-def _training_scores(tasks: Tasks, st: State, j6, elsewhere, tok, tok_on, any_on, i_of, s_of, d_of, dq,
+def _training_scores(tasks: Tasks, st: State, elsewhere, tok, tok_on, any_on, i_of, s_of, d_of, dq,
                      q_grow, q_free, k_grow, k_free, area, excess, balance, threshold, sideways, gather_at,
                      host_f, src_f, dest_f):
     """(ok, score) [B, P, K, D1, 2] of the bundle moves under the training objective
@@ -362,7 +352,7 @@ def _training_scores(tasks: Tasks, st: State, j6, elsewhere, tok, tok_on, any_on
                 tok_on[0], -k_free)
     dest_b = bwd(at(st.bsend, d_of), at(st.brecv, d_of), torch.where(d_is_h, dq, 0), q_grow, tok_on[3], k_grow)
     # key hosts other than the touched ranks
-    kh_f, kh_b = _key_host_peaks(tasks, st, j6, elsewhere, tok)
+    kh_f, kh_b = _key_host_peaks(tasks, st, elsewhere, tok)
     new_f = torch.maximum(torch.maximum(host_f, src_f), torch.maximum(dest_f, kh_f))
     new_b = torch.maximum(torch.maximum(host_b, src_b), torch.maximum(dest_b, kh_b))
 
@@ -392,14 +382,15 @@ def _training_scores(tasks: Tasks, st: State, j6, elsewhere, tok, tok_on, any_on
     return ok, torch.where(ok, score, float("inf"))
 
 
-def _fits_buffers(st: State, caps, j6, elsewhere, tok, tok_on, i_of, s_of, d_of, dq, q_grow, k_grow, gather_at):
+def _fits_buffers(st: State, caps, elsewhere, tok, tok_on, i_of, s_of, d_of, dq, q_grow, k_grow, gather_at):
     """[B, P, K, D1, 2] bool: the move keeps every rank's rows within the plan's buffers.
 
     caps: [4, B] int64, each variant's QO and KV receive and QO and KV send rows per rank. A
     rank's rows of each kind received and sent stay within those, or do not grow. Rows that
     grow: the query host's QO sends (the destination's new rows), the destination's QO and KV
     receives, and the KV sends of the moved tasks' key hosts (the source, the query host and
-    the others; the destination's only shrink).
+    the others, ``elsewhere`` with their token change ``tok``, [.., P] per key host; the
+    destination's only shrink).
     """
     B, P = st.send.shape
     shape = q_grow.shape
@@ -409,8 +400,6 @@ def _fits_buffers(st: State, caps, j6, elsewhere, tok, tok_on, i_of, s_of, d_of,
     ok = fits(at(st.q_out, i_of), dq, QS) & fits(at(st.q_in, d_of), q_grow, QR) & fits(at(st.k_in, d_of), k_grow, KR)
     ok &= fits(st.k_out.view(B, P, 1, 1, 1), tok_on[0], S)  # the source as a key host
     ok &= (s_of == i_of) | fits(at(st.k_out, i_of), tok_on[1], S)  # the query host as one
-    per_host = torch.zeros(elsewhere.shape[:-1] + (P,), dtype=torch.int64, device=tok.device)
-    per_host = per_host.scatter_add(-1, j6.expand_as(elsewhere), torch.where(elsewhere, tok, 0))
     lead = (B,) + (1,) * (elsewhere.dim() - 2)
-    over = (per_host > 0) & (st.k_out.view(*lead, P) + per_host > S[..., None])
+    over = elsewhere & (tok > 0) & (st.k_out.view(*lead, P) + tok > S[..., None])
     return ok & ~over.any(-1)
