@@ -25,6 +25,16 @@ def _union_growth(cur_lo, cur_hi, lo, hi):
 
 
 
+def _plus(base, *terms):
+    """``base`` plus each ``x * c`` of ``terms`` ((x, c) pairs, c a host int), skipping those with
+    c == 0 or x None: the same integers with fewer passes (a zero byte price is common: the
+    backward's second K/V send is 0 with kept buffers)."""
+    for x, c in terms:
+        if c and x is not None:
+            base = base + x * c
+    return base
+
+
 def _busiest_key_host(send, delta, inc, elsewhere):
     """The largest send of a key host other than the touched ranks after a move, 0 if none.
 
@@ -37,7 +47,7 @@ def _busiest_key_host(send, delta, inc, elsewhere):
     B, P = send.shape
     per_host = (delta * inc).unflatten(-1, (P, -1)).sum(-1)
     lead = (B,) + (1,) * (elsewhere.dim() - 2)
-    return torch.where(elsewhere, send.view(*lead, P) + per_host, 0).amax(-1)
+    return ((send.view(*lead, P) + per_host) * elsewhere).amax(-1)  # as torch.where(elsewhere, .., 0)
 
 
 def _node_peer(tasks: Tasks, headroom: torch.Tensor) -> torch.Tensor:
@@ -51,19 +61,25 @@ def _node_peer(tasks: Tasks, headroom: torch.Tensor) -> torch.Tensor:
     return torch.where(peer.any(1), room.argmax(2), ranks)
 
 
-def _at_cut(running: torch.Tensor, cut: torch.Tensor, empty: int, suffix: bool = False) -> torch.Tensor:
-    """Read ``running`` [..., U] (prefix values along a unit's order, or suffix values with
-    ``suffix``) at ``cut`` [..., C] in 0..U: the value over positions [0, cut) (or [cut, U)),
-    ``empty`` where that range is empty. A 4-D ``running`` [B, P, K, U] is shared by every
-    destination of a 5-D ``cut`` [B, P, K, D, C]."""
-    # read the last position inside the range (the first with ``suffix``), clamped, then blank
-    # empty ranges: no padded copy of ``running``
-    U = running.shape[-1]
-    at, empty_range = (cut.clamp(max=U - 1), cut == U) if suffix else ((cut - 1).clamp(min=0), cut == 0)
-    if running.dim() == cut.dim():
+def _cut_reads(cut: torch.Tensor, U: int):
+    """Where ``_at_cut`` reads a running value for each cut [..., C] in 0..U: (prefix, suffix),
+    each (the position inside the range, clamped; the cuts whose range is empty). Shared by
+    every read at the same cuts."""
+    return ((cut - 1).clamp(min=0), cut == 0), (cut.clamp(max=U - 1), cut == U)
+
+
+def _at_cut(running: torch.Tensor, read, empty: int) -> torch.Tensor:
+    """Read ``running`` [..., U] (prefix values along a unit's order, or suffix values) at the
+    cuts of ``read`` (``_cut_reads``: its prefix or suffix part): the value over positions
+    [0, cut) (or [cut, U)), ``empty`` where that range is empty. A 4-D ``running`` [B, P, K, U]
+    is shared by every destination of 5-D cuts [B, P, K, D, C]."""
+    # the last position inside the range (the first for a suffix), blanked where the range is
+    # empty: no padded copy of ``running``
+    at, empty_range = read
+    if running.dim() == at.dim():
         value = running.gather(-1, at)
     else:
-        value = running.gather(-1, at.flatten(-2)).view(cut.shape)
+        value = running.gather(-1, at.flatten(-2)).view(at.shape)
     return value.masked_fill_(empty_range, empty)
 
 
@@ -129,25 +145,27 @@ def bundle_proposals(tasks: Tasks, st: State, cap, excess, balance, threshold,
     single_ok = ~balance.view(B, 1, 1, 1) | singles
     cut0 = torch.where(single_ok & (fits > first[..., None]), first[..., None] + 1, 0)
     cut = torch.stack((cut0, cut1), 4)
-    area = _at_cut(after, cut, 0)  # [B, P, K, D1, 2]
+    pre, suf = _cut_reads(cut, U)
+    area = _at_cut(after, pre, 0)  # [B, P, K, D1, 2]
     shape = area.shape
 
     i_of = u_host[..., None, None]  # [B, P, K, 1, 1] query host
     d_of = dests.view(B, P, K, D1, 1)
     s_of = ranks.view(1, P, 1, 1, 1)
+    # a [B, ...] table read at [B, ...] indices; indices with size-1 dims read once and broadcast
     gather_at = lambda table, idx: table.reshape(B, -1).gather(1, idx.reshape(B, -1)).view(idx.shape)  # noqa: E731
 
     # query rows: growth of the destination's hull, and what the source frees when it is not the host
     lo_here = torch.where(mine, tasks.qlo[tid], _BIG)
     hi_here = tasks.qhi[tid] * mine
-    b_lo = _at_cut(lo_here.cummin(3).values, cut, _BIG)
-    b_hi = _at_cut(hi_here.cummax(3).values, cut, 0)
+    b_lo = _at_cut(lo_here.cummin(3).values, pre, _BIG)
+    b_hi = _at_cut(hi_here.cummax(3).values, pre, 0)
     at_d = (unit * P)[..., None, None] + d_of
-    q_grow = _union_growth(gather_at(st.q_lo, at_d.expand(shape)), gather_at(st.q_hi, at_d.expand(shape)), b_lo, b_hi)
+    q_grow = _union_growth(gather_at(st.q_lo, at_d), gather_at(st.q_hi, at_d), b_lo, b_hi)
     q_grow = torch.where((area > 0) & (d_of != i_of), q_grow, 0)
     # the unit's tasks that stay on the source: those at or after the cut
-    r_lo = _at_cut(lo_here.flip(3).cummin(3).values.flip(3), cut, _BIG, suffix=True)
-    r_hi = _at_cut(hi_here.flip(3).cummax(3).values.flip(3), cut, 0, suffix=True)
+    r_lo = _at_cut(lo_here.flip(3).cummin(3).values.flip(3), suf, _BIG)
+    r_hi = _at_cut(hi_here.flip(3).cummax(3).values.flip(3), suf, 0)
     q_cur = gather_at(st.qlen, (unit * P)[..., None, None] + s_of).expand(shape)
     q_free = torch.where((area > 0) & (s_of != i_of), q_cur - (r_hi - r_lo).clamp(min=0), 0)
     # with a topology the bytes price each token by its link (``Tasks.links``): the rows the
@@ -192,13 +210,19 @@ def bundle_proposals(tasks: Tasks, st: State, cap, excess, balance, threshold,
     def by_key(kg, kf):  # [B, P, K, D1, U] token change of each task, in key order
         return kg.gather(4, kpos5) - kf.gather(3, kpos)[:, :, :, None, :]
 
-    def per_host(kg, kf):  # kg [B, P, K, D1, U], kf [B, P, K, U] in the unit's order
-        return (by_key(kg, kf)[:, :, :, :, None, :] * inc).view(B, P, K, D1, 2, P, n).sum(-1)
+    def per_host(kg, kf):  # kg [B, P, K, D1, U], kf [B, P, K, U] in the unit's order; int64 sums
+        moved = by_key(kg, kf)[:, :, :, :, None, :] * inc
+        return moved.long() if n == 1 else moved.view(B, P, K, D1, 2, P, n).sum(-1)
 
-    tok_h, hit_h = per_host(kg_t, kf_t), inc_h.any(-1)
+    # plain token changes in int32 (each within a unit's tokens: half the memory traffic), the
+    # link-priced ones in int64
+    tok_h = per_host(kg_t, kf_t.int())
+    hit_h = inc_h[..., 0]
+    for t in range(1, n):  # slices, not a reduction over the short last dimension
+        hit_h = hit_h | inc_h[..., t]
     btok_h = per_host(bkg_t, bkf_t) if topo else tok_h
     # the hosts other than the touched ranks (source, query host, destination)
-    elsewhere = hit_h & (ranks != s_of[..., None]) & (ranks != i_of[..., None]) & (ranks != d_of[..., None])
+    elsewhere = hit_h & ((ranks != s_of[..., None]) & (ranks != i_of[..., None]) & (ranks != d_of[..., None]))
     # the same at the source, the query host, the bottleneck rank and the destination (and the
     # backward's bottleneck rank, training): [B, P, K, D1, 2] each
     bn = st.vol.argmax(1).view(B, 1, 1, 1)
@@ -214,10 +238,10 @@ def bundle_proposals(tasks: Tasks, st: State, cap, excess, balance, threshold,
     kv_to_host = torch.where(i_of != s_of, btok_on[1] * tasks.kv, 0)
     # the destination as key host: it no longer sends the K/V it ships to the source alone
     kv_to_dest = btok_on[3] * tasks.kv
-    k_grow = _at_cut(kg_t.cumsum(4, dtype=torch.int32), cut, 0).long()  # [B, P, K, D1, 2] bundle tokens
-    k_free = _at_cut(kf_t.cumsum(3), cut, 0)
+    k_grow = _at_cut(kg_t.cumsum(4, dtype=torch.int32), pre, 0).long()  # [B, P, K, D1, 2] bundle tokens
+    k_free = _at_cut(kf_t.cumsum(3), pre, 0)
     if topo:
-        bk_grow, bk_free = _at_cut(bkg_t.cumsum(4), cut, 0), _at_cut(bkf_t.cumsum(3), cut, 0)
+        bk_grow, bk_free = _at_cut(bkg_t.cumsum(4), pre, 0), _at_cut(bkf_t.cumsum(3), pre, 0)
     else:
         bk_grow, bk_free = k_grow, k_free
 
@@ -229,7 +253,7 @@ def bundle_proposals(tasks: Tasks, st: State, cap, excess, balance, threshold,
     dest_send = bq_grow * tasks.o
     dest_recv = bq_grow * tasks.q + bk_grow * tasks.kv
     s_is_h, d_is_h = s_of == i_of, d_of == i_of
-    at = lambda t, r: gather_at(t, r.expand(shape))  # noqa: E731
+    at = gather_at
     host_send = (at(st.send, i_of) + h_ds + torch.where(s_is_h, s_ds + kv_to_src, kv_to_host)
                  + torch.where(d_is_h, dest_send, 0))
     host_recv = at(st.recv, i_of) + h_dr + torch.where(s_is_h, s_dr, 0) + torch.where(d_is_h, dest_recv, 0)
@@ -315,9 +339,10 @@ def _key_host_peaks(tasks: Tasks, st: State, elsewhere, tok):
     B, P = st.send.shape
     lead = (B,) + (1,) * (elsewhere.dim() - 2)
     at = lambda t: t.view(*lead, P)  # noqa: E731
-    fwd = torch.maximum(at(st.send) + tok * tasks.kv, at(st.recv))
-    bwd = torch.maximum(at(st.bsend) + tok * tasks.kvb, at(st.brecv) + tok * tasks.dkv)
-    return torch.where(elsewhere, fwd, 0).amax(-1), torch.where(elsewhere, bwd, 0).amax(-1)
+    fwd = torch.maximum(_plus(at(st.send), (tok, tasks.kv)), at(st.recv))
+    bwd = torch.maximum(_plus(at(st.bsend), (tok, tasks.kvb)), _plus(at(st.brecv), (tok, tasks.dkv)))
+    # times the mask: the integers of torch.where(elsewhere, .., 0), several times faster on CPU
+    return (fwd * elsewhere).amax(-1), (bwd * elsewhere).amax(-1)
 
 
 def _training_scores(tasks: Tasks, st: State, elsewhere, tok, tok_on, any_on, i_of, s_of, d_of, dq,
@@ -338,15 +363,13 @@ def _training_scores(tasks: Tasks, st: State, elsewhere, tok, tok_on, any_on, i_
     """
     B, P = st.send.shape
     s_is_h, d_is_h = s_of == i_of, d_of == i_of
-    shape = area.shape
-    at = lambda t, r: gather_at(t, r.expand(shape))  # noqa: E731
+    at = gather_at
 
-    def bwd(bs, br, qo, qi, ko, ki):  # a rank's new backward volume from its token changes
-        return torch.maximum(bs + qo * tasks.qb + qi * tasks.dqb + ko * tasks.kvb + ki * tasks.dkv,
-                             br + qi * tasks.qb + qo * tasks.dqb + ki * tasks.kvb + ko * tasks.dkv)
+    def bwd(bs, br, qo, qi, ko, ki):  # a rank's new backward volume from its token changes (None: no change)
+        return torch.maximum(_plus(bs, (qo, tasks.qb), (qi, tasks.dqb), (ko, tasks.kvb), (ki, tasks.dkv)),
+                             _plus(br, (qi, tasks.qb), (qo, tasks.dqb), (ki, tasks.kvb), (ko, tasks.dkv)))
 
-    zero = torch.zeros((), dtype=torch.int64, device=dq.device)
-    host_b = bwd(at(st.bsend, i_of), at(st.brecv, i_of), dq, zero, torch.where(s_is_h, tok_on[0], tok_on[1]),
+    host_b = bwd(at(st.bsend, i_of), at(st.brecv, i_of), dq, None, torch.where(s_is_h, tok_on[0], tok_on[1]),
                  torch.where(s_is_h, -k_free, 0) + torch.where(d_is_h, k_grow, 0))
     src_b = bwd(st.bsend.view(B, P, 1, 1, 1), st.brecv.view(B, P, 1, 1, 1), torch.where(s_is_h, dq, 0), -q_free,
                 tok_on[0], -k_free)
@@ -393,13 +416,13 @@ def _fits_buffers(st: State, caps, elsewhere, tok, tok_on, i_of, s_of, d_of, dq,
     destination's only shrink).
     """
     B, P = st.send.shape
-    shape = q_grow.shape
-    at = lambda t, r: gather_at(t, r.expand(shape))  # noqa: E731
+    at = gather_at
     fits = lambda now, delta, cap: (now + delta <= cap) | (delta <= 0)  # noqa: E731
     QR, KR, QS, S = (c.view(B, 1, 1, 1, 1) for c in caps)
     ok = fits(at(st.q_out, i_of), dq, QS) & fits(at(st.q_in, d_of), q_grow, QR) & fits(at(st.k_in, d_of), k_grow, KR)
     ok &= fits(st.k_out.view(B, P, 1, 1, 1), tok_on[0], S)  # the source as a key host
     ok &= (s_of == i_of) | fits(at(st.k_out, i_of), tok_on[1], S)  # the query host as one
     lead = (B,) + (1,) * (elsewhere.dim() - 2)
-    over = elsewhere & (tok > 0) & (st.k_out.view(*lead, P) + tok > S[..., None])
+    # now + tok > S and tok > 0, as tok > max(S - now, 0)
+    over = elsewhere & (tok > (S[..., None] - st.k_out.view(*lead, P)).clamp(min=0))
     return ok & ~over.any(-1)
