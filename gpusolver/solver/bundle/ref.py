@@ -162,7 +162,7 @@ def bundle_proposals(tasks: Tasks, st: State, cap, excess, balance, threshold,
     b_hi = _at_cut(hi_here.cummax(3).values, pre, 0)
     at_d = (unit * P)[..., None, None] + d_of
     q_grow = _union_growth(gather_at(st.q_lo, at_d), gather_at(st.q_hi, at_d), b_lo, b_hi)
-    # integers times a mask: torch.where(mask, x, 0) exactly, several times faster on CPU
+    # integers times a mask: torch.where(mask, x, 0) exactly, at a fraction of its CPU cost
     q_grow = q_grow * ((area > 0) & (d_of != i_of))
     # the unit's tasks that stay on the source: those at or after the cut
     r_lo = _at_cut(lo_here.flip(3).cummin(3).values.flip(3), suf, _BIG)
@@ -280,8 +280,8 @@ def bundle_proposals(tasks: Tasks, st: State, cap, excess, balance, threshold,
     if tasks.training:
         peaks = (_key_host_peaks(tasks, st, at0, else0, btok0), _key_host_peaks(tasks, st, at1, else1, btok1))
         ok, score = _training_scores(
-            tasks, st, [both(a, b) for a, b in zip(*peaks)], btok_on, any_on, i_of, s_of, d_of, bdq, bq_grow, bq_free, bk_grow,
-            bk_free, area, excess, balance, threshold, sideways, gather_at, host_f, src_f, dest_f)
+            tasks, st, [both(a, b) for a, b in zip(*peaks)], btok_on, any_on, i_of, s_of, d_of, bdq, bq_grow,
+            bq_free, bk_grow, bk_free, area, excess, balance, threshold, sideways, gather_at, host_f, src_f, dest_f)
     else:
         # the busiest key host other than the touched ranks after the move
         if n == 1:
@@ -356,7 +356,7 @@ def _key_host_peaks(tasks: Tasks, st: State, at, elsewhere, tok):
     """
     fwd = torch.maximum(_plus(at(st.send), (tok, tasks.kv)), at(st.recv))
     bwd = torch.maximum(_plus(at(st.bsend), (tok, tasks.kvb)), _plus(at(st.brecv), (tok, tasks.dkv)))
-    # times the mask: the integers of torch.where(elsewhere, .., 0), several times faster on CPU
+    # times the mask: the integers of torch.where(elsewhere, .., 0), at a fraction of its CPU cost
     return (fwd * elsewhere).amax(-1), (bwd * elsewhere).amax(-1)
 
 
