@@ -78,13 +78,12 @@ def check_problem_limits(seqlen: int, cp_size: int, head_groups: int, tiles: int
             raise ValueError(f"{name}={value} is past the supported {limit_name} = {limit} (see gpusolver.limits)")
 
 
-def check_plan_rows(head_groups: int, chunk: int, recv_capacity: int, num_stages: int = 1) -> None:
-    """Raise when a plan's int32 row coordinates (local rows plus the receive buffers of its
-    ``num_stages`` sub-stages) could wrap."""
-    rows = head_groups * chunk + num_stages * recv_capacity
+def check_plan_rows(head_groups: int, chunk: int, recv_capacity: int) -> None:
+    """Raise when a plan's int32 row coordinates (local rows plus the receive buffer, which the
+    sub-stages share) could wrap."""
+    rows = head_groups * chunk + recv_capacity
     if rows > MAX_PLAN_ROWS:
-        what = "recv_capacity" if num_stages == 1 else f"{num_stages} * recv_capacity"
-        raise ValueError(f"G * c + {what} = {head_groups} * {chunk} + {num_stages * recv_capacity} = {rows} rows is past "
+        raise ValueError(f"G * c + recv_capacity = {head_groups} * {chunk} + {recv_capacity} = {rows} rows is past "
                          f"the supported MAX_PLAN_ROWS = {MAX_PLAN_ROWS} (int32 CalcMeta rows; see "
                          "gpusolver.limits): set SolverConfig.max_recv_rows to the rows a rank really receives")
 

@@ -188,6 +188,31 @@ class TorchGroup:
             return unpack(out, layout)
         return Work(finish)
 
+    def _cast_into(self, tensors, send_index, split, out, recv_offset, phase, host_split, host_recv_offset):
+        """Each tensor's rows in an exchange of its own, straight into ``out`` from this rank's offset
+        (no packed staging buffer: nothing but ``out`` holds the received rows)."""
+        R = out[0].shape[0]
+        if host_recv_offset is None:
+            host_recv_offset = int(recv_offset[self.rank])  # a sync; the layer passes a host copy
+        start = host_recv_offset.get() if hasattr(host_recv_offset, "get") else int(host_recv_offset)
+        rows = self._host_matrix(split, host_split)
+        send, recv = self._sizes(rows, send_index.shape[0], R - start, f"recv_capacity minus recv_offset {start}")
+        n_send, n_recv, self_rows = sum(send), sum(recv), rows[self.rank][self.rank]
+        for i, o in enumerate(out):
+            if not o.is_contiguous():
+                raise ValueError(f"TorchGroup: out[{i}] must be contiguous, got strides {tuple(o.stride())}")
+        idx = send_index[:n_send].clamp(0, max(tensors[0].shape[0] - 1, 0))
+        waits = [self._exchange(o.narrow(0, start, n_recv), t.index_select(0, idx), recv, send, phase)
+                 for t, o in zip(tensors, out)]
+        row_bytes = row_layout(tensors, 0).row_bytes
+        self._traffic.add(phase, (n_send - self_rows) * row_bytes, (n_recv - self_rows) * row_bytes)
+
+        def finish():
+            for wait in waits:
+                wait()
+            return list(out)
+        return Work(finish)
+
     def _reduce(self, partials, send_index, split, acc, op, phase, host_split, deterministic):
         rows = self._host_matrix(split, host_split)
         capacity = partials[0].shape[0]
