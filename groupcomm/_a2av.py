@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ._base import CollectiveError, HostTraffic, Work
-from ._pack import pack, row_layout, unpack
+from ._pack import as_bytes, pack, row_layout, unpack
 from ._reduce import reduce_rows
 from ._retain import retain
 from ._routing import put_targets
@@ -202,8 +202,9 @@ class TorchGroup:
             if not o.is_contiguous():
                 raise ValueError(f"TorchGroup: out[{i}] must be contiguous, got strides {tuple(o.stride())}")
         idx = send_index[:n_send].clamp(0, max(tensors[0].shape[0] - 1, 0))
-        waits = [self._exchange(o.narrow(0, start, n_recv), t.index_select(0, idx), recv, send, phase)
-                 for t, o in zip(tensors, out)]
+        # as bytes (what gloo moves for every dtype); a contiguous out's rows are a view, so they land in place
+        waits = [self._exchange(as_bytes(o.narrow(0, start, n_recv), 0), as_bytes(t.index_select(0, idx), 0), recv,
+                                send, phase) for t, o in zip(tensors, out)]
         row_bytes = row_layout(tensors, 0).row_bytes
         self._traffic.add(phase, (n_send - self_rows) * row_bytes, (n_recv - self_rows) * row_bytes)
 

@@ -7,10 +7,10 @@ its capacity's rows (``CommMeta.buffers``), group-major rows of ``hq = Hq / G`` 
 and ``hkv = Hkv / G`` KV heads, activations of ``b`` bytes:
 
     forward   QO recv * Q (hq D b) + KV recv * (K, V) (2 hkv D b)
-              + QO send * (partial O hq D b + fp32 lse 4 hq)         [all live at the reduce]
+              + S * QO send * (partial O hq D b + fp32 lse 4 hq)         [all live at the reduce]
     backward  QO recv * (dO hq D b + fp32 lse and delta 8 hq)
-              + QO recv * Q + KV recv * (K, V)                        [kept, or cast again]
-              + QO send * dQ (hq D b) + KV send * (dK, dV) (2 hkv D b) [all live at the dK, dV reduce]
+              + QO recv * Q + KV recv * (K, V)                            [kept, or cast again]
+              + S * (QO send * dQ (hq D b) + KV send * (dK, dV) (2 hkv D b)) [live at the last reduce]
     kept      QO recv * Q if the helper keeps Q, + KV recv * (K, V) if it keeps K and V
 
 With S remote sub-stages (``num_stages``) the receive terms are the same: the S casts of a
@@ -55,10 +55,10 @@ def buffer_memory(comm, num_heads_q: int, num_heads_kv: int, head_dim: int, dtyp
     hq, hkv = num_heads_q // G, num_heads_kv // G
     b = torch.empty((), dtype=dtype).element_size()
     q_row, kv_row = hq * head_dim * b, 2 * hkv * head_dim * b
-    rows = comm.buffers
+    rows, S = comm.buffers, getattr(comm, "num_stages", 1)
     q_buf, kv_buf = rows.qo_recv * q_row, rows.kv_recv * kv_row  # shared by the sub-stages
-    fwd = q_buf + kv_buf + rows.qo_send * (q_row + 4 * hq)
-    bwd = rows.qo_recv * (q_row + 8 * hq) + q_buf + kv_buf + rows.qo_send * q_row + rows.kv_send * kv_row
+    fwd = q_buf + kv_buf + S * rows.qo_send * (q_row + 4 * hq)   # one return buffer per reduce in flight
+    bwd = rows.qo_recv * (q_row + 8 * hq) + q_buf + kv_buf + S * (rows.qo_send * q_row + rows.kv_send * kv_row)
     kinds = kept_kinds(keep)
     kept = (q_buf if "qo" in kinds else 0) + (kv_buf if "kv" in kinds else 0)
     return BufferMemory(fwd_peak=fwd, bwd_peak=bwd, kept=kept)
