@@ -25,10 +25,10 @@ rows with reduces 1..S in that order (the log-sum-exp merge is associative:
 exact up to rounding, and the fixed order makes it deterministic).
 
 Backward: dO, lse and delta (and Q, K, V again without kept buffers) are cast
-per sub-stage (``bwd.qo.s``, ``bwd.kv.s``) while the local stage's backward
-runs (each kind kept or cast again on its own, ``keep_forward_buffers``); after
-sub-stage s the dQ rows (``bwd.dq.s``) and dK, dV rows
-(``bwd.dkv.s``) whose last task was in s are summed back to their hosts.
+per sub-stage (``bwd.qo.s``, ``bwd.kv.s``; each kind kept or cast again on its own,
+``keep_forward_buffers``); after sub-stage s the dQ rows (``bwd.dq.s``) and dK, dV
+rows (``bwd.dkv.s``) whose last task was in s are summed back to their hosts, and
+the local stage runs last, while those reduces fly.
 
 Host reads: none with ``LocalGroup``; with ``TorchGroup`` the 4 S ``[P, P]``
 split matrices, stacked and copied once without blocking (``host_splits``); each
@@ -266,6 +266,10 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
     xq = [kept_q] if kept_q is not None else Xq.x
     xk, xv = kept_kv if kept_kv is not None else Xkv.x
     delta = Xg = None
+    # fp32 sums over the rows of each kind's operands (the local stage may run last: start from zero)
+    grads_q = _Operands([torch.zeros(ql.shape, dtype=torch.float32, device=ql.device)], cap_q, lead)
+    grads_kv = _Operands([torch.zeros(kl.shape, dtype=torch.float32, device=kl.device),
+                          torch.zeros(vl.shape, dtype=torch.float32, device=vl.device)], cap_k, lead)
 
     def run(s):
         def fn(r, *t):
@@ -289,11 +293,10 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
                 returned.append((op.phase, works[op.deps[0]].wait()))
             elif op.kind == WAIT:
                 works[op.deps[0]].wait()  # cast s's rows are in the operands now
-            elif op.kind == ATTN and op.stages == (0,):
-                dq0, dk0, dv0 = _per_rank(ranks, batched, run(0), d_o, ql, kl, vl, lse, delta)
-                # fp32 sums over the rows of each kind's operands
-                grads_q = _Operands([dq0.float()], cap_q, lead)
-                grads_kv = _Operands([dk0.float(), dv0.float()], cap_k, lead)
+            elif op.kind == ATTN and op.stages == (0,):  # local rows only: its grads never travel
+                parts = _per_rank(ranks, batched, run(0), d_o, ql, kl, vl, lse, delta)
+                for acc_, part in zip(grads_q.x + grads_kv.x, parts):
+                    _rows(acc_, lead, 0, n).add_(part)
             elif op.kind == ATTN:
                 (s,) = op.stages
                 g_do, g_lse, g_delta = Xg.x
@@ -304,11 +307,11 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
                 (s,) = op.stages
                 kind = "qo" if op.phase == "bwd.dq" else "kv"
                 pick = grads_q.x if kind == "qo" else grads_kv.x
-                dtype = dq0.dtype if kind == "qo" else dk0.dtype
+                dtype = ql.dtype if kind == "qo" else kl.dtype
                 partial = [_gather_remote(t, sr.gather[kind][s - 1], n, lead, dtype) for t in pick]
                 works[op.name] = _issue(op, sr, group, caps, partial,
-                                        [torch.zeros_like(dq0)] if kind == "qo" else
-                                        [torch.zeros_like(dk0), torch.zeros_like(dv0)], deterministic)
+                                        [torch.zeros_like(ql)] if kind == "qo" else
+                                        [torch.zeros_like(kl), torch.zeros_like(vl)], deterministic)
             elif op.kind == MERGE:  # the host's rows plus reduces 1..S in that order: a fixed summation order
                 dq, dk, dv = (_rows(t, lead, 0, n) for t in grads_q.x + grads_kv.x)
                 for phase, parts in returned:
@@ -318,4 +321,4 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
                         dk, dv = dk + parts[0].float(), dv + parts[1].float()
             else:
                 raise AssertionError(f"dist_attn cannot run backward op {op}")
-    return dq.to(dq0.dtype), dk.to(dk0.dtype), dv.to(dv0.dtype)
+    return dq.to(ql.dtype), dk.to(kl.dtype), dv.to(vl.dtype)
