@@ -128,8 +128,8 @@ COLUMNS = [("kind", "kind", "s"), ("P", "P", "d"), ("seed", "seed", "d"), ("S", 
            ("exposed %", "exposed_pct", ".1f"), ("0.75 reachable", "reachable", "s")]
 
 COST_COLUMNS = [("S", "S", "d"), ("collectives / step", "collectives", "d"), ("attn launches / step", "attn_launches", "d"),
-                ("CalcMeta rows / rank", "calc_rows", "d"), ("CalcMeta KB", "calc_kb", ".1f"),
-                ("stage CommMeta KB", "stage_meta_kb", ".1f"), ("recv buffers MB", "recv_mb", ".1f"),
+                ("CalcMeta rows / rank", "calc_rows", "d"), ("CalcMeta KB (all ranks)", "calc_kb", ".1f"),
+                ("stage CommMeta KB (all ranks)", "stage_meta_kb", ".1f"), ("recv buffers MB", "recv_mb", ".1f"),
                 ("return buffers MB", "return_mb", ".1f"), ("fwd peak MB", "fwd_peak_mb", ".1f"),
                 ("bwd peak MB", "bwd_peak_mb", ".1f")]
 
@@ -193,7 +193,7 @@ def main(argv=None):
             "two-stage step with the same transport, `/ S=1 a2a` against the two-stage step over all-to-all-v "
             "(today's `TorchGroup`).\n\n## Summary over the masks\n\n"
             + markdown_table(summarize(rows), SUMMARY_COLUMNS)
-            + f"\n\n## Cost per S ({rows[-1]['kind']} P = {rows[-1]['P']} seed {rows[-1]['seed']}, per rank)\n\n"
+            + f"\n\n## Cost per S ({rows[-1]['kind']} P = {rows[-1]['P']} seed {rows[-1]['seed']}, MB per rank)\n\n"
             + markdown_table(cost_rows(rows), COST_COLUMNS) + "\n\n## Every mask\n\n"
             + markdown_table(rows, COLUMNS) + "\n")
     print(text)

@@ -220,17 +220,21 @@ class TorchGroup:
         send, recv = self._sizes(rows, send_index.shape[0], capacity, "the partials' rows")
         n_send, n_recv, self_rows = sum(send), sum(recv), rows[self.rank][self.rank]
         layout = row_layout(partials, 0)
-        # the way back: each filled receive row returns to its source, in buffer order
+        # the way back: each filled receive row returns to its source, in buffer order. The buffer holds
+        # the rows really returned (host-known here), not the send list's capacity: reduces in flight at
+        # once (a layer's sub-stages) then hold no more than one send list between them
         inp = pack([p[:n_recv] for p in partials], 0)
-        back = torch.zeros(send_index.shape[0], layout.row_bytes, dtype=torch.uint8, device=acc[0].device)
-        wait = self._exchange(back[:n_send], inp, send, recv, phase)
+        back = torch.zeros(n_send, layout.row_bytes, dtype=torch.uint8, device=acc[0].device)
+        wait = self._exchange(back, inp, send, recv, phase)
         self._traffic.add(phase, (n_recv - self_rows) * layout.row_bytes, (n_send - self_rows) * layout.row_bytes)
 
         def finish():
             ranks = torch.full((1,), self.rank, dtype=torch.int64, device=split.device)
             dest, _ = put_targets(split, send_index[None], ranks, capacity)
             wait()
-            ret = [t[None] for t in unpack(back, layout)]
+            # send positions past the rows sent are padding (dest -1): zero rows, made only now
+            full = torch.cat([back, back.new_zeros(send_index.shape[0] - n_send, back.shape[1])])
+            ret = [t[None] for t in unpack(full, layout)]
             out = reduce_rows([a[None] for a in acc], ret, send_index[None], dest, op, self.size, deterministic)
             return [t[0] for t in out]
         return Work(finish)

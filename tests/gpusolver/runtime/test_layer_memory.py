@@ -97,8 +97,8 @@ class _IntoRecorder:
 @pytest.mark.parametrize("keep", [True, False, "kv"])
 def test_sub_stages_share_the_receive_memory(keep):
     """S = 3: the three casts of a kind write into one buffer of the plan's capacity, so the layer
-    keeps and receives what ``plan.memory()`` says, and the same as the one-stage plan does; the
-    return buffers count once per reduce (all S may be in flight)."""
+    keeps and receives what ``plan.memory()`` says, the same as the one-stage plan; each reduce's
+    return buffer is the one-stage one, and LocalGroup finishes each before the next."""
     P, c, Hq, Hkv, S = 4, 16, 4, 2, 3
     caps = dict(max_qo_recv_rows=40, max_kv_recv_rows=64, max_qo_send_rows=56, max_kv_send_rows=88)
     mask = varlen_causal_mask(doc_lengths(P * c, 0))
@@ -124,5 +124,8 @@ def test_sub_stages_share_the_receive_memory(keep):
     # what is held past the layer's own activations is the kept receive rows (the kept operands'
     # local rows are the saved q, k, v themselves), within the scratch rows of the puts and reduces
     assert 0 <= held - own - P * m.kept <= 2 * Hq // 2 * D * 4 * P
-    assert len(fwd_ret) == S and fwd_recv + sum(fwd_ret) == P * m.fwd_peak  # Q, K+V buffers; S O+lse returns
-    assert len(bwd_ret) == 2 * S and bwd_recv + sum(bwd_ret) + P * m.kept == P * m.bwd_peak
+    assert (m.fwd_peak, m.bwd_peak) == (one.fwd_peak, one.bwd_peak)
+    # Q, K+V buffers and one O+lse return buffer at a time
+    assert len(fwd_ret) == S and len(set(fwd_ret)) == 1 and fwd_recv + fwd_ret[0] == P * m.fwd_peak
+    # dO, lse, delta (Q, K, V unless kept) buffers, the kept ones, and one dQ and one dK+dV return buffer
+    assert len(bwd_ret) == 2 * S and bwd_recv + bwd_ret[0] + bwd_ret[1] + P * m.kept == P * m.bwd_peak
