@@ -21,7 +21,7 @@ Cost columns per S: collectives and attention launches per training step,
 CalcMeta table size (rows of ``[P, S + 1, cap]`` per rank) and the per-stage
 CommMeta tables (KB, all ranks), the receive memory (``plan.memory``'s receive
 buffers at the default capacity: one per kind, shared by the sub-stages) and the
-return buffers of the S reduces in flight, in MB per rank (bf16).
+return buffers (one send list, which the S reduces in flight share), in MB per rank (bf16).
 
 A cell's ``0.75 reachable`` is false when its ideal bound is above 0.75 x its
 two-stage a2a step: no schedule of those bytes and FLOPs can be 0.75 x it.
