@@ -159,6 +159,48 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
+def best_stages(rows: list[dict]) -> dict:
+    """Per transport, the S with the lowest median step over the two-stage a2a step (ties: fewer stages)."""
+    out = {}
+    for comm in sorted({r["comm"] for r in rows}):
+        meds = {}
+        for S in sorted({r["S"] for r in rows}):
+            xs = sorted(r["vs_s1_a2a"] for r in rows if (r["comm"], r["S"]) == (comm, S))
+            meds[S] = xs[len(xs) // 2]
+        out[comm] = min(meds, key=lambda S: (round(meds[S], 3), S))
+    return out
+
+
+def side_by_side(rows: list[dict], S: int) -> list[dict]:
+    """One row per mask: the two-stage a2a step and its ideal, then a2a and p2p at S sub-stages
+    against the three targets (step <= 1.15 ideal, <= 0.75 x the two-stage a2a step, exposed <= 15 %)."""
+    out = []
+    for key in dict.fromkeys((r["kind"], r["P"], r["seed"]) for r in rows):
+        pick = {(r["S"], r["comm"]): r for r in rows if (r["kind"], r["P"], r["seed"]) == key}
+        base = pick[(1, "a2a")]
+        row = {"kind": key[0], "P": key[1], "seed": key[2], "s1_ms": base["step_ms"], "ideal_ms": base["ideal_ms"],
+               "s1_ideal": base["vs_ideal"], "floor": base["ideal_ms"] / base["step_ms"]}
+        for comm in ("a2a", "p2p"):
+            r = pick.get((S, comm))
+            if r is None:
+                continue
+            marks = "".join(m if ok else "." for m, ok in (("I", r["vs_ideal"] <= 1.15), ("T", r["vs_s1_a2a"] <= 0.75),
+                                                           ("E", r["exposed_pct"] <= 15.0)))
+            row.update({f"{comm}_ideal": r["vs_ideal"], f"{comm}_s1": r["vs_s1_a2a"], f"{comm}_exp": r["exposed_pct"],
+                        f"{comm}_ok": marks})
+        out.append(row)
+    return out
+
+
+SIDE_COLUMNS = [("kind", "kind", "s"), ("P", "P", "d"), ("seed", "seed", "d"), ("S=1 a2a ms", "s1_ms", ".2f"),
+                ("ideal ms", "ideal_ms", ".2f"), ("S=1 a2a / ideal", "s1_ideal", ".2f"),
+                ("best possible / S=1 a2a", "floor", ".2f"),
+                ("a2a / ideal", "a2a_ideal", ".2f"), ("a2a / S=1 a2a", "a2a_s1", ".2f"), ("a2a exposed %", "a2a_exp", ".1f"),
+                ("a2a targets", "a2a_ok", "s"),
+                ("p2p / ideal", "p2p_ideal", ".2f"), ("p2p / S=1 a2a", "p2p_s1", ".2f"), ("p2p exposed %", "p2p_exp", ".1f"),
+                ("p2p targets", "p2p_ok", "s")]
+
+
 def cost_rows(rows: list[dict]) -> list[dict]:
     """One row per S: the costs of the largest plan measured (the last P, kind and seed in the sweep)."""
     last = rows[-1]
@@ -176,6 +218,8 @@ def main(argv=None):
     ap.add_argument("--tokens-per-rank", type=int, default=8192)
     ap.add_argument("--topology", default="h200_hgx", choices=sorted(PRESETS))
     ap.add_argument("--plan-cache", default=None)
+    ap.add_argument("--side-stages", type=int, default=None,
+                    help="S of the side-by-side table (default: p2p's lowest median)")
     ap.add_argument("--md", default=None)
     ap.add_argument("--json", default=str(Path(RESULTS_DIR) / "stages_bench.json"))
     args = ap.parse_args(argv)
@@ -187,12 +231,20 @@ def main(argv=None):
             for seed in range(args.seeds):
                 rows += run(kind, P, seed, args.tokens_per_rank, parse_list(args.stages),
                             parse_list(args.comm, str, ("a2a", "p2p"), "comm"), topo, args.plan_cache)
+    side_S = args.side_stages if args.side_stages else best_stages(rows).get("p2p", max(r["S"] for r in rows))
     cmd = "python benchmarks/stages_bench.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     text = (f"# Sub-stages: SIMULATED training step ({args.topology})\n\nCommand: `{cmd}`\n\n"
             "All times are simulated by `gpusolver.sim` (not measured). `/ S=1` is against the same plan's "
             "two-stage step with the same transport, `/ S=1 a2a` against the two-stage step over all-to-all-v "
             "(today's `TorchGroup`).\n\n## Summary over the masks\n\n"
             + markdown_table(summarize(rows), SUMMARY_COLUMNS)
+            + "\n\nLowest median step over the two-stage a2a step: "
+            + ", ".join(f"{comm} S = {S}" for comm, S in best_stages(rows).items())
+            + f".\n\n## Every mask at S = {side_S}, a2a and p2p side by side\n\n"
+            + "Targets met: I = step <= 1.15 x ideal, T = step <= 0.75 x the two-stage a2a step, "
+            "E = exposed communication <= 15 % of the step ('.' = missed). `best possible` is the ideal bound "
+            "over the two-stage a2a step: where it is above 0.75, T cannot be met by any schedule.\n\n"
+            + markdown_table(side_by_side(rows, side_S), SIDE_COLUMNS)
             + f"\n\n## Cost per S ({rows[-1]['kind']} P = {rows[-1]['P']} seed {rows[-1]['seed']}, MB per rank)\n\n"
             + markdown_table(cost_rows(rows), COST_COLUMNS) + "\n\n## Every mask\n\n"
             + markdown_table(rows, COLUMNS) + "\n")
