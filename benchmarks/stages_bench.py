@@ -15,7 +15,9 @@ sub-stages differ. Per (kind, P, seed, S, comm):
     exposed %   step time beyond the busiest rank's compute, share of the step
     comm        "a2a": every collective an all-to-all-v that completes as one
                 (``TorchGroup``); "p2p": each (source, destination) transfer
-                on its own (``SymmMemGroup``)
+                on its own (``TorchGroup(transport="p2p")``); what-ifs of a transport
+                not built: "p2p-recv" (a rank's wait ends when its own incoming
+                rows land), a "+rs" suffix (the reduces on a stream of their own)
 
 Cost columns per S: collectives and attention launches per training step,
 CalcMeta table size (rows of ``[P, S + 1, cap]`` per rank) and the per-stage
@@ -55,6 +57,7 @@ from gpusolver.sim import simulate  # noqa: E402
 from gpusolver.topology import PRESETS  # noqa: E402
 
 MB = 1e6
+COMMS = ("a2a", "p2p", "p2p-recv", "a2a+rs", "p2p+rs", "p2p-recv+rs")
 
 
 def _assignment(kind, P, seed, tokens, cache, mask, areas, config):
@@ -105,7 +108,7 @@ def run(kind, P, seed, tokens, stages, comms, topo, cache) -> list[dict]:
         build_ms = 1e3 * (time.perf_counter() - t0)
         extra = costs(plan, config, S)
         for comm in comms:
-            t = simulate(plan, topo, comm=comm)
+            t = simulate(plan, topo, comm=comm.removesuffix("+rs"), reduce_stream=comm.endswith("+rs"))
             if S == 1:
                 base[comm] = t.step_ms
             rows.append({"kind": kind, "P": P, "seed": seed, "S": S, "comm": comm, "step_ms": t.step_ms,
@@ -230,7 +233,7 @@ def main(argv=None):
         for P in parse_list(args.P):
             for seed in range(args.seeds):
                 rows += run(kind, P, seed, args.tokens_per_rank, parse_list(args.stages),
-                            parse_list(args.comm, str, ("a2a", "p2p"), "comm"), topo, args.plan_cache)
+                            parse_list(args.comm, str, COMMS, "comm"), topo, args.plan_cache)
     side_S = args.side_stages if args.side_stages else best_stages(rows).get("p2p", max(r["S"] for r in rows))
     cmd = "python benchmarks/stages_bench.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     text = (f"# Sub-stages: SIMULATED training step ({args.topology})\n\nCommand: `{cmd}`\n\n"

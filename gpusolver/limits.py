@@ -11,7 +11,7 @@ overflow; past a limit the entry points raise a ValueError that names it.
     MAX_CP_SIZE       P <= 256 ranks (balance is tested to P = 128 at S = 2^24).
     MAX_HEAD_GROUPS   G <= 128 (Hkv <= 128 with head-group flattening).
     MAX_CHUNK_TILES   n <= 16 sub-chunk tiles per rank (the task count G * (n P)^2 sets memory).
-    MAX_NUM_STAGES    S <= 32 remote sub-stages (each has its own receive buffer and collectives).
+    MAX_NUM_STAGES    S <= 32 remote sub-stages (each has its own collectives; they share the receive buffers).
     MAX_HEADS_Q       Hq <= 1024, MAX_HEAD_DIM D <= 1024: bytes per token stay below 2^24,
                       so per-rank volumes stay below 2^50.
     MAX_IMBALANCE_TOL mu <= 4.
@@ -42,7 +42,7 @@ from fractions import Fraction
 MAX_SEQLEN = 1 << 25
 MAX_CP_SIZE = 256
 MAX_HEAD_GROUPS = 128
-MAX_NUM_STAGES = 32  # remote sub-stages: each holds its own receive buffer and one collective per phase
+MAX_NUM_STAGES = 32  # remote sub-stages: one collective per phase each
 MAX_CHUNK_TILES = 16
 MAX_HEADS_Q = 1024
 MAX_HEAD_DIM = 1024
