@@ -94,7 +94,8 @@ class _IntoRecorder:
         group._cast_into = recorded
 
 
-@pytest.mark.parametrize("keep", [True, False, "kv"])
+@pytest.mark.parametrize("keep", [True, pytest.param(False, marks=pytest.mark.slow),
+                                  pytest.param("kv", marks=pytest.mark.slow)])
 def test_sub_stages_share_the_receive_memory(keep):
     """S = 3: the three casts of a kind write into one buffer of the plan's capacity, so the layer
     keeps and receives what ``plan.memory()`` says, the same as the one-stage plan; each reduce's
