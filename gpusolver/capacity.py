@@ -124,3 +124,51 @@ def keep_for_budget(config: SolverConfig, chunk: int) -> SolverConfig:
     fits = [k for k in _KEEP_ORDER if set(kept_kinds(k)) <= allowed and kept_bytes(config, chunk, k) <= room]
     best = max(fits, key=lambda k: kept_bytes(config, chunk, k))  # False always fits; first on ties
     return replace(config, keep_forward_buffers=best, memory_budget=None)
+
+
+# Relay transport (``gpusolver.plan.relay``): rows of each relay's buffer (what it receives over
+# InfiniBand for its node) and of its fan-out send list (what it forwards over NVLink), per kind,
+# in multiples of G * c, capped at the worst case. Candidates past them go direct, so these
+# bound memory, never correctness.
+RELAY_CHUNKS = {"qo_relay": 4, "kv_relay": 8, "qo_fan": 8, "kv_fan": 24}
+
+
+@dataclass(frozen=True)
+class RelayRows:
+    """Rows of each rank's relay buffers per kind (host ints, static)."""
+
+    qo_relay: int
+    kv_relay: int
+    qo_fan: int
+    kv_fan: int
+
+    def relay(self, kind: str) -> int:
+        return self.qo_relay if kind == "qo" else self.kv_relay
+
+    def fan(self, kind: str) -> int:
+        return self.qo_fan if kind == "qo" else self.kv_fan
+
+
+def relay_rows(config: SolverConfig, chunk: int, ranks_per_node: int, **override: int) -> RelayRows:
+    """The relay buffers of a plan of ``config`` on nodes of ``ranks_per_node``, c = ``chunk``.
+
+    Per buffer: ``override[name]`` when given (``qo_relay=...``), else
+    ``min(worst, RELAY_CHUNKS[name] * G * c)``; worst: a relay buffer holds at most every
+    other node's same-rail host's chunk, ``G * c * (N - 1)``, a fan-out list every other rank
+    of the node taking all of it, ``(L - 1)`` times that.
+    """
+    G, P, L = config.head_groups, config.cp_size, ranks_per_node
+    bad = set(override) - set(RELAY_CHUNKS)
+    if bad:
+        raise ValueError(f"relay_rows: unknown buffers {sorted(bad)}, expected {sorted(RELAY_CHUNKS)}")
+    worst_relay = G * chunk * max(P // L - 1, 0)
+    rows = {}
+    for name, chunks in RELAY_CHUNKS.items():
+        v = override.get(name)
+        if v is None:
+            worst = worst_relay if name.endswith("relay") else worst_relay * (L - 1)
+            v = min(worst, chunks * G * chunk)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"relay_rows: {name} must be a non-negative int, got {v!r}")
+        rows[name] = v
+    return RelayRows(**rows)

@@ -293,6 +293,10 @@ class Plan:
     stage_of_task: [G, U, U] int32 — stage of each task: -1 empty, 0 local, 1..S remote
                 (``gpusolver.plan.stages``); None in plans built without it (then 0 / 1 by
                 locality, ``task_stage``).
+    relay:      ``plan.relay.RelayMeta`` when inter-node rows travel by relay
+                (``SolverConfig.relays``): how each transfer of ``comm`` reaches its
+                consumer (direct, or InfiniBand to the node's relay then NVLink); None:
+                every transfer is direct.
 
     ``validate()`` and ``summary()`` read the tensors on the host; everything
     else stays on device.
@@ -307,23 +311,28 @@ class Plan:
     imbalance_tol: float
     cost: Any = None
     stage_of_task: torch.Tensor | None = None
+    relay: Any = None
 
     @property
     def num_stages(self) -> int:
         """S, remote sub-stages."""
         return self.calc.num_stages
 
-    def pair_bytes(self, phase: str, cost=None, stage: int | None = None) -> torch.Tensor:
+    def pair_bytes(self, phase: str, cost=None, stage: int | None = None, hop: int | None = None) -> torch.Tensor:
         """[P(src), P(dst)] int64 bytes the layer moves from source to destination (sync-free).
 
         phase: "fwd", "bwd", or one collective (``"fwd.qo"``, ``"fwd.kv"``, ``"fwd.o"``, ``"bwd.qo"``,
         ``"bwd.kv"``, ``"bwd.dq"``, ``"bwd.dkv"``); cost: default the plan's own CommCost;
-        stage: None for all sub-stages, s in 1..S for sub-stage s's collectives alone.
-        The sums over destinations and sources are the metrics' send and receive volumes.
+        stage: None for all sub-stages, s in 1..S for sub-stage s's collectives alone;
+        hop: None for every hop, or one hop of relay transport (0 direct, 1 InfiniBand to or
+        from a relay, 2 NVLink between a relay and its node's consumers); a plan without
+        relay has hop 0 only. The groups count hop h of phase ph as ``schedule.hop_phase(ph, h)``.
+        Without relay the sums over destinations and sources are the metrics' send and receive
+        volumes.
         """
         from gpusolver.plan.schedule import pair_bytes
 
-        return pair_bytes(self, phase, self.cost if cost is None else cost, stage)
+        return pair_bytes(self, phase, self.cost if cost is None else cost, stage, hop)
 
     @property
     def task_stage(self) -> torch.Tensor:
@@ -394,14 +403,17 @@ class Plan:
     def load(path, *, map_location="cpu") -> "Plan":
         """The plan saved at ``path``, its tensors on ``map_location``."""
         from gpusolver.metrics import PlanMetrics
+        from gpusolver.plan.relay import RelayMeta, RelayRoute
         from gpusolver.problem import CommCost
 
         p = records.read(path, map_location)["plan"]
+        route = lambda d: records.from_plain(RelayRoute, d, {})  # noqa: E731
         return records.from_plain(Plan, p, {
             "metrics": lambda d: records.from_plain(PlanMetrics, d, {}),
             "comm": lambda d: records.from_plain(CommMeta, d, {}),
             "calc": lambda d: records.from_plain(CalcMeta, d, {}),
             "cost": lambda d: None if d is None else records.from_plain(CommCost, d, {}),
+            "relay": lambda d: None if d is None else records.from_plain(RelayMeta, d, {"qo": route, "kv": route}),
         })
 
 
