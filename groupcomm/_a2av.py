@@ -204,7 +204,7 @@ class TorchGroup:
             ranks = torch.full((1,), self.rank, dtype=torch.int64, device=split.device)
             dest, _ = put_targets(split, send_index[None], ranks, capacity)
             wait()
-            ret = [t[None] for t in unpack(back, layout)]
+            ret = [t[None] for t in unpack(back, layout, views=True)]
             out = reduce_rows([a[None] for a in acc], ret, send_index[None], dest, op, self.size, deterministic)
             return [t[0] for t in out]
         return Work(finish)

@@ -21,8 +21,8 @@ def put_rows_ref(src: torch.Tensor, index: torch.Tensor, peer: torch.Tensor, row
     if N == 0:
         return flat[:P * R].view(P, R, W)
     ok = (index >= 0) & (index < N) & (peer >= 0) & (peer < P) & (row >= 0) & (row < R)
-    base = torch.arange(B, device=src.device, dtype=torch.int64)[:, None] * N
-    rows = src.reshape(B * N, W).index_select(0, (base + index.clamp(0, N - 1)).reshape(-1))
+    b = torch.arange(B, device=src.device, dtype=torch.int64)[:, None]
+    rows = src[b, index.clamp(0, N - 1)].reshape(B * index.shape[1], W)  # src may be a strided view
     # invalid positions all write to the scratch row P*R, dropped below
     target = torch.where(ok, peer * R + row, torch.full_like(row, P * R)).reshape(-1)
     flat.index_put_((target,), rows)

@@ -90,7 +90,7 @@ class LocalGroup:
         back = self._move(pack(partials, 1), return_index(split, ranks, capacity), split.t().contiguous(),
                           send_index.shape[1])
         dest, _ = put_targets(split, send_index, ranks, capacity)
-        out = reduce_rows(acc, unpack(back, layout), send_index, dest, op, P, deterministic)
+        out = reduce_rows(acc, unpack(back, layout, views=True), send_index, dest, op, P, deterministic)
         self._count(phase, split, layout.row_bytes, back=True)
         return Work.done(out)
 
