@@ -94,11 +94,14 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        # an output that shares an argument's storage (a view, an in-place op) allocated nothing:
+        # without this, the first view of an input made before the mode would count as new
+        given = {id(a.untyped_storage()) for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)}
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 s = t.untyped_storage()
                 key = id(s)
-                if key not in self._seen:
+                if key not in self._seen and key not in given:
                     self._seen.add(key)
                     self.live += s.nbytes()
                     weakref.finalize(s, self._free, key, s.nbytes())

@@ -160,7 +160,7 @@ def reduce_lse(acc: list[torch.Tensor], ret: list[torch.Tensor], send_index: tor
     w_p = torch.exp(lp - flat_lse.index_select(0, t)).reshape(B, -1, h)  # [B, C, h]
     # the fp32 sums of the weighted outputs: the host's own rows first, then the partials window by window
     sums = out_acc.new_empty((B, N + 1, *out_acc.shape[2:]), dtype=torch.float32)
-    torch.mul(out_acc, w_acc[..., None], out=sums[:, :N])
+    sums[:, :N].copy_(out_acc).mul_(w_acc[..., None])
     sums[:, N].zero_()
     flat = scatter_add_(sums.view(B * (N + 1), *out_acc.shape[2:]), out_p, send_index, dest, P, deterministic,
                         weight=w_p)

@@ -47,7 +47,8 @@ from gpusolver.plan.schedule import ATTN, CAST, DELTA, MERGE, REDUCE, WAIT, Op, 
 from gpusolver.plan.sparse import SparsePlan
 from gpusolver.problem import kept_kinds
 from gpusolver.runtime.layout import from_group_major, to_group_major
-from gpusolver.runtime.pipelined import StageRoutes, backward_stages, forward_stages, op_range, stage_routes
+from gpusolver.runtime.pipelined import (StageRoutes, _Operands, backward_stages, forward_stages, op_range,
+                                         stage_routes)
 from gpusolver.support import check_supported
 from groupcomm import CollectiveError, TorchGroup, as_group, group_cast, group_reduce, host_splits, retain
 
@@ -132,15 +133,23 @@ def _stage_slices(plan: Plan, rank: int, stage: int):
 
 
 def _per_rank(routes: LayerRoutes, fn, *tensors: torch.Tensor):
-    """``fn(rank, *rank_tensors) -> tuple`` for each rank run here; batched results are stacked."""
+    """``fn(rank, *rank_tensors) -> tuple`` for each rank run here; batched results are written into
+    one ``[P, ...]`` tensor each as they come (never all P ranks' results and their stack at once)."""
     if not routes.batched:
         return fn(routes.ranks[0], *tensors)
-    outs = [fn(r, *(t[r] for t in tensors)) for r in routes.ranks]
-    return tuple(torch.stack(parts) for parts in zip(*outs))
+    outs = None
+    for i, r in enumerate(routes.ranks):
+        res = fn(r, *(t[r] for t in tensors))
+        if outs is None:
+            outs = tuple(x.new_empty((len(routes.ranks), *x.shape)) for x in res)
+        for o, x in zip(outs, res):
+            o[i].copy_(x)
+        del res
+    return outs
 
 
-def _cat(a: torch.Tensor, b: torch.Tensor, lead: int) -> torch.Tensor:
-    return torch.cat((a, b), dim=lead)
+def _rows(x: torch.Tensor, lead: int, start: int, length: int) -> torch.Tensor:
+    return x.narrow(lead, start, length)
 
 
 def issue(op: Op, routes: LayerRoutes, group, tensors, acc=None, deterministic: bool = True):
@@ -174,44 +183,52 @@ class _DistAttn(torch.autograd.Function):
             ctx.save_for_backward(ql, kl, vl, o, lse, *((x_q,) if "qo" in keep else ()),
                                   *((x_k, x_v) if "kv" in keep else ()))
             return from_group_major(o, G, lead), from_group_major(lse, G, lead)
-        n = ql.shape[lead]  # G * c local rows; the rest of a remote stage's rows are the receive buffer
-        local = lambda x: x.narrow(lead, 0, n)  # noqa: E731
-        remote = lambda x: x.narrow(lead, n, cap).contiguous()  # noqa: E731
+        n = ql.shape[lead]  # G * c local rows; a remote stage's rows are X = [local rows | receive buffer]
+        local = lambda x: _rows(x, lead, 0, n)  # noqa: E731
+        remote = lambda x: _rows(x, lead, n, cap)  # noqa: E731
+        # the operands of stage 1, allocated once: each cast's buffer is copied into its slot when
+        # waited for, so the local rows and buffers never exist a second time as a concatenation
+        X = {"qo": _Operands([ql], cap, 1, lead), "kv": _Operands([kl, vl], routes.kv_capacity, 1, lead)}
+        if "qo" in keep:  # the kept X holds the local rows too: ql is a view of it
+            ql = local(X["qo"].x[0])
+        if "kv" in keep:
+            kl, vl = (local(x) for x in X["kv"].x)
         sent = {"qo": (ql,), "kv": (kl, vl)}
-        works, recv, parts = {}, {}, {}
+        works, parts = {}, {}
         o = lse = None
         for op in forward_ops(routes.plan.calc.q_ranges.shape[1]):
             with nvtx_range(op_range(op)):
                 if op.kind == CAST:
                     works[op.name] = issue(op, routes, group, sent[op.route])
                 elif op.kind == WAIT and op.back:
-                    o, lse = works[op.deps[0]].wait()
+                    o, lse = works.pop(op.deps[0]).wait()
                 elif op.kind == WAIT:
-                    recv[op.route] = works[op.deps[0]].wait()
+                    X[op.route].fill(1, works.pop(op.deps[0]).wait())
                 elif op.kind == ATTN:
                     (s,) = op.stages
-                    args = (ql, kl, vl) if s == 0 else (_cat(ql, recv["qo"][0], lead), _cat(kl, recv["kv"][0], lead),
-                                                        _cat(vl, recv["kv"][1], lead))
+                    args = (ql, kl, vl) if s == 0 else X["qo"].x + X["kv"].x
 
                     def run(r, q_, k_, v_, s=s):
                         return flex_attn(q_, k_, v_, *_stage_slices(routes.plan, r, s), scale, **_INTERNAL)
 
                     parts[s] = _per_rank(routes, run, *args)  # stage 0: local work while the casts fly
                 elif op.kind == MERGE:
-                    o, lse = parts[op.stages[0]]
+                    o, lse = parts.pop(op.stages[0])
                     for s in op.stages[1:]:
                         o, lse = _per_rank(routes, lambda r, a, b, c_, d: merge_out_lse(a, b, c_, d), o, lse,
                                            local(parts[s][0]), local(parts[s][1]))
                 elif op.kind == REDUCE:
-                    (s,) = op.stages  # the remote rows of one stage go back to their hosts
-                    works[op.name] = issue(op, routes, group, (remote(parts[s][0]), remote(parts[s][1])),
-                                           (o, lse), deterministic)
+                    (s,) = op.stages  # the remote rows of one stage go back to their hosts (views: the
+                    part_o, part_l = parts.pop(s)  # group packs them into its send buffer)
+                    works[op.name] = issue(op, routes, group, (remote(part_o), remote(part_l)), (o, lse),
+                                           deterministic)
+                    del part_o, part_l
                 else:
                     raise AssertionError(f"dist_attn cannot run forward op {op}")
-        q_buf, (k_buf, v_buf) = recv["qo"][0], recv["kv"]
-        # only what the backward reads: the kinds not kept are cast again there
-        saved = (ql, kl, vl, o, lse) + ((q_buf,) if "qo" in keep else ()) + ((k_buf, v_buf) if "kv" in keep else ())
-        ctx.save_for_backward(*saved)
+        # only what the backward reads: a kept kind's whole X (local rows and buffer), else its local rows
+        saved = (X["qo"].x[0] if "qo" in keep else ql,) + (tuple(X["kv"].x) if "kv" in keep else (kl, vl))
+        del X
+        ctx.save_for_backward(*saved, o, lse)
         ctx.routes, ctx.group, ctx.scale, ctx.keep, ctx.deterministic = routes, group, scale, keep, deterministic
         return from_group_major(o, G, lead), from_group_major(lse, G, lead)
 
@@ -222,9 +239,9 @@ class _DistAttn(torch.autograd.Function):
         G, qcap, kcap = routes.groups, routes.qo_capacity, routes.kv_capacity
         # read once: non-reentrant checkpointing unpacks each saved tensor a single time
         saved = ctx.saved_tensors
-        ql, kl, vl, o, lse = saved[:5]
         keep_q, keep_kv = "qo" in ctx.keep, "kv" in ctx.keep
-        if routes.stages is not None:  # S remote sub-stages
+        if routes.stages is not None:
+            ql, kl, vl, o, lse = saved[:5]  # S remote sub-stages
             d_o = torch.zeros_like(o) if d_out is None else to_group_major(d_out, G, lead).contiguous()
             d_l = None if d_lse is None else to_group_major(d_lse, G, lead).contiguous()
             kept = list(saved[5:])  # the kept kinds' operands, Xq then Xk, Xv
@@ -234,41 +251,55 @@ class _DistAttn(torch.autograd.Function):
                                          o, lse, kept_q, kept_kv, d_o, d_l, scale, ctx.deterministic)
             return (from_group_major(dq, G, lead), from_group_major(dk, G, lead), from_group_major(dv, G, lead),
                     None, None, None, None, None)
-        n = ql.shape[lead]
-        local = lambda x: x.narrow(lead, 0, n)  # noqa: E731
-        remote = lambda x, cap: x.narrow(lead, n, cap).contiguous()  # noqa: E731
+        o, lse = saved[3:5]
         d_o = torch.zeros_like(o) if d_out is None else to_group_major(d_out, G, lead).contiguous()
         d_l = None if d_lse is None else to_group_major(d_lse, G, lead).contiguous()
+        n = o.shape[lead]
+        local = lambda x: _rows(x, lead, 0, n)  # noqa: E731
+        remote = lambda x, cap: _rows(x, lead, n, cap)  # noqa: E731
+        # stage 1's operands X = [local rows | buffer]: the forward's X of a kept kind, else built here
+        xq, xk, xv = saved[:3]
+        Xq = None if keep_q else _Operands([xq], qcap, 1, lead)
+        Xkv = None if keep_kv else _Operands([xk, xv], kcap, 1, lead)
+        if Xq is not None:
+            xq = Xq.x[0]
+        if Xkv is not None:
+            xk, xv = Xkv.x
+        ql, kl, vl = local(xq), local(xk), local(xv)
         works, parts, out = {}, {}, {}
-        recv = {"kv": saved[5 + keep_q:]} if keep_kv else {}
-        q_buf = saved[5] if keep_q else None
-        delta = None
+        Xg = None  # dO, lse, delta over X's QO rows
         for op in backward_ops(routes.plan.calc.q_ranges.shape[1], keep_kv):  # K, V cast again unless kept
             with nvtx_range(op_range(op)):
                 if op.kind == DELTA:  # the host computes delta from its final O: O itself never travels
                     delta = _per_rank(routes, lambda r, a, b, *c_: (row_delta(a, b, c_[0] if c_ else None),),
                                       d_o, o, *(() if d_l is None else (d_l,)))[0]
+                    Xg = _Operands([d_o, lse, delta], qcap, 1, lead)
+                    del d_o, delta
                 elif op.kind == CAST:
-                    sent = (d_o, lse, delta) + (() if keep_q else (ql,)) if op.route == "qo" else (kl, vl)
+                    sent = tuple(local(x) for x in Xg.x) + (() if keep_q else (ql,)) if op.route == "qo" \
+                        else (kl, vl)
                     works[op.name] = issue(op, routes, group, sent)
                 elif op.kind == WAIT and op.back:
-                    out[op.phase] = works[op.deps[0]].wait()
+                    out[op.phase] = works.pop(op.deps[0]).wait()
                 elif op.kind == WAIT:
-                    recv[op.route] = works[op.deps[0]].wait()
-                    if op.route == "qo" and not keep_q:
-                        q_buf = recv["qo"][3]
+                    bufs = works.pop(op.deps[0]).wait()
+                    if op.route == "qo":
+                        Xg.fill(1, bufs[:3])
+                        if not keep_q:
+                            Xq.fill(1, bufs[3:])
+                    else:
+                        Xkv.fill(1, bufs)
+                    del bufs
                 elif op.kind == ATTN:
                     (s,) = op.stages
-                    args = (d_o, ql, kl, vl, lse, delta)
-                    if s:
-                        (k_buf, v_buf), (d_o_buf, lse_buf, delta_buf) = recv["kv"], recv["qo"][:3]
-                        args = tuple(_cat(a, b, lead) for a, b in zip(args, (d_o_buf, q_buf, k_buf, v_buf, lse_buf,
-                                                                             delta_buf)))
+                    args = (Xg.x[0], xq, xk, xv, Xg.x[1], Xg.x[2])
+                    if s == 0:
+                        args = tuple(local(a) for a in args)
 
                     def run(r, *t, s=s):
                         return flex_attn_backward(*t, *_stage_slices(routes.plan, r, s), scale, **_INTERNAL)
 
-                    parts[s] = _per_rank(routes, run, *args)
+                    parts[s] = list(_per_rank(routes, run, *args))
                 elif op.kind == REDUCE:
                     (s,) = op.stages
                     pick = (0,) if op.phase == "bwd.dq" else (1, 2)  # dQ to the QO host, dK and dV to the KV host
@@ -281,6 +312,10 @@ class _DistAttn(torch.autograd.Function):
                     cap = qcap if op.phase == "bwd.dq" else kcap
                     works[op.name] = issue(op, routes, group, tuple(remote(parts[s][i], cap) for i in pick), acc,
                                            ctx.deterministic)
+                    for t in parts:  # each gradient goes back once: its stage outputs are done
+                        for i in pick:
+                            parts[t][i] = None
+                    del acc
                 else:
                     raise AssertionError(f"dist_attn cannot run backward op {op}")
         (dq,), (dk, dv) = out["bwd.dq"], out["bwd.dkv"]

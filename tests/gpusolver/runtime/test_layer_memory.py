@@ -65,10 +65,10 @@ def test_plan_memory_equals_the_runtime(keep):
     rec.current = []
     (out.sum() + lse.sum()).backward()
     bwd = rec.current
-    # first the layer's own activations: group-major copies of q, k, v, and out, lse (fp32 here); then
-    # the kept receive buffers
+    # the layer's own activations (group-major copies of q, k, v, and out, lse, fp32 here) and the
+    # kept receive buffers: a kept kind is saved as one tensor, its local rows followed by its buffer
     own = P * c * (2 * Hq * D + 2 * Hkv * D + Hq) * 4
-    assert sum(sizes[:5]) == own and sum(sizes[5:]) == P * m.kept
+    assert len(sizes) == 5 and sum(sizes) == own + P * m.kept
     # their storages hold no more than a scratch row each (the reduce's and LocalGroup's put's)
     assert 0 <= held - sum(sizes) <= 2 * Hq // 2 * D * 4 * P
     q_kept = 40 * (Hq // 2) * D * 4 if keep in (True, "qo") else 0
