@@ -39,12 +39,12 @@ from ._a2av import HostSplits, TorchGroup, host_splits
 from ._api import as_group, default_group, group_cast, group_reduce
 from ._base import CollectiveError, Work
 from ._retain import retain
-from ._routing import tail_routing
+from ._routing import tail_routing, tail_split
 from ._sim import LocalGroup
 from ._symm_mem import SymmMemGroup
 
 __all__ = [
     "group_cast", "group_reduce", "default_group", "as_group",
     "LocalGroup", "TorchGroup", "SymmMemGroup",
-    "host_splits", "HostSplits", "CollectiveError", "Work", "retain", "tail_routing",
+    "host_splits", "HostSplits", "CollectiveError", "Work", "retain", "tail_routing", "tail_split",
 ]

@@ -74,6 +74,12 @@ def traffic_rows(split: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return off.sum(1), off.sum(0)
 
 
+def tail_split(split: torch.Tensor, first_row: int) -> torch.Tensor:
+    """``[P, P]``: the rows of each source that land at receive rows ``>= first_row`` (``tail_routing``)."""
+    _, recv_off = split_offsets(split)
+    return split - torch.minimum(split, (first_row - recv_off).clamp(min=0))
+
+
 def tail_routing(split: torch.Tensor, send_index: torch.Tensor, ranks: torch.Tensor,
                  first_row: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The routing of the same cast restricted to receive rows ``>= first_row``.
@@ -86,9 +92,8 @@ def tail_routing(split: torch.Tensor, send_index: torch.Tensor, ranks: torch.Ten
     """
     B, C = send_index.shape
     P = split.shape[0]
-    _, recv_off = split_offsets(split)
-    skip = torch.minimum(split, (first_row - recv_off).clamp(min=0))  # rows of s for d below first_row
-    split_tail = split - skip
+    split_tail = tail_split(split, first_row)
+    skip = split - split_tail                                         # rows of s for d below first_row
     own = split.index_select(0, ranks)                                # [B, P]
     own_skip = skip.index_select(0, ranks)
     own_tail = own - own_skip

@@ -50,7 +50,8 @@ from gpusolver.runtime.layout import from_group_major, to_group_major
 from gpusolver.runtime.pipelined import (StageRoutes, _Operands, backward_stages, forward_stages, op_range,
                                          stage_routes)
 from gpusolver.support import check_supported
-from groupcomm import CollectiveError, TorchGroup, as_group, group_cast, group_reduce, host_splits, retain
+from groupcomm import (CollectiveError, TorchGroup, as_group, group_cast, group_reduce, host_splits, retain,
+                       tail_routing)
 
 # The stages run the plan's own tables, checked once per layer through the plan's status
 # (validation: plan.validate(); sync-free: one device flag), so the calls skip their own checks.
@@ -166,12 +167,26 @@ def issue(op: Op, routes: LayerRoutes, group, tensors, acc=None, deterministic: 
                         flag_errors=False)
 
 
+def issue_tail(op: Op, routes: LayerRoutes, group, tensors, first_row: int):
+    """Start the cast ``op`` of the KV rows that land past ``first_row`` of each receive buffer
+    (``groupcomm.tail_routing``): what a rank that kept the first rows needs again. Its Work."""
+    index = routes.kv_index if routes.batched else routes.kv_index[None]
+    ranks = torch.tensor(routes.ranks, dtype=torch.int64, device=index.device)
+    split, index = tail_routing(routes.kv_split, index, ranks, first_row)
+    index = index if routes.batched else index[0]
+    # TorchGroup: the tail's split is another host copy, made here (the layer's first ones were made ahead)
+    host = host_splits(split) if isinstance(group, TorchGroup) else None
+    return group_cast(list(tensors), index, split, routes.kv_capacity - first_row, group, phase=op.phase,
+                      host_split=host, async_op=True, flag_errors=False)
+
+
 class _DistAttn(torch.autograd.Function):
     """Runs ``forward_ops`` / ``backward_ops`` (``gpusolver.plan.schedule``) op by op: the list the
     simulator prices is the list executed here."""
 
     @staticmethod
-    def forward(ctx, q, k, v, routes: LayerRoutes, group, scale: float, keep: tuple, deterministic: bool):
+    def forward(ctx, q, k, v, routes: LayerRoutes, group, scale: float, keep: tuple, kv_rows: int,
+                deterministic: bool):
         lead = 1 if routes.batched else 0
         G, cap = routes.groups, routes.qo_capacity  # remote rows here are QO rows (partial O, lse)
         ql, kl, vl = (to_group_major(x, G, lead).contiguous() for x in (q, k, v))
@@ -226,10 +241,15 @@ class _DistAttn(torch.autograd.Function):
                 else:
                     raise AssertionError(f"dist_attn cannot run forward op {op}")
         # only what the backward reads: a kept kind's whole X (local rows and buffer), else its local rows
-        saved = (X["qo"].x[0] if "qo" in keep else ql,) + (tuple(X["kv"].x) if "kv" in keep else (kl, vl))
+        kv_saved = (kl, vl)
+        if "kv" in keep:  # all of X, or its local rows and the first kv_rows of the buffer (the rest is cast again)
+            kv_saved = tuple(X["kv"].x) if kv_rows < 0 else tuple(_rows(x, lead, 0, n + kv_rows).clone()
+                                                               for x in X["kv"].x)
+        saved = (X["qo"].x[0] if "qo" in keep else ql,) + kv_saved
         del X
         ctx.save_for_backward(*saved, o, lse)
         ctx.routes, ctx.group, ctx.scale, ctx.keep, ctx.deterministic = routes, group, scale, keep, deterministic
+        ctx.kv_rows = kv_rows
         return from_group_major(o, G, lead), from_group_major(lse, G, lead)
 
     @staticmethod
@@ -250,7 +270,7 @@ class _DistAttn(torch.autograd.Function):
             dq, dk, dv = backward_stages(routes.plan, group, routes.ranks, routes.batched, routes.stages, ql, kl, vl,
                                          o, lse, kept_q, kept_kv, d_o, d_l, scale, ctx.deterministic)
             return (from_group_major(dq, G, lead), from_group_major(dk, G, lead), from_group_major(dv, G, lead),
-                    None, None, None, None, None)
+                    None, None, None, None, None, None)
         o, lse = saved[3:5]
         d_o = torch.zeros_like(o) if d_out is None else to_group_major(d_out, G, lead).contiguous()
         d_l = None if d_lse is None else to_group_major(d_lse, G, lead).contiguous()
@@ -259,16 +279,20 @@ class _DistAttn(torch.autograd.Function):
         remote = lambda x, cap: _rows(x, lead, n, cap)  # noqa: E731
         # stage 1's operands X = [local rows | buffer]: the forward's X of a kept kind, else built here
         xq, xk, xv = saved[:3]
+        part = keep_kv and ctx.kv_rows >= 0  # the first kv_rows of the KV buffer kept, the rest cast again
         Xq = None if keep_q else _Operands([xq], qcap, 1, lead)
-        Xkv = None if keep_kv else _Operands([xk, xv], kcap, 1, lead)
+        Xkv = None if keep_kv and not part else _Operands([local(xk), local(xv)], kcap, 1, lead)
         if Xq is not None:
             xq = Xq.x[0]
+        if part:
+            for x, kept in zip(Xkv.x, (xk, xv)):
+                _rows(x, lead, n, ctx.kv_rows).copy_(_rows(kept, lead, n, ctx.kv_rows))
         if Xkv is not None:
             xk, xv = Xkv.x
         ql, kl, vl = local(xq), local(xk), local(xv)
         works, parts, out = {}, {}, {}
         Xg = None  # dO, lse, delta over X's QO rows
-        for op in backward_ops(routes.plan.calc.q_ranges.shape[1], keep_kv):  # K, V cast again unless kept
+        for op in backward_ops(routes.plan.calc.q_ranges.shape[1], keep_kv and not part):  # K, V again unless kept
             with nvtx_range(op_range(op)):
                 if op.kind == DELTA:  # the host computes delta from its final O: O itself never travels
                     delta = _per_rank(routes, lambda r, a, b, *c_: (row_delta(a, b, c_[0] if c_ else None),),
@@ -278,7 +302,8 @@ class _DistAttn(torch.autograd.Function):
                 elif op.kind == CAST:
                     sent = tuple(local(x) for x in Xg.x) + (() if keep_q else (ql,)) if op.route == "qo" \
                         else (kl, vl)
-                    works[op.name] = issue(op, routes, group, sent)
+                    works[op.name] = issue_tail(op, routes, group, sent, ctx.kv_rows) if op.route == "kv" and part \
+                        else issue(op, routes, group, sent)
                 elif op.kind == WAIT and op.back:
                     out[op.phase] = works.pop(op.deps[0]).wait()
                 elif op.kind == WAIT:
@@ -287,6 +312,9 @@ class _DistAttn(torch.autograd.Function):
                         Xg.fill(1, bufs[:3])
                         if not keep_q:
                             Xq.fill(1, bufs[3:])
+                    elif part:  # the rows past the kept ones
+                        for x, b in zip(Xkv.x, bufs):
+                            _rows(x, lead, n + ctx.kv_rows, kcap - ctx.kv_rows).copy_(b)
                     else:
                         Xkv.fill(1, bufs)
                     del bufs
@@ -320,7 +348,7 @@ class _DistAttn(torch.autograd.Function):
                     raise AssertionError(f"dist_attn cannot run backward op {op}")
         (dq,), (dk, dv) = out["bwd.dq"], out["bwd.dkv"]
         return (from_group_major(dq, G, lead), from_group_major(dk, G, lead), from_group_major(dv, G, lead),
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 def _check_inputs(q, k, v, plan: Plan, group) -> None:
@@ -423,7 +451,7 @@ def check_plan_digest(plan: Plan, group, config_key: int, *, validate: bool) -> 
 def dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, group, *,
               softmax_scale: float | None = None, deterministic: bool = True, keep_forward_buffers: bool | str = True,
               validate: bool | None = None, debug_digest: bool = False,
-              config_key: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              config_key: int | None = None, kept_kv_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of this rank's query shard over the whole sequence, as ``plan`` assigns the work.
 
     Args:
@@ -449,6 +477,10 @@ def dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, gro
             given different masks or configs. One small collective per call: a debug mode.
         config_key: a host int digest of the caller's configuration (``config_digest``);
             default: one of the plan's shape (P, c, G, capacities, mu).
+        kept_kv_rows: with K and V kept, keep only the first this many rows of the KV receive
+            buffer (``SolverConfig.kept_kv_rows``, as ``capacity.keep_for_budget`` resolves a
+            ``memory_budget``); the rows past them are cast again in the backward. None: all.
+            One remote stage only (``num_stages = 1``).
 
     Returns:
         out ``[c, Hq, D]`` in q's dtype and lse ``[c, Hq]`` fp32 (natural log; a row with
@@ -477,4 +509,13 @@ def dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, gro
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     with nvtx_range("solve/routes"):
         routes = layer_routes(plan, group)
-    return _DistAttn.apply(q, k, v, routes, group, scale, kept_kinds(keep_forward_buffers), bool(deterministic))
+    keep = kept_kinds(keep_forward_buffers)
+    if kept_kv_rows is not None:
+        if isinstance(kept_kv_rows, bool) or not isinstance(kept_kv_rows, int) or kept_kv_rows < 0:
+            raise ValueError(f"kept_kv_rows must be None or a non-negative int, got {kept_kv_rows!r}")
+        if plan.comm.num_stages > 1:
+            raise ValueError(f"kept_kv_rows={kept_kv_rows} needs a plan with num_stages = 1, this one has "
+                             f"{plan.comm.num_stages}")
+    # the whole buffer when it fits in kept_kv_rows (-1)
+    kv_rows = -1 if kept_kv_rows is None or kept_kv_rows >= plan.comm.kv_recv_capacity else kept_kv_rows
+    return _DistAttn.apply(q, k, v, routes, group, scale, keep, kv_rows, bool(deterministic))

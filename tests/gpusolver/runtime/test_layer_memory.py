@@ -77,3 +77,39 @@ def test_plan_memory_equals_the_runtime(keep):
     assert len(fwd) == 3 and sum(fwd) == P * m.fwd_peak  # Q cast, K+V cast, O+lse reduce
     # dO with lse, delta (and Q unless kept), K+V unless kept, then the dQ and dK+dV reduces
     assert len(bwd) == (3 if kv_kept else 4) and sum(bwd) + P * m.kept == P * m.bwd_peak
+
+
+def test_part_of_the_kv_buffer_kept():
+    """``kept_kv_rows``: the first rows of the KV buffer are kept, the rest cast again (the tail of
+    the forward's cast); the gradients are those of keeping everything, bit for bit, the bytes kept
+    and moved are ``plan.memory``'s and ``pair_bytes``'s."""
+    P, c, Hq, Hkv, rows = 4, 16, 4, 2, 20
+    S = P * c
+    config = make_config(P, Hq, Hkv, max_qo_recv_rows=40, max_kv_recv_rows=64, max_qo_send_rows=56,
+                         max_kv_send_rows=88, kept_kv_rows=rows)
+    plan = solve(varlen_causal_mask(doc_lengths(S, 0)), config)
+    assert int(plan.comm.kv_recv_rows.max()) > rows  # some rows past the kept ones are cast again
+    m = plan.memory(config)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(P, c, Hq, D, generator=g, requires_grad=True)
+    k = torch.randn(P, c, Hkv, D, generator=g, requires_grad=True)
+    v = torch.randn(P, c, Hkv, D, generator=g, requires_grad=True)
+    grads = {}
+    for kept in (None, rows):
+        group = LocalGroup(P)
+        rec = _Recorder(group)
+        (out, lse), sizes, _ = _saved(lambda: dist_attn(q, k, v, plan, group, kept_kv_rows=kept))
+        rec.current = []
+        q.grad = k.grad = v.grad = None
+        (out.sum() + lse.sum()).backward()
+        grads[kept] = (q.grad, k.grad, v.grad)
+        if kept is not None:
+            own = P * c * (2 * Hq * D + 2 * Hkv * D + Hq) * 4
+            assert m.kept == 40 * (Hq // 2) * D * 4 + rows * 2 * (Hkv // 2) * D * 4
+            assert sum(sizes) == own + P * m.kept
+            assert len(rec.current) == 4 and sum(rec.current) + P * m.kept == P * m.bwd_peak
+            sent, recv = group.traffic("bwd.kv")
+            tail = plan.pair_bytes("bwd.kv", config.cost())
+            assert torch.equal(recv, tail.sum(0)) and int(tail.sum()) > 0
+    for a, b in zip(grads[None], grads[rows]):
+        assert torch.equal(a, b)
