@@ -19,9 +19,10 @@ With S remote sub-stages (``num_stages``) every receive term is S times: each su
 casts into buffers of its own.
 
 Not counted: the layer's own activations (its q, k, v, out and lse, which plain attention
-keeps too) and the runtime's copies around the buffers (stage 1's concatenation of local
-rows and buffer, the partial outputs over those rows, the reduce's fp32 work), which
-``benchmarks/layer_memory.py`` measures.
+keeps too) and the runtime's work around the buffers (the local rows that share stage 1's
+operand tensor with each buffer, stage 1's outputs over those rows, the reduce's fp32 sums
+over the host's rows and one window of returned rows), which ``benchmarks/layer_memory.py``
+measures.
 """
 from __future__ import annotations
 

@@ -10,7 +10,9 @@ Forward, per rank (docs/design/layers.md, "Data flow of one layer"):
 2. the cast of remote Q (phase ``fwd.qo``) and of K with V (``fwd.kv``)
    starts, and stage 0 (tasks whose units are both local) runs while it is
    in flight;
-3. stage 1 runs on ``concat(local rows, receive buffer)``;
+3. stage 1 runs on ``X = [local rows | receive buffer]``, one tensor per operand
+   allocated once, each buffer copied into its slot when its cast is waited for (no
+   concatenation: what the backward keeps of a kind is its X);
 4. the partial (out, lse) of received query rows go back to their host and
    are merged there with the log-sum-exp correction (``fwd.o``).
 
@@ -21,7 +23,9 @@ The order, streams and waits are data: ``gpusolver.plan.schedule``'s
 Backward moves as little as it can: the host computes the row delta
 ``rowsum(dO * O) - dlse`` itself and casts dO, lse and delta (``bwd.qo``),
 never O; the Q, K and V a helper received in the forward are kept
-(``keep_forward_buffers``; otherwise cast again, ``bwd.q`` / ``bwd.kv``);
+(``keep_forward_buffers``; otherwise cast again, ``bwd.q`` / ``bwd.kv``; with
+``kept_kv_rows`` only the first rows of the KV buffer are kept and ``bwd.kv`` casts
+the rest, ``groupcomm.tail_routing``);
 partial dQ is summed back to the QO host (``bwd.dq``), dK and dV to the KV
 host (``bwd.dkv``). These are the volumes ``PlanMetrics`` prices
 (``CommCost``), and the groups' byte counters equal them.
