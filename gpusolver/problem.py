@@ -175,9 +175,12 @@ class CommCost:
     received in the forward; without it they are sent again (fewer saved
     activations, more bytes); ``"qo"`` keeps only Q (K and V sent again), ``"kv"`` only K
     and V (Q sent again). ``kept_kv_rows``: a helper that keeps K and V keeps only the first
-    rows of its KV receive buffer and receives the rest again (``groupcomm.tail_routing``);
-    which units lie past those rows depends on the assignment, so a unit's ``kv_bwd`` is then
-    priced as sent again (an upper bound; ``plan.pair_bytes`` counts the exact tail).
+    rows of its KV receive buffer and receives the rest again (``groupcomm.tail_routing``).
+    Which units lie past those rows depends on the assignment, so a unit's ``kv_bwd`` is priced
+    as kept (a lower bound: plans of the benchmark masks fill fewer KV rows than a budget of
+    1.5x plain attention keeps, and pricing every row as sent again steers the solve to slower
+    plans, ``benchmarks/results/layer_memory.md``); ``plan.pair_bytes`` and the simulator
+    count the exact tail.
     """
 
     num_heads_q: int
@@ -229,12 +232,8 @@ class CommCost:
 
     @property
     def kv_bwd(self) -> int:
-        return 0 if self.kv_fully_kept else self.kv_fwd
+        return 0 if "kv" in kept_kinds(self.keep_forward_buffers) else self.kv_fwd
 
-    @property
-    def kv_fully_kept(self) -> bool:
-        """Helpers keep every K, V row they received (no ``bwd.kv`` cast)."""
-        return "kv" in kept_kinds(self.keep_forward_buffers) and self.kept_kv_rows is None
 
     @property
     def dkv_bwd(self) -> int:

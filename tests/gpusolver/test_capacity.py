@@ -65,3 +65,15 @@ def test_sub_stages_keep_a_buffer_each():
     for keep in (True, "qo", "kv", False):
         assert kept_bytes(three, c, keep) == 3 * kept_bytes(one, c, keep), keep
     assert kept_bytes(three, c, "qo") > 0
+
+
+def test_kept_kv_rows_prices_and_checks():
+    part = CommCost(8, 2, 16, 2, 2, True, kept_kv_rows=5)
+    assert part.kv_bwd == 0 and part.q_bwd == CommCost(8, 2, 16, 2, 2, True).q_bwd
+    assert SolverConfig(cp_size=4, kept_kv_rows=7).cost().kept_kv_rows == 7
+    with pytest.raises(ValueError, match="kept_kv_rows"):
+        SolverConfig(cp_size=4, kept_kv_rows=-1)
+    with pytest.raises(ValueError, match="num_stages"):
+        SolverConfig(cp_size=4, kept_kv_rows=8, num_stages=2)
+    with pytest.raises(ValueError, match="kept_kv_rows"):
+        CommCost(8, 2, 16, 2, 2, True, kept_kv_rows=1.5)

@@ -113,3 +113,14 @@ def test_part_of_the_kv_buffer_kept():
             assert torch.equal(recv, tail.sum(0)) and int(tail.sum()) > 0
     for a, b in zip(grads[None], grads[rows]):
         assert torch.equal(a, b)
+
+
+def test_kept_kv_rows_must_be_a_row_count():
+    P, c = 4, 16
+    config = make_config(P, 4, 2)
+    plan = solve(varlen_causal_mask(doc_lengths(P * c, 0)), config)
+    q = torch.randn(P, c, 4, D)
+    k = v = torch.randn(P, c, 2, D)
+    for bad in (-1, 2.0, True):
+        with pytest.raises(ValueError, match="kept_kv_rows"):
+            dist_attn(q, k, v, plan, LocalGroup(P), kept_kv_rows=bad)
