@@ -96,13 +96,12 @@ def plain_kept_bytes(config: SolverConfig, chunk: int) -> int:
 
 def kept_bytes(config: SolverConfig, chunk: int, keep, kept_kv_rows: int | None = None) -> int:
     """Bytes per rank a layer keeps in its receive buffers with ``keep`` (True, False, "qo", "kv"):
-    one buffer of each kept kind per remote sub-stage (``num_stages``); of the KV buffer only its
-    first ``kept_kv_rows`` rows when given."""
+    one buffer of each kept kind, whatever ``num_stages`` (the sub-stages share it); of the KV
+    buffer only its first ``kept_kv_rows`` rows when given."""
     rows = buffer_rows(config, chunk)
     cost = config.cost()
-    S = config.num_stages
     kv_rows = rows.kv_recv if kept_kv_rows is None else min(rows.kv_recv, kept_kv_rows)
-    per_kind = {"qo": S * rows.qo_recv * cost.q_fwd, "kv": S * kv_rows * cost.kv_fwd}
+    per_kind = {"qo": rows.qo_recv * cost.q_fwd, "kv": kv_rows * cost.kv_fwd}
     return sum(per_kind[k] for k in kept_kinds(keep))
 
 
@@ -139,3 +138,51 @@ def keep_for_budget(config: SolverConfig, chunk: int) -> SolverConfig:
         if rows > 0:  # fewer than the whole buffer: it did not fit
             best, kv_rows = _with_kv(best), rows
     return replace(config, keep_forward_buffers=best, kept_kv_rows=kv_rows, memory_budget=None)
+
+
+# Relay transport (``gpusolver.plan.relay``): rows of each relay's buffer (what it receives over
+# InfiniBand for its node) and of its fan-out send list (what it forwards over NVLink), per kind,
+# in multiples of G * c, capped at the worst case. Candidates past them go direct, so these
+# bound memory, never correctness.
+RELAY_CHUNKS = {"qo_relay": 4, "kv_relay": 8, "qo_fan": 8, "kv_fan": 24}
+
+
+@dataclass(frozen=True)
+class RelayRows:
+    """Rows of each rank's relay buffers per kind (host ints, static)."""
+
+    qo_relay: int
+    kv_relay: int
+    qo_fan: int
+    kv_fan: int
+
+    def relay(self, kind: str) -> int:
+        return self.qo_relay if kind == "qo" else self.kv_relay
+
+    def fan(self, kind: str) -> int:
+        return self.qo_fan if kind == "qo" else self.kv_fan
+
+
+def relay_rows(config: SolverConfig, chunk: int, ranks_per_node: int, **override: int) -> RelayRows:
+    """The relay buffers of a plan of ``config`` on nodes of ``ranks_per_node``, c = ``chunk``.
+
+    Per buffer: ``override[name]`` when given (``qo_relay=...``), else
+    ``min(worst, RELAY_CHUNKS[name] * G * c)``; worst: a relay buffer holds at most every
+    other node's same-rail host's chunk, ``G * c * (N - 1)``, a fan-out list every other rank
+    of the node taking all of it, ``(L - 1)`` times that.
+    """
+    G, P, L = config.head_groups, config.cp_size, ranks_per_node
+    bad = set(override) - set(RELAY_CHUNKS)
+    if bad:
+        raise ValueError(f"relay_rows: unknown buffers {sorted(bad)}, expected {sorted(RELAY_CHUNKS)}")
+    worst_relay = G * chunk * max(P // L - 1, 0)
+    rows = {}
+    for name, chunks in RELAY_CHUNKS.items():
+        v = override.get(name)
+        if v is None:
+            worst = worst_relay if name.endswith("relay") else worst_relay * (L - 1)
+            v = min(worst, chunks * G * chunk)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"relay_rows: {name} must be a non-negative int, got {v!r}")
+        rows[name] = v
+    return RelayRows(**rows)

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import torch
 
-from gpusolver.capacity import BufferRows, buffer_rows
+from gpusolver.capacity import BufferRows, RelayRows, buffer_rows, relay_rows as default_relay_rows
 from gpusolver.config import SolverConfig
 from gpusolver.limits import check_plan_rows
 from gpusolver.masks.slices import AttnSlices
@@ -18,6 +18,7 @@ from gpusolver.plan.calc_meta import build_calc_meta, default_stage_capacity
 from gpusolver.plan.comm_meta import build_comm_meta
 from gpusolver.plan.meta import (BUFFER_OVERFLOW, CALC_OVERFLOW, IMBALANCED, INVALID_MASK, NEED_MISMATCH, UNASSIGNED,
                                  Plan)
+from gpusolver.plan.relay import build_relay_meta
 from gpusolver.plan.stages import assign_stages
 from gpusolver.problem import BlockAreas
 
@@ -75,14 +76,15 @@ def plan_capacities(config: SolverConfig, num_slices: int, chunk: int, *, recv_c
         rows = replace(rows, qo_recv=recv_capacity, kv_recv=recv_capacity)
     if send_capacity is not None:
         rows = replace(rows, qo_send=send_capacity, kv_send=send_capacity)
-    # CalcMeta rows index local rows, then the sub-stages' receive buffers (per kind), in int32
-    check_plan_rows(G, chunk, rows.largest_recv, config.num_stages)
+    # CalcMeta rows index local rows, then the receive buffer of each kind (shared by the sub-stages), in int32
+    check_plan_rows(G, chunk, rows.largest_recv)
     return stage, rows
 
 
 def build_plan(mask: AttnSlices, areas: BlockAreas, assignment: torch.Tensor, config: SolverConfig, *,
                imbalance_tol: float | None = None, recv_capacity: int | None = None,
-               send_capacity: int | None = None, buffers: BufferRows | None = None, topology=None) -> Plan:
+               send_capacity: int | None = None, buffers: BufferRows | None = None, topology=None,
+               relay_rows: RelayRows | None = None) -> Plan:
     """The Plan of an assignment, for all ranks at once. Sync-free.
 
     mask:          AttnSlices, q_ranges / k_ranges [R, 2] or [G, R, 2], attn_type
@@ -93,17 +95,21 @@ def build_plan(mask: AttnSlices, areas: BlockAreas, assignment: torch.Tensor, co
     config:        SolverConfig (P, G, byte costs, mu, ``max_stage_slices``).
     imbalance_tol: mu for the IMBALANCED bit (default ``config.imbalance_tol``).
     recv_capacity, send_capacity, buffers: the collective buffers' rows
-                   (default: ``plan_capacities``); with ``config.num_stages`` S > 1 each
-                   sub-stage has its own QO and KV receive buffers of those rows.
+                   (default: ``plan_capacities``); with ``config.num_stages`` S > 1 the
+                   sub-stages share the one QO and the one KV receive buffer.
     topology:      the cluster (``gpusolver.topology.Topology``) for the order of the
                    sub-stages (intra-node sources first); None: ``config.topology`` if the
                    config has one, else one link class.
+    relay_rows:    the relay buffers' rows (default ``capacity.relay_rows``) when
+                   ``config.relays``: then ``plan.relay`` routes inter-node transfers through
+                   each node's relay (``gpusolver.plan.relay``) on ``config.topology``'s nodes.
 
     Returns a Plan whose shapes depend only on (config, R, c, capacities).
     Problems are reported in ``plan.status``; call ``plan.validate()`` on the
     host to turn them into errors.
     """
     _check_args(mask, areas, assignment, config)
+    relays = relay_transport(config)
     stage_cap, rows = plan_capacities(config, mask.num_slices, areas.rank_tokens, recv_capacity=recv_capacity,
                                       send_capacity=send_capacity, buffers=buffers)
     mu = config.imbalance_tol if imbalance_tol is None else float(imbalance_tol)
@@ -125,5 +131,32 @@ def build_plan(mask: AttnSlices, areas: BlockAreas, assignment: torch.Tensor, co
               | bit(comm_overflow | flags["buffer_overflow"], BUFFER_OVERFLOW)
               | bit(flags["unassigned"], UNASSIGNED) | bit(flags["mismatch"], NEED_MISMATCH)
               | bit(mask.value_error(), INVALID_MASK))
+    relay = None
+    if relays:
+        L = config.topology.ranks_per_node
+        rows_r = default_relay_rows(config, areas.rank_tokens, L) if relay_rows is None else relay_rows
+        relay = build_relay_meta(comm, L, rows_r)
     return Plan(assignment=assignment, metrics=metrics, comm=comm, calc=calc, status=status,
-                area=areas.area, imbalance_tol=mu, cost=cost, stage_of_task=task_stage)
+                area=areas.area, imbalance_tol=mu, cost=cost, stage_of_task=task_stage, relay=relay)
+
+
+def relay_transport(config: SolverConfig, sparse: bool = False) -> bool:
+    """Whether a plan of ``config`` routes inter-node rows by relay (``SolverConfig.relays``).
+
+    Relay runs plans with one remote stage and slice masks. Asked for explicitly
+    (``ib_relay=True``) with sub-stages or a sparse plan it is a ValueError; by default
+    (``ib_relay=None``) those plans keep direct transport (docs/support_matrix.md).
+    """
+    if not config.relays:
+        return False
+    why = None
+    if config.num_stages > 1:
+        why = f"num_stages={config.num_stages} (relay transport runs one remote stage)"
+    elif sparse:
+        why = "a sparse plan (relay transport runs slice-mask plans)"
+    if why is None:
+        return True
+    if config.ib_relay:
+        raise ValueError(f"ib_relay=True is not supported with {why}: set SolverConfig(ib_relay=False) "
+                         "or leave ib_relay=None for direct transport there")
+    return False

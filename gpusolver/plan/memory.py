@@ -15,8 +15,11 @@ and ``hkv = Hkv / G`` KV heads, activations of ``b`` bytes:
               KV buffer its first ``kept_kv_rows`` rows only, when given: the rest is cast again
               into a buffer of the remaining rows, so the backward peak is the same)
 
-With S remote sub-stages (``num_stages``) every receive term is S times: each sub-stage
-casts into buffers of its own.
+With S remote sub-stages (``num_stages``) the terms are the same: the S casts of a kind land
+in one buffer at the plan's capacity, each at its own rows (``CommMeta.stage_base``), and the
+S reduces in flight at once hold no more than one send list between them (``TorchGroup``
+returns into buffers of the rows each reduce really returns; ``LocalGroup`` and
+``SymmMemGroup`` finish each reduce before the next starts).
 
 Not counted: the layer's own activations (its q, k, v, out and lse, which plain attention
 keeps too) and the runtime's work around the buffers (the local rows that share stage 1's
@@ -57,10 +60,10 @@ def buffer_memory(comm, num_heads_q: int, num_heads_kv: int, head_dim: int, dtyp
     hq, hkv = num_heads_q // G, num_heads_kv // G
     b = torch.empty((), dtype=dtype).element_size()
     q_row, kv_row = hq * head_dim * b, 2 * hkv * head_dim * b
-    rows, S = comm.buffers, getattr(comm, "num_stages", 1)  # each sub-stage receives into buffers of its own
-    q_buf, kv_buf = S * rows.qo_recv * q_row, S * rows.kv_recv * kv_row
+    rows = comm.buffers
+    q_buf, kv_buf = rows.qo_recv * q_row, rows.kv_recv * kv_row  # shared by the sub-stages
     fwd = q_buf + kv_buf + rows.qo_send * (q_row + 4 * hq)
-    bwd = S * rows.qo_recv * (q_row + 8 * hq) + q_buf + kv_buf + rows.qo_send * q_row + rows.kv_send * kv_row
+    bwd = rows.qo_recv * (q_row + 8 * hq) + q_buf + kv_buf + rows.qo_send * q_row + rows.kv_send * kv_row
     kinds = kept_kinds(keep)
     kv_kept = kv_buf if kept_kv_rows is None else min(kept_kv_rows, rows.kv_recv) * kv_row
     kept = (q_buf if "qo" in kinds else 0) + (kv_kept if "kv" in kinds else 0)

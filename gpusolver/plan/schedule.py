@@ -21,7 +21,8 @@ With S > 1 sub-stages (``gpusolver.plan.stages``) every collective belongs to
 one sub-stage (``Op.stages = (s,)``) and moves that sub-stage's split
 (``CommMeta.stage_split``): all casts are issued up front, sub-stage s waits
 only for cast s, and reduce s returns the partials whose last task was in s
-right after s ends, while s + 1 computes.
+right after s ends, while s + 1 computes. The forward runs the local stage
+first (it hides the casts), the backward last (it hides the returns).
 
 Shape legend: G head groups, U units (P without tiling), P ranks.
 """
@@ -35,7 +36,7 @@ from gpusolver.problem import kept_kinds
 from groupcomm import tail_split
 
 __all__ = ["Op", "CAST", "REDUCE", "WAIT", "ATTN", "MERGE", "DELTA", "forward_ops", "backward_ops",
-           "row_bytes", "pair_bytes", "task_stage", "stage_area", "PHASES"]
+           "row_bytes", "pair_bytes", "task_stage", "stage_area", "PHASES", "hop_phase"]
 
 CAST, REDUCE, WAIT, ATTN, MERGE, DELTA = "cast", "reduce", "wait", "attn", "merge", "delta"
 COMPUTE, COMM = "compute", "comm"
@@ -62,6 +63,9 @@ class Op:
             remote partials it returns; with S > 1 sub-stages a CAST, REDUCE or WAIT names the
             one sub-stage whose split it moves.
     branch: the output branch a fwd.o reduce returns (NSA layers have two), else 0.
+    hop:    relay transport (``gpusolver.plan.relay``): 0 the direct rows, 1 the InfiniBand leg
+            (host <-> the node's relay), 2 the NVLink leg (relay <-> its node's consumers);
+            always 0 in a plan without relay.
     """
 
     name: str
@@ -73,21 +77,34 @@ class Op:
     back: bool = False
     stages: tuple[int, ...] = ()
     branch: int = 0
+    hop: int = 0
 
     @property
     def collective(self) -> bool:
         return self.kind in (CAST, REDUCE)
 
+    @property
+    def counter(self) -> str:
+        """The groupcomm phase its bytes are counted under (``hop_phase``)."""
+        return hop_phase(self.phase, self.hop)
 
-def _collective(kind: str, phase: str, deps=(), stages=(), branch: int = 0, tag: str = "") -> Op:
+
+def hop_phase(phase: str, hop: int) -> str:
+    """The byte-counter label of one hop of a collective phase: ``phase`` itself for hop 0
+    (direct), ``"<phase>:hop1"`` / ``"<phase>:hop2"`` for the relay legs."""
+    return phase if hop == 0 else f"{phase}:hop{hop}"
+
+
+def _collective(kind: str, phase: str, deps=(), stages=(), branch: int = 0, tag: str = "", hop: int = 0) -> Op:
     route, back = PHASES[phase]
+    tag = tag + (f":hop{hop}" if hop else "")
     return Op(name=f"{phase.split('.')[0]}.{kind}.{phase.split('.')[1]}{tag}", kind=kind, stream=COMM,
-              deps=tuple(deps), phase=phase, route=route, back=back, stages=tuple(stages), branch=branch)
+              deps=tuple(deps), phase=phase, route=route, back=back, stages=tuple(stages), branch=branch, hop=hop)
 
 
 def _wait(op: Op) -> Op:
     return Op(name=op.name.replace(f".{op.kind}.", ".wait.", 1), kind=WAIT, stream=COMPUTE, deps=(op.name,),
-              phase=op.phase, route=op.route, back=op.back, stages=op.stages, branch=op.branch)
+              phase=op.phase, route=op.route, back=op.back, stages=op.stages, branch=op.branch, hop=op.hop)
 
 
 # built once per shape and kept; under torch.compile the lists are constants, and a list first
@@ -105,12 +122,17 @@ def _kept(key: tuple, build) -> tuple[Op, ...]:
     return ops
 
 
-def forward_ops(num_stages: int = 2, branches: int = 1) -> tuple[Op, ...]:
+def forward_ops(num_stages: int = 2, branches: int = 1, relay: bool = False) -> tuple[Op, ...]:
     """The forward: both casts up front, stage 0 while they fly, the remote stages, merge, reduce O.
 
     num_stages: CalcMeta stages (2: local + one remote; S + 1 with S sub-stages).
     branches: outputs per query row (one with sub-stages).
+    relay: the plan's transport relays inter-node rows (``Plan.relay``): every cast and
+        reduce becomes its hops (``_forward_relay_ops``); one remote stage, one branch.
     """
+    if relay:
+        return _kept(("fwd-relay", num_stages, branches), lambda: _forward_relay_ops(num_stages, branches))
+
     def build():
         _check(num_stages, branches)
         if num_stages > 2 and branches != 1:
@@ -158,12 +180,15 @@ def _forward_ops(num_stages: int, branches: int) -> tuple[Op, ...]:
     return tuple(ops)
 
 
-def backward_ops(num_stages: int = 2, keep_forward_buffers: bool = True) -> tuple[Op, ...]:
+def backward_ops(num_stages: int = 2, keep_forward_buffers: bool = True, relay: bool = False) -> tuple[Op, ...]:
     """The backward: delta on the host, the dO cast (awaited before stage 0), the stages, dQ and dK/dV back.
 
     Without kept forward buffers Q travels with dO and K, V are cast again (``bwd.kv``).
+    relay: every cast and reduce becomes its relay hops (``_backward_relay_ops``).
     """
     keep = bool(keep_forward_buffers)
+    if relay:
+        return _kept(("bwd-relay", num_stages, keep), lambda: _backward_relay_ops(num_stages, keep))
 
     def build():
         _check(num_stages, 1)
@@ -174,8 +199,14 @@ def backward_ops(num_stages: int = 2, keep_forward_buffers: bool = True) -> tupl
 
 def _backward_sub_stages(S: int, keep_forward_buffers: bool) -> tuple[Op, ...]:
     """S sub-stages: delta, then casts 1..S of dO, lse, delta (and Q, K, V again without kept buffers)
-    up front and stage 0 while they fly; sub-stage s after its own casts, reduces of dQ and dK / dV s
-    right after it; the host sums its rows with reduces 1..S in that order (``bwd.merge``)."""
+    up front; sub-stage s after its own casts, reduces of dQ and dK / dV s right after it; the local
+    stage 0 last, while the reduces fly; the host sums its rows with reduces 1..S in that order
+    (``bwd.merge``).
+
+    The local stage runs last here (first in the forward) because the backward's returns are its
+    large transfers: dQ, dK and dV go back to every remote host while dO, lse and delta travel
+    one way only (K and V are kept), so the remote sub-stages' partials must leave early, and the
+    local work, which returns nothing, is what hides them."""
     ops = [Op("bwd.delta", DELTA, COMPUTE, phase="bwd")]
     casts = []
     for s in range(1, S + 1):
@@ -184,7 +215,6 @@ def _backward_sub_stages(S: int, keep_forward_buffers: bool) -> tuple[Op, ...]:
             mine.append(_collective(CAST, "bwd.kv", stages=(s,), tag=f".{s}"))
         casts.append(mine)
         ops += mine
-    ops.append(Op("bwd.attn.0", ATTN, COMPUTE, phase="bwd", stages=(0,)))
     reduces = []
     for s, mine in enumerate(casts, start=1):
         waits = [_wait(c) for c in mine]
@@ -192,6 +222,7 @@ def _backward_sub_stages(S: int, keep_forward_buffers: bool) -> tuple[Op, ...]:
         pair = [_collective(REDUCE, ph, deps=(attn.name,), stages=(s,), tag=f".{s}") for ph in ("bwd.dq", "bwd.dkv")]
         reduces += pair
         ops += [*waits, attn, *pair]
+    ops.append(Op("bwd.attn.0", ATTN, COMPUTE, phase="bwd", stages=(0,)))
     back = [_wait(r) for r in reduces]
     ops += back
     ops.append(Op("bwd.merge", MERGE, COMPUTE, deps=tuple(w.name for w in back), phase="bwd",
@@ -217,6 +248,57 @@ def _backward_ops(num_stages: int, keep_forward_buffers: bool) -> tuple[Op, ...]
     for phase in ("bwd.dq", "bwd.dkv"):
         r = _collective(REDUCE, phase, deps=tuple(attn), stages=remote)
         ops += [r, _wait(r)]
+    return tuple(ops)
+
+
+def _relay_check(num_stages: int, branches: int) -> None:
+    _check(num_stages, branches)
+    if num_stages != 2 or branches != 1:
+        raise ValueError(f"relay transport runs one remote stage and one output branch, got "
+                         f"num_stages={num_stages} (CalcMeta stages), branches={branches}")
+
+
+def _relay_cast(phase: str, deps=()) -> list[Op]:
+    """A cast as its hops: InfiniBand to the relays first (the fan-out reads what it brings), then
+    the direct rows, then the fan-out over NVLink once hop 1 has landed."""
+    hop1 = _collective(CAST, phase, deps=deps, hop=1)
+    direct = _collective(CAST, phase, deps=deps)
+    hop2 = _collective(CAST, phase, deps=(hop1.name,), hop=2)
+    return [hop1, direct, hop2]
+
+
+def _relay_reduce(phase: str, deps) -> list[Op]:
+    """A reduce as its hops: partials to the relays (hop 2, merged there), the direct rows back,
+    then the relays' merged rows over InfiniBand (hop 1); the host merges direct, then relayed."""
+    hop2 = _collective(REDUCE, phase, deps=deps, hop=2)
+    merged = _wait(hop2)
+    direct = _collective(REDUCE, phase, deps=deps)
+    hop1 = _collective(REDUCE, phase, deps=(merged.name,), hop=1)
+    return [hop2, merged, direct, hop1, _wait(direct), _wait(hop1)]
+
+
+def _forward_relay_ops(num_stages: int, branches: int) -> tuple[Op, ...]:
+    _relay_check(num_stages, branches)
+    casts = _relay_cast("fwd.qo") + _relay_cast("fwd.kv")
+    waits = [_wait(c) for c in casts if c.hop != 1]  # hop 1 is awaited by its fan-out
+    ops = casts + [Op("fwd.attn.0", ATTN, COMPUTE, phase="fwd", stages=(0,))] + waits
+    ops.append(Op("fwd.attn.1", ATTN, COMPUTE, deps=tuple(w.name for w in waits), phase="fwd", stages=(1,)))
+    ops.append(Op("fwd.merge", MERGE, COMPUTE, deps=("fwd.attn.0", "fwd.attn.1"), phase="fwd", stages=(0, 1)))
+    ops += _relay_reduce("fwd.o", ("fwd.merge", "fwd.attn.0", "fwd.attn.1"))
+    return tuple(ops)
+
+
+def _backward_relay_ops(num_stages: int, keep_forward_buffers: bool) -> tuple[Op, ...]:
+    _relay_check(num_stages, 1)
+    ops = [Op("bwd.delta", DELTA, COMPUTE, phase="bwd")]
+    casts = _relay_cast("bwd.qo", deps=("bwd.delta",))
+    if not keep_forward_buffers:
+        casts += _relay_cast("bwd.kv")
+    waits = [_wait(c) for c in casts if c.hop != 1]
+    ops += casts + [Op("bwd.attn.0", ATTN, COMPUTE, phase="bwd", stages=(0,))] + waits
+    ops.append(Op("bwd.attn.1", ATTN, COMPUTE, deps=tuple(w.name for w in waits), phase="bwd", stages=(1,)))
+    for phase in ("bwd.dq", "bwd.dkv"):
+        ops += _relay_reduce(phase, ("bwd.attn.0", "bwd.attn.1"))
     return tuple(ops)
 
 
@@ -246,6 +328,11 @@ def kv_split_of(plan) -> torch.Tensor:
 def op_split(plan, op: Op) -> torch.Tensor:
     """[P(src), P(dst)] int64 rows the collective ``op`` moves host -> helper (before ``back``)."""
     comm = plan.comm
+    relay = getattr(plan, "relay", None)
+    if relay is not None:  # one hop of relay transport
+        return relay.route(op.route).split(op.hop)
+    if op.hop:
+        raise ValueError(f"op {op.name!r} is hop {op.hop} of relay transport but the plan has no relay")
     if getattr(comm, "num_stages", 1) > 1:  # one sub-stage's split
         (s,) = op.stages
         return comm.stage_split(op.route, "return" if op.back else "cast")[s - 1]
@@ -271,13 +358,14 @@ def plan_ops(plan, phase: str, keep_forward_buffers, kept_kv_rows: int | None = 
     kept_kv_rows: only that many KV rows kept, the rest cast again (``bwd.kv`` moves the tail)."""
     calc = getattr(plan, "calc", None)
     num_stages = calc.q_ranges.shape[1] if calc is not None else 2
+    relay = getattr(plan, "relay", None) is not None
     if phase == "fwd":
         branches = 2 if getattr(getattr(plan, "spec", None), "window_size", 0) else 1
-        return forward_ops(num_stages, branches)
-    return backward_ops(num_stages, "kv" in kept_kinds(keep_forward_buffers) and kept_kv_rows is None)
+        return forward_ops(num_stages, branches, relay)
+    return backward_ops(num_stages, "kv" in kept_kinds(keep_forward_buffers) and kept_kv_rows is None, relay)
 
 
-def pair_bytes(plan, phase: str, cost, stage: int | None = None) -> torch.Tensor:
+def pair_bytes(plan, phase: str, cost, stage: int | None = None, hop: int | None = None) -> torch.Tensor:
     """[P(src), P(dst)] int64 bytes a layer moves from source to destination.
 
     phase: "fwd" or "bwd" (every collective of that pass), or one collective's phase
@@ -285,6 +373,7 @@ def pair_bytes(plan, phase: str, cost, stage: int | None = None) -> torch.Tensor
     cost: the ``CommCost`` pricing a row (its ``keep_forward_buffers`` decides ``bwd.kv``).
     stage: None for every sub-stage; s in 1..S for the collectives of sub-stage s alone
         (with one remote stage, s = 1 is all of them).
+    hop: None for every hop; 0, 1 or 2 for one hop of relay transport (``Op.hop``).
     """
     if cost is None:
         raise ValueError("pair_bytes needs the plan's CommCost (the plan was built without one: pass cost=)")
@@ -295,8 +384,12 @@ def pair_bytes(plan, phase: str, cost, stage: int | None = None) -> torch.Tensor
     S = getattr(plan.comm, "num_stages", 1)
     if stage is not None and not (isinstance(stage, int) and 1 <= stage <= S):
         raise ValueError(f"stage must be None or an int in [1, {S}], got {stage!r}")
+    if hop is not None and (isinstance(hop, bool) or hop not in (0, 1, 2)):
+        raise ValueError(f"hop must be None, 0 (direct), 1 (InfiniBand) or 2 (NVLink fan-out), got {hop!r}")
     for op in plan_ops(plan, phase.split(".")[0], cost.keep_forward_buffers, getattr(cost, "kept_kv_rows", None)):
         if stage is not None and S > 1 and op.stages != (stage,):
+            continue
+        if hop is not None and op.hop != hop:
             continue
         if op.collective and (op.phase == phase or op.phase.startswith(phase + ".")):
             total = total + op_pair_bytes(plan, op, cost)
@@ -332,5 +425,7 @@ def stage_area(plan, num_stages: int = 2) -> torch.Tensor:
 
 for _branches in (1, 2):
     forward_ops(2, _branches)
+forward_ops(2, 1, relay=True)
 for _keep in (True, False):
     backward_ops(2, _keep)
+    backward_ops(2, _keep, relay=True)

@@ -52,7 +52,7 @@ from gpusolver.masks.constructors import sliding_window_mask
 from gpusolver.masks.slices import AttnSlices
 from gpusolver.masks.sparse import BlockSparseMask, NSALayerMask, TokenTopKMask
 from gpusolver.metrics import PlanMetrics, _volumes, evaluate
-from gpusolver.plan.build import plan_capacities
+from gpusolver.plan.build import plan_capacities, relay_transport
 from gpusolver.plan.calc_meta import build_calc_meta
 from gpusolver.plan.comm_meta import _recv_offsets, build_comm_meta
 from gpusolver.plan.gather import send_index
@@ -471,6 +471,7 @@ def build_sparse_plan(areas: BlockAreas, assignment: torch.Tensor, config: Solve
     if config.num_stages != 1:
         raise ValueError(f"num_stages={config.num_stages}: sparse plans (NSA, DSA) run one remote stage so far; "
                          "use num_stages=1")
+    relay_transport(config, sparse=True)  # sparse plans travel direct; ib_relay=True is refused
     G, P, n = config.head_groups, config.cp_size, config.chunk_tiles
     if areas.head_groups != G or areas.cp_size != P or areas.tiles != n:
         raise ValueError(f"areas are for G={areas.head_groups}, P={areas.cp_size}, tiles={areas.tiles} but the "

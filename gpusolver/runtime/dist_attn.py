@@ -53,6 +53,7 @@ from gpusolver.problem import kept_kinds
 from gpusolver.runtime.layout import from_group_major, to_group_major
 from gpusolver.runtime.pipelined import (StageRoutes, _Operands, backward_stages, forward_stages, op_range,
                                          stage_routes)
+from gpusolver.runtime.relayed import RelayRoutes, relay_backward, relay_forward, relay_routes
 from gpusolver.support import check_supported
 from groupcomm import (CollectiveError, TorchGroup, as_group, group_cast, group_reduce, host_splits, retain,
                        tail_routing)
@@ -73,6 +74,8 @@ class LayerRoutes:
     qo_host, kv_host:   their host copies (``TorchGroup`` only, else None).
     stages:       the sub-stages' routing when the plan has S > 1 (``pipelined.StageRoutes``;
                   the fields above are then None), else None.
+    relay:        the hops of a relay plan (``Plan.relay``; ``relayed.RelayRoutes``; the fields
+                  above are then None), else None.
     """
 
     plan: Plan
@@ -85,6 +88,7 @@ class LayerRoutes:
     qo_host: object
     kv_host: object
     stages: StageRoutes | None = None
+    relay: RelayRoutes | None = None
 
     @property
     def groups(self) -> int:
@@ -113,6 +117,13 @@ def layer_routes(plan: Plan, group) -> LayerRoutes:
         raise ValueError(f"the plan is for P = {P} ranks but the group has {group.size}")
     batched = bool(getattr(group, "batched", False))
     ranks = tuple(range(P)) if batched else (group.rank,)
+    if getattr(plan, "relay", None) is not None:  # inter-node rows by relay: every collective as its hops
+        if type(group).__name__ == "SymmMemGroup":
+            raise ValueError("plan has relay transport (plan.relay: its group spans nodes) but the group is a "
+                             "SymmMemGroup, which covers one node's NVLink: use TorchGroup, or build the plan "
+                             "with SolverConfig(ib_relay=False)")
+        return LayerRoutes(plan=plan, ranks=ranks, batched=batched, qo_index=None, kv_index=None, qo_split=None,
+                           kv_split=None, qo_host=None, kv_host=None, relay=relay_routes(plan, group, ranks, batched))
     if comm.num_stages > 1:
         return LayerRoutes(plan=plan, ranks=ranks, batched=batched, qo_index=None, kv_index=None, qo_split=None,
                            kv_split=None, qo_host=None, kv_host=None,
@@ -194,11 +205,22 @@ class _DistAttn(torch.autograd.Function):
         lead = 1 if routes.batched else 0
         G, cap = routes.groups, routes.qo_capacity  # remote rows here are QO rows (partial O, lse)
         ql, kl, vl = (to_group_major(x, G, lead).contiguous() for x in (q, k, v))
-        if routes.stages is not None:  # S remote sub-stages: their own executor of the same op lists
+        if routes.stages is not None or routes.relay is not None:  # their own executors of the same op lists
             ctx.routes, ctx.group, ctx.scale, ctx.keep, ctx.deterministic = routes, group, scale, keep, deterministic
-            o, lse, operands = forward_stages(routes.plan, group, routes.ranks, routes.batched, routes.stages,
-                                              ql, kl, vl, scale, deterministic)
+            if routes.relay is not None:
+                o, lse, operands = relay_forward(routes.plan, group, routes.ranks, routes.batched, routes.relay,
+                                                 ql, kl, vl, scale, deterministic)
+            else:
+                o, lse, operands = forward_stages(routes.plan, group, routes.ranks, routes.batched, routes.stages,
+                                                  ql, kl, vl, scale, deterministic)
             x_q, x_k, x_v = operands  # only the kept kinds' operands: the others are cast again
+            if routes.relay is None:
+                # a sub-stage operand's first n rows are the local rows: keep them once, as views of it
+                n = ql.shape[lead]
+                if "qo" in keep:
+                    ql = x_q.narrow(lead, 0, n)
+                if "kv" in keep:
+                    kl, vl = x_k.narrow(lead, 0, n), x_v.narrow(lead, 0, n)
             ctx.save_for_backward(ql, kl, vl, o, lse, *((x_q,) if "qo" in keep else ()),
                                   *((x_k, x_v) if "kv" in keep else ()))
             return from_group_major(o, G, lead), from_group_major(lse, G, lead)
@@ -264,15 +286,16 @@ class _DistAttn(torch.autograd.Function):
         # read once: non-reentrant checkpointing unpacks each saved tensor a single time
         saved = ctx.saved_tensors
         keep_q, keep_kv = "qo" in ctx.keep, "kv" in ctx.keep
-        if routes.stages is not None:
-            ql, kl, vl, o, lse = saved[:5]  # S remote sub-stages
+        if routes.stages is not None or routes.relay is not None:  # sub-stages, or relay
+            ql, kl, vl, o, lse = saved[:5]
             d_o = torch.zeros_like(o) if d_out is None else to_group_major(d_out, G, lead).contiguous()
             d_l = None if d_lse is None else to_group_major(d_lse, G, lead).contiguous()
             kept = list(saved[5:])  # the kept kinds' operands, Xq then Xk, Xv
             kept_q = kept.pop(0) if keep_q else None
             kept_kv = kept if keep_kv else None
-            dq, dk, dv = backward_stages(routes.plan, group, routes.ranks, routes.batched, routes.stages, ql, kl, vl,
-                                         o, lse, kept_q, kept_kv, d_o, d_l, scale, ctx.deterministic)
+            run, how = (relay_backward, routes.relay) if routes.relay is not None else (backward_stages, routes.stages)
+            dq, dk, dv = run(routes.plan, group, routes.ranks, routes.batched, how, ql, kl, vl, o, lse, kept_q,
+                             kept_kv, d_o, d_l, scale, ctx.deterministic)
             return (from_group_major(dq, G, lead), from_group_major(dk, G, lead), from_group_major(dv, G, lead),
                     None, None, None, None, None, None)
         o, lse = saved[3:5]

@@ -1,0 +1,197 @@
+"""Relay transport on today's plans: InfiniBand bytes and time, and the simulated step, vs direct and USP.
+
+For each benchmark mask (packed causal and full documents, 8K tokens per rank,
+GQA 64:8, D = 128, bf16, mu = 1.10) it solves today's plan once on the CPU
+torch path (no topology: the assignment the solver gives today; cached with
+``--plan-cache``) and builds it twice on ``h200_hgx`` (nodes of 8, NVLink
+450 GB/s, one 50 GB/s NIC per GPU): with direct transport (``ib_relay=False``,
+today's plans byte for byte) and with relay transport (``Plan.relay``: each
+(unit, remote node) crosses InfiniBand once to the node's rail-aligned relay
+and fans out over NVLink; partials merge on the relay before they cross back).
+Per plan, from its own bytes per (source, destination) and hop (``Plan.pair_bytes``):
+
+- IB fwd / bwd MB/GPU: the largest over GPUs of max(sent, received) to and from
+  other nodes (one NIC per GPU: the NIC bottleneck);
+- USP IB fwd MB/GPU: USP's ring over nodes (its all-to-all stays in a node);
+- IB ms (simulated, ideal: bytes / NIC bandwidth, no latency, no overlap): (IB fwd + IB bwd)
+  of a training step;
+- step ms (simulated): ``gpusolver.sim.simulate`` of the runtime's own op lists (relay hops
+  priced on the NIC and NVLink sides), and USP's and load-balanced USP's
+  (``simulate_baseline``) on the same shards;
+- IB fwd side: whether the forward IB bottleneck is a GPU's send or receive side;
+- node floor MB/GPU: the busiest node's forward IB bytes (sent, or received) over its GPUs, the
+  least any spreading over a node's NICs could reach with this assignment;
+- relayed: the share of inter-node transfer rows (forward, both kinds) that went through a
+  relay (the rest went direct: a hull longer than its consumers' rows, or past a relay's capacity).
+
+    python benchmarks/relay_bench.py --plan-cache build/relay_plans     # P = 16, 32, 64; seed 0
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, run as a script or loaded by path
+
+from _common import (  # noqa: E402
+    PACKED_KINDS, RESULTS_DIR, TOKENS_PER_RANK, environment, make_mask, markdown_table, parse_list, write_results,
+)
+from topology_solve import link_bottlenecks, usp_ib_fwd  # noqa: E402
+from gpusolver.areas import block_areas  # noqa: E402
+from gpusolver.config import SolverConfig  # noqa: E402
+from gpusolver.plan import Plan  # noqa: E402
+from gpusolver.plan.build import build_plan  # noqa: E402
+from gpusolver.plan.relay import DIRECT, FAN_OUT, SELF  # noqa: E402
+from gpusolver.sim import simulate, simulate_baseline  # noqa: E402
+from gpusolver.solve import solve_assignment  # noqa: E402
+from gpusolver.topology import PRESETS  # noqa: E402
+
+COLUMNS = [
+    ("kind", "kind", ""), ("P", "P", "d"), ("transport", "transport", ""),
+    ("IB fwd MB/GPU", "ib_fwd_mb", ".1f"), ("USP IB fwd MB/GPU", "usp_ib_fwd_mb", ".1f"),
+    ("IB fwd / USP", "ib_fwd_vs_usp", ".2f"), ("IB bwd MB/GPU", "ib_bwd_mb", ".1f"),
+    ("NV fwd MB/GPU", "nv_fwd_mb", ".1f"), ("IB ms (sim.)", "ib_ms", ".2f"), ("IB / direct", "ib_vs_direct", ".2f"),
+    ("relayed", "relayed", ".2f"), ("IB fwd side", "ib_side", ""), ("node floor MB/GPU", "node_floor_mb", ".1f"),
+    ("step ms (sim.)", "step_ms", ".2f"), ("step / direct", "step_vs_direct", ".2f"),
+    ("step / USP", "step_vs_usp", ".2f"), ("step / bal. USP", "step_vs_usp_bal", ".2f"),
+]
+
+
+def solved_assignment(kind: str, P: int, seed: int, tokens: int, cache, topology=None):
+    """The solver's assignment (without topology: today's; with: the topology-aware solve) and its
+    CPU solve seconds (None when read from the cache)."""
+    tag = "" if topology is None else f"_{topology.name}"
+    path = None if not cache else Path(cache) / f"{kind}_P{P}_s{seed}_c{tokens}{tag}.pt"
+    if path is not None and path.exists():
+        return Plan.load(path).assignment, None
+    config = SolverConfig(cp_size=P, topology=topology, ib_relay=None if topology is None else False)
+    mask = make_mask(kind, P, seed, tokens_per_rank=tokens)
+    areas = block_areas(mask, P, config.head_groups, impl="torch")
+    t0 = time.perf_counter()
+    asg = solve_assignment(areas, config, impl="torch")
+    seconds = time.perf_counter() - t0
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        build_plan(mask, areas, asg, config).save(path, config=config)
+    return asg, seconds
+
+
+def ib_side_and_floor(pair: torch.Tensor, per_node: int) -> tuple[str, int]:
+    """("send" / "recv": the side of the IB bottleneck GPU, the busiest node's IB bytes per GPU)."""
+    P = pair.shape[0]
+    node = torch.arange(P) // per_node
+    m = torch.where(node[:, None] != node[None, :], pair, 0)
+    sent, recv = m.sum(1), m.sum(0)
+    side = "send" if int(sent.max()) >= int(recv.max()) else "recv"
+    per_node_bytes = torch.maximum(sent.view(-1, per_node).sum(1), recv.view(-1, per_node).sum(1))
+    return side, int(per_node_bytes.max()) // per_node
+
+
+def relayed_share(plan) -> float | None:
+    """Share of the forward's inter-node transfer rows (QO and KV) that travel by relay."""
+    if plan.relay is None:
+        return None
+    P, L = plan.comm.cp_size, plan.relay.ranks_per_node
+    host = plan.comm.unit_host()
+    cross = (host[:, None] // L) != (torch.arange(P)[None, :] // L)
+    relayed = total = 0
+    for kind in ("qo", "kv"):
+        rng = plan.comm.qo_range if kind == "qo" else plan.comm.kv_range
+        rows = (rng[..., 1] - rng[..., 0]) * cross
+        via = plan.relay.route(kind).via
+        relayed += int((rows * ((via == FAN_OUT) | (via == SELF))).sum())
+        total += int((rows * ((via == DIRECT) | (via == FAN_OUT) | (via == SELF))).sum())
+    return relayed / total if total else None
+
+
+def measure(kind: str, P: int, seed: int, topology, tokens: int, cache, topo_solve: bool) -> list[dict]:
+    mask = make_mask(kind, P, seed, tokens_per_rank=tokens)
+    base = SolverConfig(cp_size=P)
+    asg, solve_s = solved_assignment(kind, P, seed, tokens, cache)
+    areas = block_areas(mask, P, base.head_groups, impl="torch")
+    usp_fwd = usp_ib_fwd(base, mask.total_seqlen_q, topology.ranks_per_node)
+    usp_ms = simulate_baseline("usp", mask, base, topology).step_ms
+    usp_bal_ms = simulate_baseline("usp_balanced", mask, base, topology).step_ms
+    L = topology.ranks_per_node
+    nic_bps = topology.ib_gbps * 1e9 * topology.nics_per_node / L
+    rows = []
+    cases = [("direct", False, asg), ("relay", True, asg)]
+    if topo_solve:
+        cases.append(("topo solve + relay", True, solved_assignment(kind, P, seed, tokens, cache, topology)[0]))
+    for name, relay, asg in cases:
+        config = replace(base, topology=topology, ib_relay=relay)
+        plan = build_plan(mask, areas, asg, config)
+        assert (plan.relay is not None) == relay
+        ib_fwd, nv_fwd = link_bottlenecks(plan.pair_bytes("fwd"), L)
+        ib_bwd, _ = link_bottlenecks(plan.pair_bytes("bwd"), L)
+        side, floor = ib_side_and_floor(plan.pair_bytes("fwd"), L)
+        step_ms = simulate(plan, topology).step_ms
+        rows.append({"kind": kind, "P": P, "seed": seed, "transport": name, "ib_fwd_mb": ib_fwd / 1e6,
+                     "usp_ib_fwd_mb": usp_fwd / 1e6, "ib_fwd_vs_usp": ib_fwd / usp_fwd, "ib_bwd_mb": ib_bwd / 1e6,
+                     "nv_fwd_mb": nv_fwd / 1e6, "ib_ms": (ib_fwd + ib_bwd) / nic_bps * 1e3,
+                     "relayed": relayed_share(plan), "ib_side": side, "node_floor_mb": floor / 1e6, "imbalance": float(plan.metrics.imbalance),
+                     "step_ms": step_ms, "usp_step_ms": usp_ms, "usp_balanced_step_ms": usp_bal_ms,
+                     "step_vs_usp": step_ms / usp_ms, "step_vs_usp_bal": step_ms / usp_bal_ms,
+                     "status": int(plan.status), "solve_s": solve_s})
+    direct = rows[0]
+    for r in rows:
+        r["ib_vs_direct"] = r["ib_ms"] / direct["ib_ms"] if direct["ib_ms"] else None
+        r["step_vs_direct"] = r["step_ms"] / direct["step_ms"]
+    return rows
+
+
+def _verdict(name: str, rows: list[dict]) -> str:
+    usp = max(r["ib_fwd_vs_usp"] for r in rows)
+    ib = max(r["ib_vs_direct"] for r in rows)
+    return (f"- {name}: forward IB bytes per GPU <= USP's in every cell: {'met' if usp <= 1 else 'not met'} "
+            f"(worst {usp:.2f}x); IB time <= 0.4x direct: {'met' if ib <= 0.4 else 'not met'} (worst {ib:.2f}x).\n")
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--P", default="16,32,64", help="comma-separated CP sizes (default 16,32,64)")
+    p.add_argument("--kinds", default=",".join(PACKED_KINDS), help="mask kinds (default causal,full)")
+    p.add_argument("--seed", type=int, default=0, help="mask seed (default 0)")
+    p.add_argument("--tokens", type=int, default=TOKENS_PER_RANK, help="tokens per rank (default 8192)")
+    p.add_argument("--topology", default="h200_hgx", choices=sorted(PRESETS), help="cluster preset")
+    p.add_argument("--plan-cache", default=None, help="folder of solved plans (read, and written)")
+    p.add_argument("--no-topology-solve", action="store_true",
+                   help="skip the third row (the topology-aware solve's assignment with relay transport)")
+    p.add_argument("--json", default=str(RESULTS_DIR / "relay_bench.json"))
+    p.add_argument("--md", default=str(RESULTS_DIR / "relay_bench.md"))
+    args = p.parse_args(argv)
+    try:
+        sizes = parse_list(args.P, int, name="--P")
+        kinds = parse_list(args.kinds, str, allowed=PACKED_KINDS, name="--kinds")
+    except ValueError as e:
+        p.error(str(e))
+    topology = PRESETS[args.topology]
+    torch.set_num_threads(1)
+    rows = []
+    for kind in kinds:
+        for P in sizes:
+            got = measure(kind, P, args.seed, topology, args.tokens, args.plan_cache, not args.no_topology_solve)
+            rows += got
+            print(markdown_table(got, COLUMNS), flush=True)
+    relay = [r for r in rows if r["transport"] != "direct"]
+    text = (f"# Relay transport on today's plans ({topology.name})\n\n"
+            f"Packed causal and full documents, seed {args.seed}, {args.tokens} tokens per rank, GQA 64:8, D = 128, "
+            "bf16, mu = 1.10; today's assignment (solved without topology), built with direct and with relay "
+            "transport, and the topology-aware solve's assignment (`SolverConfig(topology=...)`, which prices "
+            "direct transport) built with relay. IB ms and step ms are simulated (`gpusolver.sim`; IB ms: ideal bytes / NIC bandwidth). "
+            "Command: `python benchmarks/relay_bench.py --plan-cache build/relay_plans`.\n\n"
+            + markdown_table(rows, COLUMNS) + "\n\n"
+            + "".join(_verdict(name, [r for r in relay if r["transport"] == name])
+                      for name in dict.fromkeys(r["transport"] for r in relay)))
+    print("\n" + text)
+    write_results(args.json, {"environment": environment(), "rows": rows}, args.md, text)
+    return {"rows": rows}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,265 @@
+"""Relay transport: each (unit, remote node) crosses InfiniBand once and fans out over NVLink.
+
+Shape legend: G head groups, P ranks, L ranks per node, N = P / L nodes, n tiles
+per chunk, U = n * P units (unit u on host u // n), c tokens per chunk.
+
+``CommMeta`` says which rows of each unit every consumer ends up holding, and
+where in its receive buffer (the layout CalcMeta and the kernels read). A
+``RelayMeta`` says how those rows get there, per kind (QO, KV):
+
+- hop 0 (direct): the host sends the consumer its rows itself, as without
+  relay. Every intra-node transfer goes this way, and so does every
+  inter-node transfer whose (unit, node) is not relayed.
+- hop 1 (InfiniBand): for each unit u and each other node B with consumers of
+  u, host h sends the **hull** of the rows B's consumers need, once, to
+  ``r = Topology.relay_rank(h, B)`` (rail-aligned: h's local index on B),
+  into r's relay buffer (sources ascending, then g, then tile).
+- hop 2 (NVLink): r sends each other consumer c in B its own rows, read from
+  the relay buffer, into c's fan-out buffer (relays ascending, then host, g,
+  tile); r itself, if a consumer, copies them from its relay buffer.
+
+Each consumer then assembles its receive buffer (today's layout) from its
+direct buffer, its fan-out buffer and its relay buffer: one gather. Way back,
+the reverse: partials go consumer -> relay (hop 2) and are merged there
+(log-sum-exp or sum, the relay's own partial first, then sources ascending),
+then relay -> host (hop 1, once per (unit, node)), then direct; the host
+merges direct results first, then relayed ones.
+
+Why hulls and not unions: each consumer's rows are already one interval per
+(unit, destination) (``transfer_ranges``), so a hull keeps one interval per
+(unit, node) in the relay buffer, static offsets by prefix sums, and every
+hop-2 transfer a contiguous slice of it. A (unit, node) is relayed only when
+its hull is no longer than its consumers' rows together, so a relay never
+moves more InfiniBand bytes than direct transport would.
+
+Capacities (``capacity.relay_rows``): a relay's buffer (hop-1 rows received)
+and its fan-out send list (hop-2 rows sent) per kind. Candidates are taken in
+relay-buffer order (host, g, tile) and relayed while both prefix sums fit;
+every later candidate of that relay goes direct (never dropped, no host
+read). Direct and hop-1 sends together never exceed the plan's send rows,
+and direct and fan-out receives never exceed its receive rows, so the other
+capacities hold as they did.
+
+Sync-free: static shapes, no host reads; the same tensors on every rank.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gpusolver.plan.gather import send_index
+
+NOTHING, DIRECT, FAN_OUT, SELF = 0, 1, 2, 3  # RelayRoute.via: how a transfer reaches its consumer
+HOPS = (0, 1, 2)
+
+
+@dataclass(frozen=True)
+class RelayRoute:
+    """One kind's routing under relay transport (all ranks at once).
+
+    via:           [G, U, P(dest)] int64 — NOTHING, DIRECT (hop 0), FAN_OUT (hop 1 then hop 2)
+                   or SELF (hop 1 to dest, which is the relay).
+    direct_range:  [G, U, P, 2] int64 chunk-local rows sent by hop 0 ([0, 0) elsewhere).
+    direct_offset: [G, U, P] int64 start in dest's direct buffer ((host, g, tile) order).
+    direct_split:  [P(src), P(dst)] int64 hop-0 rows.
+    hull_range:    [G, U, P(relay), 2] int64 rows host -> relay by hop 1 ([0, 0) elsewhere).
+    relay_offset:  [G, U, P(relay)] int64 start in the relay's buffer.
+    hop1_split:    [P, P] int64 hop-1 rows (host -> relay).
+    relay_rows:    [P] int64 relay-buffer fill of each rank.
+    fan_offset:    [G, U, P(dest)] int64 start in dest's fan-out buffer (FAN_OUT only).
+    fan_start:     [G, U, P(dest)] int64 row of the relay's buffer where dest's rows start
+                   (FAN_OUT and SELF).
+    relay_of:      [U, P(dest)] int64 — the relay of unit u for dest's node.
+    hop2_split:    [P, P] int64 hop-2 rows (relay -> consumer).
+    relay_capacity, fan_capacity: rows of a relay's buffer and of its fan-out send list (host ints).
+    """
+
+    via: torch.Tensor
+    direct_range: torch.Tensor
+    direct_offset: torch.Tensor
+    direct_split: torch.Tensor
+    hull_range: torch.Tensor
+    relay_offset: torch.Tensor
+    hop1_split: torch.Tensor
+    relay_rows: torch.Tensor
+    fan_offset: torch.Tensor
+    fan_start: torch.Tensor
+    relay_of: torch.Tensor
+    hop2_split: torch.Tensor
+    relay_capacity: int
+    fan_capacity: int
+
+    def split(self, hop: int) -> torch.Tensor:
+        """[P, P] int64 rows of hop 0, 1 or 2 (host -> consumer direction)."""
+        return (self.direct_split, self.hop1_split, self.hop2_split)[_hop(hop)]
+
+
+@dataclass(frozen=True)
+class RelayMeta:
+    """Both kinds' relay routing and the node size they were built for."""
+
+    qo: RelayRoute
+    kv: RelayRoute
+    ranks_per_node: int
+
+    def route(self, kind: str) -> RelayRoute:
+        if kind not in ("qo", "kv"):
+            raise ValueError(f"kind must be 'qo' or 'kv', got {kind!r}")
+        return self.qo if kind == "qo" else self.kv
+
+
+def _hop(hop) -> int:
+    if hop not in HOPS or isinstance(hop, bool):
+        raise ValueError(f"hop must be 0 (direct), 1 (InfiniBand) or 2 (NVLink fan-out), got {hop!r}")
+    return hop
+
+
+def _offsets(length: torch.Tensor, tiles: int) -> torch.Tensor:
+    """[G, U, P] exclusive prefix sums of ``length`` over (host, g, tile) per destination: the
+    receive-buffer order of every collective (``comm_meta``'s, which imports ``plan.meta``)."""
+    G, U, P = length.shape
+    by_dest = length.view(G, P, tiles, P).permute(3, 1, 0, 2).reshape(P, U * G)    # [dest, (host, g, tile)]
+    excl = by_dest.cumsum(-1) - by_dest
+    return excl.view(P, P, G, tiles).permute(2, 1, 3, 0).reshape(G, U, P)
+
+
+def _by_source(length: torch.Tensor, tiles: int) -> torch.Tensor:
+    G, U, P = length.shape
+    return length.sum(0).view(P, tiles, P).sum(1)
+
+
+def relay_route(rng: torch.Tensor, tiles: int, ranks_per_node: int, relay_capacity: int,
+                fan_capacity: int) -> RelayRoute:
+    """The relay routing of one kind's transfers ``rng [G, U, P, 2]`` (``CommMeta.qo_range`` / ``kv_range``)."""
+    G, U, P, _ = rng.shape
+    L, n = ranks_per_node, tiles
+    N = P // L
+    dev = rng.device
+    host = torch.arange(U, device=dev) // n                                   # [U]
+    node_h = host // L
+    node_d = torch.arange(P, device=dev) // L                                 # [P]
+    length = rng[..., 1] - rng[..., 0]                                        # [G, U, P]
+    used = length > 0
+    big = torch.iinfo(torch.int64).max
+    lo = torch.where(used, rng[..., 0], big).view(G, U, N, L).amin(-1)        # [G, U, N]
+    hi = torch.where(used, rng[..., 1], 0).view(G, U, N, L).amax(-1)
+    total = length.view(G, U, N, L).sum(-1)
+    hull = (hi - lo).clamp(min=0)
+    other = node_h[:, None] != torch.arange(N, device=dev)[None, :]           # [U, N]
+    cand = (total > 0) & other & (hull <= total)
+    relay_n = torch.arange(N, device=dev)[None, :] * L + (host % L)[:, None]  # [U, N] relay of (u, node)
+    own = length.gather(2, relay_n.expand(G, U, N))                           # the relay's own rows
+    ranks = torch.arange(P, device=dev)
+    at_relay = relay_n[..., None] == ranks                                    # [U, N, P]
+
+    def place(x: torch.Tensor) -> torch.Tensor:  # [G, U, N] -> [G, U, P(relay)]
+        return torch.where(at_relay, x[..., None], 0).sum(2)
+
+    want = place(torch.where(cand, hull, 0))
+    fan = place(torch.where(cand, total - own, 0))
+    # a prefix in relay-buffer order is relayed: both prefix sums within the relay's capacities
+    fits = (_offsets(want, n) + want <= relay_capacity) & (_offsets(fan, n) + fan <= fan_capacity)
+    ok = cand & torch.where(at_relay, fits[:, :, None, :], False).any(-1)     # [G, U, N]
+    hull_len = place(torch.where(ok, hull, 0))
+    hull_lo = place(torch.where(ok, lo, 0))
+    hull_range = torch.stack((hull_lo, hull_lo + hull_len), -1)
+    relay_offset = _offsets(hull_len, n)
+
+    relay_of = relay_n.index_select(1, node_d)                                # [U, P(dest)]
+    relayed = ok.index_select(2, node_d) & used                               # [G, U, P]
+    is_self = relay_of == ranks                                               # [U, P]
+    via = torch.where(~used, NOTHING, torch.where(relayed, torch.where(is_self, SELF, FAN_OUT), DIRECT))
+    direct_len = torch.where(via == DIRECT, length, 0)
+    fan_len = torch.where(via == FAN_OUT, length, 0)
+    # where dest's rows start in its relay's buffer
+    base = relay_offset.gather(2, relay_of.expand(G, U, P))
+    fan_start = torch.where(relayed, base + rng[..., 0] - lo.index_select(2, node_d), 0)
+    # fan-out buffer order on dest: relays ascending (= host % L), then host ascending, g, tile
+    order = sorted(range(P), key=lambda h: (h % L, h // L))
+    perm = torch.tensor(order, device=dev)
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(P, device=dev)
+    by_relay = fan_len.view(G, P, n, P).index_select(1, perm).reshape(G, U, P)
+    fan_offset = _offsets(by_relay, n).view(G, P, n, P).index_select(1, inv).reshape(G, U, P)
+    # hop-2 split: relay (node(dest), host % L) -> dest
+    per = fan_len.sum(0).view(P, n, P).sum(1).view(N, L, N, L).sum(0)        # [L(host local), N(dest node), L]
+    eye = torch.eye(N, dtype=per.dtype, device=dev)
+    hop2 = per.permute(1, 0, 2)[:, :, None, :] * eye[:, None, :, None]        # [N, L(relay local), N, L]
+    return RelayRoute(
+        via=via, direct_range=torch.where((via == DIRECT)[..., None], rng, 0),
+        direct_offset=_offsets(direct_len, n), direct_split=_by_source(direct_len, n),
+        hull_range=hull_range, relay_offset=relay_offset, hop1_split=_by_source(hull_len, n),
+        relay_rows=hull_len.sum((0, 1)), fan_offset=torch.where(via == FAN_OUT, fan_offset, 0),
+        fan_start=fan_start, relay_of=relay_of, hop2_split=hop2.reshape(P, P).contiguous(),
+        relay_capacity=int(relay_capacity), fan_capacity=int(fan_capacity))
+
+
+def build_relay_meta(comm, ranks_per_node: int, rows) -> RelayMeta:
+    """Relay routing of both kinds of ``comm`` (a ``CommMeta`` with one remote stage) for nodes of
+    ``ranks_per_node``; ``rows`` a ``capacity.RelayRows``."""
+    P = comm.cp_size
+    if P % ranks_per_node or P <= ranks_per_node:
+        raise ValueError(f"relay transport needs whole nodes of ranks_per_node = {ranks_per_node} and more "
+                         f"than one of them, got cp_size = {P}")
+    return RelayMeta(
+        qo=relay_route(comm.qo_range, comm.tiles, ranks_per_node, rows.qo_relay, rows.qo_fan),
+        kv=relay_route(comm.kv_range, comm.tiles, ranks_per_node, rows.kv_relay, rows.kv_fan),
+        ranks_per_node=ranks_per_node)
+
+
+# --- the gather lists the collectives and the assembly read (built on demand, per rank) ---------------
+
+
+def segment_gather(start: torch.Tensor, length: torch.Tensor, capacity: int) -> torch.Tensor:
+    """``[capacity]`` int64: segment k (in order) gives rows ``start[k] + t``, t < ``length[k]``; -1 past the last."""
+    ends = length.cumsum(0)
+    starts = ends - length
+    pos = torch.arange(capacity, device=length.device)
+    seg = torch.searchsorted(ends, pos, right=True).clamp_(max=length.numel() - 1)
+    return torch.where(pos < ends[-1:], start[seg] + pos - starts[seg], -1)
+
+
+def hop_send_index(comm, route: RelayRoute, kind: str, hop: int, rank: int) -> torch.Tensor:
+    """Send list of ``rank`` in hop 0 or 1 (gather indices into its group-major local rows,
+    ``[send_cap(kind)]``), or in hop 2 (into its relay buffer, ``[fan_capacity]``); int64, -1 padded."""
+    _hop(hop)
+    G, U, P = route.via.shape
+    n = U // P
+    if hop in (0, 1):
+        rng = route.direct_range if hop == 0 else route.hull_range
+        return send_index(rng[:, rank * n:(rank + 1) * n], comm.chunk, comm.buffers.send(kind))
+    mine = (route.via == FAN_OUT) & (route.relay_of == rank)                 # [G, U, P]
+    length = torch.where(mine, transfer_length(comm, kind), 0)
+    # (dest, host, g, tile): the order of the rows each dest receives from this relay
+    order = lambda x: x.view(G, P, n, P).permute(3, 1, 0, 2).reshape(-1)  # noqa: E731
+    return segment_gather(order(route.fan_start), order(length), route.fan_capacity)
+
+
+def transfer_length(comm, kind: str) -> torch.Tensor:
+    rng = comm.qo_range if kind == "qo" else comm.kv_range
+    return rng[..., 1] - rng[..., 0]
+
+
+def assemble_index(comm, route: RelayRoute, kind: str, rank: int) -> torch.Tensor:
+    """``[recv_cap]`` int64: row p of ``rank``'s receive buffer (``CommMeta``'s layout) is row
+    ``index[p]`` of ``concat(direct buffer [recv_cap], fan-out buffer [recv_cap], relay buffer
+    [relay_capacity])``; -1 past the fill."""
+    cap = comm.buffers.recv(kind)
+    G, U, P = route.via.shape
+    n = U // P
+    length = transfer_length(comm, kind)[:, :, rank]
+    via = route.via[:, :, rank]
+    src = torch.where(via == DIRECT, route.direct_offset[:, :, rank],
+                      torch.where(via == FAN_OUT, cap + route.fan_offset[:, :, rank],
+                                  2 * cap + route.fan_start[:, :, rank]))
+    order = lambda x: x.reshape(G, P, n).permute(1, 0, 2).reshape(-1)  # noqa: E731  (host, g, tile)
+    return segment_gather(order(src), order(torch.where(via != NOTHING, length, 0)), cap)
+
+
+def inverse_index(index: torch.Tensor, size: int) -> torch.Tensor:
+    """``[size]`` int64 inverse of a gather list without repeats: ``inv[index[p]] = p``; -1 elsewhere."""
+    dump = torch.where(index >= 0, index, size)
+    inv = torch.full((size + 1,), -1, dtype=torch.int64, device=index.device)
+    inv.scatter_(0, dump, torch.arange(index.numel(), device=index.device))
+    return inv[:size]

@@ -1,0 +1,265 @@
+"""The executor of a relay plan (``Plan.relay``): every cast and reduce of ``dist_attn`` as its hops.
+
+Shape legend: P ranks, G head groups, c tokens per rank, ``cap`` a kind's receive
+rows, ``relay_cap`` / ``fan_cap`` its relay buffer / fan-out send rows
+(``gpusolver.plan.relay``). Per-rank tensors carry a leading ``[P]`` on a
+``LocalGroup`` (``batched``).
+
+It runs ``schedule.forward_ops(..., relay=True)`` / ``backward_ops`` op by op:
+
+- a cast is hop 1 (host -> relay over InfiniBand, into the relay buffer), hop 0
+  (the direct rows) and hop 2 (relay -> consumers, read from the relay buffer);
+  each consumer then gathers its receive buffer, in the plan's own layout, out of
+  ``concat(direct, fan-out, relay buffer)``: CalcMeta and the kernels are unchanged;
+- a reduce is hop 2 back (consumers' partials into the relay buffer's layout,
+  merged onto the relay's own partial), hop 0 back (the direct rows, merged on
+  the host) and hop 1 back (the relays' merged rows, merged on the host after
+  the direct ones). Every merge has a fixed order, so the result is deterministic.
+
+Each hop is one whole-group collective whose split is non-zero only on that
+hop's pairs; its bytes are counted under ``schedule.hop_phase(phase, hop)``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from attn_kernels import flex_attn, flex_attn_backward, merge_out_lse, row_delta
+from gpusolver.nvtx import nvtx_range
+from gpusolver.plan.relay import assemble_index, hop_send_index, inverse_index
+from gpusolver.plan.schedule import ATTN, CAST, DELTA, MERGE, REDUCE, WAIT, backward_ops, forward_ops
+from gpusolver.runtime.pipelined import op_range
+from groupcomm import TorchGroup, group_cast, group_reduce, host_splits
+
+_INTERNAL = dict(validate=False, flag_errors=False)
+
+
+@dataclass(frozen=True)
+class KindRoutes:
+    """One kind's hops for the ranks run here.
+
+    index:    per hop, send lists (``[cap]`` or ``[P, cap]`` int64): hops 0 and 1 into local
+              rows, hop 2 into the relay buffer.
+    split:    per hop, the ``[P, P]`` split; host: its ``HostSplits`` (``TorchGroup``) or None.
+    assemble: ``[.., recv_cap]`` rows of ``concat(direct, fan-out, relay)`` that make the receive buffer.
+    back:     (direct, fan-out, relay) ``[.., rows]`` rows of the receive buffer that each of those
+              buffers holds (-1: none), the way back.
+    """
+
+    index: tuple
+    split: tuple
+    host: tuple
+    assemble: torch.Tensor
+    back: tuple
+    recv_cap: int
+    relay_cap: int
+
+
+@dataclass(frozen=True)
+class RelayRoutes:
+    qo: KindRoutes
+    kv: KindRoutes
+
+    def kind(self, route: str) -> KindRoutes:
+        return self.qo if route == "qo" else self.kv
+
+
+def relay_routes(plan, group, ranks: tuple[int, ...], batched: bool) -> RelayRoutes:
+    """The hops' send lists, splits and gathers of ``plan`` for the ranks run here (sync-free;
+    on ``TorchGroup`` it starts the one non-blocking copy of the six split matrices)."""
+    comm, relay = plan.comm, plan.relay
+    splits = torch.stack([relay.route(k).split(h) for k in ("qo", "kv") for h in (0, 1, 2)])
+    hosts = host_splits(splits).parts() if isinstance(group, TorchGroup) else [None] * 6
+
+    def stack(fn):
+        return torch.stack([fn(r) for r in ranks]) if batched else fn(ranks[0])
+
+    def kind(k: str, hosts_k) -> KindRoutes:
+        route = relay.route(k)
+        cap, rcap = comm.buffers.recv(k), route.relay_capacity
+        index = tuple(stack(lambda r, h=h: hop_send_index(comm, route, k, h, r)) for h in (0, 1, 2))
+        assemble = stack(lambda r: assemble_index(comm, route, k, r))
+
+        def inverse(r):
+            return inverse_index(assemble_index(comm, route, k, r), 2 * cap + rcap)
+
+        inv = stack(inverse)
+        back = (inv[..., :cap], inv[..., cap:2 * cap], inv[..., 2 * cap:])
+        return KindRoutes(index=index, split=tuple(route.split(h) for h in (0, 1, 2)), host=tuple(hosts_k),
+                          assemble=assemble, back=back, recv_cap=cap, relay_cap=rcap)
+
+    return RelayRoutes(qo=kind("qo", hosts[:3]), kv=kind("kv", hosts[3:]))
+
+
+def _take(x: torch.Tensor, idx: torch.Tensor, fill: float, batched: bool) -> torch.Tensor:
+    """Rows ``idx`` of ``x`` (``[.., N, *f]``), ``fill`` where ``idx`` is -1."""
+    safe = idx.clamp(min=0)
+    if batched:
+        out = x[torch.arange(x.shape[0], device=x.device)[:, None], safe]
+    else:
+        out = x.index_select(0, safe)
+    keep = (idx >= 0).view(*idx.shape, *([1] * (x.dim() - idx.dim())))
+    return torch.where(keep, out, torch.full((), fill, dtype=x.dtype, device=x.device))
+
+
+def _cast(kr: KindRoutes, hop: int, group, tensors, phase: str):
+    cap = kr.relay_cap if hop == 1 else kr.recv_cap
+    return group_cast(list(tensors), kr.index[hop], kr.split[hop], cap, group, phase=_label(phase, hop),
+                      host_split=kr.host[hop], async_op=True, flag_errors=False)
+
+
+def _reduce(kr: KindRoutes, hop: int, group, partials, acc, op: str, phase: str, deterministic: bool):
+    return group_reduce(list(partials), kr.index[hop], kr.split[hop], list(acc), group, op=op,
+                        phase=_label(phase, hop), host_split=kr.host[hop], deterministic=deterministic,
+                        async_op=True, flag_errors=False)
+
+
+def _label(phase: str, hop: int) -> str:
+    from gpusolver.plan.schedule import hop_phase
+
+    return hop_phase(phase, hop)
+
+
+class _Hops:
+    """The state of one pass's relayed collectives: works, relay buffers, assembled receive buffers."""
+
+    def __init__(self, routes: RelayRoutes, group, batched: bool, deterministic: bool):
+        self.routes, self.group, self.batched, self.det = routes, group, batched, deterministic
+        self.works, self.relay_buf, self.parts, self.recv, self.merged, self.result = {}, {}, {}, {}, {}, {}
+
+    def cast(self, op, tensors) -> None:
+        kr = self.routes.kind(op.route)
+        if op.hop == 2:  # reads the relay buffer hop 1 brought
+            self.relay_buf[op.route] = self.works[op.deps[0]].wait()
+            tensors = self.relay_buf[op.route]
+        self.works[op.name] = _cast(kr, op.hop, self.group, tensors, op.phase)
+
+    def wait_cast(self, op) -> None:
+        self.parts[(op.route, op.hop)] = self.works[op.deps[0]].wait()
+        if (op.route, 0) in self.parts and (op.route, 2) in self.parts:
+            kr = self.routes.kind(op.route)
+            direct, fan = self.parts.pop((op.route, 0)), self.parts.pop((op.route, 2))
+            lead = 1 if self.batched else 0
+            self.recv[op.route] = [_take(torch.cat((d, f, r), dim=lead), kr.assemble, 0.0, self.batched)
+                                   for d, f, r in zip(direct, fan, self.relay_buf[op.route])]
+
+    def reduce(self, op, full, acc, red: str, fills) -> None:
+        """``full``: partials in the receive buffer's layout; ``acc``: the host's accumulators."""
+        kr = self.routes.kind(op.route)
+        take = lambda which: [_take(p, kr.back[which], f, self.batched) for p, f in zip(full, fills)]  # noqa: E731
+        if op.hop == 2:  # onto the relay's own partial of each relayed row, sources ascending
+            self.works[op.name] = _reduce(kr, 2, self.group, take(1), take(2), red, op.phase, self.det)
+        elif op.hop == 0:
+            self.works[op.name] = _reduce(kr, 0, self.group, take(0), acc, red, op.phase, self.det)
+        else:  # the host merges the relays' rows after its direct ones
+            direct = self.works[op.name.replace(":hop1", "")].wait()
+            self.works[op.name] = _reduce(kr, 1, self.group, self.merged[op.phase], direct, red, op.phase,
+                                          self.det)
+
+    def wait_reduce(self, op) -> None:
+        res = self.works[op.deps[0]].wait()
+        if op.hop == 2:
+            self.merged[op.phase] = res
+        elif op.hop == 1:
+            self.result[op.phase] = res
+
+
+def _per_rank(ranks, batched, fn, *tensors):
+    if not batched:
+        return fn(ranks[0], *tensors)
+    outs = [fn(r, *(t[r] for t in tensors)) for r in ranks]
+    return tuple(torch.stack(parts) for parts in zip(*outs))
+
+
+def _slices(plan, rank: int, stage: int):
+    c = plan.calc
+    return c.q_ranges[rank, stage], c.k_ranges[rank, stage], c.attn_type[rank, stage]
+
+
+def relay_forward(plan, group, ranks, batched, routes: RelayRoutes, ql, kl, vl, scale: float, deterministic: bool):
+    """(o, lse, (q_buf, k_buf, v_buf)) in group-major rows: the forward of a relay plan."""
+    lead = 1 if batched else 0
+    n, cap = ql.shape[lead], routes.qo.recv_cap
+    hops = _Hops(routes, group, batched, deterministic)
+    sent = {"qo": (ql,), "kv": (kl, vl)}
+    parts = {}
+    o = lse = None
+    for op in forward_ops(plan.calc.q_ranges.shape[1], 1, relay=True):
+        with nvtx_range(op_range(op)):
+            if op.kind == CAST:
+                hops.cast(op, sent[op.route])
+            elif op.kind == WAIT and op.back:
+                hops.wait_reduce(op)
+            elif op.kind == WAIT:
+                hops.wait_cast(op)
+            elif op.kind == ATTN:
+                (s,) = op.stages
+                args = (ql, kl, vl) if s == 0 else tuple(
+                    torch.cat((a, b), dim=lead) for a, b in zip((ql, kl, vl), (*hops.recv["qo"], *hops.recv["kv"])))
+
+                def run(r, q_, k_, v_, s=s):
+                    return flex_attn(q_, k_, v_, *_slices(plan, r, s), scale, **_INTERNAL)
+
+                parts[s] = _per_rank(ranks, batched, run, *args)
+            elif op.kind == MERGE:
+                o, lse = parts[0]
+                o, lse = _per_rank(ranks, batched, lambda r, a, b, c_, d: merge_out_lse(a, b, c_, d), o, lse,
+                                   parts[1][0].narrow(lead, 0, n), parts[1][1].narrow(lead, 0, n))
+            elif op.kind == REDUCE:
+                full = [x.narrow(lead, n, cap).contiguous() for x in parts[1]]
+                hops.reduce(op, full, (o, lse), "lse", (0.0, float("-inf")))
+            else:
+                raise AssertionError(f"relay forward cannot run op {op}")
+    o, lse = hops.result["fwd.o"]
+    return o, lse, (hops.recv["qo"][0], *hops.recv["kv"])
+
+
+def relay_backward(plan, group, ranks, batched, routes: RelayRoutes, ql, kl, vl, o, lse, kept_q, kept_kv,
+                   d_o, d_l, scale: float, deterministic: bool):
+    """(dq, dk, dv) in group-major rows: the backward of a relay plan (kept buffers or cast again)."""
+    lead = 1 if batched else 0
+    n = ql.shape[lead]
+    qcap, kcap = routes.qo.recv_cap, routes.kv.recv_cap
+    keep_q, keep_kv = kept_q is not None, kept_kv is not None
+    hops = _Hops(routes, group, batched, deterministic)
+    if keep_kv:
+        hops.recv["kv"] = list(kept_kv)
+    delta = None
+    parts = {}
+    for op in backward_ops(plan.calc.q_ranges.shape[1], keep_kv, relay=True):
+        with nvtx_range(op_range(op)):
+            if op.kind == DELTA:
+                delta = _per_rank(ranks, batched, lambda r, a, b, *c_: (row_delta(a, b, c_[0] if c_ else None),),
+                                  d_o, o, *(() if d_l is None else (d_l,)))[0]
+            elif op.kind == CAST:
+                sent = (d_o, lse, delta) + (() if keep_q else (ql,)) if op.route == "qo" else (kl, vl)
+                hops.cast(op, sent)
+            elif op.kind == WAIT and op.back:
+                hops.wait_reduce(op)
+            elif op.kind == WAIT:
+                hops.wait_cast(op)
+            elif op.kind == ATTN:
+                (s,) = op.stages
+                args = (d_o, ql, kl, vl, lse, delta)
+                if s:
+                    d_o_b, lse_b, delta_b = hops.recv["qo"][:3]
+                    q_b = kept_q if keep_q else hops.recv["qo"][3]
+                    k_b, v_b = hops.recv["kv"]
+                    args = tuple(torch.cat((a, b), dim=lead)
+                                 for a, b in zip(args, (d_o_b, q_b, k_b, v_b, lse_b, delta_b)))
+
+                def run(r, *t, s=s):
+                    return flex_attn_backward(*t, *_slices(plan, r, s), scale, **_INTERNAL)
+
+                parts[s] = _per_rank(ranks, batched, run, *args)
+            elif op.kind == REDUCE:
+                pick = (0,) if op.phase == "bwd.dq" else (1, 2)  # dQ to the QO host, dK and dV to the KV host
+                cap = qcap if op.phase == "bwd.dq" else kcap
+                acc = [parts[0][i] + parts[1][i].narrow(lead, 0, n) for i in pick]
+                full = [parts[1][i].narrow(lead, n, cap).contiguous() for i in pick]
+                hops.reduce(op, full, acc, "sum", (0.0,) * len(pick))
+            else:
+                raise AssertionError(f"relay backward cannot run op {op}")
+    (dq,), (dk, dv) = hops.result["bwd.dq"], hops.result["bwd.dkv"]
+    return dq, dk, dv

@@ -1,0 +1,292 @@
+"""Relay transport (``Plan.relay``): both hops forward and backward equal dense attention, and the
+groups' byte counters equal ``Plan.pair_bytes`` per phase and hop.
+
+Plans: the CPU reference solver's assignment (``tight_plan``), rebuilt with a topology whose
+nodes are smaller than the group, so the same assignment runs with direct and with relay
+transport.
+"""
+from dataclasses import replace
+
+import pytest
+import torch
+
+from gpusolver.areas import block_areas
+from gpusolver.capacity import relay_rows
+from gpusolver.plan import IMBALANCED, Plan
+from gpusolver.plan.build import build_plan
+from gpusolver.plan.relay import DIRECT, FAN_OUT, SELF
+from gpusolver.plan.schedule import PHASES, backward_ops, forward_ops, hop_phase
+from gpusolver.runtime import DynamicCPAttention, PlanCache, dist_attn, shard, unshard
+from gpusolver.sim import simulate
+from gpusolver.topology import Topology
+from groupcomm import LocalGroup, TorchGroup
+from tests._dist import run_ranks
+from tests._testing import assert_close
+from tests.gpusolver.runtime._cases import (ATOL, D, RTOL, make_config, make_inputs, make_mask, reference,
+                                            tight_plan)
+
+KEYS = ("out", "lse", "dq", "dk", "dv")
+
+
+def _topology(per_node: int) -> Topology:
+    return Topology(ranks_per_node=per_node, nvlink_gbps=450.0, ib_gbps=50.0, attn_tflops=400.0, name="test")
+
+
+def _plans(name, P, per_node, c=16, Hq=4, Hkv=2, tiles=1, keep=True, seed=None, **relay_kw):
+    """(direct plan, relay plan, mask, config) of one reference-solver assignment."""
+    mask = make_mask(name, P * c, seed=P if seed is None else seed)
+    config = make_config(P, Hq, Hkv, True, tiles, keep_forward_buffers=keep)
+    direct, tight = tight_plan(mask, config)
+    areas = block_areas(mask, P, config.head_groups, impl="torch", tiles=tiles)
+    relayed = replace(tight, topology=_topology(per_node))
+    rows = relay_rows(relayed, c, per_node, **relay_kw) if relay_kw else None
+    plan = build_plan(mask, areas, direct.assignment, relayed, relay_rows=rows).validate(ignore=IMBALANCED)
+    return direct, plan, mask, relayed
+
+
+def _run(plan, group, inputs, keep=True):
+    q, k, v, d_out, d_lse = inputs
+    qs, ks, vs = (shard(x, group).requires_grad_() for x in (q, k, v))
+    out, lse = dist_attn(qs, ks, vs, plan, group, keep_forward_buffers=keep)
+    torch.autograd.backward((out, lse), (shard(d_out, group), shard(d_lse, group)))
+    return dict(zip(KEYS, (out.detach(), lse.detach(), qs.grad, ks.grad, vs.grad)))
+
+
+def _check_bytes(plan, group, phases):
+    for phase in phases:
+        for hop in (0, 1, 2):
+            want = plan.pair_bytes(phase, hop=hop)
+            got = group.pair_traffic(hop_phase(phase, hop))
+            assert torch.equal(got, want), f"{phase} hop {hop}: counted {int(got.sum())}, plan {int(want.sum())}"
+
+
+def _check_hops(plan, per_node):
+    """Hop 1 crosses nodes only, hop 2 stays inside a node, and relaying never adds IB bytes."""
+    P = plan.comm.cp_size
+    node = torch.arange(P) // per_node
+    cross = node[:, None] != node[None, :]
+    for kind in ("qo", "kv"):
+        route = plan.relay.route(kind)
+        assert int((route.split(1) * ~cross).sum()) == 0 and int((route.split(2) * cross).sum()) == 0
+        split = plan.comm.qo_split if kind == "qo" else plan.comm.kv_split
+        ib = (route.split(0) + route.split(1)) * cross
+        assert int(ib.sum()) <= int((split * cross).sum())
+        # every remote row a consumer holds came one way: direct, fanned out, or read by the relay itself
+        via = route.via
+        rng = plan.comm.qo_range if kind == "qo" else plan.comm.kv_range
+        used = rng[..., 1] > rng[..., 0]
+        assert torch.equal(used, (via == DIRECT) | (via == FAN_OUT) | (via == SELF))
+
+
+# (mask, P, ranks per node): 2 and 4 nodes at P = 16
+CASES = [("docs-causal", 16, 8), ("docs-full", 16, 4)]
+
+
+@pytest.mark.parametrize("name,P,per_node", CASES, ids=[f"{m}-P{P}-nodes{P // n}" for m, P, n in CASES])
+def test_relay_equals_reference(name, P, per_node):
+    direct, plan, mask, _ = _plans(name, P, per_node)
+    assert plan.relay is not None
+    for kind in ("qo", "kv"):  # both hops carry rows of both kinds
+        assert int(plan.relay.route(kind).split(1).sum()) > 0 and int(plan.relay.route(kind).split(2).sum()) > 0
+    _check_hops(plan, per_node)
+    inputs = make_inputs(P * 16, 4, 2, seed=P)
+    ref = reference(mask, *inputs)
+    group = LocalGroup(P)
+    got = _run(plan, group, inputs)
+    for key in KEYS:
+        assert_close(key, ref[key], unshard(got[key], group), atol=ATOL, rtol=RTOL)
+    _check_bytes(plan, group, PHASES)
+
+
+def test_relay_recast_tiles_and_capacity():
+    """Forward buffers cast again (Q with dO, K and V relayed again), two tiles per chunk, and relay
+    buffers too small for everything (the rest goes direct): still exact, bytes still the plan's."""
+    P, per_node = 8, 2
+    _, full, _, _ = _plans("random", P, per_node, tiles=2, keep=False)
+    half = int(full.relay.kv.relay_rows.max()) // 2  # the fullest relay gets half its KV rows' room
+    _, plan, mask, config = _plans("random", P, per_node, tiles=2, keep=False, kv_relay=half)
+    via = plan.relay.kv.via
+    node = torch.arange(P) // per_node
+    host = plan.comm.unit_host()
+    cross = (node[host][:, None] != node[None, :])
+    assert int(((via == DIRECT) & cross).sum()) > 0 and int((via == FAN_OUT).sum()) > 0  # some of each
+    assert 0 < int(plan.relay.kv.relay_rows.max()) <= half
+    inputs = make_inputs(P * 16, 4, 2, seed=3)
+    group = LocalGroup(P)
+    got = _run(plan, group, inputs, keep=False)
+    ref = reference(mask, *inputs)
+    for key in KEYS:
+        assert_close(key, ref[key], unshard(got[key], group), atol=ATOL, rtol=RTOL)
+    _check_bytes(plan, group, PHASES)
+    assert int(plan.pair_bytes("bwd.kv", hop=1).sum()) > 0  # K and V really went through the relays again
+
+
+@pytest.mark.parametrize("name,P,per_node", [("docs-causal", 32, 16), ("docs-full", 32, 8), ("window", 16, 4),
+                                             ("random", 32, 8)])
+def test_relay_equals_reference_sweep(name, P, per_node):
+    for keep in (True, False):  # the plan's CommCost prices the backward's protocol
+        _, plan, mask, _ = _plans(name, P, per_node, keep=keep)
+        _check_hops(plan, per_node)
+        inputs = make_inputs(P * 16, 4, 2, seed=P)
+        ref = reference(mask, *inputs)
+        group = LocalGroup(P)
+        got = _run(plan, group, inputs, keep=keep)
+        for key in KEYS:
+            assert_close(f"keep={keep} {key}", ref[key], unshard(got[key], group), atol=ATOL, rtol=RTOL)
+        _check_bytes(plan, group, PHASES)
+
+
+def test_relay_off_is_todays_plan():
+    """ib_relay=False on a multi-node topology, and a topology of one node, build today's plan bit for bit."""
+    P = 8
+    direct, _, mask, config = _plans("docs-causal", P, 4)
+    areas = block_areas(mask, P, config.head_groups, impl="torch")
+    for cfg in (replace(config, ib_relay=False), replace(config, topology=_topology(8)),
+                replace(config, topology=None)):
+        plan = build_plan(mask, areas, direct.assignment, cfg)
+        assert plan.relay is None
+        for part in ("comm", "calc"):
+            a, b = getattr(plan, part), getattr(direct, part)
+            for f in a.__dataclass_fields__:
+                x, y = getattr(a, f), getattr(b, f)
+                assert (torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y), f"{part}.{f} differs"
+        assert forward_ops(2) == tuple(o for o in forward_ops(2) if o.hop == 0)
+        assert torch.equal(plan.pair_bytes("fwd", hop=0), plan.pair_bytes("fwd"))
+        assert int(plan.pair_bytes("fwd", hop=1).sum()) == 0
+
+
+def test_relay_deterministic_and_saved(tmp_path):
+    """Two runs give the same bits; the plan survives save / load with its relay routing."""
+    P = 4
+    _, plan, mask, _ = _plans("docs-causal", P, 2)
+    inputs = make_inputs(P * 16, 4, 2, seed=1)
+    a, b = _run(plan, LocalGroup(P), inputs), _run(plan, LocalGroup(P), inputs)
+    for key in KEYS:
+        assert torch.equal(a[key], b[key]), key
+    plan.save(tmp_path / "p.pt")
+    back = Plan.load(tmp_path / "p.pt")
+    assert back.relay is not None and torch.equal(back.relay.kv.via, plan.relay.kv.via)
+    assert torch.equal(back.pair_bytes("fwd", hop=1), plan.pair_bytes("fwd", hop=1))
+
+
+def test_relay_simulated_per_link():
+    """The simulator prices the relay hops: its pass bytes equal the plan's; hop 1 lands on NICs only."""
+    P, per_node = 16, 4
+    _, plan, _, _ = _plans("docs-causal", P, per_node)
+    t = simulate(plan, _topology(per_node))
+    for phase, passed in (("fwd", t.fwd), ("bwd", t.bwd)):
+        assert torch.equal(torch.tensor(passed.pair_bytes), plan.pair_bytes(phase))
+    ops = forward_ops(2, relay=True)
+    assert [op.name for op in ops if op.hop == 1 and op.collective] == ["fwd.cast.qo:hop1", "fwd.cast.kv:hop1",
+                                                                        "fwd.reduce.o:hop1"]
+    lanes = {i.lane for i in t.fwd.timeline if i.label in ("fwd.qo", "fwd.kv", "fwd.o")}
+    assert {"ib send", "nvlink send"} <= lanes
+
+
+def test_relay_bad_input():
+    P = 8
+    mask = make_mask("docs-causal", P * 16, seed=0)
+    topo = _topology(4)
+    with pytest.raises(ValueError, match="ib_relay=True.*num_stages=2"):
+        direct, _ = tight_plan(mask, make_config(P, 4, 2))
+        cfg = make_config(P, 4, 2, topology=topo, ib_relay=True, num_stages=2)
+        build_plan(mask, block_areas(mask, P, cfg.head_groups, impl="torch"), direct.assignment, cfg)
+    with pytest.raises(ValueError, match="ib_relay=True.*sparse plan"):
+        from gpusolver.plan.build import relay_transport
+        relay_transport(make_config(P, 4, 2, topology=topo, ib_relay=True), sparse=True)
+    # by default (ib_relay=None) sub-stage plans keep direct transport
+    cfg = make_config(P, 4, 2, topology=topo, num_stages=2)
+    from gpusolver.plan.build import relay_transport
+    assert cfg.relays and not relay_transport(cfg)
+    _, plan, _, _ = _plans("docs-causal", P, 4)
+    with pytest.raises(ValueError, match="hop must be"):
+        plan.pair_bytes("fwd", hop=3)
+    with pytest.raises(ValueError, match="num_stages=3"):
+        forward_ops(3, relay=True)
+    with pytest.raises(ValueError, match="unknown buffers"):
+        relay_rows(cfg, 16, 4, qo_relays=3)
+    with pytest.raises(ValueError, match="qo_relay must be a non-negative int"):
+        relay_rows(cfg, 16, 4, qo_relay=-1)
+    assert backward_ops(2, True, relay=True)[0].name == "bwd.delta"
+
+
+def test_relay_layer_on_meta():
+    """DynamicCPAttention on a two-node topology: solve, relay routing, both hops and backward on meta."""
+    from gpusolver.masks import varlen_causal_mask
+    from tests.gpusolver.runtime._cases import doc_lengths
+
+    P, c, Hq, Hkv = 4, 16, 4, 2
+    mask = varlen_causal_mask(doc_lengths(P * c, 0), device="meta")
+    layer = DynamicCPAttention(LocalGroup(P), make_config(P, Hq, Hkv, topology=_topology(2)),
+                               plan_cache=PlanCache())
+    q = torch.empty(P, c, Hq, D, device="meta", requires_grad=True)
+    k = torch.empty(P, c, Hkv, D, device="meta", requires_grad=True)
+    v = torch.empty(P, c, Hkv, D, device="meta", requires_grad=True)
+    out, lse = layer(q, k, v, mask, return_lse=True)
+    assert out.shape == (P, c, Hq, D) and out.device.type == "meta"
+    (out.sum() + lse.sum()).backward()
+    assert all(x.grad is not None and x.grad.device.type == "meta" for x in (q, k, v))
+
+
+def _gloo_rank(rank, P, transport):
+    c, Hq, Hkv = 16, 4, 2
+    _, plan, mask, _ = _plans("docs-full", P, 2, c=c, Hq=Hq, Hkv=Hkv, seed=8)
+    group = TorchGroup(transport=transport)
+    q, k, v, d_out, d_lse = make_inputs(P * c, Hq, Hkv, seed=8)
+    qs, ks, vs = (shard(x, group).clone().requires_grad_() for x in (q, k, v))
+    out, lse = dist_attn(qs, ks, vs, plan, group)
+    torch.autograd.backward((out, lse), (shard(d_out, group), shard(d_lse, group)))
+    counted = {(ph, h): group.traffic(hop_phase(ph, h)) for ph in PHASES for h in (0, 1, 2)}
+    want = {(ph, h): (int(plan.pair_bytes(ph, hop=h)[rank].sum()), int(plan.pair_bytes(ph, hop=h)[:, rank].sum()))
+            for ph in PHASES for h in (0, 1, 2)}
+    return {"got": dict(zip(KEYS, (out.detach(), lse.detach(), qs.grad, ks.grad, vs.grad))),
+            "counted": counted, "want": want, "ib": int(plan.pair_bytes("fwd", hop=1).sum())}
+
+
+@pytest.mark.parametrize("transport", ["a2a", "p2p"])
+def test_relay_gloo_two_nodes_of_two(transport):
+    P, c = 4, 16
+    results = run_ranks(_gloo_rank, P, transport, timeout=120)
+    ref = reference(make_mask("docs-full", P * c, seed=8), *make_inputs(P * c, 4, 2, seed=8))
+    assert results[0]["ib"] > 0  # rows crossed by relay
+    for rank, res in enumerate(results):
+        rows = slice(rank * c, (rank + 1) * c)
+        for key in KEYS:
+            assert_close(f"rank {rank} {key}", ref[key][rows], res["got"][key], atol=ATOL, rtol=RTOL)
+        assert res["counted"] == res["want"], f"rank {rank}"
+
+
+def test_relay_layer_equals_reference():
+    """DynamicCPAttention solves on a topology of two nodes of two and runs the relay plan it built."""
+    P, c, Hq, Hkv = 4, 16, 4, 2
+    mask = make_mask("docs-full", P * c, seed=8)
+    group = LocalGroup(P)
+    layer = DynamicCPAttention(group, make_config(P, Hq, Hkv, topology=_topology(2)), plan_cache=PlanCache())
+    q, k, v, d_out, d_lse = make_inputs(P * c, Hq, Hkv, seed=8)
+    qs, ks, vs = (shard(x, group).requires_grad_() for x in (q, k, v))
+    out, lse = layer(qs, ks, vs, mask, return_lse=True)
+    torch.autograd.backward((out, lse), (shard(d_out, group), shard(d_lse, group)))
+    assert int(sum(group.traffic(hop_phase("fwd.kv", 1))[0])) + int(sum(group.traffic(hop_phase("fwd.qo", 1))[0])) > 0
+    ref = reference(mask, q, k, v, d_out, d_lse)
+    for key, t in zip(KEYS, (out.detach(), lse.detach(), qs.grad, ks.grad, vs.grad)):
+        assert_close(key, ref[key], unshard(t, group), atol=ATOL, rtol=RTOL)
+
+
+def test_relay_layer_compiles_once():
+    """torch.compile(fullgraph=True) of a relay layer: one graph for two masks, equal to eager."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from gpusolver.masks import varlen_causal_mask
+
+    P, c = 4, 16
+    config = make_config(P, 2, 1, topology=_topology(2))
+    group = LocalGroup(P)
+    layer = DynamicCPAttention(group, config, plan_cache=PlanCache())
+    eager = DynamicCPAttention(group, config, plan_cache=PlanCache())
+    qs, ks, vs = (shard(x, group) for x in make_inputs(P * c, 2, 1)[:3])
+    counter = CompileCounterWithBackend("aot_eager")
+    run = torch.compile(lambda q, k, v, m: layer(q, k, v, m), backend=counter, fullgraph=True)
+    for lengths in ([10, 6, 16, 32], [20, 12, 32]):
+        mask = varlen_causal_mask(lengths, pad_to=6)
+        assert_close("out", eager(qs, ks, vs, mask), run(qs, ks, vs, mask), atol=ATOL, rtol=RTOL)
+    assert counter.frame_count == 1
