@@ -51,8 +51,7 @@ from gpusolver.plan.schedule import ATTN, CAST, DELTA, MERGE, REDUCE, WAIT, Op, 
 from gpusolver.plan.sparse import SparsePlan
 from gpusolver.problem import kept_kinds
 from gpusolver.runtime.layout import from_group_major, to_group_major
-from gpusolver.runtime.pipelined import (StageRoutes, _Operands, backward_stages, forward_stages, op_range,
-                                         stage_routes)
+from gpusolver.runtime.pipelined import StageRoutes, backward_stages, forward_stages, op_range, stage_routes
 from gpusolver.runtime.relayed import RelayRoutes, relay_backward, relay_forward, relay_routes
 from gpusolver.support import check_supported
 from groupcomm import (CollectiveError, TorchGroup, as_group, group_cast, group_reduce, host_splits, retain,
@@ -168,6 +167,25 @@ def _rows(x: torch.Tensor, lead: int, start: int, length: int) -> torch.Tensor:
     return x.narrow(lead, start, length)
 
 
+class _Operands:
+    """``X = [local rows | receive buffer (cap rows)]`` per tensor, allocated once; ``fill`` copies a
+    cast's buffers into their slot (then the buffers can go)."""
+
+    def __init__(self, local: list[torch.Tensor], cap: int, lead: int):
+        self.n, self.cap, self.lead = local[0].shape[lead], cap, lead
+        self.x = []
+        for t in local:
+            shape = list(t.shape)
+            shape[lead] = self.n + cap
+            x = t.new_empty(shape)
+            _rows(x, lead, 0, self.n).copy_(t)
+            self.x.append(x)
+
+    def fill(self, bufs: list[torch.Tensor]) -> None:
+        for x, b in zip(self.x, bufs):
+            _rows(x, self.lead, self.n, self.cap).copy_(b)
+
+
 def issue(op: Op, routes: LayerRoutes, group, tensors, acc=None, deterministic: bool = True):
     """Start the collective ``op`` (a cast of ``tensors``, or a reduce of them into ``acc``): its Work."""
     index = routes.qo_index if op.route == "qo" else routes.kv_index
@@ -229,7 +247,7 @@ class _DistAttn(torch.autograd.Function):
         remote = lambda x: _rows(x, lead, n, cap)  # noqa: E731
         # the operands of stage 1, allocated once: each cast's buffer is copied into its slot when
         # waited for, so the local rows and buffers never exist a second time as a concatenation
-        X = {"qo": _Operands([ql], cap, 1, lead), "kv": _Operands([kl, vl], routes.kv_capacity, 1, lead)}
+        X = {"qo": _Operands([ql], cap, lead), "kv": _Operands([kl, vl], routes.kv_capacity, lead)}
         if "qo" in keep:  # the kept X holds the local rows too: ql is a view of it
             ql = local(X["qo"].x[0])
         if "kv" in keep:
@@ -244,7 +262,7 @@ class _DistAttn(torch.autograd.Function):
                 elif op.kind == WAIT and op.back:
                     o, lse = works.pop(op.deps[0]).wait()
                 elif op.kind == WAIT:
-                    X[op.route].fill(1, works.pop(op.deps[0]).wait())
+                    X[op.route].fill(works.pop(op.deps[0]).wait())
                 elif op.kind == ATTN:
                     (s,) = op.stages
                     args = (ql, kl, vl) if s == 0 else X["qo"].x + X["kv"].x
@@ -307,8 +325,8 @@ class _DistAttn(torch.autograd.Function):
         # stage 1's operands X = [local rows | buffer]: the forward's X of a kept kind, else built here
         xq, xk, xv = saved[:3]
         part = keep_kv and ctx.kv_rows >= 0  # the first kv_rows of the KV buffer kept, the rest cast again
-        Xq = None if keep_q else _Operands([xq], qcap, 1, lead)
-        Xkv = None if keep_kv and not part else _Operands([local(xk), local(xv)], kcap, 1, lead)
+        Xq = None if keep_q else _Operands([xq], qcap, lead)
+        Xkv = None if keep_kv and not part else _Operands([local(xk), local(xv)], kcap, lead)
         if Xq is not None:
             xq = Xq.x[0]
         if part:
@@ -324,7 +342,7 @@ class _DistAttn(torch.autograd.Function):
                 if op.kind == DELTA:  # the host computes delta from its final O: O itself never travels
                     delta = _per_rank(routes, lambda r, a, b, *c_: (row_delta(a, b, c_[0] if c_ else None),),
                                       d_o, o, *(() if d_l is None else (d_l,)))[0]
-                    Xg = _Operands([d_o, lse, delta], qcap, 1, lead)
+                    Xg = _Operands([d_o, lse, delta], qcap, lead)
                     del d_o, delta
                 elif op.kind == CAST:
                     sent = tuple(local(x) for x in Xg.x) + (() if keep_q else (ql,)) if op.route == "qo" \
@@ -336,14 +354,14 @@ class _DistAttn(torch.autograd.Function):
                 elif op.kind == WAIT:
                     bufs = works.pop(op.deps[0]).wait()
                     if op.route == "qo":
-                        Xg.fill(1, bufs[:3])
+                        Xg.fill(bufs[:3])
                         if not keep_q:
-                            Xq.fill(1, bufs[3:])
+                            Xq.fill(bufs[3:])
                     elif part:  # the rows past the kept ones
                         for x, b in zip(Xkv.x, bufs):
                             _rows(x, lead, n + ctx.kv_rows, kcap - ctx.kv_rows).copy_(b)
                     else:
-                        Xkv.fill(1, bufs)
+                        Xkv.fill(bufs)
                     del bufs
                 elif op.kind == ATTN:
                     (s,) = op.stages
