@@ -14,7 +14,7 @@ import torch
 from groupcomm import LocalGroup, TorchGroup, group_cast, group_reduce
 from tests._dist import run_ranks
 
-N, PAUSE = 4, 1.5
+N, PAUSE = 4, 1.0
 
 
 def _routing(src: int, dst: int, P: int = 2):
