@@ -15,9 +15,11 @@ sub-stages differ. Per (kind, P, seed, S, comm):
     exposed %   step time beyond the busiest rank's compute, share of the step
     comm        "a2a": every collective an all-to-all-v that completes as one
                 (``TorchGroup``); "p2p": each (source, destination) transfer
-                on its own (``TorchGroup(transport="p2p")``); what-ifs of a transport
-                not built: "p2p-recv" (a rank's wait ends when its own incoming
-                rows land), a "+rs" suffix (the reduces on a stream of their own)
+                on its own, a rank's wait ending when its own incoming rows land
+                (``TorchGroup(transport="p2p")`` on gloo: waits on receives only);
+                "p2p-batch": the same, but a rank's wait covers its sends too (the
+                one handle of NCCL's coalesced batch); a "+rs" suffix: a what-if,
+                the reduces on a stream of their own
 
 Cost columns per S: collectives and attention launches per training step,
 CalcMeta table size (rows of ``[P, S + 1, cap]`` per rank) and the per-stage
@@ -57,7 +59,7 @@ from gpusolver.sim import simulate  # noqa: E402
 from gpusolver.topology import PRESETS  # noqa: E402
 
 MB = 1e6
-COMMS = ("a2a", "p2p", "p2p-recv", "a2a+rs", "p2p+rs", "p2p-recv+rs")
+COMMS = ("a2a", "p2p", "p2p-batch", "a2a+rs", "p2p+rs", "p2p-batch+rs")
 
 
 def _assignment(kind, P, seed, tokens, cache, mask, areas, config):

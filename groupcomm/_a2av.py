@@ -80,7 +80,11 @@ class TorchGroup:
     a failed or timed-out exchange raises ``CollectiveError``.
     ``transport``: ``"a2a"`` (default) moves each call's rows in one ``all_to_all_single``;
     ``"p2p"`` posts one send and one receive per peer with rows to move
-    (``batch_isend_irecv``), so a pair's rows need not wait for the whole group.
+    (``batch_isend_irecv``), so a pair's rows need not wait for the whole group, and a
+    call's ``wait()`` waits for this rank's receives only: its sends stay in flight,
+    held here (their buffers are this group's own copies, never the caller's tensors),
+    until ``wait_sends()`` or a later call finds them done. A backend that completes a
+    batch as one handle (NCCL's coalesced batch) waits for its sends with its receives.
     ``traffic(phase)`` returns this rank's (sent, recv) bytes as host ints.
     """
 
@@ -97,6 +101,7 @@ class TorchGroup:
         self.timeout = timeout
         self.transport = transport
         self._traffic = HostTraffic()
+        self._sends: list = []  # (phase, [send Work], send tensors) of p2p calls whose wait() has returned
 
     def __repr__(self) -> str:
         return f"TorchGroup(rank={self.rank}, P={self.size})"
@@ -110,36 +115,68 @@ class TorchGroup:
             raise ValueError(f"host_split must be [P, P] = [{P}, {P}], got {len(rows)} rows")
         return rows
 
+    def _fail(self, phase: str, e: Exception) -> CollectiveError:
+        return CollectiveError(f"rank {self.rank}: {phase} all-to-all over {self.size} ranks failed: {e}")
+
+    def _wait_all(self, works, phase: str) -> None:
+        try:
+            for work in works:
+                if self.timeout is None:
+                    work.wait()
+                else:
+                    work.wait(self.timeout)
+        except Exception as e:
+            raise self._fail(phase, e) from e
+
     def _exchange(self, out: torch.Tensor, inp: torch.Tensor, out_sizes: list[int], in_sizes: list[int],
                   phase: str):
-        """Start the all-to-all-v; returns the function that waits for it."""
-        def fail(e: Exception) -> CollectiveError:
-            return CollectiveError(f"rank {self.rank}: {phase} all-to-all over {self.size} ranks failed: {e}")
-
+        """Start the all-to-all-v; returns the function that waits for it (for p2p: for the receives,
+        the sends are then kept in flight, see ``wait_sends``)."""
+        self._reap()
         try:
             if self.transport == "a2a":
-                works = [dist.all_to_all_single(out, inp, out_sizes, in_sizes, group=self.process_group,
+                recvs = [dist.all_to_all_single(out, inp, out_sizes, in_sizes, group=self.process_group,
                                                 async_op=True)]
+                sends = []
             else:
-                works = self._p2p(out, inp, out_sizes, in_sizes)
+                recvs, sends = self._p2p(out, inp, out_sizes, in_sizes)
         except Exception as e:
-            raise fail(e) from e
+            raise self._fail(phase, e) from e
         retain(out, inp)  # freed by Python later, never by a gloo worker thread (groupcomm._retain)
 
         def wait() -> None:
-            try:
-                for work in works:
-                    if self.timeout is None:
-                        work.wait()
-                    else:
-                        work.wait(self.timeout)
-            except Exception as e:
-                raise fail(e) from e
+            self._wait_all(recvs, phase)
+            if sends:
+                self._sends.append((phase, sends, inp))
 
         return wait
 
-    def _p2p(self, out: torch.Tensor, inp: torch.Tensor, out_sizes: list[int], in_sizes: list[int]) -> list:
-        """One isend / irecv per peer with rows (the all-to-all-v's layout: segments by peer rank)."""
+    def _reap(self) -> None:
+        """Drop the kept sends that have completed (their buffers go back); a failed one raises.
+        Each handle is waited exactly once: a second wait on a gloo send waits for another send."""
+        keep = []
+        for phase, works, inp in self._sends:
+            if all(w.is_completed() for w in works):
+                self._wait_all(works, phase)  # done: returns at once, or raises the send's error
+            else:
+                keep.append((phase, works, inp))
+        self._sends = keep
+
+    def wait_sends(self) -> None:
+        """Wait for every send still in flight (p2p: ``wait()`` waits for receives only); a layer calls
+        it at the end of each pass. Raises ``CollectiveError`` naming the phase of a failed send."""
+        sends, self._sends = self._sends, []
+        for phase, works, _ in sends:
+            self._wait_all(works, phase)
+
+    def sends_in_flight(self) -> int:
+        """How many calls' sends are kept, not yet waited for."""
+        return len(self._sends)
+
+    def _p2p(self, out: torch.Tensor, inp: torch.Tensor, out_sizes: list[int], in_sizes: list[int]):
+        """One isend / irecv per peer with rows (the all-to-all-v's layout: segments by peer rank):
+        (receive handles, send handles). A backend that returns one handle for the whole batch
+        (NCCL coalesces it) gives it as the receive handle: waiting for it covers the sends too."""
         ops = []
         o_off = i_off = 0
         for peer in range(self.size):
@@ -154,7 +191,13 @@ class TorchGroup:
                     ops.append(dist.P2POp(dist.irecv, out[o_off:o_off + n_out], g, group=self.process_group))
             o_off += n_out
             i_off += n_in
-        return dist.batch_isend_irecv(ops) if ops else []
+        if not ops:
+            return [], []
+        works = dist.batch_isend_irecv(ops)
+        if len(works) != len(ops):
+            return list(works), []
+        return ([w for op, w in zip(ops, works) if op.op is dist.irecv],
+                [w for op, w in zip(ops, works) if op.op is dist.isend])
 
     def _sizes(self, rows: list[list[int]], send_cap: int, recv_capacity: int, what: str):
         r = self.rank
@@ -224,6 +267,9 @@ class TorchGroup:
         # the rows really returned (host-known here), not the send list's capacity: reduces in flight at
         # once (a layer's sub-stages) then hold no more than one send list between them
         inp = pack([p[:n_recv] for p in partials], 0)
+        if self.transport == "p2p" and n_recv and inp.untyped_storage().data_ptr() == \
+                partials[0].untyped_storage().data_ptr():
+            inp = inp.clone()  # p2p sends outlive wait(): they must not read the caller's partials
         back = torch.zeros(n_send, layout.row_bytes, dtype=torch.uint8, device=acc[0].device)
         wait = self._exchange(back, inp, send, recv, phase)
         self._traffic.add(phase, (n_recv - self_rows) * layout.row_bytes, (n_send - self_rows) * layout.row_bytes)

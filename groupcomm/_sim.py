@@ -137,6 +137,10 @@ class LocalGroup:
         t = self._pairs.get(phase)
         return torch.zeros(self.size, self.size, dtype=torch.int64) if t is None else t
 
+    def wait_sends(self) -> None:
+        """Nothing to wait for: a call's ``wait()`` has moved every row (``TorchGroup``'s p2p sends
+        may outlive it)."""
+
     def reset_traffic(self) -> None:
         self._traffic.clear()
         self._pairs.clear()

@@ -215,5 +215,9 @@ class SymmMemGroup:
         sent, recv = t.tolist()
         return sent, recv
 
+    def wait_sends(self) -> None:
+        """Nothing to wait for: each put ends in a barrier of the whole group, before ``wait()`` returns
+        (``TorchGroup``'s p2p sends may outlive it)."""
+
     def reset_traffic(self) -> None:
         self._traffic.clear()

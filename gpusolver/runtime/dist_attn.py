@@ -241,6 +241,7 @@ class _DistAttn(torch.autograd.Function):
                     kl, vl = x_k.narrow(lead, 0, n), x_v.narrow(lead, 0, n)
             ctx.save_for_backward(ql, kl, vl, o, lse, *((x_q,) if "qo" in keep else ()),
                                   *((x_k, x_v) if "kv" in keep else ()))
+            group.wait_sends()  # p2p sends may outlive their wait(): none past the pass
             return from_group_major(o, G, lead), from_group_major(lse, G, lead)
         n = ql.shape[lead]  # G * c local rows; a remote stage's rows are X = [local rows | receive buffer]
         local = lambda x: _rows(x, lead, 0, n)  # noqa: E731
@@ -294,6 +295,7 @@ class _DistAttn(torch.autograd.Function):
         ctx.save_for_backward(*saved, o, lse)
         ctx.routes, ctx.group, ctx.scale, ctx.keep, ctx.deterministic = routes, group, scale, keep, deterministic
         ctx.kv_rows = kv_rows
+        group.wait_sends()  # p2p sends may outlive their wait(): none past the pass
         return from_group_major(o, G, lead), from_group_major(lse, G, lead)
 
     @staticmethod
@@ -314,6 +316,7 @@ class _DistAttn(torch.autograd.Function):
             run, how = (relay_backward, routes.relay) if routes.relay is not None else (backward_stages, routes.stages)
             dq, dk, dv = run(routes.plan, group, routes.ranks, routes.batched, how, ql, kl, vl, o, lse, kept_q,
                              kept_kv, d_o, d_l, scale, ctx.deterministic)
+            group.wait_sends()  # p2p sends may outlive their wait(): none past the pass
             return (from_group_major(dq, G, lead), from_group_major(dk, G, lead), from_group_major(dv, G, lead),
                     None, None, None, None, None, None)
         o, lse = saved[3:5]
@@ -392,6 +395,7 @@ class _DistAttn(torch.autograd.Function):
                 else:
                     raise AssertionError(f"dist_attn cannot run backward op {op}")
         (dq,), (dk, dv) = out["bwd.dq"], out["bwd.dkv"]
+        group.wait_sends()  # p2p sends may outlive their wait(): none past the pass
         return (from_group_major(dq, G, lead), from_group_major(dk, G, lead), from_group_major(dv, G, lead),
                 None, None, None, None, None, None)
 

@@ -89,7 +89,7 @@ def _usp_passes(config: SolverConfig, area, c: int, u: int, topo: Topology, *, b
 
     def hop(name: str, nbytes: int, deps: tuple, stream: str) -> SimOp:
         moves = tuple((p, ((group[p] + 1) % R) * u + p % u, nbytes) for p in range(P))
-        return SimOp(name, stream, deps, transfers=moves, mode="p2p", label=name)
+        return SimOp(name, stream, deps, transfers=moves, mode="p2p-batch", label=name)
 
     def compute(name: str, t: int, phase: str, deps=()) -> SimOp:
         dur = tuple(topo.attn_seconds(steps[p][t], hq, D, phase) for p in range(P))

@@ -20,10 +20,11 @@ places every op in time:
   back (as a pipelined exchange does), and the collective completes on every
   rank at once, when the busiest side is done; ``mode="p2p"``: each transfer
   starts when both its ends have reached the op and both its sides are free
-  (the one that can start first goes first), holds them for its own bytes, and a rank is done when its own transfers are;
-  ``mode="p2p-recv"``: the same transfers, but a rank is done when its incoming ones are (its
-  sends need not have landed: a consumer that waits on a signal its senders set, not on the
-  exchange as a whole).
+  (the one that can start first goes first), holds them for its own bytes, and a rank is done
+  when its incoming transfers are (``TorchGroup(transport="p2p")``: its wait is on its receives,
+  its sends stay in flight); ``mode="p2p-batch"``: the same transfers, but a rank is done when
+  its own sends have landed too (a batch that completes as one handle: NCCL's coalesced
+  ``batch_isend_irecv``, a ring's hop).
   Each collective (a2a) or transfer (p2p) pays the topology's latency once,
   the inter-node one when it crosses nodes.
 
@@ -35,7 +36,10 @@ from dataclasses import dataclass, field
 
 from gpusolver.topology import Topology
 
-__all__ = ["SimOp", "Interval", "Run", "run_ops"]
+__all__ = ["SimOp", "Interval", "Run", "run_ops", "COMM_MODES"]
+
+P2P_MODES = ("p2p", "p2p-batch")
+COMM_MODES = ("a2a",) + P2P_MODES
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,7 @@ class SimOp:
     deps:      names of earlier ops it waits for (on the same rank).
     duration:  compute: seconds per rank ([P] floats); None for collectives and waits.
     transfers: collective: ((src, dst, bytes), ...); None otherwise.
-    mode:      "a2a", "p2p" or "p2p-recv" for a collective.
+    mode:      "a2a", "p2p" or "p2p-batch" for a collective.
     label:     what the timeline shows (default the name).
     """
 
@@ -187,9 +191,9 @@ def _collective(op: SimOp, ready: list[float], links: _Links, label: str, out: l
     if op.mode == "a2a":
         start = max(ready) + _latency(topo, moves)
         return [links.place_all(moves, start, label, out)] * P
-    if op.mode not in ("p2p", "p2p-recv"):
-        raise ValueError(f"op {op.name!r}: mode must be 'a2a', 'p2p' or 'p2p-recv', got {op.mode!r}")
-    senders_wait = op.mode == "p2p"
+    if op.mode not in P2P_MODES:
+        raise ValueError(f"op {op.name!r}: mode must be 'a2a', 'p2p' or 'p2p-batch', got {op.mode!r}")
+    senders_wait = op.mode == "p2p-batch"
     end = list(ready)
     left = [(s, d, b, max(ready[s], ready[d]) + _latency(topo, [(s, d, b)])) for s, d, b in moves]
     while left:  # the transfer that can start first goes first (ties: source, then destination)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from gpusolver.plan.schedule import ATTN, WAIT, op_pair_bytes, plan_ops, stage_area
-from gpusolver.sim.engine import Interval, Run, SimOp, run_ops
+from gpusolver.sim.engine import COMM_MODES, Interval, Run, SimOp, run_ops
 from gpusolver.topology import Topology
 
 __all__ = ["LayerTime", "PassTime", "simulate", "ideal_seconds", "pass_time"]
@@ -169,16 +169,17 @@ def simulate(plan, topology: Topology, *, cost=None, keep_forward_buffers: bool 
     cost:     the ``CommCost`` pricing rows and FLOPs (default the plan's own).
     keep_forward_buffers: the backward's protocol (default the cost's).
     comm:     "a2a" (``TorchGroup``: every collective an all-to-all-v that completes as one)
-              or "p2p" (``SymmMemGroup``: each (source, destination) transfer on its own), or
-              "p2p-recv" (p2p where a rank's wait ends when its own incoming rows have landed:
-              a transport with per-collective signals, not built yet; a what-if).
+              or "p2p" (``TorchGroup(transport="p2p")`` with a handle per send and receive, as
+              gloo gives: each (source, destination) transfer on its own, and a rank's wait ends
+              when its own incoming rows have landed), or "p2p-batch" (the same transfers, but a
+              rank's wait also covers its sends: NCCL's coalesced batch, one handle for both).
     reduce_stream: the reduces on a stream of their own (not queued behind the casts; a
               what-if: the runtime issues them on the casts' stream).
     """
     if not isinstance(topology, Topology):
         raise TypeError(f"topology must be a Topology, got {type(topology).__name__}")
-    if comm not in ("a2a", "p2p", "p2p-recv"):
-        raise ValueError(f"comm must be 'a2a', 'p2p' or 'p2p-recv', got {comm!r}")
+    if comm not in COMM_MODES:
+        raise ValueError(f"comm must be one of {COMM_MODES}, got {comm!r}")
     cost = plan.cost if cost is None else cost
     if cost is None:
         raise ValueError("simulate needs the plan's CommCost: the plan has none, pass cost=")

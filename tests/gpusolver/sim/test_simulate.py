@@ -78,29 +78,30 @@ def test_two_ranks_exact(nodes):
 
 def test_p2p_sends_one_by_one():
     # rank 0 sends 100 B to 1 and to 2 on one NVLink send side: the second waits for the first;
-    # rank 3's 50 B to rank 2 go first, while rank 2's receive side is still free
+    # rank 3's 50 B to rank 2 go first, while rank 2's receive side is still free. "p2p" (the runtime's
+    # TorchGroup p2p): a rank is done when its incoming rows are; rank 0 and 3 only send, done at once
     topo = Topology(ranks_per_node=4, nvlink_gbps=1e-7, ib_gbps=1.0, attn_tflops=1.0)  # 100 B/s
     ops = [SimOp("x", "comm", transfers=((0, 1, 100), (0, 2, 100), (3, 2, 50)), mode="p2p")]
     run = run_ops(ops, 4, topo)
-    assert run.end["x"] == pytest.approx([2.0, 1.0, 2.0, 0.5])
+    assert run.end["x"] == pytest.approx([0.0, 1.0, 2.0, 0.0])
     a2a = run_ops([SimOp("x", "comm", transfers=ops[0].transfers, mode="a2a")], 4, topo)
     assert a2a.end["x"] == pytest.approx([2.0] * 4)  # the busiest side (rank 0's send: 200 B)
 
 
-def test_p2p_recv_ends_with_the_incoming_rows():
-    """The what-if transport: the same placement as p2p, but a rank is done when its incoming rows
-    are (rank 0 only sends: done at once; rank 2 still waits for both its sources)."""
+def test_p2p_batch_waits_for_the_sends_too():
+    """One handle for the batch (NCCL's coalesced p2p): the same placement, but a rank is done when its
+    sends have landed too (rank 0: its second 100 B at 2 s; rank 3: its 50 B at 0.5 s)."""
     topo = Topology(ranks_per_node=4, nvlink_gbps=1e-7, ib_gbps=1.0, attn_tflops=1.0)  # 100 B/s
     moves = ((0, 1, 100), (0, 2, 100), (3, 2, 50))
-    run = run_ops([SimOp("x", "comm", transfers=moves, mode="p2p-recv")], 4, topo)
-    assert run.end["x"] == pytest.approx([0.0, 1.0, 2.0, 0.0])
+    run = run_ops([SimOp("x", "comm", transfers=moves, mode="p2p-batch")], 4, topo)
+    assert run.end["x"] == pytest.approx([2.0, 1.0, 2.0, 0.5])
     with pytest.raises(ValueError, match="mode must be"):
-        run_ops([SimOp("x", "comm", transfers=moves, mode="p2p-all")], 4, topo)
+        run_ops([SimOp("x", "comm", transfers=moves, mode="p2p-recv")], 4, topo)
 
 
 def test_what_if_transports_never_slower_and_bounded():
-    """A sub-stage plan across two nodes: waiting on the receives only, then reduces on their own stream
-    too, do not lengthen its simulated step, which stays at or above the ideal bound."""
+    """A sub-stage plan across two nodes: waiting on the receives only (p2p against p2p-batch), then
+    reduces on their own stream too, do not lengthen its simulated step, which stays at or above the ideal bound."""
     P = 4
     mask = varlen_causal_mask([40, 100, 60, 56])
     config = _config(P, num_stages=3)
@@ -108,9 +109,9 @@ def test_what_if_transports_never_slower_and_bounded():
     asg = torch.where(areas.area > 0, (torch.arange(P).view(1, 1, P) + torch.arange(P).view(1, P, 1)) % P, -1)
     topo = Topology(ranks_per_node=2, nvlink_gbps=2.0, ib_gbps=0.5, attn_tflops=1e-3)
     plan = build_plan(mask, areas, asg.expand_as(areas.area).to(torch.int32), config, topology=topo)
-    base = simulate(plan, topo, comm="p2p")
-    recv = simulate(plan, topo, comm="p2p-recv")
-    both = simulate(plan, topo, comm="p2p-recv", reduce_stream=True)
+    base = simulate(plan, topo, comm="p2p-batch")
+    recv = simulate(plan, topo, comm="p2p")
+    both = simulate(plan, topo, comm="p2p", reduce_stream=True)
     assert both.step_ms <= recv.step_ms * (1 + 1e-12) and recv.step_ms <= base.step_ms * (1 + 1e-12)
     assert both.step_ms >= both.ideal_ms * (1 - 1e-12) and both.ideal_ms == base.ideal_ms
     with pytest.raises(ValueError, match="comm must be"):

@@ -1,0 +1,91 @@
+"""``TorchGroup(transport="p2p")``: a call's ``wait()`` waits for this rank's receives only.
+
+Rank 0 moves rows to rank 1 and receives none; rank 1 reaches the call only after a pause.
+Rank 0's ``wait()`` must return before rank 1 has posted its receive (its send is kept in
+flight), ``wait_sends()`` then waits for it, and rank 1 must get the rows rank 0 had when it
+called, even after rank 0 overwrote its own tensors. ``a2a`` (one exchange) keeps nothing.
+"""
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+
+from groupcomm import LocalGroup, TorchGroup, group_cast, group_reduce
+from tests._dist import run_ranks
+
+N, PAUSE = 4, 1.0
+
+
+def _routing(src: int, dst: int, P: int = 2):
+    """``src`` sends its N rows to ``dst``, nobody else moves a row."""
+    split = torch.zeros(P, P, dtype=torch.int64)
+    split[src, dst] = N
+    index = [torch.arange(N) if r == src else torch.full((N,), -1, dtype=torch.int64) for r in range(P)]
+    return split, index
+
+
+def _values(seed: int) -> torch.Tensor:
+    return torch.randn(N, 3, generator=torch.Generator().manual_seed(seed))
+
+
+def _rank(rank, P, transport):
+    group = TorchGroup(timeout=timedelta(seconds=20), transport=transport)
+    x = _values(0)
+    out = {}
+    # the cast: rank 0 -> rank 1
+    split, index = _routing(0, 1)
+    if rank == 1:
+        time.sleep(PAUSE)
+    w = group_cast([x.clone() if rank else x], index[rank], split, N, group, phase="c", async_op=True)
+    t0 = time.monotonic()
+    got = w.wait()[0]
+    out["cast_wait_s"] = time.monotonic() - t0
+    out["kept_after_cast"] = group.sends_in_flight()
+    out["cast"] = got
+    # the reduce: rank 1 cast its rows to rank 0 earlier, rank 0 returns partials (one tensor: packed as a view)
+    split, index = _routing(1, 0)
+    partials = _values(1) if rank == 0 else torch.zeros(N, 3)
+    acc = torch.zeros(N, 3)
+    if rank == 1:
+        time.sleep(PAUSE)
+    w = group_reduce([partials], index[rank], split, [acc], group, op="sum", phase="r", async_op=True)
+    t0 = time.monotonic()
+    res = w.wait()[0]
+    out["reduce_wait_s"] = time.monotonic() - t0
+    if rank == 0:
+        partials.fill_(float("nan"))   # the caller may reuse its tensors once wait() returns
+        x.fill_(float("nan"))
+    out["kept_after_reduce"] = group.sends_in_flight()
+    group.wait_sends()
+    out["kept_at_end"] = group.sends_in_flight()
+    out["reduce"] = res
+    out["traffic"] = (group.traffic("c"), group.traffic("r"))
+    return out
+
+
+@pytest.mark.parametrize("transport", ["p2p", "a2a"])
+def test_p2p_wait_is_receive_only(transport):
+    r0, r1 = run_ranks(_rank, 2, transport, timeout=60)
+    assert torch.equal(r1["cast"][:N], _values(0))            # the rows rank 0 had when it called
+    assert torch.equal(r1["reduce"], _values(1))              # rank 0's partials, summed into zeros
+    assert torch.equal(r0["reduce"], torch.zeros(N, 3))       # rank 0 receives nothing back
+    row = 3 * 4
+    assert r0["traffic"] == ((N * row, 0), (N * row, 0)) and r1["traffic"] == ((0, N * row), (0, N * row))
+    if transport == "p2p":
+        # rank 0 has nothing to receive: its wait ends long before rank 1 posts the receive
+        assert r0["cast_wait_s"] < PAUSE / 2 and r0["reduce_wait_s"] < PAUSE / 2, r0
+        assert r0["kept_after_cast"] == 1 and r0["kept_after_reduce"] >= 1
+    else:  # one exchange: its wait is the whole group's
+        assert r0["cast_wait_s"] > PAUSE / 2 and r0["kept_after_reduce"] == 0
+    assert r0["kept_at_end"] == 0 and r1["kept_at_end"] == 0
+
+
+def test_local_group_has_no_sends_to_wait_for():
+    g = LocalGroup(2)
+    g.wait_sends()  # callable on every backend, a no-op where wait() moves every row
+    split, index = _routing(0, 1)
+    x = torch.stack([_values(0), _values(2)])
+    got = group_cast([x], torch.stack(index), split, N, g)[0]
+    g.wait_sends()
+    assert torch.equal(got[1], _values(0))
