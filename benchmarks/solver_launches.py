@@ -48,7 +48,7 @@ from gpusolver.topology import h200_hgx  # noqa: E402
 
 PATHS = ("torch", "triton", "persistent")
 COLUMNS = [
-    ("P", "P", "d"), ("path", "path", ""), ("per round", "per_round", "d"), ("fixed", "fixed", "d"),
+    ("P", "P", "d"), ("path", "path", ""), ("ranks per node", "ranks_per_node", ""), ("relays", "relays", ""), ("per round", "per_round", "d"), ("fixed", "fixed", "d"),
     ("per restart", "per_restart", "d"), ("restarts", "restarts", "d"),
     ("per solve", "per_solve", "d"), ("triton per solve", "triton_per_solve", "d"), ("host reads", "host_reads", "d"),
 ]
@@ -60,11 +60,13 @@ def count(areas, config, impl: str, rounds: int, restart_every: int = 0) -> Laun
     return counter
 
 
-def measure(P: int, impl: str, device: str, rounds: int = DEFAULT_ROUNDS, ranks_per_node: int = 0) -> dict:
+def measure(P: int, impl: str, device: str, rounds: int = DEFAULT_ROUNDS, ranks_per_node: int = 0,
+            direct: bool = False) -> dict:
     """fixed + rounds * per_round + restarts * per_restart, each term from short solves
-    (``ranks_per_node`` > 0: topology-aware, nodes of that many ranks with h200_hgx links)."""
+    (``ranks_per_node`` > 0: topology-aware, nodes of that many ranks with h200_hgx links, priced
+    for the relay transport unless ``direct``)."""
     topology = replace(h200_hgx, ranks_per_node=ranks_per_node, nics_per_node=None) if ranks_per_node else None
-    config = SolverConfig(cp_size=P, topology=topology)
+    config = SolverConfig(cp_size=P, topology=topology, ib_relay=False if direct and topology else None)
     mask = make_mask("causal", P, seed=0, device=device)
     areas = block_areas(mask, P, config.head_groups, impl="torch")
     one, two = count(areas, config, impl, 1), count(areas, config, impl, 2)
@@ -76,7 +78,8 @@ def measure(P: int, impl: str, device: str, rounds: int = DEFAULT_ROUNDS, ranks_
     triton_restart = restarted.triton_launches - two.triton_launches
     every = default_local_search(P)[1]
     restarts = len(range(every, rounds, every)) if every else 0
-    return {"P": P, "path": impl, "ranks_per_node": ranks_per_node or None, "per_round": per_round, "fixed": fixed, "rounds": rounds,
+    return {"P": P, "path": impl, "ranks_per_node": ranks_per_node or None, "relays": config.relays,
+            "per_round": per_round, "fixed": fixed, "rounds": rounds,
             "per_restart": per_restart, "restarts": restarts,
             "per_solve": fixed + rounds * per_round + restarts * per_restart,
             "triton_per_solve": (one.triton_launches - triton_round + rounds * triton_round
@@ -90,6 +93,8 @@ def main(argv=None) -> dict:
     p.add_argument("--paths", default=",".join(PATHS), help=f"solver paths (default {','.join(PATHS)})")
     p.add_argument("--ranks-per-node", type=int, default=0,
                    help="topology-aware solve over nodes of this many ranks (h200_hgx links; default 0: none)")
+    p.add_argument("--direct", action="store_true",
+                   help="with --ranks-per-node: price direct transport (ib_relay=False), not the relay")
     p.add_argument("--json", default=str(RESULTS_DIR / "solver_launches.json"))
     args = p.parse_args(argv)
     try:
@@ -101,7 +106,8 @@ def main(argv=None) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.ranks_per_node < 0:
         p.error(f"--ranks-per-node must be >= 0, got {args.ranks_per_node}")
-    rows = [measure(P, impl, device, ranks_per_node=args.ranks_per_node) for P in sizes for impl in paths]
+    rows = [measure(P, impl, device, ranks_per_node=args.ranks_per_node, direct=args.direct)
+            for P in sizes for impl in paths]
     print(f"## Kernel launches per device solve ({DEFAULT_ROUNDS} rounds, default portfolio, device {device})\n")
     print(markdown_table(rows, COLUMNS))
     payload = {"benchmark": "solver_launches", "environment": environment(), "rows": rows}

@@ -103,6 +103,9 @@ class Tasks:
         # (ranks per node, NVLink weight, InfiniBand weight): every byte priced by the link it
         # crosses; None when all links are alike (the plain-byte solve, untouched)
         self.links = config.link_weights
+        # inter-node rows travel by relay (``SolverConfig.relays``): each (unit, remote node) crosses
+        # InfiniBand once, host to ``Topology.relay_rank``, then NVLink to the node's other consumers
+        self.relays = config.relays
         self.problem = (areas, config)  # what the "nodes" start solves over the nodes
         # the plan's receive and send buffers, in group-major rows per rank: (QO recv, KV recv, QO
         # send, KV send), hard limits of every move (``capacity.buffer_rows``, the sizes the
@@ -181,6 +184,10 @@ class State:
     q_in: torch.Tensor  # [B, P] QO rows it receives
     k_out: torch.Tensor  # [B, P] KV rows it sends
     k_in: torch.Tensor  # [B, P] KV rows it receives
+    # relay transport only (``Tasks.relays``), else None: [6, B, G*U, N] int64 over the N nodes,
+    # each unit's hull at each node (over the node's ranks but its host) and its consumers there:
+    # QO lo, QO hi, KV lo, KV hi, QO consumers, KV consumers (``state.relay``)
+    nodes: torch.Tensor | None = None
 
 
 def objective(st: State, training: bool) -> torch.Tensor:

@@ -231,7 +231,7 @@ def solve_device(areas: BlockAreas, config: SolverConfig, *, rounds: int = DEFAU
                 ``coarser_tiles(n)`` tiles are solved first and that plan is refined).
     config:     SolverConfig (P, heads, D, dtype, imbalance_tol, chunk_tiles).
     rounds:     rounds of moves per variant (static).
-    strategies: batches of variants (default: ``default_strategies(P)``); the best state wins.
+    strategies: batches of variants (default: ``default_strategies(P, config.relays)``); the best state wins.
     impl:       "torch"; "triton" (a few kernels per round, each step's kernel.py); "persistent"
                 (one kernel for all rounds, rounds.py); or "auto" (triton on CUDA).
     workers:    programs per variant of the persistent kernel (None: 1 off CUDA, on CUDA
@@ -312,7 +312,7 @@ def _check(areas: BlockAreas, config: SolverConfig, rounds: int, strategies, imp
         raise ValueError(f"areas have G={G} head groups but config.head_groups={config.head_groups}")
     if areas.tiles != config.chunk_tiles:
         raise ValueError(f"areas have tiles={areas.tiles} per chunk but config.chunk_tiles={config.chunk_tiles}")
-    strategies = default_strategies(P) if strategies is None else tuple(strategies)
+    strategies = default_strategies(P, config.relays) if strategies is None else tuple(strategies)
     if rounds < 0 or not strategies or not all(st.threshold_scales for st in strategies):
         raise ValueError(f"need rounds >= 0 and strategies with threshold scales, got {rounds}, {strategies}")
     if impl not in IMPLS:

@@ -60,6 +60,9 @@ def _random_assignments(gen, tasks, B):
 def _check_state(ref, tri):
     for name in _STATE_FIELDS:
         assert_close(name, getattr(ref, name), getattr(tri, name))
+    assert (ref.nodes is None) == (tri.nodes is None)
+    if ref.nodes is not None:  # the relay transport's node tables
+        assert_close("nodes", ref.nodes, tri.nodes)
 
 
 def _check_proposals(ref, tri):
@@ -106,7 +109,7 @@ def test_state_matches_torch_over_several_task_tiles():
 
 
 def _bundle_case(P, G, B, K, D, sideways, tile, seed, tiles=1, states=("torch", "triton"), singles=False,
-                 objective="training", rows=None, topology=None):
+                 objective="training", rows=None, topology=None, ib_relay=None):
     """A random round's proposals from both twins, on the torch state and/or the Triton state
     (``rows``: the QO receive buffer's rows, the KV receive and the two send lists a few rows
     apart; None for the worst case; ``topology``: the cluster whose links price the bytes)."""
@@ -115,7 +118,7 @@ def _bundle_case(P, G, B, K, D, sideways, tile, seed, tiles=1, states=("torch", 
     worst = G * areas.rank_tokens * (P - 1)
     bufs = dict(max_recv_rows=worst) if rows is None else \
         dict(max_qo_recv_rows=rows, max_kv_recv_rows=rows + 3, max_qo_send_rows=rows + 1, max_kv_send_rows=rows + 2)
-    tasks = core.Tasks(areas, _config(P, G, tiles, objective=objective, topology=topology, **bufs))
+    tasks = core.Tasks(areas, _config(P, G, tiles, objective=objective, topology=topology, ib_relay=ib_relay, **bufs))
     assert tasks.caps == (rows is not None)
     A = _random_assignments(gen, tasks, B)
     ref_st = state_ref.state(tasks, A)

@@ -50,7 +50,7 @@ def test_state_prices_tokens_by_link():
     P, G, per_node = 6, 2, 3
     gen = torch.Generator().manual_seed(3)
     areas = _random_areas(gen, P, G)
-    config = _config(P, G, topology=_nodes(per_node))
+    config = _config(P, G, topology=_nodes(per_node), ib_relay=False)  # direct transport (relays: test_solver_relay)
     tasks, plain = core.Tasks(areas, config), core.Tasks(areas, dataclasses.replace(config, topology=None))
     A = _random_assignments(gen, tasks, 2)
     st_, st0 = state_ref.state(tasks, A), state_ref.state(plain, A)

@@ -64,9 +64,11 @@ def _price(
     bsend_i, brecv_i, bsend_s, brecv_s, qout_i, kout_i, kout_s, b_bn, bwv, f_2nd, b_2nd,  # scalars
     Q_BYTES, O_BYTES, KV_BYTES, QB_BYTES, DQ_BYTES, KVB_BYTES, DKV_BYTES, QIN_CAP, KIN_CAP, QOUT_CAP, KOUT_CAP,
     w_id, w_is, w_jd, w_js,  # TOPO only: link prices (i, d) [BLOCK_D], (i, s), (j, d) [BLOCK_D, BLOCK_S], (j, s)
+    ib_d, qn_lo_d, qn_hi_d, kx_t,  # RELAY only: IB price of the rows' node hull growth and that hull
+    # [BLOCK_D]; each task's priced key-hull growth at the destination's node [BLOCK_D, BLOCK_S]
     SIDEWAYS: tl.constexpr, TRAINING: tl.constexpr, CAPS: tl.constexpr,
     TILES: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_TL: tl.constexpr,
-    TOPO: tl.constexpr,
+    TOPO: tl.constexpr, RELAY: tl.constexpr,
 ):
     """ok [BLOCK_D] bool, score [BLOCK_D] fp64, area, dest_send, dest_recv, dest_bsend, dest_brecv,
     dest_qin, dest_kin [BLOCK_D] int64 of one size (``bundle.ref``: the forward rule, or with
@@ -89,7 +91,12 @@ def _price(
     if TOPO:  # priced tokens: rows over link (i, d) and (i, s), each task's keys over (j, d) and (j, s)
         bq_grow = q_grow * w_id
         bq_free = q_free * w_is
-        btok_t = tl.where(inc, k_grow_t * w_jd - k_free_t * w_js, 0)
+        if RELAY:  # plus the InfiniBand crossing: what the rows add to the hull at d's node (``bundle.relay``)
+            n_grow = tl.where((area > 0) & (ib_d > 0), _union_growth(qn_lo_d, qn_hi_d, b_lo, b_hi), 0)
+            bq_grow += n_grow * ib_d
+            btok_t = tl.where(inc, k_grow_t * w_jd + kx_t - k_free_t * w_js, 0)
+        else:
+            btok_t = tl.where(inc, k_grow_t * w_jd - k_free_t * w_js, 0)
     else:
         bq_grow = q_grow
         bq_free = q_free
@@ -118,7 +125,10 @@ def _price(
     k_grow = tl.sum(tl.where(inc, k_grow_t, 0), axis=1)
     k_free = tl.sum(tl.where(inc, k_free_t, 0), axis=1)
     if TOPO:
-        bk_grow = tl.sum(tl.where(inc, k_grow_t * w_jd, 0), axis=1)
+        if RELAY:
+            bk_grow = tl.sum(tl.where(inc, k_grow_t * w_jd + kx_t, 0), axis=1)
+        else:
+            bk_grow = tl.sum(tl.where(inc, k_grow_t * w_jd, 0), axis=1)
         bk_free = tl.sum(tl.where(inc, k_free_t * w_js, 0), axis=1)
     else:
         bk_grow = k_grow
@@ -242,9 +252,10 @@ def _bundle_kernel(
     stride_rb, stride_a, stride_q, stride_k,
     Q_BYTES, O_BYTES, KV_BYTES, QB_BYTES, DQ_BYTES, KVB_BYTES, DKV_BYTES,
     PER_NODE, W_NV, W_IB,  # TOPO only: ranks per node, the price of a byte inside and across nodes
+    nodes_ptr,  # RELAY only: [6, B, G*U, N] int64, the state's node tables (``State.nodes``)
     BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, SIDEWAYS: tl.constexpr, SINGLES: tl.constexpr,
     TRAINING: tl.constexpr, CAPS: tl.constexpr, TILES: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_TL: tl.constexpr, TOPO: tl.constexpr,
+    BLOCK_TL: tl.constexpr, TOPO: tl.constexpr, RELAY: tl.constexpr,
 ):
     _bundle_unit(rank_ptr, area_ptr, qlo_ptr, qhi_ptr, klo_ptr, khi_ptr, unit_tasks_ptr, order_ptr, unit_ptr,
                  dests_ptr, headroom_ptr, excess_ptr, ranks_ptr, bal_ptr, bneck_ptr, bwd_bneck_ptr, thr_ptr,
@@ -255,7 +266,7 @@ def _bundle_kernel(
                  T, P, K, D, GU, RS, stride_rb, stride_a, stride_q, stride_k,
                  Q_BYTES, O_BYTES, KV_BYTES, QB_BYTES, DQ_BYTES, KVB_BYTES, DKV_BYTES,
                  BLOCK_P, BLOCK_D, False, SIDEWAYS, SINGLES, TRAINING, CAPS, TILES, BLOCK_M, BLOCK_TL,
-                 PER_NODE, W_NV, W_IB, TOPO)
+                 PER_NODE, W_NV, W_IB, TOPO, nodes_ptr, RELAY)
 
 
 @triton.jit
@@ -273,6 +284,7 @@ def _bundle_unit(
     SINGLES: tl.constexpr, TRAINING: tl.constexpr, CAPS: tl.constexpr, TILES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_TL: tl.constexpr,
     PER_NODE, W_NV, W_IB, TOPO: tl.constexpr,  # link prices (``_bundle_kernel``)
+    nodes_ptr=None, RELAY: tl.constexpr = False,  # the relay transport's node tables (``_bundle_kernel``)
 ):
     """Program (i_b, i_s, i_k) of ``_bundle_kernel`` (its arguments, plus the per-variant unit count).
 
@@ -401,8 +413,21 @@ def _bundle_unit(
     k_free_t = tl.where(mine & sole, tl.load(klen_ptr + o_ks, mask=m_t, other=0), 0)
     # link prices of the source's side (TOPO): query host to source, each task's key host to source
     node_s = i_s // PER_NODE
-    w_is = tl.where(i // PER_NODE == node_s, W_NV, W_IB).to(tl.int64)
-    w_js = tl.where(j_t // PER_NODE == node_s, W_NV, W_IB).to(tl.int64)  # [1, BLOCK_S]
+    if RELAY:  # NVLink unless the source is the relay, InfiniBand when it is its node's only consumer
+        n_nodes = P // PER_NODE
+        n_node = (RS // P) * GU * n_nodes  # cells of one [B, G*U, N] node table
+        o_nb = i_b * GU * n_nodes
+        cross_is = i // PER_NODE != node_s
+        sole_q = tl.load(nodes_ptr + 4 * n_node + o_nb + u * n_nodes + node_s) == 1
+        w_is = (tl.where(cross_is & (i_s % PER_NODE == i % PER_NODE), 0, W_NV)
+                + tl.where(cross_is & sole_q, W_IB, 0)).to(tl.int64)
+        cross_js = j_t // PER_NODE != node_s  # [1, BLOCK_S]
+        sole_k = tl.load(nodes_ptr + 5 * n_node + o_nb + kv_u * n_nodes + node_s, mask=m_t, other=0) == 1
+        w_js = (tl.where(cross_js & (i_s % PER_NODE == j_t % PER_NODE), 0, W_NV)
+                + tl.where(cross_js & sole_k, W_IB, 0)).to(tl.int64)
+    else:
+        w_is = tl.where(i // PER_NODE == node_s, W_NV, W_IB).to(tl.int64)
+        w_js = tl.where(j_t // PER_NODE == node_s, W_NV, W_IB).to(tl.int64)  # [1, BLOCK_S]
 
     # the bottleneck rank (first on ties) and the ranks' current bytes
     vol = tl.load(vol_ptr + o_row + o_p, mask=m_p, other=-1)
@@ -454,8 +479,18 @@ def _bundle_unit(
                                                                                          d_win))))
         d_of = tl.where(m_d, d_of, 0)
         node_d = d_of // PER_NODE
-        w_id = tl.where(i // PER_NODE == node_d, W_NV, W_IB).to(tl.int64)  # [BLOCK_D]
-        w_jd = tl.where(j_t // PER_NODE == node_d[:, None], W_NV, W_IB).to(tl.int64)  # [BLOCK_D, BLOCK_S]
+        if RELAY:  # the relay's NVLink hop (none to the relay itself) and the node's InfiniBand crossing
+            cross_d = i // PER_NODE != node_d  # [BLOCK_D]
+            w_id = tl.where(cross_d & (d_of % PER_NODE == i % PER_NODE), 0, W_NV).to(tl.int64)
+            ib_d = tl.where(cross_d, W_IB, 0).to(tl.int64)
+            o_qn = o_nb + u * n_nodes + node_d
+            qn_lo_d = tl.load(nodes_ptr + o_qn, mask=m_d, other=0)
+            qn_hi_d = tl.load(nodes_ptr + n_node + o_qn, mask=m_d, other=0)
+            cross_jd = j_t // PER_NODE != node_d[:, None]  # [BLOCK_D, BLOCK_S]
+            w_jd = tl.where(cross_jd & (d_of[:, None] % PER_NODE == j_t % PER_NODE), 0, W_NV).to(tl.int64)
+        else:
+            w_id = tl.where(i // PER_NODE == node_d, W_NV, W_IB).to(tl.int64)  # [BLOCK_D]
+            w_jd = tl.where(j_t // PER_NODE == node_d[:, None], W_NV, W_IB).to(tl.int64)  # [BLOCK_D, BLOCK_S]
         room = tl.load(headroom_ptr + o_row + d_of, mask=m_d, other=0)
         fit = mine & (after <= room[:, None]) & m_d[:, None]  # [BLOCK_D, BLOCK_S]
         inc0 = fit & first_only
@@ -466,6 +501,16 @@ def _bundle_unit(
         k_grow_t = _union_growth(tl.load(k_lo_ptr + o_kd, mask=m_dp, other=0),
                                  tl.load(k_hi_ptr + o_kd, mask=m_dp, other=0), klo_t, khi_t)
         k_grow_t = tl.where(j_t == d_of[:, None], 0, k_grow_t)
+        if RELAY:  # each task's key columns added to the hull at the destination's node, IB-priced
+            o_kn = o_nb + kv_u * n_nodes + node_d[:, None]
+            kn_grow_t = _union_growth(tl.load(nodes_ptr + 2 * n_node + o_kn, mask=m_dp, other=0),
+                                      tl.load(nodes_ptr + 3 * n_node + o_kn, mask=m_dp, other=0), klo_t, khi_t)
+            kx_t = tl.where(mine & cross_jd, kn_grow_t * W_IB, 0)
+        else:
+            ib_d = tl.zeros_like(d_of)
+            qn_lo_d = ib_d
+            qn_hi_d = ib_d
+            kx_t = tl.zeros_like(k_grow_t)
         qlo_d = tl.load(q_lo_ptr + o_cell + u * P + d_of, mask=m_d, other=0)
         qhi_d = tl.load(q_hi_ptr + o_cell + u * P + d_of, mask=m_d, other=0)
         send_d = tl.load(send_ptr + o_row + d_of, mask=m_d, other=0)
@@ -488,14 +533,16 @@ def _bundle_unit(
             i_s, i, bn, q_cur, send_i, recv_i, send_s, recv_s, send_bn, recv_bn, bnv, bal, exc, thr,
             bsend_i, brecv_i, bsend_s, brecv_s, qout_i, kout_i, kout_s, b_bn, bwv, f_2nd, b_2nd,
             Q_BYTES, O_BYTES, KV_BYTES, QB_BYTES, DQ_BYTES, KVB_BYTES, DKV_BYTES, qin_cap, kin_cap, qout_cap, kout_cap,
-            w_id, w_is, w_jd, w_js, SIDEWAYS, TRAINING, CAPS, TILES, BLOCK_D, BLOCK_P, BLOCK_TL, TOPO)
+            w_id, w_is, w_jd, w_js, ib_d, qn_lo_d, qn_hi_d, kx_t, SIDEWAYS, TRAINING, CAPS, TILES, BLOCK_D, BLOCK_P,
+            BLOCK_TL, TOPO, RELAY)
         ok1, score1, area1, ds1, dr1, dbs1, dbr1, dqi1, dki1 = _price(
             inc1, mine, t_area, qlo_t, qhi_t, k_free_t, j_t, j_send, j_recv, j_bsend, j_brecv, j_kout, k_grow_t,
             d_of, qlo_d, qhi_d, send_d, recv_d, bsend_d, brecv_d, qin_d, kin_d,
             i_s, i, bn, q_cur, send_i, recv_i, send_s, recv_s, send_bn, recv_bn, bnv, bal, exc, thr,
             bsend_i, brecv_i, bsend_s, brecv_s, qout_i, kout_i, kout_s, b_bn, bwv, f_2nd, b_2nd,
             Q_BYTES, O_BYTES, KV_BYTES, QB_BYTES, DQ_BYTES, KVB_BYTES, DKV_BYTES, qin_cap, kin_cap, qout_cap, kout_cap,
-            w_id, w_is, w_jd, w_js, SIDEWAYS, TRAINING, CAPS, TILES, BLOCK_D, BLOCK_P, BLOCK_TL, TOPO)
+            w_id, w_is, w_jd, w_js, ib_d, qn_lo_d, qn_hi_d, kx_t, SIDEWAYS, TRAINING, CAPS, TILES, BLOCK_D, BLOCK_P,
+            BLOCK_TL, TOPO, RELAY)
 
         score0 = tl.where(m_d, score0, float("inf"))
         score1 = tl.where(m_d, score1, float("inf"))
@@ -600,10 +647,11 @@ def bundle_proposals_triton(tasks: Tasks, st: State, cap, excess, balance, thres
         ok, score, dest, area, dest_send, dest_recv, dx, moved, ok if caps is None else caps.contiguous(),
         T, P, K, D, G * U, B * P,
         st.rank.stride(0), tasks.area.stride(0), tasks.qlo.stride(0), tasks.klo.stride(0),
-        *byte_prices(tasks), *link_prices(tasks),
+        *byte_prices(tasks), *link_prices(tasks), st.bottleneck if st.nodes is None else c(st.nodes),
         BLOCK_P=triton.next_power_of_2(P), BLOCK_D=dest_tile(D, tiles), SIDEWAYS=bool(sideways),
         SINGLES=bool(singles), TRAINING=tasks.training, CAPS=caps is not None, TILES=tiles,
         BLOCK_M=triton.next_power_of_2(U), BLOCK_TL=triton.next_power_of_2(tiles), TOPO=tasks.links is not None,
+        RELAY=tasks.relays,
         num_warps=8,
         enable_fp_fusion=False,  # no fused multiply-add: scores round like the twin's separate ops
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from gpusolver.solver.bundle.relay import relay_key_prices, relay_row_prices
 from gpusolver.solver.core import _BIG, _TOKEN_LIMIT, Proposals, State, Tasks
 from gpusolver.solver.offers.ref import offers
 
@@ -159,7 +160,10 @@ def bundle_proposals(tasks: Tasks, st: State, cap, excess, balance, threshold,
     # (i, s); each task's key columns over (j, d) and (j, s). The b* names are the priced tokens
     # (the plain ones without a topology); the rows stay plain for the buffers.
     topo = tasks.links is not None
-    if topo:
+    if tasks.relays:  # the relay transport's hops (``bundle.relay``)
+        bq_grow, bq_free = relay_row_prices(tasks, st, unit, i_of, s_of, d_of, b_lo, b_hi, q_grow, q_free, area,
+                                            gather_at)
+    elif topo:
         bq_grow, bq_free = q_grow * tasks.link_weight(i_of, d_of), q_free * tasks.link_weight(i_of, s_of)
     else:
         bq_grow, bq_free = q_grow, q_free
@@ -178,7 +182,10 @@ def bundle_proposals(tasks: Tasks, st: State, cap, excess, balance, threshold,
     k_cur = gather_at(st.klen, kv_u * P + s4)
     sole = gather_at(st.kcount, kv_u * P + s4) == 1
     kf_t = k_cur * (mine & sole)  # [B, P, K, U]
-    if topo:
+    if tasks.relays:
+        bkg_t, bkf_t = relay_key_prices(tasks, st, kv_u, j_t, mine, d_of, s4, tasks.klo[tid], tasks.khi[tid], kg_t,
+                                        kf_t, gather_at)
+    elif topo:
         bkg_t = kg_t.long() * tasks.link_weight(j_t[:, :, :, None, :], d_of)
         bkf_t = kf_t * tasks.link_weight(j_t, s4)
     else:

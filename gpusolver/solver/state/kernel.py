@@ -82,24 +82,77 @@ def _state_bytes_kernel(
     B, G, P,
     Q_BYTES, O_BYTES, KV_BYTES, QB_BYTES, DQ_BYTES, KVB_BYTES, DKV_BYTES,
     PER_NODE, W_NV, W_IB,  # TOPO only: ranks per node and the price of a byte inside and across nodes
+    nodes_ptr,  # RELAY only: [6, B, G*U, N] int64 out, the node tables (``State.nodes``)
     BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, TILES: tl.constexpr, TOPO: tl.constexpr,
+    RELAY: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     _state_bytes_rank(lo_ptr, hi_ptr, len_ptr, bytes_ptr, bneck_ptr,
                       tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), B, G, P,
                       Q_BYTES, O_BYTES, KV_BYTES, QB_BYTES, DQ_BYTES, KVB_BYTES, DKV_BYTES, BLOCK_G, BLOCK_P, TILES,
-                      PER_NODE, W_NV, W_IB, TOPO)
+                      PER_NODE, W_NV, W_IB, TOPO, nodes_ptr, RELAY, BLOCK_R)
+
+
+@triton.jit
+def _node_hull(lo_ptr, hi_ptr, o_cell, m_cell):
+    """Hull (lo, hi) [BLOCK_G] and travelling cells [BLOCK_G] of a [BLOCK_G, BLOCK_R] tile of
+    cells (masked ones empty), and the cells' lengths."""
+    c_lo = tl.load(lo_ptr + o_cell, mask=m_cell, other=_BIG)
+    c_hi = tl.load(hi_ptr + o_cell, mask=m_cell, other=0)
+    c_len = tl.where(m_cell, tl.maximum(c_hi - c_lo, 0), 0)
+    return tl.min(c_lo, axis=1), tl.max(c_hi, axis=1), tl.sum((c_len > 0).to(tl.int64), axis=1), c_len
+
+
+@triton.jit
+def _relay_tokens(lo_ptr, hi_ptr, n_lo_ptr, n_hi_ptr, n_cnt_ptr, i_b, i_r, G, P, U,
+                  PER_NODE, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr, TILES: tl.constexpr):
+    """Rank ``i_r``'s InfiniBand tokens of one kind (hulls at ``lo_ptr``/``hi_ptr``) under relay
+    transport, and its NVLink tokens as a relay: (ib_out, ib_in, nv_relay_out) int64; writes the
+    node tables of the units it hosts (``state.relay.node_hulls``: [B, G*U, N] lo, hi, count)."""
+    o_g1 = tl.arange(0, BLOCK_G).to(tl.int64)  # [BLOCK_G]
+    m_g1 = o_g1 < G
+    o_g = o_g1[:, None]  # [BLOCK_G, 1]
+    o_r = tl.arange(0, BLOCK_R).to(tl.int64)[None, :]  # [1, BLOCK_R] local index in a node
+    m_gr = (o_g < G) & (o_r < PER_NODE)
+    N = P // PER_NODE
+    my_node = i_r // PER_NODE
+    GU = G * U
+    ib_out = tl.zeros([], tl.int64)
+    ib_in = tl.zeros([], tl.int64)
+    fan = tl.zeros([], tl.int64)
+    for m in range(0, N):
+        remote = m != my_node
+        h = m * PER_NODE + i_r % PER_NODE  # the host whose units rank r relays from node m
+        for t in tl.static_range(TILES):
+            # as host: the unit's hull at node m, over its ranks but r itself
+            o_h = i_b * GU * P + (o_g * U + i_r * TILES + t) * P + m * PER_NODE + o_r
+            n_lo, n_hi, n_cnt, _ = _node_hull(lo_ptr, hi_ptr, o_h, m_gr & (m * PER_NODE + o_r != i_r))
+            o_n = (i_b * GU + o_g1 * U + i_r * TILES + t) * N + m
+            tl.store(n_lo_ptr + o_n, n_lo, mask=m_g1)
+            tl.store(n_hi_ptr + o_n, n_hi, mask=m_g1)
+            tl.store(n_cnt_ptr + o_n, n_cnt, mask=m_g1)
+            n_len = tl.where(m_g1 & remote, tl.maximum(n_hi - n_lo, 0), 0)
+            ib_out += tl.sum(n_len, axis=0)
+            # as relay: host h's unit at r's node; r keeps its own rows, forwards the others'
+            o_l = i_b * GU * P + (o_g * U + h * TILES + t) * P + my_node * PER_NODE + o_r
+            l_lo, l_hi, _, l_len = _node_hull(lo_ptr, hi_ptr, o_l, m_gr & remote)
+            ib_in += tl.sum(tl.where(m_g1, tl.maximum(l_hi - l_lo, 0), 0), axis=0)
+            fan += tl.sum(tl.sum(tl.where(my_node * PER_NODE + o_r != i_r, l_len, 0), axis=1), axis=0)
+    return ib_out, ib_in, fan
 
 
 @triton.jit
 def _state_bytes_rank(lo_ptr, hi_ptr, len_ptr, bytes_ptr, bneck_ptr, i_b, i_r, B, G, P,
                       Q_BYTES, O_BYTES, KV_BYTES, QB_BYTES, DQ_BYTES, KVB_BYTES, DKV_BYTES,
                       BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, TILES: tl.constexpr,
-                      PER_NODE=1, W_NV=1, W_IB=1, TOPO: tl.constexpr = False):
+                      PER_NODE=1, W_NV=1, W_IB=1, TOPO: tl.constexpr = False, nodes_ptr=None,
+                      RELAY: tl.constexpr = False, BLOCK_R: tl.constexpr = 1):
     """Rank ``i_r`` of variant ``i_b`` of ``_state_bytes_kernel`` (its arguments; indices int64).
 
     Unit ``u`` of a group lives on rank ``u // TILES``; one ``[BLOCK_G, BLOCK_P]`` tile per tile offset t.
     With TOPO the bytes price each token by its link (rank r and rank o_p on one node or not),
-    the rows stay plain."""
+    the rows stay plain; with RELAY by the relay transport's hops (``state.relay``): the tiles
+    count the NVLink tokens of direct and fanned-out rows, ``_relay_tokens`` the InfiniBand
+    ones and the relay's fan-out."""
     o_g = tl.arange(0, BLOCK_G).to(tl.int64)[:, None]  # [BLOCK_G, 1]
     o_p = tl.arange(0, BLOCK_P).to(tl.int64)[None, :]  # [1, BLOCK_P]
     m_gp = (o_g < G) & (o_p < P)
@@ -111,7 +164,13 @@ def _state_bytes_rank(lo_ptr, hi_ptr, len_ptr, bytes_ptr, bneck_ptr, i_b, i_r, B
     q_in = tl.zeros([], tl.int64)
     k_in = tl.zeros([], tl.int64)
     if TOPO:  # link-weighted tokens for the bytes; the link of r and o_p is the same both ways
-        w = tl.where(i_r // PER_NODE == o_p // PER_NODE, W_NV, W_IB).to(tl.int64)  # [1, BLOCK_P]
+        same = i_r // PER_NODE == o_p // PER_NODE
+        if RELAY:  # the tiles' NVLink tokens: out to the host's node, in but a relay's own rows
+            w = tl.where(same, W_NV, 0).to(tl.int64)  # [1, BLOCK_P]
+            w_in = tl.where(same | (o_p % PER_NODE != i_r % PER_NODE), W_NV, 0).to(tl.int64)
+        else:
+            w = tl.where(same, W_NV, W_IB).to(tl.int64)  # [1, BLOCK_P]
+            w_in = w
         wq_out = tl.zeros([], tl.int64)
         wk_out = tl.zeros([], tl.int64)
         wq_in = tl.zeros([], tl.int64)
@@ -137,8 +196,19 @@ def _state_bytes_rank(lo_ptr, hi_ptr, len_ptr, bytes_ptr, bneck_ptr, i_b, i_r, B
         if TOPO:
             wq_out += tl.sum(tl.sum(tl.where(m_gp, q_row * w, 0), axis=1), axis=0)
             wk_out += tl.sum(tl.sum(tl.where(m_gp, k_row * w, 0), axis=1), axis=0)
-            wq_in += tl.sum(tl.sum(tl.where(m_gp, q_col * w, 0), axis=1), axis=0)
-            wk_in += tl.sum(tl.sum(tl.where(m_gp, k_col * w, 0), axis=1), axis=0)
+            wq_in += tl.sum(tl.sum(tl.where(m_gp, q_col * w_in, 0), axis=1), axis=0)
+            wk_in += tl.sum(tl.sum(tl.where(m_gp, k_col * w_in, 0), axis=1), axis=0)
+    if RELAY:  # the InfiniBand hops and the relay's fan-out (q: planes 0, k: planes 1 of lo/hi)
+        n_node = B * G * U * (P // PER_NODE)
+        q_ibo, q_ibi, q_fan = _relay_tokens(lo_ptr, hi_ptr, nodes_ptr, nodes_ptr + n_node, nodes_ptr + 4 * n_node,
+                                            i_b, i_r, G, P, U, PER_NODE, BLOCK_G, BLOCK_R, TILES)
+        k_ibo, k_ibi, k_fan = _relay_tokens(lo_ptr + n_cell, hi_ptr + n_cell, nodes_ptr + 2 * n_node,
+                                            nodes_ptr + 3 * n_node, nodes_ptr + 5 * n_node,
+                                            i_b, i_r, G, P, U, PER_NODE, BLOCK_G, BLOCK_R, TILES)
+        wq_out += q_fan * W_NV + q_ibo * W_IB
+        wq_in += q_ibi * W_IB
+        wk_out += k_fan * W_NV + k_ibo * W_IB
+        wk_in += k_ibi * W_IB
     if TOPO:
         qo, qi, ko, ki = wq_out, wq_in, wk_out, wk_in
     else:
@@ -210,8 +280,9 @@ def state_triton(tasks: Tasks, A: torch.Tensor) -> State:
     # qlen, klen, send, recv, vol, bsend, brecv, bvol, q_out, q_in, k_out, k_in
     out = torch.empty(2 * n + 10 * B * P, dtype=torch.int64, device=dev)
     bottleneck = acc[3 * n + B * P:]
+    nodes = torch.empty((6, B, G * U, P // tasks.links[0]), dtype=torch.int64, device=dev) if tasks.relays else None
     if dev.type != "meta":  # on meta, shapes only: there is no data to run the kernels on
-        _launch_state(tasks, rank, lo, acc, out, bottleneck, B)
+        _launch_state(tasks, rank, lo, acc, out, bottleneck, B, nodes)
     cells = lambda buf, k: buf[k * n:(k + 1) * n].view(B, G * U, P)  # noqa: E731
     ranks = lambda buf, k: buf[2 * n + k * B * P:2 * n + (k + 1) * B * P].view(B, P)  # noqa: E731
     return State(rank=rank, q_lo=cells(lo, 0), q_hi=cells(acc, 0), k_lo=cells(lo, 1), k_hi=cells(acc, 1),
@@ -219,10 +290,10 @@ def state_triton(tasks: Tasks, A: torch.Tensor) -> State:
                  send=ranks(out, 0), recv=ranks(out, 1), vol=ranks(out, 2), bottleneck=bottleneck[:B],
                  load=acc[3 * n:3 * n + B * P].view(B, P), bsend=ranks(out, 3), brecv=ranks(out, 4),
                  bvol=ranks(out, 5), bwd_bottleneck=bottleneck[B:], q_out=ranks(out, 6), q_in=ranks(out, 7),
-                 k_out=ranks(out, 8), k_in=ranks(out, 9))
+                 k_out=ranks(out, 8), k_in=ranks(out, 9), nodes=nodes)
 
 
-def _launch_state(tasks: Tasks, rank, lo, acc, out, bottleneck, B):
+def _launch_state(tasks: Tasks, rank, lo, acc, out, bottleneck, B, nodes=None):
     """The two launches of ``state_triton`` into its buffers."""
     G, P, U, T, tiles = tasks.G, tasks.P, tasks.U, tasks.T, tasks.tiles
     n = B * G * U * P
@@ -235,7 +306,7 @@ def _launch_state(tasks: Tasks, rank, lo, acc, out, bottleneck, B):
     )
     _state_bytes_kernel[(B, P)](
         lo, acc, out, out[2 * n:], bottleneck,
-        B, G, P, *byte_prices(tasks), *link_prices(tasks),
+        B, G, P, *byte_prices(tasks), *link_prices(tasks), bottleneck if nodes is None else nodes,
         BLOCK_G=triton.next_power_of_2(G), BLOCK_P=triton.next_power_of_2(P), TILES=tiles,
-        TOPO=tasks.links is not None,
+        TOPO=tasks.links is not None, RELAY=tasks.relays, BLOCK_R=triton.next_power_of_2(link_prices(tasks)[0]),
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from gpusolver.solver.core import _BIG, State, Tasks
+from gpusolver.solver.state.relay import relay_weighted
 
 
 def _scatter_hull(tasks: Tasks, rank, lo, hi, unit):
@@ -40,9 +41,16 @@ def state(tasks: Tasks, A: torch.Tensor) -> State:
         return q4.sum(dim=(1, 3, 4)), q4.sum(dim=(1, 2, 3)), k4.sum(dim=(1, 3, 4)), k4.sum(dim=(1, 2, 3))
 
     q_out, q_in, k_out, k_in = host_dest_sums(qlen, klen)  # rows, for the buffers
-    # bytes: with a topology each token priced by its link (``Tasks.links``), else plain
-    qo, qi, ko, ki = (q_out, q_in, k_out, k_in) if tasks.links is None else \
-        host_dest_sums(qlen * tasks.unit_dest_weight, klen * tasks.unit_dest_weight)
+    # bytes: with a topology each token priced by its link (``Tasks.links``), by the relay
+    # transport's hops with ``Tasks.relays`` (``state.relay``), else plain
+    nodes = None
+    if tasks.relays:
+        qo, qi, q_nodes = relay_weighted(tasks, qlen, q_lo, q_hi)
+        ko, ki, k_nodes = relay_weighted(tasks, klen, k_lo, k_hi)
+        nodes = torch.stack(q_nodes[:2] + k_nodes[:2] + (q_nodes[2], k_nodes[2]))
+    else:
+        qo, qi, ko, ki = (q_out, q_in, k_out, k_in) if tasks.links is None else \
+            host_dest_sums(qlen * tasks.unit_dest_weight, klen * tasks.unit_dest_weight)
     send = qo * tasks.q + qi * tasks.o + ko * tasks.kv
     recv = qi * tasks.q + qo * tasks.o + ki * tasks.kv
     vol = torch.maximum(send, recv)
@@ -56,5 +64,5 @@ def state(tasks: Tasks, A: torch.Tensor) -> State:
     kcount = kcount.scatter_add(1, tasks.kv_unit * (P + 1) + rank, tasks.valid.long().expand(B, -1))
     kcount = kcount.view(B, G * U, P + 1)[..., :P]
     return State(rank, q_lo, q_hi, k_lo, k_hi, qlen, klen, kcount, send, recv, vol, vol.amax(1), load,
-                 bsend, brecv, bvol, bvol.amax(1), q_out, q_in, k_out, k_in)
+                 bsend, brecv, bvol, bvol.amax(1), q_out, q_in, k_out, k_in, nodes)
 

@@ -1,0 +1,158 @@
+"""The relay transport priced in the solve (``SolverConfig.relays``).
+
+Each (unit, remote node) crosses InfiniBand once, host to ``Topology.relay_rank``, with the
+hull of what that node's consumers need, then NVLink from the relay to the node's other
+consumers; partial results come back the same two hops. The state's bytes per rank and link
+class equal a per-hop count made here cell by cell; the Triton state equals the torch one;
+``ib_relay=False`` keeps direct transport's prices.
+"""
+import pytest
+import torch
+
+from gpusolver.solver import core
+from gpusolver.solver.state import ref as state_ref
+from gpusolver.solver.state.relay import relay_tokens
+from gpusolver.topology import Topology
+from tests._threads import one_torch_thread  # noqa: F401 - autouse, module scope
+from tests.gpusolver.test_solver_kernels import _config, _random_areas, _random_assignments
+
+
+def _nodes(per_node):
+    return Topology(ranks_per_node=per_node, nvlink_gbps=450.0, ib_gbps=50.0, attn_tflops=400.0)
+
+
+def hop_tokens(tasks, length, lo, hi, per_node):
+    """[B, 2(NVLink, InfiniBand), P(src), P(dst)] tokens of one kind moved towards the consumers,
+    hop by hop, counted cell by cell (the relay rule, written out)."""
+    B, GU, P = length.shape
+    out = torch.zeros((B, 2, P, P), dtype=torch.int64)
+    for b in range(B):
+        for u in range(GU):
+            h = int(tasks.unit_host[u])
+            for node in range(P // per_node):
+                members = [r for r in range(node * per_node, (node + 1) * per_node) if r != h]
+                need = [r for r in members if length[b, u, r] > 0]
+                if not need:
+                    continue
+                if node == h // per_node:  # inside the host's node: direct
+                    for r in need:
+                        out[b, 0, h, r] += length[b, u, r]
+                    continue
+                relay = node * per_node + h % per_node
+                hull = int(max(hi[b, u, r] for r in need) - min(lo[b, u, r] for r in need))
+                out[b, 1, h, relay] += hull
+                for r in need:
+                    if r != relay:
+                        out[b, 0, relay, r] += length[b, u, r]
+    return out
+
+
+def test_relay_tokens_equal_hop_count():
+    P, G, per_node = 6, 2, 2
+    gen = torch.Generator().manual_seed(5)
+    areas = _random_areas(gen, P, G)
+    tasks = core.Tasks(areas, _config(P, G, topology=_nodes(per_node)))
+    assert tasks.relays
+    A = _random_assignments(gen, tasks, 2)
+    st = state_ref.state(tasks, A)
+    for length, lo, hi in ((st.qlen, st.q_lo, st.q_hi), (st.klen, st.k_lo, st.k_hi)):
+        (nv_out, nv_in, ib_out, ib_in), _ = relay_tokens(tasks, length, lo, hi)
+        hops = hop_tokens(tasks, length, lo, hi, per_node)
+        assert torch.equal(nv_out, hops[:, 0].sum(2)) and torch.equal(nv_in, hops[:, 0].sum(1))
+        assert torch.equal(ib_out, hops[:, 1].sum(2)) and torch.equal(ib_in, hops[:, 1].sum(1))
+        assert (ib_out.sum(1) > 0).all()  # something crosses nodes
+    # the bytes: each direction's link-weighted tokens at the kind's prices
+    qh, kh = (hop_tokens(tasks, *x, per_node) for x in ((st.qlen, st.q_lo, st.q_hi), (st.klen, st.k_lo, st.k_hi)))
+    w = torch.tensor([1, 9]).view(1, 2, 1, 1)
+    qw, kw = (qh * w).sum(1), (kh * w).sum(1)
+    send = qw.sum(2) * tasks.q + qw.sum(1) * tasks.o + kw.sum(2) * tasks.kv
+    recv = qw.sum(1) * tasks.q + qw.sum(2) * tasks.o + kw.sum(1) * tasks.kv
+    assert torch.equal(st.send, send) and torch.equal(st.recv, recv)
+
+
+def test_direct_transport_keeps_its_prices():
+    """``ib_relay=False``: every consumer pulls its own copy; the state has no node tables."""
+    P, G = 4, 1
+    gen = torch.Generator().manual_seed(2)
+    areas = _random_areas(gen, P, G)
+    config = _config(P, G, topology=_nodes(2), ib_relay=False)
+    tasks = core.Tasks(areas, config)
+    assert not tasks.relays and tasks.links == (2, 1, 9)
+    st = state_ref.state(tasks, _random_assignments(gen, tasks, 2))
+    assert st.nodes is None
+
+
+@pytest.mark.slow
+def test_state_triton_equals_torch_with_relays():
+    """(The default tier: ``test_solver_topology``'s state and bundle twins, relays on by default.)
+    Untiled and tiled, nodes of 2 and 3 (a node size that is not a power of two)."""
+    from gpusolver.solver.state.kernel import state_triton
+    from tests.gpusolver.test_solver_kernels import _check_state
+
+    for P, per_node, G, tiles, seed in ((4, 2, 2, 1, 0), (6, 3, 1, 2, 1), (8, 2, 1, 1, 2)):
+        gen = torch.Generator().manual_seed(seed)
+        areas = _random_areas(gen, P, G, **({} if tiles == 1 else {"chunk": 8, "tiles": tiles}))
+        tasks = core.Tasks(areas, _config(P, G, tiles, topology=_nodes(per_node)))
+        A = _random_assignments(gen, tasks, 2)
+        ref = state_ref.state(tasks, A)
+        assert ref.nodes.shape == (6, 2, G * P * tiles, P // per_node)
+        _check_state(ref, state_triton(tasks, A))
+
+
+def test_relay_hops_equal_hop_count():
+    from gpusolver.solver.state.relay import relay_hops
+
+    P, G, per_node = 8, 2, 4
+    gen = torch.Generator().manual_seed(7)
+    areas = _random_areas(gen, P, G, chunk=8, tiles=2)
+    tasks = core.Tasks(areas, _config(P, G, 2, topology=_nodes(per_node)))
+    A = _random_assignments(gen, tasks, 2)
+    st = state_ref.state(tasks, A)
+    for x in ((st.qlen, st.q_lo, st.q_hi), (st.klen, st.k_lo, st.k_hi)):
+        assert torch.equal(relay_hops(tasks, *x).transpose(0, 1), hop_tokens(tasks, *x, per_node))
+
+
+@pytest.mark.slow
+def test_bundle_proposals_triton_equal_torch_with_relays():
+    """Nodes of 4 and of 3 (not a power of two), both objectives, on the Triton state; the relay's
+    prices are not direct transport's (some proposal's score differs)."""
+    from tests.gpusolver.test_solver_kernels import _bundle_case
+
+    for P, per_node, objective, tiles, seed in ((8, 4, "training", 1, 3), (6, 3, "forward", 1, 4),
+                                                (4, 2, "training", 2, 5)):
+        ref = _bundle_case(P, 1, 2, 2, 4, True, 4, seed, tiles=tiles, states=("triton",), objective=objective,
+                           topology=_nodes(per_node))
+        direct = _bundle_case(P, 1, 2, 2, 4, True, 4, seed, tiles=tiles, states=(), objective=objective,
+                              topology=_nodes(per_node), ib_relay=False)
+        assert ref.ok.any()
+        assert not torch.equal(ref.score, direct.score), (P, per_node)
+
+
+# Plans of the direct-priced topology solve, computed on the solver before it priced relays (main
+# at dc1ce3e): ``ib_relay=False`` must keep them bit for bit, while the relay's plans differ.
+_DIRECT_DIGESTS = {(8, 2, 256, 3): "2246ef51cda18b12d865", (16, 4, 256, 0): "59ef8ddc9dfe84ed1cbf"}
+
+
+def _topology_digest(P, per_node, tokens, seed, **kw):
+    import hashlib
+
+    from gpusolver.areas import block_areas
+    from gpusolver.config import SolverConfig
+    from gpusolver.masks import packed_documents
+    from gpusolver.solver.device import Strategy, solve_device
+
+    small = (Strategy((3.0, float("inf")), units_per_rank=2, bundle_dests=4),
+             Strategy((float("inf"),), units_per_rank=1, bundle_dests=2, task_order="rows", start="transpose"))
+    config = SolverConfig(cp_size=P, num_heads_q=8, num_heads_kv=2, head_dim=8, dtype=torch.float16, chunk_tiles=1,
+                          topology=_nodes(per_node), **kw)
+    areas = block_areas(packed_documents(tokens * P, seed=seed, causal=True), P, 2, impl="torch")
+    res = solve_device(areas, config, impl="torch", rounds=4, strategies=small, restart_every=2)
+    h = hashlib.sha256(res.assignment.to(torch.int32).contiguous().numpy().tobytes())
+    h.update(f"{bool(res.balanced)}:{int(res.variant)}".encode())
+    return h.hexdigest()[:20]
+
+
+def test_direct_transport_keeps_its_plans():
+    for case, digest in _DIRECT_DIGESTS.items():
+        assert _topology_digest(*case, ib_relay=False) == digest, case
+        assert _topology_digest(*case) != digest, case  # relays priced: another plan
