@@ -54,7 +54,7 @@ def _run(plan, group, inputs, keep=True):
 
 def _check_bytes(plan, group, phases):
     for phase in phases:
-        for hop in (0, 1, 2):
+        for hop in (0, 1, 2, 3):
             want = plan.pair_bytes(phase, hop=hop)
             got = group.pair_traffic(hop_phase(phase, hop))
             assert torch.equal(got, want), f"{phase} hop {hop}: counted {int(got.sum())}, plan {int(want.sum())}"
@@ -68,6 +68,9 @@ def _check_hops(plan, per_node):
     for kind in ("qo", "kv"):
         route = plan.relay.route(kind)
         assert int((route.split(1) * ~cross).sum()) == 0 and int((route.split(2) * cross).sum()) == 0
+        assert int((route.split(3) * cross).sum()) == 0  # the pre-hop to the egress stays in the node
+        if not plan.relay.egress:
+            assert int(route.split(3).sum()) == 0
         split = plan.comm.qo_split if kind == "qo" else plan.comm.kv_split
         ib = (route.split(0) + route.split(1)) * cross
         assert int(ib.sum()) <= int((split * cross).sum())
@@ -200,7 +203,7 @@ def test_relay_bad_input():
     assert cfg.relays and not relay_transport(cfg)
     _, plan, _, _ = _plans("docs-causal", P, 4)
     with pytest.raises(ValueError, match="hop must be"):
-        plan.pair_bytes("fwd", hop=3)
+        plan.pair_bytes("fwd", hop=4)
     with pytest.raises(ValueError, match="num_stages=3"):
         forward_ops(3, relay=True)
     with pytest.raises(ValueError, match="unknown buffers"):
@@ -236,9 +239,9 @@ def _gloo_rank(rank, P, transport):
     qs, ks, vs = (shard(x, group).clone().requires_grad_() for x in (q, k, v))
     out, lse = dist_attn(qs, ks, vs, plan, group)
     torch.autograd.backward((out, lse), (shard(d_out, group), shard(d_lse, group)))
-    counted = {(ph, h): group.traffic(hop_phase(ph, h)) for ph in PHASES for h in (0, 1, 2)}
+    counted = {(ph, h): group.traffic(hop_phase(ph, h)) for ph in PHASES for h in (0, 1, 2, 3)}
     want = {(ph, h): (int(plan.pair_bytes(ph, hop=h)[rank].sum()), int(plan.pair_bytes(ph, hop=h)[:, rank].sum()))
-            for ph in PHASES for h in (0, 1, 2)}
+            for ph in PHASES for h in (0, 1, 2, 3)}
     return {"got": dict(zip(KEYS, (out.detach(), lse.detach(), qs.grad, ks.grad, vs.grad))),
             "counted": counted, "want": want, "ib": int(plan.pair_bytes("fwd", hop=1).sum())}
 
