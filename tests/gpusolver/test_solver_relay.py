@@ -1,8 +1,9 @@
 """The relay transport priced in the solve (``SolverConfig.relays``).
 
-Each (unit, remote node) crosses InfiniBand once, host to ``Topology.relay_rank``, with the
-hull of what that node's consumers need, then NVLink from the relay to the node's other
-consumers; partial results come back the same two hops. The state's bytes per rank and link
+Each (unit, remote node) crosses InfiniBand once, ``Topology.egress_rank`` (reached from the host
+over NVLink when it is another rank) to ``Topology.relay_rank``, with the hull of what that
+node's consumers need, then NVLink from the relay to the node's other consumers; partial
+results come back the same hops. The state's bytes per rank and link
 class equal a per-hop count made here cell by cell; the Triton state equals the torch one;
 ``ib_relay=False`` keeps direct transport's prices.
 """
@@ -38,9 +39,14 @@ def hop_tokens(tasks, length, lo, hi, per_node):
                     for r in need:
                         out[b, 0, h, r] += length[b, u, r]
                     continue
-                relay = node * per_node + h % per_node
+                topo, nodes = _nodes(per_node), P // per_node
+                egress, relay = topo.egress_rank(h, node, nodes), topo.relay_rank(h, node, nodes)
+                assert egress // per_node == h // per_node and relay // per_node == node
+                assert egress % per_node == relay % per_node  # rail-aligned
                 hull = int(max(hi[b, u, r] for r in need) - min(lo[b, u, r] for r in need))
-                out[b, 1, h, relay] += hull
+                if egress != h:  # the pre-hop to the egress over NVLink
+                    out[b, 0, h, egress] += hull
+                out[b, 1, egress, relay] += hull
                 for r in need:
                     if r != relay:
                         out[b, 0, relay, r] += length[b, u, r]
