@@ -136,10 +136,11 @@ NODE_LEVEL_STRATEGIES = (Strategy((_INF,), units_per_rank=16, bundle_dests=8),
                          Strategy((_INF,), units_per_rank=4, bundle_dests=8, task_order="rows"))
 
 
-# From P = 32 up, a solve priced for the relay transport (``SolverConfig.relays``) also runs a
-# narrow window over many units: on packed causal and full documents (nodes of 8) it ended below
-# the large-P portfolio's InfiniBand bottleneck at P = 32 and on causal documents at P = 64
-# (benchmarks/results/relay_solve.md). Last, so the others keep their indices.
+# From P = 32 up, a solve priced for the relay transport (``SolverConfig.relays``) runs a narrow
+# window over many units in place of the Ulysses start: on packed causal and full documents
+# (nodes of 8) it ended below the large-P portfolio's InfiniBand bottleneck at P = 32 and on
+# causal documents at P = 64, where the Ulysses start ended highest, and it costs less
+# (benchmarks/results/relay_solve.md).
 RELAY_STRATEGY = Strategy((_INF,), units_per_rank=16, bundle_dests=8)
 
 
@@ -147,7 +148,7 @@ def default_strategies(cp_size: int, relays: bool = False) -> tuple[Strategy, ..
     """The portfolio ``solve_device`` runs for a CP group of ``cp_size`` ranks (``relays``: priced
     for the relay transport, ``SolverConfig.relays``)."""
     if cp_size >= LARGE_P:
-        return LARGE_P_STRATEGIES + (LARGE_P_ULYSSES_STRATEGY,) + ((RELAY_STRATEGY,) if relays else ())
+        return LARGE_P_STRATEGIES + ((RELAY_STRATEGY,) if relays else (LARGE_P_ULYSSES_STRATEGY,))
     return DEFAULT_STRATEGIES + (ULYSSES_STRATEGY, SHED_STRATEGY)
 
 

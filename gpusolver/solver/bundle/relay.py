@@ -63,14 +63,19 @@ def relay_row_prices(tasks: Tasks, st: State, unit, i_of, s_of, d_of, b_lo, b_hi
 def relay_key_prices(tasks: Tasks, st: State, kv_u, j_t, mine, d_of, s4, klo_t, khi_t, kg_t, kf_t, gather_at):
     """(bkg_t, bkf_t): each task's priced key columns gained at each destination [B, P, K, D1, U]
     and freed at the source [B, P, K, U] (``bundle_proposals``' names; ``kg_t``/``kf_t`` plain)."""
-    w_ib = tasks.links[2]
+    R, _, w_ib = tasks.links
+    N = tasks.P // R
+    B, P, K, U = kv_u.shape
     k_n_lo, k_n_hi, k_count = st.nodes[2], st.nodes[3], st.nodes[5]
-    j5 = j_t[:, :, :, None, :]
-    cross_d, nv_d = _link_parts(tasks, j5, d_of)
-    at_d = _node_cell(tasks, kv_u[:, :, :, None, :], d_of)  # [B, P, K, D1, U]
-    n_grow = _union_growth(gather_at(k_n_lo, at_d), gather_at(k_n_hi, at_d), klo_t[:, :, :, None, :],
-                           khi_t[:, :, :, None, :])
-    n_grow = torch.where(mine[:, :, :, None, :] & cross_d, n_grow, 0)
+    # the node hull's growth per (task, node), then read at each destination's node: the D1
+    # destinations share N nodes
+    nodes = torch.arange(N, device=kv_u.device)
+    at_n = kv_u[..., None] * N + nodes  # [B, P, K, U, N]
+    n_grow = _union_growth(gather_at(k_n_lo, at_n), gather_at(k_n_hi, at_n), klo_t[..., None], khi_t[..., None])
+    n_grow = torch.where(mine[..., None] & (j_t[..., None] // R != nodes), n_grow * w_ib, 0)
+    D1 = d_of.shape[3]
+    ib = n_grow.transpose(3, 4).gather(3, (d_of // R).expand(B, P, K, D1, U))  # [B, P, K, D1, U]
+    _, nv_d = _link_parts(tasks, j_t[:, :, :, None, :], d_of)
     cross_s, nv_s = _link_parts(tasks, j_t, s4)
     sole = gather_at(k_count, _node_cell(tasks, kv_u, s4)) == 1
-    return n_grow * w_ib + kg_t.long() * nv_d, kf_t * (nv_s + torch.where(cross_s & sole, w_ib, 0))
+    return ib + kg_t.long() * nv_d, kf_t * (nv_s + torch.where(cross_s & sole, w_ib, 0))
