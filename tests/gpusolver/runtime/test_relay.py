@@ -82,7 +82,7 @@ def _check_hops(plan, per_node):
 
 
 # (mask, P, ranks per node): 2 and 4 nodes at P = 16
-CASES = [("docs-causal", 16, 8), ("docs-full", 16, 4)]
+CASES = [("docs-causal", 16, 8), ("docs-full", 16, 4)]  # 4 nodes of 4: the egress spread acts
 
 
 @pytest.mark.parametrize("name,P,per_node", CASES, ids=[f"{m}-P{P}-nodes{P // n}" for m, P, n in CASES])
@@ -92,10 +92,81 @@ def test_relay_equals_reference(name, P, per_node):
     for kind in ("qo", "kv"):  # both hops carry rows of both kinds
         assert int(plan.relay.route(kind).split(1).sum()) > 0 and int(plan.relay.route(kind).split(2).sum()) > 0
     _check_hops(plan, per_node)
+    assert plan.relay.egress == (P // per_node > 2)
+    if plan.relay.egress:  # the spread acts: some rows reach their NIC over the pre-hop
+        for kind in ("qo", "kv"):
+            assert int(plan.relay.route(kind).split(3).sum()) > 0
     inputs = make_inputs(P * 16, 4, 2, seed=P)
     ref = reference(mask, *inputs)
     group = LocalGroup(P)
     got = _run(plan, group, inputs)
+    for key in KEYS:
+        assert_close(key, ref[key], unshard(got[key], group), atol=ATOL, rtol=RTOL)
+    _check_bytes(plan, group, PHASES)
+
+
+def test_relay_state_prices_the_plans_hops():
+    """The solver's relay pricing (``state.relay.relay_hops``) of the plan's assignment equals the
+    plan's rows per pair and link class on four nodes of four: InfiniBand = hop 1 plus direct rows
+    across nodes, NVLink = direct rows inside a node, the fan-out and the pre-hop to the egress."""
+    from gpusolver.solver.core import Tasks
+    from gpusolver.solver.state.ref import state
+    from gpusolver.solver.state.relay import relay_hops
+
+    P, per_node = 16, 4
+    _, plan, mask, config = _plans("random", P, per_node, tiles=2)
+    tasks = Tasks(block_areas(mask, P, config.head_groups, impl="torch", tiles=2), config)
+    a = plan.assignment.long().reshape(-1)
+    st = state(tasks, torch.cat((torch.where(a >= 0, a, P), torch.tensor([P]))).view(1, -1))
+    node = torch.arange(P) // per_node
+    inside = node[:, None] == node[None, :]
+    for kind, cells in (("qo", (st.qlen, st.q_lo, st.q_hi)), ("kv", (st.klen, st.k_lo, st.k_hi))):
+        nv, ib = relay_hops(tasks, *cells)[:, 0]
+        route = plan.relay.route(kind)
+        assert int(route.split(3).sum()) > 0
+        assert torch.equal(nv, route.split(0) * inside + route.split(2) + route.split(3)), kind
+        assert torch.equal(ib, route.split(1) + route.split(0) * ~inside), kind
+
+
+def _ib_senders(plan, kind, per_node):
+    """{(unit, node): the rank that sent its hop 1} of one kind, read from the routing."""
+    route = plan.relay.route(kind)
+    hull = route.hull_range[..., 1] - route.hull_range[..., 0]  # [G, U, P(relay)]
+    return {(u, r // per_node): int(route.hop1_sender[g, u, r]) for g, u, r in hull.nonzero().tolist()}
+
+
+@pytest.mark.slow
+def test_relay_egress_fallback_and_shared_slots():
+    """Five nodes of two (N - 1 > L: an egress other than the host carries one unit's slot to two
+    nodes and merges what comes back) with egress buffers too small for all slots (the rest
+    leaves from the host's own NIC): still exact, bytes still the plan's, and every IB sender is
+    the egress or, past the room, the host."""
+    P, per_node = 10, 2
+    _, full, _, _ = _plans("random", P, per_node, tiles=2, keep=False)
+    assert full.relay.egress
+    half = int(full.relay.kv.egress_split.sum(0).max()) // 2
+    assert half > 0
+    _, plan, mask, config = _plans("random", P, per_node, tiles=2, keep=False, kv_egress=half)
+    topo = config.topology
+    host = plan.comm.unit_host()
+    senders = _ib_senders(plan, "kv", per_node)
+    spread = sum(s == topo.egress_rank(int(host[u]), node, P // per_node) != int(host[u])
+                 for (u, node), s in senders.items())
+    fallback = sum(s == int(host[u]) != topo.egress_rank(int(host[u]), node, P // per_node)
+                   for (u, node), s in senders.items())
+    assert spread > 0 and fallback > 0
+    assert all(s in (int(host[u]), topo.egress_rank(int(host[u]), node, P // per_node))
+               for (u, node), s in senders.items())
+    assert int(plan.relay.kv.egress_split.sum(0).max()) <= half
+    shared = {}
+    for (u, node), s in senders.items():
+        if s != int(host[u]):
+            shared.setdefault((u, s), set()).add(node)
+    assert max(len(nodes) for nodes in shared.values()) == 2  # a slot serving two nodes
+    inputs = make_inputs(P * 16, 4, 2, seed=5)
+    group = LocalGroup(P)
+    got = _run(plan, group, inputs, keep=False)
+    ref = reference(mask, *inputs)
     for key in KEYS:
         assert_close(key, ref[key], unshard(got[key], group), atol=ATOL, rtol=RTOL)
     _check_bytes(plan, group, PHASES)
