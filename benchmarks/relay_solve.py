@@ -15,7 +15,10 @@ CPU torch path three ways:
   rows its consumers need, then NVLink from the relay).
 
 Today's plans are also counted under the relay transport ("today+relay": the
-transport alone, without a solve that prices it). Per GPU: IB fwd / bwd is
+transport alone, without a solve that prices it). Transport "relay" counts the
+bytes as the solver prices them; "relay plan" those of the relay plan built from
+the assignment (``Plan.pair_bytes``: its rails matched to the bytes per node
+pair, ``plan.relay.matched_rails``, its egress pre-hops and capacities). Per GPU: IB fwd / bwd is
 the largest over GPUs of max(bytes sent, received) across nodes; NV fwd the
 same inside a node; USP IB fwd is USP's ring over nodes; IB step ms is
 simulated (ideal: (IB fwd + IB bwd) / NIC bandwidth, no latency, no overlap).
@@ -42,6 +45,7 @@ from _common import (  # noqa: E402
 from topology_solve import link_bottlenecks, usp_ib_fwd  # noqa: E402
 from gpusolver.areas import block_areas  # noqa: E402
 from gpusolver.config import SolverConfig  # noqa: E402
+from gpusolver.plan.build import build_plan  # noqa: E402
 from gpusolver.solve import solve  # noqa: E402
 from gpusolver.solver.core import Tasks  # noqa: E402
 from gpusolver.solver.state.ref import state  # noqa: E402
@@ -92,9 +96,14 @@ def measure(kind: str, P: int, seed: int, topology, tokens: int) -> list[dict]:
         t0 = time.perf_counter()
         plan = solve(mask, config, impl="torch", validate=False)
         seconds = time.perf_counter() - t0
-        transports = ("direct", "relay") if name == "today" else (("relay",) if name == "relay" else ("direct",))
+        transports = (("direct", "relay", "relay plan") if name == "today"
+                      else (("relay", "relay plan") if name == "relay" else ("direct",)))
         for transport in transports:
-            if transport == "direct":
+            if transport in ("direct", "relay plan"):
+                if transport == "relay plan":  # the relay plan's own bytes (its rails, capacities, pre-hops)
+                    areas = block_areas(mask, P, relay_cfg.head_groups, impl="torch", tiles=relay_cfg.chunk_tiles)
+                    plan = build_plan(mask, areas, plan.assignment, relay_cfg)
+                    assert plan.relay is not None
                 ib_fwd, nv_fwd = link_bottlenecks(plan.pair_bytes("fwd"), topology.ranks_per_node)
                 ib_bwd, _ = link_bottlenecks(plan.pair_bytes("bwd"), topology.ranks_per_node)
             else:

@@ -11,13 +11,6 @@ Rank layout: rank r sits on node ``r // ranks_per_node`` at local index
 ``nics_per_node`` NICs evenly, local index l using NIC
 ``l * nics_per_node // ranks_per_node`` of its node.
 
-Inter-node relay transport (``egress_rank``, ``relay_rank``): in a group of N nodes of L
-ranks, what the host at local index a of node A sends to node B != A leaves through the
-egress ``A * L + (a + d - 1) mod L``, d = (B - A) mod N, and lands on the relay
-``B * L + (a + d - 1) mod L`` (rail-aligned with the egress), which fans it out over NVLink.
-A unit's crossings to different nodes so spread over its node's NICs; with N = 2 the egress is
-the host itself.
-
 Units: bandwidths in GB/s (1e9 bytes per second) per direction; throughput in
 TFLOP/s (1e12); latency in microseconds. Attention FLOPs are ``4 * D`` per
 valid (q, k) entry per query head forward (two matmuls of 2 FLOPs per
@@ -29,7 +22,7 @@ import math
 import os
 from dataclasses import dataclass, replace
 
-__all__ = ["Topology", "egress_local", "PRESETS", "h100_hgx", "h200_hgx", "gb200_nvl72", "single_node"]
+__all__ = ["Topology", "PRESETS", "h100_hgx", "h200_hgx", "gb200_nvl72", "single_node"]
 
 
 def _positive(name: str, value, *, integer: bool = False) -> None:
@@ -120,32 +113,18 @@ class Topology:
     def same_node(self, a: int, b: int) -> bool:
         return a // self.ranks_per_node == b // self.ranks_per_node
 
-    def egress_rank(self, host: int, node: int, nodes: int) -> int:
-        """The rank of ``host``'s own node whose NIC carries what ``host`` sends to ``node``.
-
-        In a group of ``nodes`` nodes of L ranks, with A = ``host``'s node, a its local index and
-        d = (node - A) mod ``nodes`` (1..nodes-1): ``A * L + (a + d - 1) mod L``
-        (``egress_local``). A unit's copies to different remote nodes thus leave through
-        different NICs of its node; for d = 1 it is ``host`` itself, so with two nodes every host
-        is its own egress. When it is another rank, ``host`` first moves the rows to it over
-        NVLink (the relay transport's pre-hop). On ``host``'s own node it is ``host``.
-        """
-        L = self.ranks_per_node
-        if node == host // L:
-            return host
-        return host // L * L + egress_local(host % L, host // L, node, nodes, L)
-
-    def relay_rank(self, host: int, node: int, nodes: int) -> int:
+    def relay_rank(self, host: int, node: int) -> int:
         """The rank of ``node`` that receives, over InfiniBand, what ``host`` sends to that node.
 
-        Rail-aligned with the egress: ``node``'s rank at ``egress_rank(host, node, nodes)``'s
-        local index, so a unit's crossings to different nodes use different NICs on both sides
-        and every NIC pair is on one rail. On ``host``'s own node it is ``host`` itself (no relay).
+        Rail-aligned: the rank at ``host``'s local index, so every host's inter-node bytes leave
+        through its own NIC and land on one NIC per remote node, and a node's hosts spread their
+        traffic over all of its NICs. On ``host``'s own node it is ``host`` itself (no relay).
+        This is the rule the solver prices; with more than two nodes a plan may move a host's
+        crossing to another rail of its node (egress and relay both at that local index, the
+        host's rows brought to the egress over NVLink) when that spreads the bytes of the
+        node's NICs better (``plan.relay.matched_rails``, ``RelayMeta.rails``).
         """
-        L = self.ranks_per_node
-        if node == host // L:
-            return host
-        return node * L + egress_local(host % L, host // L, node, nodes, L)
+        return node * self.ranks_per_node + host % self.ranks_per_node
 
     def nic_of(self, rank: int) -> int:
         """Global index of the NIC rank ``rank`` sends and receives through (node-major)."""
@@ -211,13 +190,6 @@ class Topology:
         nics = local // gpus_per_nic if local % gpus_per_nic == 0 else local
         return replace(base, ranks_per_node=local, nics_per_node=nics, max_nodes=None,
                        name=f"{base.name} (env: {local} per node)")
-
-
-def egress_local(local, src_node, dst_node, nodes: int, ranks_per_node: int):
-    """Local index of the egress (and of the relay) of a host at ``local`` on ``src_node`` for
-    ``dst_node`` != ``src_node``: ``(local + (dst_node - src_node) mod nodes - 1) mod ranks_per_node``.
-    Ints or int64 tensors (broadcast); the one rule the plan's routing and the solver's pricing share."""
-    return (local + (dst_node - src_node) % nodes - 1) % ranks_per_node
 
 
 def _env_int(name: str, raw: str) -> int:

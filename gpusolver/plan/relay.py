@@ -10,15 +10,19 @@ where in its receive buffer (the layout CalcMeta and the kernels read). A
 - hop 0 (direct): the host sends the consumer its rows itself, as without
   relay. Every intra-node transfer goes this way, and so does every
   inter-node transfer whose (unit, node) is not relayed.
-- hop 3 (NVLink pre-hop, more than two nodes only): host h moves each unit's rows
-  bound for remote node B to its egress ``e = Topology.egress_rank(h, B, N)`` of
-  its own node when e != h, one slot per (unit, e) (the hull of the hulls of the
-  nodes it serves; one node unless N - 1 > L), into e's egress buffer (hosts
-  ascending, g, tile). A unit's copies to different nodes so leave through
-  different NICs.
+- rails (``matched_rails``, more than two nodes only): each (host h, remote node
+  B) crossing uses one rail l, leaving from the egress ``e = A * L + l`` of h's
+  node A and landing on the relay ``r = B * L + l``. By default l is h's own
+  local index (``Topology.relay_rank``, what the solver prices); with more than
+  two nodes the plan matches hosts to rails per node pair, by their forward
+  bytes, to spread a node's InfiniBand bytes over its NICs on both sides, and
+  keeps the matching only when it lowers the busiest NIC's bytes.
+- hop 3 (NVLink pre-hop): host h moves each unit's rows bound for remote node B
+  to its egress e when e != h, one slot per (unit, e) (the hull of the hulls of
+  the nodes it serves), into e's egress buffer (hosts ascending, g, tile).
 - hop 1 (InfiniBand): for each unit u and each other node B with consumers of
   u, the egress sends the **hull** of the rows B's consumers need, once, to
-  ``r = Topology.relay_rank(h, B, N)`` (rail-aligned with the egress), into r's
+  the relay r (rail-aligned with the egress), into r's
   relay buffer (senders ascending, then host, g, tile), read from its local rows
   (its own units) or its egress buffer (its node's other hosts').
 - hop 2 (NVLink): r sends each other consumer c in B its own rows, read from
@@ -62,7 +66,6 @@ from dataclasses import dataclass
 import torch
 
 from gpusolver.plan.gather import send_index
-from gpusolver.topology import egress_local
 
 NOTHING, DIRECT, FAN_OUT, SELF = 0, 1, 2, 3  # RelayRoute.via: how a transfer reaches its consumer
 HOPS = (0, 1, 2, 3)
@@ -128,6 +131,7 @@ class RelayMeta:
     kv: RelayRoute
     ranks_per_node: int
     egress: bool = False  # more than two nodes: hop 3 (the NVLink pre-hop to the egress) runs
+    rails: torch.Tensor | None = None  # [P(host), N] int64 the rail of each (host, node) crossing
 
     def route(self, kind: str) -> RelayRoute:
         if kind not in ("qo", "kv"):
@@ -178,7 +182,8 @@ def _pair_sum(src: torch.Tensor, dst: torch.Tensor, length: torch.Tensor, P: int
 
 
 def relay_route(rng: torch.Tensor, tiles: int, ranks_per_node: int, relay_capacity: int,
-                fan_capacity: int, egress_capacity: int = 0, chunk: int = 0, send_capacity: int = 0) -> RelayRoute:
+                fan_capacity: int, egress_capacity: int = 0, chunk: int = 0, send_capacity: int = 0,
+                rails: torch.Tensor | None = None) -> RelayRoute:
     """The relay routing of one kind's transfers ``rng [G, U, P, 2]`` (``CommMeta.qo_range`` / ``kv_range``).
 
     chunk / send_capacity: rows per head group of a rank's local rows / the plan's send rows of
@@ -200,9 +205,10 @@ def relay_route(rng: torch.Tensor, tiles: int, ranks_per_node: int, relay_capaci
     hull = (hi - lo).clamp(min=0)
     other = node_h[:, None] != nodes[None, :]                                 # [U, N]
     cand = (total > 0) & other & (hull <= total)
-    spread = egress_local(host[:, None] % L, node_h[:, None], nodes[None, :], N, L)  # [U, N]
-    egress_n = torch.where(other, node_h[:, None] * L + spread, host[:, None])  # [U, N] Topology.egress_rank
-    relay_n = torch.where(other, nodes[None, :] * L + spread, host[:, None])  # [U, N] Topology.relay_rank
+    # the rail of each (unit, node): the host's own local index, or the plan's (``matched_rails``)
+    spread = (host % L)[:, None].expand(U, N) if rails is None else rails.index_select(0, host)
+    egress_n = torch.where(other, node_h[:, None] * L + spread, host[:, None])  # [U, N] egress of (unit, node)
+    relay_n = torch.where(other, nodes[None, :] * L + spread, host[:, None])  # [U, N] relay of (unit, node)
     own = length.gather(2, relay_n.expand(G, U, N))                           # the relay's own rows
     ranks = torch.arange(P, device=dev)
     at_relay = relay_n[..., None] == ranks                                    # [U, N, P]
@@ -269,7 +275,70 @@ def relay_route(rng: torch.Tensor, tiles: int, ranks_per_node: int, relay_capaci
         hop1_capacity=int(send_capacity) + per_slot * int(egress_capacity))
 
 
-def build_relay_meta(comm, ranks_per_node: int, rows) -> RelayMeta:
+def _node_hull_bytes(rng: torch.Tensor, tiles: int, L: int) -> torch.Tensor:
+    """[P(host), N] int64 rows of each host's node hulls (relay candidates) at each remote node."""
+    G, U, P, _ = rng.shape
+    N = P // L
+    length = rng[..., 1] - rng[..., 0]
+    used = length > 0
+    big = torch.iinfo(torch.int64).max
+    lo = torch.where(used, rng[..., 0], big).view(G, U, N, L).amin(-1)
+    hi = torch.where(used, rng[..., 1], 0).view(G, U, N, L).amax(-1)
+    total = length.view(G, U, N, L).sum(-1)
+    hull = (hi - lo).clamp(min=0)
+    host = torch.arange(U, device=rng.device) // tiles
+    other = (host // L)[:, None] != torch.arange(N, device=rng.device)
+    cand = (total > 0) & other & (hull <= total)
+    return torch.where(cand, hull, 0).sum(0).view(P, tiles, N).sum(1)
+
+
+def matched_rails(comm, L: int, cost) -> torch.Tensor:
+    """[P(host), N] int64 the rail (local index of egress and relay) of each host's crossings to
+    each remote node: node by node offset d = 1..N-1 (node A to A + d, a permutation of the
+    nodes, so each round touches each NIC once as sender side and once as receiver side), the
+    hosts' forward bytes largest first onto the rails least loaded so far on both nodes."""
+    P = comm.cp_size
+    N = P // L
+    dev = comm.qo_range.device
+    q, kv = _node_hull_bytes(comm.qo_range, comm.tiles, L), _node_hull_bytes(comm.kv_range, comm.tiles, L)
+    down = q * int(cost.q_fwd) + kv * int(cost.kv_fwd)   # egress -> relay
+    up = q * int(cost.o_fwd)                             # relay -> egress
+    send = torch.zeros(N, L, dtype=torch.int64, device=dev)
+    recv = torch.zeros(N, L, dtype=torch.int64, device=dev)
+    own = (torch.arange(P, device=dev) % L)[:, None].repeat(1, N)
+    rails = own.clone()
+    A = torch.arange(N, device=dev)
+    for d in range(1, N):
+        B = (A + d) % N
+        x_dn, x_up = down.view(N, L, N)[A, :, B], up.view(N, L, N)[A, :, B]  # [N(A), L(host)]
+        load = torch.maximum(torch.maximum(send, recv), torch.maximum(send, recv).index_select(0, B))
+        items = (x_dn + x_up).argsort(dim=1, descending=True, stable=True)
+        order = load.argsort(dim=1, stable=True)
+        rail = torch.empty_like(items).scatter_(1, items, order)  # host local -> rail
+        s_add = torch.zeros_like(send).scatter_add_(1, rail, x_dn)
+        r_add = torch.zeros_like(recv).scatter_add_(1, rail, x_up)
+        send = send + s_add + torch.zeros_like(send).index_add_(0, B, r_add)
+        recv = recv + r_add + torch.zeros_like(recv).index_add_(0, B, s_add)
+        rails.view(N, L, N)[A, :, B] = rail
+    # the hosts' own rails instead when the matching does not lower the busiest NIC (no host read)
+    own_peak = _rail_peak(own, down, up, L).max()
+    return torch.where(torch.maximum(send, recv).max() < own_peak, rails, own)
+
+
+def _rail_peak(rails: torch.Tensor, down: torch.Tensor, up: torch.Tensor, L: int) -> torch.Tensor:
+    """[P] int64 the larger of each NIC's forward send and receive bytes under ``rails``."""
+    P, N = rails.shape
+    dev = rails.device
+    src = torch.arange(P, device=dev)[:, None] // L * L + rails      # egress
+    dst = torch.arange(N, device=dev)[None, :] * L + rails           # relay
+    send = torch.zeros(P, dtype=torch.int64, device=dev).index_add_(0, src.reshape(-1), down.reshape(-1))
+    send.index_add_(0, dst.reshape(-1), up.reshape(-1))
+    recv = torch.zeros(P, dtype=torch.int64, device=dev).index_add_(0, src.reshape(-1), up.reshape(-1))
+    recv.index_add_(0, dst.reshape(-1), down.reshape(-1))
+    return torch.maximum(send, recv)
+
+
+def build_relay_meta(comm, ranks_per_node: int, rows, cost=None) -> RelayMeta:
     """Relay routing of both kinds of ``comm`` (a ``CommMeta`` with one remote stage) for nodes of
     ``ranks_per_node``; ``rows`` a ``capacity.RelayRows``."""
     P = comm.cp_size
@@ -277,10 +346,13 @@ def build_relay_meta(comm, ranks_per_node: int, rows) -> RelayMeta:
         raise ValueError(f"relay transport needs whole nodes of ranks_per_node = {ranks_per_node} and more "
                          f"than one of them, got cp_size = {P}")
     egress = P // ranks_per_node > 2
+    N, L = P // ranks_per_node, ranks_per_node
+    rails = (matched_rails(comm, ranks_per_node, cost) if egress and cost is not None
+             else (torch.arange(P, device=comm.qo_range.device) % L)[:, None].repeat(1, N))
     routes = {k: relay_route(comm.qo_range if k == "qo" else comm.kv_range, comm.tiles, ranks_per_node,
                              rows.relay(k), rows.fan(k), rows.egress(k) if egress else 0, comm.chunk,
-                             comm.buffers.send(k)) for k in ("qo", "kv")}
-    return RelayMeta(qo=routes["qo"], kv=routes["kv"], ranks_per_node=ranks_per_node, egress=egress)
+                             comm.buffers.send(k), rails) for k in ("qo", "kv")}
+    return RelayMeta(qo=routes["qo"], kv=routes["kv"], ranks_per_node=ranks_per_node, egress=egress, rails=rails)
 
 
 # --- the gather lists the collectives and the assembly read (built on demand, per rank) ---------------

@@ -1,9 +1,8 @@
 """The relay transport priced in the solve (``SolverConfig.relays``).
 
-Each (unit, remote node) crosses InfiniBand once, ``Topology.egress_rank`` (reached from the host
-over NVLink when it is another rank) to ``Topology.relay_rank``, with the hull of what that
-node's consumers need, then NVLink from the relay to the node's other consumers; partial
-results come back the same hops. The state's bytes per rank and link
+Each (unit, remote node) crosses InfiniBand once, host to ``Topology.relay_rank``, with the
+hull of what that node's consumers need, then NVLink from the relay to the node's other
+consumers; partial results come back the same two hops. The state's bytes per rank and link
 class equal a per-hop count made here cell by cell; the Triton state equals the torch one;
 ``ib_relay=False`` keeps direct transport's prices.
 """
@@ -24,7 +23,8 @@ def _nodes(per_node):
 
 def hop_tokens(tasks, length, lo, hi, per_node):
     """[B, 2(NVLink, InfiniBand), P(src), P(dst)] tokens of one kind moved towards the consumers,
-    hop by hop, counted cell by cell (the relay rule, written out)."""
+    hop by hop, counted cell by cell (the relay rule, written out: a (unit, remote node) whose
+    hull is longer than its consumers' rows together crosses directly, row by row)."""
     B, GU, P = length.shape
     out = torch.zeros((B, 2, P, P), dtype=torch.int64)
     for b in range(B):
@@ -39,14 +39,13 @@ def hop_tokens(tasks, length, lo, hi, per_node):
                     for r in need:
                         out[b, 0, h, r] += length[b, u, r]
                     continue
-                topo, nodes = _nodes(per_node), P // per_node
-                egress, relay = topo.egress_rank(h, node, nodes), topo.relay_rank(h, node, nodes)
-                assert egress // per_node == h // per_node and relay // per_node == node
-                assert egress % per_node == relay % per_node  # rail-aligned
+                relay = node * per_node + h % per_node
                 hull = int(max(hi[b, u, r] for r in need) - min(lo[b, u, r] for r in need))
-                if egress != h:  # the pre-hop to the egress over NVLink
-                    out[b, 0, h, egress] += hull
-                out[b, 1, egress, relay] += hull
+                if hull > sum(int(length[b, u, r]) for r in need):  # disjoint needs: each crosses directly
+                    for r in need:
+                        out[b, 1, h, r] += length[b, u, r]
+                    continue
+                out[b, 1, h, relay] += hull
                 for r in need:
                     if r != relay:
                         out[b, 0, relay, r] += length[b, u, r]
@@ -106,16 +105,18 @@ def test_state_triton_equals_torch_with_relays():
 
 
 def test_relay_hops_equal_hop_count():
-    from gpusolver.solver.state.relay import relay_hops
+    from gpusolver.solver.state.relay import _routes, relay_hops
 
     P, G, per_node = 8, 2, 4
-    gen = torch.Generator().manual_seed(7)
+    gen = torch.Generator().manual_seed(8)
     areas = _random_areas(gen, P, G, chunk=8, tiles=2)
     tasks = core.Tasks(areas, _config(P, G, 2, topology=_nodes(per_node)))
     A = _random_assignments(gen, tasks, 2)
     st = state_ref.state(tasks, A)
     for x in ((st.qlen, st.q_lo, st.q_hi), (st.klen, st.k_lo, st.k_hi)):
         assert torch.equal(relay_hops(tasks, *x).transpose(0, 1), hop_tokens(tasks, *x, per_node))
+        _, _, relayed, direct, *_ = _routes(tasks, *x)
+        assert relayed.any() and direct.any()  # both routes occur
 
 
 @pytest.mark.slow
@@ -162,3 +163,41 @@ def test_direct_transport_keeps_its_plans():
     for case, digest in _DIRECT_DIGESTS.items():
         assert _topology_digest(*case, ib_relay=False) == digest, case
         assert _topology_digest(*case) != digest, case  # relays priced: another plan
+
+
+def test_state_bytes_equal_the_transports_pair_bytes():
+    """The relay transport's own per-hop bytes (``plan.pair_bytes(phase, hop=)``, what its
+    groups count) equal the solver's per-class pairs of the same assignment: InfiniBand = hop 1
+    plus the direct rows across nodes, NVLink = hop 2 plus the direct rows inside a node; and
+    every rank's link-weighted bytes are the state's."""
+    from gpusolver.areas import block_areas
+    from gpusolver.config import SolverConfig
+    from gpusolver.masks import packed_documents
+    from gpusolver.solve import solve
+    from gpusolver.solver.state.relay import relay_hops
+
+    P, per_node, G = 8, 4, 2
+    config = SolverConfig(cp_size=P, num_heads_q=8, num_heads_kv=G, head_dim=8, dtype=torch.float16, chunk_tiles=1,
+                          topology=_nodes(per_node))
+    mask = packed_documents(256 * P, seed=3, causal=False)
+    plan = solve(mask, config, impl="torch")
+    assert plan.relay is not None
+    tasks = core.Tasks(block_areas(mask, P, G, impl="torch"), config)
+    a = plan.assignment.long().reshape(-1)
+    A = torch.cat((torch.where(a >= 0, a, P), torch.tensor([P]))).view(1, -1)
+    st = state_ref.state(tasks, A)
+    q = relay_hops(tasks, st.qlen, st.q_lo, st.q_hi)[:, 0]
+    k = relay_hops(tasks, st.klen, st.k_lo, st.k_hi)[:, 0]
+    node = torch.arange(P) // per_node
+    cross = node[:, None] != node[None, :]
+    for phase, down_q, down_k, up_q, up_k in (("fwd", tasks.q, tasks.kv, tasks.o, 0),
+                                              ("bwd", tasks.qb, tasks.kvb, tasks.dqb, tasks.dkv)):
+        ours = [q[c] * down_q + k[c] * down_k + q[c].T * up_q + k[c].T * up_k for c in (0, 1)]
+        direct = plan.pair_bytes(phase, hop=0)
+        ib = plan.pair_bytes(phase, hop=1) + torch.where(cross, direct, 0)
+        nv = plan.pair_bytes(phase, hop=2) + torch.where(cross, 0, direct)
+        assert torch.equal(ours[1], ib) and torch.equal(ours[0], nv), phase
+        assert ib.sum() > 0 and plan.pair_bytes(phase, hop=2).sum() > 0  # both legs carry bytes
+        weighted = ours[0] + 9 * ours[1]
+        send, recv = (st.send, st.recv) if phase == "fwd" else (st.bsend, st.brecv)
+        assert torch.equal(weighted.sum(1), send[0]) and torch.equal(weighted.sum(0), recv[0]), phase

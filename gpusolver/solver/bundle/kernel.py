@@ -39,12 +39,6 @@ def dest_tile(n_dests: int, tiles: int = 1) -> int:
 
 
 @triton.jit
-def _relay_local(host, node, N, PER_NODE):
-    """Local index of ``Topology.relay_rank(host, node, N)`` for a remote ``node`` (``topology.egress_local``)."""
-    return (host % PER_NODE + (node - host // PER_NODE + N) % N - 1 + PER_NODE) % PER_NODE
-
-
-@triton.jit
 def _union_growth(cur_lo, cur_hi, lo, hi):
     """Tokens a hull [cur_lo, cur_hi) grows by when [lo, hi) joins it."""
     cur_len = tl.maximum(cur_hi - cur_lo, 0)
@@ -425,11 +419,11 @@ def _bundle_unit(
         o_nb = i_b * GU * n_nodes
         cross_is = i // PER_NODE != node_s
         sole_q = tl.load(nodes_ptr + 4 * n_node + o_nb + u * n_nodes + node_s) == 1
-        w_is = (tl.where(cross_is & (i_s % PER_NODE == _relay_local(i, node_s, n_nodes, PER_NODE)), 0, W_NV)
+        w_is = (tl.where(cross_is & (i_s % PER_NODE == i % PER_NODE), 0, W_NV)
                 + tl.where(cross_is & sole_q, W_IB, 0)).to(tl.int64)
         cross_js = j_t // PER_NODE != node_s  # [1, BLOCK_S]
         sole_k = tl.load(nodes_ptr + 5 * n_node + o_nb + kv_u * n_nodes + node_s, mask=m_t, other=0) == 1
-        w_js = (tl.where(cross_js & (i_s % PER_NODE == _relay_local(j_t, node_s, n_nodes, PER_NODE)), 0, W_NV)
+        w_js = (tl.where(cross_js & (i_s % PER_NODE == j_t % PER_NODE), 0, W_NV)
                 + tl.where(cross_js & sole_k, W_IB, 0)).to(tl.int64)
     else:
         w_is = tl.where(i // PER_NODE == node_s, W_NV, W_IB).to(tl.int64)
@@ -487,15 +481,13 @@ def _bundle_unit(
         node_d = d_of // PER_NODE
         if RELAY:  # the relay's NVLink hop (none to the relay itself) and the node's InfiniBand crossing
             cross_d = i // PER_NODE != node_d  # [BLOCK_D]
-            w_id = tl.where(cross_d & (d_of % PER_NODE == _relay_local(i, node_d, n_nodes, PER_NODE)), 0,
-                            W_NV).to(tl.int64)
+            w_id = tl.where(cross_d & (d_of % PER_NODE == i % PER_NODE), 0, W_NV).to(tl.int64)
             ib_d = tl.where(cross_d, W_IB, 0).to(tl.int64)
             o_qn = o_nb + u * n_nodes + node_d
             qn_lo_d = tl.load(nodes_ptr + o_qn, mask=m_d, other=0)
             qn_hi_d = tl.load(nodes_ptr + n_node + o_qn, mask=m_d, other=0)
             cross_jd = j_t // PER_NODE != node_d[:, None]  # [BLOCK_D, BLOCK_S]
-            w_jd = tl.where(cross_jd & (d_of[:, None] % PER_NODE == _relay_local(j_t, node_d[:, None], n_nodes, PER_NODE)),
-                            0, W_NV).to(tl.int64)
+            w_jd = tl.where(cross_jd & (d_of[:, None] % PER_NODE == j_t % PER_NODE), 0, W_NV).to(tl.int64)
         else:
             w_id = tl.where(i // PER_NODE == node_d, W_NV, W_IB).to(tl.int64)  # [BLOCK_D]
             w_jd = tl.where(j_t // PER_NODE == node_d[:, None], W_NV, W_IB).to(tl.int64)  # [BLOCK_D, BLOCK_S]

@@ -9,8 +9,7 @@ node's hull then shrinks with s's; with other consumers it is counted as not shr
 lower bound, as the key columns freed are). Inside the host's node every token costs NVLink.
 
 These prices are folded onto the move's touched ranks as direct transport's are (the relay's
-and the egress's own bytes, and the NVLink pre-hop to the egress, are charged to the
-destination or the source, priced as the InfiniBand crossing they go with), so a proposal is an approximation of
+own bytes are charged to the destination or the source), so a proposal is an approximation of
 what the move changes; the state after the move (``state.ref``, exact) is what every round's
 best-state tracking and the next round's prices read.
 """
@@ -19,7 +18,6 @@ from __future__ import annotations
 import torch
 
 from gpusolver.solver.core import State, Tasks
-from gpusolver.topology import egress_local
 
 
 def _union_growth(cur_lo, cur_hi, lo, hi):
@@ -33,8 +31,7 @@ def _link_parts(tasks: Tasks, host, rank):
     they cross nodes, and the NVLink weight of their last hop (0 when ``rank`` is the relay)."""
     R, w_nv, _ = tasks.links
     cross = host // R != rank // R
-    relay_local = egress_local(host % R, host // R, rank // R, tasks.P // R, R)  # Topology.relay_rank's
-    return cross, torch.where(cross & (relay_local == rank % R), 0, w_nv)
+    return cross, torch.where(cross & (host % R == rank % R), 0, w_nv)
 
 
 def _node_cell(tasks: Tasks, unit, rank):

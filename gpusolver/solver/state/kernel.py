@@ -103,18 +103,12 @@ def _node_hull(lo_ptr, hi_ptr, o_cell, m_cell):
 
 
 @triton.jit
-def _spread(local, src_node, dst_node, N, PER_NODE):
-    """``topology.egress_local`` for a remote ``dst_node``, with non-negative operands only."""
-    return (local + (dst_node - src_node + N) % N - 1 + PER_NODE) % PER_NODE
-
-
-@triton.jit
 def _relay_tokens(lo_ptr, hi_ptr, n_lo_ptr, n_hi_ptr, n_cnt_ptr, i_b, i_r, G, P, U,
                   PER_NODE, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr, TILES: tl.constexpr):
-    """Rank ``i_r``'s InfiniBand tokens of one kind (hulls at ``lo_ptr``/``hi_ptr``) under relay
-    transport, its NVLink tokens as a relay, and its NVLink pre-hop tokens as a host and as an
-    egress: (ib_out, ib_in, nv_relay_out, nv_pre_out, nv_pre_in) int64; writes the node tables
-    of the units it hosts (``state.relay.node_hulls``: [B, G*U, N] lo, hi, count)."""
+    """Rank ``i_r``'s inter-node tokens of one kind (hulls at ``lo_ptr``/``hi_ptr``) under relay
+    transport (``state.relay``): (ib_out, ib_in, nv_fan_out, nv_in) int64, the last two its NVLink
+    tokens as a relay and from relays; writes the node tables of the units it hosts
+    (``state.relay.node_hulls``: [B, G*U, N] lo, hi, count)."""
     o_g1 = tl.arange(0, BLOCK_G).to(tl.int64)  # [BLOCK_G]
     m_g1 = o_g1 < G
     o_g = o_g1[:, None]  # [BLOCK_G, 1]
@@ -122,43 +116,41 @@ def _relay_tokens(lo_ptr, hi_ptr, n_lo_ptr, n_hi_ptr, n_cnt_ptr, i_b, i_r, G, P,
     m_gr = (o_g < G) & (o_r < PER_NODE)
     N = P // PER_NODE
     my_node = i_r // PER_NODE
-    local = i_r % PER_NODE
+    me = i_r % PER_NODE
     GU = G * U
     ib_out = tl.zeros([], tl.int64)
     ib_in = tl.zeros([], tl.int64)
     fan = tl.zeros([], tl.int64)
-    pre_out = tl.zeros([], tl.int64)
-    pre_in = tl.zeros([], tl.int64)
+    nv_in = tl.zeros([], tl.int64)
     for m in range(0, N):
         remote = m != my_node
-        d_out = (m - my_node + N) % N  # node m as seen from r's node, and r's node from m
-        d_in = (my_node - m + N) % N
-        # the host of r's node whose units leave through r towards m, and the host of m whose units r relays
-        e_host = my_node * PER_NODE + (local + 1 + PER_NODE * N - d_out) % PER_NODE
-        h = m * PER_NODE + (local + 1 + PER_NODE * N - d_in) % PER_NODE
-        pre_own = remote & (_spread(local, my_node, m, N, PER_NODE) != local)  # r's hulls to m go to another egress
         for t in tl.static_range(TILES):
-            # as host: the unit's hull at node m, over its ranks but r itself
+            # as host: the unit's hull at node m, over its ranks but r itself; relayed when that
+            # hull is no longer than the node's rows together, else each consumer's rows go direct
             o_h = i_b * GU * P + (o_g * U + i_r * TILES + t) * P + m * PER_NODE + o_r
-            n_lo, n_hi, n_cnt, _ = _node_hull(lo_ptr, hi_ptr, o_h, m_gr & (m * PER_NODE + o_r != i_r))
+            n_lo, n_hi, n_cnt, c_len = _node_hull(lo_ptr, hi_ptr, o_h, m_gr & (m * PER_NODE + o_r != i_r))
             o_n = (i_b * GU + o_g1 * U + i_r * TILES + t) * N + m
             tl.store(n_lo_ptr + o_n, n_lo, mask=m_g1)
             tl.store(n_hi_ptr + o_n, n_hi, mask=m_g1)
             tl.store(n_cnt_ptr + o_n, n_cnt, mask=m_g1)
-            n_len = tl.where(m_g1 & remote, tl.maximum(n_hi - n_lo, 0), 0)
-            pre_out += tl.where(pre_own, tl.sum(n_len, axis=0), 0)
-            # as egress: host e_host's unit at node m crosses InfiniBand through r
-            o_e = i_b * GU * P + (o_g * U + e_host * TILES + t) * P + m * PER_NODE + o_r
-            e_lo, e_hi, _, _ = _node_hull(lo_ptr, hi_ptr, o_e, m_gr & remote)
-            e_len = tl.sum(tl.where(m_g1, tl.maximum(e_hi - e_lo, 0), 0), axis=0)
-            ib_out += e_len
-            pre_in += tl.where(e_host != i_r, e_len, 0)
-            # as relay: host h's unit at r's node; r keeps its own rows, forwards the others'
-            o_l = i_b * GU * P + (o_g * U + h * TILES + t) * P + my_node * PER_NODE + o_r
-            l_lo, l_hi, _, l_len = _node_hull(lo_ptr, hi_ptr, o_l, m_gr & remote)
-            ib_in += tl.sum(tl.where(m_g1, tl.maximum(l_hi - l_lo, 0), 0), axis=0)
-            fan += tl.sum(tl.sum(tl.where(my_node * PER_NODE + o_r != i_r, l_len, 0), axis=1), axis=0)
-    return ib_out, ib_in, fan, pre_out, pre_in
+            total = tl.sum(c_len, axis=1)
+            hull = tl.maximum(n_hi - n_lo, 0)
+            relayed = (total > 0) & (hull <= total)
+            ib_out += tl.sum(tl.where(m_g1 & remote, tl.where(relayed, hull, total), 0), axis=0)
+        # as consumer or relay: every host k of node m, its units at r's node
+        for k in range(0, PER_NODE):
+            for t in tl.static_range(TILES):
+                o_l = i_b * GU * P + (o_g * U + (m * PER_NODE + k) * TILES + t) * P + my_node * PER_NODE + o_r
+                l_lo, l_hi, _, l_len = _node_hull(lo_ptr, hi_ptr, o_l, m_gr & remote)
+                total = tl.sum(l_len, axis=1)
+                relayed = (total > 0) & (tl.maximum(l_hi - l_lo, 0) <= total)
+                mine = tl.sum(tl.where(o_r == me, l_len, 0), axis=1)  # r's own rows
+                is_relay = k == me
+                ib_in += tl.sum(tl.where(m_g1, tl.where(relayed, tl.where(is_relay, tl.maximum(l_hi - l_lo, 0), 0),
+                                                        mine), 0), axis=0)
+                fan += tl.sum(tl.where(m_g1 & relayed & is_relay, total - mine, 0), axis=0)
+                nv_in += tl.sum(tl.where(m_g1 & relayed & (k != me), mine, 0), axis=0)
+    return ib_out, ib_in, fan, nv_in
 
 
 @triton.jit
@@ -173,7 +165,7 @@ def _state_bytes_rank(lo_ptr, hi_ptr, len_ptr, bytes_ptr, bneck_ptr, i_b, i_r, B
     With TOPO the bytes price each token by its link (rank r and rank o_p on one node or not),
     the rows stay plain; with RELAY by the relay transport's hops (``state.relay``): the tiles
     count the NVLink tokens of direct and fanned-out rows, ``_relay_tokens`` the InfiniBand
-    ones, the relay's fan-out and the pre-hop to the egress."""
+    ones and the relay's fan-out."""
     o_g = tl.arange(0, BLOCK_G).to(tl.int64)[:, None]  # [BLOCK_G, 1]
     o_p = tl.arange(0, BLOCK_P).to(tl.int64)[None, :]  # [1, BLOCK_P]
     m_gp = (o_g < G) & (o_p < P)
@@ -186,10 +178,9 @@ def _state_bytes_rank(lo_ptr, hi_ptr, len_ptr, bytes_ptr, bneck_ptr, i_b, i_r, B
     k_in = tl.zeros([], tl.int64)
     if TOPO:  # link-weighted tokens for the bytes; the link of r and o_p is the same both ways
         same = i_r // PER_NODE == o_p // PER_NODE
-        if RELAY:  # the tiles' NVLink tokens: out to the host's node, in but a relay's own rows
+        if RELAY:  # the tiles' NVLink tokens inside the host's node; ``_relay_tokens`` the others
             w = tl.where(same, W_NV, 0).to(tl.int64)  # [1, BLOCK_P]
-            relays = _spread(o_p % PER_NODE, o_p // PER_NODE, i_r // PER_NODE, P // PER_NODE, PER_NODE)
-            w_in = tl.where(same | (relays != i_r % PER_NODE), W_NV, 0).to(tl.int64)
+            w_in = w
         else:
             w = tl.where(same, W_NV, W_IB).to(tl.int64)  # [1, BLOCK_P]
             w_in = w
@@ -222,15 +213,16 @@ def _state_bytes_rank(lo_ptr, hi_ptr, len_ptr, bytes_ptr, bneck_ptr, i_b, i_r, B
             wk_in += tl.sum(tl.sum(tl.where(m_gp, k_col * w_in, 0), axis=1), axis=0)
     if RELAY:  # the InfiniBand hops and the relay's fan-out (q: planes 0, k: planes 1 of lo/hi)
         n_node = B * G * U * (P // PER_NODE)
-        q_ibo, q_ibi, q_fan, q_pro, q_pri = _relay_tokens(lo_ptr, hi_ptr, nodes_ptr, nodes_ptr + n_node, nodes_ptr + 4 * n_node,
-                                            i_b, i_r, G, P, U, PER_NODE, BLOCK_G, BLOCK_R, TILES)
-        k_ibo, k_ibi, k_fan, k_pro, k_pri = _relay_tokens(lo_ptr + n_cell, hi_ptr + n_cell, nodes_ptr + 2 * n_node,
-                                            nodes_ptr + 3 * n_node, nodes_ptr + 5 * n_node,
-                                            i_b, i_r, G, P, U, PER_NODE, BLOCK_G, BLOCK_R, TILES)
-        wq_out += (q_fan + q_pro) * W_NV + q_ibo * W_IB
-        wq_in += q_pri * W_NV + q_ibi * W_IB
-        wk_out += (k_fan + k_pro) * W_NV + k_ibo * W_IB
-        wk_in += k_pri * W_NV + k_ibi * W_IB
+        q_ibo, q_ibi, q_fan, q_nvi = _relay_tokens(lo_ptr, hi_ptr, nodes_ptr, nodes_ptr + n_node,
+                                                   nodes_ptr + 4 * n_node, i_b, i_r, G, P, U, PER_NODE,
+                                                   BLOCK_G, BLOCK_R, TILES)
+        k_ibo, k_ibi, k_fan, k_nvi = _relay_tokens(lo_ptr + n_cell, hi_ptr + n_cell, nodes_ptr + 2 * n_node,
+                                                   nodes_ptr + 3 * n_node, nodes_ptr + 5 * n_node,
+                                                   i_b, i_r, G, P, U, PER_NODE, BLOCK_G, BLOCK_R, TILES)
+        wq_out += q_fan * W_NV + q_ibo * W_IB
+        wq_in += q_nvi * W_NV + q_ibi * W_IB
+        wk_out += k_fan * W_NV + k_ibo * W_IB
+        wk_in += k_nvi * W_NV + k_ibi * W_IB
     if TOPO:
         qo, qi, ko, ki = wq_out, wq_in, wk_out, wk_in
     else:

@@ -106,9 +106,10 @@ def test_relay_equals_reference(name, P, per_node):
 
 
 def test_relay_state_prices_the_plans_hops():
-    """The solver's relay pricing (``state.relay.relay_hops``) of the plan's assignment equals the
-    plan's rows per pair and link class on four nodes of four: InfiniBand = hop 1 plus direct rows
-    across nodes, NVLink = direct rows inside a node, the fan-out and the pre-hop to the egress."""
+    """The solver's relay count (``state.relay.relay_hops``) of the plan's assignment, on the plan's
+    rails, equals the plan's rows per pair and link class on four nodes of four: InfiniBand = hop 1
+    plus direct rows across nodes, NVLink = direct rows inside a node, the fan-out and the pre-hop
+    to the egress."""
     from gpusolver.solver.core import Tasks
     from gpusolver.solver.state.ref import state
     from gpusolver.solver.state.relay import relay_hops
@@ -121,11 +122,30 @@ def test_relay_state_prices_the_plans_hops():
     node = torch.arange(P) // per_node
     inside = node[:, None] == node[None, :]
     for kind, cells in (("qo", (st.qlen, st.q_lo, st.q_hi)), ("kv", (st.klen, st.k_lo, st.k_hi))):
-        nv, ib = relay_hops(tasks, *cells)[:, 0]
+        nv, ib = relay_hops(tasks, *cells, rails=plan.relay.rails)[:, 0]
         route = plan.relay.route(kind)
         assert int(route.split(3).sum()) > 0
         assert torch.equal(nv, route.split(0) * inside + route.split(2) + route.split(3)), kind
         assert torch.equal(ib, route.split(1) + route.split(0) * ~inside), kind
+
+
+def test_relay_matched_rails():
+    """More than two nodes: per node offset d each node's hosts take distinct rails towards node
+    A + d (every NIC is one sender and one receiver of each round), the same rails every build; two
+    nodes: every host keeps its own rail (no pre-hop)."""
+    from gpusolver.plan.relay import matched_rails
+
+    P, per_node = 16, 4
+    _, plan, _, config = _plans("docs-full", P, per_node)
+    rails, N = plan.relay.rails, P // per_node
+    for A in range(N):
+        for d in range(1, N):
+            got = sorted(int(rails[A * per_node + a, (A + d) % N]) for a in range(per_node))
+            assert got == list(range(per_node)), (A, d)
+    assert not torch.equal(rails, (torch.arange(P) % per_node)[:, None].expand(P, N))  # the matching won
+    assert torch.equal(matched_rails(plan.comm, per_node, config.cost()), rails)
+    _, two, _, _ = _plans("docs-causal", P, 8)
+    assert torch.equal(two.relay.rails, (torch.arange(P) % 8)[:, None].expand(P, 2))
 
 
 def _ib_senders(plan, kind, per_node):
@@ -142,21 +162,27 @@ def test_relay_egress_fallback_and_shared_slots():
     leaves from the host's own NIC): still exact, bytes still the plan's, and every IB sender is
     the egress or, past the room, the host."""
     P, per_node = 10, 2
-    _, full, _, _ = _plans("random", P, per_node, tiles=2, keep=False)
+    _, full, _, _ = _plans("docs-full", P, per_node, keep=False)
     assert full.relay.egress
     half = int(full.relay.kv.egress_split.sum(0).max()) // 2
     assert half > 0
-    _, plan, mask, config = _plans("random", P, per_node, tiles=2, keep=False, kv_egress=half)
-    topo = config.topology
+    _, plan, mask, config = _plans("docs-full", P, per_node, keep=False, kv_egress=half)
     host = plan.comm.unit_host()
+    rails = plan.relay.rails
+
+    def egress(u, node):
+        h = int(host[u])
+        return h // per_node * per_node + int(rails[h, node])
+
     senders = _ib_senders(plan, "kv", per_node)
-    spread = sum(s == topo.egress_rank(int(host[u]), node, P // per_node) != int(host[u])
-                 for (u, node), s in senders.items())
-    fallback = sum(s == int(host[u]) != topo.egress_rank(int(host[u]), node, P // per_node)
-                   for (u, node), s in senders.items())
+    spread = sum(s == egress(u, node) != int(host[u]) for (u, node), s in senders.items())
+    fallback = sum(s == int(host[u]) != egress(u, node) for (u, node), s in senders.items())
     assert spread > 0 and fallback > 0
-    assert all(s in (int(host[u]), topo.egress_rank(int(host[u]), node, P // per_node))
-               for (u, node), s in senders.items())
+    assert all(s in (int(host[u]), egress(u, node)) for (u, node), s in senders.items())
+    route = plan.relay.kv
+    hull = route.hull_range[..., 1] - route.hull_range[..., 0]
+    for g, u, r in hull.nonzero().tolist():  # the relay is on the egress's rail
+        assert r % per_node == int(rails[int(host[u]), r // per_node])
     assert int(plan.relay.kv.egress_split.sum(0).max()) <= half
     shared = {}
     for (u, node), s in senders.items():
