@@ -7,7 +7,10 @@ torch path (no topology: the assignment the solver gives today; cached with
 450 GB/s, one 50 GB/s NIC per GPU): with direct transport (``ib_relay=False``,
 today's plans byte for byte) and with relay transport (``Plan.relay``: each
 (unit, remote node) crosses InfiniBand once to the node's rail-aligned relay
-and fans out over NVLink; partials merge on the relay before they cross back).
+and fans out over NVLink; partials merge on the relay before they cross back;
+with more than two nodes the rails are matched to the bytes per node pair,
+``plan.relay.matched_rails``, the host's rows reaching another rail's NIC over
+an NVLink pre-hop).
 Per plan, from its own bytes per (source, destination) and hop (``Plan.pair_bytes``):
 
 - IB fwd / bwd MB/GPU: the largest over GPUs of max(sent, received) to and from
@@ -183,7 +186,9 @@ def main(argv=None) -> dict:
             f"Packed causal and full documents, seed {args.seed}, {args.tokens} tokens per rank, GQA 64:8, D = 128, "
             "bf16, mu = 1.10; today's assignment (solved without topology), built with direct and with relay "
             "transport, and the topology-aware solve's assignment (`SolverConfig(topology=...)`, which prices "
-            "direct transport) built with relay. IB ms and step ms are simulated (`gpusolver.sim`; IB ms: ideal bytes / NIC bandwidth). "
+            "direct transport) built with relay. With more than two nodes a relay plan matches its hosts' "
+            "crossings to rails per node pair (`plan.relay.matched_rails`, egress pre-hop over NVLink). "
+            "IB ms and step ms are simulated (`gpusolver.sim`; IB ms: ideal bytes / NIC bandwidth). "
             "Command: `python benchmarks/relay_bench.py --plan-cache build/relay_plans`.\n\n"
             + markdown_table(rows, COLUMNS) + "\n\n"
             + "".join(_verdict(name, [r for r in relay if r["transport"] == name])
