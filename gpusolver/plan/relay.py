@@ -10,13 +10,13 @@ where in its receive buffer (the layout CalcMeta and the kernels read). A
 - hop 0 (direct): the host sends the consumer its rows itself, as without
   relay. Every intra-node transfer goes this way, and so does every
   inter-node transfer whose (unit, node) is not relayed.
-- rails (``matched_rails``, more than two nodes only): each (host h, remote node
-  B) crossing uses one rail l, leaving from the egress ``e = A * L + l`` of h's
-  node A and landing on the relay ``r = B * L + l``. By default l is h's own
-  local index (``Topology.relay_rank``, what the solver prices); with more than
-  two nodes the plan matches hosts to rails per node pair, by their forward
-  bytes, to spread a node's InfiniBand bytes over its NICs on both sides, and
-  keeps the matching only when it lowers the busiest NIC's bytes.
+- rails (``matched_rails``, more than two nodes only): each (unit, remote node
+  B) crossing uses one rail l, leaving from the egress ``e = A * L + l`` of its
+  host's node A and landing on the relay ``r = B * L + l``. By default l is the
+  host's own local index (``Topology.relay_rank``, what the solver prices); with
+  more than two nodes the plan matches crossings to rails per node pair, by
+  their forward bytes, to spread a node's InfiniBand bytes over its NICs on
+  both sides, and keeps the matching only when it lowers the busiest NIC.
 - hop 3 (NVLink pre-hop): host h moves each unit's rows bound for remote node B
   to its egress e when e != h, one slot per (unit, e) (the hull of the hulls of
   the nodes it serves), into e's egress buffer (hosts ascending, g, tile).
@@ -87,7 +87,7 @@ class RelayRoute:
     fan_offset:    [G, U, P(dest)] int64 start in dest's fan-out buffer (FAN_OUT only).
     fan_start:     [G, U, P(dest)] int64 row of the relay's buffer where dest's rows start
                    (FAN_OUT and SELF).
-    relay_of:      [U, P(dest)] int64 — the relay of unit u for dest's node.
+    relay_of:      [G, U, P(dest)] int64 — the relay of unit (g, u) for dest's node.
     hop2_split:    [P, P] int64 hop-2 rows (relay -> consumer).
     relay_capacity, fan_capacity: rows of a relay's buffer and of its fan-out send list (host ints).
     hop1_sender:   [G, U, P(relay)] int64 the rank that sends hop 1 (the egress, or the host).
@@ -131,7 +131,7 @@ class RelayMeta:
     kv: RelayRoute
     ranks_per_node: int
     egress: bool = False  # more than two nodes: hop 3 (the NVLink pre-hop to the egress) runs
-    rails: torch.Tensor | None = None  # [P(host), N] int64 the rail of each (host, node) crossing
+    rails: torch.Tensor | None = None  # [G, U, N] int64 the rail of each (unit, node) crossing
 
     def route(self, kind: str) -> RelayRoute:
         if kind not in ("qo", "kv"):
@@ -205,13 +205,13 @@ def relay_route(rng: torch.Tensor, tiles: int, ranks_per_node: int, relay_capaci
     hull = (hi - lo).clamp(min=0)
     other = node_h[:, None] != nodes[None, :]                                 # [U, N]
     cand = (total > 0) & other & (hull <= total)
-    # the rail of each (unit, node): the host's own local index, or the plan's (``matched_rails``)
-    spread = (host % L)[:, None].expand(U, N) if rails is None else rails.index_select(0, host)
-    egress_n = torch.where(other, node_h[:, None] * L + spread, host[:, None])  # [U, N] egress of (unit, node)
-    relay_n = torch.where(other, nodes[None, :] * L + spread, host[:, None])  # [U, N] relay of (unit, node)
-    own = length.gather(2, relay_n.expand(G, U, N))                           # the relay's own rows
+    # the rail of each (g, unit, node): the host's own local index, or the plan's (``matched_rails``)
+    spread = (host % L)[None, :, None].expand(G, U, N) if rails is None else rails
+    egress_n = torch.where(other, node_h[:, None] * L + spread, host[:, None])  # [G, U, N] egress
+    relay_n = torch.where(other, nodes[None, :] * L + spread, host[:, None])  # [G, U, N] relay
+    own = length.gather(2, relay_n)                                           # the relay's own rows
     ranks = torch.arange(P, device=dev)
-    at_relay = relay_n[..., None] == ranks                                    # [U, N, P]
+    at_relay = relay_n[..., None] == ranks                                    # [G, U, N, P]
 
     def place(x: torch.Tensor) -> torch.Tensor:  # [G, U, N] -> [G, U, P(relay)]
         return torch.where(at_relay, x[..., None], 0).sum(2)
@@ -220,14 +220,14 @@ def relay_route(rng: torch.Tensor, tiles: int, ranks_per_node: int, relay_capaci
     fan = place(torch.where(cand, total - own, 0))
     # a prefix in relay-buffer order (senders as by the rule) is relayed: both prefix sums within the
     # relay's capacities; the sum of what is taken fits whatever order the buffer ends up in
-    sender_key = egress_n.index_select(1, node_d)                             # [U, P(relay)]
+    sender_key = egress_n.index_select(2, node_d)                             # [G, U, P(relay)]
     fits = ((_offsets_by(want, sender_key, n) + want <= relay_capacity)
             & (_offsets_by(fan, sender_key, n) + fan <= fan_capacity))
     ok = cand & torch.where(at_relay, fits[:, :, None, :], False).any(-1)     # [G, U, N]
 
     # egress slots: one per (g, u, egress rank other than the host), the hull of its nodes' hulls
     forward = ok & (egress_n != host[:, None])
-    e_idx = egress_n.expand(G, U, N)
+    e_idx = egress_n
     e_lo = torch.full((G, U, P), big, dtype=torch.int64, device=dev).scatter_reduce(
         2, e_idx, torch.where(forward, lo, big), "amin")
     e_hi = torch.zeros((G, U, P), dtype=torch.int64, device=dev).scatter_reduce(
@@ -251,14 +251,14 @@ def relay_route(rng: torch.Tensor, tiles: int, ranks_per_node: int, relay_capaci
     hop1_src = torch.where(sender == host[:, None], g_idx * chunk + hull_lo, from_egress)
     hop1_src = torch.where(hull_len > 0, hop1_src, 0)
 
-    relay_of = relay_n.index_select(1, node_d)                                # [U, P(dest)]
+    relay_of = relay_n.index_select(2, node_d)                                # [G, U, P(dest)]
     relayed = ok.index_select(2, node_d) & used                               # [G, U, P]
-    is_self = relay_of == ranks                                               # [U, P]
+    is_self = relay_of == ranks                                               # [G, U, P]
     via = torch.where(~used, NOTHING, torch.where(relayed, torch.where(is_self, SELF, FAN_OUT), DIRECT))
     direct_len = torch.where(via == DIRECT, length, 0)
     fan_len = torch.where(via == FAN_OUT, length, 0)
     # where dest's rows start in its relay's buffer
-    base = relay_offset.gather(2, relay_of.expand(G, U, P))
+    base = relay_offset.gather(2, relay_of)
     fan_start = torch.where(relayed, base + rng[..., 0] - lo.index_select(2, node_d), 0)
     # fan-out buffer order on dest: relays ascending, then host ascending, g, tile
     fan_offset = _offsets_by(fan_len, relay_of, n)
@@ -275,8 +275,9 @@ def relay_route(rng: torch.Tensor, tiles: int, ranks_per_node: int, relay_capaci
         hop1_capacity=int(send_capacity) + per_slot * int(egress_capacity))
 
 
-def _node_hull_bytes(rng: torch.Tensor, tiles: int, L: int) -> torch.Tensor:
-    """[P(host), N] int64 rows of each host's node hulls (relay candidates) at each remote node."""
+def _hull_rows(rng: torch.Tensor, tiles: int, L: int) -> torch.Tensor:
+    """[G, U, N] int64 rows of each unit's node hull at each remote node where it is a relay
+    candidate (no longer than its consumers' rows together), else 0."""
     G, U, P, _ = rng.shape
     N = P // L
     length = rng[..., 1] - rng[..., 0]
@@ -288,49 +289,58 @@ def _node_hull_bytes(rng: torch.Tensor, tiles: int, L: int) -> torch.Tensor:
     hull = (hi - lo).clamp(min=0)
     host = torch.arange(U, device=rng.device) // tiles
     other = (host // L)[:, None] != torch.arange(N, device=rng.device)
-    cand = (total > 0) & other & (hull <= total)
-    return torch.where(cand, hull, 0).sum(0).view(P, tiles, N).sum(1)
+    return torch.where((total > 0) & other & (hull <= total), hull, 0)
 
 
 def matched_rails(comm, L: int, cost) -> torch.Tensor:
-    """[P(host), N] int64 the rail (local index of egress and relay) of each host's crossings to
-    each remote node: node by node offset d = 1..N-1 (node A to A + d, a permutation of the
-    nodes, so each round touches each NIC once as sender side and once as receiver side), the
-    hosts' forward bytes largest first onto the rails least loaded so far on both nodes."""
-    P = comm.cp_size
-    N = P // L
+    """[G, U, N] int64 the rail (local index of egress and relay) of each unit's crossing to each
+    node. Node offset by offset (d = 1..N-1: node A to A + d, a permutation of the nodes, so each
+    NIC is one round's sender and receiver side once), each node's crossings largest first, L at
+    a time, one per rail, the largest onto the rail least loaded so far on both nodes (forward
+    bytes, the larger of sent and received). Each unit's own local index instead when that
+    leaves the busiest NIC no busier (sync-free: the choice is a ``torch.where``)."""
+    P, G, U, n = comm.cp_size, comm.qo_range.shape[0], comm.qo_range.shape[1], comm.tiles
+    N, K = P // L, G * L * n  # nodes; crossings of one node towards one other node
     dev = comm.qo_range.device
-    q, kv = _node_hull_bytes(comm.qo_range, comm.tiles, L), _node_hull_bytes(comm.kv_range, comm.tiles, L)
+    q, kv = _hull_rows(comm.qo_range, n, L), _hull_rows(comm.kv_range, n, L)
     down = q * int(cost.q_fwd) + kv * int(cost.kv_fwd)   # egress -> relay
     up = q * int(cost.o_fwd)                             # relay -> egress
+    per_node = lambda x: x.view(G, N, L * n, N).permute(1, 0, 2, 3).reshape(N, K, N)  # noqa: E731
+    d_items, u_items = per_node(down), per_node(up)
+    rail_items = torch.zeros((N, K, N), dtype=torch.int64, device=dev)
     send = torch.zeros(N, L, dtype=torch.int64, device=dev)
     recv = torch.zeros(N, L, dtype=torch.int64, device=dev)
-    own = (torch.arange(P, device=dev) % L)[:, None].repeat(1, N)
-    rails = own.clone()
     A = torch.arange(N, device=dev)
     for d in range(1, N):
         B = (A + d) % N
-        x_dn, x_up = down.view(N, L, N)[A, :, B], up.view(N, L, N)[A, :, B]  # [N(A), L(host)]
-        load = torch.maximum(torch.maximum(send, recv), torch.maximum(send, recv).index_select(0, B))
-        items = (x_dn + x_up).argsort(dim=1, descending=True, stable=True)
-        order = load.argsort(dim=1, stable=True)
-        rail = torch.empty_like(items).scatter_(1, items, order)  # host local -> rail
-        s_add = torch.zeros_like(send).scatter_add_(1, rail, x_dn)
-        r_add = torch.zeros_like(recv).scatter_add_(1, rail, x_up)
-        send = send + s_add + torch.zeros_like(send).index_add_(0, B, r_add)
-        recv = recv + r_add + torch.zeros_like(recv).index_add_(0, B, s_add)
-        rails.view(N, L, N)[A, :, B] = rail
-    # the hosts' own rails instead when the matching does not lower the busiest NIC (no host read)
-    own_peak = _rail_peak(own, down, up, L).max()
-    return torch.where(torch.maximum(send, recv).max() < own_peak, rails, own)
+        x_dn, x_up = d_items[A, :, B], u_items[A, :, B]  # [N(A), K]
+        order = (x_dn + x_up).argsort(dim=1, descending=True, stable=True)
+        for k in range(0, K, L):
+            idx = order[:, k:k + L]                                                   # [N, L] crossings
+            busy = torch.maximum(send, recv)
+            rail = torch.maximum(busy, busy.index_select(0, B)).argsort(dim=1, stable=True)  # [N, L]
+            c_dn, c_up = x_dn.gather(1, idx), x_up.gather(1, idx)
+            s_add = torch.zeros_like(send).scatter_add_(1, rail, c_dn)
+            r_add = torch.zeros_like(recv).scatter_add_(1, rail, c_up)
+            send = send + s_add + torch.zeros_like(send).index_add_(0, B, r_add)
+            recv = recv + r_add + torch.zeros_like(recv).index_add_(0, B, s_add)
+            rail_items[A[:, None], idx, B[:, None]] = rail
+    host = torch.arange(U, device=dev) // n
+    own = (host % L)[None, :, None].expand(G, U, N)
+    rails = rail_items.view(N, G, L * n, N).permute(1, 0, 2, 3).reshape(G, U, N)
+    rails = torch.where((host // L)[None, :, None] == torch.arange(N, device=dev), own, rails)
+    better = torch.maximum(send, recv).max() < _rail_peak(own, down, up, n, L).max()
+    return torch.where(better, rails, own)
 
 
-def _rail_peak(rails: torch.Tensor, down: torch.Tensor, up: torch.Tensor, L: int) -> torch.Tensor:
-    """[P] int64 the larger of each NIC's forward send and receive bytes under ``rails``."""
-    P, N = rails.shape
+def _rail_peak(rails: torch.Tensor, down: torch.Tensor, up: torch.Tensor, tiles: int, L: int) -> torch.Tensor:
+    """[P] int64 the larger of each NIC's forward send and receive bytes under ``rails`` [G, U, N]."""
+    G, U, N = rails.shape
     dev = rails.device
-    src = torch.arange(P, device=dev)[:, None] // L * L + rails      # egress
-    dst = torch.arange(N, device=dev)[None, :] * L + rails           # relay
+    host = torch.arange(U, device=dev) // tiles
+    src = (host // L * L)[None, :, None] + rails                      # egress
+    dst = torch.arange(N, device=dev) * L + rails                      # relay
+    P = N * L
     send = torch.zeros(P, dtype=torch.int64, device=dev).index_add_(0, src.reshape(-1), down.reshape(-1))
     send.index_add_(0, dst.reshape(-1), up.reshape(-1))
     recv = torch.zeros(P, dtype=torch.int64, device=dev).index_add_(0, src.reshape(-1), up.reshape(-1))
@@ -347,8 +357,10 @@ def build_relay_meta(comm, ranks_per_node: int, rows, cost=None) -> RelayMeta:
                          f"than one of them, got cp_size = {P}")
     egress = P // ranks_per_node > 2
     N, L = P // ranks_per_node, ranks_per_node
+    G, U = comm.qo_range.shape[:2]
+    own = (torch.arange(U, device=comm.qo_range.device) // comm.tiles % L)[None, :, None]
     rails = (matched_rails(comm, ranks_per_node, cost) if egress and cost is not None
-             else (torch.arange(P, device=comm.qo_range.device) % L)[:, None].repeat(1, N))
+             else own.repeat(G, 1, N))
     routes = {k: relay_route(comm.qo_range if k == "qo" else comm.kv_range, comm.tiles, ranks_per_node,
                              rows.relay(k), rows.fan(k), rows.egress(k) if egress else 0, comm.chunk,
                              comm.buffers.send(k), rails) for k in ("qo", "kv")}

@@ -103,8 +103,8 @@ def relay_hops(tasks: Tasks, length, lo, hi, rails=None):
     other crossing consumer, the relay to that node's other consumers. Row and column sums are
     ``relay_tokens``' out and in.
 
-    rails: a plan's ``RelayMeta.rails`` ([P(host), N], the local index of the egress and relay
-    of each host's crossings to each node): then the hops that plan moves, the node hull
+    rails: a plan's ``RelayMeta.rails`` ([G, U, N], the local index of the egress and relay
+    of each unit's crossing to each node): then the hops that plan moves, the node hull
     leaving from the egress on that rail, and the host's pre-hop to each egress other than
     itself (one slot per (unit, egress): the hull of the node hulls it carries)."""
     B, GU, P = length.shape
@@ -116,7 +116,7 @@ def relay_hops(tasks: Tasks, length, lo, hi, rails=None):
     (n_lo, n_hi, _), ib_hull, relayed, direct, same, is_relay, relay = _routes(tasks, length, lo, hi)
     egress = host[:, None].expand(GU, N)
     if rails is not None:
-        spread = rails.to(dev).index_select(0, host)  # [G*U, N]
+        spread = rails.to(dev).reshape(GU, N)  # [G*U, N] (g-major, as tasks.unit_host)
         remote = (host // R)[:, None] != torch.arange(N, device=dev)
         relay = torch.where(remote, torch.arange(N, device=dev) * R + spread, relay)
         egress = torch.where(remote, (host // R * R)[:, None] + spread, egress)

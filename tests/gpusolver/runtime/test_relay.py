@@ -130,29 +130,33 @@ def test_relay_state_prices_the_plans_hops():
 
 
 def test_relay_matched_rails():
-    """More than two nodes: per node offset d each node's hosts take distinct rails towards node
-    A + d (every NIC is one sender and one receiver of each round), the same rails every build; two
-    nodes: every host keeps its own rail (no pre-hop)."""
+    """More than two nodes: per node offset d each rail carries as many of a node's crossings
+    towards node A + d (L at a time, one per rail), the same rails every build; two nodes: every
+    unit keeps its host's own rail (no pre-hop)."""
     from gpusolver.plan.relay import matched_rails
 
     P, per_node = 16, 4
     _, plan, _, config = _plans("docs-full", P, per_node)
     rails, N = plan.relay.rails, P // per_node
+    G, U, _ = rails.shape
+    node = torch.arange(U) // plan.comm.tiles // per_node
+    own = (torch.arange(U) // plan.comm.tiles % per_node)[None, :, None].expand(G, U, N)
+    assert not torch.equal(rails, own)  # the matching won
     for A in range(N):
-        for d in range(1, N):
-            got = sorted(int(rails[A * per_node + a, (A + d) % N]) for a in range(per_node))
-            assert got == list(range(per_node)), (A, d)
-    assert not torch.equal(rails, (torch.arange(P) % per_node)[:, None].expand(P, N))  # the matching won
+        for d in range(1, N):  # every rail carries as many of node A's crossings to A + d
+            counts = torch.bincount(rails[:, node == A, (A + d) % N].reshape(-1), minlength=per_node)
+            assert counts.tolist() == [G * plan.comm.tiles] * per_node, (A, d)
     assert torch.equal(matched_rails(plan.comm, per_node, config.cost()), rails)
     _, two, _, _ = _plans("docs-causal", P, 8)
-    assert torch.equal(two.relay.rails, (torch.arange(P) % 8)[:, None].expand(P, 2))
+    G2, U2, _ = two.relay.rails.shape
+    assert torch.equal(two.relay.rails, (torch.arange(U2) // two.comm.tiles % 8)[None, :, None].expand(G2, U2, 2))
 
 
 def _ib_senders(plan, kind, per_node):
-    """{(unit, node): the rank that sent its hop 1} of one kind, read from the routing."""
+    """{(g, unit, node): the rank that sent its hop 1} of one kind, read from the routing."""
     route = plan.relay.route(kind)
     hull = route.hull_range[..., 1] - route.hull_range[..., 0]  # [G, U, P(relay)]
-    return {(u, r // per_node): int(route.hop1_sender[g, u, r]) for g, u, r in hull.nonzero().tolist()}
+    return {(g, u, r // per_node): int(route.hop1_sender[g, u, r]) for g, u, r in hull.nonzero().tolist()}
 
 
 @pytest.mark.slow
@@ -170,24 +174,23 @@ def test_relay_egress_fallback_and_shared_slots():
     host = plan.comm.unit_host()
     rails = plan.relay.rails
 
-    def egress(u, node):
-        h = int(host[u])
-        return h // per_node * per_node + int(rails[h, node])
+    def egress(g, u, node):
+        return int(host[u]) // per_node * per_node + int(rails[g, u, node])
 
     senders = _ib_senders(plan, "kv", per_node)
-    spread = sum(s == egress(u, node) != int(host[u]) for (u, node), s in senders.items())
-    fallback = sum(s == int(host[u]) != egress(u, node) for (u, node), s in senders.items())
+    spread = sum(s == egress(g, u, node) != int(host[u]) for (g, u, node), s in senders.items())
+    fallback = sum(s == int(host[u]) != egress(g, u, node) for (g, u, node), s in senders.items())
     assert spread > 0 and fallback > 0
-    assert all(s in (int(host[u]), egress(u, node)) for (u, node), s in senders.items())
+    assert all(s in (int(host[u]), egress(g, u, node)) for (g, u, node), s in senders.items())
     route = plan.relay.kv
     hull = route.hull_range[..., 1] - route.hull_range[..., 0]
     for g, u, r in hull.nonzero().tolist():  # the relay is on the egress's rail
-        assert r % per_node == int(rails[int(host[u]), r // per_node])
+        assert r % per_node == int(rails[g, u, r // per_node])
     assert int(plan.relay.kv.egress_split.sum(0).max()) <= half
-    shared = {}
-    for (u, node), s in senders.items():
+    shared = {}  # (QO's egress buffers have all their room)
+    for (g, u, node), s in _ib_senders(plan, "qo", per_node).items():
         if s != int(host[u]):
-            shared.setdefault((u, s), set()).add(node)
+            shared.setdefault((g, u, s), set()).add(node)
     assert max(len(nodes) for nodes in shared.values()) == 2  # a slot serving two nodes
     inputs = make_inputs(P * 16, 4, 2, seed=5)
     group = LocalGroup(P)
