@@ -9,16 +9,18 @@ CPU torch path three ways:
 - direct: ``SolverConfig(topology=..., ib_relay=False)``, bytes priced by link
   for direct transport (the plan's own bytes again);
 - relay: ``SolverConfig(topology=...)`` (relays by default), priced by the relay
-  transport's hops; its bytes are counted from the solved assignment by the
-  relay rule (``solver.state.relay.relay_hops``: each (unit, remote node) crosses
-  InfiniBand once, host to ``Topology.relay_rank``, with the node hull of the
-  rows its consumers need, then NVLink from the relay).
+  transport's hops; its bytes are the relay transport's own (``plan.relay``,
+  ``Plan.pair_bytes(phase, hop=)``: each (unit, remote node) crosses InfiniBand
+  once, host to ``Topology.relay_rank``, with the node hull of the rows its
+  consumers need, then NVLink from the relay; with more than two nodes the plan
+  moves crossings to other rails of the host's node, ``plan.relay.matched_rails``,
+  when that lowers the busiest NIC; a hull longer than the rows, or
+  past a relay's buffers, goes direct). "solver's IB fwd" is the same counted
+  by the solver's model (``solver.state.relay.relay_hops``: every relay buffer
+  large enough).
 
 Today's plans are also counted under the relay transport ("today+relay": the
-transport alone, without a solve that prices it). Transport "relay" counts the
-bytes as the solver prices them; "relay plan" those of the relay plan built from
-the assignment (``Plan.pair_bytes``: its rails matched to the bytes per node
-pair, ``plan.relay.matched_rails``, its egress pre-hops and capacities). Per GPU: IB fwd / bwd is
+transport alone, without a solve that prices it). Per GPU: IB fwd / bwd is
 the largest over GPUs of max(bytes sent, received) across nodes; NV fwd the
 same inside a node; USP IB fwd is USP's ring over nodes; IB step ms is
 simulated (ideal: (IB fwd + IB bwd) / NIC bandwidth, no latency, no overlap).
@@ -45,7 +47,7 @@ from _common import (  # noqa: E402
 from topology_solve import link_bottlenecks, usp_ib_fwd  # noqa: E402
 from gpusolver.areas import block_areas  # noqa: E402
 from gpusolver.config import SolverConfig  # noqa: E402
-from gpusolver.plan.build import build_plan  # noqa: E402
+from gpusolver.plan import build_plan  # noqa: E402
 from gpusolver.solve import solve  # noqa: E402
 from gpusolver.solver.core import Tasks  # noqa: E402
 from gpusolver.solver.state.ref import state  # noqa: E402
@@ -56,15 +58,17 @@ COLUMNS = [
     ("kind", "kind", ""), ("P", "P", "d"), ("solve", "solve", ""), ("transport", "transport", ""),
     ("IB fwd MB/GPU", "ib_fwd_mb", ".1f"), ("IB fwd / USP", "ib_fwd_vs_usp", ".2f"),
     ("IB bwd MB/GPU", "ib_bwd_mb", ".1f"), ("NV fwd MB/GPU", "nv_fwd_mb", ".1f"),
+    ("solver's IB fwd MB/GPU", "model_ib_fwd_mb", ".1f"),
     ("IB step ms (sim.)", "ib_step_ms", ".2f"), ("IB step / today", "ib_vs_today", ".2f"),
     ("imbalance", "imbalance", ".3f"), ("solve s (CPU)", "solve_s", ".2f"), ("solve / today", "solve_vs_today", ".2f"),
 ]
 
 
 def relay_pair_bytes(plan, mask, config: SolverConfig):
-    """{(phase, class): [P, P] int64 bytes} of ``plan``'s assignment under the relay transport
-    (phase "fwd"/"bwd", class 0 NVLink, 1 InfiniBand): each hop's down tokens (Q, K/V there)
-    and, on the reversed hop, the results back (O; dQ, dK/dV), at the plan's per-token prices."""
+    """{(phase, class): [P, P] int64 bytes} of ``plan``'s assignment under the relay transport as
+    the solver prices it (phase "fwd"/"bwd", class 0 NVLink, 1 InfiniBand): each hop's down
+    tokens (Q, K/V there) and, on the reversed hop, the results back (O; dQ, dK/dV). The same
+    rule as the transport's, but with every relay buffer large enough."""
     cfg = config if config.relays else replace(config, ib_relay=None)
     areas = block_areas(mask, cfg.cp_size, cfg.head_groups, impl="torch", tiles=cfg.chunk_tiles)
     tasks = Tasks(areas, cfg)
@@ -78,6 +82,21 @@ def relay_pair_bytes(plan, mask, config: SolverConfig):
         qt, kt = q[c], k[c]
         out["fwd", c] = qt * tasks.q + kt * tasks.kv + qt.T * tasks.o
         out["bwd", c] = qt * tasks.qb + kt * tasks.kvb + qt.T * tasks.dqb + kt.T * tasks.dkv
+    return out
+
+
+def transport_pair_bytes(plan, per_node: int):
+    """{(phase, class): [P, P] int64 bytes} the relay transport of ``plan`` moves (``plan.relay``;
+    its own counters, ``Plan.pair_bytes(phase, hop=)``): InfiniBand = hop 1 and the direct rows
+    across nodes, NVLink = hop 2 and the direct rows inside a node."""
+    P = plan.comm.cp_size
+    node = torch.arange(P) // per_node
+    cross = node[:, None] != node[None, :]
+    out = {}
+    for phase in ("fwd", "bwd"):
+        direct = plan.pair_bytes(phase, hop=0)
+        out[phase, 1] = plan.pair_bytes(phase, hop=1) + torch.where(cross, direct, 0)
+        out[phase, 0] = plan.pair_bytes(phase, hop=2) + torch.where(cross, 0, direct)
     return out
 
 
@@ -96,22 +115,22 @@ def measure(kind: str, P: int, seed: int, topology, tokens: int) -> list[dict]:
         t0 = time.perf_counter()
         plan = solve(mask, config, impl="torch", validate=False)
         seconds = time.perf_counter() - t0
-        transports = (("direct", "relay", "relay plan") if name == "today"
-                      else (("relay", "relay plan") if name == "relay" else ("direct",)))
+        transports = ("direct", "relay") if name == "today" else (("relay",) if name == "relay" else ("direct",))
         for transport in transports:
-            if transport in ("direct", "relay plan"):
-                if transport == "relay plan":  # the relay plan's own bytes (its rails, capacities, pre-hops)
-                    areas = block_areas(mask, P, relay_cfg.head_groups, impl="torch", tiles=relay_cfg.chunk_tiles)
-                    plan = build_plan(mask, areas, plan.assignment, relay_cfg)
-                    assert plan.relay is not None
+            model_ib_fwd = None
+            if transport == "direct":
                 ib_fwd, nv_fwd = link_bottlenecks(plan.pair_bytes("fwd"), topology.ranks_per_node)
                 ib_bwd, _ = link_bottlenecks(plan.pair_bytes("bwd"), topology.ranks_per_node)
             else:
-                pairs = relay_pair_bytes(plan, mask, relay_cfg)
+                relayed = plan if plan.relay is not None else build_plan(
+                    mask, block_areas(mask, P, base.head_groups, impl="torch"), plan.assignment, relay_cfg)
+                pairs = transport_pair_bytes(relayed, topology.ranks_per_node)
                 ib_fwd, nv_fwd, ib_bwd = _peak(pairs["fwd", 1]), _peak(pairs["fwd", 0]), _peak(pairs["bwd", 1])
+                model_ib_fwd = _peak(relay_pair_bytes(plan, mask, relay_cfg)["fwd", 1])
             rows.append({"kind": kind, "P": P, "seed": seed, "solve": name, "transport": transport,
                          "ib_fwd_mb": ib_fwd / 1e6, "usp_ib_fwd_mb": usp_fwd / 1e6, "ib_fwd_vs_usp": ib_fwd / usp_fwd,
                          "ib_bwd_mb": ib_bwd / 1e6, "nv_fwd_mb": nv_fwd / 1e6,
+                         "model_ib_fwd_mb": None if model_ib_fwd is None else model_ib_fwd / 1e6,
                          "ib_step_ms": (ib_fwd + ib_bwd) / nic_bps * 1e3,
                          "imbalance": float(plan.metrics.imbalance), "solve_s": seconds})
     today = rows[0]
