@@ -18,6 +18,7 @@ they move with other load on the machine.
     python benchmarks/cpu_paths.py                  # both parts
     python benchmarks/cpu_paths.py --part attention
     python benchmarks/cpu_paths.py --part solve --P 4,8 --tokens 128
+    python benchmarks/cpu_paths.py --part solve --threads 1 --base /path/to/older/checkout   # before/after
 """
 from __future__ import annotations
 
@@ -72,8 +73,11 @@ def attention(repeats: int) -> dict:
     return dict(t16=t16, t4096=t4k, ratio=t4k / t16, equal=same)
 
 
-def solve(P: int, tokens: int, repeats: int) -> tuple[float, float]:
-    """(wall s, CPU s) per ``solve`` of the demo's shape (GQA 8:2, D = 32, fp32, its buffers) at P."""
+def solve(P: int, tokens: int, repeats: int) -> tuple[float, float, str]:
+    """(wall s, CPU s, plan digest) per ``solve`` of the demo's shape (GQA 8:2, D = 32, fp32, its
+    buffers) at P; the digest hashes the plan's assignment and status, so two code versions can
+    be shown to give the same plan."""
+    import hashlib
     import time
     import warnings
 
@@ -91,20 +95,60 @@ def solve(P: int, tokens: int, repeats: int) -> tuple[float, float]:
         t0 = time.process_time()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            solve_plan(mask, cfg, validate=False)
+            plan = solve_plan(mask, cfg, validate=False)
         cpu.append(time.process_time() - t0)
-    wall, _ = wall_time(once, repeats)
-    return wall, sorted(cpu[1:])[len(cpu[1:]) // 2]
+        return plan
+    wall, plan = wall_time(once, repeats)
+    digest = hashlib.sha256(plan.assignment.to(torch.int32).contiguous().numpy().tobytes())
+    digest.update(str(int(plan.status)).encode())
+    return wall, sorted(cpu[1:])[len(cpu[1:]) // 2], digest.hexdigest()[:16]
+
+
+def compare_solve(base: Path, Ps, tokens: int, repeats: int, rounds: int, threads: int | None) -> dict:
+    """The solve part run from this tree and from ``base`` (another checkout's root) in alternating
+    subprocesses, ``rounds`` times each: per P the best CPU seconds of each side and whether their
+    plans are equal. Alternating keeps the machine's other load alike on both sides."""
+    import json
+    import os
+    import subprocess
+
+    here = Path(__file__).resolve()
+    out = {}
+    for P in Ps:
+        best = {"base": float("inf"), "this": float("inf")}
+        digests = {}
+        for _ in range(rounds):
+            for side, root in (("base", base), ("this", here.parents[1])):
+                cmd = [sys.executable, str(here), "--part", "solve", "--P", str(P), "--tokens", str(tokens),
+                       "--repeats", str(repeats), "--json", *(["--threads", str(threads)] if threads else [])]
+                env = dict(os.environ, PYTHONPATH=str(root))
+                res = json.loads(subprocess.run(cmd, env=env, check=True, capture_output=True,
+                                                text=True).stdout.splitlines()[-1])["solve"][str(P)]
+                best[side] = min(best[side], res["cpu"])
+                digests[side] = res["plan"]
+        out[P] = dict(base=best["base"], this=best["this"], ratio=best["this"] / best["base"],
+                      same_plan=digests["base"] == digests["this"])
+        print(f"solve on CPU (torch path), demo shape, P = {P}, {tokens} tokens/rank: base {best['base'] * 1e3:.0f} ms "
+              f"CPU, this tree {best['this'] * 1e3:.0f} ms CPU (best of {rounds} alternating runs of median of "
+              f"{repeats}), ratio {out[P]['ratio']:.2f}, same plan: {out[P]['same_plan']}", flush=True)
+    return out
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--part", choices=("all", "attention", "solve"), default="all")
-    ap.add_argument("--P", default="4,8", help="solve: comma-separated P")
+    ap.add_argument("--P", default="4,8,16", help="solve: comma-separated P")
     ap.add_argument("--tokens", type=int, default=128, help="solve: tokens per rank")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--base", type=Path, default=None,
+                    help="solve: also time the root of another checkout (e.g. an older commit), alternating")
+    ap.add_argument("--rounds", type=int, default=3, help="--base: alternating runs per side")
+    ap.add_argument("--json", action="store_true", help="print the results as one JSON line last")
     args = ap.parse_args(argv)
+    if args.base is not None:
+        return compare_solve(args.base, parse_list(args.P, name="--P"), args.tokens, args.repeats, args.rounds,
+                             args.threads)
     if args.threads:
         torch.set_num_threads(args.threads)
     result = {}
@@ -117,10 +161,14 @@ def main(argv=None) -> dict:
     if args.part in ("all", "solve"):
         result["solve"] = {}
         for P in parse_list(args.P, name="--P"):
-            wall, cpu = solve(P, args.tokens, args.repeats)
-            result["solve"][P] = dict(wall=wall, cpu=cpu)
+            wall, cpu, digest = solve(P, args.tokens, args.repeats)
+            result["solve"][P] = dict(wall=wall, cpu=cpu, plan=digest)
             print(f"solve on CPU (torch path), the demo's shape and mask, P = {P}, {args.tokens} tokens/rank: "
-                  f"{wall * 1e3:.0f} ms wall, {cpu * 1e3:.0f} ms CPU per solve")
+                  f"{wall * 1e3:.0f} ms wall, {cpu * 1e3:.0f} ms CPU per solve, plan {digest}")
+    if args.json:
+        import json
+
+        print(json.dumps(result))
     return result
 
 

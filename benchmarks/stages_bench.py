@@ -15,14 +15,20 @@ sub-stages differ. Per (kind, P, seed, S, comm):
     exposed %   step time beyond the busiest rank's compute, share of the step
     comm        "a2a": every collective an all-to-all-v that completes as one
                 (``TorchGroup``); "p2p": each (source, destination) transfer
-                on its own (``SymmMemGroup``)
+                on its own (``TorchGroup(transport="p2p")``); what-ifs of a transport
+                not built: "p2p-recv" (a rank's wait ends when its own incoming
+                rows land), a "+rs" suffix (the reduces on a stream of their own)
 
-Cost columns per S: collectives per training step, CalcMeta table size (rows of
-``[P, S + 1, cap]`` per rank), the receive memory of the per-stage buffers at
-the default capacity, and the largest per-stage fill over ranks (what a tight
-capacity would need), in MB per rank (Q + K + V buffers, bf16).
+Cost columns per S: collectives and attention launches per training step,
+CalcMeta table size (rows of ``[P, S + 1, cap]`` per rank) and the per-stage
+CommMeta tables (KB, all ranks), the receive memory (``plan.memory``'s receive
+buffers at the default capacity: one per kind, shared by the sub-stages) and the
+return buffers (one send list, which the S reduces in flight share), in MB per rank (bf16).
 
-    python benchmarks/stages_bench.py --P 16,32,64 --seeds 1 --plan-cache build/sim_plans \\
+A cell's ``0.75 reachable`` is false when its ideal bound is above 0.75 x its
+two-stage a2a step: no schedule of those bytes and FLOPs can be 0.75 x it.
+
+    PYTHONPATH=. python benchmarks/stages_bench.py --P 16,32,64 --seeds 3 --plan-cache build/sim_plans \\
         --md benchmarks/results/stages_bench.md
 """
 from __future__ import annotations
@@ -51,6 +57,7 @@ from gpusolver.sim import simulate  # noqa: E402
 from gpusolver.topology import PRESETS  # noqa: E402
 
 MB = 1e6
+COMMS = ("a2a", "p2p", "p2p-recv", "a2a+rs", "p2p+rs", "p2p-recv+rs")
 
 
 def _assignment(kind, P, seed, tokens, cache, mask, areas, config):
@@ -64,16 +71,29 @@ def _assignment(kind, P, seed, tokens, cache, mask, areas, config):
     return asg
 
 
+def _stage_meta_bytes(comm) -> int:
+    """Bytes of the CommMeta tables only sub-stages add (stage pairs, per-stage splits, offsets, bases)."""
+    names = ("qo_stage", "kv_stage", "qo_stage_split", "kv_stage_split", "qo_return_split", "kv_return_split",
+             "qo_return_offset", "kv_return_offset", "qo_stage_base", "kv_stage_base")
+    return sum(t.numel() * t.element_size() for t in (getattr(comm, n, None) for n in names) if t is not None)
+
+
 def costs(plan, config: SolverConfig, S: int) -> dict:
     comm = plan.comm
-    ops = plan_ops(plan, "fwd", config.keep_forward_buffers) + plan_ops(plan, "bwd", config.keep_forward_buffers)
+    keep = config.keep_forward_buffers
+    ops = plan_ops(plan, "fwd", keep) + plan_ops(plan, "bwd", keep)
+    mem = plan.memory(config)
     cost = config.cost()
-    row_bytes = {"qo": cost.q_fwd, "kv": cost.kv_fwd}  # a Q row, a K+V row (per group-major row)
-    fill = {k: int(comm.stage_split(k).sum(1).max()) for k in ("qo", "kv")}
+    rows = comm.buffers
+    recv = rows.qo_recv * cost.q_fwd + rows.kv_recv * cost.kv_fwd
+    calc = plan.calc
+    calc_bytes = sum(t.numel() * t.element_size() for t in (calc.q_ranges, calc.k_ranges, calc.attn_type))
     return {"collectives": sum(op.collective for op in ops),
-            "calc_rows": (S + 1) * plan.calc.capacity,
-            "recv_mb": S * sum(comm.buffers.recv(k) * row_bytes[k] for k in row_bytes) / MB,
-            "fill_mb": S * sum(fill[k] * row_bytes[k] for k in row_bytes) / MB}
+            "attn_launches": sum(op.kind == "attn" for op in ops),
+            "calc_rows": (S + 1) * calc.capacity, "calc_kb": calc_bytes / 1e3,
+            "stage_meta_kb": _stage_meta_bytes(comm) / 1e3,
+            "recv_mb": recv / MB, "return_mb": (mem.fwd_peak - recv) / MB, "fwd_peak_mb": mem.fwd_peak / MB,
+            "bwd_peak_mb": mem.bwd_peak / MB}
 
 
 def run(kind, P, seed, tokens, stages, comms, topo, cache) -> list[dict]:
@@ -88,7 +108,7 @@ def run(kind, P, seed, tokens, stages, comms, topo, cache) -> list[dict]:
         build_ms = 1e3 * (time.perf_counter() - t0)
         extra = costs(plan, config, S)
         for comm in comms:
-            t = simulate(plan, topo, comm=comm)
+            t = simulate(plan, topo, comm=comm.removesuffix("+rs"), reduce_stream=comm.endswith("+rs"))
             if S == 1:
                 base[comm] = t.step_ms
             rows.append({"kind": kind, "P": P, "seed": seed, "S": S, "comm": comm, "step_ms": t.step_ms,
@@ -96,7 +116,8 @@ def run(kind, P, seed, tokens, stages, comms, topo, cache) -> list[dict]:
                          "compute_ms": t.compute_ms, "vs_ideal": t.step_ms / t.ideal_ms,
                          "vs_s1": t.step_ms / base[comm] if comm in base else None,
                          "vs_s1_a2a": t.step_ms / base["a2a"] if "a2a" in base else None,
-                         "exposed_pct": 100.0 * t.exposed_comm_ms / t.step_ms, "build_ms": build_ms, **extra})
+                         "exposed_pct": 100.0 * t.exposed_comm_ms / t.step_ms, "build_ms": build_ms,
+                         "reachable": ("yes" if t.ideal_ms / base["a2a"] <= 0.75 else "no") if "a2a" in base else None, **extra})
         print(f"# {kind} P={P} seed={seed} S={S}: " + "  ".join(
             f"{r['comm']} {r['step_ms']:.3f} ms ({r['vs_ideal']:.2f}x ideal)" for r in rows[-len(comms):]),
             file=sys.stderr, flush=True)
@@ -107,8 +128,13 @@ COLUMNS = [("kind", "kind", "s"), ("P", "P", "d"), ("seed", "seed", "d"), ("S", 
            ("step ms (sim)", "step_ms", ".3f"), ("fwd ms", "fwd_ms", ".3f"), ("bwd ms", "bwd_ms", ".3f"),
            ("ideal ms", "ideal_ms", ".3f"), ("/ ideal", "vs_ideal", ".2f"), ("/ S=1", "vs_s1", ".2f"),
            ("/ S=1 a2a", "vs_s1_a2a", ".2f"),
-           ("exposed %", "exposed_pct", ".1f"), ("collectives", "collectives", "d"),
-           ("CalcMeta rows", "calc_rows", "d"), ("recv MB", "recv_mb", ".1f"), ("fill MB", "fill_mb", ".1f")]
+           ("exposed %", "exposed_pct", ".1f"), ("0.75 reachable", "reachable", "s")]
+
+COST_COLUMNS = [("S", "S", "d"), ("collectives / step", "collectives", "d"), ("attn launches / step", "attn_launches", "d"),
+                ("CalcMeta rows / rank", "calc_rows", "d"), ("CalcMeta KB (all ranks)", "calc_kb", ".1f"),
+                ("stage CommMeta KB (all ranks)", "stage_meta_kb", ".1f"), ("recv buffers MB", "recv_mb", ".1f"),
+                ("return buffers MB", "return_mb", ".1f"), ("fwd peak MB", "fwd_peak_mb", ".1f"),
+                ("bwd peak MB", "bwd_peak_mb", ".1f")]
 
 
 SUMMARY_COLUMNS = [("S", "S", "d"), ("comm", "comm", "s"), ("masks", "n", "d"),
@@ -116,7 +142,7 @@ SUMMARY_COLUMNS = [("S", "S", "d"), ("comm", "comm", "s"), ("masks", "n", "d"),
                    ("/ S=1 median", "s1_med", ".2f"), ("/ S=1 a2a median", "s1a_med", ".2f"),
                    ("/ S=1 a2a best", "s1a_min", ".2f"), ("exposed % max", "exp_max", ".1f"),
                    ("<= 1.15 ideal", "ok_ideal", "d"), ("<= 0.75 S=1 a2a", "ok_s1", "d"),
-                   ("exposed <= 15 %", "ok_exp", "d")]
+                   ("0.75 reachable", "reach", "d"), ("exposed <= 15 %", "ok_exp", "d")]
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -131,8 +157,58 @@ def summarize(rows: list[dict]) -> list[dict]:
                     "s1a_min": min(r["vs_s1_a2a"] for r in sel), "exp_max": max(r["exposed_pct"] for r in sel),
                     "ok_ideal": sum(r["vs_ideal"] <= 1.15 for r in sel),
                     "ok_s1": sum(r["vs_s1_a2a"] <= 0.75 for r in sel),
+                    "reach": sum(r["reachable"] == "yes" for r in sel),
                     "ok_exp": sum(r["exposed_pct"] <= 15.0 for r in sel)})
     return out
+
+
+def best_stages(rows: list[dict]) -> dict:
+    """Per transport, the S with the lowest median step over the two-stage a2a step (ties: fewer stages)."""
+    out = {}
+    for comm in sorted({r["comm"] for r in rows}):
+        meds = {}
+        for S in sorted({r["S"] for r in rows}):
+            xs = sorted(r["vs_s1_a2a"] for r in rows if (r["comm"], r["S"]) == (comm, S))
+            meds[S] = xs[len(xs) // 2]
+        out[comm] = min(meds, key=lambda S: (round(meds[S], 3), S))
+    return out
+
+
+def side_by_side(rows: list[dict], S: int) -> list[dict]:
+    """One row per mask: the two-stage a2a step and its ideal, then a2a and p2p at S sub-stages
+    against the three targets (step <= 1.15 ideal, <= 0.75 x the two-stage a2a step, exposed <= 15 %)."""
+    out = []
+    for key in dict.fromkeys((r["kind"], r["P"], r["seed"]) for r in rows):
+        pick = {(r["S"], r["comm"]): r for r in rows if (r["kind"], r["P"], r["seed"]) == key}
+        base = pick[(1, "a2a")]
+        row = {"kind": key[0], "P": key[1], "seed": key[2], "s1_ms": base["step_ms"], "ideal_ms": base["ideal_ms"],
+               "s1_ideal": base["vs_ideal"], "floor": base["ideal_ms"] / base["step_ms"]}
+        for comm in ("a2a", "p2p"):
+            r = pick.get((S, comm))
+            if r is None:
+                continue
+            marks = "".join(m if ok else "." for m, ok in (("I", r["vs_ideal"] <= 1.15), ("T", r["vs_s1_a2a"] <= 0.75),
+                                                           ("E", r["exposed_pct"] <= 15.0)))
+            row.update({f"{comm}_ideal": r["vs_ideal"], f"{comm}_s1": r["vs_s1_a2a"], f"{comm}_exp": r["exposed_pct"],
+                        f"{comm}_ok": marks})
+        out.append(row)
+    return out
+
+
+SIDE_COLUMNS = [("kind", "kind", "s"), ("P", "P", "d"), ("seed", "seed", "d"), ("S=1 a2a ms", "s1_ms", ".2f"),
+                ("ideal ms", "ideal_ms", ".2f"), ("S=1 a2a / ideal", "s1_ideal", ".2f"),
+                ("best possible / S=1 a2a", "floor", ".2f"),
+                ("a2a / ideal", "a2a_ideal", ".2f"), ("a2a / S=1 a2a", "a2a_s1", ".2f"), ("a2a exposed %", "a2a_exp", ".1f"),
+                ("a2a targets", "a2a_ok", "s"),
+                ("p2p / ideal", "p2p_ideal", ".2f"), ("p2p / S=1 a2a", "p2p_s1", ".2f"), ("p2p exposed %", "p2p_exp", ".1f"),
+                ("p2p targets", "p2p_ok", "s")]
+
+
+def cost_rows(rows: list[dict]) -> list[dict]:
+    """One row per S: the costs of the largest plan measured (the last P, kind and seed in the sweep)."""
+    last = rows[-1]
+    return [r for r in rows if (r["kind"], r["P"], r["seed"], r["comm"]) ==
+            (last["kind"], last["P"], last["seed"], last["comm"])]
 
 
 def main(argv=None):
@@ -145,6 +221,8 @@ def main(argv=None):
     ap.add_argument("--tokens-per-rank", type=int, default=8192)
     ap.add_argument("--topology", default="h200_hgx", choices=sorted(PRESETS))
     ap.add_argument("--plan-cache", default=None)
+    ap.add_argument("--side-stages", type=int, default=None,
+                    help="S of the side-by-side table (default: p2p's lowest median)")
     ap.add_argument("--md", default=None)
     ap.add_argument("--json", default=str(Path(RESULTS_DIR) / "stages_bench.json"))
     args = ap.parse_args(argv)
@@ -155,13 +233,23 @@ def main(argv=None):
         for P in parse_list(args.P):
             for seed in range(args.seeds):
                 rows += run(kind, P, seed, args.tokens_per_rank, parse_list(args.stages),
-                            parse_list(args.comm, str, ("a2a", "p2p"), "comm"), topo, args.plan_cache)
+                            parse_list(args.comm, str, COMMS, "comm"), topo, args.plan_cache)
+    side_S = args.side_stages if args.side_stages else best_stages(rows).get("p2p", max(r["S"] for r in rows))
     cmd = "python benchmarks/stages_bench.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     text = (f"# Sub-stages: SIMULATED training step ({args.topology})\n\nCommand: `{cmd}`\n\n"
             "All times are simulated by `gpusolver.sim` (not measured). `/ S=1` is against the same plan's "
             "two-stage step with the same transport, `/ S=1 a2a` against the two-stage step over all-to-all-v "
             "(today's `TorchGroup`).\n\n## Summary over the masks\n\n"
-            + markdown_table(summarize(rows), SUMMARY_COLUMNS) + "\n\n## Every mask\n\n"
+            + markdown_table(summarize(rows), SUMMARY_COLUMNS)
+            + "\n\nLowest median step over the two-stage a2a step: "
+            + ", ".join(f"{comm} S = {S}" for comm, S in best_stages(rows).items())
+            + f".\n\n## Every mask at S = {side_S}, a2a and p2p side by side\n\n"
+            + "Targets met: I = step <= 1.15 x ideal, T = step <= 0.75 x the two-stage a2a step, "
+            "E = exposed communication <= 15 % of the step ('.' = missed). `best possible` is the ideal bound "
+            "over the two-stage a2a step: where it is above 0.75, T cannot be met by any schedule.\n\n"
+            + markdown_table(side_by_side(rows, side_S), SIDE_COLUMNS)
+            + f"\n\n## Cost per S ({rows[-1]['kind']} P = {rows[-1]['P']} seed {rows[-1]['seed']}, MB per rank)\n\n"
+            + markdown_table(cost_rows(rows), COST_COLUMNS) + "\n\n## Every mask\n\n"
             + markdown_table(rows, COLUMNS) + "\n")
     print(text)
     write_results(args.json, {"rows": rows, "environment": environment(), "command": cmd}, args.md, text)

@@ -96,11 +96,10 @@ def plain_kept_bytes(config: SolverConfig, chunk: int) -> int:
 
 def kept_bytes(config: SolverConfig, chunk: int, keep) -> int:
     """Bytes per rank a layer keeps in its receive buffers with ``keep`` (True, False, "qo", "kv"):
-    one buffer of each kept kind per remote sub-stage (``num_stages``)."""
+    one buffer of each kept kind, whatever ``num_stages`` (the sub-stages share it)."""
     rows = buffer_rows(config, chunk)
     cost = config.cost()
-    S = config.num_stages
-    per_kind = {"qo": S * rows.qo_recv * cost.q_fwd, "kv": S * rows.kv_recv * cost.kv_fwd}
+    per_kind = {"qo": rows.qo_recv * cost.q_fwd, "kv": rows.kv_recv * cost.kv_fwd}
     return sum(per_kind[k] for k in kept_kinds(keep))
 
 

@@ -89,12 +89,14 @@ class SolverConfig:
     num_stages:         S, remote sub-stages of the layer (static). Stage 0 computes
                         the tasks whose units are all local; the remote tasks of
                         each rank are cut into S sub-stages by when their bytes
-                        land (``gpusolver.plan.stages``), each with its own cast,
-                        receive buffers (the QO and KV receive rows each, so S
-                        times the receive memory) and reduce, so later casts overlap
-                        earlier sub-stages and each sub-stage's partials return
-                        while the next computes. 1 (default) is the two-stage
-                        layer: one cast, one remote stage, one reduce.
+                        land (``gpusolver.plan.stages``), each with its own cast
+                        and reduce, so later casts overlap earlier sub-stages and
+                        each sub-stage's partials return while the next computes.
+                        The casts share the one QO and the one KV receive buffer
+                        (each at its own rows): S costs no receive memory, but
+                        S times the collectives and S + 1 attention launches per
+                        pass. 1 (default) is the two-stage layer: one cast, one
+                        remote stage, one reduce.
     objective:          what the device solver minimises among balanced plans.
                         "training" (default): the bytes of a training step,
                         ``max_r fwd_r + max_r bwd_r`` (each phase a rank's

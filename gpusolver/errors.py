@@ -303,10 +303,8 @@ def record_plan(plan, op: str) -> None:
     need = calc.needed_rows.to(torch.int64).amax().reshape(1) if hasattr(calc, "needed_rows") else zero
     if hasattr(comm, "qo_recv_rows"):
         # the kind past its buffer by the most rows (QO on a tie)
-        if getattr(comm, "num_stages", 1) > 1:  # one buffer per kind and sub-stage: the fullest cast's rows
-            q_fill, k_fill = (comm.stage_split(k).sum(1).amax().to(torch.int64) for k in ("qo", "kv"))
-        else:
-            q_fill, k_fill = comm.qo_recv_rows.amax().to(torch.int64), comm.kv_recv_rows.amax().to(torch.int64)
+        # one buffer per kind, shared by the sub-stages: a rank's whole fill
+        q_fill, k_fill = comm.qo_recv_rows.amax().to(torch.int64), comm.kv_recv_rows.amax().to(torch.int64)
         q_cap, k_cap = comm.qo_recv_capacity, comm.kv_recv_capacity
         qo_first = q_fill - q_cap >= k_fill - k_cap
         recv = torch.where(qo_first, q_fill, k_fill).reshape(1)

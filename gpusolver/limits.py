@@ -11,7 +11,7 @@ overflow; past a limit the entry points raise a ValueError that names it.
     MAX_CP_SIZE       P <= 256 ranks (balance is tested to P = 128 at S = 2^24).
     MAX_HEAD_GROUPS   G <= 128 (Hkv <= 128 with head-group flattening).
     MAX_CHUNK_TILES   n <= 16 sub-chunk tiles per rank (the task count G * (n P)^2 sets memory).
-    MAX_NUM_STAGES    S <= 32 remote sub-stages (each has its own receive buffer and collectives).
+    MAX_NUM_STAGES    S <= 32 remote sub-stages (each has its own collectives; they share the receive buffers).
     MAX_HEADS_Q       Hq <= 1024, MAX_HEAD_DIM D <= 1024: bytes per token stay below 2^24,
                       so per-rank volumes stay below 2^50.
     MAX_IMBALANCE_TOL mu <= 4.
@@ -42,7 +42,7 @@ from fractions import Fraction
 MAX_SEQLEN = 1 << 25
 MAX_CP_SIZE = 256
 MAX_HEAD_GROUPS = 128
-MAX_NUM_STAGES = 32  # remote sub-stages: each holds its own receive buffer and one collective per phase
+MAX_NUM_STAGES = 32  # remote sub-stages: one collective per phase each
 MAX_CHUNK_TILES = 16
 MAX_HEADS_Q = 1024
 MAX_HEAD_DIM = 1024
@@ -78,13 +78,12 @@ def check_problem_limits(seqlen: int, cp_size: int, head_groups: int, tiles: int
             raise ValueError(f"{name}={value} is past the supported {limit_name} = {limit} (see gpusolver.limits)")
 
 
-def check_plan_rows(head_groups: int, chunk: int, recv_capacity: int, num_stages: int = 1) -> None:
-    """Raise when a plan's int32 row coordinates (local rows plus the receive buffers of its
-    ``num_stages`` sub-stages) could wrap."""
-    rows = head_groups * chunk + num_stages * recv_capacity
+def check_plan_rows(head_groups: int, chunk: int, recv_capacity: int) -> None:
+    """Raise when a plan's int32 row coordinates (local rows plus the receive buffer, which the
+    sub-stages share) could wrap."""
+    rows = head_groups * chunk + recv_capacity
     if rows > MAX_PLAN_ROWS:
-        what = "recv_capacity" if num_stages == 1 else f"{num_stages} * recv_capacity"
-        raise ValueError(f"G * c + {what} = {head_groups} * {chunk} + {num_stages * recv_capacity} = {rows} rows is past "
+        raise ValueError(f"G * c + recv_capacity = {head_groups} * {chunk} + {recv_capacity} = {rows} rows is past "
                          f"the supported MAX_PLAN_ROWS = {MAX_PLAN_ROWS} (int32 CalcMeta rows; see "
                          "gpusolver.limits): set SolverConfig.max_recv_rows to the rows a rank really receives")
 

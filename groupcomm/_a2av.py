@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ._base import CollectiveError, HostTraffic, Work
-from ._pack import pack, row_layout, unpack
+from ._pack import as_bytes, pack, row_layout, unpack
 from ._reduce import reduce_rows
 from ._retain import retain
 from ._routing import put_targets
@@ -188,23 +188,53 @@ class TorchGroup:
             return unpack(out, layout)
         return Work(finish)
 
+    def _cast_into(self, tensors, send_index, split, out, recv_offset, phase, host_split, host_recv_offset):
+        """Each tensor's rows in an exchange of its own, straight into ``out`` from this rank's offset
+        (no packed staging buffer: nothing but ``out`` holds the received rows)."""
+        R = out[0].shape[0]
+        if host_recv_offset is None:
+            host_recv_offset = int(recv_offset[self.rank])  # a sync; the layer passes a host copy
+        start = host_recv_offset.get() if hasattr(host_recv_offset, "get") else int(host_recv_offset)
+        rows = self._host_matrix(split, host_split)
+        send, recv = self._sizes(rows, send_index.shape[0], R - start, f"recv_capacity minus recv_offset {start}")
+        n_send, n_recv, self_rows = sum(send), sum(recv), rows[self.rank][self.rank]
+        for i, o in enumerate(out):
+            if not o.is_contiguous():
+                raise ValueError(f"TorchGroup: out[{i}] must be contiguous, got strides {tuple(o.stride())}")
+        idx = send_index[:n_send].clamp(0, max(tensors[0].shape[0] - 1, 0))
+        # as bytes (what gloo moves for every dtype); a contiguous out's rows are a view, so they land in place
+        waits = [self._exchange(as_bytes(o.narrow(0, start, n_recv), 0), as_bytes(t.index_select(0, idx), 0), recv,
+                                send, phase) for t, o in zip(tensors, out)]
+        row_bytes = row_layout(tensors, 0).row_bytes
+        self._traffic.add(phase, (n_send - self_rows) * row_bytes, (n_recv - self_rows) * row_bytes)
+
+        def finish():
+            for wait in waits:
+                wait()
+            return list(out)
+        return Work(finish)
+
     def _reduce(self, partials, send_index, split, acc, op, phase, host_split, deterministic):
         rows = self._host_matrix(split, host_split)
         capacity = partials[0].shape[0]
         send, recv = self._sizes(rows, send_index.shape[0], capacity, "the partials' rows")
         n_send, n_recv, self_rows = sum(send), sum(recv), rows[self.rank][self.rank]
         layout = row_layout(partials, 0)
-        # the way back: each filled receive row returns to its source, in buffer order
+        # the way back: each filled receive row returns to its source, in buffer order. The buffer holds
+        # the rows really returned (host-known here), not the send list's capacity: reduces in flight at
+        # once (a layer's sub-stages) then hold no more than one send list between them
         inp = pack([p[:n_recv] for p in partials], 0)
-        back = torch.zeros(send_index.shape[0], layout.row_bytes, dtype=torch.uint8, device=acc[0].device)
-        wait = self._exchange(back[:n_send], inp, send, recv, phase)
+        back = torch.zeros(n_send, layout.row_bytes, dtype=torch.uint8, device=acc[0].device)
+        wait = self._exchange(back, inp, send, recv, phase)
         self._traffic.add(phase, (n_recv - self_rows) * layout.row_bytes, (n_send - self_rows) * layout.row_bytes)
 
         def finish():
             ranks = torch.full((1,), self.rank, dtype=torch.int64, device=split.device)
             dest, _ = put_targets(split, send_index[None], ranks, capacity)
             wait()
-            ret = [t[None] for t in unpack(back, layout)]
+            # send positions past the rows sent are padding (dest -1): zero rows, made only now
+            full = torch.cat([back, back.new_zeros(send_index.shape[0] - n_send, back.shape[1])])
+            ret = [t[None] for t in unpack(full, layout)]
             out = reduce_rows([a[None] for a in acc], ret, send_index[None], dest, op, self.size, deterministic)
             return [t[0] for t in out]
         return Work(finish)

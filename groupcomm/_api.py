@@ -10,7 +10,8 @@ import logging
 import torch
 
 from ._base import flag_routing
-from ._checks import check_capacity, check_phase, check_reduce, check_send_index, check_split, check_tensors
+from ._checks import (check_capacity, check_out, check_phase, check_recv_offset, check_reduce, check_send_index,
+                      check_split, check_tensors)
 
 log = logging.getLogger("groupcomm")
 
@@ -19,15 +20,17 @@ def _lead(group) -> int:
     return 1 if getattr(group, "batched", False) else 0
 
 
-def _flag(op: str, group, phase: str, split, send_index, n_rows: int, capacity: int) -> None:
+def _flag(op: str, group, phase: str, split, send_index, n_rows: int, capacity: int, recv_offset=None) -> None:
     batched = send_index.dim() == 2
     ranks = torch.arange(group.size, device=split.device) if batched else \
         torch.full((1,), group.rank, dtype=torch.int64, device=split.device)
-    flag_routing(op, phase, split, send_index if batched else send_index[None], n_rows, capacity, ranks)
+    flag_routing(op, phase, split, send_index if batched else send_index[None], n_rows, capacity, ranks,
+                 recv_offset)
 
 
 def group_cast(tensors, send_index: torch.Tensor, split: torch.Tensor, recv_capacity: int, group, *,
-               phase: str = "cast", host_split=None, async_op: bool = False, flag_errors: bool = True):
+               phase: str = "cast", host_split=None, async_op: bool = False, flag_errors: bool = True,
+               out=None, recv_offset: torch.Tensor | None = None, host_recv_offset=None):
     """Send rows of the local tensors to the ranks that need them.
 
     Args:
@@ -48,12 +51,23 @@ def group_cast(tensors, send_index: torch.Tensor, split: torch.Tensor, recv_capa
             device error flag (``gpusolver.check_errors()``); rows that do not
             fit are dropped, never written out of bounds. ``TorchGroup`` also
             raises ``ValueError`` on a fill past a capacity, from its host splits.
+        out: receive into these buffers instead of new ones, one ``[recv_capacity, *f]``
+            tensor per tensor (same dtype and trailing shape), written in place: only the
+            call's rows change, so several calls can share one buffer at their own rows.
+            ``TorchGroup`` needs them contiguous.
+        recv_offset: ``[P]`` int64 device tensor, the row of each rank's buffer where the
+            call's rows start (default 0): on rank r the rows from source s then start
+            at ``recv_offset[r] + sum(split[:s, r])``.
+        host_recv_offset: ``TorchGroup`` only: this rank's ``recv_offset`` entry as a host
+            int, or an object whose ``get()`` gives it (read when the exchange starts);
+            without it the entry is read from the device (a sync).
 
     Returns:
-        One ``[recv_capacity, *f]`` buffer per tensor, same dtype: on rank r the
-        rows from source s start at row ``sum(split[:s, r])``, sources
-        ascending; rows past the fill are zero. ``LocalGroup`` adds a leading
-        rank dim to every per-rank tensor.
+        One ``[recv_capacity, *f]`` buffer per tensor, same dtype (``out`` itself when
+        given): on rank r the rows from source s start at row ``sum(split[:s, r])``
+        (plus ``recv_offset[r]``), sources ascending; rows past the fill are zero in new
+        buffers and untouched in ``out``. ``LocalGroup`` adds a leading rank dim to every
+        per-rank tensor.
     """
     lead = _lead(group)
     P = group.size
@@ -62,9 +76,20 @@ def group_cast(tensors, send_index: torch.Tensor, split: torch.Tensor, recv_capa
     split = check_split(split, P, tensors[0].device)
     send_index = check_send_index(send_index, lead, P, tensors[0].device)
     recv_capacity = check_capacity(recv_capacity)
+    if out is not None:
+        out = check_out(out, tensors, recv_capacity, lead)
+    if recv_offset is not None:
+        recv_offset = check_recv_offset(recv_offset, P, tensors[0].device)
     if flag_errors:
-        _flag("group_cast", group, phase, split, send_index, tensors[0].shape[lead], recv_capacity)
-    work = group._cast(tensors, send_index, split, recv_capacity, phase, host_split)
+        _flag("group_cast", group, phase, split, send_index, tensors[0].shape[lead], recv_capacity, recv_offset)
+    if out is None and recv_offset is None:
+        work = group._cast(tensors, send_index, split, recv_capacity, phase, host_split)
+    else:
+        if out is None:  # new zero buffers, filled from the offset on
+            out = [t.new_zeros(*t.shape[:lead], recv_capacity, *t.shape[lead + 1:]) for t in tensors]
+        if recv_offset is None:
+            recv_offset = torch.zeros(P, dtype=torch.int64, device=tensors[0].device)
+        work = group._cast_into(tensors, send_index, split, out, recv_offset, phase, host_split, host_recv_offset)
     return work if async_op else work.wait()
 
 

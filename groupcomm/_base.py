@@ -82,17 +82,20 @@ def _routing_message(row: int, values: list[int]) -> str:
 
 
 def flag_routing(op: str, phase: str, split: torch.Tensor, send_index: torch.Tensor, n_rows: int,
-                 capacity: int, ranks: torch.Tensor) -> None:
+                 capacity: int, ranks: torch.Tensor, recv_offset: torch.Tensor | None = None) -> None:
     """Device flags for a routing the collective cannot honour (no host read).
 
     split ``[P, P]``; send_index ``[B, C]`` of the B ranks ``ranks [B]`` run
-    here; n_rows: local rows N; capacity: rows of each receive buffer.
+    here; n_rows: local rows N; capacity: rows of each receive buffer;
+    recv_offset: ``[P]`` first receive row of the call on each rank (default 0).
     """
     if _error_sink is None:
         return
     B, C = send_index.shape
     own = split.index_select(0, ranks)                                    # [B, P]
-    recv = split.sum(0).index_select(0, ranks)                            # [B]
+    recv = split.sum(0).index_select(0, ranks)                            # [B] last row filled, plus 1
+    if recv_offset is not None:
+        recv = recv + recv_offset.index_select(0, ranks)
     sent = own.sum(1)
     neg = own.amin(1)
     idx_bad = (send_index < -1) | (send_index >= n_rows)

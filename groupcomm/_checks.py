@@ -62,6 +62,31 @@ def check_send_index(send_index, lead: int, P: int, device: torch.device) -> tor
     return send_index.long()
 
 
+def check_out(out, tensors: list[torch.Tensor], recv_capacity: int, lead: int) -> list[torch.Tensor]:
+    """One receive buffer per cast tensor: ``[.., recv_capacity, *f]``, same dtype, trailing shape, device."""
+    if isinstance(out, torch.Tensor) or not isinstance(out, Sequence) or len(out) != len(tensors):
+        raise ValueError(f"out must be a list of {len(tensors)} tensors (one per cast tensor), got "
+                         f"{type(out).__name__}")
+    out = list(out)
+    for i, (o, t) in enumerate(zip(out, tensors)):
+        want = (*t.shape[:lead], recv_capacity, *t.shape[lead + 1:])
+        if not isinstance(o, torch.Tensor) or _shape(o) != want or o.dtype != t.dtype or o.device != t.device:
+            got = (_shape(o), o.dtype, o.device) if isinstance(o, torch.Tensor) else type(o).__name__
+            raise ValueError(f"out[{i}] must be {want} {t.dtype} on {t.device} (recv_capacity rows of tensors[{i}]), "
+                             f"got {got}")
+    return out
+
+
+def check_recv_offset(recv_offset, P: int, device: torch.device) -> torch.Tensor:
+    """``[P]`` integer tensor on the rows' device; returned as int64."""
+    if not isinstance(recv_offset, torch.Tensor) or recv_offset.dtype not in _INT or _shape(recv_offset) != (P,):
+        raise ValueError(f"recv_offset must be an int64 [P] = [{P}] tensor, got "
+                         f"{_shape(recv_offset) if isinstance(recv_offset, torch.Tensor) else type(recv_offset)}")
+    if recv_offset.device != device:
+        raise ValueError(f"recv_offset is on {recv_offset.device}, the rows on {device}")
+    return recv_offset.long()
+
+
 def check_capacity(recv_capacity) -> int:
     if isinstance(recv_capacity, bool) or not isinstance(recv_capacity, int) or recv_capacity < 0:
         raise ValueError(f"recv_capacity must be a host int >= 0, got {recv_capacity!r}")

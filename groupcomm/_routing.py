@@ -23,11 +23,13 @@ def split_offsets(split: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def put_targets(split: torch.Tensor, send_index: torch.Tensor, ranks: torch.Tensor,
-                recv_capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+                recv_capacity: int, recv_offset: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Destination rank and row of every send position.
 
     split: ``[P, P]`` int64; send_index: ``[B, C]`` int64 (``-1`` = padding);
-    ranks: ``[B]`` int64, the sending rank of each batch row.
+    ranks: ``[B]`` int64, the sending rank of each batch row;
+    recv_offset: ``[P]`` int64, the first row of the call's rows on each destination
+    (default 0: rows from source s start at ``sum(split[:s, d])``).
     Returns ``peer [B, C]`` int64 (``-1``: nothing sent from this position:
     padding, past the rank's row count, or past ``recv_capacity`` on the
     destination) and ``row [B, C]`` int64 (0 where ``peer`` is -1).
@@ -44,6 +46,8 @@ def put_targets(split: torch.Tensor, send_index: torch.Tensor, ranks: torch.Tens
     _, recv_off = split_offsets(split)
     start = (incl - own).gather(1, dest)                      # send_off[rank, dest]
     row = recv_off.index_select(0, ranks).gather(1, dest) + (pos - start)
+    if recv_offset is not None:
+        row = row + recv_offset[dest]
     valid &= row < recv_capacity
     peer = torch.where(valid, dest, torch.full_like(dest, -1))
     row = torch.where(valid, row, torch.zeros_like(row))
@@ -63,9 +67,15 @@ def return_index(split: torch.Tensor, ranks: torch.Tensor, recv_capacity: int) -
     return torch.where(rows < fill[:, None], rows, torch.full_like(rows, -1))
 
 
-def fill_mask(split: torch.Tensor, ranks: torch.Tensor, recv_capacity: int) -> torch.Tensor:
-    """``[B, recv_capacity]`` bool: receive rows that hold data (below the rank's fill)."""
-    return return_index(split, ranks, recv_capacity) >= 0
+def fill_mask(split: torch.Tensor, ranks: torch.Tensor, recv_capacity: int,
+              recv_offset: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B, recv_capacity]`` bool: receive rows that hold this call's data (from the rank's
+    ``recv_offset``, default 0, up to it plus its fill)."""
+    if recv_offset is None:
+        return return_index(split, ranks, recv_capacity) >= 0
+    start = recv_offset.index_select(0, ranks)[:, None]
+    rows = torch.arange(recv_capacity, device=split.device, dtype=torch.int64)[None]
+    return (rows >= start) & (rows < start + split.sum(0).index_select(0, ranks)[:, None])
 
 
 def traffic_rows(split: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

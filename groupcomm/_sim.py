@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ._base import Work
-from ._pack import pack, row_layout, unpack, word_dtype
+from ._pack import as_bytes, pack, row_layout, unpack, word_dtype
 from ._put_ref import put_rows_ref
 from ._reduce import reduce_rows
 from ._routing import put_targets, return_index, traffic_rows
@@ -80,6 +80,28 @@ class LocalGroup:
         buf = self._move(pack(tensors, 1), send_index, split, recv_capacity)
         self._count(phase, split, layout.row_bytes, back=False)
         return Work.done(unpack(buf, layout))
+
+    def _cast_into(self, tensors, send_index, split, out, recv_offset, phase, host_split, host_recv_offset):
+        """Each tensor's rows straight into its ``out`` buffer from ``recv_offset`` on (one put per
+        tensor, in place: the rest of ``out`` is untouched)."""
+        ranks = torch.arange(self.size, device=split.device)
+        R = out[0].shape[1]
+        peer, row = put_targets(split, send_index, ranks, R, recv_offset)
+        for t, o in zip(tensors, out):
+            width = row_layout([t], 1).row_bytes
+            word = word_dtype(width)
+            src = as_bytes(t, 1).view(word)
+            inplace = self.impl == "triton" and o.is_contiguous()
+            dst = as_bytes(o, 1).view(word)  # a view of o when contiguous, else a copy
+            if self.impl == "torch":
+                dst = put_rows_ref(src, send_index, peer, row, dst)
+            else:
+                from ._put_kernel import put_rows
+                put_rows(src, send_index, peer, row, dst)
+            if not inplace:
+                o.copy_(dst.view(torch.uint8).view(o.dtype).view(o.shape))
+        self._count(phase, split, row_layout(tensors, 1).row_bytes, back=False)
+        return Work.done(list(out))
 
     def _reduce(self, partials, send_index, split, acc, op, phase, host_split, deterministic):
         P = self.size

@@ -49,14 +49,15 @@ def symm_mem_usable(process_group=None) -> tuple[bool, str]:
     return True, "CUDA symmetric memory on one node"
 
 
-def put_arguments(split: torch.Tensor, send_index: torch.Tensor, rank: int,
-                  capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+def put_arguments(split: torch.Tensor, send_index: torch.Tensor, rank: int, capacity: int,
+                  recv_offset: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(peer ``[C]``, row ``[C]``) int64 of one rank's send positions, -1 peer where nothing is sent.
 
-    split ``[P, P]``, send_index ``[C]``: the routing arguments of this rank.
+    split ``[P, P]``, send_index ``[C]``: the routing arguments of this rank; recv_offset
+    ``[P]``: the first row of the call on each destination (default 0).
     """
     ranks = torch.full((1,), rank, dtype=torch.int64, device=split.device)
-    peer, row = put_targets(split, send_index[None], ranks, capacity)
+    peer, row = put_targets(split, send_index[None], ranks, capacity, recv_offset)
     return peer[0], row[0]
 
 
@@ -170,6 +171,29 @@ class SymmMemGroup:
         self._count(phase, split, layout.row_bytes, back=False)
         return _on_side_stream(lambda: unpack(self._move(pack(tensors, 0), send_index, split, recv_capacity),
                                               layout), list(tensors) + [send_index, split])
+
+    def _cast_into(self, tensors, send_index, split, out, recv_offset, phase, host_split, host_recv_offset):
+        """The rows land in the symmetric buffer at this call's own rows (``recv_offset`` on), and only
+        those rows are copied into ``out``: calls sharing a buffer never touch each other's rows."""
+        layout = row_layout(tensors, 0)
+        capacity = out[0].shape[0]
+        self._count(phase, split, layout.row_bytes, back=False)
+
+        def move():
+            from ._put_kernel import put_rows
+            rows = pack(tensors, 0)
+            buf, handle, table = self._buffer(capacity, rows.shape[-1], rows.device)
+            src = rows.contiguous().view(buf.dtype)
+            peer, row = put_arguments(split, send_index, self.rank, capacity, recv_offset)
+            handle.barrier(channel=0, timeout_ms=self.timeout_ms)
+            put_rows(src[None], send_index[None], peer[None], row[None], peer_ptrs=table, capacity=capacity)
+            handle.barrier(channel=0, timeout_ms=self.timeout_ms)
+            ranks = torch.full((1,), self.rank, dtype=torch.int64, device=split.device)
+            mine = fill_mask(split, ranks, capacity, recv_offset)[0]
+            for o, got in zip(out, unpack(buf[:capacity].view(torch.uint8), layout)):
+                o.copy_(torch.where(mine.view(-1, *([1] * (o.dim() - 1))), got, o))
+            return list(out)
+        return _on_side_stream(move, list(tensors) + list(out) + [send_index, split, recv_offset])
 
     def _reduce(self, partials, send_index, split, acc, op, phase, host_split, deterministic):
         capacity = partials[0].shape[0]

@@ -76,8 +76,8 @@ def plan_capacities(config: SolverConfig, num_slices: int, chunk: int, *, recv_c
         rows = replace(rows, qo_recv=recv_capacity, kv_recv=recv_capacity)
     if send_capacity is not None:
         rows = replace(rows, qo_send=send_capacity, kv_send=send_capacity)
-    # CalcMeta rows index local rows, then the sub-stages' receive buffers (per kind), in int32
-    check_plan_rows(G, chunk, rows.largest_recv, config.num_stages)
+    # CalcMeta rows index local rows, then the receive buffer of each kind (shared by the sub-stages), in int32
+    check_plan_rows(G, chunk, rows.largest_recv)
     return stage, rows
 
 
@@ -95,8 +95,8 @@ def build_plan(mask: AttnSlices, areas: BlockAreas, assignment: torch.Tensor, co
     config:        SolverConfig (P, G, byte costs, mu, ``max_stage_slices``).
     imbalance_tol: mu for the IMBALANCED bit (default ``config.imbalance_tol``).
     recv_capacity, send_capacity, buffers: the collective buffers' rows
-                   (default: ``plan_capacities``); with ``config.num_stages`` S > 1 each
-                   sub-stage has its own QO and KV receive buffers of those rows.
+                   (default: ``plan_capacities``); with ``config.num_stages`` S > 1 the
+                   sub-stages share the one QO and the one KV receive buffer.
     topology:      the cluster (``gpusolver.topology.Topology``) for the order of the
                    sub-stages (intra-node sources first); None: ``config.topology`` if the
                    config has one, else one link class.

@@ -161,11 +161,7 @@ def build_calc_meta(mask: AttnSlices, areas: BlockAreas, assignment: torch.Tenso
     range_ok = ((q_local | ((ql >= qo_lo) & (ql + qn <= qo_hi)))
                 & (k_local | ((kl >= kv_lo) & (kl + kn <= kv_hi))))
     cap_q, cap_k = comm.qo_recv_capacity, comm.kv_recv_capacity
-    if S == 1:
-        q_base = k_base = G * c
-    else:  # a remote unit sits in its kind's buffer of the first sub-stage that uses it
-        q_first, k_first = comm.qo_stage[g, i, r, 0].clamp(min=1), comm.kv_stage[g, j, r, 0].clamp(min=1)
-        q_base, k_base = G * c + (q_first - 1) * cap_q, G * c + (k_first - 1) * cap_k
+    q_base = k_base = G * c  # one receive buffer per kind after the local rows, shared by the sub-stages
     q_end, k_end = q_base + cap_q, k_base + cap_k
     qrow = torch.where(q_local, g * c + ql, q_base + comm.qo_recv_offset[g, i, r] + ql - qo_lo)
     krow = torch.where(k_local, g * c + kl, k_base + comm.kv_recv_offset[g, j, r] + kl - kv_lo)

@@ -52,11 +52,12 @@ def transfer_stages(areas: BlockAreas, assignment: torch.Tensor, task_stage: tor
 
 def stage_routing(length: torch.Tensor, stage: torch.Tensor, num_stages: int,
                   tiles: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per sub-stage buffers of one kind: rows with ``stage == s`` in buffer s, in (host, g, tile) order.
+    """The sub-stages of one kind: stage s's rows in (host, g, tile) order, and where they start when
+    the stages are laid end to end in one buffer (stage s after stages 1..s-1).
 
     length: [G, U, P] int64 rows of each transfer; stage: [G, U, P] int64 in 1..S (0: none).
-    Returns (offset [G, U, P] int64 in the transfer's own stage buffer, split [S, P(src), P(dst)],
-    rows [S, P(dst)]).
+    Returns (offset [G, U, P] int64 of the transfer within its stage's rows, split [S, P(src), P(dst)],
+    base [S, P(dst)] int64: the row where stage s's rows start on dest).
     """
     G, U, P = length.shape
     s = torch.arange(1, num_stages + 1, device=length.device).view(-1, 1, 1, 1)
@@ -64,7 +65,14 @@ def stage_routing(length: torch.Tensor, stage: torch.Tensor, num_stages: int,
     offset, rows = _recv_offsets(per, tiles)
     pick = (stage - 1).clamp(min=0)[None]
     split = per.sum(1).view(num_stages, P, tiles, P).sum(2)
-    return offset.gather(0, pick)[0], split, rows
+    return offset.gather(0, pick)[0], split, rows.cumsum(0) - rows
+
+
+def shared_offset(offset: torch.Tensor, stage: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """``[G, U, P]`` int64: a transfer's start in dest's one buffer shared by the sub-stages (its
+    offset within its stage, ``stage_routing``, plus the stage's base row on dest)."""
+    dest = torch.arange(base.shape[1], device=base.device)
+    return offset + base[(stage - 1).clamp(min=0), dest]
 
 
 def chunk_local(rng: torch.Tensor, areas: BlockAreas) -> torch.Tensor:
@@ -85,14 +93,14 @@ def build_comm_meta(areas: BlockAreas, assignment: torch.Tensor, *,
     areas:         BlockAreas (area [G, U, U], q_need / k_need [G, U, U, 2] int64; U = P
                    without tiling).
     assignment:    [G, U, U] integer, rank of task (g, i, j), -1 for empty tasks.
-    buffers:       BufferRows, each rank's receive rows (one QO and one KV buffer per
-                   sub-stage) and send rows (the length of the send lists) per kind, static.
+    buffers:       BufferRows, each rank's receive rows (one QO and one KV buffer, shared by
+                   the sub-stages) and send rows (the length of the send lists) per kind, static.
     task_stage:    [G, U, U] int32 sub-stage of each task (``gpusolver.plan.stages``);
                    required when ``num_stages > 1``.
     num_stages:    S, remote sub-stages (host int).
 
     Returns (CommMeta, overflow [] bool): overflow is true when some rank
-    receives more rows of a kind in one sub-stage than its buffer holds, or sends
+    receives more rows of a kind (over all sub-stages) than its buffer holds, or sends
     more rows of a kind than its send list holds. Sync-free: static shapes, no host reads.
     """
     n, P = areas.tiles, areas.cp_size
@@ -106,21 +114,22 @@ def build_comm_meta(areas: BlockAreas, assignment: torch.Tensor, *,
         qo_off, _ = _recv_offsets(qo_len, n)
         kv_off, _ = _recv_offsets(kv_len, n)
         stage_kw = {}
-        stage_rows = (qo_rows, kv_rows)
     else:
         if task_stage is None:
             raise ValueError(f"num_stages={num_stages} needs the task_stage of the assignment")
         qo_st = transfer_stages(areas, assignment, task_stage, qo_len > 0, "qo")
         kv_st = transfer_stages(areas, assignment, task_stage, kv_len > 0, "kv")
-        qo_off, qo_cast, qo_cast_rows = stage_routing(qo_len, qo_st[..., 0], num_stages, n)
-        kv_off, kv_cast, kv_cast_rows = stage_routing(kv_len, kv_st[..., 0], num_stages, n)
+        qo_off, qo_cast, qo_base = stage_routing(qo_len, qo_st[..., 0], num_stages, n)
+        kv_off, kv_cast, kv_base = stage_routing(kv_len, kv_st[..., 0], num_stages, n)
+        qo_off, kv_off = shared_offset(qo_off, qo_st[..., 0], qo_base), shared_offset(kv_off, kv_st[..., 0], kv_base)
         qo_ret_off, qo_ret, _ = stage_routing(qo_len, qo_st[..., 1], num_stages, n)
         kv_ret_off, kv_ret, _ = stage_routing(kv_len, kv_st[..., 1], num_stages, n)
         stage_kw = dict(num_stages=num_stages, qo_stage=qo_st, kv_stage=kv_st, qo_stage_split=qo_cast,
                         kv_stage_split=kv_cast, qo_return_split=qo_ret, kv_return_split=kv_ret,
-                        qo_return_offset=qo_ret_off, kv_return_offset=kv_ret_off)
-        stage_rows = (qo_cast_rows, kv_cast_rows)
-    overflow = ((stage_rows[0] > buffers.qo_recv).any() | (stage_rows[1] > buffers.kv_recv).any()
+                        qo_return_offset=qo_ret_off, kv_return_offset=kv_ret_off, qo_stage_base=qo_base,
+                        kv_stage_base=kv_base)
+    # the sub-stages share one receive buffer per kind: a rank's whole fill must fit, as with one stage
+    overflow = ((qo_rows > buffers.qo_recv).any() | (kv_rows > buffers.kv_recv).any()
                 | (qo_split.sum(1) > buffers.qo_send).any() | (kv_split.sum(1) > buffers.kv_send).any())
     meta = CommMeta(
         qo_range=qo_range, kv_range=kv_range, qo_recv_offset=qo_off, kv_recv_offset=kv_off,

@@ -33,8 +33,8 @@ def send_index(rng: torch.Tensor, chunk: int, send_capacity: int) -> torch.Tenso
 
 
 def return_gather(comm, kind: str, rank: int) -> torch.Tensor:
-    """``[S, cap]`` int64 rows of ``rank``'s sub-stage buffers of ``kind`` (laid end to end, buffer s at
-    ``(s - 1) * cap``, cap that kind's receive rows) that make reduce s's buffer, in its (host, g, tile) order; -1 past the fill."""
+    """``[S, cap]`` int64 rows of ``rank``'s receive buffer of ``kind`` (shared by the sub-stages, cap
+    that kind's receive rows) that make reduce s's buffer, in its (host, g, tile) order; -1 past the fill."""
     G, U, P = comm.qo_recv_offset.shape
     n, S, cap = comm.tiles, comm.num_stages, comm.buffers.recv(kind)
     rng = (comm.qo_range if kind == "qo" else comm.kv_range)[:, :, rank]            # [G, U, 2]
@@ -42,7 +42,7 @@ def return_gather(comm, kind: str, rank: int) -> torch.Tensor:
     cast_off = (comm.qo_recv_offset if kind == "qo" else comm.kv_recv_offset)[:, :, rank]
     order = lambda x: x.reshape(G, P, n).permute(1, 0, 2).reshape(-1)  # noqa: E731  (host, g, tile)
     length = order(rng[..., 1] - rng[..., 0])
-    base = order((stage[..., 0] - 1).clamp(min=0) * cap + cast_off)
+    base = order(cast_off)
     last = order(stage[..., 1])
     s = torch.arange(1, S + 1, device=length.device)[:, None]
     per = length[None] * (last[None] == s)                                          # [S, M]

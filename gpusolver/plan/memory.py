@@ -13,8 +13,11 @@ and ``hkv = Hkv / G`` KV heads, activations of ``b`` bytes:
               + QO send * dQ (hq D b) + KV send * (dK, dV) (2 hkv D b) [all live at the dK, dV reduce]
     kept      QO recv * Q if the helper keeps Q, + KV recv * (K, V) if it keeps K and V
 
-With S remote sub-stages (``num_stages``) every receive term is S times: each sub-stage
-casts into buffers of its own.
+With S remote sub-stages (``num_stages``) the terms are the same: the S casts of a kind land
+in one buffer at the plan's capacity, each at its own rows (``CommMeta.stage_base``), and the
+S reduces in flight at once hold no more than one send list between them (``TorchGroup``
+returns into buffers of the rows each reduce really returns; ``LocalGroup`` and
+``SymmMemGroup`` finish each reduce before the next starts).
 
 Not counted: the layer's own activations (its q, k, v, out and lse, which plain attention
 keeps too) and the runtime's copies around the buffers (stage 1's concatenation of local
@@ -53,10 +56,10 @@ def buffer_memory(comm, num_heads_q: int, num_heads_kv: int, head_dim: int, dtyp
     hq, hkv = num_heads_q // G, num_heads_kv // G
     b = torch.empty((), dtype=dtype).element_size()
     q_row, kv_row = hq * head_dim * b, 2 * hkv * head_dim * b
-    rows, S = comm.buffers, getattr(comm, "num_stages", 1)  # each sub-stage receives into buffers of its own
-    q_buf, kv_buf = S * rows.qo_recv * q_row, S * rows.kv_recv * kv_row
+    rows = comm.buffers
+    q_buf, kv_buf = rows.qo_recv * q_row, rows.kv_recv * kv_row  # shared by the sub-stages
     fwd = q_buf + kv_buf + rows.qo_send * (q_row + 4 * hq)
-    bwd = S * rows.qo_recv * (q_row + 8 * hq) + q_buf + kv_buf + rows.qo_send * q_row + rows.kv_send * kv_row
+    bwd = rows.qo_recv * (q_row + 8 * hq) + q_buf + kv_buf + rows.qo_send * q_row + rows.kv_send * kv_row
     kinds = kept_kinds(keep)
     kept = (q_buf if "qo" in kinds else 0) + (kv_buf if "kv" in kinds else 0)
     return BufferMemory(fwd_peak=fwd, bwd_peak=bwd, kept=kept)

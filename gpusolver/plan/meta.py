@@ -81,14 +81,18 @@ class CommMeta:
 
     qo_stage, kv_stage:             [G, U(unit), P(dest), 2] int64 — (first, last) sub-stage
                                     of dest that uses the transfer; 0 when nothing travels.
-                                    Its rows travel in cast ``first`` (into that stage's own
-                                    buffer: ``*_recv_offset`` is then the start within it) and
-                                    its partial results return in reduce ``last``.
+                                    Its rows travel in cast ``first`` and its partial results
+                                    return in reduce ``last``. The casts share dest's one receive
+                                    buffer per kind (``*_recv_offset`` is the start within it).
     qo_stage_split, kv_stage_split: [S, P(src), P(dst)] int64 — split sizes of each cast.
     qo_return_split, kv_return_split: [S, P(src), P(dst)] int64 — rows src sent to dst whose
                                     partials come back in reduce s.
     qo_return_offset, kv_return_offset: [G, U, P(dest)] int64 — where the transfer's rows start
                                     in reduce ``last``'s buffer (same (host, g, tile) order).
+    qo_stage_base, kv_stage_base:   [S, P(dest)] int64 — the row of dest's shared receive buffer
+                                    where cast s's rows start: cast s lands after casts 1..s-1,
+                                    each in (host, g, tile) order, so the whole fill is the
+                                    one-stage plan's and no sub-stage costs receive memory.
 
     A remote QO row ``t`` (chunk-local) of unit (g, u) on dest r sits at buffer row
     ``qo_recv_offset[g, u, r] + t - qo_range[g, u, r, 0]``. Rows beyond
@@ -119,6 +123,8 @@ class CommMeta:
     kv_return_split: torch.Tensor | None = None
     qo_return_offset: torch.Tensor | None = None
     kv_return_offset: torch.Tensor | None = None
+    qo_stage_base: torch.Tensor | None = None
+    kv_stage_base: torch.Tensor | None = None
 
     @property
     def buffers(self):
@@ -168,10 +174,17 @@ class CommMeta:
         name = f"{kind}_{'stage' if which == 'cast' else 'return'}_split"
         return getattr(self, name)
 
+    def stage_base(self, kind: str) -> torch.Tensor:
+        """[S, P(dest)] int64: where cast s's rows start in each rank's shared receive buffer."""
+        self._kind(kind)
+        if self.num_stages == 1:
+            return torch.zeros(1, self.cp_size, dtype=torch.int64, device=self.qo_split.device)
+        return self.qo_stage_base if kind == "qo" else self.kv_stage_base
+
     def return_gather(self, kind: str, rank: int) -> torch.Tensor:
         """[S, recv_capacity(kind)] int64: row p of reduce s's buffer on ``rank`` is row
-        ``gather[s - 1, p]`` of the rank's sub-stage buffers laid end to end
-        (buffer s' at ``(s' - 1) * recv_capacity(kind)``); -1 past the fill. Sync-free."""
+        ``gather[s - 1, p]`` of the rank's receive buffer (shared by the sub-stages); -1 past
+        the fill. Sync-free."""
         self._kind(kind)
         if not 0 <= rank < self.cp_size:
             raise ValueError(f"rank must be in [0, {self.cp_size}), got {rank}")
@@ -212,10 +225,9 @@ class CalcMeta:
 
     Coordinates. Stage 0: group-major local rows for both q and k
     (``g * c + t``, t chunk-local). Stage s >= 1: q rows index ``concat(local Q [G*c rows],
-    QO buffer of cast 1, ..., of cast s)``, each buffer ``qo_recv_capacity`` rows — a remote
-    row is ``G*c + (first - 1) * qo_recv_capacity + qo_recv_offset[g, i, r] + t -
-    qo_range[g, i, r, 0]`` (first = 1 with S = 1); k rows index the KV buffers
-    likewise. A kernel runs them as they are with ``Hq / G`` query and
+    QO receive buffer [qo_recv_capacity rows])``, the one buffer the S casts share — a remote
+    row is ``G*c + qo_recv_offset[g, i, r] + t - qo_range[g, i, r, 0]``; k rows index the
+    KV buffer likewise. A kernel runs them as they are with ``Hq / G`` query and
     ``Hkv / G`` KV heads per row.
 
     Each piece is the part of one slice inside one block (g, i, j) of units, split into
@@ -443,12 +455,11 @@ def _explain_status(plan: Plan, ignore: int) -> list[str]:
         for kind, split in (("qo", m.qo_split), ("kv", m.kv_split)):
             sent = split.sum(1).cpu()
             recv_cap, send_cap = m.buffers.recv(kind), m.buffers.send(kind)
-            # one receive buffer per kind and sub-stage: [S, P] rows each rank receives in each cast
-            per = m.stage_split(kind).sum(1).cpu()
+            # the sub-stages share one receive buffer per kind: the whole fill of each rank counts
+            per = split.sum(0).cpu()
             if (per > recv_cap).any():
-                s_, r = divmod(int(per.argmax()), per.shape[1])
-                where = "" if m.num_stages == 1 else f" in sub-stage {s_ + 1}"
-                out.append(f"BUFFER_OVERFLOW: rank {r} receives {int(per[s_, r])} {kind.upper()} rows{where}, "
+                r = int(per.argmax())
+                out.append(f"BUFFER_OVERFLOW: rank {r} receives {int(per[r])} {kind.upper()} rows, "
                            f"receive capacity {recv_cap}: raise SolverConfig.max_{kind}_recv_rows")
             if (sent > send_cap).any():
                 r = int(sent.argmax())

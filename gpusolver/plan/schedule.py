@@ -21,7 +21,8 @@ With S > 1 sub-stages (``gpusolver.plan.stages``) every collective belongs to
 one sub-stage (``Op.stages = (s,)``) and moves that sub-stage's split
 (``CommMeta.stage_split``): all casts are issued up front, sub-stage s waits
 only for cast s, and reduce s returns the partials whose last task was in s
-right after s ends, while s + 1 computes.
+right after s ends, while s + 1 computes. The forward runs the local stage
+first (it hides the casts), the backward last (it hides the returns).
 
 Shape legend: G head groups, U units (P without tiling), P ranks.
 """
@@ -204,8 +205,14 @@ def backward_ops(num_stages: int = 2, keep_forward_buffers: bool = True, relay: 
 
 def _backward_sub_stages(S: int, keep_forward_buffers: bool) -> tuple[Op, ...]:
     """S sub-stages: delta, then casts 1..S of dO, lse, delta (and Q, K, V again without kept buffers)
-    up front and stage 0 while they fly; sub-stage s after its own casts, reduces of dQ and dK / dV s
-    right after it; the host sums its rows with reduces 1..S in that order (``bwd.merge``)."""
+    up front; sub-stage s after its own casts, reduces of dQ and dK / dV s right after it; the local
+    stage 0 last, while the reduces fly; the host sums its rows with reduces 1..S in that order
+    (``bwd.merge``).
+
+    The local stage runs last here (first in the forward) because the backward's returns are its
+    large transfers: dQ, dK and dV go back to every remote host while dO, lse and delta travel
+    one way only (K and V are kept), so the remote sub-stages' partials must leave early, and the
+    local work, which returns nothing, is what hides them."""
     ops = [Op("bwd.delta", DELTA, COMPUTE, phase="bwd")]
     casts = []
     for s in range(1, S + 1):
@@ -214,7 +221,6 @@ def _backward_sub_stages(S: int, keep_forward_buffers: bool) -> tuple[Op, ...]:
             mine.append(_collective(CAST, "bwd.kv", stages=(s,), tag=f".{s}"))
         casts.append(mine)
         ops += mine
-    ops.append(Op("bwd.attn.0", ATTN, COMPUTE, phase="bwd", stages=(0,)))
     reduces = []
     for s, mine in enumerate(casts, start=1):
         waits = [_wait(c) for c in mine]
@@ -222,6 +228,7 @@ def _backward_sub_stages(S: int, keep_forward_buffers: bool) -> tuple[Op, ...]:
         pair = [_collective(REDUCE, ph, deps=(attn.name,), stages=(s,), tag=f".{s}") for ph in ("bwd.dq", "bwd.dkv")]
         reduces += pair
         ops += [*waits, attn, *pair]
+    ops.append(Op("bwd.attn.0", ATTN, COMPUTE, phase="bwd", stages=(0,)))
     back = [_wait(r) for r in reduces]
     ops += back
     ops.append(Op("bwd.merge", MERGE, COMPUTE, deps=tuple(w.name for w in back), phase="bwd",

@@ -186,6 +186,13 @@ class _DistAttn(torch.autograd.Function):
                 o, lse, operands = forward_stages(routes.plan, group, routes.ranks, routes.batched, routes.stages,
                                                   ql, kl, vl, scale, deterministic)
             x_q, x_k, x_v = operands  # only the kept kinds' operands: the others are cast again
+            if routes.relay is None:
+                # a sub-stage operand's first n rows are the local rows: keep them once, as views of it
+                n = ql.shape[lead]
+                if "qo" in keep:
+                    ql = x_q.narrow(lead, 0, n)
+                if "kv" in keep:
+                    kl, vl = x_k.narrow(lead, 0, n), x_v.narrow(lead, 0, n)
             ctx.save_for_backward(ql, kl, vl, o, lse, *((x_q,) if "qo" in keep else ()),
                                   *((x_k, x_v) if "kv" in keep else ()))
             return from_group_major(o, G, lead), from_group_major(lse, G, lead)

@@ -1,16 +1,17 @@
 """The layer in S remote sub-stages: every cast up front, each sub-stage waits only for its own.
 
 Shape legend: P ranks, c tokens per rank, G head groups, n = G * c local
-group-major rows, cap = the plan's receive rows of a kind per sub-stage (QO for Q, O, dO,
+group-major rows, cap = the plan's receive rows of a kind (QO for Q, O, dO,
 dQ rows; KV for K, V, dK, dV rows), S sub-stages,
 h heads per group, D head dim. ``[B, ...]`` is the leading rank dim of a
 ``LocalGroup`` (absent for one rank).
 
-Operand rows of sub-stage s: ``X[:n + s * cap]`` of ``X = concat(local rows,
-buffer of cast 1, ..., buffer of cast S)`` (CalcMeta's coordinates): a unit
-travels once, in the cast of the first sub-stage that uses it, so sub-stage s
-reads only casts 1..s. ``X`` is allocated once and each cast's buffer is
-copied into its slot when that cast is waited for.
+Operand rows of every sub-stage: ``X = concat(local rows, receive buffer)``, ``n + cap``
+rows (CalcMeta's coordinates). The S casts of a kind share that one buffer: cast s writes
+its rows in place from row ``CommMeta.stage_base[s - 1]`` of each rank's buffer on
+(``group_cast(out=..., recv_offset=...)``), after casts 1..s-1's rows. A unit travels
+once, in the cast of the first sub-stage that uses it, so sub-stage s reads only rows of
+casts 1..s, and S sub-stages take the receive memory of one.
 
 Both passes execute ``gpusolver.plan.schedule``'s ``forward_ops(S + 1)`` /
 ``backward_ops(S + 1)`` op by op (the lists the simulator prices):
@@ -24,13 +25,14 @@ rows with reduces 1..S in that order (the log-sum-exp merge is associative:
 exact up to rounding, and the fixed order makes it deterministic).
 
 Backward: dO, lse and delta (and Q, K, V again without kept buffers) are cast
-per sub-stage (``bwd.qo.s``, ``bwd.kv.s``) while the local stage's backward
-runs (each kind kept or cast again on its own, ``keep_forward_buffers``); after
-sub-stage s the dQ rows (``bwd.dq.s``) and dK, dV rows
-(``bwd.dkv.s``) whose last task was in s are summed back to their hosts.
+per sub-stage (``bwd.qo.s``, ``bwd.kv.s``; each kind kept or cast again on its own,
+``keep_forward_buffers``); after sub-stage s the dQ rows (``bwd.dq.s``) and dK, dV
+rows (``bwd.dkv.s``) whose last task was in s are summed back to their hosts, and
+the local stage runs last, while those reduces fly.
 
 Host reads: none with ``LocalGroup``; with ``TorchGroup`` the 4 S ``[P, P]``
-split matrices, stacked and copied once without blocking (``host_splits``).
+split matrices, stacked and copied once without blocking (``host_splits``); each
+cast's start row on this rank is summed from that copy (``_HostStart``).
 """
 from __future__ import annotations
 
@@ -63,6 +65,10 @@ class StageRoutes:
     host[(kind, which)]:   S host copies (``TorchGroup``), else S Nones.
     gather[kind]:          S ``[cap]`` (``[P, cap]``) int64 rows of ``X``'s remote part that
                            make each reduce's buffer (-1 past the fill).
+    start[kind]:           S ``[P]`` int64: the row of each rank's shared receive buffer where
+                           cast s's rows start (``CommMeta.stage_base``).
+    host_start[kind]:      S ``_HostStart`` (``TorchGroup``: this rank's start, from the host
+                           copy of the splits), else S Nones.
     """
 
     num_stages: int
@@ -70,6 +76,19 @@ class StageRoutes:
     split: dict
     host: dict
     gather: dict
+    start: dict
+    host_start: dict
+
+
+class _HostStart:
+    """This rank's first row of cast ``stage`` in its shared buffer: the rows casts 1..stage-1
+    bring it, summed from the host copy of their splits when the exchange starts."""
+
+    def __init__(self, parts: list, stage: int, rank: int):
+        self.parts, self.stage, self.rank = parts, stage, rank
+
+    def get(self) -> int:
+        return sum(row[self.rank] for part in self.parts[:self.stage - 1] for row in part.get())
 
 
 def stage_routes(plan: Plan, group, ranks: tuple[int, ...], batched: bool) -> StageRoutes:
@@ -90,11 +109,16 @@ def stage_routes(plan: Plan, group, ranks: tuple[int, ...], batched: bool) -> St
         parts = host_splits(stacked).parts()
         for b, key in enumerate((kind, which) for kind in KINDS for which in WHICH):
             host[key] = parts[b * S:(b + 1) * S]
+        host_start = {kind: [_HostStart(host[kind, "cast"], s, ranks[0]) for s in range(1, S + 1)]
+                      for kind in KINDS}
     else:
         host = {key: [None] * S for key in index}
+        host_start = {kind: [None] * S for kind in KINDS}
     gather = {kind: list(per_rank(lambda r: comm.return_gather(kind, r)).unbind(1 if batched else 0))
               for kind in KINDS}
-    return StageRoutes(num_stages=S, index=index, split=split, host=host, gather=gather)
+    start = {kind: list(comm.stage_base(kind).unbind(0)) for kind in KINDS}
+    return StageRoutes(num_stages=S, index=index, split=split, host=host, gather=gather, start=start,
+                       host_start=host_start)
 
 
 def op_range(op: Op, sub_stages: bool = False) -> str:
@@ -134,24 +158,22 @@ def _rows(x: torch.Tensor, lead: int, start: int, length: int) -> torch.Tensor:
 
 
 class _Operands:
-    """``X = concat(local rows, S cast buffers)`` per tensor, filled cast by cast."""
+    """``X = concat(local rows, receive buffer [cap rows])`` per tensor; the casts write into the
+    buffer in place, each at its own rows."""
 
-    def __init__(self, local: list[torch.Tensor], cap: int, S: int, lead: int):
+    def __init__(self, local: list[torch.Tensor], cap: int, lead: int):
         self.n, self.cap, self.lead = local[0].shape[lead], cap, lead
         self.x = []
         for t in local:
             shape = list(t.shape)
-            shape[lead] = self.n + S * cap
+            shape[lead] = self.n + cap
             x = t.new_zeros(shape)
             _rows(x, lead, 0, self.n).copy_(t)
             self.x.append(x)
 
-    def fill(self, stage: int, bufs: list[torch.Tensor]) -> None:
-        for x, b in zip(self.x, bufs):
-            _rows(x, self.lead, self.n + (stage - 1) * self.cap, self.cap).copy_(b)
-
-    def prefix(self, stage: int) -> list[torch.Tensor]:
-        return [_rows(x, self.lead, 0, self.n + stage * self.cap) for x in self.x]
+    def remote(self) -> list[torch.Tensor]:
+        """The receive buffers (views of ``X``'s last cap rows), what the casts write into."""
+        return [_rows(x, self.lead, self.n, self.cap) for x in self.x]
 
 
 def _gather_remote(x: torch.Tensor, gather: torch.Tensor, n: int, lead: int, dtype: torch.dtype) -> torch.Tensor:
@@ -166,14 +188,16 @@ def _gather_remote(x: torch.Tensor, gather: torch.Tensor, n: int, lead: int, dty
 
 
 def _issue(op: Op, sr: StageRoutes, group, caps: dict, tensors, acc=None, deterministic: bool = True):
-    """Start collective ``op`` of sub-stage ``op.stages[0]``: its Work. ``caps[kind]``: receive rows."""
+    """Start collective ``op`` of sub-stage ``op.stages[0]``: its Work. ``caps[kind]``: receive rows.
+    A cast writes into ``acc`` (the kind's shared receive buffers) at its own rows."""
     (s,) = op.stages
     which = "return" if op.back else "cast"
     key, i = (op.route, which), s - 1
     phase = stage_phase(op.phase, s)
     if op.kind == CAST:
         return group_cast(list(tensors), sr.index[key][i], sr.split[key][i], caps[op.route], group, phase=phase,
-                          host_split=sr.host[key][i], async_op=True, flag_errors=False)
+                          host_split=sr.host[key][i], async_op=True, flag_errors=False, out=list(acc),
+                          recv_offset=sr.start[op.route][i], host_recv_offset=sr.host_start[op.route][i])
     return group_reduce(list(tensors), sr.index[key][i], sr.split[key][i], list(acc), group,
                         op="lse" if op.phase == "fwd.o" else "sum", phase=phase, host_split=sr.host[key][i],
                         deterministic=deterministic, async_op=True, flag_errors=False)
@@ -185,32 +209,30 @@ def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql,
     lead = 1 if batched else 0
     S, buffers = sr.num_stages, plan.comm.buffers
     caps = {kind: buffers.recv(kind) for kind in KINDS}
-    cap_q, cap_k = caps["qo"], caps["kv"]
     sent = {"qo": (ql,), "kv": (kl, vl)}
+    # the operands, allocated before the casts that fill their receive rows
+    X = {"qo": _Operands([ql], caps["qo"], lead), "kv": _Operands([kl, vl], caps["kv"], lead)}
     works, returned = {}, []
-    X = acc = None
+    acc = None
     n = ql.shape[lead]
     for op in forward_ops(S + 1):
         with nvtx_range(op_range(op, sub_stages=True)):
             if op.kind == CAST:
-                works[op.name] = _issue(op, sr, group, caps, sent[op.route])
+                works[op.name] = _issue(op, sr, group, caps, sent[op.route], X[op.route].remote())
             elif op.kind == WAIT and op.back:
                 returned.append(works[op.deps[0]].wait())
             elif op.kind == WAIT:
-                (s,) = op.stages
-                bufs = works[op.deps[0]].wait()
-                (X if op.route == "qo" else Xkv).fill(s, bufs)
+                works[op.deps[0]].wait()  # cast s's rows are in X now
             elif op.kind == ATTN and op.stages == (0,):
                 o0, l0 = _per_rank(ranks, batched, lambda r, q_, k_, v_: flex_attn(
                     q_, k_, v_, *_slices(plan, r, 0), scale, **_INTERNAL), ql, kl, vl)
-                X, Xkv = _Operands([ql], cap_q, S, lead), _Operands([kl, vl], cap_k, S, lead)
-                acc = _Operands([o0.float(), l0], cap_q, S, lead)   # running (out fp32, lse) of every row of X
-                _rows(acc.x[1], lead, n, S * cap_q).fill_(float("-inf"))
+                acc = _Operands([o0.float(), l0], caps["qo"], lead)   # running (out fp32, lse) of every row of X
+                acc.remote()[1].fill_(float("-inf"))
             elif op.kind == ATTN:
                 (s,) = op.stages
                 o_s, l_s = _per_rank(ranks, batched, lambda r, q_, k_, v_: flex_attn(
-                    q_, k_, v_, *_slices(plan, r, s), scale, **_INTERNAL), *X.prefix(s), *Xkv.prefix(s))
-                a_o, a_l = acc.prefix(s)
+                    q_, k_, v_, *_slices(plan, r, s), scale, **_INTERNAL), *X["qo"].x, *X["kv"].x)
+                a_o, a_l = acc.x
                 o_m, l_m = _merge(a_o, a_l, o_s, l_s, lead)
                 a_o.copy_(o_m)
                 a_l.copy_(l_m)
@@ -226,7 +248,7 @@ def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql,
                     o, lse = _merge(o, lse, r_o, r_l, lead)
             else:
                 raise AssertionError(f"dist_attn cannot run forward op {op}")
-    return o.to(o0.dtype).contiguous(), lse.contiguous(), X.x + Xkv.x
+    return o.to(o0.dtype).contiguous(), lse.contiguous(), X["qo"].x + X["kv"].x
 
 
 def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql, kl, vl, o, lse, kept_q,
@@ -239,11 +261,15 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
     cap_q, cap_k = caps["qo"], caps["kv"]
     n = ql.shape[lead]
     works, returned = {}, []
-    Xq = _Operands([ql], cap_q, S, lead) if kept_q is None else None
-    Xkv = _Operands([kl, vl], cap_k, S, lead) if kept_kv is None else None
+    Xq = _Operands([ql], cap_q, lead) if kept_q is None else None
+    Xkv = _Operands([kl, vl], cap_k, lead) if kept_kv is None else None
     xq = [kept_q] if kept_q is not None else Xq.x
     xk, xv = kept_kv if kept_kv is not None else Xkv.x
     delta = Xg = None
+    # fp32 sums over the rows of each kind's operands (the local stage may run last: start from zero)
+    grads_q = _Operands([torch.zeros(ql.shape, dtype=torch.float32, device=ql.device)], cap_q, lead)
+    grads_kv = _Operands([torch.zeros(kl.shape, dtype=torch.float32, device=kl.device),
+                          torch.zeros(vl.shape, dtype=torch.float32, device=vl.device)], cap_k, lead)
 
     def run(s):
         def fn(r, *t):
@@ -255,43 +281,37 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
             if op.kind == DELTA:  # the host computes delta from its final O: O itself never travels
                 delta = _per_rank(ranks, batched, lambda r, a, b, *c_: (row_delta(a, b, c_[0] if c_ else None),),
                                   d_o, o, *(() if d_l is None else (d_l,)))[0]
-                Xg = _Operands([d_o, lse, delta], cap_q, S, lead)
+                Xg = _Operands([d_o, lse, delta], cap_q, lead)
             elif op.kind == CAST:
-                tensors = ((d_o, lse, delta) + (() if kept_q is not None else (ql,))) if op.route == "qo" else (kl, vl)
-                works[op.name] = _issue(op, sr, group, caps, tensors)
+                if op.route == "qo":
+                    tensors = (d_o, lse, delta) + (() if kept_q is not None else (ql,))
+                    into = Xg.remote() + ([] if kept_q is not None else Xq.remote())
+                else:
+                    tensors, into = (kl, vl), Xkv.remote()
+                works[op.name] = _issue(op, sr, group, caps, tensors, into)
             elif op.kind == WAIT and op.back:
                 returned.append((op.phase, works[op.deps[0]].wait()))
             elif op.kind == WAIT:
-                (s,) = op.stages
-                bufs = works[op.deps[0]].wait()
-                if op.route == "qo":
-                    Xg.fill(s, bufs[:3])
-                    if kept_q is None:
-                        Xq.fill(s, bufs[3:])
-                else:
-                    Xkv.fill(s, bufs)
-            elif op.kind == ATTN and op.stages == (0,):
-                dq0, dk0, dv0 = _per_rank(ranks, batched, run(0), d_o, ql, kl, vl, lse, delta)
-                # fp32 sums over the rows of each kind's operands
-                grads_q = _Operands([dq0.float()], cap_q, S, lead)
-                grads_kv = _Operands([dk0.float(), dv0.float()], cap_k, S, lead)
+                works[op.deps[0]].wait()  # cast s's rows are in the operands now
+            elif op.kind == ATTN and op.stages == (0,):  # local rows only: its grads never travel
+                parts = _per_rank(ranks, batched, run(0), d_o, ql, kl, vl, lse, delta)
+                for acc_, part in zip(grads_q.x + grads_kv.x, parts):
+                    _rows(acc_, lead, 0, n).add_(part)
             elif op.kind == ATTN:
                 (s,) = op.stages
-                g_do, g_lse, g_delta = Xg.prefix(s)
-                q_ = _rows(xq[0], lead, 0, n + s * cap_q)
-                k_, v_ = (_rows(x, lead, 0, n + s * cap_k) for x in (xk, xv))
-                parts = _per_rank(ranks, batched, run(s), g_do, q_, k_, v_, g_lse, g_delta)
-                for acc_, part in zip(grads_q.prefix(s) + grads_kv.prefix(s), parts):
+                g_do, g_lse, g_delta = Xg.x
+                parts = _per_rank(ranks, batched, run(s), g_do, xq[0], xk, xv, g_lse, g_delta)
+                for acc_, part in zip(grads_q.x + grads_kv.x, parts):
                     acc_.add_(part)
             elif op.kind == REDUCE:
                 (s,) = op.stages
                 kind = "qo" if op.phase == "bwd.dq" else "kv"
                 pick = grads_q.x if kind == "qo" else grads_kv.x
-                dtype = dq0.dtype if kind == "qo" else dk0.dtype
+                dtype = ql.dtype if kind == "qo" else kl.dtype
                 partial = [_gather_remote(t, sr.gather[kind][s - 1], n, lead, dtype) for t in pick]
                 works[op.name] = _issue(op, sr, group, caps, partial,
-                                        [torch.zeros_like(dq0)] if kind == "qo" else
-                                        [torch.zeros_like(dk0), torch.zeros_like(dv0)], deterministic)
+                                        [torch.zeros_like(ql)] if kind == "qo" else
+                                        [torch.zeros_like(kl), torch.zeros_like(vl)], deterministic)
             elif op.kind == MERGE:  # the host's rows plus reduces 1..S in that order: a fixed summation order
                 dq, dk, dv = (_rows(t, lead, 0, n) for t in grads_q.x + grads_kv.x)
                 for phase, parts in returned:
@@ -301,4 +321,4 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
                         dk, dv = dk + parts[0].float(), dv + parts[1].float()
             else:
                 raise AssertionError(f"dist_attn cannot run backward op {op}")
-    return dq.to(dq0.dtype), dk.to(dk0.dtype), dv.to(dv0.dtype)
+    return dq.to(ql.dtype), dk.to(kl.dtype), dv.to(vl.dtype)

@@ -20,7 +20,10 @@ places every op in time:
   back (as a pipelined exchange does), and the collective completes on every
   rank at once, when the busiest side is done; ``mode="p2p"``: each transfer
   starts when both its ends have reached the op and both its sides are free
-  (the one that can start first goes first), holds them for its own bytes, and a rank is done when its own transfers are.
+  (the one that can start first goes first), holds them for its own bytes, and a rank is done when its own transfers are;
+  ``mode="p2p-recv"``: the same transfers, but a rank is done when its incoming ones are (its
+  sends need not have landed: a consumer that waits on a signal its senders set, not on the
+  exchange as a whole).
   Each collective (a2a) or transfer (p2p) pays the topology's latency once,
   the inter-node one when it crosses nodes.
 
@@ -44,7 +47,7 @@ class SimOp:
     deps:      names of earlier ops it waits for (on the same rank).
     duration:  compute: seconds per rank ([P] floats); None for collectives and waits.
     transfers: collective: ((src, dst, bytes), ...); None otherwise.
-    mode:      "a2a" or "p2p" for a collective.
+    mode:      "a2a", "p2p" or "p2p-recv" for a collective.
     label:     what the timeline shows (default the name).
     """
 
@@ -184,13 +187,16 @@ def _collective(op: SimOp, ready: list[float], links: _Links, label: str, out: l
     if op.mode == "a2a":
         start = max(ready) + _latency(topo, moves)
         return [links.place_all(moves, start, label, out)] * P
-    if op.mode != "p2p":
-        raise ValueError(f"op {op.name!r}: mode must be 'a2a' or 'p2p', got {op.mode!r}")
+    if op.mode not in ("p2p", "p2p-recv"):
+        raise ValueError(f"op {op.name!r}: mode must be 'a2a', 'p2p' or 'p2p-recv', got {op.mode!r}")
+    senders_wait = op.mode == "p2p"
     end = list(ready)
     left = [(s, d, b, max(ready[s], ready[d]) + _latency(topo, [(s, d, b)])) for s, d, b in moves]
     while left:  # the transfer that can start first goes first (ties: source, then destination)
         k = min(range(len(left)), key=lambda i: (links.earliest(*left[i]), left[i][0], left[i][1]))
         s, d, b, earliest = left.pop(k)
         t = links.place(s, d, b, earliest, label, out)
-        end[s], end[d] = max(end[s], t), max(end[d], t)
+        if senders_wait:
+            end[s] = max(end[s], t)
+        end[d] = max(end[d], t)
     return end

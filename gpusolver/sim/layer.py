@@ -10,7 +10,7 @@ memory-bound and small next to attention: they are priced at zero.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -161,7 +161,7 @@ def _priced(plan, phase: str, topo: Topology, cost, keep: bool, mode: str) -> li
 
 
 def simulate(plan, topology: Topology, *, cost=None, keep_forward_buffers: bool | str | None = None,
-             comm: str = "a2a", name: str = "ours") -> LayerTime:
+             comm: str = "a2a", reduce_stream: bool = False, name: str = "ours") -> LayerTime:
     """The simulated time of one layer executing ``plan`` on ``topology``.
 
     plan:     a ``Plan`` or ``SparsePlan`` (read on the host).
@@ -169,12 +169,16 @@ def simulate(plan, topology: Topology, *, cost=None, keep_forward_buffers: bool 
     cost:     the ``CommCost`` pricing rows and FLOPs (default the plan's own).
     keep_forward_buffers: the backward's protocol (default the cost's).
     comm:     "a2a" (``TorchGroup``: every collective an all-to-all-v that completes as one)
-              or "p2p" (``SymmMemGroup``: each (source, destination) transfer on its own).
+              or "p2p" (``SymmMemGroup``: each (source, destination) transfer on its own), or
+              "p2p-recv" (p2p where a rank's wait ends when its own incoming rows have landed:
+              a transport with per-collective signals, not built yet; a what-if).
+    reduce_stream: the reduces on a stream of their own (not queued behind the casts; a
+              what-if: the runtime issues them on the casts' stream).
     """
     if not isinstance(topology, Topology):
         raise TypeError(f"topology must be a Topology, got {type(topology).__name__}")
-    if comm not in ("a2a", "p2p"):
-        raise ValueError(f"comm must be 'a2a' or 'p2p', got {comm!r}")
+    if comm not in ("a2a", "p2p", "p2p-recv"):
+        raise ValueError(f"comm must be 'a2a', 'p2p' or 'p2p-recv', got {comm!r}")
     cost = plan.cost if cost is None else cost
     if cost is None:
         raise ValueError("simulate needs the plan's CommCost: the plan has none, pass cost=")
@@ -182,5 +186,11 @@ def simulate(plan, topology: Topology, *, cost=None, keep_forward_buffers: bool 
     topology.check_group(P)
     keep = cost.keep_forward_buffers if keep_forward_buffers is None else keep_forward_buffers
     keep = keep if isinstance(keep, str) else bool(keep)  # True, False, or the one kind kept ("qo" / "kv")
-    return LayerTime(fwd=pass_time(_priced(plan, "fwd", topology, cost, keep, comm), P, topology),
-                     bwd=pass_time(_priced(plan, "bwd", topology, cost, keep, comm), P, topology), name=name)
+    passes = {}
+    for phase in ("fwd", "bwd"):
+        ops = _priced(plan, phase, topology, cost, keep, comm)
+        if reduce_stream:
+            ops = [replace(op, stream="reduce") if op.collective and op.name.split(".")[1] == "reduce" else op
+                   for op in ops]
+        passes[phase] = pass_time(ops, P, topology)
+    return LayerTime(fwd=passes["fwd"], bwd=passes["bwd"], name=name)

@@ -174,7 +174,13 @@ def test_tiled_bundles_sum_key_host_deltas():
     """Instances where a bundle moves several tasks of one key host and the busiest other key host
     decides a score: the per-task maximum of the untiled kernel would differ there."""
     P, G, B, tiles = 3, 1, 2, 2
-    per_task = bundle_ref._busiest_key_host
+
+    def per_task(send, delta, inc, elsewhere):  # the untiled rule: each task's change on its own
+        host = torch.arange(delta.shape[-1]) // tiles  # key unit j's host
+        lead = (send.shape[0],) + (1,) * (inc.dim() - 2)
+        alone = inc & elsewhere.index_select(-1, host)
+        return torch.where(alone, send[:, host].view(*lead, -1) + delta, 0).amax(-1)
+
     found = 0
     for seed in range(120):
         gen = torch.Generator().manual_seed(seed)
@@ -187,8 +193,7 @@ def test_tiled_bundles_sum_key_host_deltas():
         threshold = torch.where(balance, st_.bottleneck.double() * 1.02 + 1.0, float(core._BIG))
         args = (cap, st_.load - cap, balance, threshold, 2, 2)
         ref = bundle_ref.bundle_proposals(tasks, st_, *args)
-        with mock.patch.object(bundle_ref, "_busiest_key_host",
-                               lambda send, host, where, delta, tiles: per_task(send, host, where, delta, 1)):
+        with mock.patch.object(bundle_ref, "_busiest_key_host", per_task):
             untiled = bundle_ref.bundle_proposals(tasks, st_, *args)
         if torch.equal(ref.score, untiled.score):
             continue

@@ -5,6 +5,8 @@ compute the right attention; these check the pass itself: arrival order,
 balance, S = 1 unchanged, determinism, meta, and that per-stage routing adds
 up to the whole plan.
 """
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -142,15 +144,49 @@ def test_sparse_plans_refuse_sub_stages():
         solve(TokenTopKMask(topk.to(torch.int32), P * c), make_config(P, 4, 2, num_stages=2))
 
 
-def test_overflow_of_one_sub_stage_is_named():
-    """A buffer per sub-stage: past the capacity in one cast is BUFFER_OVERFLOW, named with its sub-stage."""
+@pytest.mark.parametrize("tiles", [1, 2])
+def test_sub_stages_share_one_receive_buffer(tiles):
+    """Cast s's rows lie at [stage_base[s - 1], + its rows) of each rank's one buffer per kind, after
+    casts 1..s-1's, each transfer inside its own stage's range: the buffer holds the one-stage fill."""
+    mask, areas, plan, config = _solved(S=4, tiles=tiles)
+    one = build_plan(mask, areas, plan.assignment, make_config(8, 4, 2, True, tiles, num_stages=1))
+    comm = plan.comm
+    for kind in ("qo", "kv"):
+        rows = comm.stage_split(kind).sum(1)                                  # [S, P] rows of each cast
+        base = comm.stage_base(kind)
+        assert torch.equal(base, rows.cumsum(0) - rows)
+        assert torch.equal(rows.sum(0), getattr(one.comm, f"{kind}_recv_rows"))
+        rng = getattr(comm, f"{kind}_range")
+        length = rng[..., 1] - rng[..., 0]
+        first = getattr(comm, f"{kind}_stage")[..., 0]
+        off = getattr(comm, f"{kind}_recv_offset")
+        for r in range(8):
+            moved = length[:, :, r] > 0
+            s_ = first[:, :, r][moved] - 1
+            lo, hi = off[:, :, r][moved], off[:, :, r][moved] + length[:, :, r][moved]
+            assert bool((lo >= base[s_, r]).all() and (hi <= base[s_, r] + rows[s_, r]).all()), (kind, r)
+            # the transfers tile the fill exactly once
+            cover = torch.zeros(int(rows[:, r].sum()), dtype=torch.int64)
+            for a, b in zip(lo.tolist(), hi.tolist()):
+                cover[a:b] += 1
+            assert bool((cover == 1).all()), (kind, r)
+
+
+def test_overflow_counts_the_whole_fill():
+    """One buffer per kind for all sub-stages: a capacity that holds every single cast but not a rank's
+    whole fill is BUFFER_OVERFLOW, named with the whole fill; the one-stage capacity is enough."""
     mask, areas, plan, config = _solved(S=2)
+    fill = plan.comm.kv_recv_rows
     per = plan.comm.stage_split("kv").sum(1)
-    cap = int(per.max()) - 1
-    assert cap >= int(per.min())
-    small = build_plan(mask, areas, plan.assignment, config, recv_capacity=cap)
-    with pytest.raises(ValueError, match=r"BUFFER_OVERFLOW: rank \d+ receives \d+ KV rows in sub-stage [12]"):
+    cap = int(fill.max()) - 1
+    assert cap >= int(per.max())  # every cast alone would fit
+    small = build_plan(mask, areas, plan.assignment, config, buffers=replace(plan.comm.buffers, kv_recv=cap))
+    with pytest.raises(ValueError, match=rf"BUFFER_OVERFLOW: rank \d+ receives {int(fill.max())} KV rows, "
+                                         rf"receive capacity {cap}"):
         small.validate(ignore=1)
+    exact = build_plan(mask, areas, plan.assignment, config, buffers=replace(plan.comm.buffers, kv_recv=cap + 1,
+                                                                              qo_recv=int(plan.comm.qo_recv_rows.max())))
+    exact.validate(ignore=1)
 
 
 @pytest.mark.parametrize("comm", ["a2a", "p2p"])

@@ -146,3 +146,30 @@ def test_default_group_on_cpu_is_torch_group():
     for name, messages in run_ranks(_pick_default, 2, timeout=30):
         assert name == "TorchGroup"
         assert len(messages) == 1 and "TorchGroup" in messages[0], messages
+
+
+def _rank_return_rows(rank, P, seed):
+    r, _, sums, _ = _inputs(P, seed)
+    group = TorchGroup()
+    sizes = []
+    exchange = group._exchange
+
+    def spy(out, inp, out_sizes, in_sizes, phase):
+        sizes.append(out.shape[0])
+        return exchange(out, inp, out_sizes, in_sizes, phase)
+    group._exchange = spy
+    parts, acc = ([t[rank] for t in x] for x in sums)
+    got = group_reduce(parts, r.send_index[rank], r.split, acc, group, op="sum", async_op=True).wait()
+    return sizes, got
+
+
+def test_reduce_returns_into_the_rows_it_returns():
+    """The way back lands in a buffer of the rows this rank really sent (host-known), not of the send
+    list's capacity, so reduces in flight together hold one send list at most; results unchanged."""
+    P, seed = 3, 2
+    got = run_ranks(_rank_return_rows, P, seed, timeout=60)
+    r, _, sums, _ = _inputs(P, seed)
+    ref = group_reduce(sums[0], r.send_index, r.split, sums[1], LocalGroup(P), op="sum")
+    for rank, (sizes, res) in enumerate(got):
+        assert sizes == [int(r.split[rank].sum())] and sizes[0] < r.send_index.shape[1], (rank, sizes)
+        assert torch.equal(ref[0][rank], res[0]), rank

@@ -103,8 +103,8 @@ def tight_plan(mask: AttnSlices, config: SolverConfig, solver: str = "reference"
         warnings.simplefilter("ignore")
         plan = solve(mask, config, solver=solver)
     comm, calc = plan.comm, plan.calc
-    # receive rows per sub-stage buffer (one buffer with S = 1); sends are per rank in total
-    recv = max(int(comm.stage_split(kind).sum(1).max()) for kind in ("qo", "kv"))
+    # receive rows per rank (one buffer per kind, shared by the sub-stages); sends are per rank in total
+    recv = max(int(getattr(comm, f"{kind}_recv_rows").max()) for kind in ("qo", "kv"))
     rows = max([recv] + [int(s.sum(1).max()) for s in (comm.qo_split, comm.kv_split)])
     live = (calc.q_ranges[..., 1] > calc.q_ranges[..., 0]) & (calc.k_ranges[..., 1] > calc.k_ranges[..., 0])
     last = torch.where(live, torch.arange(live.shape[-1]) + 1, 0).amax()

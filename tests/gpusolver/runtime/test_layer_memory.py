@@ -77,3 +77,56 @@ def test_plan_memory_equals_the_runtime(keep):
     assert len(fwd) == 3 and sum(fwd) == P * m.fwd_peak  # Q cast, K+V cast, O+lse reduce
     # dO with lse, delta (and Q unless kept), K+V unless kept, then the dQ and dK+dV reduces
     assert len(bwd) == (3 if kv_kept else 4) and sum(bwd) + P * m.kept == P * m.bwd_peak
+
+
+class _IntoRecorder:
+    """The distinct receive buffers ``LocalGroup._cast_into`` writes (by storage and offset), in bytes."""
+
+    def __init__(self, group):
+        self.current = {}
+        into = group._cast_into
+
+        def recorded(tensors, send_index, split, out, *args):
+            for o in out:
+                key = (o.untyped_storage().data_ptr(), o.storage_offset(), tuple(o.shape))
+                self.current[key] = o.numel() * o.element_size()
+            return into(tensors, send_index, split, out, *args)
+        group._cast_into = recorded
+
+
+@pytest.mark.parametrize("keep", [True, pytest.param(False, marks=pytest.mark.slow),
+                                  pytest.param("kv", marks=pytest.mark.slow)])
+def test_sub_stages_share_the_receive_memory(keep):
+    """S = 3: the three casts of a kind write into one buffer of the plan's capacity, so the layer
+    keeps and receives what ``plan.memory()`` says, the same as the one-stage plan; each reduce's
+    return buffer is the one-stage one, and LocalGroup finishes each before the next."""
+    P, c, Hq, Hkv, S = 4, 16, 4, 2, 3
+    caps = dict(max_qo_recv_rows=40, max_kv_recv_rows=64, max_qo_send_rows=56, max_kv_send_rows=88)
+    mask = varlen_causal_mask(doc_lengths(P * c, 0))
+    config = make_config(P, Hq, Hkv, keep_forward_buffers=keep, num_stages=S, **caps)
+    plan = solve(mask, config)
+    assert plan.num_stages == S and int((plan.task_stage > 1).sum()) > 0
+    m = plan.memory(config)
+    one = solve(mask, make_config(P, Hq, Hkv, keep_forward_buffers=keep, **caps)).memory(config)
+    assert m.kept == one.kept
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(P, c, Hq, D, generator=g, requires_grad=True)
+    k = torch.randn(P, c, Hkv, D, generator=g, requires_grad=True)
+    v = torch.randn(P, c, Hkv, D, generator=g, requires_grad=True)
+    group = LocalGroup(P)
+    ret, into = _Recorder(group), _IntoRecorder(group)
+    (out, lse), sizes, held = _saved(lambda: dist_attn(q, k, v, plan, group, keep_forward_buffers=keep))
+    fwd_ret, fwd_recv = ret.current, sum(into.current.values())
+    ret.current, into.current = [], {}
+    (out.sum() + lse.sum()).backward()
+    bwd_ret, bwd_recv = ret.current, sum(into.current.values())
+    own = P * c * (2 * Hq * D + 2 * Hkv * D + Hq) * 4
+    assert sum(sizes[:5]) == own
+    # what is held past the layer's own activations is the kept receive rows (the kept operands'
+    # local rows are the saved q, k, v themselves), within the scratch rows of the puts and reduces
+    assert 0 <= held - own - P * m.kept <= 2 * Hq // 2 * D * 4 * P
+    assert (m.fwd_peak, m.bwd_peak) == (one.fwd_peak, one.bwd_peak)
+    # Q, K+V buffers and one O+lse return buffer at a time
+    assert len(fwd_ret) == S and len(set(fwd_ret)) == 1 and fwd_recv + fwd_ret[0] == P * m.fwd_peak
+    # dO, lse, delta (Q, K, V unless kept) buffers, the kept ones, and one dQ and one dK+dV return buffer
+    assert len(bwd_ret) == 2 * S and bwd_recv + bwd_ret[0] + bwd_ret[1] + P * m.kept == P * m.bwd_peak

@@ -25,7 +25,11 @@ def test_lists_are_well_formed(stages):
     two_branches = (forward_ops(stages, 2),) if stages <= 2 else ()  # sub-stages (stages > 2) run one branch
     for ops in (forward_ops(stages), *two_branches, backward_ops(stages, True), backward_ops(stages, False)):
         _check_well_formed(ops)
-        assert [op.stages for op in ops if op.kind == ATTN] == [(s,) for s in range(stages)]
+        order = [op.stages for op in ops if op.kind == ATTN]
+        if stages > 2 and ops[0].phase.startswith("bwd"):  # sub-stages' backward: the local stage last
+            assert order == [(s,) for s in range(1, stages)] + [(0,)]
+        else:
+            assert order == [(s,) for s in range(stages)]
     fwd = forward_ops(2)
     # both casts are issued before stage 0, which does not wait for them; stage 1 waits for both
     assert [op.name for op in fwd[:3]] == ["fwd.cast.qo", "fwd.cast.kv", "fwd.attn.0"] and fwd[2].deps == ()
@@ -37,6 +41,20 @@ def test_lists_are_well_formed(stages):
     assert {op.phase for op in backward_ops(2, False) if op.collective} == set(PHASES_BWD)
     assert {op.phase for op in fwd if op.collective} == set(PHASES_FWD)
     assert {op.phase for op in bwd if op.collective} == set(PHASES_BWD) - {"bwd.kv"}
+
+
+def test_sub_stage_backward_hides_its_returns_under_the_local_stage():
+    """S = 3: every dQ / dK, dV reduce is issued before the local stage runs, and reduce s right
+    after sub-stage s; the forward runs the local stage first, before any wait."""
+    bwd = [op.name for op in backward_ops(4, True)]
+    local = bwd.index("bwd.attn.0")
+    for s in (1, 2, 3):
+        for ph in ("dq", "dkv"):
+            assert bwd.index(f"bwd.attn.{s}") < bwd.index(f"bwd.reduce.{ph}.{s}") < local
+    assert all(bwd.index(f"bwd.wait.{ph}.{s}") > local for s in (1, 2, 3) for ph in ("dq", "dkv"))
+    fwd = forward_ops(4)
+    first_wait = next(i for i, op in enumerate(fwd) if op.kind == WAIT)
+    assert [op.name for op in fwd].index("fwd.attn.0") < first_wait
 
 
 def test_bad_stage_count():

@@ -7,6 +7,7 @@ from gpusolver import SolverConfig, block_areas, evaluate, solve
 from gpusolver.metrics import owner_computes_assignment
 from gpusolver.masks import causal_mask, full_mask, packed_documents, sliding_window_mask, varlen_full_mask
 from gpusolver.runtime import group_major, simulate_forward, ungroup
+from tests._solves import shared_solve
 from tests._testing import assert_close
 
 
@@ -36,7 +37,7 @@ def test_plan_forward_equals_dense_attention(solver, name, P, G):
             "docs-full": lambda: varlen_full_mask([10, 70, S - 80])}[name]()
     Hq, Hkv, D = 4 * G, G, 32
     config = SolverConfig(cp_size=P, num_heads_q=Hq, num_heads_kv=Hkv, head_dim=D, dtype=torch.float32)
-    plan = solve(mask, config, solver=solver)
+    plan = shared_solve(mask, config, solver=solver)
     q, k, v = _qkv(S, Hq, Hkv, D)
     out, lse = simulate_forward(plan, q, k, v)
     ref_out, ref_lse = dense_attn(q, k, v, mask.to_dense())
@@ -66,7 +67,7 @@ def test_tiled_plan_forward_equals_dense_attention(solver, name, P, G, tiles):
     Hq, Hkv, D = 4 * G, G, 32
     config = SolverConfig(cp_size=P, num_heads_q=Hq, num_heads_kv=Hkv, head_dim=D, dtype=torch.float32,
                           chunk_tiles=tiles)
-    plan = solve(mask, config, solver=solver)
+    plan = shared_solve(mask, config, solver=solver)
     assert plan.assignment.shape == (G, P * tiles, P * tiles)
     q, k, v = _qkv(S, Hq, Hkv, D)
     out, lse = simulate_forward(plan, q, k, v)
@@ -106,7 +107,8 @@ def test_plan_gradients_equal_dense_attention():
     P, G, S, D = 4, 2, 192, 32
     mask = packed_documents(S, seed=3)
     config = SolverConfig(cp_size=P, num_heads_q=4 * G, num_heads_kv=G, head_dim=D, dtype=torch.float32)
-    plan = solve(mask, config)
+    # the plan of test_plan_forward_equals_dense_attention[packed-causal-4-2-device]: solved once
+    plan = shared_solve(mask, config, solver="device")
     q, k, v = (t.requires_grad_() for t in _qkv(S, 4 * G, G, D, seed=1))
     w = torch.randn(S, 4 * G, D, generator=torch.Generator().manual_seed(2))
     out, _ = simulate_forward(plan, q, k, v)

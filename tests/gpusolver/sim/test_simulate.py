@@ -87,6 +87,36 @@ def test_p2p_sends_one_by_one():
     assert a2a.end["x"] == pytest.approx([2.0] * 4)  # the busiest side (rank 0's send: 200 B)
 
 
+def test_p2p_recv_ends_with_the_incoming_rows():
+    """The what-if transport: the same placement as p2p, but a rank is done when its incoming rows
+    are (rank 0 only sends: done at once; rank 2 still waits for both its sources)."""
+    topo = Topology(ranks_per_node=4, nvlink_gbps=1e-7, ib_gbps=1.0, attn_tflops=1.0)  # 100 B/s
+    moves = ((0, 1, 100), (0, 2, 100), (3, 2, 50))
+    run = run_ops([SimOp("x", "comm", transfers=moves, mode="p2p-recv")], 4, topo)
+    assert run.end["x"] == pytest.approx([0.0, 1.0, 2.0, 0.0])
+    with pytest.raises(ValueError, match="mode must be"):
+        run_ops([SimOp("x", "comm", transfers=moves, mode="p2p-all")], 4, topo)
+
+
+def test_what_if_transports_never_slower_and_bounded():
+    """A sub-stage plan across two nodes: waiting on the receives only, then reduces on their own stream
+    too, do not lengthen its simulated step, which stays at or above the ideal bound."""
+    P = 4
+    mask = varlen_causal_mask([40, 100, 60, 56])
+    config = _config(P, num_stages=3)
+    areas = block_areas(mask, P, config.head_groups, impl="torch")
+    asg = torch.where(areas.area > 0, (torch.arange(P).view(1, 1, P) + torch.arange(P).view(1, P, 1)) % P, -1)
+    topo = Topology(ranks_per_node=2, nvlink_gbps=2.0, ib_gbps=0.5, attn_tflops=1e-3)
+    plan = build_plan(mask, areas, asg.expand_as(areas.area).to(torch.int32), config, topology=topo)
+    base = simulate(plan, topo, comm="p2p")
+    recv = simulate(plan, topo, comm="p2p-recv")
+    both = simulate(plan, topo, comm="p2p-recv", reduce_stream=True)
+    assert both.step_ms <= recv.step_ms * (1 + 1e-12) and recv.step_ms <= base.step_ms * (1 + 1e-12)
+    assert both.step_ms >= both.ideal_ms * (1 - 1e-12) and both.ideal_ms == base.ideal_ms
+    with pytest.raises(ValueError, match="comm must be"):
+        simulate(plan, topo, comm="p2q")
+
+
 @pytest.mark.parametrize("slow_link", [False, True], ids=["compute-bound", "link-bound"])
 def test_ring_of_four_exact(slow_link):
     P, c = 4, 64
