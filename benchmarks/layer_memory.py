@@ -94,11 +94,14 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        # an output that shares an argument's storage (a view, an in-place op) allocated nothing:
+        # without this, the first view of an input made before the mode would count as new
+        given = {id(a.untyped_storage()) for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)}
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 s = t.untyped_storage()
                 key = id(s)
-                if key not in self._seen:
+                if key not in self._seen and key not in given:
                     self._seen.add(key)
                     self.live += s.nbytes()
                     weakref.finalize(s, self._free, key, s.nbytes())
@@ -125,18 +128,26 @@ def shape_plan(mask, config: SolverConfig):
     return build_plan(mask, areas, owner.expand(config.head_groups, U, U).to(torch.int32), config)
 
 
-def make_config(P: int, shapes: dict, keep=True, budget=None) -> SolverConfig:
-    return SolverConfig(cp_size=P, num_heads_q=shapes["num_heads_q"], num_heads_kv=shapes["num_heads_kv"],
-                        head_dim=shapes["head_dim"], dtype=shapes["dtype"], keep_forward_buffers=keep,
-                        memory_budget=budget)
+def make_config(P: int, shapes: dict, keep=True, budget=None, qo_chunks=None) -> SolverConfig:
+    """The benchmark's config; ``qo_chunks``: the QO receive buffer in multiples of G * c (the budget
+    runs': a smaller buffer the solve keeps its plans within, so that Q fits the budget whole)."""
+    config = SolverConfig(cp_size=P, num_heads_q=shapes["num_heads_q"], num_heads_kv=shapes["num_heads_kv"],
+                          head_dim=shapes["head_dim"], dtype=shapes["dtype"], keep_forward_buffers=keep,
+                          memory_budget=budget)
+    if qo_chunks is None:
+        return config
+    return replace(config, max_qo_recv_rows=qo_chunks * config.head_groups * shapes["tokens_per_rank"])
 
 
-def measure(kind: str, P: int, shapes: dict, device: str, *, seed: int = 0, keep=True, budget=None) -> dict:
-    """Kept and peak bytes per rank of one layer (forward and backward) for one mask."""
+def measure(kind: str, P: int, shapes: dict, device: str, *, seed: int = 0, keep=True, budget=None,
+            checkpoint: bool = False, qo_chunks=None) -> dict:
+    """Kept and peak bytes per rank of one layer (forward and backward) for one mask; ``checkpoint``:
+    the layer under full activation checkpointing (non-reentrant: nothing saved, the forward run
+    again inside the backward, whose peak is then counted)."""
     c, D, dtype = shapes["tokens_per_rank"], shapes["head_dim"], shapes["dtype"]
     Hq, Hkv = shapes["num_heads_q"], shapes["num_heads_kv"]
-    config = keep_for_budget(make_config(P, shapes, keep, budget), c)  # the kinds kept within the budget
-    keep = config.keep_forward_buffers
+    config = keep_for_budget(make_config(P, shapes, keep, budget, qo_chunks), c)  # what the budget keeps
+    keep, kv_rows = config.keep_forward_buffers, config.kept_kv_rows
     mask = make_mask(kind, P, seed, c, device=device)
     t0 = time.perf_counter()
     plan = solve(mask, config) if device == "cpu" else shape_plan(mask, config)
@@ -151,30 +162,73 @@ def measure(kind: str, P: int, shapes: dict, device: str, *, seed: int = 0, keep
     q, k, v = make(Hq), make(Hkv), make(Hkv)
     group = LocalGroup(P)
     fwd_live, bwd_live = LiveBytes(), LiveBytes()
+    def layer(q, k, v):
+        return dist_attn(q, k, v, plan, group, keep_forward_buffers=keep, kept_kv_rows=kv_rows)
+
     with SavedBytes() as saved, fwd_live:
-        out, lse = dist_attn(q, k, v, plan, group, keep_forward_buffers=keep)
+        if checkpoint:
+            out, lse = torch.utils.checkpoint.checkpoint(layer, q, k, v, use_reentrant=False)
+        else:
+            out, lse = layer(q, k, v)
     d_out = torch.ones_like(out) if device == "meta" else torch.randn(out.shape, generator=g).to(dtype)
     with bwd_live:
         torch.autograd.backward(out, d_out)
     ref = layer_shapes(shapes, P)
-    row = {"kind": kind, "P": P, "budget": budget, "keep": keep, "device": device, "solve_s": solve_s,
+    row = {"kind": kind, "P": P, "budget": budget, "qo_recv": "default" if qo_chunks is None else f"{qo_chunks} Gc",
+           "keep": keep, "kv_rows": _chunks(kv_rows, config, c),
+           "ckpt": "yes" if checkpoint else "no", "device": device, "solve_s": solve_s,
            "kept": saved.total / P, "fwd_peak": fwd_live.peak / P, "bwd_peak": bwd_live.peak / P, **ref}
     row["kept_ratio"] = row["kept"] / ref["plain_kept"]
     row["peak_ratio"] = max(row["fwd_peak"], row["bwd_peak"]) / ref["own"]
     m = plan.memory(config)
-    row.update({"plan_kept": m.kept, "plan_fwd": m.fwd_peak, "plan_bwd": m.bwd_peak})
+    row.update({"plan_kept": 0 if checkpoint else m.kept, "plan_fwd": m.fwd_peak, "plan_bwd": m.bwd_peak})
     return row
 
 
-COLUMNS = [("kind", "kind", ""), ("P", "P", "d"), ("budget", "budget", ""), ("keep", "keep", ""),
+def _chunks(rows, config: SolverConfig, c: int) -> str:
+    """Kept KV rows in multiples of G * c ("all" when the whole buffer is kept)."""
+    return "all" if rows is None else f"{rows / (config.head_groups * c):.2f} Gc"
+
+
+COLUMNS = [("kind", "kind", ""), ("P", "P", "d"), ("budget", "budget", ""), ("QO recv", "qo_recv", ""),
+           ("keep", "keep", ""),
+           ("kept KV rows", "kv_rows", ""), ("checkpointed", "ckpt", ""),
            ("kept MB", "kept", ".1f"), ("plan.memory kept MB", "plan_kept", ".1f"),
            ("plain attn MB", "plain_kept", ".1f"), ("kept / plain", "kept_ratio", ".2f"),
            ("fwd transient MB", "fwd_peak", ".1f"), ("bwd transient MB", "bwd_peak", ".1f"),
            ("plan.memory fwd MB", "plan_fwd", ".1f"), ("plan.memory bwd MB", "plan_bwd", ".1f"),
            ("own q,k,v,out MB", "own", ".1f"), ("peak / own", "peak_ratio", ".2f")]
-STEP_COLUMNS = [("kind", "kind", ""), ("P", "P", "d"), ("budget", "budget", ""), ("kept kinds", "budget_keep", ""),
+STEP_COLUMNS = [("kind", "kind", ""), ("P", "P", "d"), ("budget", "budget", ""), ("QO recv", "qo_recv", ""),
+                ("status", "status", "d"), ("kept kinds", "budget_keep", ""),
+                ("kept KV rows", "kv_rows", ""),
                 ("step ms, all kept (simulated)", "keep_ms", ".2f"), ("step ms, budget (simulated)", "budget_ms", ".2f"),
-                ("ratio", "step_ratio", ".3f")]
+                ("ratio", "step_ratio", ".3f"), ("step ms, nothing kept (simulated)", "none_ms", ".2f"),
+                ("ratio none", "none_ratio", ".3f")]
+
+
+def step_cost(kind: str, P: int, budget: float, seed: int, topology: str, qo_chunks=None) -> dict:
+    """Simulated training step (forward + backward, ``gpusolver.sim``) of the device solver's plan at
+    real shapes on CPU: everything kept, within ``budget`` (what is not kept cast again, the solve
+    pricing it), and nothing kept."""
+    from gpusolver.sim import simulate
+    from gpusolver.topology import Topology
+
+    topo = Topology.preset(topology)
+    c = REAL["tokens_per_rank"]
+    mask = make_mask(kind, P, seed, c)
+    times, resolved = {}, None
+    for name, keep, b in (("keep", True, None), ("budget", True, budget), ("none", False, None)):
+        config = make_config(P, REAL, keep, b, qo_chunks if b is not None else None)
+        plan = solve(mask, config)
+        times[name] = simulate(plan, topo).step_ms
+        if name == "budget":
+            resolved, plan_status = keep_for_budget(config, c), plan.status
+    return {"kind": kind, "P": P, "budget": budget, "status": int(plan_status),
+            "qo_recv": "default" if qo_chunks is None else f"{qo_chunks} Gc",
+            "budget_keep": resolved.keep_forward_buffers,
+            "kv_rows": _chunks(resolved.kept_kv_rows, resolved, c), "keep_ms": times["keep"],
+            "budget_ms": times["budget"], "step_ratio": times["budget"] / times["keep"], "none_ms": times["none"],
+            "none_ratio": times["none"] / times["keep"]}
 
 
 def _mb(rows):
@@ -191,7 +245,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-real", action="store_true", help="skip the real-shape runs on meta")
     p.add_argument("--no-small", action="store_true", help="skip the small runs on CPU")
     p.add_argument("--budget", type=float, default=1.5, help="memory_budget of the budget runs")
+    p.add_argument("--budget-qo-chunks", type=int, default=None,
+                   help="QO receive rows of the budget runs in multiples of G * c (default: the default buffer)")
     p.add_argument("--md", default=None, help="write the tables to this markdown file")
+    p.add_argument("--step-cp-sizes", default="", help="P of the simulated step cost runs (device solver on CPU at "
+                   "real shapes: minutes each at P >= 32); empty: none")
+    p.add_argument("--topology", default="h200_hgx", help="the simulated cluster of the step cost runs")
     return p.parse_args(argv)
 
 
@@ -199,15 +258,27 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     kinds = parse_list(args.kinds, str, name="--kinds")
     rows, steps = [], []
-    for keep, budget in ((True, None), (False, None), (True, args.budget)):
+    for keep, budget, ckpt in ((True, None, False), (False, None, False), (True, args.budget, False),
+                               (True, None, True)):
+        qo = args.budget_qo_chunks if budget is not None else None
         for kind in kinds:
             for P in [] if args.no_small else parse_list(args.small_cp_sizes, name="--small-cp-sizes"):
-                rows.append(measure(kind, P, SMALL, "cpu", seed=args.seed, keep=keep, budget=budget))
+                rows.append(measure(kind, P, SMALL, "cpu", seed=args.seed, keep=keep, budget=budget, checkpoint=ckpt,
+                                    qo_chunks=qo))
             if not args.no_real:
                 for P in parse_list(args.cp_sizes, name="--cp-sizes"):
-                    rows.append(measure(kind, P, REAL, "meta", seed=args.seed, keep=keep, budget=budget))
+                    rows.append(measure(kind, P, REAL, "meta", seed=args.seed, keep=keep, budget=budget,
+                                        checkpoint=ckpt, qo_chunks=qo))
+    for kind in kinds:
+        for P in parse_list(args.step_cp_sizes, name="--step-cp-sizes") if args.step_cp_sizes else []:
+            steps.append(step_cost(kind, P, args.budget, args.seed, args.topology, args.budget_qo_chunks))
+            r = steps[-1]
+            print(f"step {kind:6} P={P:3} budget {args.budget} keeps {r['budget_keep']} ({r['kv_rows']} KV): "
+                  f"{r['budget_ms']:.2f} ms vs {r['keep_ms']:.2f} all kept = {r['step_ratio']:.3f} "
+                  f"(nothing kept {r['none_ratio']:.3f}; simulated)", flush=True)
     for r in rows:
-        print(f"{r['device']:4} {r['kind']:6} P={r['P']:3} budget={r['budget']} keep={r['keep']!s:5} kept {r['kept'] / 1e6:9.1f} MB "
+        print(f"{r['device']:4} {r['kind']:6} P={r['P']:3} budget={r['budget']} keep={r['keep']!s:5} "
+              f"kv rows {r['kv_rows']} ckpt {r['ckpt']} kept {r['kept'] / 1e6:9.1f} MB "
               f"= {r['kept_ratio']:.2f}x plain; transient fwd {r['fwd_peak'] / 1e6:9.1f} bwd "
               f"{r['bwd_peak'] / 1e6:9.1f} MB = {r['peak_ratio']:.2f}x own"
               + (f"; plan.memory kept {r['plan_kept'] / 1e6:.1f} fwd {r['plan_fwd'] / 1e6:.1f} "
@@ -230,8 +301,8 @@ def render(rows, steps, argv) -> str:
              f"{s['num_heads_q']}:{s['num_heads_kv']}, D = {s['head_dim']}, fp32\n",
              markdown_table(_mb(small), COLUMNS)]
     if steps:
-        parts += ["\n### Simulated step cost of the budget (real shapes, device solver on CPU, "
-                  "`layer_bench.model_plan`: modelled, not measured)\n", markdown_table(steps, STEP_COLUMNS)]
+        parts += ["\n### Simulated step cost of the budget (real shapes, device solver on CPU, `gpusolver.sim`: "
+                  "modelled, not measured)\n", markdown_table(steps, STEP_COLUMNS)]
     return "\n".join(parts) + "\n"
 
 

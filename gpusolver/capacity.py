@@ -94,12 +94,14 @@ def plain_kept_bytes(config: SolverConfig, chunk: int) -> int:
     return chunk * ((2 * Hq + 2 * Hkv) * D * b + 4 * Hq)
 
 
-def kept_bytes(config: SolverConfig, chunk: int, keep) -> int:
+def kept_bytes(config: SolverConfig, chunk: int, keep, kept_kv_rows: int | None = None) -> int:
     """Bytes per rank a layer keeps in its receive buffers with ``keep`` (True, False, "qo", "kv"):
-    one buffer of each kept kind, whatever ``num_stages`` (the sub-stages share it)."""
+    one buffer of each kept kind, whatever ``num_stages`` (the sub-stages share it); of the KV
+    buffer only its first ``kept_kv_rows`` rows when given."""
     rows = buffer_rows(config, chunk)
     cost = config.cost()
-    per_kind = {"qo": rows.qo_recv * cost.q_fwd, "kv": rows.kv_recv * cost.kv_fwd}
+    kv_rows = rows.kv_recv if kept_kv_rows is None else min(rows.kv_recv, kept_kv_rows)
+    per_kind = {"qo": rows.qo_recv * cost.q_fwd, "kv": kv_rows * cost.kv_fwd}
     return sum(per_kind[k] for k in kept_kinds(keep))
 
 
@@ -108,14 +110,21 @@ def kept_bytes(config: SolverConfig, chunk: int, keep) -> int:
 _KEEP_ORDER = (True, "kv", "qo", False)
 
 
+def _with_kv(keep) -> bool | str:
+    """``keep`` plus K and V."""
+    return True if "qo" in kept_kinds(keep) else "kv"
+
+
 def keep_for_budget(config: SolverConfig, chunk: int) -> SolverConfig:
-    """``config`` with ``keep_forward_buffers`` the largest kept set within ``memory_budget``.
+    """``config`` with ``keep_forward_buffers`` (and ``kept_kv_rows``) the most kept within ``memory_budget``.
 
     The layer keeps its own activations (as plain attention does, ``plain_kept_bytes``) plus
-    the receive buffers of the kinds kept (``kept_bytes``); the choice is the allowed set
-    (a subset of what ``keep_forward_buffers`` keeps) with the most kept bytes within
-    ``memory_budget * plain_kept_bytes``. Without a budget, ``config`` itself. Host ints only:
-    every rank resolves the same choice.
+    the receive buffers of the kinds kept (``kept_bytes``). First the whole kinds: the allowed
+    set (a subset of what ``keep_forward_buffers`` keeps) with the most kept bytes within
+    ``memory_budget * plain_kept_bytes``; then, when K and V are allowed but their whole buffer
+    does not fit, the first rows of it that fit in the room left (``kept_kv_rows``; the rest
+    is cast again in the backward; ``num_stages = 1`` only). Without a budget, ``config``
+    itself. Host ints only: every rank resolves the same choice.
     """
     if config.memory_budget is None:
         return config
@@ -123,7 +132,12 @@ def keep_for_budget(config: SolverConfig, chunk: int) -> SolverConfig:
     room = config.memory_budget * plain_kept_bytes(config, chunk) - plain_kept_bytes(config, chunk)
     fits = [k for k in _KEEP_ORDER if set(kept_kinds(k)) <= allowed and kept_bytes(config, chunk, k) <= room]
     best = max(fits, key=lambda k: kept_bytes(config, chunk, k))  # False always fits; first on ties
-    return replace(config, keep_forward_buffers=best, memory_budget=None)
+    kv_rows = None
+    if "kv" in allowed and "kv" not in kept_kinds(best) and config.num_stages == 1:
+        rows = int((room - kept_bytes(config, chunk, best)) // config.cost().kv_fwd)
+        if rows > 0:  # fewer than the whole buffer: it did not fit
+            best, kv_rows = _with_kv(best), rows
+    return replace(config, keep_forward_buffers=best, kept_kv_rows=kv_rows, memory_budget=None)
 
 
 # Relay transport (``gpusolver.plan.relay``): rows of each relay's buffer (what it receives over

@@ -84,8 +84,14 @@ class SolverConfig:
                         ``keep_forward_buffers`` says. Set: of the kinds it allows,
                         they keep the largest set of receive buffers that fits
                         (``capacity.keep_for_budget``, a function of the config
-                        and c alone); the kinds not kept are sent again in the
-                        backward, and the solve prices those bytes.
+                        and c alone), at row granularity for K and V: the first
+                        rows of the KV receive buffer that fit (``kept_kv_rows``);
+                        what is not kept is sent again in the backward, and the
+                        solve prices those bytes.
+    kept_kv_rows:       with K and V kept, keep only the first this many rows of the
+                        KV receive buffer; the rows past them are cast again in the
+                        backward (``groupcomm.tail_routing``). None (default): all of
+                        them. Needs ``num_stages = 1``.
     num_stages:         S, remote sub-stages of the layer (static). Stage 0 computes
                         the tasks whose units are all local; the remote tasks of
                         each rank are cut into S sub-stages by when their bytes
@@ -129,6 +135,7 @@ class SolverConfig:
     max_kv_send_rows: int | None = None
     keep_forward_buffers: bool | str = True
     memory_budget: float | None = None
+    kept_kv_rows: int | None = None
     objective: str = "training"
     num_stages: int = 1
     auto_tiles: bool = False
@@ -152,10 +159,13 @@ class SolverConfig:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
         kept_kinds(self.keep_forward_buffers)  # True, False, "qo" or "kv", else ValueError
         for name in ("max_recv_rows", "max_qo_recv_rows", "max_kv_recv_rows", "max_qo_send_rows",
-                     "max_kv_send_rows"):
+                     "max_kv_send_rows", "kept_kv_rows"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
                 raise ValueError(f"{name} must be None or a non-negative int, got {v!r}")
+        if self.kept_kv_rows is not None and self.num_stages > 1:
+            raise ValueError(f"kept_kv_rows={self.kept_kv_rows} needs num_stages = 1 (a sub-stage's KV buffer is "
+                             f"kept whole or cast again), got num_stages={self.num_stages}")
         if self.memory_budget is not None and (isinstance(self.memory_budget, bool)
                                                or not isinstance(self.memory_budget, (int, float))
                                                or not self.memory_budget >= 1.0):
@@ -228,7 +238,7 @@ class SolverConfig:
 
     def cost(self) -> CommCost:
         return CommCost(self.num_heads_q, self.num_heads_kv, self.head_dim,
-                        self.dtype_bytes, self.head_groups, self.keep_forward_buffers)
+                        self.dtype_bytes, self.head_groups, self.keep_forward_buffers, self.kept_kv_rows)
 
     @property
     def num_units(self) -> int:

@@ -174,7 +174,13 @@ class CommCost:
     ``keep_forward_buffers`` (default) a helper keeps the Q, K and V it
     received in the forward; without it they are sent again (fewer saved
     activations, more bytes); ``"qo"`` keeps only Q (K and V sent again), ``"kv"`` only K
-    and V (Q sent again).
+    and V (Q sent again). ``kept_kv_rows``: a helper that keeps K and V keeps only the first
+    rows of its KV receive buffer and receives the rest again (``groupcomm.tail_routing``).
+    Which units lie past those rows depends on the assignment, so a unit's ``kv_bwd`` is priced
+    as kept (a lower bound: plans of the benchmark masks fill fewer KV rows than a budget of
+    1.5x plain attention keeps, and pricing every row as sent again steers the solve to slower
+    plans, ``benchmarks/results/layer_memory.md``); ``plan.pair_bytes`` and the simulator
+    count the exact tail.
     """
 
     num_heads_q: int
@@ -183,9 +189,13 @@ class CommCost:
     dtype_bytes: int
     head_groups: int
     keep_forward_buffers: bool | str = True
+    kept_kv_rows: int | None = None
 
     def __post_init__(self):
         kept_kinds(self.keep_forward_buffers)  # raises on anything but True, False, "qo", "kv"
+        v = self.kept_kv_rows
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise ValueError(f"kept_kv_rows must be None or a non-negative int, got {v!r}")
         if self.num_heads_q % self.num_heads_kv:
             raise ValueError(f"num_heads_q={self.num_heads_q} must be a multiple of num_heads_kv={self.num_heads_kv}")
         if self.num_heads_kv % self.head_groups:
@@ -223,6 +233,7 @@ class CommCost:
     @property
     def kv_bwd(self) -> int:
         return 0 if "kv" in kept_kinds(self.keep_forward_buffers) else self.kv_fwd
+
 
     @property
     def dkv_bwd(self) -> int:

@@ -10,6 +10,9 @@ plain tensors (no plan objects), identical in every backend:
 - ``recv_capacity`` host int: rows of each receive buffer. On rank r the rows
   from source s start at row ``sum(split[:s, r])``; rows past the fill are 0.
 
+``tail_routing(split, send_index, ranks, first_row)`` restricts a cast to the receive
+rows past ``first_row`` (what a rank that kept the first rows of a buffer needs again).
+
 ``group_reduce`` is the reverse: partials in the receive layout go back to
 their source and are reduced (``sum``, or the log-sum-exp ``lse`` merge) into
 the host's rows ``send_index[p]``.
@@ -36,11 +39,12 @@ from ._a2av import HostSplits, TorchGroup, host_splits
 from ._api import as_group, default_group, group_cast, group_reduce
 from ._base import CollectiveError, Work
 from ._retain import retain
+from ._routing import tail_routing, tail_split
 from ._sim import LocalGroup
 from ._symm_mem import SymmMemGroup
 
 __all__ = [
     "group_cast", "group_reduce", "default_group", "as_group",
     "LocalGroup", "TorchGroup", "SymmMemGroup",
-    "host_splits", "HostSplits", "CollectiveError", "Work", "retain",
+    "host_splits", "HostSplits", "CollectiveError", "Work", "retain", "tail_routing", "tail_split",
 ]

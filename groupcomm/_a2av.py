@@ -234,7 +234,7 @@ class TorchGroup:
             wait()
             # send positions past the rows sent are padding (dest -1): zero rows, made only now
             full = torch.cat([back, back.new_zeros(send_index.shape[0] - n_send, back.shape[1])])
-            ret = [t[None] for t in unpack(full, layout)]
+            ret = [t[None] for t in unpack(full, layout, views=True)]
             out = reduce_rows([a[None] for a in acc], ret, send_index[None], dest, op, self.size, deterministic)
             return [t[0] for t in out]
         return Work(finish)

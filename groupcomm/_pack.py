@@ -33,13 +33,14 @@ def row_layout(tensors: list[torch.Tensor], lead: int) -> RowLayout:
 
 
 def as_bytes(t: torch.Tensor, lead: int) -> torch.Tensor:
-    """``[*lead, n, *f]`` -> ``[*lead, n, bytes(f)]`` uint8 (a view when t is contiguous)."""
+    """``[*lead, n, *f]`` -> ``[*lead, n, bytes(f)]`` uint8: a view when each row's bytes are
+    contiguous (a narrowed or strided-row tensor included), else a copy."""
     x = t.reshape(*t.shape[:lead + 1], prod(t.shape[lead + 1:]))
     if x.stride(-1) != 1:
         # a last dim of size 1 may keep any stride and still count as contiguous (an lse of one
         # head per row is [n, 1] with stride n), but a dtype view needs stride 1 there
         x = x.clone(memory_format=torch.contiguous_format)
-    return x.contiguous().view(torch.uint8)
+    return x.view(torch.uint8)
 
 
 def pack(tensors: list[torch.Tensor], lead: int) -> torch.Tensor:
@@ -48,14 +49,21 @@ def pack(tensors: list[torch.Tensor], lead: int) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
-def unpack(buf: torch.Tensor, layout: RowLayout) -> list[torch.Tensor]:
-    """Inverse of ``pack``: ``[*lead, n, row_bytes]`` uint8 -> one tensor per layout entry."""
+def unpack(buf: torch.Tensor, layout: RowLayout, views: bool = False) -> list[torch.Tensor]:
+    """Inverse of ``pack``: ``[*lead, n, row_bytes]`` uint8 -> one tensor per layout entry.
+
+    With several tensors each is a contiguous copy of its byte columns (what a caller may keep,
+    save or pickle). ``views``: a view of ``buf`` instead (rows strided by ``row_bytes``) where
+    its offset and the row width are multiples of its element size, for rows consumed at once
+    (a reduce): the received rows then exist once, not once packed and once per tensor.
+    """
     out, start = [], 0
     for dtype, shape, width in zip(layout.dtypes, layout.shapes, layout.widths):
         cols = buf[..., start:start + width]
-        start += width
-        if len(layout.widths) > 1:
+        size = torch.empty((), dtype=dtype).element_size()
+        if len(layout.widths) > 1 and (not views or start % size or buf.shape[-1] % size):
             cols = cols.contiguous()
+        start += width
         out.append(cols.view(dtype).reshape(*buf.shape[:-1], *shape))
     return out
 

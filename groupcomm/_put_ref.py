@@ -15,15 +15,27 @@ def put_rows_ref(src: torch.Tensor, index: torch.Tensor, peer: torch.Tensor, row
     Returns a new tensor (``out`` with the rows written); targets of valid
     positions must be distinct.
     """
-    B, N, W = src.shape
-    P, R, _ = out.shape
+    P, R, W = out.shape
     flat = torch.cat([out.reshape(P * R, W), out.new_zeros(1, W)])
+    return put_rows_into(src, index, peer, row, flat, P, R)
+
+
+def put_rows_fresh(src: torch.Tensor, index: torch.Tensor, peer: torch.Tensor, row: torch.Tensor,
+                   P: int, R: int) -> torch.Tensor:
+    """``put_rows_ref`` into zero receive buffers ``[P, R, W]`` allocated here (one allocation)."""
+    flat = src.new_zeros(P * R + 1, src.shape[2])
+    return put_rows_into(src, index, peer, row, flat, P, R)
+
+
+def put_rows_into(src, index, peer, row, flat: torch.Tensor, P: int, R: int) -> torch.Tensor:
+    """Write the rows into ``flat [P * R + 1, W]`` (its last row a scratch row); ``[P, R, W]`` view."""
+    B, N, W = src.shape
     if N == 0:
         return flat[:P * R].view(P, R, W)
     ok = (index >= 0) & (index < N) & (peer >= 0) & (peer < P) & (row >= 0) & (row < R)
-    base = torch.arange(B, device=src.device, dtype=torch.int64)[:, None] * N
-    rows = src.reshape(B * N, W).index_select(0, (base + index.clamp(0, N - 1)).reshape(-1))
     # invalid positions all write to the scratch row P*R, dropped below
-    target = torch.where(ok, peer * R + row, torch.full_like(row, P * R)).reshape(-1)
-    flat.index_put_((target,), rows)
+    target = torch.where(ok, peer * R + row, torch.full_like(row, P * R))
+    idx = index.clamp(0, N - 1)
+    for b in range(B):  # one sender at a time: the gathered rows are one rank's, not all B ranks'
+        flat.index_put_((target[b],), src[b].index_select(0, idx[b]))
     return flat[:P * R].view(P, R, W)

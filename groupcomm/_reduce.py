@@ -8,10 +8,19 @@ space whose row N of each rank is a scratch row that absorbs every skipped
 position, so shapes stay static and no mask is read on the host.
 
 Deterministic mode sums destination by destination in ascending order (P
-static steps). Within one step every real target is distinct (a rank sends a
-row to one destination at most once), so a gather-add-scatter with no atomics
-gives the same bits whatever the scheduling. The other mode is one
-``index_add_`` (float atomics on GPU).
+static steps). A rank's send positions for one destination are one contiguous
+run (the send list is in destination order) of at most N rows (a row goes to
+each destination at most once), so step k reads a window of ``min(N, C)``
+positions from the run's start, never all C. Within one step every real target
+is distinct, so an accumulating scatter adds each partial to its row once and
+gives the same bits whatever the scheduling (only the scratch rows see several
+adds). The other mode is one ``index_add_`` per window of positions (float
+atomics on GPU).
+
+Memory: the sums live in one ``[B * (N + 1), *f]`` tensor of the sum dtype
+(fp32 for fp16 / bf16 rows); the returned rows are read window by window, so
+no fp32 copy at the send capacity C is ever made (a window of ``min(N, C)``
+rows at a time).
 
 The lse merge (``op="lse"``): for partials k of one row, with the host's own
 (out_0, lse_0) among them,
@@ -39,30 +48,77 @@ def _targets(send_index: torch.Tensor, dest: torch.Tensor, N: int) -> torch.Tens
     return (base + local).reshape(-1)
 
 
-def _with_scratch(x: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
-    """``[B, N, *f]`` -> ``[B * (N + 1), *f]`` with one scratch row per rank."""
-    B, N = x.shape[:2]
-    pad = x.new_full((B, 1, *x.shape[2:]), fill)
-    return torch.cat([x, pad], dim=1).reshape(B * (N + 1), *x.shape[2:])
+def _sums(base: torch.Tensor, dtype: torch.dtype, fill: float = 0.0) -> torch.Tensor:
+    """``[B, N, *f]`` -> ``[B * (N + 1), *f]`` in ``dtype`` with one scratch row per rank (one allocation)."""
+    B, N = base.shape[:2]
+    flat = base.new_empty((B, N + 1, *base.shape[2:]), dtype=dtype)
+    flat[:, :N].copy_(base)
+    flat[:, N].fill_(fill)
+    return flat.view(B * (N + 1), *base.shape[2:])
 
 
 def _drop_scratch(flat: torch.Tensor, B: int, N: int) -> torch.Tensor:
-    return flat.reshape(B, N + 1, *flat.shape[1:])[:, :N]
+    return flat.view(B, N + 1, *flat.shape[1:])[:, :N]
+
+
+def _window_starts(dest: torch.Tensor, P: int) -> torch.Tensor:
+    """``[B, P]`` first send position of each destination's run (C where it has none)."""
+    B, C = dest.shape
+    pos = torch.arange(C, device=dest.device, dtype=torch.int64).expand(B, C)
+    starts = torch.full((B, P + 1), C, dtype=torch.int64, device=dest.device)
+    # column 0 collects the skipped positions (dest -1)
+    starts = starts.scatter_reduce(1, (dest + 1).clamp(0, P), pos, "amin")
+    return starts[:, 1:]
+
+
+def _add_rows(flat: torch.Tensor, vals: torch.Tensor, pos: torch.Tensor, targets: torch.Tensor,
+              weight: torch.Tensor | None, accumulate: bool) -> None:
+    """``flat[targets] += vals[b, pos[b]] (* weight[b, pos[b]])``; pos ``[B, W]`` in range, targets
+    ``[B * W]`` distinct outside the scratch rows when ``accumulate`` (else ``index_add_``)."""
+    b = torch.arange(pos.shape[0], device=pos.device)[:, None]
+    rows = vals[b, pos].reshape(-1, *vals.shape[2:]).to(flat.dtype)   # [B * W, *f]: one window
+    if weight is not None:
+        w = weight[b, pos].reshape(-1, *weight.shape[2:])
+        rows.mul_(w.reshape(*w.shape, *([1] * (rows.dim() - w.dim()))))
+    if accumulate:
+        flat.index_put_((targets,), rows, accumulate=True)
+    else:
+        flat.index_add_(0, targets, rows)
+
+
+def scatter_add_(flat: torch.Tensor, vals: torch.Tensor, send_index: torch.Tensor, dest: torch.Tensor,
+                 P: int, deterministic: bool, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Add ``vals [B, C, *f]`` (times ``weight [B, C, *w]`` broadcast over the rest) into ``flat``
+    (``_sums`` layout, N = rows per rank) at rows ``send_index``, window by window; returns flat."""
+    B, C = send_index.shape
+    N = flat.shape[0] // B - 1
+    W = min(N, C)
+    if W == 0:
+        return flat
+    window = torch.arange(W, device=dest.device, dtype=torch.int64)
+    if not deterministic:
+        for c0 in range(0, C, W):
+            pos = (c0 + window[:min(W, C - c0)]).expand(B, -1)
+            t = _targets(send_index[:, c0:c0 + W], dest[:, c0:c0 + W], N)
+            _add_rows(flat, vals, pos, t, weight, accumulate=False)
+        return flat
+    starts = _window_starts(dest, P)                                    # [B, P]
+    for k in range(P):
+        pos = starts[:, k:k + 1] + window                               # [B, W]
+        inside = pos < C
+        pos = pos.clamp(max=C - 1)
+        d = dest.gather(1, pos)
+        mine = inside & (d == k)
+        t = _targets(send_index.gather(1, pos), torch.where(mine, d, torch.full_like(d, -1)), N)
+        _add_rows(flat, vals, pos, t, weight, accumulate=True)
+    return flat
 
 
 def scatter_sum(base: torch.Tensor, vals: torch.Tensor, send_index: torch.Tensor, dest: torch.Tensor,
                 P: int, deterministic: bool) -> torch.Tensor:
     """``base [B, N, *f] + sum of vals [B, C, *f]`` at rows ``send_index``; new tensor, base's dtype."""
     B, N = base.shape[:2]
-    flat = _with_scratch(base)
-    rows = vals.reshape(-1, *vals.shape[2:]).to(base.dtype)
-    if not deterministic:
-        flat.index_add_(0, _targets(send_index, dest, N), rows)
-        return _drop_scratch(flat, B, N)
-    for k in range(P):
-        t = _targets(send_index, torch.where(dest == k, dest, torch.full_like(dest, -1)), N)
-        # real targets are distinct within one destination; duplicates only hit scratch rows
-        flat.index_put_((t,), flat.index_select(0, t) + rows)
+    flat = scatter_add_(_sums(base, base.dtype), vals, send_index, dest, P, deterministic)
     return _drop_scratch(flat, B, N)
 
 
@@ -78,8 +134,9 @@ def reduce_sum(acc: list[torch.Tensor], ret: list[torch.Tensor], send_index: tor
     """``acc[i] [B, N, *f]`` plus the returned rows ``ret[i] [B, C, *f]``, in acc's dtype (fp32 inside)."""
     out = []
     for a, r in zip(acc, ret):
-        dtype = _sum_dtype(a.dtype, r.dtype)
-        out.append(scatter_sum(a.to(dtype), r, send_index, dest, P, deterministic).to(a.dtype))
+        B, N = a.shape[:2]
+        flat = scatter_add_(_sums(a, _sum_dtype(a.dtype, r.dtype)), r, send_index, dest, P, deterministic)
+        out.append(_drop_scratch(flat, B, N).to(a.dtype))
     return out
 
 
@@ -92,17 +149,22 @@ def reduce_lse(acc: list[torch.Tensor], ret: list[torch.Tensor], send_index: tor
     t = _targets(send_index, dest, N)                                   # [B * C]
     la = lse_acc.float()                                                # [B, N, h]
     lp = lse_p.float().reshape(-1, h)                                   # [B * C, h]
-    m = _with_scratch(la, _NEG_INF).scatter_reduce(0, t[:, None].expand(-1, h), lp, "amax")
+    m = _sums(la, torch.float32, _NEG_INF).scatter_reduce(0, t[:, None].expand(-1, h), lp, "amax")
     m = torch.where(m == _NEG_INF, torch.zeros_like(m), m)              # [B * (N + 1), h]
     e_acc = torch.exp(la - _drop_scratch(m, B, N))
     e_p = torch.exp(lp - m.index_select(0, t)).reshape(B, -1, h)
     lse = _drop_scratch(m, B, N) + torch.log(scatter_sum(e_acc, e_p, send_index, dest, P, deterministic))
     lse_safe = torch.where(lse == _NEG_INF, torch.zeros_like(lse), lse)
     w_acc = torch.exp(la - lse_safe)                                    # [B, N, h]
-    w_p = torch.exp(lp - _with_scratch(lse_safe).index_select(0, t))    # [B * C, h]
-    o_p = (w_p[..., None] * out_p.float().reshape(-1, *out_p.shape[2:])).reshape(out_p.shape)
-    out = scatter_sum(w_acc[..., None] * out_acc.float(), o_p, send_index, dest, P, deterministic)
-    return [out.to(out_acc.dtype), lse.to(lse_acc.dtype)]
+    flat_lse = _sums(lse_safe, torch.float32)
+    w_p = torch.exp(lp - flat_lse.index_select(0, t)).reshape(B, -1, h)  # [B, C, h]
+    # the fp32 sums of the weighted outputs: the host's own rows first, then the partials window by window
+    sums = out_acc.new_empty((B, N + 1, *out_acc.shape[2:]), dtype=torch.float32)
+    sums[:, :N].copy_(out_acc).mul_(w_acc[..., None])
+    sums[:, N].zero_()
+    flat = scatter_add_(sums.view(B * (N + 1), *out_acc.shape[2:]), out_p, send_index, dest, P, deterministic,
+                        weight=w_p)
+    return [_drop_scratch(flat, B, N).to(out_acc.dtype), lse.to(lse_acc.dtype)]
 
 
 def reduce_rows(acc: list[torch.Tensor], ret: list[torch.Tensor], send_index: torch.Tensor,

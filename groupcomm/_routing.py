@@ -82,3 +82,37 @@ def traffic_rows(split: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows each rank sends to / receives from other ranks in a cast: ``([P], [P])`` int64."""
     off = split - torch.diag_embed(torch.diagonal(split))
     return off.sum(1), off.sum(0)
+
+
+def tail_split(split: torch.Tensor, first_row: int) -> torch.Tensor:
+    """``[P, P]``: the rows of each source that land at receive rows ``>= first_row`` (``tail_routing``)."""
+    _, recv_off = split_offsets(split)
+    return split - torch.minimum(split, (first_row - recv_off).clamp(min=0))
+
+
+def tail_routing(split: torch.Tensor, send_index: torch.Tensor, ranks: torch.Tensor,
+                 first_row: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing of the same cast restricted to receive rows ``>= first_row``.
+
+    A cast with the returned ``(split_tail [P, P], send_index_tail [B, C])`` and receive
+    capacity ``recv_capacity - first_row`` fills row ``j`` of each rank's buffer with what the
+    full cast puts at row ``first_row + j``: sources fill a buffer in ascending order, so the
+    rows past ``first_row`` are a suffix of each source's run (the straddling source's tail,
+    then every later source whole). Static shapes, no host read.
+    """
+    B, C = send_index.shape
+    P = split.shape[0]
+    split_tail = tail_split(split, first_row)
+    skip = split - split_tail                                         # rows of s for d below first_row
+    own = split.index_select(0, ranks)                                # [B, P]
+    own_skip = skip.index_select(0, ranks)
+    own_tail = own - own_skip
+    tail_incl = own_tail.cumsum(1)
+    pos = torch.arange(C, device=split.device, dtype=torch.int64).expand(B, C).contiguous()
+    dest = torch.searchsorted(tail_incl, pos, right=True)            # [B, C]
+    valid = dest < P
+    dest = dest.clamp(max=P - 1)
+    # the tail position's place in the full send list: its destination's run, past the skipped rows
+    orig = (own.cumsum(1) - own + own_skip - (tail_incl - own_tail)).gather(1, dest) + pos
+    index = send_index.gather(1, orig.clamp(0, C - 1))
+    return split_tail, torch.where(valid, index, torch.full_like(index, -1))

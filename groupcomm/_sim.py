@@ -11,7 +11,7 @@ import torch
 
 from ._base import Work
 from ._pack import as_bytes, pack, row_layout, unpack, word_dtype
-from ._put_ref import put_rows_ref
+from ._put_ref import put_rows_fresh, put_rows_ref
 from ._reduce import reduce_rows
 from ._routing import put_targets, return_index, traffic_rows
 
@@ -49,7 +49,7 @@ class LocalGroup:
         ranks = torch.arange(P, device=rows.device)
         peer, row = put_targets(split, send_index, ranks, capacity)
         if self.impl == "torch":
-            return put_rows_ref(rows, send_index, peer, row, rows.new_zeros(P, capacity, W))
+            return put_rows_fresh(rows, send_index, peer, row, P, capacity)
         from ._put_kernel import put_rows
         word = word_dtype(W)
         src = rows.contiguous().view(word)
@@ -112,7 +112,7 @@ class LocalGroup:
         back = self._move(pack(partials, 1), return_index(split, ranks, capacity), split.t().contiguous(),
                           send_index.shape[1])
         dest, _ = put_targets(split, send_index, ranks, capacity)
-        out = reduce_rows(acc, unpack(back, layout), send_index, dest, op, P, deterministic)
+        out = reduce_rows(acc, unpack(back, layout, views=True), send_index, dest, op, P, deterministic)
         self._count(phase, split, layout.row_bytes, back=True)
         return Work.done(out)
 

@@ -202,7 +202,7 @@ class SymmMemGroup:
         back = self._move(pack(partials, 0), return_index(split, ranks, capacity)[0], split.t().contiguous(),
                           send_index.shape[0])
         dest, _ = put_targets(split, send_index[None], ranks, capacity)
-        ret = [t[None] for t in unpack(back, layout)]
+        ret = [t[None] for t in unpack(back, layout, views=True)]
         out = reduce_rows([a[None] for a in acc], ret, send_index[None], dest, op, self.size, deterministic)
         self._count(phase, split, layout.row_bytes, back=True)
         return Work.done([t[0] for t in out])

@@ -11,7 +11,9 @@ and ``hkv = Hkv / G`` KV heads, activations of ``b`` bytes:
     backward  QO recv * (dO hq D b + fp32 lse and delta 8 hq)
               + QO recv * Q + KV recv * (K, V)                        [kept, or cast again]
               + QO send * dQ (hq D b) + KV send * (dK, dV) (2 hkv D b) [all live at the dK, dV reduce]
-    kept      QO recv * Q if the helper keeps Q, + KV recv * (K, V) if it keeps K and V
+    kept      QO recv * Q if the helper keeps Q, + KV recv * (K, V) if it keeps K and V (of the
+              KV buffer its first ``kept_kv_rows`` rows only, when given: the rest is cast again
+              into a buffer of the remaining rows, so the backward peak is the same)
 
 With S remote sub-stages (``num_stages``) the terms are the same: the S casts of a kind land
 in one buffer at the plan's capacity, each at its own rows (``CommMeta.stage_base``), and the
@@ -20,9 +22,10 @@ returns into buffers of the rows each reduce really returns; ``LocalGroup`` and
 ``SymmMemGroup`` finish each reduce before the next starts).
 
 Not counted: the layer's own activations (its q, k, v, out and lse, which plain attention
-keeps too) and the runtime's copies around the buffers (stage 1's concatenation of local
-rows and buffer, the partial outputs over those rows, the reduce's fp32 work), which
-``benchmarks/layer_memory.py`` measures.
+keeps too) and the runtime's work around the buffers (the local rows that share stage 1's
+operand tensor with each buffer, stage 1's outputs over those rows, the reduce's fp32 sums
+over the host's rows and one window of returned rows), which ``benchmarks/layer_memory.py``
+measures.
 """
 from __future__ import annotations
 
@@ -47,8 +50,9 @@ class BufferMemory:
 
 
 def buffer_memory(comm, num_heads_q: int, num_heads_kv: int, head_dim: int, dtype: torch.dtype,
-                  keep=True) -> BufferMemory:
-    """``BufferMemory`` of a ``CommMeta``'s buffers for the given heads, head dim and dtype."""
+                  keep=True, kept_kv_rows: int | None = None) -> BufferMemory:
+    """``BufferMemory`` of a ``CommMeta``'s buffers for the given heads, head dim and dtype;
+    ``kept_kv_rows``: of a kept KV buffer only its first rows (the rest is cast again)."""
     G = comm.head_groups
     if num_heads_q % G or num_heads_kv % G:
         raise ValueError(f"num_heads_q={num_heads_q} and num_heads_kv={num_heads_kv} must be multiples of the "
@@ -61,5 +65,6 @@ def buffer_memory(comm, num_heads_q: int, num_heads_kv: int, head_dim: int, dtyp
     fwd = q_buf + kv_buf + rows.qo_send * (q_row + 4 * hq)
     bwd = rows.qo_recv * (q_row + 8 * hq) + q_buf + kv_buf + rows.qo_send * q_row + rows.kv_send * kv_row
     kinds = kept_kinds(keep)
-    kept = (q_buf if "qo" in kinds else 0) + (kv_buf if "kv" in kinds else 0)
+    kv_kept = kv_buf if kept_kv_rows is None else min(kept_kv_rows, rows.kv_recv) * kv_row
+    kept = (q_buf if "qo" in kinds else 0) + (kv_kept if "kv" in kinds else 0)
     return BufferMemory(fwd_peak=fwd, bwd_peak=bwd, kept=kept)

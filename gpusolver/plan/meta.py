@@ -387,14 +387,16 @@ class Plan:
         """Bytes per rank of this plan's collective buffers (``plan.memory.BufferMemory``:
         forward peak, backward peak, kept for the backward), for ``config``'s heads, head dim
         and dtype. ``keep_forward_buffers``: what helpers keep (True, False, "qo", "kv"; default
-        the config's, within its ``memory_budget``). Host ints from static shapes: no device read."""
+        the config's, within its ``memory_budget``, with the KV rows it keeps, ``kept_kv_rows``). Host ints from static shapes: no device read."""
         from gpusolver.capacity import keep_for_budget
         from gpusolver.plan.memory import buffer_memory
 
-        keep = keep_forward_buffers
+        keep, kv_rows = keep_forward_buffers, config.kept_kv_rows
         if keep is None:
-            keep = keep_for_budget(config, self.comm.chunk).keep_forward_buffers
-        return buffer_memory(self.comm, config.num_heads_q, config.num_heads_kv, config.head_dim, config.dtype, keep)
+            resolved = keep_for_budget(config, self.comm.chunk)
+            keep, kv_rows = resolved.keep_forward_buffers, resolved.kept_kv_rows
+        return buffer_memory(self.comm, config.num_heads_q, config.num_heads_kv, config.head_dim, config.dtype, keep,
+                             kv_rows)
 
     def save(self, path, *, config=None) -> None:
         """Write the plan (and its ``SolverConfig``, if given) to ``path`` (the ``plan.records`` format)."""

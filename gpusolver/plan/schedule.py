@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from gpusolver.problem import kept_kinds
+from groupcomm import tail_split
 
 __all__ = ["Op", "CAST", "REDUCE", "WAIT", "ATTN", "MERGE", "DELTA", "forward_ops", "backward_ops",
            "row_bytes", "pair_bytes", "task_stage", "stage_area", "PHASES", "hop_phase"]
@@ -353,17 +354,22 @@ def op_split(plan, op: Op) -> torch.Tensor:
 
 
 def op_pair_bytes(plan, op: Op, cost) -> torch.Tensor:
-    """[P(src), P(dst)] int64 bytes ``op`` moves from each source to each destination."""
+    """[P(src), P(dst)] int64 bytes ``op`` moves from each source to each destination (a ``bwd.kv``
+    cast of a partly kept KV buffer moves only the rows past ``cost.kept_kv_rows``)."""
     split = op_split(plan, op)
+    kept_rows = getattr(cost, "kept_kv_rows", None)
+    if op.phase == "bwd.kv" and kept_rows is not None and "kv" in kept_kinds(cost.keep_forward_buffers):
+        split = tail_split(split, kept_rows)
     split = split.t() if op.back else split
     return split.to(torch.int64) * row_bytes(op, cost)
 
 
-def plan_ops(plan, phase: str, keep_forward_buffers) -> tuple[Op, ...]:
+def plan_ops(plan, phase: str, keep_forward_buffers, kept_kv_rows: int | None = None) -> tuple[Op, ...]:
     """The forward or backward op list a plan runs (its stage count and branches).
 
     keep_forward_buffers: True, False, "qo" or "kv"; K and V are cast again (``bwd.kv``) unless
-    "kv" is kept (Q travels again inside ``bwd.qo``, priced by ``CommCost.q_bwd``)."""
+    "kv" is kept whole (Q travels again inside ``bwd.qo``, priced by ``CommCost.q_bwd``);
+    kept_kv_rows: only that many KV rows kept, the rest cast again (``bwd.kv`` moves the tail)."""
     calc = getattr(plan, "calc", None)
     num_stages = calc.q_ranges.shape[1] if calc is not None else 2
     meta = getattr(plan, "relay", None)
@@ -371,7 +377,8 @@ def plan_ops(plan, phase: str, keep_forward_buffers) -> tuple[Op, ...]:
     if phase == "fwd":
         branches = 2 if getattr(getattr(plan, "spec", None), "window_size", 0) else 1
         return forward_ops(num_stages, branches, relay, egress)
-    return backward_ops(num_stages, "kv" in kept_kinds(keep_forward_buffers), relay, egress)
+    return backward_ops(num_stages, "kv" in kept_kinds(keep_forward_buffers) and kept_kv_rows is None, relay,
+                        egress)
 
 
 def pair_bytes(plan, phase: str, cost, stage: int | None = None, hop: int | None = None) -> torch.Tensor:
@@ -396,7 +403,7 @@ def pair_bytes(plan, phase: str, cost, stage: int | None = None, hop: int | None
     if hop is not None and (isinstance(hop, bool) or hop not in (0, 1, 2, 3)):
         raise ValueError(f"hop must be None, 0 (direct), 1 (InfiniBand), 2 (NVLink fan-out) or 3 (NVLink "
                          f"pre-hop to the egress), got {hop!r}")
-    for op in plan_ops(plan, phase.split(".")[0], cost.keep_forward_buffers):
+    for op in plan_ops(plan, phase.split(".")[0], cost.keep_forward_buffers, getattr(cost, "kept_kv_rows", None)):
         if stage is not None and S > 1 and op.stages != (stage,):
             continue
         if hop is not None and op.hop != hop:

@@ -108,7 +108,8 @@ class SparseSolverConfig(SolverConfig):
 
     def cost(self) -> SparseCommCost:
         return SparseCommCost(self.num_heads_q, self.num_heads_kv, self.head_dim, self.dtype_bytes,
-                              self.head_groups, self.keep_forward_buffers, self.selection_bytes, self.branches)
+                              self.head_groups, self.keep_forward_buffers,
+                              selection_bytes=self.selection_bytes, branches=self.branches)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,9 @@ Forward, per rank (docs/design/layers.md, "Data flow of one layer"):
 2. the cast of remote Q (phase ``fwd.qo``) and of K with V (``fwd.kv``)
    starts, and stage 0 (tasks whose units are both local) runs while it is
    in flight;
-3. stage 1 runs on ``concat(local rows, receive buffer)``;
+3. stage 1 runs on ``X = [local rows | receive buffer]``, one tensor per operand
+   allocated once, each buffer copied into its slot when its cast is waited for (no
+   concatenation: what the backward keeps of a kind is its X);
 4. the partial (out, lse) of received query rows go back to their host and
    are merged there with the log-sum-exp correction (``fwd.o``).
 
@@ -21,7 +23,9 @@ The order, streams and waits are data: ``gpusolver.plan.schedule``'s
 Backward moves as little as it can: the host computes the row delta
 ``rowsum(dO * O) - dlse`` itself and casts dO, lse and delta (``bwd.qo``),
 never O; the Q, K and V a helper received in the forward are kept
-(``keep_forward_buffers``; otherwise cast again, ``bwd.q`` / ``bwd.kv``);
+(``keep_forward_buffers``; otherwise cast again, ``bwd.q`` / ``bwd.kv``; with
+``kept_kv_rows`` only the first rows of the KV buffer are kept and ``bwd.kv`` casts
+the rest, ``groupcomm.tail_routing``);
 partial dQ is summed back to the QO host (``bwd.dq``), dK and dV to the KV
 host (``bwd.dkv``). These are the volumes ``PlanMetrics`` prices
 (``CommCost``), and the groups' byte counters equal them.
@@ -50,7 +54,8 @@ from gpusolver.runtime.layout import from_group_major, to_group_major
 from gpusolver.runtime.pipelined import StageRoutes, backward_stages, forward_stages, op_range, stage_routes
 from gpusolver.runtime.relayed import RelayRoutes, relay_backward, relay_forward, relay_routes
 from gpusolver.support import check_supported
-from groupcomm import CollectiveError, TorchGroup, as_group, group_cast, group_reduce, host_splits, retain
+from groupcomm import (CollectiveError, TorchGroup, as_group, group_cast, group_reduce, host_splits, retain,
+                       tail_routing)
 
 # The stages run the plan's own tables, checked once per layer through the plan's status
 # (validation: plan.validate(); sync-free: one device flag), so the calls skip their own checks.
@@ -143,15 +148,42 @@ def _stage_slices(plan: Plan, rank: int, stage: int):
 
 
 def _per_rank(routes: LayerRoutes, fn, *tensors: torch.Tensor):
-    """``fn(rank, *rank_tensors) -> tuple`` for each rank run here; batched results are stacked."""
+    """``fn(rank, *rank_tensors) -> tuple`` for each rank run here; batched results are written into
+    one ``[P, ...]`` tensor each as they come (never all P ranks' results and their stack at once)."""
     if not routes.batched:
         return fn(routes.ranks[0], *tensors)
-    outs = [fn(r, *(t[r] for t in tensors)) for r in routes.ranks]
-    return tuple(torch.stack(parts) for parts in zip(*outs))
+    outs = None
+    for i, r in enumerate(routes.ranks):
+        res = fn(r, *(t[r] for t in tensors))
+        if outs is None:
+            outs = tuple(x.new_empty((len(routes.ranks), *x.shape)) for x in res)
+        for o, x in zip(outs, res):
+            o[i].copy_(x)
+        del res
+    return outs
 
 
-def _cat(a: torch.Tensor, b: torch.Tensor, lead: int) -> torch.Tensor:
-    return torch.cat((a, b), dim=lead)
+def _rows(x: torch.Tensor, lead: int, start: int, length: int) -> torch.Tensor:
+    return x.narrow(lead, start, length)
+
+
+class _Operands:
+    """``X = [local rows | receive buffer (cap rows)]`` per tensor, allocated once; ``fill`` copies a
+    cast's buffers into their slot (then the buffers can go)."""
+
+    def __init__(self, local: list[torch.Tensor], cap: int, lead: int):
+        self.n, self.cap, self.lead = local[0].shape[lead], cap, lead
+        self.x = []
+        for t in local:
+            shape = list(t.shape)
+            shape[lead] = self.n + cap
+            x = t.new_empty(shape)
+            _rows(x, lead, 0, self.n).copy_(t)
+            self.x.append(x)
+
+    def fill(self, bufs: list[torch.Tensor]) -> None:
+        for x, b in zip(self.x, bufs):
+            _rows(x, self.lead, self.n, self.cap).copy_(b)
 
 
 def issue(op: Op, routes: LayerRoutes, group, tensors, acc=None, deterministic: bool = True):
@@ -168,12 +200,26 @@ def issue(op: Op, routes: LayerRoutes, group, tensors, acc=None, deterministic: 
                         flag_errors=False)
 
 
+def issue_tail(op: Op, routes: LayerRoutes, group, tensors, first_row: int):
+    """Start the cast ``op`` of the KV rows that land past ``first_row`` of each receive buffer
+    (``groupcomm.tail_routing``): what a rank that kept the first rows needs again. Its Work."""
+    index = routes.kv_index if routes.batched else routes.kv_index[None]
+    ranks = torch.tensor(routes.ranks, dtype=torch.int64, device=index.device)
+    split, index = tail_routing(routes.kv_split, index, ranks, first_row)
+    index = index if routes.batched else index[0]
+    # TorchGroup: the tail's split is another host copy, made here (the layer's first ones were made ahead)
+    host = host_splits(split) if isinstance(group, TorchGroup) else None
+    return group_cast(list(tensors), index, split, routes.kv_capacity - first_row, group, phase=op.phase,
+                      host_split=host, async_op=True, flag_errors=False)
+
+
 class _DistAttn(torch.autograd.Function):
     """Runs ``forward_ops`` / ``backward_ops`` (``gpusolver.plan.schedule``) op by op: the list the
     simulator prices is the list executed here."""
 
     @staticmethod
-    def forward(ctx, q, k, v, routes: LayerRoutes, group, scale: float, keep: tuple, deterministic: bool):
+    def forward(ctx, q, k, v, routes: LayerRoutes, group, scale: float, keep: tuple, kv_rows: int,
+                deterministic: bool):
         lead = 1 if routes.batched else 0
         G, cap = routes.groups, routes.qo_capacity  # remote rows here are QO rows (partial O, lse)
         ql, kl, vl = (to_group_major(x, G, lead).contiguous() for x in (q, k, v))
@@ -196,45 +242,58 @@ class _DistAttn(torch.autograd.Function):
             ctx.save_for_backward(ql, kl, vl, o, lse, *((x_q,) if "qo" in keep else ()),
                                   *((x_k, x_v) if "kv" in keep else ()))
             return from_group_major(o, G, lead), from_group_major(lse, G, lead)
-        n = ql.shape[lead]  # G * c local rows; the rest of a remote stage's rows are the receive buffer
-        local = lambda x: x.narrow(lead, 0, n)  # noqa: E731
-        remote = lambda x: x.narrow(lead, n, cap).contiguous()  # noqa: E731
+        n = ql.shape[lead]  # G * c local rows; a remote stage's rows are X = [local rows | receive buffer]
+        local = lambda x: _rows(x, lead, 0, n)  # noqa: E731
+        remote = lambda x: _rows(x, lead, n, cap)  # noqa: E731
+        # the operands of stage 1, allocated once: each cast's buffer is copied into its slot when
+        # waited for, so the local rows and buffers never exist a second time as a concatenation
+        X = {"qo": _Operands([ql], cap, lead), "kv": _Operands([kl, vl], routes.kv_capacity, lead)}
+        if "qo" in keep:  # the kept X holds the local rows too: ql is a view of it
+            ql = local(X["qo"].x[0])
+        if "kv" in keep:
+            kl, vl = (local(x) for x in X["kv"].x)
         sent = {"qo": (ql,), "kv": (kl, vl)}
-        works, recv, parts = {}, {}, {}
+        works, parts = {}, {}
         o = lse = None
         for op in forward_ops(routes.plan.calc.q_ranges.shape[1]):
             with nvtx_range(op_range(op)):
                 if op.kind == CAST:
                     works[op.name] = issue(op, routes, group, sent[op.route])
                 elif op.kind == WAIT and op.back:
-                    o, lse = works[op.deps[0]].wait()
+                    o, lse = works.pop(op.deps[0]).wait()
                 elif op.kind == WAIT:
-                    recv[op.route] = works[op.deps[0]].wait()
+                    X[op.route].fill(works.pop(op.deps[0]).wait())
                 elif op.kind == ATTN:
                     (s,) = op.stages
-                    args = (ql, kl, vl) if s == 0 else (_cat(ql, recv["qo"][0], lead), _cat(kl, recv["kv"][0], lead),
-                                                        _cat(vl, recv["kv"][1], lead))
+                    args = (ql, kl, vl) if s == 0 else X["qo"].x + X["kv"].x
 
                     def run(r, q_, k_, v_, s=s):
                         return flex_attn(q_, k_, v_, *_stage_slices(routes.plan, r, s), scale, **_INTERNAL)
 
                     parts[s] = _per_rank(routes, run, *args)  # stage 0: local work while the casts fly
                 elif op.kind == MERGE:
-                    o, lse = parts[op.stages[0]]
+                    o, lse = parts.pop(op.stages[0])
                     for s in op.stages[1:]:
                         o, lse = _per_rank(routes, lambda r, a, b, c_, d: merge_out_lse(a, b, c_, d), o, lse,
                                            local(parts[s][0]), local(parts[s][1]))
                 elif op.kind == REDUCE:
-                    (s,) = op.stages  # the remote rows of one stage go back to their hosts
-                    works[op.name] = issue(op, routes, group, (remote(parts[s][0]), remote(parts[s][1])),
-                                           (o, lse), deterministic)
+                    (s,) = op.stages  # the remote rows of one stage go back to their hosts (views: the
+                    part_o, part_l = parts.pop(s)  # group packs them into its send buffer)
+                    works[op.name] = issue(op, routes, group, (remote(part_o), remote(part_l)), (o, lse),
+                                           deterministic)
+                    del part_o, part_l
                 else:
                     raise AssertionError(f"dist_attn cannot run forward op {op}")
-        q_buf, (k_buf, v_buf) = recv["qo"][0], recv["kv"]
-        # only what the backward reads: the kinds not kept are cast again there
-        saved = (ql, kl, vl, o, lse) + ((q_buf,) if "qo" in keep else ()) + ((k_buf, v_buf) if "kv" in keep else ())
-        ctx.save_for_backward(*saved)
+        # only what the backward reads: a kept kind's whole X (local rows and buffer), else its local rows
+        kv_saved = (kl, vl)
+        if "kv" in keep:  # all of X, or its local rows and the first kv_rows of the buffer (the rest is cast again)
+            kv_saved = tuple(X["kv"].x) if kv_rows < 0 else tuple(_rows(x, lead, 0, n + kv_rows).clone()
+                                                               for x in X["kv"].x)
+        saved = (X["qo"].x[0] if "qo" in keep else ql,) + kv_saved
+        del X
+        ctx.save_for_backward(*saved, o, lse)
         ctx.routes, ctx.group, ctx.scale, ctx.keep, ctx.deterministic = routes, group, scale, keep, deterministic
+        ctx.kv_rows = kv_rows
         return from_group_major(o, G, lead), from_group_major(lse, G, lead)
 
     @staticmethod
@@ -244,9 +303,9 @@ class _DistAttn(torch.autograd.Function):
         G, qcap, kcap = routes.groups, routes.qo_capacity, routes.kv_capacity
         # read once: non-reentrant checkpointing unpacks each saved tensor a single time
         saved = ctx.saved_tensors
-        ql, kl, vl, o, lse = saved[:5]
         keep_q, keep_kv = "qo" in ctx.keep, "kv" in ctx.keep
         if routes.stages is not None or routes.relay is not None:  # sub-stages, or relay
+            ql, kl, vl, o, lse = saved[:5]
             d_o = torch.zeros_like(o) if d_out is None else to_group_major(d_out, G, lead).contiguous()
             d_l = None if d_lse is None else to_group_major(d_lse, G, lead).contiguous()
             kept = list(saved[5:])  # the kept kinds' operands, Xq then Xk, Xv
@@ -256,42 +315,64 @@ class _DistAttn(torch.autograd.Function):
             dq, dk, dv = run(routes.plan, group, routes.ranks, routes.batched, how, ql, kl, vl, o, lse, kept_q,
                              kept_kv, d_o, d_l, scale, ctx.deterministic)
             return (from_group_major(dq, G, lead), from_group_major(dk, G, lead), from_group_major(dv, G, lead),
-                    None, None, None, None, None)
-        n = ql.shape[lead]
-        local = lambda x: x.narrow(lead, 0, n)  # noqa: E731
-        remote = lambda x, cap: x.narrow(lead, n, cap).contiguous()  # noqa: E731
+                    None, None, None, None, None, None)
+        o, lse = saved[3:5]
         d_o = torch.zeros_like(o) if d_out is None else to_group_major(d_out, G, lead).contiguous()
         d_l = None if d_lse is None else to_group_major(d_lse, G, lead).contiguous()
+        n = o.shape[lead]
+        local = lambda x: _rows(x, lead, 0, n)  # noqa: E731
+        remote = lambda x, cap: _rows(x, lead, n, cap)  # noqa: E731
+        # stage 1's operands X = [local rows | buffer]: the forward's X of a kept kind, else built here
+        xq, xk, xv = saved[:3]
+        part = keep_kv and ctx.kv_rows >= 0  # the first kv_rows of the KV buffer kept, the rest cast again
+        Xq = None if keep_q else _Operands([xq], qcap, lead)
+        Xkv = None if keep_kv and not part else _Operands([local(xk), local(xv)], kcap, lead)
+        if Xq is not None:
+            xq = Xq.x[0]
+        if part:
+            for x, kept in zip(Xkv.x, (xk, xv)):
+                _rows(x, lead, n, ctx.kv_rows).copy_(_rows(kept, lead, n, ctx.kv_rows))
+        if Xkv is not None:
+            xk, xv = Xkv.x
+        ql, kl, vl = local(xq), local(xk), local(xv)
         works, parts, out = {}, {}, {}
-        recv = {"kv": saved[5 + keep_q:]} if keep_kv else {}
-        q_buf = saved[5] if keep_q else None
-        delta = None
-        for op in backward_ops(routes.plan.calc.q_ranges.shape[1], keep_kv):  # K, V cast again unless kept
+        Xg = None  # dO, lse, delta over X's QO rows
+        for op in backward_ops(routes.plan.calc.q_ranges.shape[1], keep_kv and not part):  # K, V again unless kept
             with nvtx_range(op_range(op)):
                 if op.kind == DELTA:  # the host computes delta from its final O: O itself never travels
                     delta = _per_rank(routes, lambda r, a, b, *c_: (row_delta(a, b, c_[0] if c_ else None),),
                                       d_o, o, *(() if d_l is None else (d_l,)))[0]
+                    Xg = _Operands([d_o, lse, delta], qcap, lead)
+                    del d_o, delta
                 elif op.kind == CAST:
-                    sent = (d_o, lse, delta) + (() if keep_q else (ql,)) if op.route == "qo" else (kl, vl)
-                    works[op.name] = issue(op, routes, group, sent)
+                    sent = tuple(local(x) for x in Xg.x) + (() if keep_q else (ql,)) if op.route == "qo" \
+                        else (kl, vl)
+                    works[op.name] = issue_tail(op, routes, group, sent, ctx.kv_rows) if op.route == "kv" and part \
+                        else issue(op, routes, group, sent)
                 elif op.kind == WAIT and op.back:
-                    out[op.phase] = works[op.deps[0]].wait()
+                    out[op.phase] = works.pop(op.deps[0]).wait()
                 elif op.kind == WAIT:
-                    recv[op.route] = works[op.deps[0]].wait()
-                    if op.route == "qo" and not keep_q:
-                        q_buf = recv["qo"][3]
+                    bufs = works.pop(op.deps[0]).wait()
+                    if op.route == "qo":
+                        Xg.fill(bufs[:3])
+                        if not keep_q:
+                            Xq.fill(bufs[3:])
+                    elif part:  # the rows past the kept ones
+                        for x, b in zip(Xkv.x, bufs):
+                            _rows(x, lead, n + ctx.kv_rows, kcap - ctx.kv_rows).copy_(b)
+                    else:
+                        Xkv.fill(bufs)
+                    del bufs
                 elif op.kind == ATTN:
                     (s,) = op.stages
-                    args = (d_o, ql, kl, vl, lse, delta)
-                    if s:
-                        (k_buf, v_buf), (d_o_buf, lse_buf, delta_buf) = recv["kv"], recv["qo"][:3]
-                        args = tuple(_cat(a, b, lead) for a, b in zip(args, (d_o_buf, q_buf, k_buf, v_buf, lse_buf,
-                                                                             delta_buf)))
+                    args = (Xg.x[0], xq, xk, xv, Xg.x[1], Xg.x[2])
+                    if s == 0:
+                        args = tuple(local(a) for a in args)
 
                     def run(r, *t, s=s):
                         return flex_attn_backward(*t, *_stage_slices(routes.plan, r, s), scale, **_INTERNAL)
 
-                    parts[s] = _per_rank(routes, run, *args)
+                    parts[s] = list(_per_rank(routes, run, *args))
                 elif op.kind == REDUCE:
                     (s,) = op.stages
                     pick = (0,) if op.phase == "bwd.dq" else (1, 2)  # dQ to the QO host, dK and dV to the KV host
@@ -304,11 +385,15 @@ class _DistAttn(torch.autograd.Function):
                     cap = qcap if op.phase == "bwd.dq" else kcap
                     works[op.name] = issue(op, routes, group, tuple(remote(parts[s][i], cap) for i in pick), acc,
                                            ctx.deterministic)
+                    for t in parts:  # each gradient goes back once: its stage outputs are done
+                        for i in pick:
+                            parts[t][i] = None
+                    del acc
                 else:
                     raise AssertionError(f"dist_attn cannot run backward op {op}")
         (dq,), (dk, dv) = out["bwd.dq"], out["bwd.dkv"]
         return (from_group_major(dq, G, lead), from_group_major(dk, G, lead), from_group_major(dv, G, lead),
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 def _check_inputs(q, k, v, plan: Plan, group) -> None:
@@ -411,7 +496,7 @@ def check_plan_digest(plan: Plan, group, config_key: int, *, validate: bool) -> 
 def dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, group, *,
               softmax_scale: float | None = None, deterministic: bool = True, keep_forward_buffers: bool | str = True,
               validate: bool | None = None, debug_digest: bool = False,
-              config_key: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              config_key: int | None = None, kept_kv_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of this rank's query shard over the whole sequence, as ``plan`` assigns the work.
 
     Args:
@@ -437,6 +522,10 @@ def dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, gro
             given different masks or configs. One small collective per call: a debug mode.
         config_key: a host int digest of the caller's configuration (``config_digest``);
             default: one of the plan's shape (P, c, G, capacities, mu).
+        kept_kv_rows: with K and V kept, keep only the first this many rows of the KV receive
+            buffer (``SolverConfig.kept_kv_rows``, as ``capacity.keep_for_budget`` resolves a
+            ``memory_budget``); the rows past them are cast again in the backward. None: all.
+            One remote stage only (``num_stages = 1``).
 
     Returns:
         out ``[c, Hq, D]`` in q's dtype and lse ``[c, Hq]`` fp32 (natural log; a row with
@@ -465,4 +554,13 @@ def dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, gro
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     with nvtx_range("solve/routes"):
         routes = layer_routes(plan, group)
-    return _DistAttn.apply(q, k, v, routes, group, scale, kept_kinds(keep_forward_buffers), bool(deterministic))
+    keep = kept_kinds(keep_forward_buffers)
+    if kept_kv_rows is not None:
+        if isinstance(kept_kv_rows, bool) or not isinstance(kept_kv_rows, int) or kept_kv_rows < 0:
+            raise ValueError(f"kept_kv_rows must be None or a non-negative int, got {kept_kv_rows!r}")
+        if plan.comm.num_stages > 1:
+            raise ValueError(f"kept_kv_rows={kept_kv_rows} needs a plan with num_stages = 1, this one has "
+                             f"{plan.comm.num_stages}")
+    # the whole buffer when it fits in kept_kv_rows (-1)
+    kv_rows = -1 if kept_kv_rows is None or kept_kv_rows >= plan.comm.kv_recv_capacity else kept_kv_rows
+    return _DistAttn.apply(q, k, v, routes, group, scale, keep, kv_rows, bool(deterministic))

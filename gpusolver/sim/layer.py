@@ -137,7 +137,7 @@ def pass_time(ops: list[SimOp], P: int, topo: Topology) -> PassTime:
 
 
 def _priced(plan, phase: str, topo: Topology, cost, keep: bool, mode: str) -> list[SimOp]:
-    ops = plan_ops(plan, phase, keep)
+    ops = plan_ops(plan, phase, keep, getattr(cost, "kept_kv_rows", None))  # a partly kept KV buffer: its tail
     num_stages = max((op.stages[0] for op in ops if op.kind == ATTN), default=0) + 1
     area = stage_area(plan, num_stages).tolist()  # [P][stages] entries per head group
     P = plan.comm.cp_size

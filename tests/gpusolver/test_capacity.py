@@ -42,10 +42,16 @@ def test_budget_keeps_the_most_that_fits():
     q, kv = kept_bytes(base, c, "qo"), kept_bytes(base, c, "kv")
     assert (q, kv) == (2 * 8 * c * 8 * 128 * 2, 7 * 8 * c * 2 * 128 * 2)  # QO 2 G*c rows, KV 7 G*c rows at P = 8
     eps = 1e-9  # a budget a hair above a boundary, past its float rounding
-    for budget, keep in ((1.0, False), (1 + (kv - 1) / plain, False), (1 + kv / plain + eps, "kv"),
-                         (1 + q / plain + eps, "qo"), (1 + (q + kv) / plain + eps, True)):
+    kv_row, kv_recv = 2 * 128 * 2, 7 * 8 * c  # K+V bytes of one group-major row; KV receive rows
+    # a budget short of the whole KV buffer keeps its first rows that fit (row granularity)
+    for budget, keep, rows in ((1.0, False, None), (1 + (kv - 1) / plain, "kv", kv_recv - 1),
+                               (1 + 1000 * kv_row / plain + eps, "kv", 1000), (1 + kv / plain + eps, "kv", None),
+                               (1 + q / plain + eps, "qo", None), (1 + (q + 10 * kv_row) / plain + eps, True, 10),
+                               (1 + (q + kv) / plain + eps, True, None)):
         resolved = keep_for_budget(SolverConfig(cp_size=8, memory_budget=budget), c)
         assert resolved.keep_forward_buffers == keep and resolved.memory_budget is None, budget
+        assert resolved.kept_kv_rows == rows, budget
+        assert kept_bytes(resolved, c, keep, rows) <= (budget - 1) * plain
     # the budget chooses only among what keep_forward_buffers allows
     assert keep_for_budget(SolverConfig(cp_size=8, keep_forward_buffers="qo", memory_budget=100.0), c) \
         .keep_forward_buffers == "qo"
@@ -60,3 +66,15 @@ def test_sub_stages_share_the_kept_buffers():
         assert kept_bytes(three, c, keep) == kept_bytes(one, c, keep), keep
     assert kept_bytes(three, c, "qo") > 0
     assert kept_bytes(three, c, "qo") > 0
+
+
+def test_kept_kv_rows_prices_and_checks():
+    part = CommCost(8, 2, 16, 2, 2, True, kept_kv_rows=5)
+    assert part.kv_bwd == 0 and part.q_bwd == CommCost(8, 2, 16, 2, 2, True).q_bwd
+    assert SolverConfig(cp_size=4, kept_kv_rows=7).cost().kept_kv_rows == 7
+    with pytest.raises(ValueError, match="kept_kv_rows"):
+        SolverConfig(cp_size=4, kept_kv_rows=-1)
+    with pytest.raises(ValueError, match="num_stages"):
+        SolverConfig(cp_size=4, kept_kv_rows=8, num_stages=2)
+    with pytest.raises(ValueError, match="kept_kv_rows"):
+        CommCost(8, 2, 16, 2, 2, True, kept_kv_rows=1.5)

@@ -237,3 +237,19 @@ def test_package_imports_only_torch_triton_and_stdlib():
                 continue
             for name in names:
                 assert name.split(".")[0] in allowed, f"{path.name} imports {name}"
+
+
+@pytest.mark.parametrize("first_row", [0, 1, 4, 9, 100])
+@pytest.mark.parametrize("P,N,seed", CASES, ids=IDS)
+def test_tail_cast_is_the_full_cast_past_first_row(P, N, seed, first_row):
+    from groupcomm import tail_routing
+
+    r = random_routing(P, N, seed)
+    x = _rows(P, N, torch.Generator().manual_seed(seed))
+    full = group_cast(x, r.send_index, r.split, r.recv_capacity, LocalGroup(P))
+    split_t, index_t = tail_routing(r.split, r.send_index, torch.arange(P), first_row)
+    cap = max(r.recv_capacity - first_row, 0)
+    tail = group_cast(x, index_t, split_t, cap, LocalGroup(P))
+    assert int(split_t.sum()) == int((r.split.sum(0) - first_row).clamp(min=0).sum())
+    for f, t in zip(full, tail):
+        assert torch.equal(f[:, first_row:], t)

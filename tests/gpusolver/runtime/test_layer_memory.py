@@ -65,10 +65,10 @@ def test_plan_memory_equals_the_runtime(keep):
     rec.current = []
     (out.sum() + lse.sum()).backward()
     bwd = rec.current
-    # first the layer's own activations: group-major copies of q, k, v, and out, lse (fp32 here); then
-    # the kept receive buffers
+    # the layer's own activations (group-major copies of q, k, v, and out, lse, fp32 here) and the
+    # kept receive buffers: a kept kind is saved as one tensor, its local rows followed by its buffer
     own = P * c * (2 * Hq * D + 2 * Hkv * D + Hq) * 4
-    assert sum(sizes[:5]) == own and sum(sizes[5:]) == P * m.kept
+    assert len(sizes) == 5 and sum(sizes) == own + P * m.kept
     # their storages hold no more than a scratch row each (the reduce's and LocalGroup's put's)
     assert 0 <= held - sum(sizes) <= 2 * Hq // 2 * D * 4 * P
     q_kept = 40 * (Hq // 2) * D * 4 if keep in (True, "qo") else 0
@@ -130,3 +130,50 @@ def test_sub_stages_share_the_receive_memory(keep):
     assert len(fwd_ret) == S and len(set(fwd_ret)) == 1 and fwd_recv + fwd_ret[0] == P * m.fwd_peak
     # dO, lse, delta (Q, K, V unless kept) buffers, the kept ones, and one dQ and one dK+dV return buffer
     assert len(bwd_ret) == 2 * S and bwd_recv + bwd_ret[0] + bwd_ret[1] + P * m.kept == P * m.bwd_peak
+
+
+def test_part_of_the_kv_buffer_kept():
+    """``kept_kv_rows``: the first rows of the KV buffer are kept, the rest cast again (the tail of
+    the forward's cast); the gradients are those of keeping everything, bit for bit, the bytes kept
+    and moved are ``plan.memory``'s and ``pair_bytes``'s."""
+    P, c, Hq, Hkv, rows = 4, 16, 4, 2, 20
+    S = P * c
+    config = make_config(P, Hq, Hkv, max_qo_recv_rows=40, max_kv_recv_rows=64, max_qo_send_rows=56,
+                         max_kv_send_rows=88, kept_kv_rows=rows)
+    plan = solve(varlen_causal_mask(doc_lengths(S, 0)), config)
+    assert int(plan.comm.kv_recv_rows.max()) > rows  # some rows past the kept ones are cast again
+    m = plan.memory(config)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(P, c, Hq, D, generator=g, requires_grad=True)
+    k = torch.randn(P, c, Hkv, D, generator=g, requires_grad=True)
+    v = torch.randn(P, c, Hkv, D, generator=g, requires_grad=True)
+    grads = {}
+    for kept in (None, rows):
+        group = LocalGroup(P)
+        rec = _Recorder(group)
+        (out, lse), sizes, _ = _saved(lambda: dist_attn(q, k, v, plan, group, kept_kv_rows=kept))
+        rec.current = []
+        q.grad = k.grad = v.grad = None
+        (out.sum() + lse.sum()).backward()
+        grads[kept] = (q.grad, k.grad, v.grad)
+        if kept is not None:
+            own = P * c * (2 * Hq * D + 2 * Hkv * D + Hq) * 4
+            assert m.kept == 40 * (Hq // 2) * D * 4 + rows * 2 * (Hkv // 2) * D * 4
+            assert sum(sizes) == own + P * m.kept
+            assert len(rec.current) == 4 and sum(rec.current) + P * m.kept == P * m.bwd_peak
+            sent, recv = group.traffic("bwd.kv")
+            tail = plan.pair_bytes("bwd.kv", config.cost())
+            assert torch.equal(recv, tail.sum(0)) and int(tail.sum()) > 0
+    for a, b in zip(grads[None], grads[rows]):
+        assert torch.equal(a, b)
+
+
+def test_kept_kv_rows_must_be_a_row_count():
+    P, c = 4, 16
+    config = make_config(P, 4, 2)
+    plan = solve(varlen_causal_mask(doc_lengths(P * c, 0)), config)
+    q = torch.randn(P, c, 4, D)
+    k = v = torch.randn(P, c, 2, D)
+    for bad in (-1, 2.0, True):
+        with pytest.raises(ValueError, match="kept_kv_rows"):
+            dist_attn(q, k, v, plan, LocalGroup(P), kept_kv_rows=bad)
