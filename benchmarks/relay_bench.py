@@ -7,7 +7,10 @@ torch path (no topology: the assignment the solver gives today; cached with
 450 GB/s, one 50 GB/s NIC per GPU): with direct transport (``ib_relay=False``,
 today's plans byte for byte) and with relay transport (``Plan.relay``: each
 (unit, remote node) crosses InfiniBand once to the node's rail-aligned relay
-and fans out over NVLink; partials merge on the relay before they cross back).
+and fans out over NVLink; partials merge on the relay before they cross back;
+with more than two nodes the rails are matched to the bytes per node pair,
+``plan.relay.matched_rails``, the host's rows reaching another rail's NIC over
+an NVLink pre-hop).
 Per plan, from its own bytes per (source, destination) and hop (``Plan.pair_bytes``):
 
 - IB fwd / bwd MB/GPU: the largest over GPUs of max(sent, received) to and from
@@ -62,14 +65,16 @@ COLUMNS = [
 ]
 
 
-def solved_assignment(kind: str, P: int, seed: int, tokens: int, cache, topology=None):
-    """The solver's assignment (without topology: today's; with: the topology-aware solve) and its
-    CPU solve seconds (None when read from the cache)."""
-    tag = "" if topology is None else f"_{topology.name}"
+def solved_assignment(kind: str, P: int, seed: int, tokens: int, cache, topology=None, relay_priced=False):
+    """The solver's assignment (without topology: today's; with: the topology-aware solve, priced
+    for direct transport or, with ``relay_priced``, for the relay transport) and its CPU solve
+    seconds (None when read from the cache)."""
+    tag = "" if topology is None else f"_{topology.name}" + ("_relay" if relay_priced else "")
     path = None if not cache else Path(cache) / f"{kind}_P{P}_s{seed}_c{tokens}{tag}.pt"
     if path is not None and path.exists():
         return Plan.load(path).assignment, None
-    config = SolverConfig(cp_size=P, topology=topology, ib_relay=None if topology is None else False)
+    config = SolverConfig(cp_size=P, topology=topology,
+                          ib_relay=None if topology is None or relay_priced else False)
     mask = make_mask(kind, P, seed, tokens_per_rank=tokens)
     areas = block_areas(mask, P, config.head_groups, impl="torch")
     t0 = time.perf_counter()
@@ -123,6 +128,8 @@ def measure(kind: str, P: int, seed: int, topology, tokens: int, cache, topo_sol
     cases = [("direct", False, asg), ("relay", True, asg)]
     if topo_solve:
         cases.append(("topo solve + relay", True, solved_assignment(kind, P, seed, tokens, cache, topology)[0]))
+        cases.append(("relay solve + relay", True,
+                      solved_assignment(kind, P, seed, tokens, cache, topology, relay_priced=True)[0]))
     for name, relay, asg in cases:
         config = replace(base, topology=topology, ib_relay=relay)
         plan = build_plan(mask, areas, asg, config)
@@ -183,7 +190,10 @@ def main(argv=None) -> dict:
             f"Packed causal and full documents, seed {args.seed}, {args.tokens} tokens per rank, GQA 64:8, D = 128, "
             "bf16, mu = 1.10; today's assignment (solved without topology), built with direct and with relay "
             "transport, and the topology-aware solve's assignment (`SolverConfig(topology=...)`, which prices "
-            "direct transport) built with relay. IB ms and step ms are simulated (`gpusolver.sim`; IB ms: ideal bytes / NIC bandwidth). "
+            "direct transport) built with relay, and the relay-priced solve's (`SolverConfig(topology=...)` "
+            "with relays, the default) built with relay. With more than two nodes a relay plan matches its hosts' "
+            "crossings to rails per node pair (`plan.relay.matched_rails`, egress pre-hop over NVLink). "
+            "IB ms and step ms are simulated (`gpusolver.sim`; IB ms: ideal bytes / NIC bandwidth). "
             "Command: `python benchmarks/relay_bench.py --plan-cache build/relay_plans`.\n\n"
             + markdown_table(rows, COLUMNS) + "\n\n"
             + "".join(_verdict(name, [r for r in relay if r["transport"] == name])

@@ -12,7 +12,9 @@ CPU torch path three ways:
   transport's hops; its bytes are the relay transport's own (``plan.relay``,
   ``Plan.pair_bytes(phase, hop=)``: each (unit, remote node) crosses InfiniBand
   once, host to ``Topology.relay_rank``, with the node hull of the rows its
-  consumers need, then NVLink from the relay; a hull longer than the rows, or
+  consumers need, then NVLink from the relay; with more than two nodes the plan
+  moves crossings to other rails of the host's node, ``plan.relay.matched_rails``,
+  when that lowers the busiest NIC; a hull longer than the rows, or
   past a relay's buffers, goes direct). "solver's IB fwd" is the same counted
   by the solver's model (``solver.state.relay.relay_hops``: every relay buffer
   large enough).

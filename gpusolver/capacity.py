@@ -142,9 +142,10 @@ def keep_for_budget(config: SolverConfig, chunk: int) -> SolverConfig:
 
 # Relay transport (``gpusolver.plan.relay``): rows of each relay's buffer (what it receives over
 # InfiniBand for its node) and of its fan-out send list (what it forwards over NVLink), per kind,
-# in multiples of G * c, capped at the worst case. Candidates past them go direct, so these
-# bound memory, never correctness.
-RELAY_CHUNKS = {"qo_relay": 4, "kv_relay": 8, "qo_fan": 8, "kv_fan": 24}
+# in multiples of G * c, capped at the worst case, and of each egress buffer (what a rank's NIC
+# sends for its node's other hosts, brought to it over NVLink). Candidates past them go direct (past
+# an egress buffer: from the host's own NIC), so these bound memory, never correctness.
+RELAY_CHUNKS = {"qo_relay": 4, "kv_relay": 8, "qo_fan": 8, "kv_fan": 24, "qo_egress": 4, "kv_egress": 8}
 
 
 @dataclass(frozen=True)
@@ -155,12 +156,17 @@ class RelayRows:
     kv_relay: int
     qo_fan: int
     kv_fan: int
+    qo_egress: int = 0
+    kv_egress: int = 0
 
     def relay(self, kind: str) -> int:
         return self.qo_relay if kind == "qo" else self.kv_relay
 
     def fan(self, kind: str) -> int:
         return self.qo_fan if kind == "qo" else self.kv_fan
+
+    def egress(self, kind: str) -> int:
+        return self.qo_egress if kind == "qo" else self.kv_egress
 
 
 def relay_rows(config: SolverConfig, chunk: int, ranks_per_node: int, **override: int) -> RelayRows:
@@ -169,7 +175,8 @@ def relay_rows(config: SolverConfig, chunk: int, ranks_per_node: int, **override
     Per buffer: ``override[name]`` when given (``qo_relay=...``), else
     ``min(worst, RELAY_CHUNKS[name] * G * c)``; worst: a relay buffer holds at most every
     other node's same-rail host's chunk, ``G * c * (N - 1)``, a fan-out list every other rank
-    of the node taking all of it, ``(L - 1)`` times that.
+    of the node taking all of it, ``(L - 1)`` times that, an egress buffer a slot per unit of every
+    other rank of its node, ``G * c * (L - 1)``, and none with two nodes (every host its own egress).
     """
     G, P, L = config.head_groups, config.cp_size, ranks_per_node
     bad = set(override) - set(RELAY_CHUNKS)
@@ -180,7 +187,10 @@ def relay_rows(config: SolverConfig, chunk: int, ranks_per_node: int, **override
     for name, chunks in RELAY_CHUNKS.items():
         v = override.get(name)
         if v is None:
-            worst = worst_relay if name.endswith("relay") else worst_relay * (L - 1)
+            if name.endswith("egress"):
+                worst = G * chunk * (L - 1) if P // L > 2 else 0
+            else:
+                worst = worst_relay if name.endswith("relay") else worst_relay * (L - 1)
             v = min(worst, chunks * G * chunk)
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ValueError(f"relay_rows: {name} must be a non-negative int, got {v!r}")

@@ -135,7 +135,7 @@ def build_plan(mask: AttnSlices, areas: BlockAreas, assignment: torch.Tensor, co
     if relays:
         L = config.topology.ranks_per_node
         rows_r = default_relay_rows(config, areas.rank_tokens, L) if relay_rows is None else relay_rows
-        relay = build_relay_meta(comm, L, rows_r)
+        relay = build_relay_meta(comm, L, rows_r, cost)
     return Plan(assignment=assignment, metrics=metrics, comm=comm, calc=calc, status=status,
                 area=areas.area, imbalance_tol=mu, cost=cost, stage_of_task=task_stage, relay=relay)
 

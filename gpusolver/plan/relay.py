@@ -10,10 +10,21 @@ where in its receive buffer (the layout CalcMeta and the kernels read). A
 - hop 0 (direct): the host sends the consumer its rows itself, as without
   relay. Every intra-node transfer goes this way, and so does every
   inter-node transfer whose (unit, node) is not relayed.
+- rails (``matched_rails``, more than two nodes only): each (unit, remote node
+  B) crossing uses one rail l, leaving from the egress ``e = A * L + l`` of its
+  host's node A and landing on the relay ``r = B * L + l``. By default l is the
+  host's own local index (``Topology.relay_rank``, what the solver prices); with
+  more than two nodes the plan matches crossings to rails per node pair, by
+  their forward bytes, to spread a node's InfiniBand bytes over its NICs on
+  both sides, and keeps the matching only when it lowers the busiest NIC.
+- hop 3 (NVLink pre-hop): host h moves each unit's rows bound for remote node B
+  to its egress e when e != h, one slot per (unit, e) (the hull of the hulls of
+  the nodes it serves), into e's egress buffer (hosts ascending, g, tile).
 - hop 1 (InfiniBand): for each unit u and each other node B with consumers of
-  u, host h sends the **hull** of the rows B's consumers need, once, to
-  ``r = Topology.relay_rank(h, B)`` (rail-aligned: h's local index on B),
-  into r's relay buffer (sources ascending, then g, then tile).
+  u, the egress sends the **hull** of the rows B's consumers need, once, to
+  the relay r (rail-aligned with the egress), into r's
+  relay buffer (senders ascending, then host, g, tile), read from its local rows
+  (its own units) or its egress buffer (its node's other hosts').
 - hop 2 (NVLink): r sends each other consumer c in B its own rows, read from
   the relay buffer, into c's fan-out buffer (relays ascending, then host, g,
   tile); r itself, if a consumer, copies them from its relay buffer.
@@ -22,8 +33,10 @@ Each consumer then assembles its receive buffer (today's layout) from its
 direct buffer, its fan-out buffer and its relay buffer: one gather. Way back,
 the reverse: partials go consumer -> relay (hop 2) and are merged there
 (log-sum-exp or sum, the relay's own partial first, then sources ascending),
-then relay -> host (hop 1, once per (unit, node)), then direct; the host
-merges direct results first, then relayed ones.
+then relay -> egress (hop 1, once per (unit, node)), where the egress merges
+what its slot's nodes send back (the way back of a slot serving several nodes)
+before hop 3 takes it to the host; the host merges direct results first, then
+those of its own NIC, then those of its egresses.
 
 Why hulls and not unions: each consumer's rows are already one interval per
 (unit, destination) (``transfer_ranges``), so a hull keeps one interval per
@@ -32,13 +45,17 @@ hop-2 transfer a contiguous slice of it. A (unit, node) is relayed only when
 its hull is no longer than its consumers' rows together, so a relay never
 moves more InfiniBand bytes than direct transport would.
 
-Capacities (``capacity.relay_rows``): a relay's buffer (hop-1 rows received)
-and its fan-out send list (hop-2 rows sent) per kind. Candidates are taken in
-relay-buffer order (host, g, tile) and relayed while both prefix sums fit;
-every later candidate of that relay goes direct (never dropped, no host
-read). Direct and hop-1 sends together never exceed the plan's send rows,
-and direct and fan-out receives never exceed its receive rows, so the other
-capacities hold as they did.
+Capacities (``capacity.relay_rows``): a relay's buffer (hop-1 rows received),
+its fan-out send list (hop-2 rows sent) and an egress buffer (hop-3 rows
+received) per kind. Candidates are taken in relay-buffer order (sender by the
+rule, host, g, tile) and relayed while both prefix sums fit; every later
+candidate of that relay goes direct (never dropped, no host read). Egress slots
+are taken in egress-buffer order while the prefix fits; a (unit, node) whose
+slot does not fit leaves from its host's own NIC (to the same relay). A host's
+direct and hop-3 sends never exceed the plan's send rows; a hop-1 send list
+holds its own hulls (within the send rows) and its slots' (at most
+ceil((N - 1) / L) times the egress buffer); direct and fan-out receives never
+exceed the receive rows, so the other capacities hold as they did.
 
 Sync-free: static shapes, no host reads; the same tensors on every rank.
 """
@@ -51,7 +68,7 @@ import torch
 from gpusolver.plan.gather import send_index
 
 NOTHING, DIRECT, FAN_OUT, SELF = 0, 1, 2, 3  # RelayRoute.via: how a transfer reaches its consumer
-HOPS = (0, 1, 2)
+HOPS = (0, 1, 2, 3)
 
 
 @dataclass(frozen=True)
@@ -70,9 +87,14 @@ class RelayRoute:
     fan_offset:    [G, U, P(dest)] int64 start in dest's fan-out buffer (FAN_OUT only).
     fan_start:     [G, U, P(dest)] int64 row of the relay's buffer where dest's rows start
                    (FAN_OUT and SELF).
-    relay_of:      [U, P(dest)] int64 — the relay of unit u for dest's node.
+    relay_of:      [G, U, P(dest)] int64 — the relay of unit (g, u) for dest's node.
     hop2_split:    [P, P] int64 hop-2 rows (relay -> consumer).
     relay_capacity, fan_capacity: rows of a relay's buffer and of its fan-out send list (host ints).
+    hop1_sender:   [G, U, P(relay)] int64 the rank that sends hop 1 (the egress, or the host).
+    hop1_src:      [G, U, P(relay)] int64 its first row in concat(local rows, egress buffer).
+    egress_range:  [G, U, P(egress), 2] int64 rows host -> egress by hop 3 ([0, 0) elsewhere).
+    egress_split:  [P, P] int64 hop-3 rows (host -> egress).
+    egress_capacity, hop1_capacity: rows of an egress buffer and of a hop-1 send list (host ints).
     """
 
     via: torch.Tensor
@@ -89,10 +111,16 @@ class RelayRoute:
     hop2_split: torch.Tensor
     relay_capacity: int
     fan_capacity: int
+    hop1_sender: torch.Tensor
+    hop1_src: torch.Tensor
+    egress_range: torch.Tensor
+    egress_split: torch.Tensor
+    egress_capacity: int
+    hop1_capacity: int
 
     def split(self, hop: int) -> torch.Tensor:
-        """[P, P] int64 rows of hop 0, 1 or 2 (host -> consumer direction)."""
-        return (self.direct_split, self.hop1_split, self.hop2_split)[_hop(hop)]
+        """[P, P] int64 rows of hop 0, 1, 2 or 3 (host -> consumer direction)."""
+        return (self.direct_split, self.hop1_split, self.hop2_split, self.egress_split)[_hop(hop)]
 
 
 @dataclass(frozen=True)
@@ -102,6 +130,8 @@ class RelayMeta:
     qo: RelayRoute
     kv: RelayRoute
     ranks_per_node: int
+    egress: bool = False  # more than two nodes: hop 3 (the NVLink pre-hop to the egress) runs
+    rails: torch.Tensor | None = None  # [G, U, N] int64 the rail of each (unit, node) crossing
 
     def route(self, kind: str) -> RelayRoute:
         if kind not in ("qo", "kv"):
@@ -111,7 +141,8 @@ class RelayMeta:
 
 def _hop(hop) -> int:
     if hop not in HOPS or isinstance(hop, bool):
-        raise ValueError(f"hop must be 0 (direct), 1 (InfiniBand) or 2 (NVLink fan-out), got {hop!r}")
+        raise ValueError(f"hop must be 0 (direct), 1 (InfiniBand), 2 (NVLink fan-out) or 3 (NVLink "
+                         f"pre-hop to the egress), got {hop!r}")
     return hop
 
 
@@ -124,14 +155,39 @@ def _offsets(length: torch.Tensor, tiles: int) -> torch.Tensor:
     return excl.view(P, P, G, tiles).permute(2, 1, 3, 0).reshape(G, U, P)
 
 
+def _offsets_by(length: torch.Tensor, key: torch.Tensor, tiles: int) -> torch.Tensor:
+    """[G, U, P] exclusive prefix sums of ``length`` per destination over (key, host, g, tile):
+    the receive order of a collective whose source of (g, u, dest) is rank ``key`` (``[U, P]`` or
+    ``[G, U, P]`` int64; sources ascending, each sending in (host, g, tile) order)."""
+    G, U, P = length.shape
+    u = torch.arange(U, device=length.device)
+    base = (u // tiles * G + torch.arange(G, device=length.device)[:, None]) * tiles + u % tiles  # [G, U]
+    k = (key.expand(G, U, P) * (G * U) + base[..., None]).permute(2, 0, 1).reshape(P, G * U)
+    order = k.argsort(dim=1)
+    sorted_len = length.permute(2, 0, 1).reshape(P, G * U).gather(1, order)
+    excl = torch.empty_like(sorted_len).scatter_(1, order, sorted_len.cumsum(1) - sorted_len)
+    return excl.view(P, G, U).permute(1, 2, 0)
+
+
 def _by_source(length: torch.Tensor, tiles: int) -> torch.Tensor:
     G, U, P = length.shape
     return length.sum(0).view(P, tiles, P).sum(1)
 
 
+def _pair_sum(src: torch.Tensor, dst: torch.Tensor, length: torch.Tensor, P: int) -> torch.Tensor:
+    """[P, P] int64: ``length`` summed per (``src``, ``dst``) pair (broadcast [G, U, P] tensors)."""
+    src, dst, length = torch.broadcast_tensors(src, dst, length)
+    out = torch.zeros(P * P, dtype=torch.int64, device=length.device)
+    return out.scatter_add_(0, (src * P + dst).reshape(-1), length.reshape(-1)).view(P, P)
+
+
 def relay_route(rng: torch.Tensor, tiles: int, ranks_per_node: int, relay_capacity: int,
-                fan_capacity: int) -> RelayRoute:
-    """The relay routing of one kind's transfers ``rng [G, U, P, 2]`` (``CommMeta.qo_range`` / ``kv_range``)."""
+                fan_capacity: int, egress_capacity: int = 0, chunk: int = 0, send_capacity: int = 0,
+                rails: torch.Tensor | None = None) -> RelayRoute:
+    """The relay routing of one kind's transfers ``rng [G, U, P, 2]`` (``CommMeta.qo_range`` / ``kv_range``).
+
+    chunk / send_capacity: rows per head group of a rank's local rows / the plan's send rows of
+    this kind (where hop-1 sources and the egress send list's size start)."""
     G, U, P, _ = rng.shape
     L, n = ranks_per_node, tiles
     N = P // L
@@ -139,6 +195,7 @@ def relay_route(rng: torch.Tensor, tiles: int, ranks_per_node: int, relay_capaci
     host = torch.arange(U, device=dev) // n                                   # [U]
     node_h = host // L
     node_d = torch.arange(P, device=dev) // L                                 # [P]
+    nodes = torch.arange(N, device=dev)
     length = rng[..., 1] - rng[..., 0]                                        # [G, U, P]
     used = length > 0
     big = torch.iinfo(torch.int64).max
@@ -146,66 +203,168 @@ def relay_route(rng: torch.Tensor, tiles: int, ranks_per_node: int, relay_capaci
     hi = torch.where(used, rng[..., 1], 0).view(G, U, N, L).amax(-1)
     total = length.view(G, U, N, L).sum(-1)
     hull = (hi - lo).clamp(min=0)
-    other = node_h[:, None] != torch.arange(N, device=dev)[None, :]           # [U, N]
+    other = node_h[:, None] != nodes[None, :]                                 # [U, N]
     cand = (total > 0) & other & (hull <= total)
-    relay_n = torch.arange(N, device=dev)[None, :] * L + (host % L)[:, None]  # [U, N] relay of (u, node)
-    own = length.gather(2, relay_n.expand(G, U, N))                           # the relay's own rows
+    # the rail of each (g, unit, node): the host's own local index, or the plan's (``matched_rails``)
+    spread = (host % L)[None, :, None].expand(G, U, N) if rails is None else rails
+    egress_n = torch.where(other, node_h[:, None] * L + spread, host[:, None])  # [G, U, N] egress
+    relay_n = torch.where(other, nodes[None, :] * L + spread, host[:, None])  # [G, U, N] relay
+    own = length.gather(2, relay_n)                                           # the relay's own rows
     ranks = torch.arange(P, device=dev)
-    at_relay = relay_n[..., None] == ranks                                    # [U, N, P]
+    at_relay = relay_n[..., None] == ranks                                    # [G, U, N, P]
 
     def place(x: torch.Tensor) -> torch.Tensor:  # [G, U, N] -> [G, U, P(relay)]
         return torch.where(at_relay, x[..., None], 0).sum(2)
 
     want = place(torch.where(cand, hull, 0))
     fan = place(torch.where(cand, total - own, 0))
-    # a prefix in relay-buffer order is relayed: both prefix sums within the relay's capacities
-    fits = (_offsets(want, n) + want <= relay_capacity) & (_offsets(fan, n) + fan <= fan_capacity)
+    # a prefix in relay-buffer order (senders as by the rule) is relayed: both prefix sums within the
+    # relay's capacities; the sum of what is taken fits whatever order the buffer ends up in
+    sender_key = egress_n.index_select(2, node_d)                             # [G, U, P(relay)]
+    fits = ((_offsets_by(want, sender_key, n) + want <= relay_capacity)
+            & (_offsets_by(fan, sender_key, n) + fan <= fan_capacity))
     ok = cand & torch.where(at_relay, fits[:, :, None, :], False).any(-1)     # [G, U, N]
+
+    # egress slots: one per (g, u, egress rank other than the host), the hull of its nodes' hulls
+    forward = ok & (egress_n != host[:, None])
+    e_idx = egress_n
+    e_lo = torch.full((G, U, P), big, dtype=torch.int64, device=dev).scatter_reduce(
+        2, e_idx, torch.where(forward, lo, big), "amin")
+    e_hi = torch.zeros((G, U, P), dtype=torch.int64, device=dev).scatter_reduce(
+        2, e_idx, torch.where(forward, hi, 0), "amax")
+    e_len = (e_hi - e_lo).clamp(min=0)
+    slot_ok = (e_len > 0) & (_offsets(e_len, n) + e_len <= egress_capacity)   # a prefix in egress-buffer order
+    pre_len = torch.where(slot_ok, e_len, 0)
+    pre_lo = torch.where(slot_ok, e_lo, 0)
+    pre_offset = _offsets(pre_len, n)
+    via_egress = forward & slot_ok.gather(2, e_idx)                           # [G, U, N]
+    sender_n = torch.where(via_egress, egress_n, host[:, None])               # who sends hop 1
+
     hull_len = place(torch.where(ok, hull, 0))
     hull_lo = place(torch.where(ok, lo, 0))
     hull_range = torch.stack((hull_lo, hull_lo + hull_len), -1)
-    relay_offset = _offsets(hull_len, n)
+    sender = place(torch.where(ok, sender_n, 0))                              # [G, U, P(relay)]
+    relay_offset = _offsets_by(hull_len, sender, n)
+    # hop-1 source row in concat(sender's local rows [G * chunk], its egress buffer)
+    g_idx = torch.arange(G, device=dev)[:, None, None]
+    from_egress = pre_offset.gather(2, sender) + hull_lo - pre_lo.gather(2, sender) + G * chunk
+    hop1_src = torch.where(sender == host[:, None], g_idx * chunk + hull_lo, from_egress)
+    hop1_src = torch.where(hull_len > 0, hop1_src, 0)
 
-    relay_of = relay_n.index_select(1, node_d)                                # [U, P(dest)]
+    relay_of = relay_n.index_select(2, node_d)                                # [G, U, P(dest)]
     relayed = ok.index_select(2, node_d) & used                               # [G, U, P]
-    is_self = relay_of == ranks                                               # [U, P]
+    is_self = relay_of == ranks                                               # [G, U, P]
     via = torch.where(~used, NOTHING, torch.where(relayed, torch.where(is_self, SELF, FAN_OUT), DIRECT))
     direct_len = torch.where(via == DIRECT, length, 0)
     fan_len = torch.where(via == FAN_OUT, length, 0)
     # where dest's rows start in its relay's buffer
-    base = relay_offset.gather(2, relay_of.expand(G, U, P))
+    base = relay_offset.gather(2, relay_of)
     fan_start = torch.where(relayed, base + rng[..., 0] - lo.index_select(2, node_d), 0)
-    # fan-out buffer order on dest: relays ascending (= host % L), then host ascending, g, tile
-    order = sorted(range(P), key=lambda h: (h % L, h // L))
-    perm = torch.tensor(order, device=dev)
-    inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(P, device=dev)
-    by_relay = fan_len.view(G, P, n, P).index_select(1, perm).reshape(G, U, P)
-    fan_offset = _offsets(by_relay, n).view(G, P, n, P).index_select(1, inv).reshape(G, U, P)
-    # hop-2 split: relay (node(dest), host % L) -> dest
-    per = fan_len.sum(0).view(P, n, P).sum(1).view(N, L, N, L).sum(0)        # [L(host local), N(dest node), L]
-    eye = torch.eye(N, dtype=per.dtype, device=dev)
-    hop2 = per.permute(1, 0, 2)[:, :, None, :] * eye[:, None, :, None]        # [N, L(relay local), N, L]
+    # fan-out buffer order on dest: relays ascending, then host ascending, g, tile
+    fan_offset = _offsets_by(fan_len, relay_of, n)
+    per_slot = -(-max(N - 1, 0) // L)  # nodes an egress slot serves at most
     return RelayRoute(
         via=via, direct_range=torch.where((via == DIRECT)[..., None], rng, 0),
         direct_offset=_offsets(direct_len, n), direct_split=_by_source(direct_len, n),
-        hull_range=hull_range, relay_offset=relay_offset, hop1_split=_by_source(hull_len, n),
+        hull_range=hull_range, relay_offset=relay_offset, hop1_split=_pair_sum(sender, ranks, hull_len, P),
         relay_rows=hull_len.sum((0, 1)), fan_offset=torch.where(via == FAN_OUT, fan_offset, 0),
-        fan_start=fan_start, relay_of=relay_of, hop2_split=hop2.reshape(P, P).contiguous(),
-        relay_capacity=int(relay_capacity), fan_capacity=int(fan_capacity))
+        fan_start=fan_start, relay_of=relay_of, hop2_split=_pair_sum(relay_of, ranks, fan_len, P),
+        relay_capacity=int(relay_capacity), fan_capacity=int(fan_capacity),
+        hop1_sender=sender, hop1_src=hop1_src, egress_range=torch.stack((pre_lo, pre_lo + pre_len), -1),
+        egress_split=_by_source(pre_len, n), egress_capacity=int(egress_capacity),
+        hop1_capacity=int(send_capacity) + per_slot * int(egress_capacity))
 
 
-def build_relay_meta(comm, ranks_per_node: int, rows) -> RelayMeta:
+def _hull_rows(rng: torch.Tensor, tiles: int, L: int) -> torch.Tensor:
+    """[G, U, N] int64 rows of each unit's node hull at each remote node where it is a relay
+    candidate (no longer than its consumers' rows together), else 0."""
+    G, U, P, _ = rng.shape
+    N = P // L
+    length = rng[..., 1] - rng[..., 0]
+    used = length > 0
+    big = torch.iinfo(torch.int64).max
+    lo = torch.where(used, rng[..., 0], big).view(G, U, N, L).amin(-1)
+    hi = torch.where(used, rng[..., 1], 0).view(G, U, N, L).amax(-1)
+    total = length.view(G, U, N, L).sum(-1)
+    hull = (hi - lo).clamp(min=0)
+    host = torch.arange(U, device=rng.device) // tiles
+    other = (host // L)[:, None] != torch.arange(N, device=rng.device)
+    return torch.where((total > 0) & other & (hull <= total), hull, 0)
+
+
+def matched_rails(comm, L: int, cost) -> torch.Tensor:
+    """[G, U, N] int64 the rail (local index of egress and relay) of each unit's crossing to each
+    node. Node offset by offset (d = 1..N-1: node A to A + d, a permutation of the nodes, so each
+    NIC is one round's sender and receiver side once), each node's crossings largest first, L at
+    a time, one per rail, the largest onto the rail least loaded so far on both nodes (forward
+    bytes, the larger of sent and received). Each unit's own local index instead when that
+    leaves the busiest NIC no busier (sync-free: the choice is a ``torch.where``)."""
+    P, G, U, n = comm.cp_size, comm.qo_range.shape[0], comm.qo_range.shape[1], comm.tiles
+    N, K = P // L, G * L * n  # nodes; crossings of one node towards one other node
+    dev = comm.qo_range.device
+    q, kv = _hull_rows(comm.qo_range, n, L), _hull_rows(comm.kv_range, n, L)
+    down = q * int(cost.q_fwd) + kv * int(cost.kv_fwd)   # egress -> relay
+    up = q * int(cost.o_fwd)                             # relay -> egress
+    per_node = lambda x: x.view(G, N, L * n, N).permute(1, 0, 2, 3).reshape(N, K, N)  # noqa: E731
+    d_items, u_items = per_node(down), per_node(up)
+    rail_items = torch.zeros((N, K, N), dtype=torch.int64, device=dev)
+    send = torch.zeros(N, L, dtype=torch.int64, device=dev)
+    recv = torch.zeros(N, L, dtype=torch.int64, device=dev)
+    A = torch.arange(N, device=dev)
+    for d in range(1, N):
+        B = (A + d) % N
+        x_dn, x_up = d_items[A, :, B], u_items[A, :, B]  # [N(A), K]
+        order = (x_dn + x_up).argsort(dim=1, descending=True, stable=True)
+        for k in range(0, K, L):
+            idx = order[:, k:k + L]                                                   # [N, L] crossings
+            busy = torch.maximum(send, recv)
+            rail = torch.maximum(busy, busy.index_select(0, B)).argsort(dim=1, stable=True)  # [N, L]
+            c_dn, c_up = x_dn.gather(1, idx), x_up.gather(1, idx)
+            s_add = torch.zeros_like(send).scatter_add_(1, rail, c_dn)
+            r_add = torch.zeros_like(recv).scatter_add_(1, rail, c_up)
+            send = send + s_add + torch.zeros_like(send).index_add_(0, B, r_add)
+            recv = recv + r_add + torch.zeros_like(recv).index_add_(0, B, s_add)
+            rail_items[A[:, None], idx, B[:, None]] = rail
+    host = torch.arange(U, device=dev) // n
+    own = (host % L)[None, :, None].expand(G, U, N)
+    rails = rail_items.view(N, G, L * n, N).permute(1, 0, 2, 3).reshape(G, U, N)
+    rails = torch.where((host // L)[None, :, None] == torch.arange(N, device=dev), own, rails)
+    better = torch.maximum(send, recv).max() < _rail_peak(own, down, up, n, L).max()
+    return torch.where(better, rails, own)
+
+
+def _rail_peak(rails: torch.Tensor, down: torch.Tensor, up: torch.Tensor, tiles: int, L: int) -> torch.Tensor:
+    """[P] int64 the larger of each NIC's forward send and receive bytes under ``rails`` [G, U, N]."""
+    G, U, N = rails.shape
+    dev = rails.device
+    host = torch.arange(U, device=dev) // tiles
+    src = (host // L * L)[None, :, None] + rails                      # egress
+    dst = torch.arange(N, device=dev) * L + rails                      # relay
+    P = N * L
+    send = torch.zeros(P, dtype=torch.int64, device=dev).index_add_(0, src.reshape(-1), down.reshape(-1))
+    send.index_add_(0, dst.reshape(-1), up.reshape(-1))
+    recv = torch.zeros(P, dtype=torch.int64, device=dev).index_add_(0, src.reshape(-1), up.reshape(-1))
+    recv.index_add_(0, dst.reshape(-1), down.reshape(-1))
+    return torch.maximum(send, recv)
+
+
+def build_relay_meta(comm, ranks_per_node: int, rows, cost=None) -> RelayMeta:
     """Relay routing of both kinds of ``comm`` (a ``CommMeta`` with one remote stage) for nodes of
     ``ranks_per_node``; ``rows`` a ``capacity.RelayRows``."""
     P = comm.cp_size
     if P % ranks_per_node or P <= ranks_per_node:
         raise ValueError(f"relay transport needs whole nodes of ranks_per_node = {ranks_per_node} and more "
                          f"than one of them, got cp_size = {P}")
-    return RelayMeta(
-        qo=relay_route(comm.qo_range, comm.tiles, ranks_per_node, rows.qo_relay, rows.qo_fan),
-        kv=relay_route(comm.kv_range, comm.tiles, ranks_per_node, rows.kv_relay, rows.kv_fan),
-        ranks_per_node=ranks_per_node)
+    egress = P // ranks_per_node > 2
+    N, L = P // ranks_per_node, ranks_per_node
+    G, U = comm.qo_range.shape[:2]
+    own = (torch.arange(U, device=comm.qo_range.device) // comm.tiles % L)[None, :, None]
+    rails = (matched_rails(comm, ranks_per_node, cost) if egress and cost is not None
+             else own.repeat(G, 1, N))
+    routes = {k: relay_route(comm.qo_range if k == "qo" else comm.kv_range, comm.tiles, ranks_per_node,
+                             rows.relay(k), rows.fan(k), rows.egress(k) if egress else 0, comm.chunk,
+                             comm.buffers.send(k), rails) for k in ("qo", "kv")}
+    return RelayMeta(qo=routes["qo"], kv=routes["kv"], ranks_per_node=ranks_per_node, egress=egress, rails=rails)
 
 
 # --- the gather lists the collectives and the assembly read (built on demand, per rank) ---------------
@@ -221,18 +380,23 @@ def segment_gather(start: torch.Tensor, length: torch.Tensor, capacity: int) -> 
 
 
 def hop_send_index(comm, route: RelayRoute, kind: str, hop: int, rank: int) -> torch.Tensor:
-    """Send list of ``rank`` in hop 0 or 1 (gather indices into its group-major local rows,
-    ``[send_cap(kind)]``), or in hop 2 (into its relay buffer, ``[fan_capacity]``); int64, -1 padded."""
+    """Send list of ``rank`` in hop 0 or 3 (gather indices into its group-major local rows,
+    ``[send_cap(kind)]``), in hop 1 (into concat(local rows, egress buffer), ``[hop1_capacity]``)
+    or in hop 2 (into its relay buffer, ``[fan_capacity]``); int64, -1 padded."""
     _hop(hop)
     G, U, P = route.via.shape
     n = U // P
-    if hop in (0, 1):
-        rng = route.direct_range if hop == 0 else route.hull_range
+    # (dest, host, g, tile): the order of the rows each dest receives from this rank
+    order = lambda x: x.view(G, P, n, P).permute(3, 1, 0, 2).reshape(-1)  # noqa: E731
+    if hop in (0, 3):
+        rng = route.direct_range if hop == 0 else route.egress_range
         return send_index(rng[:, rank * n:(rank + 1) * n], comm.chunk, comm.buffers.send(kind))
+    if hop == 1:
+        length = route.hull_range[..., 1] - route.hull_range[..., 0]
+        length = torch.where(route.hop1_sender == rank, length, 0)
+        return segment_gather(order(route.hop1_src), order(length), route.hop1_capacity)
     mine = (route.via == FAN_OUT) & (route.relay_of == rank)                 # [G, U, P]
     length = torch.where(mine, transfer_length(comm, kind), 0)
-    # (dest, host, g, tile): the order of the rows each dest receives from this relay
-    order = lambda x: x.view(G, P, n, P).permute(3, 1, 0, 2).reshape(-1)  # noqa: E731
     return segment_gather(order(route.fan_start), order(length), route.fan_capacity)
 
 

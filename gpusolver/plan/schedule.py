@@ -64,8 +64,9 @@ class Op:
             one sub-stage whose split it moves.
     branch: the output branch a fwd.o reduce returns (NSA layers have two), else 0.
     hop:    relay transport (``gpusolver.plan.relay``): 0 the direct rows, 1 the InfiniBand leg
-            (host <-> the node's relay), 2 the NVLink leg (relay <-> its node's consumers);
-            always 0 in a plan without relay.
+            (the egress <-> the node's relay), 2 the NVLink leg (relay <-> its node's consumers),
+            3 the NVLink pre-hop (host <-> its egress, more than two nodes); always 0 in a plan
+            without relay.
     """
 
     name: str
@@ -91,7 +92,7 @@ class Op:
 
 def hop_phase(phase: str, hop: int) -> str:
     """The byte-counter label of one hop of a collective phase: ``phase`` itself for hop 0
-    (direct), ``"<phase>:hop1"`` / ``"<phase>:hop2"`` for the relay legs."""
+    (direct), ``"<phase>:hop1"`` / ``"<phase>:hop2"`` / ``"<phase>:hop3"`` for the relay legs."""
     return phase if hop == 0 else f"{phase}:hop{hop}"
 
 
@@ -122,16 +123,19 @@ def _kept(key: tuple, build) -> tuple[Op, ...]:
     return ops
 
 
-def forward_ops(num_stages: int = 2, branches: int = 1, relay: bool = False) -> tuple[Op, ...]:
+def forward_ops(num_stages: int = 2, branches: int = 1, relay: bool = False, egress: bool = False) -> tuple[Op, ...]:
     """The forward: both casts up front, stage 0 while they fly, the remote stages, merge, reduce O.
 
     num_stages: CalcMeta stages (2: local + one remote; S + 1 with S sub-stages).
     branches: outputs per query row (one with sub-stages).
     relay: the plan's transport relays inter-node rows (``Plan.relay``): every cast and
         reduce becomes its hops (``_forward_relay_ops``); one remote stage, one branch.
+    egress: with relay, the hops include the pre-hop to the egress (``RelayMeta.egress``).
     """
     if relay:
-        return _kept(("fwd-relay", num_stages, branches), lambda: _forward_relay_ops(num_stages, branches))
+        egress = bool(egress)
+        return _kept(("fwd-relay", num_stages, branches, egress),
+                     lambda: _forward_relay_ops(num_stages, branches, egress))
 
     def build():
         _check(num_stages, branches)
@@ -180,15 +184,18 @@ def _forward_ops(num_stages: int, branches: int) -> tuple[Op, ...]:
     return tuple(ops)
 
 
-def backward_ops(num_stages: int = 2, keep_forward_buffers: bool = True, relay: bool = False) -> tuple[Op, ...]:
+def backward_ops(num_stages: int = 2, keep_forward_buffers: bool = True, relay: bool = False,
+                 egress: bool = False) -> tuple[Op, ...]:
     """The backward: delta on the host, the dO cast (awaited before stage 0), the stages, dQ and dK/dV back.
 
     Without kept forward buffers Q travels with dO and K, V are cast again (``bwd.kv``).
-    relay: every cast and reduce becomes its relay hops (``_backward_relay_ops``).
+    relay: every cast and reduce becomes its relay hops (``_backward_relay_ops``); egress as forward.
     """
     keep = bool(keep_forward_buffers)
     if relay:
-        return _kept(("bwd-relay", num_stages, keep), lambda: _backward_relay_ops(num_stages, keep))
+        egress = bool(egress)
+        return _kept(("bwd-relay", num_stages, keep, egress),
+                     lambda: _backward_relay_ops(num_stages, keep, egress))
 
     def build():
         _check(num_stages, 1)
@@ -258,47 +265,54 @@ def _relay_check(num_stages: int, branches: int) -> None:
                          f"num_stages={num_stages} (CalcMeta stages), branches={branches}")
 
 
-def _relay_cast(phase: str, deps=()) -> list[Op]:
-    """A cast as its hops: InfiniBand to the relays first (the fan-out reads what it brings), then
-    the direct rows, then the fan-out over NVLink once hop 1 has landed."""
-    hop1 = _collective(CAST, phase, deps=deps, hop=1)
+def _relay_cast(phase: str, deps=(), egress: bool = False) -> list[Op]:
+    """A cast as its hops: with egress the pre-hop to the egresses first (hop 1 reads what it
+    brings), InfiniBand to the relays (the fan-out reads what it brings), then the direct rows,
+    then the fan-out over NVLink once hop 1 has landed."""
+    pre = [_collective(CAST, phase, deps=deps, hop=3)] if egress else []
+    hop1 = _collective(CAST, phase, deps=tuple(p.name for p in pre) or deps, hop=1)
     direct = _collective(CAST, phase, deps=deps)
     hop2 = _collective(CAST, phase, deps=(hop1.name,), hop=2)
-    return [hop1, direct, hop2]
+    return pre + [hop1, direct, hop2]
 
 
-def _relay_reduce(phase: str, deps) -> list[Op]:
+def _relay_reduce(phase: str, deps, egress: bool = False) -> list[Op]:
     """A reduce as its hops: partials to the relays (hop 2, merged there), the direct rows back,
-    then the relays' merged rows over InfiniBand (hop 1); the host merges direct, then relayed."""
+    then the relays' merged rows over InfiniBand (hop 1) and, with egress, from the egresses to
+    the hosts (hop 3); the host merges direct, then its own NIC's rows, then its egresses'."""
     hop2 = _collective(REDUCE, phase, deps=deps, hop=2)
     merged = _wait(hop2)
     direct = _collective(REDUCE, phase, deps=deps)
     hop1 = _collective(REDUCE, phase, deps=(merged.name,), hop=1)
-    return [hop2, merged, direct, hop1, _wait(direct), _wait(hop1)]
+    ops = [hop2, merged, direct, hop1, _wait(direct), _wait(hop1)]
+    if egress:
+        pre = _collective(REDUCE, phase, deps=(ops[-1].name,), hop=3)
+        ops += [pre, _wait(pre)]
+    return ops
 
 
-def _forward_relay_ops(num_stages: int, branches: int) -> tuple[Op, ...]:
+def _forward_relay_ops(num_stages: int, branches: int, egress: bool = False) -> tuple[Op, ...]:
     _relay_check(num_stages, branches)
-    casts = _relay_cast("fwd.qo") + _relay_cast("fwd.kv")
-    waits = [_wait(c) for c in casts if c.hop != 1]  # hop 1 is awaited by its fan-out
+    casts = _relay_cast("fwd.qo", egress=egress) + _relay_cast("fwd.kv", egress=egress)
+    waits = [_wait(c) for c in casts if c.hop in (0, 2)]  # hops 3 and 1 are awaited by the next hop
     ops = casts + [Op("fwd.attn.0", ATTN, COMPUTE, phase="fwd", stages=(0,))] + waits
     ops.append(Op("fwd.attn.1", ATTN, COMPUTE, deps=tuple(w.name for w in waits), phase="fwd", stages=(1,)))
     ops.append(Op("fwd.merge", MERGE, COMPUTE, deps=("fwd.attn.0", "fwd.attn.1"), phase="fwd", stages=(0, 1)))
-    ops += _relay_reduce("fwd.o", ("fwd.merge", "fwd.attn.0", "fwd.attn.1"))
+    ops += _relay_reduce("fwd.o", ("fwd.merge", "fwd.attn.0", "fwd.attn.1"), egress)
     return tuple(ops)
 
 
-def _backward_relay_ops(num_stages: int, keep_forward_buffers: bool) -> tuple[Op, ...]:
+def _backward_relay_ops(num_stages: int, keep_forward_buffers: bool, egress: bool = False) -> tuple[Op, ...]:
     _relay_check(num_stages, 1)
     ops = [Op("bwd.delta", DELTA, COMPUTE, phase="bwd")]
-    casts = _relay_cast("bwd.qo", deps=("bwd.delta",))
+    casts = _relay_cast("bwd.qo", deps=("bwd.delta",), egress=egress)
     if not keep_forward_buffers:
-        casts += _relay_cast("bwd.kv")
-    waits = [_wait(c) for c in casts if c.hop != 1]
+        casts += _relay_cast("bwd.kv", egress=egress)
+    waits = [_wait(c) for c in casts if c.hop in (0, 2)]
     ops += casts + [Op("bwd.attn.0", ATTN, COMPUTE, phase="bwd", stages=(0,))] + waits
     ops.append(Op("bwd.attn.1", ATTN, COMPUTE, deps=tuple(w.name for w in waits), phase="bwd", stages=(1,)))
     for phase in ("bwd.dq", "bwd.dkv"):
-        ops += _relay_reduce(phase, ("bwd.attn.0", "bwd.attn.1"))
+        ops += _relay_reduce(phase, ("bwd.attn.0", "bwd.attn.1"), egress)
     return tuple(ops)
 
 
@@ -358,11 +372,13 @@ def plan_ops(plan, phase: str, keep_forward_buffers, kept_kv_rows: int | None = 
     kept_kv_rows: only that many KV rows kept, the rest cast again (``bwd.kv`` moves the tail)."""
     calc = getattr(plan, "calc", None)
     num_stages = calc.q_ranges.shape[1] if calc is not None else 2
-    relay = getattr(plan, "relay", None) is not None
+    meta = getattr(plan, "relay", None)
+    relay, egress = meta is not None, bool(getattr(meta, "egress", False))
     if phase == "fwd":
         branches = 2 if getattr(getattr(plan, "spec", None), "window_size", 0) else 1
-        return forward_ops(num_stages, branches, relay)
-    return backward_ops(num_stages, "kv" in kept_kinds(keep_forward_buffers) and kept_kv_rows is None, relay)
+        return forward_ops(num_stages, branches, relay, egress)
+    return backward_ops(num_stages, "kv" in kept_kinds(keep_forward_buffers) and kept_kv_rows is None, relay,
+                        egress)
 
 
 def pair_bytes(plan, phase: str, cost, stage: int | None = None, hop: int | None = None) -> torch.Tensor:
@@ -373,7 +389,7 @@ def pair_bytes(plan, phase: str, cost, stage: int | None = None, hop: int | None
     cost: the ``CommCost`` pricing a row (its ``keep_forward_buffers`` decides ``bwd.kv``).
     stage: None for every sub-stage; s in 1..S for the collectives of sub-stage s alone
         (with one remote stage, s = 1 is all of them).
-    hop: None for every hop; 0, 1 or 2 for one hop of relay transport (``Op.hop``).
+    hop: None for every hop; 0, 1, 2 or 3 for one hop of relay transport (``Op.hop``).
     """
     if cost is None:
         raise ValueError("pair_bytes needs the plan's CommCost (the plan was built without one: pass cost=)")
@@ -384,8 +400,9 @@ def pair_bytes(plan, phase: str, cost, stage: int | None = None, hop: int | None
     S = getattr(plan.comm, "num_stages", 1)
     if stage is not None and not (isinstance(stage, int) and 1 <= stage <= S):
         raise ValueError(f"stage must be None or an int in [1, {S}], got {stage!r}")
-    if hop is not None and (isinstance(hop, bool) or hop not in (0, 1, 2)):
-        raise ValueError(f"hop must be None, 0 (direct), 1 (InfiniBand) or 2 (NVLink fan-out), got {hop!r}")
+    if hop is not None and (isinstance(hop, bool) or hop not in (0, 1, 2, 3)):
+        raise ValueError(f"hop must be None, 0 (direct), 1 (InfiniBand), 2 (NVLink fan-out) or 3 (NVLink "
+                         f"pre-hop to the egress), got {hop!r}")
     for op in plan_ops(plan, phase.split(".")[0], cost.keep_forward_buffers, getattr(cost, "kept_kv_rows", None)):
         if stage is not None and S > 1 and op.stages != (stage,):
             continue
@@ -425,7 +442,9 @@ def stage_area(plan, num_stages: int = 2) -> torch.Tensor:
 
 for _branches in (1, 2):
     forward_ops(2, _branches)
-forward_ops(2, 1, relay=True)
+for _egress in (False, True):
+    forward_ops(2, 1, relay=True, egress=_egress)
 for _keep in (True, False):
     backward_ops(2, _keep)
-    backward_ops(2, _keep, relay=True)
+    for _egress in (False, True):
+        backward_ops(2, _keep, relay=True, egress=_egress)

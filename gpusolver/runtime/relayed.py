@@ -5,16 +5,20 @@ rows, ``relay_cap`` / ``fan_cap`` its relay buffer / fan-out send rows
 (``gpusolver.plan.relay``). Per-rank tensors carry a leading ``[P]`` on a
 ``LocalGroup`` (``batched``).
 
-It runs ``schedule.forward_ops(..., relay=True)`` / ``backward_ops`` op by op:
+It runs ``schedule.forward_ops(..., relay=True, egress=...)`` / ``backward_ops`` op by op:
 
-- a cast is hop 1 (host -> relay over InfiniBand, into the relay buffer), hop 0
+- a cast is, with more than two nodes, hop 3 first (host -> its egress over NVLink, into the
+  egress buffer), then hop 1 (egress or host -> relay over InfiniBand, read from
+  concat(local rows, egress buffer), into the relay buffer), hop 0
   (the direct rows) and hop 2 (relay -> consumers, read from the relay buffer);
   each consumer then gathers its receive buffer, in the plan's own layout, out of
   ``concat(direct, fan-out, relay buffer)``: CalcMeta and the kernels are unchanged;
 - a reduce is hop 2 back (consumers' partials into the relay buffer's layout,
   merged onto the relay's own partial), hop 0 back (the direct rows, merged on
-  the host) and hop 1 back (the relays' merged rows, merged on the host after
-  the direct ones). Every merge has a fixed order, so the result is deterministic.
+  the host), hop 1 back (the relays' merged rows, merged on the host after the
+  direct ones, or on an egress onto identity rows of its egress buffer) and
+  hop 3 back (the egresses' rows, merged on the host last). Every merge has a
+  fixed order, so the result is deterministic.
 
 Each hop is one whole-group collective whose split is non-zero only on that
 hop's pairs; its bytes are counted under ``schedule.hop_phase(phase, hop)``.
@@ -39,8 +43,9 @@ _INTERNAL = dict(validate=False, flag_errors=False)
 class KindRoutes:
     """One kind's hops for the ranks run here.
 
-    index:    per hop, send lists (``[cap]`` or ``[P, cap]`` int64): hops 0 and 1 into local
-              rows, hop 2 into the relay buffer.
+    index:    per hop, send lists (``[cap]`` or ``[P, cap]`` int64): hops 0 and 3 into local
+              rows, hop 1 into concat(local rows, egress buffer), hop 2 into the relay buffer
+              (no hop 3 without egress).
     split:    per hop, the ``[P, P]`` split; host: its ``HostSplits`` (``TorchGroup``) or None.
     assemble: ``[.., recv_cap]`` rows of ``concat(direct, fan-out, relay)`` that make the receive buffer.
     back:     (direct, fan-out, relay) ``[.., rows]`` rows of the receive buffer that each of those
@@ -54,6 +59,8 @@ class KindRoutes:
     back: tuple
     recv_cap: int
     relay_cap: int
+    egress_cap: int = 0
+    egress: bool = False
 
 
 @dataclass(frozen=True)
@@ -69,8 +76,11 @@ def relay_routes(plan, group, ranks: tuple[int, ...], batched: bool) -> RelayRou
     """The hops' send lists, splits and gathers of ``plan`` for the ranks run here (sync-free;
     on ``TorchGroup`` it starts the one non-blocking copy of the six split matrices)."""
     comm, relay = plan.comm, plan.relay
-    splits = torch.stack([relay.route(k).split(h) for k in ("qo", "kv") for h in (0, 1, 2)])
-    hosts = host_splits(splits).parts() if isinstance(group, TorchGroup) else [None] * 6
+    egress = bool(relay.egress)
+    hops = (0, 1, 2, 3) if egress else (0, 1, 2)
+    H = len(hops)
+    splits = torch.stack([relay.route(k).split(h) for k in ("qo", "kv") for h in hops])
+    hosts = host_splits(splits).parts() if isinstance(group, TorchGroup) else [None] * (2 * H)
 
     def stack(fn):
         return torch.stack([fn(r) for r in ranks]) if batched else fn(ranks[0])
@@ -78,7 +88,7 @@ def relay_routes(plan, group, ranks: tuple[int, ...], batched: bool) -> RelayRou
     def kind(k: str, hosts_k) -> KindRoutes:
         route = relay.route(k)
         cap, rcap = comm.buffers.recv(k), route.relay_capacity
-        index = tuple(stack(lambda r, h=h: hop_send_index(comm, route, k, h, r)) for h in (0, 1, 2))
+        index = tuple(stack(lambda r, h=h: hop_send_index(comm, route, k, h, r)) for h in hops)
         assemble = stack(lambda r: assemble_index(comm, route, k, r))
 
         def inverse(r):
@@ -86,10 +96,11 @@ def relay_routes(plan, group, ranks: tuple[int, ...], batched: bool) -> RelayRou
 
         inv = stack(inverse)
         back = (inv[..., :cap], inv[..., cap:2 * cap], inv[..., 2 * cap:])
-        return KindRoutes(index=index, split=tuple(route.split(h) for h in (0, 1, 2)), host=tuple(hosts_k),
-                          assemble=assemble, back=back, recv_cap=cap, relay_cap=rcap)
+        return KindRoutes(index=index, split=tuple(route.split(h) for h in hops), host=tuple(hosts_k),
+                          assemble=assemble, back=back, recv_cap=cap, relay_cap=rcap,
+                          egress_cap=route.egress_capacity, egress=egress)
 
-    return RelayRoutes(qo=kind("qo", hosts[:3]), kv=kind("kv", hosts[3:]))
+    return RelayRoutes(qo=kind("qo", hosts[:H]), kv=kind("kv", hosts[H:]))
 
 
 def _take(x: torch.Tensor, idx: torch.Tensor, fill: float, batched: bool) -> torch.Tensor:
@@ -104,7 +115,7 @@ def _take(x: torch.Tensor, idx: torch.Tensor, fill: float, batched: bool) -> tor
 
 
 def _cast(kr: KindRoutes, hop: int, group, tensors, phase: str):
-    cap = kr.relay_cap if hop == 1 else kr.recv_cap
+    cap = {1: kr.relay_cap, 3: kr.egress_cap}.get(hop, kr.recv_cap)
     return group_cast(list(tensors), kr.index[hop], kr.split[hop], cap, group, phase=_label(phase, hop),
                       host_split=kr.host[hop], async_op=True, flag_errors=False)
 
@@ -127,9 +138,14 @@ class _Hops:
     def __init__(self, routes: RelayRoutes, group, batched: bool, deterministic: bool):
         self.routes, self.group, self.batched, self.det = routes, group, batched, deterministic
         self.works, self.relay_buf, self.parts, self.recv, self.merged, self.result = {}, {}, {}, {}, {}, {}
+        self.egress_res = {}
+        self.lead = 1 if batched else 0
 
     def cast(self, op, tensors) -> None:
         kr = self.routes.kind(op.route)
+        if op.hop == 1 and kr.egress:  # reads the local rows, then the egress buffer hop 3 brought
+            brought = self.works[op.deps[0]].wait()
+            tensors = [torch.cat((t, e), dim=self.lead) for t, e in zip(tensors, brought)]
         if op.hop == 2:  # reads the relay buffer hop 1 brought
             self.relay_buf[op.route] = self.works[op.deps[0]].wait()
             tensors = self.relay_buf[op.route]
@@ -152,17 +168,34 @@ class _Hops:
             self.works[op.name] = _reduce(kr, 2, self.group, take(1), take(2), red, op.phase, self.det)
         elif op.hop == 0:
             self.works[op.name] = _reduce(kr, 0, self.group, take(0), acc, red, op.phase, self.det)
-        else:  # the host merges the relays' rows after its direct ones
-            direct = self.works[op.name.replace(":hop1", "")].wait()
-            self.works[op.name] = _reduce(kr, 1, self.group, self.merged[op.phase], direct, red, op.phase,
-                                          self.det)
+        elif op.hop == 1:  # the host merges the relays' rows after its direct ones
+            acc = self.works[op.name.replace(":hop1", "")].wait()
+            if kr.egress:  # an egress merges its slots' rows onto identity rows, sources ascending
+                acc = [torch.cat((a, _identity(a, kr.egress_cap, f, self.lead)), dim=self.lead)
+                       for a, f in zip(acc, fills)]
+            self.works[op.name] = _reduce(kr, 1, self.group, self.merged[op.phase], acc, red, op.phase, self.det)
+        else:  # hop 3: the host merges its egresses' rows last
+            res = self.egress_res[op.phase]
+            rows = res[0].shape[self.lead] - kr.egress_cap
+            local = [x.narrow(self.lead, 0, rows) for x in res]
+            slots = [x.narrow(self.lead, rows, kr.egress_cap).contiguous() for x in res]
+            self.works[op.name] = _reduce(kr, 3, self.group, slots, local, red, op.phase, self.det)
 
     def wait_reduce(self, op) -> None:
         res = self.works[op.deps[0]].wait()
         if op.hop == 2:
             self.merged[op.phase] = res
-        elif op.hop == 1:
+        elif op.hop == 1 and self.routes.kind(op.route).egress:
+            self.egress_res[op.phase] = res
+        elif op.hop in (1, 3):
             self.result[op.phase] = res
+
+
+def _identity(like: torch.Tensor, rows: int, fill: float, lead: int) -> torch.Tensor:
+    """``rows`` rows shaped like ``like``'s, all ``fill`` (a merge's identity: 0, or -inf for an lse)."""
+    shape = list(like.shape)
+    shape[lead] = rows
+    return torch.full(shape, fill, dtype=like.dtype, device=like.device)
 
 
 def _per_rank(ranks, batched, fn, *tensors):
@@ -185,7 +218,7 @@ def relay_forward(plan, group, ranks, batched, routes: RelayRoutes, ql, kl, vl, 
     sent = {"qo": (ql,), "kv": (kl, vl)}
     parts = {}
     o = lse = None
-    for op in forward_ops(plan.calc.q_ranges.shape[1], 1, relay=True):
+    for op in forward_ops(plan.calc.q_ranges.shape[1], 1, relay=True, egress=plan.relay.egress):
         with nvtx_range(op_range(op)):
             if op.kind == CAST:
                 hops.cast(op, sent[op.route])
@@ -227,7 +260,7 @@ def relay_backward(plan, group, ranks, batched, routes: RelayRoutes, ql, kl, vl,
         hops.recv["kv"] = list(kept_kv)
     delta = None
     parts = {}
-    for op in backward_ops(plan.calc.q_ranges.shape[1], keep_kv, relay=True):
+    for op in backward_ops(plan.calc.q_ranges.shape[1], keep_kv, relay=True, egress=plan.relay.egress):
         with nvtx_range(op_range(op)):
             if op.kind == DELTA:
                 delta = _per_rank(ranks, batched, lambda r, a, b, *c_: (row_delta(a, b, c_[0] if c_ else None),),

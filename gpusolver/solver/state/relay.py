@@ -96,21 +96,42 @@ def relay_weighted(tasks: Tasks, length, lo, hi):
     return nv_out * w_nv + ib_out * w_ib, nv_in * w_nv + ib_in * w_ib, tables
 
 
-def relay_hops(tasks: Tasks, length, lo, hi):
+def relay_hops(tasks: Tasks, length, lo, hi, rails=None):
     """[2(NVLink, InfiniBand), B, P(src), P(dst)] int64 tokens of one kind each hop of the relay
     transport moves towards the consumers (results travel the same hops back): the host to
     its own node's consumers, to each relayed remote node's relay (the node hull) and to every
     other crossing consumer, the relay to that node's other consumers. Row and column sums are
-    ``relay_tokens``' out and in."""
+    ``relay_tokens``' out and in.
+
+    rails: a plan's ``RelayMeta.rails`` ([G, U, N], the local index of the egress and relay
+    of each unit's crossing to each node): then the hops that plan moves, the node hull
+    leaving from the egress on that rail, and the host's pre-hop to each egress other than
+    itself (one slot per (unit, egress): the hull of the node hulls it carries)."""
     B, GU, P = length.shape
     R = tasks.links[0]
+    N = P // R
     dev = length.device
     ranks = torch.arange(P, device=dev)
     host = tasks.unit_host
-    _, ib_hull, relayed, direct, same, is_relay, relay = _routes(tasks, length, lo, hi)
+    (n_lo, n_hi, _), ib_hull, relayed, direct, same, is_relay, relay = _routes(tasks, length, lo, hi)
+    egress = host[:, None].expand(GU, N)
+    if rails is not None:
+        spread = rails.to(dev).reshape(GU, N)  # [G*U, N] (g-major, as tasks.unit_host)
+        remote = (host // R)[:, None] != torch.arange(N, device=dev)
+        relay = torch.where(remote, torch.arange(N, device=dev) * R + spread, relay)
+        egress = torch.where(remote, (host // R * R)[:, None] + spread, egress)
+        is_relay = ~same & (ranks % R == spread.index_select(1, ranks // R))
     pairs = lambda idx, x: torch.zeros((B, P * P), dtype=torch.int64, device=dev).scatter_add(  # noqa: E731
         1, idx.reshape(1, -1).expand(B, -1), x.reshape(B, -1)).view(B, P, P)
     sender = torch.where(same, host[:, None], relay.repeat_interleave(R, dim=1))  # [G*U, P] NVLink sender
     nv = pairs(sender * P + ranks, torch.where(same | (relayed & ~is_relay), length, 0))
-    ib = pairs(host[:, None] * P + relay, ib_hull) + pairs(host[:, None] * P + ranks, torch.where(direct, length, 0))
+    ib = pairs(egress * P + relay, ib_hull) + pairs(host[:, None] * P + ranks, torch.where(direct, length, 0))
+    if rails is not None:  # the pre-hop: one slot per (unit, egress), the hull of its node hulls
+        moved = (ib_hull > 0) & (egress != host[:, None])
+        at = egress.expand(B, GU, N)
+        s_lo = torch.full((B, GU, P), _BIG, dtype=torch.int64, device=dev).scatter_reduce(
+            2, at, torch.where(moved, n_lo, _BIG), "amin")
+        s_hi = torch.zeros((B, GU, P), dtype=torch.int64, device=dev).scatter_reduce(
+            2, at, torch.where(moved, n_hi, 0), "amax")
+        nv = nv + pairs(host[:, None] * P + ranks, (s_hi - s_lo).clamp(min=0))
     return torch.stack((nv, ib))

@@ -54,7 +54,7 @@ def _run(plan, group, inputs, keep=True):
 
 def _check_bytes(plan, group, phases):
     for phase in phases:
-        for hop in (0, 1, 2):
+        for hop in (0, 1, 2, 3):
             want = plan.pair_bytes(phase, hop=hop)
             got = group.pair_traffic(hop_phase(phase, hop))
             assert torch.equal(got, want), f"{phase} hop {hop}: counted {int(got.sum())}, plan {int(want.sum())}"
@@ -68,6 +68,9 @@ def _check_hops(plan, per_node):
     for kind in ("qo", "kv"):
         route = plan.relay.route(kind)
         assert int((route.split(1) * ~cross).sum()) == 0 and int((route.split(2) * cross).sum()) == 0
+        assert int((route.split(3) * cross).sum()) == 0  # the pre-hop to the egress stays in the node
+        if not plan.relay.egress:
+            assert int(route.split(3).sum()) == 0
         split = plan.comm.qo_split if kind == "qo" else plan.comm.kv_split
         ib = (route.split(0) + route.split(1)) * cross
         assert int(ib.sum()) <= int((split * cross).sum())
@@ -79,7 +82,7 @@ def _check_hops(plan, per_node):
 
 
 # (mask, P, ranks per node): 2 and 4 nodes at P = 16
-CASES = [("docs-causal", 16, 8), ("docs-full", 16, 4)]
+CASES = [("docs-causal", 16, 8), ("docs-full", 16, 4)]  # 4 nodes of 4: the egress spread acts
 
 
 @pytest.mark.parametrize("name,P,per_node", CASES, ids=[f"{m}-P{P}-nodes{P // n}" for m, P, n in CASES])
@@ -89,10 +92,110 @@ def test_relay_equals_reference(name, P, per_node):
     for kind in ("qo", "kv"):  # both hops carry rows of both kinds
         assert int(plan.relay.route(kind).split(1).sum()) > 0 and int(plan.relay.route(kind).split(2).sum()) > 0
     _check_hops(plan, per_node)
+    assert plan.relay.egress == (P // per_node > 2)
+    if plan.relay.egress:  # the spread acts: some rows reach their NIC over the pre-hop
+        for kind in ("qo", "kv"):
+            assert int(plan.relay.route(kind).split(3).sum()) > 0
     inputs = make_inputs(P * 16, 4, 2, seed=P)
     ref = reference(mask, *inputs)
     group = LocalGroup(P)
     got = _run(plan, group, inputs)
+    for key in KEYS:
+        assert_close(key, ref[key], unshard(got[key], group), atol=ATOL, rtol=RTOL)
+    _check_bytes(plan, group, PHASES)
+
+
+def test_relay_state_prices_the_plans_hops():
+    """The solver's relay count (``state.relay.relay_hops``) of the plan's assignment, on the plan's
+    rails, equals the plan's rows per pair and link class on four nodes of four: InfiniBand = hop 1
+    plus direct rows across nodes, NVLink = direct rows inside a node, the fan-out and the pre-hop
+    to the egress."""
+    from gpusolver.solver.core import Tasks
+    from gpusolver.solver.state.ref import state
+    from gpusolver.solver.state.relay import relay_hops
+
+    P, per_node = 16, 4
+    _, plan, mask, config = _plans("random", P, per_node, tiles=2)
+    tasks = Tasks(block_areas(mask, P, config.head_groups, impl="torch", tiles=2), config)
+    a = plan.assignment.long().reshape(-1)
+    st = state(tasks, torch.cat((torch.where(a >= 0, a, P), torch.tensor([P]))).view(1, -1))
+    node = torch.arange(P) // per_node
+    inside = node[:, None] == node[None, :]
+    for kind, cells in (("qo", (st.qlen, st.q_lo, st.q_hi)), ("kv", (st.klen, st.k_lo, st.k_hi))):
+        nv, ib = relay_hops(tasks, *cells, rails=plan.relay.rails)[:, 0]
+        route = plan.relay.route(kind)
+        assert int(route.split(3).sum()) > 0
+        assert torch.equal(nv, route.split(0) * inside + route.split(2) + route.split(3)), kind
+        assert torch.equal(ib, route.split(1) + route.split(0) * ~inside), kind
+
+
+def test_relay_matched_rails():
+    """More than two nodes: per node offset d each rail carries as many of a node's crossings
+    towards node A + d (L at a time, one per rail), the same rails every build; two nodes: every
+    unit keeps its host's own rail (no pre-hop)."""
+    from gpusolver.plan.relay import matched_rails
+
+    P, per_node = 16, 4
+    _, plan, _, config = _plans("docs-full", P, per_node)
+    rails, N = plan.relay.rails, P // per_node
+    G, U, _ = rails.shape
+    node = torch.arange(U) // plan.comm.tiles // per_node
+    own = (torch.arange(U) // plan.comm.tiles % per_node)[None, :, None].expand(G, U, N)
+    assert not torch.equal(rails, own)  # the matching won
+    for A in range(N):
+        for d in range(1, N):  # every rail carries as many of node A's crossings to A + d
+            counts = torch.bincount(rails[:, node == A, (A + d) % N].reshape(-1), minlength=per_node)
+            assert counts.tolist() == [G * plan.comm.tiles] * per_node, (A, d)
+    assert torch.equal(matched_rails(plan.comm, per_node, config.cost()), rails)
+    _, two, _, _ = _plans("docs-causal", P, 8)
+    G2, U2, _ = two.relay.rails.shape
+    assert torch.equal(two.relay.rails, (torch.arange(U2) // two.comm.tiles % 8)[None, :, None].expand(G2, U2, 2))
+
+
+def _ib_senders(plan, kind, per_node):
+    """{(g, unit, node): the rank that sent its hop 1} of one kind, read from the routing."""
+    route = plan.relay.route(kind)
+    hull = route.hull_range[..., 1] - route.hull_range[..., 0]  # [G, U, P(relay)]
+    return {(g, u, r // per_node): int(route.hop1_sender[g, u, r]) for g, u, r in hull.nonzero().tolist()}
+
+
+@pytest.mark.slow
+def test_relay_egress_fallback_and_shared_slots():
+    """Five nodes of two (N - 1 > L: an egress other than the host carries one unit's slot to two
+    nodes and merges what comes back) with egress buffers too small for all slots (the rest
+    leaves from the host's own NIC): still exact, bytes still the plan's, and every IB sender is
+    the egress or, past the room, the host."""
+    P, per_node = 10, 2
+    _, full, _, _ = _plans("docs-full", P, per_node, keep=False)
+    assert full.relay.egress
+    half = int(full.relay.kv.egress_split.sum(0).max()) // 2
+    assert half > 0
+    _, plan, mask, config = _plans("docs-full", P, per_node, keep=False, kv_egress=half)
+    host = plan.comm.unit_host()
+    rails = plan.relay.rails
+
+    def egress(g, u, node):
+        return int(host[u]) // per_node * per_node + int(rails[g, u, node])
+
+    senders = _ib_senders(plan, "kv", per_node)
+    spread = sum(s == egress(g, u, node) != int(host[u]) for (g, u, node), s in senders.items())
+    fallback = sum(s == int(host[u]) != egress(g, u, node) for (g, u, node), s in senders.items())
+    assert spread > 0 and fallback > 0
+    assert all(s in (int(host[u]), egress(g, u, node)) for (g, u, node), s in senders.items())
+    route = plan.relay.kv
+    hull = route.hull_range[..., 1] - route.hull_range[..., 0]
+    for g, u, r in hull.nonzero().tolist():  # the relay is on the egress's rail
+        assert r % per_node == int(rails[g, u, r // per_node])
+    assert int(plan.relay.kv.egress_split.sum(0).max()) <= half
+    shared = {}  # (QO's egress buffers have all their room)
+    for (g, u, node), s in _ib_senders(plan, "qo", per_node).items():
+        if s != int(host[u]):
+            shared.setdefault((g, u, s), set()).add(node)
+    assert max(len(nodes) for nodes in shared.values()) == 2  # a slot serving two nodes
+    inputs = make_inputs(P * 16, 4, 2, seed=5)
+    group = LocalGroup(P)
+    got = _run(plan, group, inputs, keep=False)
+    ref = reference(mask, *inputs)
     for key in KEYS:
         assert_close(key, ref[key], unshard(got[key], group), atol=ATOL, rtol=RTOL)
     _check_bytes(plan, group, PHASES)
@@ -200,7 +303,7 @@ def test_relay_bad_input():
     assert cfg.relays and not relay_transport(cfg)
     _, plan, _, _ = _plans("docs-causal", P, 4)
     with pytest.raises(ValueError, match="hop must be"):
-        plan.pair_bytes("fwd", hop=3)
+        plan.pair_bytes("fwd", hop=4)
     with pytest.raises(ValueError, match="num_stages=3"):
         forward_ops(3, relay=True)
     with pytest.raises(ValueError, match="unknown buffers"):
@@ -236,9 +339,9 @@ def _gloo_rank(rank, P, transport):
     qs, ks, vs = (shard(x, group).clone().requires_grad_() for x in (q, k, v))
     out, lse = dist_attn(qs, ks, vs, plan, group)
     torch.autograd.backward((out, lse), (shard(d_out, group), shard(d_lse, group)))
-    counted = {(ph, h): group.traffic(hop_phase(ph, h)) for ph in PHASES for h in (0, 1, 2)}
+    counted = {(ph, h): group.traffic(hop_phase(ph, h)) for ph in PHASES for h in (0, 1, 2, 3)}
     want = {(ph, h): (int(plan.pair_bytes(ph, hop=h)[rank].sum()), int(plan.pair_bytes(ph, hop=h)[:, rank].sum()))
-            for ph in PHASES for h in (0, 1, 2)}
+            for ph in PHASES for h in (0, 1, 2, 3)}
     return {"got": dict(zip(KEYS, (out.detach(), lse.detach(), qs.grad, ks.grad, vs.grad))),
             "counted": counted, "want": want, "ib": int(plan.pair_bytes("fwd", hop=1).sum())}
 
