@@ -51,6 +51,7 @@ from gpusolver.plan.schedule import ATTN, CAST, DELTA, MERGE, REDUCE, WAIT, Op, 
 from gpusolver.plan.sparse import SparsePlan
 from gpusolver.problem import kept_kinds
 from gpusolver.runtime.layout import from_group_major, to_group_major
+from gpusolver.runtime.operands import Operands, rows
 from gpusolver.runtime.pipelined import StageRoutes, backward_stages, forward_stages, op_range, stage_routes
 from gpusolver.runtime.relayed import RelayRoutes, relay_backward, relay_forward, relay_routes
 from gpusolver.support import check_supported
@@ -163,27 +164,6 @@ def _per_rank(routes: LayerRoutes, fn, *tensors: torch.Tensor):
     return outs
 
 
-def _rows(x: torch.Tensor, lead: int, start: int, length: int) -> torch.Tensor:
-    return x.narrow(lead, start, length)
-
-
-class _Operands:
-    """``X = [local rows | receive buffer (cap rows)]`` per tensor, allocated once; ``fill`` copies a
-    cast's buffers into their slot (then the buffers can go)."""
-
-    def __init__(self, local: list[torch.Tensor], cap: int, lead: int):
-        self.n, self.cap, self.lead = local[0].shape[lead], cap, lead
-        self.x = []
-        for t in local:
-            shape = list(t.shape)
-            shape[lead] = self.n + cap
-            x = t.new_empty(shape)
-            _rows(x, lead, 0, self.n).copy_(t)
-            self.x.append(x)
-
-    def fill(self, bufs: list[torch.Tensor]) -> None:
-        for x, b in zip(self.x, bufs):
-            _rows(x, self.lead, self.n, self.cap).copy_(b)
 
 
 def issue(op: Op, routes: LayerRoutes, group, tensors, acc=None, deterministic: bool = True):
@@ -244,11 +224,11 @@ class _DistAttn(torch.autograd.Function):
             group.wait_sends()  # p2p sends may outlive their wait(): none past the pass
             return from_group_major(o, G, lead), from_group_major(lse, G, lead)
         n = ql.shape[lead]  # G * c local rows; a remote stage's rows are X = [local rows | receive buffer]
-        local = lambda x: _rows(x, lead, 0, n)  # noqa: E731
-        remote = lambda x: _rows(x, lead, n, cap)  # noqa: E731
+        local = lambda x: rows(x, lead, 0, n)  # noqa: E731
+        remote = lambda x: rows(x, lead, n, cap)  # noqa: E731
         # the operands of stage 1, allocated once: each cast's buffer is copied into its slot when
         # waited for, so the local rows and buffers never exist a second time as a concatenation
-        X = {"qo": _Operands([ql], cap, lead), "kv": _Operands([kl, vl], routes.kv_capacity, lead)}
+        X = {"qo": Operands([ql], cap, lead), "kv": Operands([kl, vl], routes.kv_capacity, lead)}
         if "qo" in keep:  # the kept X holds the local rows too: ql is a view of it
             ql = local(X["qo"].x[0])
         if "kv" in keep:
@@ -288,7 +268,7 @@ class _DistAttn(torch.autograd.Function):
         # only what the backward reads: a kept kind's whole X (local rows and buffer), else its local rows
         kv_saved = (kl, vl)
         if "kv" in keep:  # all of X, or its local rows and the first kv_rows of the buffer (the rest is cast again)
-            kv_saved = tuple(X["kv"].x) if kv_rows < 0 else tuple(_rows(x, lead, 0, n + kv_rows).clone()
+            kv_saved = tuple(X["kv"].x) if kv_rows < 0 else tuple(rows(x, lead, 0, n + kv_rows).clone()
                                                                for x in X["kv"].x)
         saved = (X["qo"].x[0] if "qo" in keep else ql,) + kv_saved
         del X
@@ -323,18 +303,18 @@ class _DistAttn(torch.autograd.Function):
         d_o = torch.zeros_like(o) if d_out is None else to_group_major(d_out, G, lead).contiguous()
         d_l = None if d_lse is None else to_group_major(d_lse, G, lead).contiguous()
         n = o.shape[lead]
-        local = lambda x: _rows(x, lead, 0, n)  # noqa: E731
-        remote = lambda x, cap: _rows(x, lead, n, cap)  # noqa: E731
+        local = lambda x: rows(x, lead, 0, n)  # noqa: E731
+        remote = lambda x, cap: rows(x, lead, n, cap)  # noqa: E731
         # stage 1's operands X = [local rows | buffer]: the forward's X of a kept kind, else built here
         xq, xk, xv = saved[:3]
         part = keep_kv and ctx.kv_rows >= 0  # the first kv_rows of the KV buffer kept, the rest cast again
-        Xq = None if keep_q else _Operands([xq], qcap, lead)
-        Xkv = None if keep_kv and not part else _Operands([local(xk), local(xv)], kcap, lead)
+        Xq = None if keep_q else Operands([xq], qcap, lead)
+        Xkv = None if keep_kv and not part else Operands([local(xk), local(xv)], kcap, lead)
         if Xq is not None:
             xq = Xq.x[0]
         if part:
             for x, kept in zip(Xkv.x, (xk, xv)):
-                _rows(x, lead, n, ctx.kv_rows).copy_(_rows(kept, lead, n, ctx.kv_rows))
+                rows(x, lead, n, ctx.kv_rows).copy_(rows(kept, lead, n, ctx.kv_rows))
         if Xkv is not None:
             xk, xv = Xkv.x
         ql, kl, vl = local(xq), local(xk), local(xv)
@@ -345,7 +325,7 @@ class _DistAttn(torch.autograd.Function):
                 if op.kind == DELTA:  # the host computes delta from its final O: O itself never travels
                     delta = _per_rank(routes, lambda r, a, b, *c_: (row_delta(a, b, c_[0] if c_ else None),),
                                       d_o, o, *(() if d_l is None else (d_l,)))[0]
-                    Xg = _Operands([d_o, lse, delta], qcap, lead)
+                    Xg = Operands([d_o, lse, delta], qcap, lead)
                     del d_o, delta
                 elif op.kind == CAST:
                     sent = tuple(local(x) for x in Xg.x) + (() if keep_q else (ql,)) if op.route == "qo" \
@@ -362,7 +342,7 @@ class _DistAttn(torch.autograd.Function):
                             Xq.fill(bufs[3:])
                     elif part:  # the rows past the kept ones
                         for x, b in zip(Xkv.x, bufs):
-                            _rows(x, lead, n + ctx.kv_rows, kcap - ctx.kv_rows).copy_(b)
+                            rows(x, lead, n + ctx.kv_rows, kcap - ctx.kv_rows).copy_(b)
                     else:
                         Xkv.fill(bufs)
                     del bufs

@@ -44,6 +44,7 @@ from attn_kernels import flex_attn, flex_attn_backward, merge_out_lse, row_delta
 from gpusolver.nvtx import nvtx_range
 from gpusolver.plan import Plan
 from gpusolver.plan.schedule import ATTN, CAST, DELTA, MERGE, REDUCE, WAIT, Op, backward_ops, forward_ops
+from gpusolver.runtime.operands import Operands, rows
 from groupcomm import TorchGroup, group_cast, group_reduce, host_splits
 
 _INTERNAL = dict(validate=False, flag_errors=False)
@@ -153,27 +154,6 @@ def _slices(plan: Plan, rank: int, stage: int):
     return c.q_ranges[rank, stage], c.k_ranges[rank, stage], c.attn_type[rank, stage]
 
 
-def _rows(x: torch.Tensor, lead: int, start: int, length: int) -> torch.Tensor:
-    return x.narrow(lead, start, length)
-
-
-class _Operands:
-    """``X = concat(local rows, receive buffer [cap rows])`` per tensor; the casts write into the
-    buffer in place, each at its own rows."""
-
-    def __init__(self, local: list[torch.Tensor], cap: int, lead: int):
-        self.n, self.cap, self.lead = local[0].shape[lead], cap, lead
-        self.x = []
-        for t in local:
-            shape = list(t.shape)
-            shape[lead] = self.n + cap
-            x = t.new_zeros(shape)
-            _rows(x, lead, 0, self.n).copy_(t)
-            self.x.append(x)
-
-    def remote(self) -> list[torch.Tensor]:
-        """The receive buffers (views of ``X``'s last cap rows), what the casts write into."""
-        return [_rows(x, self.lead, self.n, self.cap) for x in self.x]
 
 
 def _gather_remote(x: torch.Tensor, gather: torch.Tensor, n: int, lead: int, dtype: torch.dtype) -> torch.Tensor:
@@ -211,7 +191,7 @@ def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql,
     caps = {kind: buffers.recv(kind) for kind in KINDS}
     sent = {"qo": (ql,), "kv": (kl, vl)}
     # the operands, allocated before the casts that fill their receive rows
-    X = {"qo": _Operands([ql], caps["qo"], lead), "kv": _Operands([kl, vl], caps["kv"], lead)}
+    X = {"qo": Operands([ql], caps["qo"], lead, zero=True), "kv": Operands([kl, vl], caps["kv"], lead, zero=True)}
     works, returned = {}, []
     acc = None
     n = ql.shape[lead]
@@ -226,7 +206,7 @@ def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql,
             elif op.kind == ATTN and op.stages == (0,):
                 o0, l0 = _per_rank(ranks, batched, lambda r, q_, k_, v_: flex_attn(
                     q_, k_, v_, *_slices(plan, r, 0), scale, **_INTERNAL), ql, kl, vl)
-                acc = _Operands([o0.float(), l0], caps["qo"], lead)   # running (out fp32, lse) of every row of X
+                acc = Operands([o0.float(), l0], caps["qo"], lead, zero=True)   # running (out fp32, lse) of every row of X
                 acc.remote()[1].fill_(float("-inf"))
             elif op.kind == ATTN:
                 (s,) = op.stages
@@ -243,7 +223,7 @@ def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql,
                 neutral = (torch.zeros_like(o0), torch.full_like(l0, float("-inf")))
                 works[op.name] = _issue(op, sr, group, caps, partial, neutral, deterministic)
             elif op.kind == MERGE:  # the host's rows, then reduces 1..S in that order: a fixed merge order
-                o, lse = (_rows(t, lead, 0, n) for t in acc.x)
+                o, lse = (rows(t, lead, 0, n) for t in acc.x)
                 for r_o, r_l in returned:
                     o, lse = _merge(o, lse, r_o, r_l, lead)
             else:
@@ -261,15 +241,15 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
     cap_q, cap_k = caps["qo"], caps["kv"]
     n = ql.shape[lead]
     works, returned = {}, []
-    Xq = _Operands([ql], cap_q, lead) if kept_q is None else None
-    Xkv = _Operands([kl, vl], cap_k, lead) if kept_kv is None else None
+    Xq = Operands([ql], cap_q, lead, zero=True) if kept_q is None else None
+    Xkv = Operands([kl, vl], cap_k, lead, zero=True) if kept_kv is None else None
     xq = [kept_q] if kept_q is not None else Xq.x
     xk, xv = kept_kv if kept_kv is not None else Xkv.x
     delta = Xg = None
     # fp32 sums over the rows of each kind's operands (the local stage may run last: start from zero)
-    grads_q = _Operands([torch.zeros(ql.shape, dtype=torch.float32, device=ql.device)], cap_q, lead)
-    grads_kv = _Operands([torch.zeros(kl.shape, dtype=torch.float32, device=kl.device),
-                          torch.zeros(vl.shape, dtype=torch.float32, device=vl.device)], cap_k, lead)
+    grads_q = Operands([torch.zeros(ql.shape, dtype=torch.float32, device=ql.device)], cap_q, lead, zero=True)
+    grads_kv = Operands([torch.zeros(kl.shape, dtype=torch.float32, device=kl.device),
+                          torch.zeros(vl.shape, dtype=torch.float32, device=vl.device)], cap_k, lead, zero=True)
 
     def run(s):
         def fn(r, *t):
@@ -281,7 +261,7 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
             if op.kind == DELTA:  # the host computes delta from its final O: O itself never travels
                 delta = _per_rank(ranks, batched, lambda r, a, b, *c_: (row_delta(a, b, c_[0] if c_ else None),),
                                   d_o, o, *(() if d_l is None else (d_l,)))[0]
-                Xg = _Operands([d_o, lse, delta], cap_q, lead)
+                Xg = Operands([d_o, lse, delta], cap_q, lead, zero=True)
             elif op.kind == CAST:
                 if op.route == "qo":
                     tensors = (d_o, lse, delta) + (() if kept_q is not None else (ql,))
@@ -296,7 +276,7 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
             elif op.kind == ATTN and op.stages == (0,):  # local rows only: its grads never travel
                 parts = _per_rank(ranks, batched, run(0), d_o, ql, kl, vl, lse, delta)
                 for acc_, part in zip(grads_q.x + grads_kv.x, parts):
-                    _rows(acc_, lead, 0, n).add_(part)
+                    rows(acc_, lead, 0, n).add_(part)
             elif op.kind == ATTN:
                 (s,) = op.stages
                 g_do, g_lse, g_delta = Xg.x
@@ -313,7 +293,7 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
                                         [torch.zeros_like(ql)] if kind == "qo" else
                                         [torch.zeros_like(kl), torch.zeros_like(vl)], deterministic)
             elif op.kind == MERGE:  # the host's rows plus reduces 1..S in that order: a fixed summation order
-                dq, dk, dv = (_rows(t, lead, 0, n) for t in grads_q.x + grads_kv.x)
+                dq, dk, dv = (rows(t, lead, 0, n) for t in grads_q.x + grads_kv.x)
                 for phase, parts in returned:
                     if phase == "bwd.dq":
                         dq = dq + parts[0].float()

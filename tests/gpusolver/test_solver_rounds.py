@@ -141,7 +141,7 @@ def test_solve_plans_are_identical_on_both_paths(monkeypatch):
     from gpusolver import solve
     from gpusolver.masks import varlen_causal_mask
 
-    monkeypatch.setattr(device, "default_strategies", lambda P: _STRATEGIES[:1])
+    monkeypatch.setattr(device, "default_strategies", lambda P, relays=False: _STRATEGIES[:1])
     # whole chunks: the auto-tile chain's levels have their own path test (test_tiled_solve_equals_torch)
     config = SolverConfig(cp_size=3, num_heads_q=8, num_heads_kv=2, chunk_tiles=1)
     mask = varlen_causal_mask([5, 13, 9, 3, 6])  # S = 36, chunk 12
