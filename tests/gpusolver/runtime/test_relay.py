@@ -60,6 +60,19 @@ def _check_bytes(plan, group, phases):
             assert torch.equal(got, want), f"{phase} hop {hop}: counted {int(got.sum())}, plan {int(want.sum())}"
 
 
+def _check_layer(plan, mask, seed, keep=True, label=""):
+    """The relay layer on ``LocalGroup`` equals dense attention, forward and backward, and every
+    hop's counted bytes are the plan's."""
+    P = plan.comm.cp_size
+    inputs = make_inputs(P * 16, 4, 2, seed=seed)
+    ref = reference(mask, *inputs)
+    group = LocalGroup(P)
+    got = _run(plan, group, inputs, keep=keep)
+    for key in KEYS:
+        assert_close(f"{label}{key}", ref[key], unshard(got[key], group), atol=ATOL, rtol=RTOL)
+    _check_bytes(plan, group, PHASES)
+
+
 def _check_hops(plan, per_node):
     """Hop 1 crosses nodes only, hop 2 stays inside a node, and relaying never adds IB bytes."""
     P = plan.comm.cp_size
@@ -96,13 +109,7 @@ def test_relay_equals_reference(name, P, per_node):
     if plan.relay.egress:  # the spread acts: some rows reach their NIC over the pre-hop
         for kind in ("qo", "kv"):
             assert int(plan.relay.route(kind).split(3).sum()) > 0
-    inputs = make_inputs(P * 16, 4, 2, seed=P)
-    ref = reference(mask, *inputs)
-    group = LocalGroup(P)
-    got = _run(plan, group, inputs)
-    for key in KEYS:
-        assert_close(key, ref[key], unshard(got[key], group), atol=ATOL, rtol=RTOL)
-    _check_bytes(plan, group, PHASES)
+    _check_layer(plan, mask, seed=P)
 
 
 def test_relay_state_prices_the_plans_hops():
@@ -192,13 +199,7 @@ def test_relay_egress_fallback_and_shared_slots():
         if s != int(host[u]):
             shared.setdefault((g, u, s), set()).add(node)
     assert max(len(nodes) for nodes in shared.values()) == 2  # a slot serving two nodes
-    inputs = make_inputs(P * 16, 4, 2, seed=5)
-    group = LocalGroup(P)
-    got = _run(plan, group, inputs, keep=False)
-    ref = reference(mask, *inputs)
-    for key in KEYS:
-        assert_close(key, ref[key], unshard(got[key], group), atol=ATOL, rtol=RTOL)
-    _check_bytes(plan, group, PHASES)
+    _check_layer(plan, mask, seed=5, keep=False)
 
 
 def test_relay_recast_tiles_and_capacity():
@@ -214,13 +215,7 @@ def test_relay_recast_tiles_and_capacity():
     cross = (node[host][:, None] != node[None, :])
     assert int(((via == DIRECT) & cross).sum()) > 0 and int((via == FAN_OUT).sum()) > 0  # some of each
     assert 0 < int(plan.relay.kv.relay_rows.max()) <= half
-    inputs = make_inputs(P * 16, 4, 2, seed=3)
-    group = LocalGroup(P)
-    got = _run(plan, group, inputs, keep=False)
-    ref = reference(mask, *inputs)
-    for key in KEYS:
-        assert_close(key, ref[key], unshard(got[key], group), atol=ATOL, rtol=RTOL)
-    _check_bytes(plan, group, PHASES)
+    _check_layer(plan, mask, seed=3, keep=False)
     assert int(plan.pair_bytes("bwd.kv", hop=1).sum()) > 0  # K and V really went through the relays again
 
 
@@ -230,13 +225,7 @@ def test_relay_equals_reference_sweep(name, P, per_node):
     for keep in (True, False):  # the plan's CommCost prices the backward's protocol
         _, plan, mask, _ = _plans(name, P, per_node, keep=keep)
         _check_hops(plan, per_node)
-        inputs = make_inputs(P * 16, 4, 2, seed=P)
-        ref = reference(mask, *inputs)
-        group = LocalGroup(P)
-        got = _run(plan, group, inputs, keep=keep)
-        for key in KEYS:
-            assert_close(f"keep={keep} {key}", ref[key], unshard(got[key], group), atol=ATOL, rtol=RTOL)
-        _check_bytes(plan, group, PHASES)
+        _check_layer(plan, mask, seed=P, keep=keep, label=f"keep={keep} ")
 
 
 def test_relay_off_is_todays_plan():
