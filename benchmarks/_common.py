@@ -78,6 +78,30 @@ def parse_list(text: str, kind: type = int, allowed: Sequence | None = None, nam
     return out
 
 
+def add_cluster_sweep_args(p) -> None:
+    """The arguments of a sweep of packed-document masks on a cluster preset: --P, --kinds,
+    --tokens, --topology (read back with ``cluster_sweep``)."""
+    from gpusolver.topology import PRESETS
+
+    p.add_argument("--P", default="16,32,64", help="comma-separated CP sizes (default 16,32,64)")
+    p.add_argument("--kinds", default=",".join(PACKED_KINDS), help="mask kinds (default causal,full)")
+    p.add_argument("--tokens", type=int, default=TOKENS_PER_RANK, help="tokens per rank (default 8192)")
+    p.add_argument("--topology", default="h200_hgx", choices=sorted(PRESETS), help="cluster preset")
+
+
+def cluster_sweep(p, args):
+    """(CP sizes, mask kinds, Topology) of ``add_cluster_sweep_args``' arguments; a bad list is
+    the parser's error."""
+    from gpusolver.topology import PRESETS
+
+    try:
+        sizes = parse_list(args.P, int, name="--P")
+        kinds = parse_list(args.kinds, str, allowed=PACKED_KINDS, name="--kinds")
+    except ValueError as e:
+        p.error(str(e))
+    return sizes, kinds, PRESETS[args.topology]
+
+
 def median(xs: Sequence[float | None]) -> float | None:
     """Median of the non-None values, None when there are none."""
     vals = [float(x) for x in xs if x is not None]

@@ -42,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, run as a script or loaded by path
 
 from _common import (  # noqa: E402
-    PACKED_KINDS, RESULTS_DIR, TOKENS_PER_RANK, environment, make_mask, markdown_table, parse_list, write_results,
+    RESULTS_DIR, add_cluster_sweep_args, cluster_sweep, environment, make_mask, markdown_table, write_results,
 )
 from topology_solve import link_bottlenecks, usp_ib_fwd  # noqa: E402
 from gpusolver.areas import block_areas  # noqa: E402
@@ -52,7 +52,6 @@ from gpusolver.plan.build import build_plan  # noqa: E402
 from gpusolver.plan.relay import DIRECT, FAN_OUT, SELF  # noqa: E402
 from gpusolver.sim import simulate, simulate_baseline  # noqa: E402
 from gpusolver.solve import solve_assignment  # noqa: E402
-from gpusolver.topology import PRESETS  # noqa: E402
 
 COLUMNS = [
     ("kind", "kind", ""), ("P", "P", "d"), ("transport", "transport", ""),
@@ -141,7 +140,8 @@ def measure(kind: str, P: int, seed: int, topology, tokens: int, cache, topo_sol
         rows.append({"kind": kind, "P": P, "seed": seed, "transport": name, "ib_fwd_mb": ib_fwd / 1e6,
                      "usp_ib_fwd_mb": usp_fwd / 1e6, "ib_fwd_vs_usp": ib_fwd / usp_fwd, "ib_bwd_mb": ib_bwd / 1e6,
                      "nv_fwd_mb": nv_fwd / 1e6, "ib_ms": (ib_fwd + ib_bwd) / nic_bps * 1e3,
-                     "relayed": relayed_share(plan), "ib_side": side, "node_floor_mb": floor / 1e6, "imbalance": float(plan.metrics.imbalance),
+                     "relayed": relayed_share(plan), "ib_side": side, "node_floor_mb": floor / 1e6,
+                     "imbalance": float(plan.metrics.imbalance),
                      "step_ms": step_ms, "usp_step_ms": usp_ms, "usp_balanced_step_ms": usp_bal_ms,
                      "step_vs_usp": step_ms / usp_ms, "step_vs_usp_bal": step_ms / usp_bal_ms,
                      "status": int(plan.status), "solve_s": solve_s})
@@ -161,23 +161,15 @@ def _verdict(name: str, rows: list[dict]) -> str:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--P", default="16,32,64", help="comma-separated CP sizes (default 16,32,64)")
-    p.add_argument("--kinds", default=",".join(PACKED_KINDS), help="mask kinds (default causal,full)")
+    add_cluster_sweep_args(p)
     p.add_argument("--seed", type=int, default=0, help="mask seed (default 0)")
-    p.add_argument("--tokens", type=int, default=TOKENS_PER_RANK, help="tokens per rank (default 8192)")
-    p.add_argument("--topology", default="h200_hgx", choices=sorted(PRESETS), help="cluster preset")
     p.add_argument("--plan-cache", default=None, help="folder of solved plans (read, and written)")
     p.add_argument("--no-topology-solve", action="store_true",
                    help="skip the third row (the topology-aware solve's assignment with relay transport)")
     p.add_argument("--json", default=str(RESULTS_DIR / "relay_bench.json"))
     p.add_argument("--md", default=str(RESULTS_DIR / "relay_bench.md"))
     args = p.parse_args(argv)
-    try:
-        sizes = parse_list(args.P, int, name="--P")
-        kinds = parse_list(args.kinds, str, allowed=PACKED_KINDS, name="--kinds")
-    except ValueError as e:
-        p.error(str(e))
-    topology = PRESETS[args.topology]
+    sizes, kinds, topology = cluster_sweep(p, args)
     torch.set_num_threads(1)
     rows = []
     for kind in kinds:

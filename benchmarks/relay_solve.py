@@ -41,8 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, run as a script or loaded by path
 
 from _common import (  # noqa: E402
-    PACKED_KINDS, RESULTS_DIR, TOKENS_PER_RANK, environment, make_mask, markdown_table, median, parse_list,
-    write_json,
+    RESULTS_DIR, add_cluster_sweep_args, cluster_sweep, environment, make_mask, markdown_table, median, write_json,
 )
 from topology_solve import link_bottlenecks, usp_ib_fwd  # noqa: E402
 from gpusolver.areas import block_areas  # noqa: E402
@@ -52,7 +51,6 @@ from gpusolver.solve import solve  # noqa: E402
 from gpusolver.solver.core import Tasks  # noqa: E402
 from gpusolver.solver.state.ref import state  # noqa: E402
 from gpusolver.solver.state.relay import relay_hops  # noqa: E402
-from gpusolver.topology import PRESETS  # noqa: E402
 
 COLUMNS = [
     ("kind", "kind", ""), ("P", "P", "d"), ("solve", "solve", ""), ("transport", "transport", ""),
@@ -85,21 +83,6 @@ def relay_pair_bytes(plan, mask, config: SolverConfig):
     return out
 
 
-def transport_pair_bytes(plan, per_node: int):
-    """{(phase, class): [P, P] int64 bytes} the relay transport of ``plan`` moves (``plan.relay``;
-    its own counters, ``Plan.pair_bytes(phase, hop=)``): InfiniBand = hop 1 and the direct rows
-    across nodes, NVLink = hop 2 and the direct rows inside a node."""
-    P = plan.comm.cp_size
-    node = torch.arange(P) // per_node
-    cross = node[:, None] != node[None, :]
-    out = {}
-    for phase in ("fwd", "bwd"):
-        direct = plan.pair_bytes(phase, hop=0)
-        out[phase, 1] = plan.pair_bytes(phase, hop=1) + torch.where(cross, direct, 0)
-        out[phase, 0] = plan.pair_bytes(phase, hop=2) + torch.where(cross, 0, direct)
-    return out
-
-
 def _peak(pair: torch.Tensor) -> int:
     return int(torch.maximum(pair.sum(1), pair.sum(0)).max())
 
@@ -117,16 +100,13 @@ def measure(kind: str, P: int, seed: int, topology, tokens: int) -> list[dict]:
         seconds = time.perf_counter() - t0
         transports = ("direct", "relay") if name == "today" else (("relay",) if name == "relay" else ("direct",))
         for transport in transports:
-            model_ib_fwd = None
-            if transport == "direct":
-                ib_fwd, nv_fwd = link_bottlenecks(plan.pair_bytes("fwd"), topology.ranks_per_node)
-                ib_bwd, _ = link_bottlenecks(plan.pair_bytes("bwd"), topology.ranks_per_node)
-            else:
-                relayed = plan if plan.relay is not None else build_plan(
+            model_ib_fwd, built = None, plan
+            if transport == "relay":  # every hop's bytes: InfiniBand between nodes, NVLink inside one
+                built = plan if plan.relay is not None else build_plan(
                     mask, block_areas(mask, P, base.head_groups, impl="torch"), plan.assignment, relay_cfg)
-                pairs = transport_pair_bytes(relayed, topology.ranks_per_node)
-                ib_fwd, nv_fwd, ib_bwd = _peak(pairs["fwd", 1]), _peak(pairs["fwd", 0]), _peak(pairs["bwd", 1])
                 model_ib_fwd = _peak(relay_pair_bytes(plan, mask, relay_cfg)["fwd", 1])
+            ib_fwd, nv_fwd = link_bottlenecks(built.pair_bytes("fwd"), topology.ranks_per_node)
+            ib_bwd, _ = link_bottlenecks(built.pair_bytes("bwd"), topology.ranks_per_node)
             rows.append({"kind": kind, "P": P, "seed": seed, "solve": name, "transport": transport,
                          "ib_fwd_mb": ib_fwd / 1e6, "usp_ib_fwd_mb": usp_fwd / 1e6, "ib_fwd_vs_usp": ib_fwd / usp_fwd,
                          "ib_bwd_mb": ib_bwd / 1e6, "nv_fwd_mb": nv_fwd / 1e6,
@@ -142,20 +122,15 @@ def measure(kind: str, P: int, seed: int, topology, tokens: int) -> list[dict]:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--P", default="16,32,64", help="comma-separated CP sizes (default 16,32,64)")
-    p.add_argument("--kinds", default=",".join(PACKED_KINDS), help="mask kinds (default causal,full)")
+    add_cluster_sweep_args(p)
     p.add_argument("--seeds", default="0", help="comma-separated mask seeds (default 0)")
-    p.add_argument("--tokens", type=int, default=TOKENS_PER_RANK, help="tokens per rank (default 8192)")
-    p.add_argument("--topology", default="h200_hgx", choices=sorted(PRESETS), help="cluster preset")
     p.add_argument("--json", default=str(RESULTS_DIR / "relay_solve.json"))
     args = p.parse_args(argv)
+    sizes, kinds, topology = cluster_sweep(p, args)
     try:
-        sizes = parse_list(args.P, int, name="--P")
-        kinds = parse_list(args.kinds, str, allowed=PACKED_KINDS, name="--kinds")
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     except ValueError as e:
         p.error(str(e))
-    topology = PRESETS[args.topology]
     torch.set_num_threads(1)
     rows = []
     for kind in kinds:

@@ -36,14 +36,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, run as a script or loaded by path
 
 from _common import (  # noqa: E402
-    PACKED_KINDS, RESULTS_DIR, TOKENS_PER_RANK, environment, make_mask, markdown_table, median, parse_list,
-    write_json,
+    RESULTS_DIR, add_cluster_sweep_args, cluster_sweep, environment, make_mask, markdown_table, median, write_json,
 )
 from gpusolver.baselines import usp  # noqa: E402
 from gpusolver.sim import simulate, simulate_baseline  # noqa: E402
 from gpusolver.config import SolverConfig  # noqa: E402
 from gpusolver.solve import solve  # noqa: E402
-from gpusolver.topology import PRESETS  # noqa: E402
 
 COLUMNS = [
     ("kind", "kind", ""), ("P", "P", "d"), ("seed", "seed", "d"), ("solve", "solve", ""),
@@ -111,20 +109,15 @@ def measure(kind: str, P: int, seed: int, topology, tokens: int) -> list[dict]:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--P", default="16,32,64", help="comma-separated CP sizes (default 16,32,64)")
-    p.add_argument("--kinds", default=",".join(PACKED_KINDS), help="mask kinds (default causal,full)")
+    add_cluster_sweep_args(p)
     p.add_argument("--seeds", default="0", help="comma-separated mask seeds (default 0)")
-    p.add_argument("--tokens", type=int, default=TOKENS_PER_RANK, help="tokens per rank (default 8192)")
-    p.add_argument("--topology", default="h200_hgx", choices=sorted(PRESETS), help="cluster preset")
     p.add_argument("--json", default=str(RESULTS_DIR / "topology_solve.json"))
     args = p.parse_args(argv)
+    sizes, kinds, topology = cluster_sweep(p, args)
     try:
-        sizes = parse_list(args.P, int, name="--P")
-        kinds = parse_list(args.kinds, str, allowed=PACKED_KINDS, name="--kinds")
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     except ValueError as e:
         p.error(str(e))
-    topology = PRESETS[args.topology]
     torch.set_num_threads(1)
     rows = []
     for kind in kinds:
