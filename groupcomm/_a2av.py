@@ -7,6 +7,7 @@ cast and reduce (forward and backward) that passes it as ``host_split``.
 """
 from __future__ import annotations
 
+import warnings
 from datetime import timedelta
 
 import torch
@@ -168,6 +169,16 @@ class TorchGroup:
         sends, self._sends = self._sends, []
         for phase, works, _ in sends:
             self._wait_all(works, phase)
+
+    def __del__(self):
+        # a gloo send is only handed to the wire once its peer posts the receive, and it is dropped
+        # with its handle: a group let go with sends in flight would leave that peer waiting forever
+        sends = getattr(self, "_sends", None)
+        if sends:
+            try:
+                self.wait_sends()
+            except CollectiveError as e:
+                warnings.warn(f"TorchGroup dropped with sends in flight that failed: {e}", RuntimeWarning)
 
     def sends_in_flight(self) -> int:
         """How many calls' sends are kept, not yet waited for."""

@@ -123,6 +123,7 @@ def _rank_into(rank, P, N, seed, transport):
                     async_op=True)
     w1.wait()
     w2.wait()
+    group.wait_sends()
     return {"buf": buf, "traffic": {ph: group.traffic(ph) for ph in ("c1", "c2")}}
 
 

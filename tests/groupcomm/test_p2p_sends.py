@@ -89,3 +89,27 @@ def test_local_group_has_no_sends_to_wait_for():
     got = group_cast([x], torch.stack(index), split, N, g)[0]
     g.wait_sends()
     assert torch.equal(got[1], _values(0))
+
+
+def _rank_drops_group(rank, P):
+    """Rank 0 casts to rank 1 and lets its group go without ``wait_sends()``; rank 1 posts late."""
+    import gc
+
+    split, index = _routing(0, 1)
+    x = _values(0)
+    group = TorchGroup(timeout=timedelta(seconds=20), transport="p2p")
+    if rank == 1:
+        time.sleep(PAUSE)
+    got = group_cast([x.clone() if rank else x], index[rank], split, N, group, phase="c")[0]
+    kept = group.sends_in_flight()
+    del group
+    gc.collect()
+    return {"cast": got, "kept": kept}
+
+
+def test_dropped_group_still_delivers_its_sends():
+    """gloo hands a send to the wire only once the peer posts its receive, and drops it with its
+    handle: a group let go with sends in flight must finish them, or the peer waits forever."""
+    r0, r1 = run_ranks(_rank_drops_group, 2, timeout=60, pg_timeout=timedelta(seconds=20))
+    assert r0["kept"] == 1  # the case under test: rank 0's send was still in flight when it let go
+    assert torch.equal(r1["cast"][:N], _values(0))
