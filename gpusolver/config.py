@@ -117,6 +117,16 @@ class SolverConfig:
     ib_relay:           inter-node transport. None (default): relay wherever the
                         group spans nodes (``relays``); False: every rank pulls its
                         own copy across nodes; True: relay (an error without nodes).
+    imbalance_auto:     a time-aware mu (opt-in; needs ``topology``). False (default):
+                        mu = ``imbalance_tol``. True: ``imbalance_tol`` is the upper
+                        bound; the device solve runs once per candidate bound
+                        (``solver.balance.candidate_tols``: 1 + f (mu - 1), f in 1, 0.6,
+                        0.4, 0.2) and keeps, on the device, the plan of the lowest
+                        modelled step: the busiest rank's attention FLOPs over the
+                        topology's rate plus its link-weighted bytes over NVLink, in
+                        integer weights (``solver.balance.time_weights``). It costs one
+                        solve per candidate. On the benchmark masks it lowered the
+                        simulated step 2-6 % at P = 16 and 32 (benchmarks/balance_sweep.py).
     """
 
     cp_size: int
@@ -141,6 +151,7 @@ class SolverConfig:
     auto_tiles: bool = False
     topology: Topology | None = None
     ib_relay: bool | None = None
+    imbalance_auto: bool = False
 
     def __post_init__(self):
         if self.chunk_tiles == "auto":  # an int from here on: whole chunks until solve resolves the cap
@@ -183,6 +194,12 @@ class SolverConfig:
             raise ValueError("ib_relay=True needs a topology whose nodes are smaller than the group "
                              f"(cp_size = {self.cp_size}, topology = {self.topology!r}): there is no "
                              "InfiniBand hop to relay")
+        if not isinstance(self.imbalance_auto, bool):
+            raise TypeError(f"imbalance_auto must be a bool, got {type(self.imbalance_auto).__name__} "
+                            f"{self.imbalance_auto!r}")
+        if self.imbalance_auto and self.topology is None:
+            raise ValueError("imbalance_auto=True needs a topology (SolverConfig(topology=...)): its attention "
+                             "rate and link bandwidths price the step the bound is chosen by")
         if not self.imbalance_tol >= 1.0:
             raise ValueError(f"imbalance_tol must be >= 1.0, got {self.imbalance_tol}")
         for name, (limit_name, limit) in CONFIG_LIMITS.items():

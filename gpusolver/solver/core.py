@@ -54,6 +54,8 @@ class DeviceSolveResult:
     variant:        int64, index of the winning variant (of its tile level's solve).
     tiles:          int64, the tiles per chunk of the chosen plan: ``config.chunk_tiles``, or
                     with ``chunk_tiles="auto"`` the fewest (coarse to fine) that reach mu.
+    imbalance_tol:  float64, with ``SolverConfig.imbalance_auto`` the bound the chosen plan was
+                    solved at (``solver.balance``); None otherwise. ``balanced`` is against it.
     """
 
     assignment: torch.Tensor
@@ -64,6 +66,7 @@ class DeviceSolveResult:
     objective: torch.Tensor | None = None
     fits: torch.Tensor | None = None
     tiles: torch.Tensor | None = None
+    imbalance_tol: torch.Tensor | None = None
 
 
 class Tasks:

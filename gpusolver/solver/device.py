@@ -72,6 +72,7 @@ from gpusolver.config import SolverConfig
 from gpusolver.limits import MAX_CHUNK_TILES, balanced_load_cap
 from gpusolver.problem import BlockAreas
 from gpusolver.solver.accept.ref import accept_apply
+from gpusolver.solver.balance import candidate_tols, choose, time_weights
 from gpusolver.solver.bundle.ref import bundle_proposals
 from gpusolver.solver.core import _BIG, _MU_SCALE, DeviceSolveResult, Tasks, objective, over_buffers, step_vol
 from gpusolver.solver.start.ref import restart, variant_starts
@@ -238,6 +239,9 @@ def solve_device(areas: BlockAreas, config: SolverConfig, *, rounds: int = DEFAU
                 ``rounds.default_workers``).
     sideways, restart_every, singles: the local search's extras (None:
                 ``default_local_search(P)``); see ``run_variants``.
+    With ``config.imbalance_auto`` the whole solve runs at each of ``balance.candidate_tols(mu)``
+    and the plan of the lowest modelled step wins (``balance.choose``; its ``imbalance_tol`` field
+    says which bound): one solve's work per candidate.
     With ``objective="training"`` the portfolio runs twice, its moves priced by the training rule
     and by the forward rule, and the plan with the smaller fwd + bwd wins (so a training plan never
     moves more per step than the forward-only one): twice the rounds of a forward-only solve.
@@ -245,6 +249,14 @@ def solve_device(areas: BlockAreas, config: SolverConfig, *, rounds: int = DEFAU
     ``variant`` indexes the variants of all strategies in order (of the winning rule's run).
     """
     strategies = _check(areas, config, rounds, strategies, impl)
+    if config.imbalance_auto:
+        # a time-aware mu: one solve per candidate bound, the lowest modelled step kept on the device
+        tols = candidate_tols(config.imbalance_tol)
+        results = [solve_device(areas, replace(config, imbalance_tol=mu, imbalance_auto=False), rounds=rounds,
+                                strategies=strategies, impl=impl, workers=workers, sideways=sideways,
+                                restart_every=restart_every, singles=singles) for mu in tols]
+        weights = time_weights(config, areas.chunk * areas.num_units)
+        return choose(results, tols, areas.area, weights, config.cp_size)
     default_sideways, default_restart, default_singles = default_local_search(areas.cp_size)
     search = dict(sideways=default_sideways if sideways is None else bool(sideways),
                   restart_every=default_restart if restart_every is None else restart_every,
@@ -290,7 +302,7 @@ def solve_device(areas: BlockAreas, config: SolverConfig, *, rounds: int = DEFAU
         usable = lambda r: r.balanced & r.fits  # noqa: E731
         take = usable(theirs) & (~usable(result) | (theirs.objective < result.objective))
         result = DeviceSolveResult(**{f.name: torch.where(take, getattr(theirs, f.name), getattr(result, f.name))
-                                      for f in fields(DeviceSolveResult)})
+                                      for f in fields(DeviceSolveResult) if getattr(result, f.name) is not None})
         row = torch.where(take, other, row)
     if coarse is not None and config.auto_tiles:
         # chunk_tiles="auto": the fewest tiles that reach mu and fit the buffers, chosen on the device
