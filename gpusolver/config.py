@@ -125,8 +125,9 @@ class SolverConfig:
                         modelled step: the busiest rank's attention FLOPs over the
                         topology's rate plus its link-weighted bytes over NVLink, in
                         integer weights (``solver.balance.time_weights``). It costs one
-                        solve per candidate. On the benchmark masks it lowered the
-                        simulated step 2-6 % at P = 16 and 32 (benchmarks/balance_sweep.py).
+                        solve per candidate. On the benchmark masks (seeds 0-2, P = 16-64)
+                        the simulated step was 0.935-1.022x mu = 1.10's, median 0.96
+                        (benchmarks/results/balance_sweep_seeds.md).
     """
 
     cp_size: int
