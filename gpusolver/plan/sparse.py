@@ -23,6 +23,14 @@ The selection indices of a remote query row travel with its Q in the same
 group-cast (as int32 columns) and are priced in the plan's metrics
 (``SparseCommCost``).
 
+Sub-stages (``SolverConfig.num_stages`` S > 1, as for slices): ``plan.stages.assign_stages``
+puts each remote task in sub-stage 1..S by when its bytes land (priced with the selection
+bytes); ``CommMeta`` routes the Q hulls per sub-stage into the one shared QO buffer, and key
+blocks are routed the same way (``KVBlocks.staged``). Stage s's tables keep the query rows
+of stage 1 (local rows, then the whole buffer: ``_recv_rows`` reads each segment's start,
+stage-major) and windows only for the tasks of sub-stage s, which read rows of casts 1..s
+only. An NSA layer mask (two branches) runs one remote stage.
+
 KV as key blocks (``kv_block``, ``KVBlocks``): instead of one hull per (unit,
 destination), a destination receives exactly the blocks of ``kv_block`` keys
 that its tasks' rows attend (from every rank's all-gathered ``used`` block

@@ -15,6 +15,12 @@ with the sparse kernel in its stages:
    and key-window tables come from the plan (``SparsePlan.stage``);
 4. partial (out, lse) of received rows go back and merge on their host (``fwd.o``).
 
+With S > 1 remote sub-stages (``SolverConfig.num_stages``) the layer runs through
+``dist_attn``'s own sub-stage executor (``runtime.pipelined.forward_stages`` /
+``backward_stages``) with the sparse kernel as its stage kernel and the selection rows
+travelling with Q: every cast issued up front, each sub-stage waiting only for its own,
+each sub-stage's partials reduced as it ends; the backward likewise.
+
 The backward is the delta protocol (``bwd.qo``: dO, lse, delta; ``bwd.dq``,
 ``bwd.dkv`` back), with the received Q, selection, K and V kept from the
 forward unless ``keep_forward_buffers`` is off. An NSA layer mask

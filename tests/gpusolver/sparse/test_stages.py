@@ -208,3 +208,30 @@ def test_sub_stages_gloo(transport):
 @pytest.mark.parametrize("kind,kv_block,transport", [("nsa", 8, "p2p"), ("dsa", None, "p2p"), ("dsa", None, "a2a")])
 def test_sub_stages_gloo_matrix(kind, kv_block, transport):
     _check_gloo(4, kind, 2, kv_block, transport)
+
+
+@pytest.mark.slow
+def test_sub_stages_compiled_equals_eager():
+    """torch.compile(fullgraph=True) of an S = 2 NSA layer, solve included (LocalGroup P = 2): out and
+    grads equal eager. About a minute of tracing here; the fast tier runs the same layer eagerly."""
+    from gpusolver.runtime import DynamicCPAttention, PlanCache
+
+    P, c, Hq, Hkv = 2, 16, 4, 2
+    T = P * c
+    group = LocalGroup(P)
+    mask = make_mask("nsa", T, Hkv, seed=3)
+    q, k, v, d_out, _ = make_inputs(T, Hq, Hkv, seed=3)
+    results = []
+    for compiled in (False, True):
+        layer = DynamicCPAttention(group, _config(P, Hq, Hkv, 2), plan_cache=PlanCache())  # empty: solve traced
+        leaves = [shard(x, group).requires_grad_() for x in (q, k, v)]
+
+        def step(q_, k_, v_):
+            return layer(q_, k_, v_, mask)
+
+        fn = torch.compile(step, fullgraph=True, backend="aot_eager") if compiled else step
+        out = fn(*leaves)
+        (out * shard(d_out, group)).sum().backward()
+        results.append([out.detach()] + [x.grad for x in leaves])
+    for name, a, b in zip(("out", "dq", "dk", "dv"), *results):
+        assert_close(name, a, b, atol=ATOL, rtol=RTOL)
