@@ -255,7 +255,8 @@ def simulate_stages(areas, assignment, config: SolverConfig, spec, used, kv_bloc
             t = simulate(plan, topology, comm=comm)
             first.setdefault(comm, t.step_ms)
             row.update({f"{comm}_fwd": t.fwd_ms, f"{comm}_bwd": t.bwd_ms, f"{comm}_step": t.step_ms,
-                        f"{comm}_vs_S1": ratio(t.step_ms, first[comm]), f"{comm}_vs_ideal": ratio(t.step_ms, t.ideal_ms),
+                        f"{comm}_vs_S1": ratio(t.step_ms, first[comm]),
+                        f"{comm}_vs_ideal": ratio(t.step_ms, t.ideal_ms),
                         f"{comm}_exposed": ratio(t.exposed_comm_ms, t.step_ms)})
         rows.append(row)
     return rows
@@ -329,7 +330,8 @@ STAGE_COLUMNS = [
     ("a2a fwd ms", "a2a_fwd", ".3f"), ("a2a bwd ms", "a2a_bwd", ".3f"), ("a2a step ms", "a2a_step", ".3f"),
     ("a2a step ÷ S=1", "a2a_vs_S1", ".3f"), ("a2a ÷ ideal", "a2a_vs_ideal", ".3f"),
     ("a2a exposed", "a2a_exposed", ".3f"),
-    ("p2p step ms", "p2p_step", ".3f"), ("p2p step ÷ S=1", "p2p_vs_S1", ".3f"), ("p2p ÷ ideal", "p2p_vs_ideal", ".3f"),
+    ("p2p step ms", "p2p_step", ".3f"), ("p2p step ÷ S=1", "p2p_vs_S1", ".3f"),
+    ("p2p ÷ ideal", "p2p_vs_ideal", ".3f"),
     ("p2p exposed", "p2p_exposed", ".3f"),
 ]
 

@@ -529,6 +529,15 @@ def window_slices(total_seqlen: int, window_size: int, device) -> AttnSlices:
     return sliding_window_mask(total_seqlen, window_size, device=device)
 
 
+def check_sparse_stages(config: SolverConfig, spec: SelectionSpec) -> None:
+    """Sub-stages run one output branch: an NSA layer mask (selection and window) needs S = 1.
+    Called before a solve too, so the refusal costs no solve (host values only)."""
+    if config.num_stages > 1 and spec.window_size:
+        raise ValueError(f"num_stages={config.num_stages}: an NSA layer mask (selection and sliding-window "
+                         "branches) runs one remote stage so far; use num_stages=1, or a BlockSparseMask (the "
+                         "selection alone)")
+
+
 def build_sparse_plan(areas: BlockAreas, assignment: torch.Tensor, config: SolverConfig, spec: SelectionSpec,
                       total_seqlen: int, *, mask_error: torch.Tensor | None = None,
                       imbalance_tol: float | None = None, recv_capacity: int | None = None,
@@ -548,10 +557,8 @@ def build_sparse_plan(areas: BlockAreas, assignment: torch.Tensor, config: Solve
                  [G, U, S / kv_block] bool is every query unit's ``used_block_rows``. None: hulls.
                  Not with a window branch (its slices address hull buffers).
     """
+    check_sparse_stages(config, spec)
     S = config.num_stages
-    if S > 1 and spec.window_size:
-        raise ValueError(f"num_stages={S}: an NSA layer mask (selection and sliding-window branches) runs one "
-                         "remote stage so far; use num_stages=1, or a BlockSparseMask (the selection alone)")
     relay_transport(config, sparse=True)  # sparse plans travel direct; ib_relay=True is refused
     G, P, n = config.head_groups, config.cp_size, config.chunk_tiles
     if areas.head_groups != G or areas.cp_size != P or areas.tiles != n:

@@ -46,8 +46,8 @@ from gpusolver.config import SolverConfig
 from gpusolver.masks.sparse import BlockSparseMask, NSALayerMask, TokenTopKMask
 from gpusolver.nvtx import nvtx_range
 from gpusolver.plan.meta import IMBALANCED
-from gpusolver.plan.sparse import (SelectionSpec, SparsePlan, build_sparse_plan, default_kv_block, no_worse_than_owner,
-                                   sparse_config)
+from gpusolver.plan.sparse import (SelectionSpec, SparsePlan, build_sparse_plan, check_sparse_stages,
+                                   default_kv_block, no_worse_than_owner, sparse_config)
 from gpusolver.plan.schedule import ATTN, CAST, DELTA, MERGE, REDUCE, WAIT, backward_ops, forward_ops
 from gpusolver.sparse_solve import sparse_assignment
 from gpusolver.runtime.dist_attn import LayerRoutes, issue, layer_routes
@@ -141,6 +141,7 @@ def solve_sparse_sharded(mask, config: SolverConfig, group, *, solver: str = "de
     if config.cp_size != group.size:
         raise ValueError(f"config.cp_size={config.cp_size} but the group has {group.size} ranks")
     spec = SelectionSpec.of(mask, config.head_groups)
+    check_sparse_stages(config, spec)
     if validate is None:
         validate = mask.device.type == "cpu" and not torch.compiler.is_compiling()
     if validate:

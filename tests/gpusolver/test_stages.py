@@ -146,7 +146,7 @@ def test_sparse_plans_take_sub_stages_but_nsa_layer_masks_refuse():
     assert plan.num_stages == 2 and plan.task_stage.shape == plan.assignment.shape
     blocks = (torch.arange(P * c)[:, None, None] // 8 - torch.arange(2)).clamp(min=-1).expand(P * c, 2, 2)
     layer = NSALayerMask(BlockSparseMask(blocks.to(torch.int32).contiguous(), 8, P * c), 4)
-    with pytest.raises(ValueError, match="num_stages=2: an NSA layer mask"):
+    with pytest.raises(ValueError, match="num_stages=2: an NSA layer mask"):  # before any solve
         solve(layer, make_config(P, 4, 2, num_stages=2))
 
 
