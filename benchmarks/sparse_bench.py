@@ -50,6 +50,15 @@ the first seed only (the DSA indexer scores every (row, earlier key) pair: O(S^2
 P = 32 and 64 is left out of the default grid: the indexer's measured time per scored pair
 (reported) puts those masks at many minutes each on this machine.
 
+Sub-stages (``--stages 1,2,4``): the returned plan is built with each ``num_stages`` S (its remote
+work in S sub-stages, ``plan.stages``, ordered on ``--topology``) and its layer is simulated
+(``gpusolver.sim.simulate``, every figure "simulated", not measured) with ``TorchGroup``'s a2a and p2p
+transports: forward, backward and step in ms, the step over the same plan's at S = 1 (two stages),
+the step over the ideal bound, and the exposed communication's share of the step. The table goes to
+``--stages-md`` / ``--stages-json``:
+
+    python benchmarks/sparse_bench.py --dsa-P 16 --nsa-P 16,32 --big '' --seeds 0 --stages 1,2,4
+
 ``torch.set_num_threads(1)`` is set first (``--threads`` to change it: solve times then are not
 comparable with one-thread runs; the recorded provenance says which).
 """
@@ -76,7 +85,8 @@ from gpusolver.config import SolverConfig  # noqa: E402
 from gpusolver.indexers import CompressedKeyIndexer, LightningIndexer  # noqa: E402
 from gpusolver.masks.sparse import BlockSparseMask, TokenTopKMask  # noqa: E402
 from gpusolver.metrics import evaluate, owner_computes_assignment  # noqa: E402
-from gpusolver.plan.sparse import SelectionSpec, build_kv_blocks, no_worse_than_owner, sparse_config  # noqa: E402
+from gpusolver.plan.sparse import (SelectionSpec, build_kv_blocks, build_sparse_plan, no_worse_than_owner,  # noqa: E402
+                                   sparse_config)
 from gpusolver.problem import BlockAreas  # noqa: E402
 from gpusolver.solve import solve_assignment  # noqa: E402
 
@@ -225,8 +235,35 @@ def usp_with_selection(S: int, config: SolverConfig, spec: SelectionSpec, hkv_se
     return base.fwd_bottleneck + (u - 1) * c * per_token, base.bwd_bottleneck
 
 
+def simulate_stages(areas, assignment, config: SolverConfig, spec, used, kv_block, stages, topology,
+                    base: dict) -> list[dict]:
+    """The returned plan built at each S of ``stages`` and its layer simulated (a2a and p2p): rows of
+    the sub-stage table. Capacities: the worst case, so that no plan overflows (sizes only)."""
+    from dataclasses import replace
+
+    from gpusolver.sim import simulate
+
+    G, P, c = config.head_groups, config.cp_size, areas.rank_tokens
+    worst = G * c * (P - 1)
+    rows, first = [], {}
+    for S in stages:
+        cfg = replace(config, num_stages=S, topology=topology)
+        plan = build_sparse_plan(areas, assignment, cfg, spec, P * c, used_blocks=used, kv_block=kv_block,
+                                 recv_capacity=worst, send_capacity=worst)
+        row = dict(base, S=S)
+        for comm in ("a2a", "p2p"):
+            t = simulate(plan, topology, comm=comm)
+            first.setdefault(comm, t.step_ms)
+            row.update({f"{comm}_fwd": t.fwd_ms, f"{comm}_bwd": t.bwd_ms, f"{comm}_step": t.step_ms,
+                        f"{comm}_vs_S1": ratio(t.step_ms, first[comm]),
+                        f"{comm}_vs_ideal": ratio(t.step_ms, t.ideal_ms),
+                        f"{comm}_exposed": ratio(t.exposed_comm_ms, t.step_ms)})
+        rows.append(row)
+    return rows
+
+
 def run_case(kind: str, P: int, c: int, seed: int, areas, key_used, spec, t_index, groups: int,
-             num_heads_kv: int) -> dict:
+             num_heads_kv: int, stages=(), topology=None) -> dict:
     S = P * c
     config = SolverConfig(cp_size=P, num_heads_q=HQ, num_heads_kv=num_heads_kv, head_dim=D,
                           head_group_flatten=groups > 1)
@@ -268,6 +305,9 @@ def run_case(kind: str, P: int, c: int, seed: int, areas, key_used, spec, t_inde
     row.update(priced_step=priced / MB, moved_step=moved / MB, moved_vs_priced=ratio(moved, priced),
                owner_moved_step=owner_moved / MB)
     row["step_vs_owner"] = ratio(moved, owner_moved)
+    if stages:
+        base = {k: row[k] for k in ("mask", "heads", "G", "P", "c", "seed", "plan")}
+        row["stages"] = simulate_stages(areas, assignment, config, spec, used, kv_block, stages, topology, base)
     return row
 
 
@@ -284,6 +324,36 @@ GAP_COLUMNS = [
     ("priced step MB", "priced_step", ".1f"), ("moved step MB", "moved_step", ".1f"),
     ("moved ÷ priced", "moved_vs_priced", ".3f"), ("owner moved step MB", "owner_moved_step", ".1f"),
 ]
+STAGE_COLUMNS = [
+    ("mask", "mask", ""), ("Hq:Hkv", "heads", ""), ("P", "P", ""), ("c", "c", ""), ("seed", "seed", ""),
+    ("plan", "plan", ""), ("S", "S", ""),
+    ("a2a fwd ms", "a2a_fwd", ".3f"), ("a2a bwd ms", "a2a_bwd", ".3f"), ("a2a step ms", "a2a_step", ".3f"),
+    ("a2a step ÷ S=1", "a2a_vs_S1", ".3f"), ("a2a ÷ ideal", "a2a_vs_ideal", ".3f"),
+    ("a2a exposed", "a2a_exposed", ".3f"),
+    ("p2p step ms", "p2p_step", ".3f"), ("p2p step ÷ S=1", "p2p_vs_S1", ".3f"),
+    ("p2p ÷ ideal", "p2p_vs_ideal", ".3f"),
+    ("p2p exposed", "p2p_exposed", ".3f"),
+]
+
+
+def render_stages(rows: list[dict], provenance: dict | None, topology: str) -> str:
+    """The sub-stage table of a run (rows of ``simulate_stages``)."""
+    head = [f"## Sparse plans in S remote sub-stages, simulated on `{topology}` (not measured): Hq = {HQ}, "
+            f"D = {D}, bf16, mu = 1.10", ""]
+    if provenance:
+        pv = provenance
+        head += [f"Commit `{pv.get('commit')}`, command `{pv.get('command')}`, machine {pv.get('machine')}, "
+                 f"wall {pv.get('wall_s', 0.0) / 60:.1f} min.", ""]
+    return "\n".join(head + [
+        "The plan the library returns for each mask (as in `sparse_bench.md`), built with `num_stages` = S "
+        "(sub-stages ordered by when their bytes land on this topology) and its layer simulated by "
+        "`gpusolver.sim.simulate` with `TorchGroup`'s transports: a2a (one all-to-all-v per sub-stage) and "
+        "p2p (each rank starts when its own rows have landed). `step ÷ S=1`: the step over the same "
+        "plan's two-stage step (S = 1); `÷ ideal`: over the step's ideal bound; `exposed`: exposed "
+        "communication's share of the step. NSA moves key blocks, DSA hulls.", "",
+        markdown_table(rows, STAGE_COLUMNS), ""])
+
+
 SUMMARY_COLUMNS = [
     ("mask", "mask", ""), ("Hq:Hkv", "heads", ""), ("P", "P", ""), ("c", "c", ""), ("seeds", "seeds", ""),
     ("plan (solver/owner)", "plans", ""), ("imb max", "imb_max", ".3f"), ("step ÷ owner min", "step_min", ".2f"),
@@ -336,6 +406,11 @@ def main(argv=None) -> dict:
     p.add_argument("--quick", action="store_true", help="P = 8, 2K tokens per rank, top-k 256, one seed: seconds")
     p.add_argument("--json", default=str(RESULTS_DIR / "sparse_bench.json"))
     p.add_argument("--md", default=str(RESULTS_DIR / "sparse_bench.md"))
+    p.add_argument("--stages", default="", help="num_stages values to build and simulate the returned plan "
+                   "with, comma list (e.g. 1,2,4; '' for none)")
+    p.add_argument("--topology", default="h200_hgx", help="the cluster preset of --stages (gpusolver.topology)")
+    p.add_argument("--stages-json", default=str(RESULTS_DIR / "sparse_stages.json"))
+    p.add_argument("--stages-md", default=str(RESULTS_DIR / "sparse_stages.md"))
     p.add_argument("--from-json", default=None,
                    help="re-render --md from a saved run's JSON (its rows and provenance) without running")
     args = p.parse_args(argv)
@@ -354,6 +429,14 @@ def main(argv=None) -> dict:
     if not seeds or min(seeds) < 0:
         raise ValueError(f"--seeds must list non-negative ints, got {args.seeds!r}")
     one_seed = _one_seed_cases(args.one_seed)
+    stages = parse_list(args.stages, name="--stages") if args.stages.strip() else []
+    if any(S < 1 for S in stages):
+        raise ValueError(f"--stages must list positive ints, got {args.stages!r}")
+    from gpusolver.topology import PRESETS
+
+    if args.topology not in PRESETS:
+        raise ValueError(f"--topology must be one of {sorted(PRESETS)}, got {args.topology!r}")
+    topology = PRESETS[args.topology]
     if args.quick:
         DSA_TOPK = 256
         cases, seeds = [("dsa", 8, 2048), ("nsa", 8, 2048)], seeds[:1]
@@ -374,15 +457,23 @@ def main(argv=None) -> dict:
             areas, key_used, spec, t_index = make_problem(kind, P, c, seed, 1 if kind == "dsa" else HKV_GQA)
             heads = [(1, 1), (HKV_GQA, HKV_GQA)] if kind == "dsa" else [(HKV_GQA, HKV_GQA)]
             for groups, hkv in heads:
-                rows.append(run_case(kind, P, c, seed, areas, key_used, spec, t_index, groups, hkv))
+                rows.append(run_case(kind, P, c, seed, areas, key_used, spec, t_index, groups, hkv, stages,
+                                     topology))
             print(f"{kind} P={P} c={c} seed={seed}: {time.perf_counter() - t0:.1f} s (indexer {t_index:.1f} s)",
                   flush=True)
     wall = time.perf_counter() - t_start
     provenance["wall_s"] = wall
     text = render(rows, provenance)
     print(text)
+    stage_rows = [x for r in rows for x in r.pop("stages", [])]
     write_results(args.json, {"provenance": provenance, "rows": rows}, args.md, text)
-    return {"rows": rows, "text": text}
+    out = {"rows": rows, "text": text}
+    if stages:
+        stage_text = render_stages(stage_rows, provenance, args.topology)
+        print(stage_text)
+        write_results(args.stages_json, {"provenance": provenance, "rows": stage_rows}, args.stages_md, stage_text)
+        out.update(stage_rows=stage_rows, stage_text=stage_text)
+    return out
 
 
 def summarize(rows: list[dict]) -> list[dict]:

@@ -24,8 +24,8 @@ from gpusolver.capacity import buffer_fields, buffer_ints
 from gpusolver.assign import solve_assignment
 from gpusolver.config import SolverConfig
 from gpusolver.plan.meta import IMBALANCED
-from gpusolver.plan.sparse import (SelectionSpec, SparsePlan, SparseSolverConfig, build_sparse_plan, default_kv_block,
-                                   no_worse_than_owner, sparse_config)
+from gpusolver.plan.sparse import (SelectionSpec, SparsePlan, SparseSolverConfig, build_sparse_plan,
+                                   check_sparse_stages, default_kv_block, no_worse_than_owner, sparse_config)
 from gpusolver.problem import BlockAreas
 
 
@@ -91,6 +91,7 @@ def solve_sparse(mask, config: SolverConfig, *, areas: BlockAreas | None = None,
     from gpusolver.areas.sparse import sparse_areas, used_block_rows
 
     spec = SelectionSpec.of(mask, config.head_groups)
+    check_sparse_stages(config, spec)
     S = mask.total_seqlen_k
     config.check_seqlen(S)
     if validate is None:

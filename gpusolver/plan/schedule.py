@@ -349,6 +349,9 @@ def op_split(plan, op: Op) -> torch.Tensor:
         raise ValueError(f"op {op.name!r} is hop {op.hop} of relay transport but the plan has no relay")
     if getattr(comm, "num_stages", 1) > 1:  # one sub-stage's split
         (s,) = op.stages
+        kb = getattr(plan, "kv_blocks", None)
+        if op.route == "kv" and kb is not None:  # a sparse plan's key blocks, routed per sub-stage
+            comm = kb.staged
         return comm.stage_split(op.route, "return" if op.back else "cast")[s - 1]
     return comm.qo_split if op.route == "qo" else kv_split_of(plan)
 
@@ -370,8 +373,8 @@ def plan_ops(plan, phase: str, keep_forward_buffers, kept_kv_rows: int | None = 
     keep_forward_buffers: True, False, "qo" or "kv"; K and V are cast again (``bwd.kv``) unless
     "kv" is kept whole (Q travels again inside ``bwd.qo``, priced by ``CommCost.q_bwd``);
     kept_kv_rows: only that many KV rows kept, the rest cast again (``bwd.kv`` moves the tail)."""
-    calc = getattr(plan, "calc", None)
-    num_stages = calc.q_ranges.shape[1] if calc is not None else 2
+    calc = getattr(plan, "calc", None)  # a sparse plan's is its window branch's, or None
+    num_stages = calc.q_ranges.shape[1] if calc is not None else getattr(plan.comm, "num_stages", 1) + 1
     meta = getattr(plan, "relay", None)
     relay, egress = meta is not None, bool(getattr(meta, "egress", False))
     if phase == "fwd":

@@ -23,6 +23,14 @@ The selection indices of a remote query row travel with its Q in the same
 group-cast (as int32 columns) and are priced in the plan's metrics
 (``SparseCommCost``).
 
+Sub-stages (``SolverConfig.num_stages`` S > 1, as for slices): ``plan.stages.assign_stages``
+puts each remote task in sub-stage 1..S by when its bytes land (priced with the selection
+bytes); ``CommMeta`` routes the Q hulls per sub-stage into the one shared QO buffer, and key
+blocks are routed the same way (``KVBlocks.staged``). Stage s's tables keep the query rows
+of stage 1 (local rows, then the whole buffer: ``_recv_rows`` reads each segment's start,
+stage-major) and windows only for the tasks of sub-stage s, which read rows of casts 1..s
+only. An NSA layer mask (two branches) runs one remote stage.
+
 KV as key blocks (``kv_block``, ``KVBlocks``): instead of one hull per (unit,
 destination), a destination receives exactly the blocks of ``kv_block`` keys
 that its tasks' rows attend (from every rank's all-gathered ``used`` block
@@ -54,8 +62,9 @@ from gpusolver.masks.sparse import BlockSparseMask, NSALayerMask, TokenTopKMask
 from gpusolver.metrics import PlanMetrics, _volumes, evaluate
 from gpusolver.plan.build import plan_capacities, relay_transport
 from gpusolver.plan.calc_meta import build_calc_meta
-from gpusolver.plan.comm_meta import _recv_offsets, build_comm_meta
+from gpusolver.plan.comm_meta import _recv_offsets, build_comm_meta, shared_offset, stage_routing
 from gpusolver.plan.gather import send_index
+from gpusolver.plan.stages import assign_stages
 from gpusolver.plan.meta import (BUFFER_OVERFLOW, CALC_OVERFLOW, IMBALANCED, INVALID_MASK, NEED_MISMATCH, UNASSIGNED,
                                  CalcMeta, CommMeta, _explain_status)
 from gpusolver.problem import BlockAreas, CommCost, kept_kinds
@@ -182,6 +191,12 @@ class KVBlocks:
     kv_recv_rows:   [P] int64 — rows each rank receives.
     block:          keys per block (host int, divides the unit size); NB = S / block.
     blocks_per_rank: c / block (host int).
+    staged:         with S > 1 remote sub-stages, the blocks' routing per sub-stage as a
+                    ``CommMeta`` whose units are the key blocks (``tiles`` = blocks per rank; its
+                    QO fields repeat the KV ones): block b travels in the cast of the first
+                    sub-stage on dest that reads it and its dK, dV return after the last, into
+                    one receive buffer shared by the casts (``kv_recv_offset`` is then the start
+                    in it); None with one remote stage.
     """
 
     need: torch.Tensor
@@ -191,6 +206,7 @@ class KVBlocks:
     kv_recv_rows: torch.Tensor
     block: int
     blocks_per_rank: int
+    staged: CommMeta | None = None
 
     def send_index(self, rank: int, chunk: int, send_capacity: int) -> torch.Tensor:
         """[send_cap] int64 gather indices into ``rank``'s group-major local K, V rows, in send order
@@ -200,13 +216,16 @@ class KVBlocks:
 
 
 def build_kv_blocks(used: torch.Tensor, assignment: torch.Tensor, tiles: int, chunk: int, block: int,
-                    recv_capacity: int, send_capacity: int) -> tuple[KVBlocks, torch.Tensor]:
+                    recv_capacity: int, send_capacity: int, *, task_stage: torch.Tensor | None = None,
+                    num_stages: int = 1) -> tuple[KVBlocks, torch.Tensor]:
     """KVBlocks of an assignment, plus an overflow flag. Sync-free.
 
     used:       [G, U(query unit), NB] bool — key block b attended by some row of unit i, group g
                 (``areas.sparse.used_block_rows``, all-gathered).
     assignment: [G, U, U] integer rank per task, -1 for empty tasks.
     tiles, chunk: units per rank, tokens per rank; ``block`` must divide chunk / tiles.
+    task_stage, num_stages: with S > 1, the sub-stage of every task (``plan.stages``): the blocks
+                are routed per sub-stage (``KVBlocks.staged``).
     """
     G, U = assignment.shape[0], assignment.shape[1]
     P, NB = U // tiles, used.shape[2]
@@ -228,8 +247,49 @@ def build_kv_blocks(used: torch.Tensor, assignment: torch.Tensor, tiles: int, ch
     offset, rows = _recv_offsets(length, nb)
     split = length.sum(0).view(P, nb, P).sum(1)
     overflow = (rows > recv_capacity).any() | (split.sum(1) > send_capacity).any()
+    staged = None
+    if num_stages > 1:
+        if task_stage is None:
+            raise ValueError(f"num_stages={num_stages} needs the task_stage of the assignment")
+        first, last = _block_stages(used, assignment, task_stage, unit, need)
+        staged = _staged_blocks(kv_range, length, first, last, num_stages, nb, chunk, recv_capacity, send_capacity)
+        offset = staged.kv_recv_offset
     return KVBlocks(need=need, kv_range=kv_range, kv_recv_offset=offset, kv_split=split, kv_recv_rows=rows,
-                    block=block, blocks_per_rank=nb), overflow
+                    block=block, blocks_per_rank=nb, staged=staged), overflow
+
+
+def _block_stages(used: torch.Tensor, assignment: torch.Tensor, task_stage: torch.Tensor, unit: torch.Tensor,
+                  need: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first, last) ``[G, NB, P(dest)]`` int64 sub-stage of dest reading key block b (its tasks
+    (g, i, unit(b)) whose rows attend b); 0 where the block does not travel."""
+    G, NB, P = need.shape
+    ranks = torch.arange(P, device=need.device)
+    first, last = [], []
+    for g in range(G):  # static; [U(i), NB, P] per group
+        on = (assignment[g][:, unit].long()[..., None] == ranks) & used[g][..., None]
+        st = task_stage[g][:, unit].long()[..., None]
+        first.append(torch.where(on, st, 1 << 30).amin(0))
+        last.append(torch.where(on, st, 0).amax(0))
+    first, last = torch.stack(first), torch.stack(last)
+    return torch.where(need, first, 0), torch.where(need, last, 0)
+
+
+def _staged_blocks(kv_range, length, first, last, num_stages: int, nb: int, chunk: int, recv_capacity: int,
+                   send_capacity: int) -> CommMeta:
+    """The key blocks' routing per sub-stage as a CommMeta over block units (``KVBlocks.staged``):
+    ``plan.comm_meta``'s stage routing with a block as the unit."""
+    off, cast, base = stage_routing(length, first, num_stages, nb)
+    off = shared_offset(off, first, base)
+    ret_off, ret, _ = stage_routing(length, last, num_stages, nb)
+    stage = torch.stack((first, last), dim=-1)
+    split = length.sum(0).view(length.shape[2], nb, length.shape[2]).sum(1)
+    rows = split.sum(0)
+    return CommMeta(qo_range=kv_range, kv_range=kv_range, qo_recv_offset=off, kv_recv_offset=off, qo_split=split,
+                    kv_split=split, qo_recv_rows=rows, kv_recv_rows=rows, chunk=chunk,
+                    qo_recv_capacity=recv_capacity, kv_recv_capacity=recv_capacity, qo_send_capacity=send_capacity,
+                    kv_send_capacity=send_capacity, tiles=nb, num_stages=num_stages, qo_stage=stage, kv_stage=stage,
+                    qo_stage_split=cast, kv_stage_split=cast, qo_return_split=ret, kv_return_split=ret,
+                    qo_return_offset=ret_off, kv_return_offset=ret_off, qo_stage_base=base, kv_stage_base=base)
 
 
 @dataclass(frozen=True)
@@ -250,6 +310,9 @@ class SparsePlan:
     kv_blocks:     KVBlocks when K and V travel as key blocks (then ``comm``'s KV fields are the
                    hulls the solver priced, not what moves), None for hulls.
     cost:          the SparseCommCost of the metrics (None for a plan built without one).
+    stage_of_task: [G, U, U] int32 stage of each task: -1 empty, 0 local, 1..S remote sub-stage
+                   (``gpusolver.plan.stages.assign_stages``; S = ``comm.num_stages``); None in
+                   plans built without it (then 0 / 1 by locality).
 
     ``stage(rank, s)`` builds a stage's tables on demand (sync-free), so a plan
     never holds every rank's [G * c + cap] row tables.
@@ -265,16 +328,23 @@ class SparsePlan:
     window_calc: CalcMeta | None = None
     kv_blocks: KVBlocks | None = None
     cost: SparseCommCost | None = None
+    stage_of_task: torch.Tensor | None = None
 
-    def pair_bytes(self, phase: str, cost=None) -> torch.Tensor:
-        """[P(src), P(dst)] int64 bytes moved per (source, destination): ``Plan.pair_bytes``."""
+    def pair_bytes(self, phase: str, cost=None, stage: int | None = None) -> torch.Tensor:
+        """[P(src), P(dst)] int64 bytes moved per (source, destination): ``Plan.pair_bytes`` (stage:
+        None for every sub-stage, s in 1..S for sub-stage s's collectives alone)."""
         from gpusolver.plan.schedule import pair_bytes
 
-        return pair_bytes(self, phase, self.cost if cost is None else cost)
+        return pair_bytes(self, phase, self.cost if cost is None else cost, stage)
+
+    @property
+    def num_stages(self) -> int:
+        """S, remote sub-stages."""
+        return self.comm.num_stages
 
     @property
     def task_stage(self) -> torch.Tensor:
-        """[G, U, U] int32: -1 empty task, 0 local stage, 1 remote stage."""
+        """[G, U, U] int32: -1 empty task, 0 local stage, 1..S remote sub-stage."""
         from gpusolver.plan.schedule import task_stage
 
         return task_stage(self)
@@ -288,11 +358,12 @@ class SparsePlan:
         return self.assignment.shape[1]
 
     def stage(self, rank: int, stage: int) -> SparseStage:
-        """Rank ``rank``'s stage ``stage`` (0: both units local; 1: the rest)."""
-        P = self.comm.cp_size
-        if not 0 <= rank < P or stage not in (0, 1):
-            raise ValueError(f"need 0 <= rank < {P} and stage in (0, 1), got rank={rank}, stage={stage}")
-        return sparse_stage(self.assignment, self.comm, rank, stage, self.kv_blocks)
+        """Rank ``rank``'s stage ``stage`` (0: both units local; 1..S: the remote sub-stages)."""
+        P, S = self.comm.cp_size, self.comm.num_stages
+        if not 0 <= rank < P or isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage <= S:
+            raise ValueError(f"need 0 <= rank < {P} and 0 <= stage <= S = {S}, got rank={rank}, stage={stage!r}")
+        return sparse_stage(self.assignment, self.comm, rank, stage, self.kv_blocks,
+                            self.stage_of_task if S > 1 else None)
 
     def validate(self, ignore: int = 0) -> "SparsePlan":
         """Raise ValueError naming each status bit set (except ``ignore``). Host-side."""
@@ -334,9 +405,12 @@ def _unit_table(comm: CommMeta, G: int, U: int):
 
 
 def sparse_stage(assignment: torch.Tensor, comm: CommMeta, rank: int, stage: int,
-                 kv_blocks: KVBlocks | None = None) -> SparseStage:
+                 kv_blocks: KVBlocks | None = None, task_stage: torch.Tensor | None = None) -> SparseStage:
     """The tables of one rank's stage (see ``SparseStage``; with ``kv_blocks`` one window per key
-    block instead of per key unit). Sync-free: static shapes, no host reads."""
+    block instead of per key unit). task_stage: [G, U, U] sub-stage of each task (plans with S > 1
+    remote sub-stages; None: stage 0 the local tasks, stage 1 the rest). A remote sub-stage's query
+    rows are the local rows and the whole shared receive buffer; its windows cover its own tasks
+    only, so rows cast for later sub-stages are not read. Sync-free: static shapes, no host reads."""
     G, U = assignment.shape[0], assignment.shape[1]
     n, P, c, cu, dev, units, host = _unit_table(comm, G, U)
     g = torch.arange(G, device=dev)
@@ -344,7 +418,7 @@ def sparse_stage(assignment: torch.Tensor, comm: CommMeta, rank: int, stage: int
     t = torch.arange(c, device=dev)
     pos_local = (rank * c + t).expand(G, c).reshape(-1)
     cls_local = (g[:, None] * U + (rank * c + t)[None, :] // cu).reshape(-1)
-    if stage == 1:
+    if stage >= 1:
         pos_recv, cls_recv = _recv_rows(comm, rank, G, U)
         q_pos, q_class = torch.cat((pos_local, pos_recv)), torch.cat((cls_local, cls_recv))
     else:
@@ -352,7 +426,10 @@ def sparse_stage(assignment: torch.Tensor, comm: CommMeta, rank: int, stage: int
 
     # [G, U(i), U(j)] tasks of this rank in this stage
     both_local = (host.view(1, U, 1) == rank) & (host.view(1, 1, U) == rank)
-    mine = (assignment.long() == rank) & (both_local if stage == 0 else ~both_local)
+    if task_stage is None:
+        mine = (assignment.long() == rank) & (both_local if stage == 0 else ~both_local)
+    else:
+        mine = (assignment.long() == rank) & (task_stage.long() == stage)
     if kv_blocks is not None:
         win = _block_windows(kv_blocks, mine, rank, G, c, cu)
         return SparseStage(q_pos=q_pos.to(torch.int32), q_class=q_class.to(torch.int32), kv_windows=win,
@@ -393,20 +470,23 @@ def _block_windows(kb: KVBlocks, mine: torch.Tensor, rank: int, G: int, c: int, 
 
 def _recv_rows(comm: CommMeta, rank: int, G: int, U: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Global position and query unit class of each row of ``rank``'s QO receive buffer ([cap] int64 each;
-    -1 / 0 past the fill). Segments lie in (host, g, tile) order at ``qo_recv_offset``."""
+    -1 / 0 past the fill). Segment (g, u) starts at ``qo_recv_offset[g, u, rank]``: (host, g, tile)
+    order with one remote stage, stage-major with sub-stages; the segments with rows tile the buffer
+    from row 0 without gaps, so in order of their starts their ends rise."""
     n, P, c, cu, dev, units, host = _unit_table(comm, G, U)
     cap = comm.qo_recv_capacity
-    rng = comm.qo_range[:, :, rank]  # [G, U, 2] chunk-local
-    length = (rng[..., 1] - rng[..., 0]).view(G, P, n).permute(1, 0, 2).reshape(-1)  # (host, g, tile)
-    start = rng[..., 0].view(G, P, n).permute(1, 0, 2).reshape(-1)
-    seg_g = torch.arange(G, device=dev).view(1, G, 1).expand(P, G, n).reshape(-1)
-    seg_u = units.view(P, 1, n).expand(P, G, n).reshape(-1)
-    ends = length.cumsum(0)
+    rng = comm.qo_range[:, :, rank].reshape(G * U, 2)  # chunk-local, segment g * U + u
+    length = rng[:, 1] - rng[:, 0]
+    big = 1 << 40
+    start = torch.where(length > 0, comm.qo_recv_offset[:, :, rank].reshape(-1), big)
+    order = torch.sort(start, stable=True).indices
+    ends = (start + length)[order]
     b = torch.arange(cap, device=dev)
-    seg = torch.searchsorted(ends, b, right=True).clamp_(max=P * G * n - 1)
-    used = b < ends[-1:]
-    pos = host[seg_u[seg]] * c + start[seg] + b - (ends[seg] - length[seg])
-    return torch.where(used, pos, -1), torch.where(used, seg_g[seg] * U + seg_u[seg], 0)
+    k = torch.searchsorted(ends, b, right=True).clamp_(max=G * U - 1)
+    seg = order[k]
+    used = b < comm.qo_recv_rows[rank]
+    pos = host[seg % U] * c + rng[seg, 0] + b - start[seg]
+    return torch.where(used, pos, -1), torch.where(used, seg, 0)
 
 
 def step_bytes(areas: BlockAreas, assignment: torch.Tensor, config: SolverConfig, spec: SelectionSpec,
@@ -449,6 +529,15 @@ def window_slices(total_seqlen: int, window_size: int, device) -> AttnSlices:
     return sliding_window_mask(total_seqlen, window_size, device=device)
 
 
+def check_sparse_stages(config: SolverConfig, spec: SelectionSpec) -> None:
+    """Sub-stages run one output branch: an NSA layer mask (selection and window) needs S = 1.
+    Called before a solve too, so the refusal costs no solve (host values only)."""
+    if config.num_stages > 1 and spec.window_size:
+        raise ValueError(f"num_stages={config.num_stages}: an NSA layer mask (selection and sliding-window "
+                         "branches) runs one remote stage so far; use num_stages=1, or a BlockSparseMask (the "
+                         "selection alone)")
+
+
 def build_sparse_plan(areas: BlockAreas, assignment: torch.Tensor, config: SolverConfig, spec: SelectionSpec,
                       total_seqlen: int, *, mask_error: torch.Tensor | None = None,
                       imbalance_tol: float | None = None, recv_capacity: int | None = None,
@@ -468,9 +557,8 @@ def build_sparse_plan(areas: BlockAreas, assignment: torch.Tensor, config: Solve
                  [G, U, S / kv_block] bool is every query unit's ``used_block_rows``. None: hulls.
                  Not with a window branch (its slices address hull buffers).
     """
-    if config.num_stages != 1:
-        raise ValueError(f"num_stages={config.num_stages}: sparse plans (NSA, DSA) run one remote stage so far; "
-                         "use num_stages=1")
+    check_sparse_stages(config, spec)
+    S = config.num_stages
     relay_transport(config, sparse=True)  # sparse plans travel direct; ib_relay=True is refused
     G, P, n = config.head_groups, config.cp_size, config.chunk_tiles
     if areas.head_groups != G or areas.cp_size != P or areas.tiles != n:
@@ -485,7 +573,9 @@ def build_sparse_plan(areas: BlockAreas, assignment: torch.Tensor, config: Solve
     assignment = assignment.to(torch.int32)
     cost = sparse_config(config, spec).cost()
     metrics = evaluate(areas, assignment, cost)
-    comm, overflow = build_comm_meta(areas, assignment, buffers=rows)
+    # sub-stages (``plan.stages``): by when each task's bytes land, priced with the selection bytes
+    task_stage = assign_stages(areas, assignment, S, cost=cost, topology=getattr(config, "topology", None))
+    comm, overflow = build_comm_meta(areas, assignment, buffers=rows, task_stage=task_stage, num_stages=S)
     kv_blocks = None
     if kv_block is not None:
         if spec.window_size:
@@ -493,7 +583,7 @@ def build_sparse_plan(areas: BlockAreas, assignment: torch.Tensor, config: Solve
         if used_blocks is None or areas.chunk % kv_block:
             raise ValueError(f"kv_block={kv_block} needs used_blocks and must divide the unit size {areas.chunk}")
         kv_blocks, kv_overflow = build_kv_blocks(used_blocks, assignment, n, c, kv_block, rows.kv_recv,
-                                                 rows.kv_send)
+                                                 rows.kv_send, task_stage=task_stage, num_stages=S)
         # what moves: Q hulls as before, K and V blocks
         overflow = ((comm.qo_recv_rows > rows.qo_recv).any() | (comm.qo_split.sum(1) > rows.qo_send).any()
                     | kv_overflow)
@@ -519,7 +609,8 @@ def build_sparse_plan(areas: BlockAreas, assignment: torch.Tensor, config: Solve
         status = (status | bit(flags["calc_overflow"], CALC_OVERFLOW)
                   | bit(flags["buffer_overflow"], BUFFER_OVERFLOW) | bit(flags["mismatch"], NEED_MISMATCH))
     return SparsePlan(assignment=assignment, metrics=metrics, comm=comm, status=status, area=areas.area,
-                      imbalance_tol=mu, spec=spec, window_calc=window_calc, kv_blocks=kv_blocks, cost=cost)
+                      imbalance_tol=mu, spec=spec, window_calc=window_calc, kv_blocks=kv_blocks, cost=cost,
+                      stage_of_task=task_stage)
 
 
 def default_kv_block(mask, config: SolverConfig) -> int | None:

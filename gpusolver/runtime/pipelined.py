@@ -92,9 +92,11 @@ class _HostStart:
         return sum(row[self.rank] for part in self.parts[:self.stage - 1] for row in part.get())
 
 
-def stage_routes(plan: Plan, group, ranks: tuple[int, ...], batched: bool) -> StageRoutes:
-    comm = plan.comm
-    S = comm.num_stages
+def stage_routes(plan: Plan, group, ranks: tuple[int, ...], batched: bool, kv_comm=None) -> StageRoutes:
+    """kv_comm: the KV route's CommMeta when it is not ``plan.comm`` (a sparse plan's key blocks,
+    ``KVBlocks.staged``)."""
+    comms = {"qo": plan.comm, "kv": plan.comm if kv_comm is None else kv_comm}
+    S = plan.comm.num_stages
 
     def per_rank(fn):
         return torch.stack([fn(r) for r in ranks]) if batched else fn(ranks[0])
@@ -102,11 +104,12 @@ def stage_routes(plan: Plan, group, ranks: tuple[int, ...], batched: bool) -> St
     index, split, host = {}, {}, {}
     for kind in KINDS:
         for which in WHICH:
-            index[kind, which] = [per_rank(lambda r: comm.send_index(kind, r, s, which)) for s in range(1, S + 1)]
-            split[kind, which] = list(comm.stage_split(kind, which).unbind(0))
+            index[kind, which] = [per_rank(lambda r: comms[kind].send_index(kind, r, s, which))
+                                  for s in range(1, S + 1)]
+            split[kind, which] = list(comms[kind].stage_split(kind, which).unbind(0))
     if isinstance(group, TorchGroup):
         # the only host read: all 4 S matrices in one non-blocking copy, awaited by the first collective
-        stacked = torch.cat([comm.stage_split(kind, which) for kind in KINDS for which in WHICH])
+        stacked = torch.cat([comms[kind].stage_split(kind, which) for kind in KINDS for which in WHICH])
         parts = host_splits(stacked).parts()
         for b, key in enumerate((kind, which) for kind in KINDS for which in WHICH):
             host[key] = parts[b * S:(b + 1) * S]
@@ -115,9 +118,9 @@ def stage_routes(plan: Plan, group, ranks: tuple[int, ...], batched: bool) -> St
     else:
         host = {key: [None] * S for key in index}
         host_start = {kind: [None] * S for kind in KINDS}
-    gather = {kind: list(per_rank(lambda r: comm.return_gather(kind, r)).unbind(1 if batched else 0))
+    gather = {kind: list(per_rank(lambda r: comms[kind].return_gather(kind, r)).unbind(1 if batched else 0))
               for kind in KINDS}
-    start = {kind: list(comm.stage_base(kind).unbind(0)) for kind in KINDS}
+    start = {kind: list(comms[kind].stage_base(kind).unbind(0)) for kind in KINDS}
     return StageRoutes(num_stages=S, index=index, split=split, host=host, gather=gather, start=start,
                        host_start=host_start)
 
@@ -183,15 +186,29 @@ def _issue(op: Op, sr: StageRoutes, group, caps: dict, tensors, acc=None, determ
                         deterministic=deterministic, async_op=True, flag_errors=False)
 
 
+def _flex(plan: Plan, scale: float):
+    """The slice kernel of a stage: ``attend(rank, stage, q, k, v) -> (out, lse)``."""
+    return lambda r, s, q_, k_, v_: flex_attn(q_, k_, v_, *_slices(plan, r, s), scale, **_INTERNAL)
+
+
+def _flex_backward(plan: Plan, scale: float):
+    """``attend_bwd(rank, stage, dO, q, k, v, lse, delta) -> (dq, dk, dv)`` of the slice kernel."""
+    return lambda r, s, *t: flex_attn_backward(*t, *_slices(plan, r, s), scale, **_INTERNAL)
+
+
 def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql, kl, vl, scale: float,
-                   deterministic: bool):
-    """Run ``forward_ops(S + 1)``: (o, lse, the operand tensors [Xq, Xk, Xv] for the backward), group-major."""
+                   deterministic: bool, *, extra=(), attend=None):
+    """Run ``forward_ops(S + 1)``: (o, lse, the operand tensors [Xq, *X extra, Xk, Xv] for the backward),
+    group-major. extra: per-row tensors that travel with Q (a sparse layer's selection rows);
+    attend(rank, stage, q, k, v, *extra) -> (out, lse): the stage kernel (default: the slice kernel)."""
     lead = 1 if batched else 0
     S, buffers = sr.num_stages, plan.comm.buffers
     caps = {kind: buffers.recv(kind) for kind in KINDS}
-    sent = {"qo": (ql,), "kv": (kl, vl)}
+    attend = _flex(plan, scale) if attend is None else attend
+    sent = {"qo": (ql, *extra), "kv": (kl, vl)}
     # the operands, allocated before the casts that fill their receive rows
-    X = {"qo": Operands([ql], caps["qo"], lead, zero=True), "kv": Operands([kl, vl], caps["kv"], lead, zero=True)}
+    X = {"qo": Operands([ql, *extra], caps["qo"], lead, zero=True),
+         "kv": Operands([kl, vl], caps["kv"], lead, zero=True)}
     works, returned = {}, []
     acc = None
     n = ql.shape[lead]
@@ -204,14 +221,13 @@ def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql,
             elif op.kind == WAIT:
                 works[op.deps[0]].wait()  # cast s's rows are in X now
             elif op.kind == ATTN and op.stages == (0,):
-                o0, l0 = _per_rank(ranks, batched, lambda r, q_, k_, v_: flex_attn(
-                    q_, k_, v_, *_slices(plan, r, 0), scale, **_INTERNAL), ql, kl, vl)
+                o0, l0 = _per_rank(ranks, batched, lambda r, *t: attend(r, 0, *t), ql, kl, vl, *extra)
                 acc = Operands([o0.float(), l0], caps["qo"], lead, zero=True)   # running (out fp32, lse) of every row of X
                 acc.remote()[1].fill_(float("-inf"))
             elif op.kind == ATTN:
                 (s,) = op.stages
-                o_s, l_s = _per_rank(ranks, batched, lambda r, q_, k_, v_: flex_attn(
-                    q_, k_, v_, *_slices(plan, r, s), scale, **_INTERNAL), *X["qo"].x, *X["kv"].x)
+                xq, *x_extra = X["qo"].x
+                o_s, l_s = _per_rank(ranks, batched, lambda r, *t: attend(r, s, *t), xq, *X["kv"].x, *x_extra)
                 a_o, a_l = acc.x
                 o_m, l_m = _merge(a_o, a_l, o_s, l_s, lead)
                 a_o.copy_(o_m)
@@ -232,18 +248,22 @@ def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql,
 
 
 def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql, kl, vl, o, lse, kept_q,
-                    kept_kv, d_o, d_l, scale: float, deterministic: bool):
+                    kept_kv, d_o, d_l, scale: float, deterministic: bool, *, extra=(), kept_extra=(),
+                    attend_bwd=None):
     """Run ``backward_ops(S + 1)``: (dq, dk, dv) group-major. ``kept_q``: the forward's Xq or None
-    (Q is cast again with dO); ``kept_kv``: its [Xk, Xv] or None (K, V are cast again)."""
+    (Q is cast again with dO); ``kept_kv``: its [Xk, Xv] or None (K, V are cast again).
+    extra / kept_extra: the rows travelling with Q (``forward_stages``) and, with ``kept_q``, their
+    kept X; attend_bwd(rank, stage, dO, q, k, v, lse, delta, *extra) -> (dq, dk, dv)."""
     lead = 1 if batched else 0
     S, buffers = sr.num_stages, plan.comm.buffers
     caps = {kind: buffers.recv(kind) for kind in KINDS}
     cap_q, cap_k = caps["qo"], caps["kv"]
     n = ql.shape[lead]
     works, returned = {}, []
-    Xq = Operands([ql], cap_q, lead, zero=True) if kept_q is None else None
+    attend_bwd = _flex_backward(plan, scale) if attend_bwd is None else attend_bwd
+    Xq = Operands([ql, *extra], cap_q, lead, zero=True) if kept_q is None else None
     Xkv = Operands([kl, vl], cap_k, lead, zero=True) if kept_kv is None else None
-    xq = [kept_q] if kept_q is not None else Xq.x
+    xq = [kept_q, *kept_extra] if kept_q is not None else Xq.x
     xk, xv = kept_kv if kept_kv is not None else Xkv.x
     delta = Xg = None
     # fp32 sums over the rows of each kind's operands (the local stage may run last: start from zero)
@@ -252,9 +272,7 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
                           torch.zeros(vl.shape, dtype=torch.float32, device=vl.device)], cap_k, lead, zero=True)
 
     def run(s):
-        def fn(r, *t):
-            return flex_attn_backward(*t, *_slices(plan, r, s), scale, **_INTERNAL)
-        return fn
+        return lambda r, *t: attend_bwd(r, s, *t)
 
     for op in backward_ops(S + 1, kept_kv is not None):
         with nvtx_range(op_range(op, sub_stages=True)):
@@ -264,7 +282,7 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
                 Xg = Operands([d_o, lse, delta], cap_q, lead, zero=True)
             elif op.kind == CAST:
                 if op.route == "qo":
-                    tensors = (d_o, lse, delta) + (() if kept_q is not None else (ql,))
+                    tensors = (d_o, lse, delta) + (() if kept_q is not None else (ql, *extra))
                     into = Xg.remote() + ([] if kept_q is not None else Xq.remote())
                 else:
                     tensors, into = (kl, vl), Xkv.remote()
@@ -274,13 +292,13 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
             elif op.kind == WAIT:
                 works[op.deps[0]].wait()  # cast s's rows are in the operands now
             elif op.kind == ATTN and op.stages == (0,):  # local rows only: its grads never travel
-                parts = _per_rank(ranks, batched, run(0), d_o, ql, kl, vl, lse, delta)
+                parts = _per_rank(ranks, batched, run(0), d_o, ql, kl, vl, lse, delta, *extra)
                 for acc_, part in zip(grads_q.x + grads_kv.x, parts):
                     rows(acc_, lead, 0, n).add_(part)
             elif op.kind == ATTN:
                 (s,) = op.stages
                 g_do, g_lse, g_delta = Xg.x
-                parts = _per_rank(ranks, batched, run(s), g_do, xq[0], xk, xv, g_lse, g_delta)
+                parts = _per_rank(ranks, batched, run(s), g_do, xq[0], xk, xv, g_lse, g_delta, *xq[1:])
                 for acc_, part in zip(grads_q.x + grads_kv.x, parts):
                     acc_.add_(part)
             elif op.kind == REDUCE:

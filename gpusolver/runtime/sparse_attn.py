@@ -15,6 +15,12 @@ with the sparse kernel in its stages:
    and key-window tables come from the plan (``SparsePlan.stage``);
 4. partial (out, lse) of received rows go back and merge on their host (``fwd.o``).
 
+With S > 1 remote sub-stages (``SolverConfig.num_stages``) the layer runs through
+``dist_attn``'s own sub-stage executor (``runtime.pipelined.forward_stages`` /
+``backward_stages``) with the sparse kernel as its stage kernel and the selection rows
+travelling with Q: every cast issued up front, each sub-stage waiting only for its own,
+each sub-stage's partials reduced as it ends; the backward likewise.
+
 The backward is the delta protocol (``bwd.qo``: dO, lse, delta; ``bwd.dq``,
 ``bwd.dkv`` back), with the received Q, selection, K and V kept from the
 forward unless ``keep_forward_buffers`` is off. An NSA layer mask
@@ -40,13 +46,13 @@ from gpusolver.config import SolverConfig
 from gpusolver.masks.sparse import BlockSparseMask, NSALayerMask, TokenTopKMask
 from gpusolver.nvtx import nvtx_range
 from gpusolver.plan.meta import IMBALANCED
-from gpusolver.plan.sparse import (SelectionSpec, SparsePlan, build_sparse_plan, default_kv_block, no_worse_than_owner,
-                                   sparse_config)
+from gpusolver.plan.sparse import (SelectionSpec, SparsePlan, build_sparse_plan, check_sparse_stages,
+                                   default_kv_block, no_worse_than_owner, sparse_config)
 from gpusolver.plan.schedule import ATTN, CAST, DELTA, MERGE, REDUCE, WAIT, backward_ops, forward_ops
 from gpusolver.sparse_solve import sparse_assignment
 from gpusolver.runtime.dist_attn import LayerRoutes, issue, layer_routes
 from gpusolver.runtime.layout import from_group_major, to_group_major
-from gpusolver.runtime.pipelined import op_range
+from gpusolver.runtime.pipelined import backward_stages, forward_stages, op_range, stage_routes
 from groupcomm import TorchGroup, as_group, host_splits, retain
 
 SPARSE_MASKS = (BlockSparseMask, TokenTopKMask, NSALayerMask)
@@ -135,6 +141,7 @@ def solve_sparse_sharded(mask, config: SolverConfig, group, *, solver: str = "de
     if config.cp_size != group.size:
         raise ValueError(f"config.cp_size={config.cp_size} but the group has {group.size} ranks")
     spec = SelectionSpec.of(mask, config.head_groups)
+    check_sparse_stages(config, spec)
     if validate is None:
         validate = mask.device.type == "cpu" and not torch.compiler.is_compiling()
     if validate:
@@ -160,8 +167,16 @@ def sparse_routes(plan: SparsePlan, group) -> LayerRoutes:
     """``layer_routes`` of the plan, with the KV routing of its key blocks when it has them."""
     from dataclasses import replace
 
-    routes = layer_routes(plan, group)
     kb = plan.kv_blocks
+    if plan.comm.num_stages > 1:  # sub-stages: the pipelined executor's routing, K and V by block if so
+        batched = bool(getattr(group, "batched", False))
+        ranks = tuple(range(plan.comm.cp_size)) if batched else (group.rank,)
+        if group.size != plan.comm.cp_size:
+            raise ValueError(f"the plan is for P = {plan.comm.cp_size} ranks but the group has {group.size}")
+        return LayerRoutes(plan=plan, ranks=ranks, batched=batched, qo_index=None, kv_index=None, qo_split=None,
+                           kv_split=None, qo_host=None, kv_host=None,
+                           stages=stage_routes(plan, group, ranks, batched, None if kb is None else kb.staged))
+    routes = layer_routes(plan, group)
     if kb is None:
         return routes
     c, cap = plan.comm.chunk, plan.comm.kv_send_capacity
@@ -191,8 +206,65 @@ def _selection_rows(sel: torch.Tensor, G: int, lead: int) -> torch.Tensor:
     return to_group_major(sel, G, lead).contiguous()
 
 
+def _sparse_kernels(plan: SparsePlan, stages, scale: float, backend: str, deterministic: bool):
+    """The sparse kernel of each stage as the pipelined executor calls it: ``attend(rank, stage, q, k,
+    v, sel)`` and ``attend_bwd(rank, stage, dO, q, k, v, lse, delta, sel)`` over the stage's tables."""
+    block = plan.spec.block_size
+
+    def attend(r, s, q_, k_, v_, s_):
+        st = stages[r][s]
+        return sparse_attn(q_, k_, v_, s_, block, scale, q_pos=st.q_pos, q_class=st.q_class,
+                           kv_windows=st.kv_windows, window=st.window, backend=backend)
+
+    def attend_bwd(r, s, d_o, q_, k_, v_, lse, delta, s_):
+        st = stages[r][s]
+        return sparse_attn_backward(d_o, q_, k_, v_, lse, delta, s_, block, scale, q_pos=st.q_pos,
+                                    q_class=st.q_class, kv_windows=st.kv_windows, window=st.window,
+                                    backend=backend, deterministic=deterministic)
+
+    return attend, attend_bwd
+
+
+def _forward_sub_stages(ctx, ql, kl, vl, sl, routes: LayerRoutes, stages, group, scale, keep, deterministic,
+                        backend):
+    """S > 1 remote sub-stages: ``pipelined.forward_stages`` with the sparse kernel, the selection rows
+    travelling with Q. Saves for the backward what it reads: the local rows and, kept, the operands."""
+    attend, _ = _sparse_kernels(routes.plan, stages, scale, backend, deterministic)
+    lead = 1 if routes.batched else 0
+    o, lse, (xq, xs, xk, xv) = forward_stages(routes.plan, group, routes.ranks, routes.batched, routes.stages,
+                                              ql, kl, vl, scale, deterministic, extra=(sl,), attend=attend)
+    if keep:  # the local rows are the operands' first rows: kept once, as views
+        n = ql.shape[lead]
+        ql, sl, kl, vl = (x.narrow(lead, 0, n) for x in (xq, xs, xk, xv))
+    ctx.save_for_backward(ql, kl, vl, sl, o, lse, *((xq, xs, xk, xv) if keep else ()))
+    ctx.routes, ctx.stages, ctx.group, ctx.scale = routes, stages, group, scale
+    ctx.keep, ctx.deterministic, ctx.backend, ctx.branches = keep, deterministic, backend, 1
+    group.wait_sends()  # p2p sends may outlive their wait(): none past the pass
+    G = routes.groups
+    return from_group_major(o, G, lead), from_group_major(lse, G, lead)
+
+
+def _backward_sub_stages(ctx, d_out, d_lse):
+    routes, group = ctx.routes, ctx.group
+    lead = 1 if routes.batched else 0
+    G = routes.groups
+    ql, kl, vl, sl, o, lse, *kept = ctx.saved_tensors
+    _, attend_bwd = _sparse_kernels(routes.plan, ctx.stages, ctx.scale, ctx.backend, ctx.deterministic)
+    d_o = torch.zeros_like(o) if d_out is None else to_group_major(d_out, G, lead).contiguous()
+    d_l = None if d_lse is None else to_group_major(d_lse, G, lead).contiguous()
+    xq, xs, xk, xv = kept if ctx.keep else (None,) * 4
+    dq, dk, dv = backward_stages(routes.plan, group, routes.ranks, routes.batched, routes.stages, ql, kl, vl, o,
+                                 lse, xq, None if xk is None else [xk, xv], d_o, d_l, ctx.scale,
+                                 ctx.deterministic, extra=(sl,), kept_extra=() if xs is None else (xs,),
+                                 attend_bwd=attend_bwd)
+    group.wait_sends()
+    return (from_group_major(dq, G, lead), from_group_major(dk, G, lead), from_group_major(dv, G, lead),
+            None, None, None, None, None, None, None, None)
+
+
 class _SparseDistAttn(torch.autograd.Function):
-    """Runs ``forward_ops`` / ``backward_ops`` (``gpusolver.plan.schedule``) op by op, as ``dist_attn``."""
+    """Runs ``forward_ops`` / ``backward_ops`` (``gpusolver.plan.schedule``) op by op, as ``dist_attn``;
+    with S > 1 remote sub-stages through ``dist_attn``'s pipelined executor (``runtime.pipelined``)."""
 
     @staticmethod
     def forward(ctx, q, k, v, sel, routes: LayerRoutes, stages, group, scale: float, keep: bool,
@@ -203,6 +275,9 @@ class _SparseDistAttn(torch.autograd.Function):
         G, cap = routes.groups, routes.qo_capacity  # remote rows here are QO rows (partial O, lse)
         ql, kl, vl = (to_group_major(x, G, lead).contiguous() for x in (q, k, v))
         sl = _selection_rows(sel, G, lead)
+        if routes.stages is not None:
+            return _forward_sub_stages(ctx, ql, kl, vl, sl, routes, stages, group, scale, keep, deterministic,
+                                       backend)
         n = ql.shape[lead]
         local = lambda x: x.narrow(lead, 0, n)  # noqa: E731
         remote = lambda x: x.narrow(lead, n, cap).contiguous()  # noqa: E731
@@ -260,6 +335,8 @@ class _SparseDistAttn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        if ctx.routes.stages is not None:
+            return _backward_sub_stages(ctx, *grads)
         routes, stages, group, scale = ctx.routes, ctx.stages, ctx.group, ctx.scale
         plan: SparsePlan = routes.plan
         spec = plan.spec
@@ -398,7 +475,7 @@ def sparse_dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sel: tor
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     with nvtx_range("solve/routes"):
         routes = sparse_routes(plan, group)
-        stages = {r: (plan.stage(r, 0), plan.stage(r, 1)) for r in routes.ranks}
+        stages = {r: tuple(plan.stage(r, s) for s in range(plan.comm.num_stages + 1)) for r in routes.ranks}
     if not isinstance(keep_forward_buffers, bool):
         raise ValueError(f"sparse_dist_attn: keep_forward_buffers must be True or False (one kept kind is for slice "
                          f"masks), got {keep_forward_buffers!r}")

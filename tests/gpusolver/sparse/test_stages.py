@@ -1,0 +1,237 @@
+"""sparse_dist_attn with the remote work in S sub-stages (NSA blocks, DSA top-k), against single-process
+dense attention built from the same indices.
+
+LocalGroup P = 8 and gloo P = 4 (a2a and p2p), forward and backward, kept and re-cast buffers, K and V
+as hulls and as key blocks; each sub-stage's byte counters equal the plan's per-stage pair bytes, and
+their sums the plan's metrics; the stage tables read only rows of casts 1..s; the layer on meta. The
+default tier keeps two LocalGroup cases and one gloo case; S = 1, 2, 4, 8 on P = 8 and 16 and gloo p2p
+are in the slow tier.
+"""
+from dataclasses import replace
+
+import pytest
+import torch
+
+from gpusolver.runtime import shard, unshard
+from gpusolver.runtime.pipelined import stage_phase
+from gpusolver.runtime.sparse_attn import local_selection, sparse_dist_attn
+from groupcomm import LocalGroup, TorchGroup
+from tests._dist import run_ranks
+from tests._testing import assert_close
+from tests.gpusolver.sparse._cases import (D, PHASES_BWD, PHASES_FWD, loss, make_config, make_inputs, make_mask,
+                                           reference, scatter_plan)
+
+torch.set_num_threads(1)  # a loaded 2-core machine: many small ops run faster on one thread
+
+ATOL, RTOL = 1e-5, 1e-5
+GRAD_ATOL = 2e-5  # gradients summed over more partials than the reference's one pass
+
+
+def _config(P, Hq, Hkv, S, keep=True, tiles=1):
+    return replace(make_config(P, Hq, Hkv, True, tiles, keep), num_stages=S)
+
+
+def _counted(group, phase, S):
+    """The counter labels of one collective phase over its sub-stages (the plain phase at S = 1)."""
+    return [stage_phase(phase, s) for s in range(1, S + 1)] if S > 1 else [phase]
+
+
+def _check_bytes(plan, group, S):
+    """Each sub-stage's counters equal the plan's per-stage pair bytes; their sums its metrics."""
+    for ph in PHASES_FWD + PHASES_BWD:
+        for s, label in enumerate(_counted(group, ph, S), start=1):
+            assert torch.equal(group.pair_traffic(label), plan.pair_bytes(ph, stage=s)), label
+    m = plan.metrics
+    for phases, send, recv in ((PHASES_FWD, m.fwd_send, m.fwd_recv), (PHASES_BWD, m.bwd_send, m.bwd_recv)):
+        labels = [lab for ph in phases for lab in _counted(group, ph, S)]
+        assert torch.equal(sum(group.traffic(lab)[0] for lab in labels), send)
+        assert torch.equal(sum(group.traffic(lab)[1] for lab in labels), recv)
+
+
+def _check_local(kind, P, S, keep, kv_block, tiles=1, c=16, Hq=4, Hkv=2):
+    T = P * c
+    mask = make_mask(kind, T, Hkv, seed=P)
+    group = LocalGroup(P)
+    plan = scatter_plan(mask, _config(P, Hq, Hkv, S, keep, tiles), group, kv_block)
+    assert plan.num_stages == S and (kv_block is None) == (plan.kv_blocks is None)
+    if S > 1:  # the remote work really is spread over the sub-stages
+        assert int((plan.task_stage > 1).sum()) > 0
+    q, k, v, d_out, d_lse = make_inputs(T, Hq, Hkv, seed=P)
+    ref = reference(mask, q, k, v, d_out, d_lse)
+    leaves = [shard(x, group).requires_grad_() for x in (q, k, v)]
+    group.reset_traffic()
+    out, lse = sparse_dist_attn(*leaves, local_selection(mask, group), plan, group, keep_forward_buffers=keep)
+    out, lse = unshard(out, group), unshard(lse, group)
+    loss([out], [lse], d_out, d_lse).backward()
+    assert_close(f"S={S} out", ref[0][0], out, atol=ATOL, rtol=RTOL)
+    assert_close(f"S={S} lse", ref[1][0], lse, atol=ATOL, rtol=RTOL)
+    for name, a, x in zip(("dq", "dk", "dv"), ref[2:], leaves):
+        assert_close(f"S={S} {name}", a, unshard(x.grad, group), atol=GRAD_ATOL, rtol=RTOL)
+    _check_bytes(plan, group, S)
+
+
+# (mask kind, P, S, keep, kv_block: None = hulls, tiles)
+CASES = [("dsa", 8, 2, True, None, 1), ("nsa", 8, 4, False, 8, 1)]
+
+
+@pytest.mark.parametrize("kind,P,S,keep,kv_block,tiles", CASES,
+                         ids=[f"{k}-P{P}-S{S}-{'keep' if kp else 'recast'}-{'hulls' if kb is None else 'blocks'}-n{n}"
+                              for k, P, S, kp, kb, n in CASES])
+def test_sub_stages_equal_dense(kind, P, S, keep, kv_block, tiles):
+    _check_local(kind, P, S, keep, kv_block, tiles)
+
+
+SLOW_CASES = [(kind, P, S, keep, kv_block, tiles) for P in (8, 16) for S in (1, 2, 4, 8)
+              for kind, keep, kv_block, tiles in (("dsa", True, None, 1), ("dsa", False, 4, 2),
+                                                  ("nsa", True, 8, 1), ("nsa", False, None, 2))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,P,S,keep,kv_block,tiles", SLOW_CASES,
+                         ids=[f"{k}-P{P}-S{S}-{'keep' if kp else 'recast'}-{'hulls' if kb is None else 'blocks'}-n{n}"
+                              for k, P, S, kp, kb, n in SLOW_CASES])
+def test_sub_stages_equal_dense_matrix(kind, P, S, keep, kv_block, tiles):
+    _check_local(kind, P, S, keep, kv_block, tiles)
+
+
+@pytest.mark.parametrize("kv_block", [None, 8], ids=["hulls", "blocks"])
+def test_stage_tables_read_only_landed_rows(kv_block):
+    """Sub-stage s's windows read only key rows of casts 1..s, its tasks' query rows lie in casts 1..s,
+    and over the sub-stages the windows are exactly those of the one-stage plan's remote stage."""
+    P, c, Hq, Hkv, S = 8, 16, 4, 2, 4
+    T = P * c
+    mask = make_mask("nsa", T, Hkv, seed=2)
+    group = LocalGroup(P)
+    plan = scatter_plan(mask, _config(P, Hq, Hkv, S), group, kv_block)
+    one = scatter_plan(mask, _config(P, Hq, Hkv, 1), group, kv_block)
+    comm = plan.comm
+    kv_comm = comm if kv_block is None else plan.kv_blocks.staged
+    G = comm.head_groups
+    n = G * c
+    for r in range(P):
+        total = 0
+        for s in range(1, S + 1):
+            st = plan.stage(r, s)
+            lo, hi, off = st.kv_windows.long().unbind(-1)
+            live = hi > lo
+            landed_kv = kv_comm.stage_base("kv")[s - 1, r] + kv_comm.stage_split("kv")[s - 1, :, r].sum()
+            remote = live & (lo + off >= n)
+            assert bool((hi + off <= n + landed_kv)[remote].all()), (r, s)
+            landed_q = comm.stage_base("qo")[s - 1, r] + comm.stage_split("qo")[s - 1, :, r].sum()
+            cls = st.q_class.long()
+            row_live = live.any(-1)[cls] & (st.q_pos >= 0)
+            rows = torch.arange(st.q_pos.numel())
+            assert bool((rows[row_live] < n + landed_q).all()), (r, s)
+            total = total + (hi - lo).clamp(min=0).sum()
+        lo1, hi1, _ = one.stage(r, 1).kv_windows.long().unbind(-1)
+        assert int(total) == int((hi1 - lo1).clamp(min=0).sum()), r
+        # the query rows: the same global positions as one stage, in the shared buffer's own order
+        pos_s, pos_1 = plan.stage(r, 1).q_pos, one.stage(r, 1).q_pos
+        assert torch.equal(torch.sort(pos_s).values, torch.sort(pos_1).values), r
+
+
+def test_sub_stages_deterministic_and_layer_on_meta():
+    """Two runs are bit-identical; the S = 2 layer (stage tables, casts, reduces, backward) runs on
+    device="meta", where no host read can happen."""
+    P, c, Hq, Hkv, S = 4, 16, 4, 2, 2
+    T = P * c
+    group = LocalGroup(P)
+    mask = make_mask("dsa", T, Hkv, seed=4)
+    plan = scatter_plan(mask, _config(P, Hq, Hkv, S), group)
+    q, k, v, d_out, _ = make_inputs(T, Hq, Hkv, seed=4)
+    runs = []
+    for _ in range(2):
+        leaves = [shard(x, group).requires_grad_() for x in (q, k, v)]
+        out, _ = sparse_dist_attn(*leaves, local_selection(mask, group), plan, group)
+        out.backward(shard(d_out, group))
+        runs.append([out.detach()] + [x.grad for x in leaves])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+    group = LocalGroup(P)  # its byte counters live on meta
+    meta = make_mask("nsa", T, Hkv, seed=4)
+    meta = replace(meta, block_indices=meta.block_indices.to("meta"))
+    plan = scatter_plan(meta, _config(P, Hq, Hkv, S), group, 8)
+    assert plan.status.device.type == "meta" and plan.num_stages == S
+    qm = torch.empty(P, c, Hq, D, device="meta", requires_grad=True)
+    km = torch.empty(P, c, Hkv, D, device="meta", requires_grad=True)
+    vm = torch.empty(P, c, Hkv, D, device="meta", requires_grad=True)
+    out, lse = sparse_dist_attn(qm, km, vm, local_selection(meta, group), plan, group, validate=False)
+    (out.sum() + lse.sum()).backward()
+    assert out.device.type == "meta" and out.shape == (P, c, Hq, D)
+    for x in (qm, km, vm):
+        assert x.grad is not None and x.grad.shape == x.shape and x.grad.device.type == "meta"
+
+
+def _gloo_rank(rank, P, kind, S, kv_block, transport):
+    c, Hq, Hkv = 8, 4, 2
+    T = P * c
+    whole = make_mask(kind, T, Hkv, seed=P)
+    mine = whole.rows(rank * c, (rank + 1) * c)  # this rank holds only its own rows
+    group = TorchGroup(transport=transport)
+    plan = scatter_plan(mine, _config(P, Hq, Hkv, S), group, kv_block)  # area rows all-gathered over gloo
+    q, k, v, d_out, d_lse = make_inputs(T, Hq, Hkv, seed=P)
+    leaves = [shard(x, group).clone().requires_grad_() for x in (q, k, v)]
+    out, lse = sparse_dist_attn(*leaves, local_selection(mine, group), plan, group)
+    loss([out], [lse], shard(d_out, group), shard(d_lse, group)).backward()
+    counted = {lab: [int(x) for x in group.traffic(lab)]
+               for ph in PHASES_FWD + PHASES_BWD for lab in _counted(group, ph, S)}
+    planned = {}
+    for ph in PHASES_FWD + PHASES_BWD:
+        for s, lab in enumerate(_counted(group, ph, S), start=1):
+            pb = plan.pair_bytes(ph, stage=s)
+            planned[lab] = [int(pb[rank].sum()), int(pb[:, rank].sum())]
+    return (out.detach(), lse.detach(), [x.grad for x in leaves], counted, planned,
+            int((plan.task_stage > 1).sum()))
+
+
+def _check_gloo(P, kind, S, kv_block, transport):
+    c, Hq, Hkv = 8, 4, 2
+    results = run_ranks(_gloo_rank, P, kind, S, kv_block, transport, timeout=120.0)
+    T = P * c
+    ref = reference(make_mask(kind, T, Hkv, seed=P), *make_inputs(T, Hq, Hkv, seed=P))
+    assert_close("out", ref[0][0], torch.cat([r[0] for r in results]), atol=ATOL, rtol=RTOL)
+    assert_close("lse", ref[1][0], torch.cat([r[1] for r in results]), atol=ATOL, rtol=RTOL)
+    for i, name in enumerate(("dq", "dk", "dv")):
+        assert_close(name, ref[2 + i], torch.cat([r[2][i] for r in results]), atol=GRAD_ATOL, rtol=RTOL)
+    for rank, r in enumerate(results):
+        assert r[3] == r[4], f"rank {rank}"
+    assert results[0][5] > 0  # some task in a later sub-stage
+
+
+@pytest.mark.parametrize("transport", ["a2a"])
+def test_sub_stages_gloo(transport):
+    _check_gloo(4, "nsa", 2, 8, transport)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,kv_block,transport", [("nsa", 8, "p2p"), ("dsa", None, "p2p"), ("dsa", None, "a2a")])
+def test_sub_stages_gloo_matrix(kind, kv_block, transport):
+    _check_gloo(4, kind, 2, kv_block, transport)
+
+
+@pytest.mark.slow
+def test_sub_stages_compiled_equals_eager():
+    """torch.compile(fullgraph=True) of an S = 2 NSA layer, solve included (LocalGroup P = 2): out and
+    grads equal eager. About a minute of tracing here; the fast tier runs the same layer eagerly."""
+    from gpusolver.runtime import DynamicCPAttention, PlanCache
+
+    P, c, Hq, Hkv = 2, 16, 4, 2
+    T = P * c
+    group = LocalGroup(P)
+    mask = make_mask("nsa", T, Hkv, seed=3)
+    q, k, v, d_out, _ = make_inputs(T, Hq, Hkv, seed=3)
+    results = []
+    for compiled in (False, True):
+        layer = DynamicCPAttention(group, _config(P, Hq, Hkv, 2), plan_cache=PlanCache())  # empty: solve traced
+        leaves = [shard(x, group).requires_grad_() for x in (q, k, v)]
+
+        def step(q_, k_, v_):
+            return layer(q_, k_, v_, mask)
+
+        fn = torch.compile(step, fullgraph=True, backend="aot_eager") if compiled else step
+        out = fn(*leaves)
+        (out * shard(d_out, group)).sum().backward()
+        results.append([out.detach()] + [x.grad for x in leaves])
+    for name, a, b in zip(("out", "dq", "dk", "dv"), *results):
+        assert_close(name, a, b, atol=ATOL, rtol=RTOL)
