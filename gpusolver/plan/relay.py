@@ -125,18 +125,55 @@ class RelayRoute:
 
 @dataclass(frozen=True)
 class RelayMeta:
-    """Both kinds' relay routing and the node size they were built for."""
+    """Both kinds' relay routing and the node size they were built for.
+
+    With one remote stage ``qo`` / ``kv`` route every cast and, reversed, every reduce. With
+    ``num_stages`` S > 1 (``stage_relay_routes``) they hold the S casts' routes stacked (every
+    tensor with a leading ``[S]``) and ``qo_back`` / ``kv_back`` the S reduces' routes; ``stage``
+    gives one of them as a plain ``RelayRoute``.
+    """
 
     qo: RelayRoute
     kv: RelayRoute
     ranks_per_node: int
     egress: bool = False  # more than two nodes: hop 3 (the NVLink pre-hop to the egress) runs
     rails: torch.Tensor | None = None  # [G, U, N] int64 the rail of each (unit, node) crossing
+    num_stages: int = 1
+    qo_back: RelayRoute | None = None
+    kv_back: RelayRoute | None = None
 
     def route(self, kind: str) -> RelayRoute:
         if kind not in ("qo", "kv"):
             raise ValueError(f"kind must be 'qo' or 'kv', got {kind!r}")
         return self.qo if kind == "qo" else self.kv
+
+    def stage(self, kind: str, stage: int = 1, which: str = "cast") -> RelayRoute:
+        """The route of sub-stage ``stage``'s cast (``which="cast"``) or reduce (``"return"``)."""
+        route = self.route(kind)
+        if which not in ("cast", "return"):
+            raise ValueError(f"which must be 'cast' or 'return', got {which!r}")
+        if isinstance(stage, bool) or not isinstance(stage, int) or not 1 <= stage <= self.num_stages:
+            raise ValueError(f"stage must be an int in [1, {self.num_stages}], got {stage!r}")
+        if self.num_stages == 1:
+            return route
+        if which == "return":
+            route = self.qo_back if kind == "qo" else self.kv_back
+        return route_at(route, stage - 1)
+
+
+def stack_routes(routes: list[RelayRoute]) -> RelayRoute:
+    """One ``RelayRoute`` whose tensors stack ``routes``' (a leading ``[S]``); host ints are shared."""
+    out = {}
+    for name in RelayRoute.__dataclass_fields__:
+        vals = [getattr(r, name) for r in routes]
+        out[name] = torch.stack(vals) if isinstance(vals[0], torch.Tensor) else vals[0]
+    return RelayRoute(**out)
+
+
+def route_at(stacked: RelayRoute, i: int) -> RelayRoute:
+    """Entry ``i`` of a ``stack_routes`` route (views)."""
+    return RelayRoute(**{name: (v[i] if isinstance(v, torch.Tensor) else v)
+                         for name, v in ((n, getattr(stacked, n)) for n in RelayRoute.__dataclass_fields__)})
 
 
 def _hop(hop) -> int:
@@ -183,15 +220,21 @@ def _pair_sum(src: torch.Tensor, dst: torch.Tensor, length: torch.Tensor, P: int
 
 def relay_route(rng: torch.Tensor, tiles: int, ranks_per_node: int, relay_capacity: int,
                 fan_capacity: int, egress_capacity: int = 0, chunk: int = 0, send_capacity: int = 0,
-                rails: torch.Tensor | None = None) -> RelayRoute:
+                rails: torch.Tensor | None = None, base: dict | None = None) -> RelayRoute:
     """The relay routing of one kind's transfers ``rng [G, U, P, 2]`` (``CommMeta.qo_range`` / ``kv_range``).
 
     chunk / send_capacity: rows per head group of a rank's local rows / the plan's send rows of
-    this kind (where hop-1 sources and the egress send list's size start)."""
+    this kind (where hop-1 sources and the egress send list's size start).
+    base: one sub-stage's cast among several sharing each receiving buffer (``stage_relay_routes``):
+    ``{"direct", "fan", "relay", "egress"}`` -> ``[P]`` int64, the rows of each rank's direct,
+    fan-out, relay and egress buffer that earlier sub-stages fill; this route's rows start after
+    them and must fit in what is left (the relay and egress buffers' prefixes). None: all zero."""
     G, U, P, _ = rng.shape
     L, n = ranks_per_node, tiles
     N = P // L
     dev = rng.device
+    zero = torch.zeros(P, dtype=torch.int64, device=dev)
+    first = {k: zero for k in ("direct", "fan", "relay", "egress")} if base is None else base
     host = torch.arange(U, device=dev) // n                                   # [U]
     node_h = host // L
     node_d = torch.arange(P, device=dev) // L                                 # [P]
@@ -221,7 +264,7 @@ def relay_route(rng: torch.Tensor, tiles: int, ranks_per_node: int, relay_capaci
     # a prefix in relay-buffer order (senders as by the rule) is relayed: both prefix sums within the
     # relay's capacities; the sum of what is taken fits whatever order the buffer ends up in
     sender_key = egress_n.index_select(2, node_d)                             # [G, U, P(relay)]
-    fits = ((_offsets_by(want, sender_key, n) + want <= relay_capacity)
+    fits = ((_offsets_by(want, sender_key, n) + want <= relay_capacity - first["relay"])
             & (_offsets_by(fan, sender_key, n) + fan <= fan_capacity))
     ok = cand & torch.where(at_relay, fits[:, :, None, :], False).any(-1)     # [G, U, N]
 
@@ -233,10 +276,10 @@ def relay_route(rng: torch.Tensor, tiles: int, ranks_per_node: int, relay_capaci
     e_hi = torch.zeros((G, U, P), dtype=torch.int64, device=dev).scatter_reduce(
         2, e_idx, torch.where(forward, hi, 0), "amax")
     e_len = (e_hi - e_lo).clamp(min=0)
-    slot_ok = (e_len > 0) & (_offsets(e_len, n) + e_len <= egress_capacity)   # a prefix in egress-buffer order
+    slot_ok = (e_len > 0) & (_offsets(e_len, n) + e_len <= egress_capacity - first["egress"])  # a prefix
     pre_len = torch.where(slot_ok, e_len, 0)
     pre_lo = torch.where(slot_ok, e_lo, 0)
-    pre_offset = _offsets(pre_len, n)
+    pre_offset = _offsets(pre_len, n) + first["egress"]
     via_egress = forward & slot_ok.gather(2, e_idx)                           # [G, U, N]
     sender_n = torch.where(via_egress, egress_n, host[:, None])               # who sends hop 1
 
@@ -244,7 +287,7 @@ def relay_route(rng: torch.Tensor, tiles: int, ranks_per_node: int, relay_capaci
     hull_lo = place(torch.where(ok, lo, 0))
     hull_range = torch.stack((hull_lo, hull_lo + hull_len), -1)
     sender = place(torch.where(ok, sender_n, 0))                              # [G, U, P(relay)]
-    relay_offset = _offsets_by(hull_len, sender, n)
+    relay_offset = _offsets_by(hull_len, sender, n) + first["relay"]
     # hop-1 source row in concat(sender's local rows [G * chunk], its egress buffer)
     g_idx = torch.arange(G, device=dev)[:, None, None]
     from_egress = pre_offset.gather(2, sender) + hull_lo - pre_lo.gather(2, sender) + G * chunk
@@ -261,11 +304,11 @@ def relay_route(rng: torch.Tensor, tiles: int, ranks_per_node: int, relay_capaci
     base = relay_offset.gather(2, relay_of)
     fan_start = torch.where(relayed, base + rng[..., 0] - lo.index_select(2, node_d), 0)
     # fan-out buffer order on dest: relays ascending, then host ascending, g, tile
-    fan_offset = _offsets_by(fan_len, relay_of, n)
+    fan_offset = _offsets_by(fan_len, relay_of, n) + first["fan"]
     per_slot = -(-max(N - 1, 0) // L)  # nodes an egress slot serves at most
     return RelayRoute(
         via=via, direct_range=torch.where((via == DIRECT)[..., None], rng, 0),
-        direct_offset=_offsets(direct_len, n), direct_split=_by_source(direct_len, n),
+        direct_offset=_offsets(direct_len, n) + first["direct"], direct_split=_by_source(direct_len, n),
         hull_range=hull_range, relay_offset=relay_offset, hop1_split=_pair_sum(sender, ranks, hull_len, P),
         relay_rows=hull_len.sum((0, 1)), fan_offset=torch.where(via == FAN_OUT, fan_offset, 0),
         fan_start=fan_start, relay_of=relay_of, hop2_split=_pair_sum(relay_of, ranks, fan_len, P),
@@ -348,9 +391,37 @@ def _rail_peak(rails: torch.Tensor, down: torch.Tensor, up: torch.Tensor, tiles:
     return torch.maximum(send, recv)
 
 
+def stage_relay_routes(comm, kind: str, tiles: int, L: int, rows, egress: bool,
+                       rails: torch.Tensor) -> tuple[RelayRoute, RelayRoute]:
+    """(casts, reduces) of one kind of a ``CommMeta`` with S > 1 sub-stages, each ``stack_routes``'d.
+
+    Cast s routes the transfers first used in sub-stage s (``CommMeta.*_stage[..., 0] == s``),
+    reduce s those whose last task is in s (``[..., 1] == s``), each by ``relay_route`` on those
+    transfers alone: a (unit, node) is relayed per sub-stage, with the hull of the rows its
+    consumers first need in that sub-stage. All S casts are issued up front, so they share each
+    receiving buffer (direct, fan-out, relay, egress) as they share the receive buffer: cast s
+    lands after casts 1..s-1 (``base``) and is relayed only within the relay and egress rows they
+    left; past them its rows go direct. A reduce's relay and egress accumulators live while that
+    reduce does: each reduce has the capacities whole."""
+    rng = comm.qo_range if kind == "qo" else comm.kv_range
+    first, last = (comm.qo_stage if kind == "qo" else comm.kv_stage).unbind(-1)
+    P, S = comm.cp_size, comm.num_stages
+    args = (tiles, L, rows.relay(kind), rows.fan(kind), rows.egress(kind) if egress else 0, comm.chunk,
+            comm.buffers.send(kind), rails)
+    used = {k: torch.zeros(P, dtype=torch.int64, device=rng.device) for k in ("direct", "fan", "relay", "egress")}
+    casts, backs = [], []
+    for s in range(1, S + 1):
+        r = relay_route(torch.where((first == s)[..., None], rng, 0), *args, base=dict(used))
+        used = {"direct": used["direct"] + r.direct_split.sum(0), "fan": used["fan"] + r.hop2_split.sum(0),
+                "relay": used["relay"] + r.relay_rows, "egress": used["egress"] + r.egress_split.sum(0)}
+        casts.append(r)
+        backs.append(relay_route(torch.where((last == s)[..., None], rng, 0), *args))
+    return stack_routes(casts), stack_routes(backs)
+
+
 def build_relay_meta(comm, ranks_per_node: int, rows, cost=None) -> RelayMeta:
-    """Relay routing of both kinds of ``comm`` (a ``CommMeta`` with one remote stage) for nodes of
-    ``ranks_per_node``; ``rows`` a ``capacity.RelayRows``."""
+    """Relay routing of both kinds of ``comm`` (a ``CommMeta``; with S > 1 sub-stages per sub-stage,
+    ``stage_relay_routes``) for nodes of ``ranks_per_node``; ``rows`` a ``capacity.RelayRows``."""
     P = comm.cp_size
     if P % ranks_per_node or P <= ranks_per_node:
         raise ValueError(f"relay transport needs whole nodes of ranks_per_node = {ranks_per_node} and more "
@@ -361,6 +432,11 @@ def build_relay_meta(comm, ranks_per_node: int, rows, cost=None) -> RelayMeta:
     own = (torch.arange(U, device=comm.qo_range.device) // comm.tiles % L)[None, :, None]
     rails = (matched_rails(comm, ranks_per_node, cost) if egress and cost is not None
              else own.repeat(G, 1, N))
+    if comm.num_stages > 1:
+        (qo, qo_back), (kv, kv_back) = (stage_relay_routes(comm, k, comm.tiles, L, rows, egress, rails)
+                                        for k in ("qo", "kv"))
+        return RelayMeta(qo=qo, kv=kv, ranks_per_node=L, egress=egress, rails=rails, num_stages=comm.num_stages,
+                         qo_back=qo_back, kv_back=kv_back)
     routes = {k: relay_route(comm.qo_range if k == "qo" else comm.kv_range, comm.tiles, ranks_per_node,
                              rows.relay(k), rows.fan(k), rows.egress(k) if egress else 0, comm.chunk,
                              comm.buffers.send(k), rails) for k in ("qo", "kv")}
@@ -419,6 +495,13 @@ def assemble_index(comm, route: RelayRoute, kind: str, rank: int) -> torch.Tenso
                                   2 * cap + route.fan_start[:, :, rank]))
     order = lambda x: x.reshape(G, P, n).permute(1, 0, 2).reshape(-1)  # noqa: E731  (host, g, tile)
     return segment_gather(order(src), order(torch.where(via != NOTHING, length, 0)), cap)
+
+
+def shifted(index: torch.Tensor, start) -> torch.Tensor:
+    """``index`` (``[cap]``, a stage's rows from its row 0) moved to start at row ``start`` of the
+    same ``[cap]`` buffer: -1 before it and past the fill."""
+    k = torch.arange(index.shape[0], device=index.device) - start
+    return torch.where(k >= 0, index[k.clamp(min=0)], -1)
 
 
 def inverse_index(index: torch.Tensor, size: int) -> torch.Tensor:

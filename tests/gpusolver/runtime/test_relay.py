@@ -32,10 +32,11 @@ def _topology(per_node: int) -> Topology:
     return Topology(ranks_per_node=per_node, nvlink_gbps=450.0, ib_gbps=50.0, attn_tflops=400.0, name="test")
 
 
-def _plans(name, P, per_node, c=16, Hq=4, Hkv=2, tiles=1, keep=True, seed=None, **relay_kw):
-    """(direct plan, relay plan, mask, config) of one reference-solver assignment."""
+def _plans(name, P, per_node, c=16, Hq=4, Hkv=2, tiles=1, keep=True, seed=None, num_stages=1, **relay_kw):
+    """(direct plan, relay plan, mask, config) of one reference-solver assignment (``num_stages``
+    sub-stages: ``test_relay_stages``)."""
     mask = make_mask(name, P * c, seed=P if seed is None else seed)
-    config = make_config(P, Hq, Hkv, True, tiles, keep_forward_buffers=keep)
+    config = make_config(P, Hq, Hkv, True, tiles, keep_forward_buffers=keep, num_stages=num_stages)
     direct, tight = tight_plan(mask, config)
     areas = block_areas(mask, P, config.head_groups, impl="torch", tiles=tiles)
     relayed = replace(tight, topology=_topology(per_node))
