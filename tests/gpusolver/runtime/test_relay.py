@@ -280,22 +280,17 @@ def test_relay_bad_input():
     P = 8
     mask = make_mask("docs-causal", P * 16, seed=0)
     topo = _topology(4)
-    with pytest.raises(ValueError, match="ib_relay=True.*num_stages=2"):
-        direct, _ = tight_plan(mask, make_config(P, 4, 2))
-        cfg = make_config(P, 4, 2, topology=topo, ib_relay=True, num_stages=2)
-        build_plan(mask, block_areas(mask, P, cfg.head_groups, impl="torch"), direct.assignment, cfg)
     with pytest.raises(ValueError, match="ib_relay=True.*sparse plan"):
         from gpusolver.plan.build import relay_transport
         relay_transport(make_config(P, 4, 2, topology=topo, ib_relay=True), sparse=True)
-    # by default (ib_relay=None) sub-stage plans keep direct transport
+    # sub-stage plans relay too (``test_relay_stages``)
     cfg = make_config(P, 4, 2, topology=topo, num_stages=2)
-    from gpusolver.plan.build import relay_transport
-    assert cfg.relays and not relay_transport(cfg)
+    assert cfg.relays and relay_transport(cfg)
     _, plan, _, _ = _plans("docs-causal", P, 4)
     with pytest.raises(ValueError, match="hop must be"):
         plan.pair_bytes("fwd", hop=4)
-    with pytest.raises(ValueError, match="num_stages=3"):
-        forward_ops(3, relay=True)
+    with pytest.raises(ValueError, match="branches=2"):
+        forward_ops(3, 2, relay=True)
     with pytest.raises(ValueError, match="unknown buffers"):
         relay_rows(cfg, 16, 4, qo_relays=3)
     with pytest.raises(ValueError, match="qo_relay must be a non-negative int"):
