@@ -57,11 +57,17 @@ holds its own hulls (within the send rows) and its slots' (at most
 ceil((N - 1) / L) times the egress buffer); direct and fan-out receives never
 exceed the receive rows, so the other capacities hold as they did.
 
+Sub-stages (``CommMeta.num_stages`` S > 1, ``stage_relay_routes``): the casts are the one-stage
+route of all transfers, each consumer's rows moving in its own cast and each (unit, node)'s hull
+crossing once, in the first cast its node needs it (``staged_casts``); each hop's receiving buffer
+is shared by the S casts at per-cast rows. Reduce s is ``relay_route`` of the transfers returning
+in s. See docs/design/layers.md, "Relay transport with sub-stages".
+
 Sync-free: static shapes, no host reads; the same tensors on every rank.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -391,31 +397,96 @@ def _rail_peak(rails: torch.Tensor, down: torch.Tensor, up: torch.Tensor, tiles:
     return torch.maximum(send, recv)
 
 
+def staged_casts(comm, whole: RelayRoute, first: torch.Tensor, S: int, rng: torch.Tensor) -> list[RelayRoute]:
+    """The S casts of one kind of a ``CommMeta`` with sub-stages, from ``whole``, the one-stage
+    route of all its transfers (``relay_route``): which (unit, node) is relayed, its hull, relay,
+    rail and egress slot, and which consumer takes which way are ``whole``'s; the sub-stages only
+    say when each moves.
+
+    first: ``[G, U, P]`` int64 the cast of each transfer (``CommMeta.*_stage[..., 0]``, 0 none);
+    rng: the kind's transfers ``[G, U, P, 2]`` (``CommMeta.qo_range`` / ``kv_range``).
+    A consumer's direct (hop 0) or fan-out (hop 2) rows travel in its own cast ``first``; a (unit,
+    node)'s hull crosses InfiniBand (hop 1) once, in the first cast any consumer of that node needs
+    it (so the relay holds it when the later ones fan out), and an egress slot moves (hop 3) in the
+    first cast any of its crossings does. Each hop's receiving buffer is shared by the S casts:
+    cast s's rows land after casts 1..s-1's (the starts folded into the offsets below), so the
+    relay and egress buffers hold what ``whole``'s do and its capacities hold as they are.
+    """
+    G, U, P = whole.via.shape
+    n = U // P
+    dev = first.device
+    big = torch.iinfo(torch.int64).max
+    ranks = torch.arange(P, device=dev)
+    host = torch.arange(U, device=dev) // n
+    relayed = (whole.via == FAN_OUT) | (whole.via == SELF)
+    length = rng[..., 1] - rng[..., 0]
+    hull_len = whole.hull_range[..., 1] - whole.hull_range[..., 0]                 # [G, U, P(relay)]
+    hull_lo = whole.hull_range[..., 0]
+    s0 = torch.full_like(hull_len, big).scatter_reduce(2, whole.relay_of, torch.where(relayed, first, big), "amin")
+    s0 = torch.where(hull_len > 0, s0, 0)                                           # the crossing's cast
+    sender = whole.hop1_sender
+    via_egress = (hull_len > 0) & (sender != host[None, :, None])
+    pre_len = whole.egress_range[..., 1] - whole.egress_range[..., 0]               # [G, U, P(egress)]
+    pre_lo = whole.egress_range[..., 0]
+    e0 = torch.full_like(pre_len, big).scatter_reduce(2, sender, torch.where(via_egress, s0, big), "amin")
+    e0 = torch.where(pre_len > 0, e0, 0)                                            # the slot's cast
+    zero = torch.zeros(P, dtype=torch.int64, device=dev)
+    used = {k: zero for k in ("direct", "fan", "relay", "egress")}
+    relay_offset = torch.zeros_like(hull_len)
+    pre_offset = torch.zeros_like(pre_len)
+    per = []
+    for s in range(1, S + 1):  # each hop's rows of cast s after those of casts 1..s-1
+        h_s = torch.where(s0 == s, hull_len, 0)
+        p_s = torch.where(e0 == s, pre_len, 0)
+        relay_offset = torch.where(s0 == s, _offsets_by(h_s, sender, n) + used["relay"], relay_offset)
+        pre_offset = torch.where(e0 == s, _offsets(p_s, n) + used["egress"], pre_offset)
+        via = torch.where(first == s, whole.via, NOTHING)
+        d_len = torch.where(via == DIRECT, length, 0)
+        f_len = torch.where(via == FAN_OUT, length, 0)
+        per.append(dict(via=via, d_len=d_len, f_len=f_len, h_s=h_s, p_s=p_s, d0=used["direct"], f0=used["fan"]))
+        used = {"direct": used["direct"] + _by_source(d_len, n).sum(0),
+                "fan": used["fan"] + _pair_sum(whole.relay_of, ranks, f_len, P).sum(0),
+                "relay": used["relay"] + h_s.sum((0, 1)), "egress": used["egress"] + _by_source(p_s, n).sum(0)}
+    g_idx = torch.arange(G, device=dev)[:, None, None]
+    from_egress = pre_offset.gather(2, sender) + hull_lo - pre_lo.gather(2, sender) + G * comm.chunk
+    hop1_src = torch.where(hull_len > 0, torch.where(via_egress, from_egress, g_idx * comm.chunk + hull_lo), 0)
+    fan_start = torch.where(relayed, relay_offset.gather(2, whole.relay_of) + rng[..., 0]
+                            - hull_lo.gather(2, whole.relay_of), 0)
+    casts = []
+    for s, x in enumerate(per, start=1):
+        via, d_len, f_len, h_s, p_s = x["via"], x["d_len"], x["f_len"], x["h_s"], x["p_s"]
+        rel = (via == FAN_OUT) | (via == SELF)
+        casts.append(replace(
+            whole, via=via, direct_range=torch.where((via == DIRECT)[..., None], rng, 0),
+            direct_offset=_offsets(d_len, n) + x["d0"], direct_split=_by_source(d_len, n),
+            hull_range=torch.where((s0 == s)[..., None], whole.hull_range, 0), relay_offset=relay_offset,
+            hop1_split=_pair_sum(sender, ranks, h_s, P), relay_rows=h_s.sum((0, 1)),
+            fan_offset=torch.where(via == FAN_OUT, _offsets_by(f_len, whole.relay_of, n) + x["f0"], 0),
+            fan_start=torch.where(rel, fan_start, 0), hop2_split=_pair_sum(whole.relay_of, ranks, f_len, P),
+            hop1_src=hop1_src, egress_range=torch.where((e0 == s)[..., None], whole.egress_range, 0),
+            egress_split=_by_source(p_s, n)))
+    return casts
+
+
 def stage_relay_routes(comm, kind: str, tiles: int, L: int, rows, egress: bool,
                        rails: torch.Tensor) -> tuple[RelayRoute, RelayRoute]:
     """(casts, reduces) of one kind of a ``CommMeta`` with S > 1 sub-stages, each ``stack_routes``'d.
 
-    Cast s routes the transfers first used in sub-stage s (``CommMeta.*_stage[..., 0] == s``),
-    reduce s those whose last task is in s (``[..., 1] == s``), each by ``relay_route`` on those
-    transfers alone: a (unit, node) is relayed per sub-stage, with the hull of the rows its
-    consumers first need in that sub-stage. All S casts are issued up front, so they share each
-    receiving buffer (direct, fan-out, relay, egress) as they share the receive buffer: cast s
-    lands after casts 1..s-1 (``base``) and is relayed only within the relay and egress rows they
-    left; past them its rows go direct. A reduce's relay and egress accumulators live while that
-    reduce does: each reduce has the capacities whole."""
+    Casts: ``staged_casts`` of the one-stage route of all the kind's transfers (each (unit, node)
+    crosses InfiniBand once, in the first sub-stage its node needs it; the relay, egress and
+    fan-out buffers and their capacities are the one-stage route's). Reduce s routes the transfers
+    whose last task is in s (``CommMeta.*_stage[..., 1] == s``) by ``relay_route`` on those alone:
+    partials cross back once per (unit, node) and sub-stage, with the hull of the rows returning
+    in s, merged on the relay first; a reduce's relay and egress accumulators live while that
+    reduce does, so each has the capacities whole."""
     rng = comm.qo_range if kind == "qo" else comm.kv_range
     first, last = (comm.qo_stage if kind == "qo" else comm.kv_stage).unbind(-1)
-    P, S = comm.cp_size, comm.num_stages
+    S = comm.num_stages
     args = (tiles, L, rows.relay(kind), rows.fan(kind), rows.egress(kind) if egress else 0, comm.chunk,
             comm.buffers.send(kind), rails)
-    used = {k: torch.zeros(P, dtype=torch.int64, device=rng.device) for k in ("direct", "fan", "relay", "egress")}
-    casts, backs = [], []
-    for s in range(1, S + 1):
-        r = relay_route(torch.where((first == s)[..., None], rng, 0), *args, base=dict(used))
-        used = {"direct": used["direct"] + r.direct_split.sum(0), "fan": used["fan"] + r.hop2_split.sum(0),
-                "relay": used["relay"] + r.relay_rows, "egress": used["egress"] + r.egress_split.sum(0)}
-        casts.append(r)
-        backs.append(relay_route(torch.where((last == s)[..., None], rng, 0), *args))
+    whole = relay_route(rng, *args)
+    casts = staged_casts(comm, whole, first, S, rng)
+    backs = [relay_route(torch.where((last == s)[..., None], rng, 0), *args) for s in range(1, S + 1)]
     return stack_routes(casts), stack_routes(backs)
 
 

@@ -11,7 +11,7 @@ import torch
 
 from gpusolver.capacity import relay_rows
 from gpusolver.plan import Plan
-from gpusolver.plan.build import relay_transport
+from gpusolver.plan.build import build_plan, relay_transport
 from gpusolver.plan.schedule import PHASES, REDUCE, WAIT, backward_ops, forward_ops, hop_phase
 from gpusolver.runtime import DynamicCPAttention, PlanCache, dist_attn, shard
 from gpusolver.runtime.pipelined import stage_phase
@@ -77,11 +77,32 @@ def _check_routes(plan):
 CASES = [("docs-causal", 16, 8, 2), ("docs-full", 16, 4, 4)]
 
 
+def _check_crossings(plan, mask, config):
+    """The S casts cross InfiniBand as the one-stage relay plan of the same assignment does (each
+    (unit, node) once, in the first sub-stage its node needs it), and the relay and egress
+    buffers fill as much as its own."""
+    from dataclasses import replace
+
+    from gpusolver.areas import block_areas
+
+    areas = block_areas(mask, config.cp_size, config.head_groups, impl="torch")
+    one = build_plan(mask, areas, plan.assignment, replace(config, num_stages=1))
+    S = plan.num_stages
+    for kind in ("qo", "kv"):
+        casts = [plan.relay.stage(kind, s) for s in range(1, S + 1)]
+        for hop in (1, 3):
+            assert torch.equal(sum(c.split(hop) for c in casts), one.relay.route(kind).split(hop)), (kind, hop)
+        assert torch.equal(sum(c.relay_rows for c in casts), one.relay.route(kind).relay_rows), kind
+        assert torch.equal(casts[-1].via.new_zeros(()) + sum((c.via != 0).long() for c in casts),
+                           (one.relay.route(kind).via != 0).long()), kind
+
+
 @pytest.mark.parametrize("name,P,per_node,S", CASES, ids=[f"{m}-P{P}-nodes{P // n}-S{S}" for m, P, n, S in CASES])
 def test_relay_stages_equal_reference(name, P, per_node, S):
-    _, plan, mask, _ = _stage_plans(name, P, per_node, S)
+    _, plan, mask, config = _stage_plans(name, P, per_node, S)
     assert plan.relay.egress == (P // per_node > 2)
     _check_routes(plan)
+    _check_crossings(plan, mask, config)
     _check_stage_layer(plan, mask, seed=P)
 
 
