@@ -298,18 +298,26 @@ def _relay_reduce_legs(phase: str, stage: int, deps, egress: bool) -> tuple[list
     return legs
 
 
-def _place_legs(slots: list[list[Op]], legs: dict[int, tuple]) -> list[Op]:
+def _place_legs(slots: list[list[Op]], legs: dict[int, tuple], early_last: bool = False) -> list[Op]:
     """Interleave reduce legs with the compute slots: leg k of sub-stage s goes after slot
-    ``min(s + k, len(slots))`` (slot j is ``slots[j - 1]``), legs of one slot by (s + k, s)."""
+    ``min(s + k, len(slots))`` (slot j is ``slots[j - 1]``: its cast waits, then its attention),
+    legs of one slot by (s + k, s). ``early_last``: the later legs (k > 0) due at the last slot go
+    before its attention instead, so that the last attention hides their hops (the forward: see
+    ``_forward_relay_sub_stages``)."""
     last = len(slots)
+    before: dict[int, list] = {}
     after: dict[int, list] = {}
     for s, three in legs.items():
         for k, leg in enumerate(three):
             if leg:
-                after.setdefault(min(s + k, last), []).append((s + k, s, leg))
+                at = before if early_last and k > 0 and s + k == last else after
+                at.setdefault(min(s + k, last), []).append((s + k, s, leg))
     ops = []
     for j, slot in enumerate(slots, start=1):
-        ops += slot
+        ops += slot[:-1]
+        for _, _, leg in sorted(before.get(j, []), key=lambda t: t[:2]):
+            ops += leg
+        ops.append(slot[-1])
         for _, _, leg in sorted(after.get(j, []), key=lambda t: t[:2]):
             ops += leg
     return ops
@@ -336,7 +344,10 @@ def _forward_relay_sub_stages(S: int, branches: int, egress: bool) -> tuple[Op, 
         attn = Op(f"fwd.attn.{s}", ATTN, COMPUTE, deps=tuple(w.name for w in waits), phase="fwd", stages=(s,))
         slots.append(waits + [attn])
         legs[s] = _relay_reduce_legs("fwd.o", s, (attn.name,), egress)
-    ops += _place_legs(slots, legs)
+    # the last attention hides the InfiniBand legs of the sub-stages before it (measured in the
+    # simulator: the forward gains; the backward, whose last slot is the local stage, loses, so it
+    # keeps every leg after its slot)
+    ops += _place_legs(slots, legs, early_last=True)
     back = _home_waits([op for three in legs.values() for leg in three for op in leg if op.kind == REDUCE], egress)
     ops += back
     ops.append(Op("fwd.merge", MERGE, COMPUTE, deps=tuple(w.name for w in back), phase="fwd",
