@@ -28,6 +28,14 @@ Per plan, from its own bytes per (source, destination) and hop (``Plan.pair_byte
   relay (the rest went direct: a hull longer than its consumers' rows, or past a relay's capacity).
 
     python benchmarks/relay_bench.py --plan-cache build/relay_plans     # P = 16, 32, 64; seed 0
+
+With ``--stages S`` (default 4; 1 skips it) a second table gives the SIMULATED training step of the
+relay-priced solve's assignment (``SolverConfig(topology=...)``, the default on a cluster) built
+four ways: one remote stage with direct and with relay transport (a2a), and S sub-stages with
+direct and with relay transport (p2p: ``TorchGroup(transport="p2p")``, each rank starting when its
+own rows land; and a2a), next to its ideal bound, USP and load-balanced USP (``simulate_baseline``):
+
+    python benchmarks/relay_bench.py --plan-cache build/relay_plans --step-only   # relay_stages.md
 """
 from __future__ import annotations
 
@@ -152,6 +160,69 @@ def measure(kind: str, P: int, seed: int, topology, tokens: int, cache, topo_sol
     return rows
 
 
+STEP_COLUMNS = [
+    ("kind", "kind", ""), ("P", "P", "d"), ("S", "S", "d"), ("transport", "transport", ""), ("comm", "comm", ""),
+    ("step ms (sim.)", "step_ms", ".2f"), ("fwd ms", "fwd_ms", ".2f"), ("bwd ms", "bwd_ms", ".2f"),
+    ("ideal ms", "ideal_ms", ".2f"), ("step / ideal", "vs_ideal", ".2f"), ("exposed %", "exposed_pct", ".1f"),
+    ("step / bal. USP", "step_vs_usp_bal", ".3f"), ("step / USP", "step_vs_usp", ".3f"),
+    ("ideal / bal. USP", "ideal_vs_usp_bal", ".3f"),
+]
+# (S, relay transport, comm): one remote stage (a2a, as the first table), then S sub-stages
+STEP_CASES = ((1, False, "a2a"), (1, True, "a2a"), ("S", False, "a2a"), ("S", False, "p2p"), ("S", True, "a2a"),
+              ("S", True, "p2p"))
+
+
+def step_rows(kind: str, P: int, seed: int, topology, tokens: int, cache, stages: int) -> list[dict]:
+    """The simulated step of the relay-priced solve's assignment with and without relay and sub-stages,
+    and USP's and load-balanced USP's on the same shards (rows with transport "USP" / "bal. USP")."""
+    mask = make_mask(kind, P, seed, tokens_per_rank=tokens)
+    base = SolverConfig(cp_size=P)
+    asg = solved_assignment(kind, P, seed, tokens, cache, topology, relay_priced=True)[0]
+    areas = block_areas(mask, P, base.head_groups, impl="torch")
+    usp = simulate_baseline("usp", mask, base, topology)
+    bal = simulate_baseline("usp_balanced", mask, base, topology)
+    rows, plans = [], {}
+    for S, relay, comm in STEP_CASES:
+        S = stages if S == "S" else S
+        if (S, relay) not in plans:
+            plans[S, relay] = build_plan(mask, areas, asg, replace(base, topology=topology, ib_relay=relay,
+                                                                   num_stages=S))
+        plan = plans[S, relay]
+        assert (plan.relay is not None) == relay and plan.num_stages == S
+        t = simulate(plan, topology, comm=comm)
+        rows.append({"kind": kind, "P": P, "seed": seed, "S": S, "transport": "relay" if relay else "direct",
+                     "comm": comm, "step_ms": t.step_ms, "fwd_ms": t.fwd_ms, "bwd_ms": t.bwd_ms,
+                     "ideal_ms": t.ideal_ms, "vs_ideal": t.step_ms / t.ideal_ms,
+                     "exposed_pct": 100 * t.exposed_comm_ms / t.step_ms, "status": int(plan.status),
+                     "imbalance": float(plan.metrics.imbalance)})
+    for name, t in (("USP", usp), ("bal. USP", bal)):
+        rows.append({"kind": kind, "P": P, "seed": seed, "S": None, "transport": name, "comm": "",
+                     "step_ms": t.step_ms, "fwd_ms": t.fwd_ms, "bwd_ms": t.bwd_ms})
+    for r in rows:
+        r["step_vs_usp"], r["step_vs_usp_bal"] = r["step_ms"] / usp.step_ms, r["step_ms"] / bal.step_ms
+        # above 1: no schedule of this plan's FLOPs and bytes reaches load-balanced USP's step
+        r["ideal_vs_usp_bal"] = r["ideal_ms"] / bal.step_ms if "ideal_ms" in r else None
+    return rows
+
+
+def _step_verdict(rows: list[dict], stages: int) -> str:
+    targets = {16: 0.85, 32: 0.75, 64: 0.65}
+    out = []
+    for transport in ("direct", "relay"):
+        for comm in ("p2p", "a2a"):
+            cells = [r for r in rows if r["S"] == stages and r["transport"] == transport and r["comm"] == comm]
+            if not cells:
+                continue
+            bal = max(r["step_vs_usp_bal"] for r in cells)
+            usp = all(r["step_vs_usp"] <= targets.get(r["P"], 0.65) for r in cells)
+            reach = sum(r["ideal_vs_usp_bal"] <= 1 for r in cells)
+            out.append(f"- S = {stages} {transport} {comm}: step <= 1.0x load-balanced USP in every cell: "
+                       f"{'met' if bal <= 1 else 'not met'} (worst {bal:.3f}x); step <= 0.85 / 0.75 / 0.65x USP at "
+                       f"P = 16 / 32 / 64: {'met' if usp else 'not met'}; the plan's ideal bound is <= load-balanced "
+                       f"USP's step in {reach} of {len(cells)} cells.\n")
+    return "".join(out)
+
+
 def _verdict(name: str, rows: list[dict]) -> str:
     usp = max(r["ib_fwd_vs_usp"] for r in rows)
     ib = max(r["ib_vs_direct"] for r in rows)
@@ -168,9 +239,36 @@ def main(argv=None) -> dict:
                    help="skip the third row (the topology-aware solve's assignment with relay transport)")
     p.add_argument("--json", default=str(RESULTS_DIR / "relay_bench.json"))
     p.add_argument("--md", default=str(RESULTS_DIR / "relay_bench.md"))
+    p.add_argument("--stages", type=int, default=4, help="sub-stages of the step table (default 4; 1: no table)")
+    p.add_argument("--step-only", action="store_true", help="only the step table (relay with sub-stages)")
+    p.add_argument("--stages-json", default=str(RESULTS_DIR / "relay_stages.json"))
+    p.add_argument("--stages-md", default=str(RESULTS_DIR / "relay_stages.md"))
     args = p.parse_args(argv)
     sizes, kinds, topology = cluster_sweep(p, args)
+    if args.stages < 1:
+        p.error(f"--stages must be >= 1, got {args.stages}")
     torch.set_num_threads(1)
+    steps = []
+    if args.stages > 1:
+        for kind in kinds:
+            for P in sizes:
+                got = step_rows(kind, P, args.seed, topology, args.tokens, args.plan_cache, args.stages)
+                steps += got
+                print(markdown_table(got, STEP_COLUMNS), flush=True)
+        cmd = "python benchmarks/relay_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        text = (f"# Relay transport with sub-stages: the training step ({topology.name}, SIMULATED)\n\n"
+                f"Packed causal and full documents, seed {args.seed}, {args.tokens} tokens per rank, GQA 64:8, "
+                "D = 128, bf16, mu = 1.10, nodes of 8. One assignment per cell: the relay-priced solve's "
+                "(`SolverConfig(topology=...)`), built with one remote stage (S = 1) and with S sub-stages, "
+                "direct (`ib_relay=False`) or relay transport. Every time is simulated by `gpusolver.sim` "
+                "(the runtime's own op lists, priced), not measured. comm: a2a, every collective an "
+                "all-to-all-v; p2p, `TorchGroup(transport=\"p2p\")`. USP and bal. USP: "
+                "`simulate_baseline` on the same shards. Command: `PYTHONPATH=. " + cmd + "`.\n\n"
+                + markdown_table(steps, STEP_COLUMNS) + "\n\n" + _step_verdict(steps, args.stages))
+        print("\n" + text)
+        write_results(args.stages_json, {"environment": environment(), "rows": steps}, args.stages_md, text)
+    if args.step_only:
+        return {"steps": steps}
     rows = []
     for kind in kinds:
         for P in sizes:
@@ -192,7 +290,7 @@ def main(argv=None) -> dict:
                       for name in dict.fromkeys(r["transport"] for r in relay)))
     print("\n" + text)
     write_results(args.json, {"environment": environment(), "rows": rows}, args.md, text)
-    return {"rows": rows}
+    return {"rows": rows, "steps": steps}
 
 
 if __name__ == "__main__":

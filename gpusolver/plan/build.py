@@ -143,20 +143,19 @@ def build_plan(mask: AttnSlices, areas: BlockAreas, assignment: torch.Tensor, co
 def relay_transport(config: SolverConfig, sparse: bool = False) -> bool:
     """Whether a plan of ``config`` routes inter-node rows by relay (``SolverConfig.relays``).
 
-    Relay runs plans with one remote stage and slice masks. Asked for explicitly
-    (``ib_relay=True``) with sub-stages or a sparse plan it is a ValueError; by default
-    (``ib_relay=None``) those plans keep direct transport (docs/support_matrix.md).
+    Relay runs slice-mask plans, with one remote stage or with S > 1 sub-stages (each
+    sub-stage's casts and reduces relayed on their own, ``plan.relay.stage_relay_routes``).
+    Asked for explicitly (``ib_relay=True``) for a sparse plan it is a ValueError; by default
+    (``ib_relay=None``) sparse plans keep direct transport (docs/support_matrix.md), and so do
+    plans with sub-stages: there relay is opt-in (``ib_relay=True``), because each relayed
+    reduce is a chain of hops the last sub-stage cannot hide (simulated at S = 4 over p2p:
+    1.00-1.07x the direct step, ``benchmarks/results/relay_stages.md``).
     """
     if not config.relays:
         return False
-    why = None
-    if config.num_stages > 1:
-        why = f"num_stages={config.num_stages} (relay transport runs one remote stage)"
-    elif sparse:
-        why = "a sparse plan (relay transport runs slice-mask plans)"
-    if why is None:
-        return True
+    if not sparse:
+        return config.num_stages == 1 or bool(config.ib_relay)
     if config.ib_relay:
-        raise ValueError(f"ib_relay=True is not supported with {why}: set SolverConfig(ib_relay=False) "
-                         "or leave ib_relay=None for direct transport there")
+        raise ValueError("ib_relay=True is not supported with a sparse plan (relay transport runs slice-mask "
+                         "plans): set SolverConfig(ib_relay=False) or leave ib_relay=None for direct transport there")
     return False

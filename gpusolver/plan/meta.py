@@ -416,7 +416,9 @@ class Plan:
             "comm": lambda d: records.from_plain(CommMeta, d, {}),
             "calc": lambda d: records.from_plain(CalcMeta, d, {}),
             "cost": lambda d: None if d is None else records.from_plain(CommCost, d, {}),
-            "relay": lambda d: None if d is None else records.from_plain(RelayMeta, d, {"qo": route, "kv": route}),
+            "relay": lambda d: None if d is None else records.from_plain(RelayMeta, d, {
+                "qo": route, "kv": route, "qo_back": lambda b: None if b is None else route(b),
+                "kv_back": lambda b: None if b is None else route(b)}),
         })
 
 

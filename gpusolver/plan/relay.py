@@ -57,11 +57,17 @@ holds its own hulls (within the send rows) and its slots' (at most
 ceil((N - 1) / L) times the egress buffer); direct and fan-out receives never
 exceed the receive rows, so the other capacities hold as they did.
 
+Sub-stages (``CommMeta.num_stages`` S > 1, ``stage_relay_routes``): the casts are the one-stage
+route of all transfers, each consumer's rows moving in its own cast and each (unit, node)'s hull
+crossing once, in the first cast its node needs it (``staged_casts``); each hop's receiving buffer
+is shared by the S casts at per-cast rows. Reduce s is ``relay_route`` of the transfers returning
+in s. See docs/design/layers.md, "Relay transport with sub-stages".
+
 Sync-free: static shapes, no host reads; the same tensors on every rank.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -125,18 +131,55 @@ class RelayRoute:
 
 @dataclass(frozen=True)
 class RelayMeta:
-    """Both kinds' relay routing and the node size they were built for."""
+    """Both kinds' relay routing and the node size they were built for.
+
+    With one remote stage ``qo`` / ``kv`` route every cast and, reversed, every reduce. With
+    ``num_stages`` S > 1 (``stage_relay_routes``) they hold the S casts' routes stacked (every
+    tensor with a leading ``[S]``) and ``qo_back`` / ``kv_back`` the S reduces' routes; ``stage``
+    gives one of them as a plain ``RelayRoute``.
+    """
 
     qo: RelayRoute
     kv: RelayRoute
     ranks_per_node: int
     egress: bool = False  # more than two nodes: hop 3 (the NVLink pre-hop to the egress) runs
     rails: torch.Tensor | None = None  # [G, U, N] int64 the rail of each (unit, node) crossing
+    num_stages: int = 1
+    qo_back: RelayRoute | None = None
+    kv_back: RelayRoute | None = None
 
     def route(self, kind: str) -> RelayRoute:
         if kind not in ("qo", "kv"):
             raise ValueError(f"kind must be 'qo' or 'kv', got {kind!r}")
         return self.qo if kind == "qo" else self.kv
+
+    def stage(self, kind: str, stage: int = 1, which: str = "cast") -> RelayRoute:
+        """The route of sub-stage ``stage``'s cast (``which="cast"``) or reduce (``"return"``)."""
+        route = self.route(kind)
+        if which not in ("cast", "return"):
+            raise ValueError(f"which must be 'cast' or 'return', got {which!r}")
+        if isinstance(stage, bool) or not isinstance(stage, int) or not 1 <= stage <= self.num_stages:
+            raise ValueError(f"stage must be an int in [1, {self.num_stages}], got {stage!r}")
+        if self.num_stages == 1:
+            return route
+        if which == "return":
+            route = self.qo_back if kind == "qo" else self.kv_back
+        return route_at(route, stage - 1)
+
+
+def stack_routes(routes: list[RelayRoute]) -> RelayRoute:
+    """One ``RelayRoute`` whose tensors stack ``routes``' (a leading ``[S]``); host ints are shared."""
+    out = {}
+    for name in RelayRoute.__dataclass_fields__:
+        vals = [getattr(r, name) for r in routes]
+        out[name] = torch.stack(vals) if isinstance(vals[0], torch.Tensor) else vals[0]
+    return RelayRoute(**out)
+
+
+def route_at(stacked: RelayRoute, i: int) -> RelayRoute:
+    """Entry ``i`` of a ``stack_routes`` route (views)."""
+    return RelayRoute(**{name: (v[i] if isinstance(v, torch.Tensor) else v)
+                         for name, v in ((n, getattr(stacked, n)) for n in RelayRoute.__dataclass_fields__)})
 
 
 def _hop(hop) -> int:
@@ -183,15 +226,21 @@ def _pair_sum(src: torch.Tensor, dst: torch.Tensor, length: torch.Tensor, P: int
 
 def relay_route(rng: torch.Tensor, tiles: int, ranks_per_node: int, relay_capacity: int,
                 fan_capacity: int, egress_capacity: int = 0, chunk: int = 0, send_capacity: int = 0,
-                rails: torch.Tensor | None = None) -> RelayRoute:
+                rails: torch.Tensor | None = None, base: dict | None = None) -> RelayRoute:
     """The relay routing of one kind's transfers ``rng [G, U, P, 2]`` (``CommMeta.qo_range`` / ``kv_range``).
 
     chunk / send_capacity: rows per head group of a rank's local rows / the plan's send rows of
-    this kind (where hop-1 sources and the egress send list's size start)."""
+    this kind (where hop-1 sources and the egress send list's size start).
+    base: one sub-stage's cast among several sharing each receiving buffer (``stage_relay_routes``):
+    ``{"direct", "fan", "relay", "egress"}`` -> ``[P]`` int64, the rows of each rank's direct,
+    fan-out, relay and egress buffer that earlier sub-stages fill; this route's rows start after
+    them and must fit in what is left (the relay and egress buffers' prefixes). None: all zero."""
     G, U, P, _ = rng.shape
     L, n = ranks_per_node, tiles
     N = P // L
     dev = rng.device
+    zero = torch.zeros(P, dtype=torch.int64, device=dev)
+    first = {k: zero for k in ("direct", "fan", "relay", "egress")} if base is None else base
     host = torch.arange(U, device=dev) // n                                   # [U]
     node_h = host // L
     node_d = torch.arange(P, device=dev) // L                                 # [P]
@@ -221,7 +270,7 @@ def relay_route(rng: torch.Tensor, tiles: int, ranks_per_node: int, relay_capaci
     # a prefix in relay-buffer order (senders as by the rule) is relayed: both prefix sums within the
     # relay's capacities; the sum of what is taken fits whatever order the buffer ends up in
     sender_key = egress_n.index_select(2, node_d)                             # [G, U, P(relay)]
-    fits = ((_offsets_by(want, sender_key, n) + want <= relay_capacity)
+    fits = ((_offsets_by(want, sender_key, n) + want <= relay_capacity - first["relay"])
             & (_offsets_by(fan, sender_key, n) + fan <= fan_capacity))
     ok = cand & torch.where(at_relay, fits[:, :, None, :], False).any(-1)     # [G, U, N]
 
@@ -233,10 +282,10 @@ def relay_route(rng: torch.Tensor, tiles: int, ranks_per_node: int, relay_capaci
     e_hi = torch.zeros((G, U, P), dtype=torch.int64, device=dev).scatter_reduce(
         2, e_idx, torch.where(forward, hi, 0), "amax")
     e_len = (e_hi - e_lo).clamp(min=0)
-    slot_ok = (e_len > 0) & (_offsets(e_len, n) + e_len <= egress_capacity)   # a prefix in egress-buffer order
+    slot_ok = (e_len > 0) & (_offsets(e_len, n) + e_len <= egress_capacity - first["egress"])  # a prefix
     pre_len = torch.where(slot_ok, e_len, 0)
     pre_lo = torch.where(slot_ok, e_lo, 0)
-    pre_offset = _offsets(pre_len, n)
+    pre_offset = _offsets(pre_len, n) + first["egress"]
     via_egress = forward & slot_ok.gather(2, e_idx)                           # [G, U, N]
     sender_n = torch.where(via_egress, egress_n, host[:, None])               # who sends hop 1
 
@@ -244,7 +293,7 @@ def relay_route(rng: torch.Tensor, tiles: int, ranks_per_node: int, relay_capaci
     hull_lo = place(torch.where(ok, lo, 0))
     hull_range = torch.stack((hull_lo, hull_lo + hull_len), -1)
     sender = place(torch.where(ok, sender_n, 0))                              # [G, U, P(relay)]
-    relay_offset = _offsets_by(hull_len, sender, n)
+    relay_offset = _offsets_by(hull_len, sender, n) + first["relay"]
     # hop-1 source row in concat(sender's local rows [G * chunk], its egress buffer)
     g_idx = torch.arange(G, device=dev)[:, None, None]
     from_egress = pre_offset.gather(2, sender) + hull_lo - pre_lo.gather(2, sender) + G * chunk
@@ -261,11 +310,11 @@ def relay_route(rng: torch.Tensor, tiles: int, ranks_per_node: int, relay_capaci
     base = relay_offset.gather(2, relay_of)
     fan_start = torch.where(relayed, base + rng[..., 0] - lo.index_select(2, node_d), 0)
     # fan-out buffer order on dest: relays ascending, then host ascending, g, tile
-    fan_offset = _offsets_by(fan_len, relay_of, n)
+    fan_offset = _offsets_by(fan_len, relay_of, n) + first["fan"]
     per_slot = -(-max(N - 1, 0) // L)  # nodes an egress slot serves at most
     return RelayRoute(
         via=via, direct_range=torch.where((via == DIRECT)[..., None], rng, 0),
-        direct_offset=_offsets(direct_len, n), direct_split=_by_source(direct_len, n),
+        direct_offset=_offsets(direct_len, n) + first["direct"], direct_split=_by_source(direct_len, n),
         hull_range=hull_range, relay_offset=relay_offset, hop1_split=_pair_sum(sender, ranks, hull_len, P),
         relay_rows=hull_len.sum((0, 1)), fan_offset=torch.where(via == FAN_OUT, fan_offset, 0),
         fan_start=fan_start, relay_of=relay_of, hop2_split=_pair_sum(relay_of, ranks, fan_len, P),
@@ -348,9 +397,102 @@ def _rail_peak(rails: torch.Tensor, down: torch.Tensor, up: torch.Tensor, tiles:
     return torch.maximum(send, recv)
 
 
+def staged_casts(comm, whole: RelayRoute, first: torch.Tensor, S: int, rng: torch.Tensor) -> list[RelayRoute]:
+    """The S casts of one kind of a ``CommMeta`` with sub-stages, from ``whole``, the one-stage
+    route of all its transfers (``relay_route``): which (unit, node) is relayed, its hull, relay,
+    rail and egress slot, and which consumer takes which way are ``whole``'s; the sub-stages only
+    say when each moves.
+
+    first: ``[G, U, P]`` int64 the cast of each transfer (``CommMeta.*_stage[..., 0]``, 0 none);
+    rng: the kind's transfers ``[G, U, P, 2]`` (``CommMeta.qo_range`` / ``kv_range``).
+    A consumer's direct (hop 0) or fan-out (hop 2) rows travel in its own cast ``first``; a (unit,
+    node)'s hull crosses InfiniBand (hop 1) once, in the first cast any consumer of that node needs
+    it (so the relay holds it when the later ones fan out), and an egress slot moves (hop 3) in the
+    first cast any of its crossings does. Each hop's receiving buffer is shared by the S casts:
+    cast s's rows land after casts 1..s-1's (the starts folded into the offsets below), so the
+    relay and egress buffers hold what ``whole``'s do and its capacities hold as they are.
+    """
+    G, U, P = whole.via.shape
+    n = U // P
+    dev = first.device
+    big = torch.iinfo(torch.int64).max
+    ranks = torch.arange(P, device=dev)
+    host = torch.arange(U, device=dev) // n
+    relayed = (whole.via == FAN_OUT) | (whole.via == SELF)
+    length = rng[..., 1] - rng[..., 0]
+    hull_len = whole.hull_range[..., 1] - whole.hull_range[..., 0]                 # [G, U, P(relay)]
+    hull_lo = whole.hull_range[..., 0]
+    s0 = torch.full_like(hull_len, big).scatter_reduce(2, whole.relay_of, torch.where(relayed, first, big), "amin")
+    s0 = torch.where(hull_len > 0, s0, 0)                                           # the crossing's cast
+    sender = whole.hop1_sender
+    via_egress = (hull_len > 0) & (sender != host[None, :, None])
+    pre_len = whole.egress_range[..., 1] - whole.egress_range[..., 0]               # [G, U, P(egress)]
+    pre_lo = whole.egress_range[..., 0]
+    e0 = torch.full_like(pre_len, big).scatter_reduce(2, sender, torch.where(via_egress, s0, big), "amin")
+    e0 = torch.where(pre_len > 0, e0, 0)                                            # the slot's cast
+    zero = torch.zeros(P, dtype=torch.int64, device=dev)
+    used = {k: zero for k in ("direct", "fan", "relay", "egress")}
+    relay_offset = torch.zeros_like(hull_len)
+    pre_offset = torch.zeros_like(pre_len)
+    per = []
+    for s in range(1, S + 1):  # each hop's rows of cast s after those of casts 1..s-1
+        h_s = torch.where(s0 == s, hull_len, 0)
+        p_s = torch.where(e0 == s, pre_len, 0)
+        relay_offset = torch.where(s0 == s, _offsets_by(h_s, sender, n) + used["relay"], relay_offset)
+        pre_offset = torch.where(e0 == s, _offsets(p_s, n) + used["egress"], pre_offset)
+        via = torch.where(first == s, whole.via, NOTHING)
+        d_len = torch.where(via == DIRECT, length, 0)
+        f_len = torch.where(via == FAN_OUT, length, 0)
+        per.append(dict(via=via, d_len=d_len, f_len=f_len, h_s=h_s, p_s=p_s, d0=used["direct"], f0=used["fan"]))
+        used = {"direct": used["direct"] + _by_source(d_len, n).sum(0),
+                "fan": used["fan"] + _pair_sum(whole.relay_of, ranks, f_len, P).sum(0),
+                "relay": used["relay"] + h_s.sum((0, 1)), "egress": used["egress"] + _by_source(p_s, n).sum(0)}
+    g_idx = torch.arange(G, device=dev)[:, None, None]
+    from_egress = pre_offset.gather(2, sender) + hull_lo - pre_lo.gather(2, sender) + G * comm.chunk
+    hop1_src = torch.where(hull_len > 0, torch.where(via_egress, from_egress, g_idx * comm.chunk + hull_lo), 0)
+    fan_start = torch.where(relayed, relay_offset.gather(2, whole.relay_of) + rng[..., 0]
+                            - hull_lo.gather(2, whole.relay_of), 0)
+    casts = []
+    for s, x in enumerate(per, start=1):
+        via, d_len, f_len, h_s, p_s = x["via"], x["d_len"], x["f_len"], x["h_s"], x["p_s"]
+        rel = (via == FAN_OUT) | (via == SELF)
+        casts.append(replace(
+            whole, via=via, direct_range=torch.where((via == DIRECT)[..., None], rng, 0),
+            direct_offset=_offsets(d_len, n) + x["d0"], direct_split=_by_source(d_len, n),
+            hull_range=torch.where((s0 == s)[..., None], whole.hull_range, 0), relay_offset=relay_offset,
+            hop1_split=_pair_sum(sender, ranks, h_s, P), relay_rows=h_s.sum((0, 1)),
+            fan_offset=torch.where(via == FAN_OUT, _offsets_by(f_len, whole.relay_of, n) + x["f0"], 0),
+            fan_start=torch.where(rel, fan_start, 0), hop2_split=_pair_sum(whole.relay_of, ranks, f_len, P),
+            hop1_src=hop1_src, egress_range=torch.where((e0 == s)[..., None], whole.egress_range, 0),
+            egress_split=_by_source(p_s, n)))
+    return casts
+
+
+def stage_relay_routes(comm, kind: str, tiles: int, L: int, rows, egress: bool,
+                       rails: torch.Tensor) -> tuple[RelayRoute, RelayRoute]:
+    """(casts, reduces) of one kind of a ``CommMeta`` with S > 1 sub-stages, each ``stack_routes``'d.
+
+    Casts: ``staged_casts`` of the one-stage route of all the kind's transfers (each (unit, node)
+    crosses InfiniBand once, in the first sub-stage its node needs it; the relay, egress and
+    fan-out buffers and their capacities are the one-stage route's). Reduce s routes the transfers
+    whose last task is in s (``CommMeta.*_stage[..., 1] == s``) by ``relay_route`` on those alone:
+    partials cross back once per (unit, node) and sub-stage, with the hull of the rows returning
+    in s, merged on the relay first; a reduce's relay and egress accumulators live while that
+    reduce does, so each has the capacities whole."""
+    rng = comm.qo_range if kind == "qo" else comm.kv_range
+    first, last = (comm.qo_stage if kind == "qo" else comm.kv_stage).unbind(-1)
+    S = comm.num_stages
+    args = (tiles, L, rows.relay(kind), rows.fan(kind), rows.egress(kind) if egress else 0, comm.chunk,
+            comm.buffers.send(kind), rails)
+    whole = relay_route(rng, *args)
+    casts = staged_casts(comm, whole, first, S, rng)
+    backs = [relay_route(torch.where((last == s)[..., None], rng, 0), *args) for s in range(1, S + 1)]
+    return stack_routes(casts), stack_routes(backs)
+
+
 def build_relay_meta(comm, ranks_per_node: int, rows, cost=None) -> RelayMeta:
-    """Relay routing of both kinds of ``comm`` (a ``CommMeta`` with one remote stage) for nodes of
-    ``ranks_per_node``; ``rows`` a ``capacity.RelayRows``."""
+    """Relay routing of both kinds of ``comm`` (a ``CommMeta``; with S > 1 sub-stages per sub-stage,
+    ``stage_relay_routes``) for nodes of ``ranks_per_node``; ``rows`` a ``capacity.RelayRows``."""
     P = comm.cp_size
     if P % ranks_per_node or P <= ranks_per_node:
         raise ValueError(f"relay transport needs whole nodes of ranks_per_node = {ranks_per_node} and more "
@@ -361,6 +503,11 @@ def build_relay_meta(comm, ranks_per_node: int, rows, cost=None) -> RelayMeta:
     own = (torch.arange(U, device=comm.qo_range.device) // comm.tiles % L)[None, :, None]
     rails = (matched_rails(comm, ranks_per_node, cost) if egress and cost is not None
              else own.repeat(G, 1, N))
+    if comm.num_stages > 1:
+        (qo, qo_back), (kv, kv_back) = (stage_relay_routes(comm, k, comm.tiles, L, rows, egress, rails)
+                                        for k in ("qo", "kv"))
+        return RelayMeta(qo=qo, kv=kv, ranks_per_node=L, egress=egress, rails=rails, num_stages=comm.num_stages,
+                         qo_back=qo_back, kv_back=kv_back)
     routes = {k: relay_route(comm.qo_range if k == "qo" else comm.kv_range, comm.tiles, ranks_per_node,
                              rows.relay(k), rows.fan(k), rows.egress(k) if egress else 0, comm.chunk,
                              comm.buffers.send(k), rails) for k in ("qo", "kv")}
@@ -419,6 +566,13 @@ def assemble_index(comm, route: RelayRoute, kind: str, rank: int) -> torch.Tenso
                                   2 * cap + route.fan_start[:, :, rank]))
     order = lambda x: x.reshape(G, P, n).permute(1, 0, 2).reshape(-1)  # noqa: E731  (host, g, tile)
     return segment_gather(order(src), order(torch.where(via != NOTHING, length, 0)), cap)
+
+
+def shifted(index: torch.Tensor, start) -> torch.Tensor:
+    """``index`` (``[cap]``, a stage's rows from its row 0) moved to start at row ``start`` of the
+    same ``[cap]`` buffer: -1 before it and past the fill."""
+    k = torch.arange(index.shape[0], device=index.device) - start
+    return torch.where(k >= 0, index[k.clamp(min=0)], -1)
 
 
 def inverse_index(index: torch.Tensor, size: int) -> torch.Tensor:

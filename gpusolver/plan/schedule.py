@@ -135,7 +135,8 @@ def forward_ops(num_stages: int = 2, branches: int = 1, relay: bool = False, egr
     if relay:
         egress = bool(egress)
         return _kept(("fwd-relay", num_stages, branches, egress),
-                     lambda: _forward_relay_ops(num_stages, branches, egress))
+                     lambda: _forward_relay_ops(num_stages, branches, egress) if num_stages <= 2
+                     else _forward_relay_sub_stages(num_stages - 1, branches, egress))
 
     def build():
         _check(num_stages, branches)
@@ -195,7 +196,8 @@ def backward_ops(num_stages: int = 2, keep_forward_buffers: bool = True, relay: 
     if relay:
         egress = bool(egress)
         return _kept(("bwd-relay", num_stages, keep, egress),
-                     lambda: _backward_relay_ops(num_stages, keep, egress))
+                     lambda: _backward_relay_ops(num_stages, keep, egress) if num_stages <= 2
+                     else _backward_relay_sub_stages(num_stages - 1, keep, egress))
 
     def build():
         _check(num_stages, 1)
@@ -260,20 +262,125 @@ def _backward_ops(num_stages: int, keep_forward_buffers: bool) -> tuple[Op, ...]
 
 def _relay_check(num_stages: int, branches: int) -> None:
     _check(num_stages, branches)
-    if num_stages != 2 or branches != 1:
-        raise ValueError(f"relay transport runs one remote stage and one output branch, got "
+    if num_stages < 2 or branches != 1:
+        raise ValueError(f"relay transport runs remote stages and one output branch, got "
                          f"num_stages={num_stages} (CalcMeta stages), branches={branches}")
 
 
-def _relay_cast(phase: str, deps=(), egress: bool = False) -> list[Op]:
+def _relay_cast(phase: str, deps=(), egress: bool = False, stage: int = 0) -> list[Op]:
     """A cast as its hops: with egress the pre-hop to the egresses first (hop 1 reads what it
     brings), InfiniBand to the relays (the fan-out reads what it brings), then the direct rows,
-    then the fan-out over NVLink once hop 1 has landed."""
-    pre = [_collective(CAST, phase, deps=deps, hop=3)] if egress else []
-    hop1 = _collective(CAST, phase, deps=tuple(p.name for p in pre) or deps, hop=1)
-    direct = _collective(CAST, phase, deps=deps)
-    hop2 = _collective(CAST, phase, deps=(hop1.name,), hop=2)
+    then the fan-out over NVLink once hop 1 has landed. ``stage``: the sub-stage it belongs to
+    (0: a plan with one remote stage)."""
+    kw = dict(stages=(stage,), tag=f".{stage}") if stage else {}
+    pre = [_collective(CAST, phase, deps=deps, hop=3, **kw)] if egress else []
+    hop1 = _collective(CAST, phase, deps=tuple(p.name for p in pre) or deps, hop=1, **kw)
+    direct = _collective(CAST, phase, deps=deps, **kw)
+    hop2 = _collective(CAST, phase, deps=(hop1.name,), hop=2, **kw)
     return pre + [hop1, direct, hop2]
+
+
+def _relay_reduce_legs(phase: str, stage: int, deps, egress: bool) -> tuple[list[Op], list[Op], list[Op]]:
+    """Sub-stage ``stage``'s reduce as three legs, each placed one compute slot after the one before
+    (``_place_legs``) so that no compute wait blocks on a hop still in flight: A, partials to the
+    relays (hop 2) and the direct rows home (hop 0, into a neutral accumulator) when the sub-stage
+    ends; B, the relays' merged rows over InfiniBand (hop 1) once hop 2 has landed; C (egress
+    only), the egresses' merged rows home over NVLink (hop 3) once hop 1 has."""
+    kw = dict(stages=(stage,), tag=f".{stage}")
+    hop2 = _collective(REDUCE, phase, deps=deps, hop=2, **kw)
+    direct = _collective(REDUCE, phase, deps=deps, **kw)
+    merged = _wait(hop2)
+    hop1 = _collective(REDUCE, phase, deps=(merged.name,), hop=1, **kw)
+    legs = ([hop2, direct], [merged, hop1], [])
+    if egress:
+        at_egress = _wait(hop1)
+        legs[2].extend((at_egress, _collective(REDUCE, phase, deps=(at_egress.name,), hop=3, **kw)))
+    return legs
+
+
+def _place_legs(slots: list[list[Op]], legs: dict[int, tuple], early_last: bool = False) -> list[Op]:
+    """Interleave reduce legs with the compute slots: leg k of sub-stage s goes after slot
+    ``min(s + k, len(slots))`` (slot j is ``slots[j - 1]``: its cast waits, then its attention),
+    legs of one slot by (s + k, s). ``early_last``: the later legs (k > 0) due at the last slot go
+    before its attention instead, so that the last attention hides their hops (the forward: see
+    ``_forward_relay_sub_stages``)."""
+    last = len(slots)
+    before: dict[int, list] = {}
+    after: dict[int, list] = {}
+    for s, three in legs.items():
+        for k, leg in enumerate(three):
+            if leg:
+                at = before if early_last and k > 0 and s + k == last else after
+                at.setdefault(min(s + k, last), []).append((s + k, s, leg))
+    ops = []
+    for j, slot in enumerate(slots, start=1):
+        ops += slot[:-1]
+        for _, _, leg in sorted(before.get(j, []), key=lambda t: t[:2]):
+            ops += leg
+        ops.append(slot[-1])
+        for _, _, leg in sorted(after.get(j, []), key=lambda t: t[:2]):
+            ops += leg
+    return ops
+
+
+def _home_waits(reduces: list[Op], egress: bool) -> list[Op]:
+    """The waits for what reaches the host: the direct rows, and hop 1 (two nodes) or hop 3."""
+    last = 3 if egress else 1
+    return [_wait(r) for r in reduces if r.hop in (0, last)]
+
+
+def _forward_relay_sub_stages(S: int, branches: int, egress: bool) -> tuple[Op, ...]:
+    """Relay transport with S sub-stages: every sub-stage's casts as their hops, all up front;
+    sub-stage s after its own direct and fan-out rows; its reduce in legs (``_relay_reduce_legs``)
+    overlapping the later sub-stages; the host merges its rows, then per sub-stage the direct
+    rows and the relayed rows, s = 1..S (``fwd.merge``)."""
+    _relay_check(S + 1, branches)
+    casts = {s: _relay_cast("fwd.qo", egress=egress, stage=s) + _relay_cast("fwd.kv", egress=egress, stage=s)
+             for s in range(1, S + 1)}
+    ops = [c for s in casts for c in casts[s]] + [Op("fwd.attn.0", ATTN, COMPUTE, phase="fwd", stages=(0,))]
+    slots, legs = [], {}
+    for s in range(1, S + 1):
+        waits = [_wait(c) for c in casts[s] if c.hop in (0, 2)]
+        attn = Op(f"fwd.attn.{s}", ATTN, COMPUTE, deps=tuple(w.name for w in waits), phase="fwd", stages=(s,))
+        slots.append(waits + [attn])
+        legs[s] = _relay_reduce_legs("fwd.o", s, (attn.name,), egress)
+    # the last attention hides the InfiniBand legs of the sub-stages before it (measured in the
+    # simulator: the forward gains; the backward, whose last slot is the local stage, loses, so it
+    # keeps every leg after its slot)
+    ops += _place_legs(slots, legs, early_last=True)
+    back = _home_waits([op for three in legs.values() for leg in three for op in leg if op.kind == REDUCE], egress)
+    ops += back
+    ops.append(Op("fwd.merge", MERGE, COMPUTE, deps=tuple(w.name for w in back), phase="fwd",
+                  stages=tuple(range(S + 1))))
+    return tuple(ops)
+
+
+def _backward_relay_sub_stages(S: int, keep_forward_buffers: bool, egress: bool) -> tuple[Op, ...]:
+    """The backward of ``_forward_relay_sub_stages``: dO, lse, delta (and Q, K, V again without kept
+    buffers) cast per sub-stage as their hops, up front; after sub-stage s its dQ and dK / dV
+    reduces in legs; the local stage 0 is the last compute slot (it hides the last legs)."""
+    _relay_check(S + 1, 1)
+    ops = [Op("bwd.delta", DELTA, COMPUTE, phase="bwd")]
+    casts = {}
+    for s in range(1, S + 1):
+        casts[s] = _relay_cast("bwd.qo", deps=("bwd.delta",), egress=egress, stage=s)
+        if not keep_forward_buffers:
+            casts[s] += _relay_cast("bwd.kv", egress=egress, stage=s)
+        ops += casts[s]
+    slots, legs = [], {}
+    for s in range(1, S + 1):
+        waits = [_wait(c) for c in casts[s] if c.hop in (0, 2)]
+        attn = Op(f"bwd.attn.{s}", ATTN, COMPUTE, deps=tuple(w.name for w in waits), phase="bwd", stages=(s,))
+        slots.append(waits + [attn])
+        dq, dkv = (_relay_reduce_legs(ph, s, (attn.name,), egress) for ph in ("bwd.dq", "bwd.dkv"))
+        legs[s] = tuple(a + b for a, b in zip(dq, dkv))
+    slots.append([Op("bwd.attn.0", ATTN, COMPUTE, phase="bwd", stages=(0,))])
+    ops += _place_legs(slots, legs)
+    back = _home_waits([op for three in legs.values() for leg in three for op in leg if op.kind == REDUCE], egress)
+    ops += back
+    ops.append(Op("bwd.merge", MERGE, COMPUTE, deps=tuple(w.name for w in back), phase="bwd",
+                  stages=tuple(range(S + 1))))
+    return tuple(ops)
 
 
 def _relay_reduce(phase: str, deps, egress: bool = False) -> list[Op]:
@@ -343,8 +450,9 @@ def op_split(plan, op: Op) -> torch.Tensor:
     """[P(src), P(dst)] int64 rows the collective ``op`` moves host -> helper (before ``back``)."""
     comm = plan.comm
     relay = getattr(plan, "relay", None)
-    if relay is not None:  # one hop of relay transport
-        return relay.route(op.route).split(op.hop)
+    if relay is not None:  # one hop of relay transport (of one sub-stage's cast or reduce)
+        stage = op.stages[0] if getattr(relay, "num_stages", 1) > 1 else 1
+        return relay.stage(op.route, stage, "return" if op.back else "cast").split(op.hop)
     if op.hop:
         raise ValueError(f"op {op.name!r} is hop {op.hop} of relay transport but the plan has no relay")
     if getattr(comm, "num_stages", 1) > 1:  # one sub-stage's split

@@ -53,6 +53,8 @@ from gpusolver.problem import kept_kinds
 from gpusolver.runtime.layout import from_group_major, to_group_major
 from gpusolver.runtime.operands import Operands, rows
 from gpusolver.runtime.pipelined import StageRoutes, backward_stages, forward_stages, op_range, stage_routes
+from gpusolver.runtime.relay_stages import (StageRelayRoutes, relay_stages_backward, relay_stages_forward,
+                                            stage_relay_routes)
 from gpusolver.runtime.relayed import RelayRoutes, relay_backward, relay_forward, relay_routes
 from gpusolver.support import check_supported
 from groupcomm import (CollectiveError, TorchGroup, as_group, group_cast, group_reduce, host_splits, retain,
@@ -88,7 +90,7 @@ class LayerRoutes:
     qo_host: object
     kv_host: object
     stages: StageRoutes | None = None
-    relay: RelayRoutes | None = None
+    relay: RelayRoutes | StageRelayRoutes | None = None
 
     @property
     def groups(self) -> int:
@@ -122,8 +124,9 @@ def layer_routes(plan: Plan, group) -> LayerRoutes:
             raise ValueError("plan has relay transport (plan.relay: its group spans nodes) but the group is a "
                              "SymmMemGroup, which covers one node's NVLink: use TorchGroup, or build the plan "
                              "with SolverConfig(ib_relay=False)")
+        build = stage_relay_routes if plan.relay.num_stages > 1 else relay_routes  # sub-stages: each relayed
         return LayerRoutes(plan=plan, ranks=ranks, batched=batched, qo_index=None, kv_index=None, qo_split=None,
-                           kv_split=None, qo_host=None, kv_host=None, relay=relay_routes(plan, group, ranks, batched))
+                           kv_split=None, qo_host=None, kv_host=None, relay=build(plan, group, ranks, batched))
     if comm.num_stages > 1:
         return LayerRoutes(plan=plan, ranks=ranks, batched=batched, qo_index=None, kv_index=None, qo_split=None,
                            kv_split=None, qo_host=None, kv_host=None,
@@ -206,13 +209,14 @@ class _DistAttn(torch.autograd.Function):
         if routes.stages is not None or routes.relay is not None:  # their own executors of the same op lists
             ctx.routes, ctx.group, ctx.scale, ctx.keep, ctx.deterministic = routes, group, scale, keep, deterministic
             if routes.relay is not None:
-                o, lse, operands = relay_forward(routes.plan, group, routes.ranks, routes.batched, routes.relay,
-                                                 ql, kl, vl, scale, deterministic)
+                run = relay_stages_forward if routes.relay.sub_stages else relay_forward
+                o, lse, operands = run(routes.plan, group, routes.ranks, routes.batched, routes.relay,
+                                       ql, kl, vl, scale, deterministic)
             else:
                 o, lse, operands = forward_stages(routes.plan, group, routes.ranks, routes.batched, routes.stages,
                                                   ql, kl, vl, scale, deterministic)
             x_q, x_k, x_v = operands  # only the kept kinds' operands: the others are cast again
-            if routes.relay is None:
+            if routes.relay is None or routes.relay.sub_stages:
                 # a sub-stage operand's first n rows are the local rows: keep them once, as views of it
                 n = ql.shape[lead]
                 if "qo" in keep:
@@ -293,7 +297,8 @@ class _DistAttn(torch.autograd.Function):
             kept = list(saved[5:])  # the kept kinds' operands, Xq then Xk, Xv
             kept_q = kept.pop(0) if keep_q else None
             kept_kv = kept if keep_kv else None
-            run, how = (relay_backward, routes.relay) if routes.relay is not None else (backward_stages, routes.stages)
+            run, how = (backward_stages, routes.stages) if routes.relay is None else (
+                relay_stages_backward if routes.relay.sub_stages else relay_backward, routes.relay)
             dq, dk, dv = run(routes.plan, group, routes.ranks, routes.batched, how, ql, kl, vl, o, lse, kept_q,
                              kept_kv, d_o, d_l, scale, ctx.deterministic)
             group.wait_sends()  # p2p sends may outlive their wait(): none past the pass

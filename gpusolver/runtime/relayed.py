@@ -67,6 +67,7 @@ class KindRoutes:
 class RelayRoutes:
     qo: KindRoutes
     kv: KindRoutes
+    sub_stages: bool = False  # one remote stage (``relay_stages.StageRelayRoutes`` runs S > 1)
 
     def kind(self, route: str) -> KindRoutes:
         return self.qo if route == "qo" else self.kv

@@ -18,7 +18,8 @@ def test_relay_bench_small(tmp_path, capsys):
         spec.loader.exec_module(mod)
         out = mod.main(["--P", "16", "--kinds", "full", "--tokens", "64", "--no-topology-solve",
                         "--plan-cache", str(tmp_path / "plans"), "--json", str(tmp_path / "r.json"),
-                        "--md", str(tmp_path / "r.md")])
+                        "--md", str(tmp_path / "r.md"), "--stages", "2", "--stages-json", str(tmp_path / "s.json"),
+                        "--stages-md", str(tmp_path / "s.md")])
     finally:
         sys.path[:] = saved_path
         torch.set_num_threads(saved_threads)
@@ -30,3 +31,11 @@ def test_relay_bench_small(tmp_path, capsys):
     assert len(json.loads((tmp_path / "r.json").read_text())["rows"]) == 2
     assert list((tmp_path / "plans").glob("full_P16_s0_c64.pt"))  # today's plan cached for the next run
     assert "| full | 16 | relay |" in capsys.readouterr().out
+    # the step table: S = 1 and S = 2, direct and relay, next to USP and load-balanced USP
+    steps = out["steps"]
+    got = {(r["S"], r["transport"], r["comm"]) for r in steps}
+    assert {(1, "direct", "a2a"), (1, "relay", "a2a"), (2, "direct", "p2p"), (2, "relay", "p2p"),
+            (2, "relay", "a2a"), (None, "USP", ""), (None, "bal. USP", "")} <= got
+    usp = next(r for r in steps if r["transport"] == "USP")
+    assert all(abs(r["step_vs_usp"] - r["step_ms"] / usp["step_ms"]) < 1e-12 for r in steps)
+    assert "SIMULATED" in (tmp_path / "s.md").read_text()

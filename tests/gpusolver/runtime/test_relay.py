@@ -32,10 +32,11 @@ def _topology(per_node: int) -> Topology:
     return Topology(ranks_per_node=per_node, nvlink_gbps=450.0, ib_gbps=50.0, attn_tflops=400.0, name="test")
 
 
-def _plans(name, P, per_node, c=16, Hq=4, Hkv=2, tiles=1, keep=True, seed=None, **relay_kw):
-    """(direct plan, relay plan, mask, config) of one reference-solver assignment."""
+def _plans(name, P, per_node, c=16, Hq=4, Hkv=2, tiles=1, keep=True, seed=None, num_stages=1, **relay_kw):
+    """(direct plan, relay plan, mask, config) of one reference-solver assignment (``num_stages``
+    sub-stages: ``test_relay_stages``)."""
     mask = make_mask(name, P * c, seed=P if seed is None else seed)
-    config = make_config(P, Hq, Hkv, True, tiles, keep_forward_buffers=keep)
+    config = make_config(P, Hq, Hkv, True, tiles, keep_forward_buffers=keep, num_stages=num_stages)
     direct, tight = tight_plan(mask, config)
     areas = block_areas(mask, P, config.head_groups, impl="torch", tiles=tiles)
     relayed = replace(tight, topology=_topology(per_node))
@@ -279,22 +280,17 @@ def test_relay_bad_input():
     P = 8
     mask = make_mask("docs-causal", P * 16, seed=0)
     topo = _topology(4)
-    with pytest.raises(ValueError, match="ib_relay=True.*num_stages=2"):
-        direct, _ = tight_plan(mask, make_config(P, 4, 2))
-        cfg = make_config(P, 4, 2, topology=topo, ib_relay=True, num_stages=2)
-        build_plan(mask, block_areas(mask, P, cfg.head_groups, impl="torch"), direct.assignment, cfg)
     with pytest.raises(ValueError, match="ib_relay=True.*sparse plan"):
         from gpusolver.plan.build import relay_transport
         relay_transport(make_config(P, 4, 2, topology=topo, ib_relay=True), sparse=True)
-    # by default (ib_relay=None) sub-stage plans keep direct transport
+    # sub-stage plans relay too (``test_relay_stages``)
     cfg = make_config(P, 4, 2, topology=topo, num_stages=2)
-    from gpusolver.plan.build import relay_transport
-    assert cfg.relays and not relay_transport(cfg)
+    assert cfg.relays and relay_transport(cfg)
     _, plan, _, _ = _plans("docs-causal", P, 4)
     with pytest.raises(ValueError, match="hop must be"):
         plan.pair_bytes("fwd", hop=4)
-    with pytest.raises(ValueError, match="num_stages=3"):
-        forward_ops(3, relay=True)
+    with pytest.raises(ValueError, match="branches=2"):
+        forward_ops(3, 2, relay=True)
     with pytest.raises(ValueError, match="unknown buffers"):
         relay_rows(cfg, 16, 4, qo_relays=3)
     with pytest.raises(ValueError, match="qo_relay must be a non-negative int"):

@@ -1,0 +1,349 @@
+"""The executor of a relay plan with S > 1 sub-stages (``Plan.relay.num_stages`` = S).
+
+Shape legend: P ranks, n = G * c local group-major rows, ``cap`` a kind's receive rows,
+``relay_cap`` / ``egress_cap`` its relay / egress buffer rows (``gpusolver.plan.relay``).
+Per-rank tensors carry a leading ``[P]`` on a ``LocalGroup`` (``batched``).
+
+It runs ``schedule.forward_ops(S + 1, relay=True)`` / ``backward_ops`` op by op: the sub-stages
+of ``runtime.pipelined`` (operands ``X = [local rows | receive buffer]``, the casts' rows at
+their own rows of it, every cast up front, each sub-stage waiting only for its own, a reduce per
+sub-stage) with every cast and reduce as the hops of ``runtime.relayed``:
+
+- cast s of a kind is its hops (3, 1, 0, 2) on sub-stage s's route (``RelayMeta.stage``). Each
+  hop receives into one buffer per (pass, kind, hop) shared by the S casts, at the rows casts
+  1..s-1 left (``recv_offset``): the direct, fan-out, relay and egress buffers cost what one
+  cast's do. Once cast s's direct and fan-out rows are in, its rows are gathered into X at
+  ``CommMeta.stage_base`` (the layout CalcMeta reads), out of ``concat(direct, fan-out, relay)``;
+- reduce s takes sub-stage s's partials in reduce s's layout (``CommMeta.return_gather``) and
+  returns them by the hops of reduce s's route in three legs (``schedule._relay_reduce_legs``):
+  hop 2 to the relays (merged there onto the relay's own) and hop 0 home, then hop 1 (onto
+  identity rows, the egresses' slots too), then hop 3 home. Each leg's result starts from a
+  neutral accumulator, so no leg waits for another's on its way home; the host merges its own
+  rows, then per sub-stage its direct rows and its relayed rows, s = 1..S: a fixed order, so the
+  result is deterministic (the log-sum-exp merge and the sums are associative).
+
+Host reads: none with ``LocalGroup``; with ``TorchGroup`` every hop's ``[P, P]`` split of every
+sub-stage, stacked and copied once without blocking (``host_splits``), and each shared buffer's
+start row on this rank summed from that copy (``pipelined._HostStart``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from attn_kernels import flex_attn, flex_attn_backward, row_delta
+from gpusolver.nvtx import nvtx_range
+from gpusolver.plan.relay import assemble_index, hop_send_index, inverse_index, shifted
+from gpusolver.plan.schedule import ATTN, CAST, DELTA, MERGE, REDUCE, WAIT, backward_ops, forward_ops, hop_phase
+from gpusolver.runtime.operands import Operands, rows
+from gpusolver.runtime.pipelined import (KINDS, WHICH, _gather_remote, _HostStart, _merge, _per_rank, _slices, op_range,
+                                         stage_phase)
+from gpusolver.runtime.relayed import _identity, _take
+from groupcomm import TorchGroup, group_cast, group_reduce, host_splits
+
+_INTERNAL = dict(validate=False, flag_errors=False)
+
+
+@dataclass(frozen=True)
+class HopRoutes:
+    """One kind's cast or reduce of one sub-stage, for the ranks run here.
+
+    index / split / host: per hop (0, 1, 2[, 3]) the send list, the ``[P, P]`` split and its host
+    copy (``TorchGroup``) or None. start / host_start (casts): per hop the ``[P]`` first row of the
+    shared receiving buffer (and this rank's, as a ``_HostStart``). assemble (casts): ``[.., cap]``
+    rows of ``concat(direct, fan-out, relay)`` that make X's receive rows of this cast (-1 elsewhere).
+    back (reduces): (direct, fan-out, relay) ``[.., rows]`` rows of the reduce's buffer each holds.
+    """
+
+    index: tuple
+    split: tuple
+    host: tuple
+    start: tuple = ()
+    host_start: tuple = ()
+    assemble: torch.Tensor | None = None
+    back: tuple | None = None
+
+
+@dataclass(frozen=True)
+class StageRelayRoutes:
+    """Every sub-stage's hops: ``routes[(kind, which)][s - 1]`` a ``HopRoutes``; ``gather[kind][s - 1]``
+    the rows of X's receive part that make reduce s's buffer; ``caps[kind]`` = (receive, relay,
+    egress) rows."""
+
+    num_stages: int
+    egress: bool
+    routes: dict
+    gather: dict
+    caps: dict
+    sub_stages: bool = True  # ``dist_attn``: X-shaped operands, as ``pipelined``
+
+
+def stage_relay_routes(plan, group, ranks: tuple[int, ...], batched: bool) -> StageRelayRoutes:
+    """The hops of every sub-stage of ``plan`` for the ranks run here (sync-free; on ``TorchGroup``
+    it starts the one non-blocking copy of all the split matrices)."""
+    comm, relay = plan.comm, plan.relay
+    S, egress = relay.num_stages, bool(relay.egress)
+    hops = (0, 1, 2, 3) if egress else (0, 1, 2)
+    keys = [(k, w) for k in KINDS for w in WHICH]
+    splits = {(k, w): [[relay.stage(k, s, w).split(h) for h in hops] for s in range(1, S + 1)] for k, w in keys}
+    if isinstance(group, TorchGroup):
+        parts = host_splits(torch.stack([m for key in keys for per in splits[key] for m in per])).parts()
+        H = len(hops)
+        hosts = {key: [parts[(b * S + i) * H:(b * S + i + 1) * H] for i in range(S)] for b, key in enumerate(keys)}
+    else:
+        hosts = {key: [[None] * len(hops) for _ in range(S)] for key in keys}
+
+    def stack(fn):
+        return torch.stack([fn(r) for r in ranks]) if batched else fn(ranks[0])
+
+    routes, caps, gather = {}, {}, {}
+    for k, w in keys:
+        cap = comm.buffers.recv(k)
+        per = []
+        for s in range(1, S + 1):
+            route = relay.stage(k, s, w)
+            caps[k] = (cap, route.relay_capacity, route.egress_capacity)
+            index = tuple(stack(lambda r, h=h: hop_send_index(comm, route, k, h, r)) for h in hops)
+            kw = {}
+            if w == "cast":
+                earlier = splits[k, w][:s - 1]
+                kw["start"] = tuple(sum((e[i].sum(0) for e in earlier), torch.zeros_like(comm.qo_recv_rows))
+                                    for i in range(len(hops)))
+                kw["host_start"] = tuple(
+                    _HostStart([hosts[k, w][j][i] for j in range(S)], s, ranks[0]) if hosts[k, w][0][i] is not None
+                    else None for i in range(len(hops)))
+                base = comm.stage_base(k)[s - 1]
+                kw["assemble"] = stack(lambda r: shifted(assemble_index(comm, route, k, r), base[r]))
+            else:
+                inv = stack(lambda r: inverse_index(assemble_index(comm, route, k, r), 2 * cap + route.relay_capacity))
+                kw["back"] = (inv[..., :cap], inv[..., cap:2 * cap], inv[..., 2 * cap:])
+            per.append(HopRoutes(index=index, split=tuple(splits[k, w][s - 1]), host=tuple(hosts[k, w][s - 1]), **kw))
+        routes[k, w] = per
+    for k in KINDS:
+        gather[k] = list(stack(lambda r: comm.return_gather(k, r)).unbind(1 if batched else 0))
+    return StageRelayRoutes(num_stages=S, egress=egress, routes=routes, gather=gather, caps=caps)
+
+
+def _label(op) -> str:
+    """The byte counter of one hop of one sub-stage's collective: ``"fwd.kv.2:hop1"``."""
+    return hop_phase(stage_phase(op.phase, op.stages[0]), op.hop)
+
+
+class _StageHops:
+    """One pass's relayed collectives: works, the shared receiving buffers, reduce legs' results."""
+
+    def __init__(self, sr: StageRelayRoutes, group, batched: bool, deterministic: bool):
+        self.sr, self.group, self.batched, self.det = sr, group, batched, deterministic
+        self.lead = 1 if batched else 0
+        self.works, self.bufs, self.landed, self.merged, self.at_egress = {}, {}, {}, {}, {}
+        self.returned = []  # what reached the host, in op order: (phase, results)
+
+    def _buffers(self, op, tensors) -> dict:
+        """The shared buffers of ``op``'s pass and kind (allocated at its first cast): per hop one
+        buffer per tensor; hop 3's is ``[local rows | egress rows]`` (hop 1 reads both)."""
+        key = op.phase
+        if key not in self.bufs:
+            cap, rcap, ecap = self.sr.caps[op.route]
+
+            def empty(rows_):
+                out = []
+                for t in tensors:
+                    shape = list(t.shape)
+                    shape[self.lead] = rows_
+                    out.append(t.new_zeros(shape))
+                return out
+
+            self.bufs[key] = {0: empty(cap), 2: empty(cap), 1: empty(rcap)}
+            if self.sr.egress:
+                self.bufs[key][3] = Operands(list(tensors), ecap, self.lead, zero=True)
+        return self.bufs[key]
+
+    def cast(self, op, tensors) -> None:
+        (s,) = op.stages
+        hr = self.sr.routes[op.route, "cast"][s - 1]
+        bufs = self._buffers(op, tensors)
+        i = op.hop
+        if op.hop == 1 and self.sr.egress:  # reads the local rows, then the egress rows hop 3 brought
+            self.works[op.deps[0]].wait()
+            tensors = bufs[3].x
+        elif op.hop == 2:  # reads the relay buffer hop 1 brought
+            self.works[op.deps[0]].wait()
+            tensors = bufs[1]
+        out = bufs[3].remote() if op.hop == 3 else bufs[op.hop]
+        cap, rcap, ecap = self.sr.caps[op.route]
+        hop_cap = {1: rcap, 3: ecap}.get(op.hop, cap)
+        self.works[op.name] = group_cast(list(tensors), hr.index[i], hr.split[i], hop_cap, self.group,
+                                         phase=_label(op), host_split=hr.host[i], async_op=True, flag_errors=False,
+                                         out=list(out), recv_offset=hr.start[i], host_recv_offset=hr.host_start[i])
+
+    def wait_cast(self, op, into: list[torch.Tensor]) -> None:
+        """Wait for a direct or fan-out hop; once both of cast s are in, gather its rows into X."""
+        self.works[op.deps[0]].wait()
+        (s,) = op.stages
+        key = (op.phase, s)
+        self.landed[key] = self.landed.get(key, 0) + 1
+        if self.landed[key] < 2:
+            return
+        idx = self.sr.routes[op.route, "cast"][s - 1].assemble
+        bufs = self.bufs[op.phase]
+        for x, d, f, r in zip(into, bufs[0], bufs[2], bufs[1]):
+            got = _take(torch.cat((d, f, r), dim=self.lead), idx, 0.0, self.batched)
+            keep = (idx >= 0).view(*idx.shape, *([1] * (x.dim() - idx.dim())))
+            x.copy_(torch.where(keep, got, x))
+
+    def reduce(self, op, full, neutral, red: str, fills) -> None:
+        """``full``: sub-stage s's partials in reduce s's layout; ``neutral``: the host's identity rows."""
+        (s,) = op.stages
+        hr = self.sr.routes[op.route, "return"][s - 1]
+        _, _, ecap = self.sr.caps[op.route]
+        take = lambda which: [_take(p, hr.back[which], f, self.batched) for p, f in zip(full, fills)]  # noqa: E731
+        key = (op.phase, s)
+        if op.hop == 2:  # onto the relay's own partial of each relayed row, sources ascending
+            partials, acc = take(1), take(2)
+        elif op.hop == 0:
+            partials, acc = take(0), [t.clone() for t in neutral]
+        elif op.hop == 1:  # the relays' merged rows onto identity rows (an egress's slots too)
+            partials, acc = self.merged.pop(key), [t.clone() for t in neutral]
+            if self.sr.egress:
+                acc = [torch.cat((a, _identity(a, ecap, f, self.lead)), dim=self.lead) for a, f in zip(acc, fills)]
+        else:  # hop 3: an egress's merged slots home, onto the host's rows from its own NIC
+            res = self.at_egress.pop(key)
+            n = res[0].shape[self.lead] - ecap
+            acc = [x.narrow(self.lead, 0, n) for x in res]
+            partials = [x.narrow(self.lead, n, ecap).contiguous() for x in res]
+        i = op.hop
+        self.works[op.name] = group_reduce(list(partials), hr.index[i], hr.split[i], list(acc), self.group, op=red,
+                                           phase=_label(op), host_split=hr.host[i], deterministic=self.det,
+                                           async_op=True, flag_errors=False)
+
+    def wait_reduce(self, op) -> None:
+        res = self.works.pop(op.deps[0]).wait()
+        key = (op.phase, op.stages[0])
+        if op.hop == 2:
+            self.merged[key] = res
+        elif op.hop == 1 and self.sr.egress:
+            self.at_egress[key] = res
+        else:  # hop 0, or the last hop home (1 with two nodes, else 3)
+            self.returned.append((op.phase, res))
+
+
+def relay_stages_forward(plan, group, ranks, batched: bool, sr: StageRelayRoutes, ql, kl, vl, scale: float,
+                         deterministic: bool):
+    """Run ``forward_ops(S + 1, relay=True)``: (o, lse, [Xq, Xk, Xv]) group-major, as ``pipelined``."""
+    lead = 1 if batched else 0
+    S = sr.num_stages
+    cap_q, cap_k = sr.caps["qo"][0], sr.caps["kv"][0]
+    n = ql.shape[lead]
+    sent = {"qo": (ql,), "kv": (kl, vl)}
+    X = {"qo": Operands([ql], cap_q, lead, zero=True), "kv": Operands([kl, vl], cap_k, lead, zero=True)}
+    hops = _StageHops(sr, group, batched, deterministic)
+    acc = o0 = l0 = None
+    full = {}
+    for op in forward_ops(S + 1, relay=True, egress=sr.egress):
+        with nvtx_range(op_range(op, sub_stages=True)):
+            if op.kind == CAST:
+                hops.cast(op, sent[op.route])
+            elif op.kind == WAIT and op.back:
+                hops.wait_reduce(op)
+            elif op.kind == WAIT:
+                hops.wait_cast(op, X[op.route].remote())
+            elif op.kind == ATTN and op.stages == (0,):
+                o0, l0 = _per_rank(ranks, batched, lambda r, q_, k_, v_: flex_attn(
+                    q_, k_, v_, *_slices(plan, r, 0), scale, **_INTERNAL), ql, kl, vl)
+                acc = Operands([o0.float(), l0], cap_q, lead, zero=True)  # running (out fp32, lse) of X's rows
+                acc.remote()[1].fill_(float("-inf"))
+            elif op.kind == ATTN:
+                (s,) = op.stages
+                o_s, l_s = _per_rank(ranks, batched, lambda r, q_, k_, v_: flex_attn(
+                    q_, k_, v_, *_slices(plan, r, s), scale, **_INTERNAL), *X["qo"].x, *X["kv"].x)
+                a_o, a_l = acc.x
+                o_m, l_m = _merge(a_o, a_l, o_s, l_s, lead)
+                a_o.copy_(o_m)
+                a_l.copy_(l_m)
+            elif op.kind == REDUCE:
+                (s,) = op.stages
+                if s not in full:  # sub-stage s's partials in reduce s's layout, once
+                    full[s] = [_gather_remote(t, sr.gather["qo"][s - 1], n, lead, d)
+                               for t, d in zip(acc.x, (o0.dtype, l0.dtype))]
+                neutral = (torch.zeros_like(o0), torch.full_like(l0, float("-inf")))
+                hops.reduce(op, full[s], neutral, "lse", (0.0, float("-inf")))
+            elif op.kind == MERGE:  # the host's rows, then per sub-stage direct and relayed rows
+                o, lse = (rows(t, lead, 0, n) for t in acc.x)
+                for _, (r_o, r_l) in hops.returned:
+                    o, lse = _merge(o, lse, r_o, r_l, lead)
+            else:
+                raise AssertionError(f"relay sub-stages cannot run forward op {op}")
+    return o.to(o0.dtype).contiguous(), lse.contiguous(), X["qo"].x + X["kv"].x
+
+
+def relay_stages_backward(plan, group, ranks, batched: bool, sr: StageRelayRoutes, ql, kl, vl, o, lse, kept_q,
+                          kept_kv, d_o, d_l, scale: float, deterministic: bool):
+    """Run ``backward_ops(S + 1, relay=True)``: (dq, dk, dv) group-major. ``kept_q`` / ``kept_kv``:
+    the forward's Xq / [Xk, Xv], or None (cast again), as ``pipelined.backward_stages``."""
+    lead = 1 if batched else 0
+    S = sr.num_stages
+    cap_q, cap_k = sr.caps["qo"][0], sr.caps["kv"][0]
+    n = ql.shape[lead]
+    Xq = Operands([ql], cap_q, lead, zero=True) if kept_q is None else None
+    Xkv = Operands([kl, vl], cap_k, lead, zero=True) if kept_kv is None else None
+    xq = [kept_q] if kept_q is not None else Xq.x
+    xk, xv = kept_kv if kept_kv is not None else Xkv.x
+    grads_q = Operands([torch.zeros(ql.shape, dtype=torch.float32, device=ql.device)], cap_q, lead, zero=True)
+    grads_kv = Operands([torch.zeros(kl.shape, dtype=torch.float32, device=kl.device),
+                         torch.zeros(vl.shape, dtype=torch.float32, device=vl.device)], cap_k, lead, zero=True)
+    hops = _StageHops(sr, group, batched, deterministic)
+    delta = Xg = None
+    full = {}
+
+    def run(s):
+        def fn(r, *t):
+            return flex_attn_backward(*t, *_slices(plan, r, s), scale, **_INTERNAL)
+        return fn
+
+    for op in backward_ops(S + 1, kept_kv is not None, relay=True, egress=sr.egress):
+        with nvtx_range(op_range(op, sub_stages=True)):
+            if op.kind == DELTA:
+                delta = _per_rank(ranks, batched, lambda r, a, b, *c_: (row_delta(a, b, c_[0] if c_ else None),),
+                                  d_o, o, *(() if d_l is None else (d_l,)))[0]
+                Xg = Operands([d_o, lse, delta], cap_q, lead, zero=True)
+            elif op.kind == CAST:
+                if op.route == "qo":
+                    hops.cast(op, (d_o, lse, delta) + (() if kept_q is not None else (ql,)))
+                else:
+                    hops.cast(op, (kl, vl))
+            elif op.kind == WAIT and op.back:
+                hops.wait_reduce(op)
+            elif op.kind == WAIT:
+                into = (Xg.remote() + ([] if kept_q is not None else Xq.remote())) if op.route == "qo" \
+                    else Xkv.remote()
+                hops.wait_cast(op, into)
+            elif op.kind == ATTN and op.stages == (0,):  # local rows only: its grads never travel
+                parts = _per_rank(ranks, batched, run(0), d_o, ql, kl, vl, lse, delta)
+                for acc_, part in zip(grads_q.x + grads_kv.x, parts):
+                    rows(acc_, lead, 0, n).add_(part)
+            elif op.kind == ATTN:
+                (s,) = op.stages
+                g_do, g_lse, g_delta = Xg.x
+                parts = _per_rank(ranks, batched, run(s), g_do, xq[0], xk, xv, g_lse, g_delta)
+                for acc_, part in zip(grads_q.x + grads_kv.x, parts):
+                    acc_.add_(part)
+            elif op.kind == REDUCE:
+                (s,) = op.stages
+                kind = op.route
+                local = (ql,) if kind == "qo" else (kl, vl)
+                if (op.phase, s) not in full:
+                    pick = grads_q.x if kind == "qo" else grads_kv.x
+                    full[op.phase, s] = [_gather_remote(t, sr.gather[kind][s - 1], n, lead, x.dtype)
+                                         for t, x in zip(pick, local)]
+                hops.reduce(op, full[op.phase, s], [torch.zeros_like(x) for x in local], "sum", (0.0,) * len(local))
+            elif op.kind == MERGE:  # the host's rows plus per sub-stage direct and relayed rows, in order
+                dq, dk, dv = (rows(t, lead, 0, n) for t in grads_q.x + grads_kv.x)
+                for phase, parts in hops.returned:
+                    if phase == "bwd.dq":
+                        dq = dq + parts[0].float()
+                    else:
+                        dk, dv = dk + parts[0].float(), dv + parts[1].float()
+            else:
+                raise AssertionError(f"relay sub-stages cannot run backward op {op}")
+    return dq.to(ql.dtype), dk.to(kl.dtype), dv.to(vl.dtype)
