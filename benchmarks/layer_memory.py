@@ -136,7 +136,7 @@ def make_config(P: int, shapes: dict, keep=True, budget=None, qo_chunks=None) ->
                           memory_budget=budget)
     if qo_chunks is None:
         return config
-    return replace(config, max_qo_recv_rows=qo_chunks * config.head_groups * shapes["tokens_per_rank"])
+    return replace(config, max_qo_recv_rows=int(round(qo_chunks * config.head_groups * shapes["tokens_per_rank"])))
 
 
 def measure(kind: str, P: int, shapes: dict, device: str, *, seed: int = 0, keep=True, budget=None,
@@ -174,7 +174,7 @@ def measure(kind: str, P: int, shapes: dict, device: str, *, seed: int = 0, keep
     with bwd_live:
         torch.autograd.backward(out, d_out)
     ref = layer_shapes(shapes, P)
-    row = {"kind": kind, "P": P, "budget": budget, "qo_recv": "default" if qo_chunks is None else f"{qo_chunks} Gc",
+    row = {"kind": kind, "P": P, "budget": budget, "qo_recv": "default" if qo_chunks is None else f"{qo_chunks:g} Gc",
            "keep": keep, "kv_rows": _chunks(kv_rows, config, c),
            "ckpt": "yes" if checkpoint else "no", "device": device, "solve_s": solve_s,
            "kept": saved.total / P, "fwd_peak": fwd_live.peak / P, "bwd_peak": bwd_live.peak / P, **ref}
@@ -224,7 +224,7 @@ def step_cost(kind: str, P: int, budget: float, seed: int, topology: str, qo_chu
         if name == "budget":
             resolved, plan_status = keep_for_budget(config, c), plan.status
     return {"kind": kind, "P": P, "budget": budget, "status": int(plan_status),
-            "qo_recv": "default" if qo_chunks is None else f"{qo_chunks} Gc",
+            "qo_recv": "default" if qo_chunks is None else f"{qo_chunks:g} Gc",
             "budget_keep": resolved.keep_forward_buffers,
             "kv_rows": _chunks(resolved.kept_kv_rows, resolved, c), "keep_ms": times["keep"],
             "budget_ms": times["budget"], "step_ratio": times["budget"] / times["keep"], "none_ms": times["none"],
@@ -245,7 +245,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-real", action="store_true", help="skip the real-shape runs on meta")
     p.add_argument("--no-small", action="store_true", help="skip the small runs on CPU")
     p.add_argument("--budget", type=float, default=1.5, help="memory_budget of the budget runs")
-    p.add_argument("--budget-qo-chunks", type=int, default=None,
+    p.add_argument("--budget-qo-chunks", type=float, default=None,
                    help="QO receive rows of the budget runs in multiples of G * c (default: the default buffer)")
     p.add_argument("--md", default=None, help="write the tables to this markdown file")
     p.add_argument("--step-cp-sizes", default="", help="P of the simulated step cost runs (device solver on CPU at "
