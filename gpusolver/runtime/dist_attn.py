@@ -167,20 +167,22 @@ def _per_rank(routes: LayerRoutes, fn, *tensors: torch.Tensor):
 
 
 def issue(op: Op, routes: LayerRoutes, group, tensors, acc=None, deterministic: bool = True):
-    """Start the collective ``op``: a cast of ``tensors`` into the buffers ``acc`` (the receive rows of
-    stage 1's operands, written in place), or a reduce of them into ``acc``. Its Work. A reduce takes
-    both as lists and empties them (``group_reduce(consume=True)``): a caller that keeps no other
-    reference has its partials freed once sent and its accumulators once read."""
+    """Start the collective ``op``: a cast of ``tensors`` (into the buffers ``acc`` when given: the
+    receive rows of stage 1's operands, written in place; else into new ones), or a reduce of them
+    into ``acc``. Its Work. A reduce given two lists empties them (``group_reduce(consume=True)``):
+    a caller that keeps no other reference has its partials freed once sent and its accumulators
+    once read; tuples are left as they are."""
     index = routes.qo_index if op.route == "qo" else routes.kv_index
     split = routes.qo_split if op.route == "qo" else routes.kv_split
     host = routes.qo_host if op.route == "qo" else routes.kv_host
     if op.kind == CAST:
         cap = routes.qo_capacity if op.route == "qo" else routes.kv_capacity
         return group_cast(list(tensors), index, split, cap, group, phase=op.phase, host_split=host,
-                          async_op=True, flag_errors=False, out=list(acc))
-    return group_reduce(tensors, index, split, acc, group, op="lse" if op.phase == "fwd.o" else "sum",
-                        phase=op.phase, host_split=host, deterministic=deterministic, async_op=True,
-                        flag_errors=False, consume=True)
+                          async_op=True, flag_errors=False, out=None if acc is None else list(acc))
+    consume = isinstance(tensors, list) and isinstance(acc, list)
+    return group_reduce(tensors if consume else list(tensors), index, split, acc if consume else list(acc), group,
+                        op="lse" if op.phase == "fwd.o" else "sum", phase=op.phase, host_split=host,
+                        deterministic=deterministic, async_op=True, flag_errors=False, consume=consume)
 
 
 def issue_tail(op: Op, routes: LayerRoutes, group, tensors, first_row: int, out):
@@ -233,10 +235,10 @@ class _DistAttn(torch.autograd.Function):
         # the operands of stage 1, allocated once: each cast writes its rows into their slot (zero past
         # the fill, as a new buffer), so the local rows and buffers never exist a second time
         X = {"qo": Operands([ql], cap, lead, zero=True), "kv": Operands([kl, vl], routes.kv_capacity, lead, zero=True)}
-        if "qo" in keep:  # the kept X holds the local rows too: ql is a view of it
-            ql = local(X["qo"].x[0])
-        if "kv" in keep:
-            kl, vl = (local(x) for x in X["kv"].x)
+        # X holds the local rows: ql, kl, vl are views of it (their group-major copies go), and a kind
+        # not kept saves a copy of its local rows at the end, once the reduce's work is freed
+        ql = local(X["qo"].x[0])
+        kl, vl = (local(x) for x in X["kv"].x)
         sent = {"qo": (ql,), "kv": (kl, vl)}
         works, parts = {}, {}
         o = lse = None
@@ -272,12 +274,13 @@ class _DistAttn(torch.autograd.Function):
                 else:
                     raise AssertionError(f"dist_attn cannot run forward op {op}")
         # only what the backward reads: a kept kind's whole X (local rows and buffer), else its local rows
-        kv_saved = (kl, vl)
-        if "kv" in keep:  # all of X, or its local rows and the first kv_rows of the buffer (the rest is cast again)
+        if "kv" not in keep:
+            kv_saved = (kl.clone(), vl.clone())
+        else:  # all of X, or its local rows and the first kv_rows of the buffer (the rest is cast again)
             kv_saved = tuple(X["kv"].x) if kv_rows < 0 else tuple(rows(x, lead, 0, n + kv_rows).clone()
                                                                for x in X["kv"].x)
-        saved = (X["qo"].x[0] if "qo" in keep else ql,) + kv_saved
-        del X
+        saved = (X["qo"].x[0] if "qo" in keep else ql.clone(),) + kv_saved
+        del X, sent, ql, kl, vl
         ctx.save_for_backward(*saved, o, lse)
         ctx.routes, ctx.group, ctx.scale, ctx.keep, ctx.deterministic = routes, group, scale, keep, deterministic
         ctx.kv_rows = kv_rows
@@ -319,8 +322,8 @@ class _DistAttn(torch.autograd.Function):
         if Xq is not None:
             xq = Xq.x[0]
         if part:
-            for x, kept in zip(Xkv.x, (xk, xv)):
-                rows(x, lead, n, ctx.kv_rows).copy_(rows(kept, lead, n, ctx.kv_rows))
+            for i, kept in enumerate((xk, xv)):  # (no loop variable left holding an operand past the stages)
+                rows(Xkv.x[i], lead, n, ctx.kv_rows).copy_(rows(kept, lead, n, ctx.kv_rows))
         if Xkv is not None:
             xk, xv = Xkv.x
         ql, kl, vl = local(xq), local(xk), local(xv)
