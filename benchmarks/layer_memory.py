@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import traceback
 import weakref
 from dataclasses import replace
 from pathlib import Path
@@ -79,18 +80,34 @@ class LiveBytes(TorchDispatchMode):
 
     Storages that existed before the mode (the inputs) are not counted; a storage is freed
     when its last tensor dies (a weakref finaliser on the storage, whose Python object lives
-    as long as the storage does).
+    as long as the storage does). ``track``: also keep what made each live storage (op, shape,
+    dtype, the innermost lines of gpusolver / groupcomm / attn_kernels that called it) and the
+    live set at the peak (``at_peak``, biggest first).
     """
 
-    def __init__(self):
+    def __init__(self, track: bool = False):
         super().__init__()
         self.live = 0
         self.peak = 0
         self._seen: set[int] = set()
+        self.track = track
+        self._what: dict[int, tuple] = {}
+        self._peak_set: list[tuple] = []
 
     def _free(self, key: int, nbytes: int) -> None:
         self.live -= nbytes
         self._seen.discard(key)
+        self._what.pop(key, None)
+
+    @staticmethod
+    def _site() -> str:
+        ours = ("gpusolver/", "groupcomm/", "attn_kernels/")
+        frames = [f for f in traceback.extract_stack()[:-3] if any(o in f.filename for o in ours)]
+        return " < ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames[-2:]))
+
+    def at_peak(self, top: int) -> list[tuple]:
+        """(bytes, op, shape, dtype, site) of the ``top`` biggest storages live at the peak."""
+        return sorted(self._peak_set, key=lambda x: -x[0])[:top]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -105,6 +122,11 @@ class LiveBytes(TorchDispatchMode):
                     self._seen.add(key)
                     self.live += s.nbytes()
                     weakref.finalize(s, self._free, key, s.nbytes())
+                    if self.track:
+                        self._what[key] = (s.nbytes(), str(func).removeprefix("aten."), tuple(t.shape),
+                                           str(t.dtype).removeprefix("torch."), self._site())
+        if self.live > self.peak and self.track:
+            self._peak_set = list(self._what.values())
         self.peak = max(self.peak, self.live)
         return out
 
@@ -136,14 +158,15 @@ def make_config(P: int, shapes: dict, keep=True, budget=None, qo_chunks=None) ->
                           memory_budget=budget)
     if qo_chunks is None:
         return config
-    return replace(config, max_qo_recv_rows=qo_chunks * config.head_groups * shapes["tokens_per_rank"])
+    return replace(config, max_qo_recv_rows=int(round(qo_chunks * config.head_groups * shapes["tokens_per_rank"])))
 
 
 def measure(kind: str, P: int, shapes: dict, device: str, *, seed: int = 0, keep=True, budget=None,
-            checkpoint: bool = False, qo_chunks=None) -> dict:
+            checkpoint: bool = False, qo_chunks=None, top: int = 0) -> dict:
     """Kept and peak bytes per rank of one layer (forward and backward) for one mask; ``checkpoint``:
     the layer under full activation checkpointing (non-reentrant: nothing saved, the forward run
-    again inside the backward, whose peak is then counted)."""
+    again inside the backward, whose peak is then counted); ``top``: also the biggest storages
+    live at each pass's peak (``fwd_top``, ``bwd_top``: (bytes, op, shape, dtype, site))."""
     c, D, dtype = shapes["tokens_per_rank"], shapes["head_dim"], shapes["dtype"]
     Hq, Hkv = shapes["num_heads_q"], shapes["num_heads_kv"]
     config = keep_for_budget(make_config(P, shapes, keep, budget, qo_chunks), c)  # what the budget keeps
@@ -161,7 +184,7 @@ def measure(kind: str, P: int, shapes: dict, device: str, *, seed: int = 0, keep
 
     q, k, v = make(Hq), make(Hkv), make(Hkv)
     group = LocalGroup(P)
-    fwd_live, bwd_live = LiveBytes(), LiveBytes()
+    fwd_live, bwd_live = LiveBytes(track=top > 0), LiveBytes(track=top > 0)
     def layer(q, k, v):
         return dist_attn(q, k, v, plan, group, keep_forward_buffers=keep, kept_kv_rows=kv_rows)
 
@@ -174,10 +197,12 @@ def measure(kind: str, P: int, shapes: dict, device: str, *, seed: int = 0, keep
     with bwd_live:
         torch.autograd.backward(out, d_out)
     ref = layer_shapes(shapes, P)
-    row = {"kind": kind, "P": P, "budget": budget, "qo_recv": "default" if qo_chunks is None else f"{qo_chunks} Gc",
+    row = {"kind": kind, "P": P, "budget": budget, "qo_recv": "default" if qo_chunks is None else f"{qo_chunks:g} Gc",
            "keep": keep, "kv_rows": _chunks(kv_rows, config, c),
            "ckpt": "yes" if checkpoint else "no", "device": device, "solve_s": solve_s,
            "kept": saved.total / P, "fwd_peak": fwd_live.peak / P, "bwd_peak": bwd_live.peak / P, **ref}
+    if top:
+        row["fwd_top"], row["bwd_top"] = fwd_live.at_peak(top), bwd_live.at_peak(top)
     row["kept_ratio"] = row["kept"] / ref["plain_kept"]
     row["peak_ratio"] = max(row["fwd_peak"], row["bwd_peak"]) / ref["own"]
     m = plan.memory(config)
@@ -206,6 +231,10 @@ STEP_COLUMNS = [("kind", "kind", ""), ("P", "P", "d"), ("budget", "budget", ""),
                 ("ratio none", "none_ratio", ".3f")]
 
 
+TOP_COLUMNS = [("pass", "pass_", ""), ("P", "P", "d"), ("MB", "mb", ".1f"), ("op", "op", ""), ("shape", "shape", ""),
+               ("dtype", "dtype", ""), ("made at", "site", "")]
+
+
 def step_cost(kind: str, P: int, budget: float, seed: int, topology: str, qo_chunks=None) -> dict:
     """Simulated training step (forward + backward, ``gpusolver.sim``) of the device solver's plan at
     real shapes on CPU: everything kept, within ``budget`` (what is not kept cast again, the solve
@@ -224,7 +253,7 @@ def step_cost(kind: str, P: int, budget: float, seed: int, topology: str, qo_chu
         if name == "budget":
             resolved, plan_status = keep_for_budget(config, c), plan.status
     return {"kind": kind, "P": P, "budget": budget, "status": int(plan_status),
-            "qo_recv": "default" if qo_chunks is None else f"{qo_chunks} Gc",
+            "qo_recv": "default" if qo_chunks is None else f"{qo_chunks:g} Gc",
             "budget_keep": resolved.keep_forward_buffers,
             "kv_rows": _chunks(resolved.kept_kv_rows, resolved, c), "keep_ms": times["keep"],
             "budget_ms": times["budget"], "step_ratio": times["budget"] / times["keep"], "none_ms": times["none"],
@@ -245,12 +274,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-real", action="store_true", help="skip the real-shape runs on meta")
     p.add_argument("--no-small", action="store_true", help="skip the small runs on CPU")
     p.add_argument("--budget", type=float, default=1.5, help="memory_budget of the budget runs")
-    p.add_argument("--budget-qo-chunks", type=int, default=None,
+    p.add_argument("--budget-qo-chunks", type=float, default=None,
                    help="QO receive rows of the budget runs in multiples of G * c (default: the default buffer)")
     p.add_argument("--md", default=None, help="write the tables to this markdown file")
     p.add_argument("--step-cp-sizes", default="", help="P of the simulated step cost runs (device solver on CPU at "
                    "real shapes: minutes each at P >= 32); empty: none")
     p.add_argument("--topology", default="h200_hgx", help="the simulated cluster of the step cost runs")
+    p.add_argument("--top", type=int, default=0, help="list the N biggest storages live at each pass's peak "
+                   "(real shapes, first kind, default config)")
     return p.parse_args(argv)
 
 
@@ -267,8 +298,9 @@ def main(argv=None) -> list[dict]:
                                     qo_chunks=qo))
             if not args.no_real:
                 for P in parse_list(args.cp_sizes, name="--cp-sizes"):
+                    first = keep is True and budget is None and not ckpt and kind == kinds[0]
                     rows.append(measure(kind, P, REAL, "meta", seed=args.seed, keep=keep, budget=budget,
-                                        checkpoint=ckpt, qo_chunks=qo))
+                                        checkpoint=ckpt, qo_chunks=qo, top=args.top if first else 0))
     for kind in kinds:
         for P in parse_list(args.step_cp_sizes, name="--step-cp-sizes") if args.step_cp_sizes else []:
             steps.append(step_cost(kind, P, args.budget, args.seed, args.topology, args.budget_qo_chunks))
@@ -283,6 +315,10 @@ def main(argv=None) -> list[dict]:
               f"{r['bwd_peak'] / 1e6:9.1f} MB = {r['peak_ratio']:.2f}x own"
               + (f"; plan.memory kept {r['plan_kept'] / 1e6:.1f} fwd {r['plan_fwd'] / 1e6:.1f} "
                  f"bwd {r['plan_bwd'] / 1e6:.1f} MB" if "plan_kept" in r else ""), flush=True)
+    for r in rows:
+        for name in ("fwd", "bwd"):
+            for n, op, shape, dtype, site in r.get(f"{name}_top", []):
+                print(f"top {name} P={r['P']:3} {n / r['P'] / 1e6:8.1f} MB {op:24} {str(shape):26} {dtype:9} {site}")
     if args.md:
         text = render(rows, steps, argv)
         Path(args.md).write_text(text)
@@ -300,6 +336,12 @@ def render(rows, steps, argv) -> str:
              f"\n### Small shapes on CPU (real values): {s['tokens_per_rank']} tokens per rank, "
              f"{s['num_heads_q']}:{s['num_heads_kv']}, D = {s['head_dim']}, fp32\n",
              markdown_table(_mb(small), COLUMNS)]
+    tops = [dict(pass_=name, P=r["P"], mb=n / r["P"] / 1e6, op=op, shape=str(list(shape)), dtype=dtype, site=site)
+            for r in real for name in ("fwd", "bwd") for n, op, shape, dtype, site in r.get(f"{name}_top", [])]
+    if tops:
+        parts += [f"\n### The biggest storages live at each pass's peak (real shapes, {real[0]['kind']}, default "
+                  "config; MB per rank, shapes with LocalGroup's leading [P])\n",
+                  markdown_table(tops, TOP_COLUMNS)]
     if steps:
         parts += ["\n### Simulated step cost of the budget (real shapes, device solver on CPU, `gpusolver.sim`: "
                   "modelled, not measured)\n", markdown_table(steps, STEP_COLUMNS)]

@@ -281,6 +281,7 @@ class TorchGroup:
         if self.transport == "p2p" and n_recv and inp.untyped_storage().data_ptr() == \
                 partials[0].untyped_storage().data_ptr():
             inp = inp.clone()  # p2p sends outlive wait(): they must not read the caller's partials
+        partials.clear()  # the call's own list: what is sent is in inp now (group_reduce(consume=True))
         back = torch.zeros(n_send, layout.row_bytes, dtype=torch.uint8, device=acc[0].device)
         wait = self._exchange(back, inp, send, recv, phase)
         self._traffic.add(phase, (n_recv - self_rows) * layout.row_bytes, (n_send - self_rows) * layout.row_bytes)
@@ -289,10 +290,12 @@ class TorchGroup:
             ranks = torch.full((1,), self.rank, dtype=torch.int64, device=split.device)
             dest, _ = put_targets(split, send_index[None], ranks, capacity)
             wait()
-            # send positions past the rows sent are padding (dest -1): zero rows, made only now
-            full = torch.cat([back, back.new_zeros(send_index.shape[0] - n_send, back.shape[1])])
-            ret = [t[None] for t in unpack(full, layout, views=True)]
-            out = reduce_rows([a[None] for a in acc], ret, send_index[None], dest, op, self.size, deterministic)
+            # the positions past the rows sent are padding (dest -1, summed into scratch rows only): the
+            # reduce reads the first n_send, so the return buffer is never padded to a second copy
+            ret = [t[None] for t in unpack(back, layout, views=True)]
+            mine = [a[None] for a in acc]
+            acc.clear()
+            out = reduce_rows(mine, ret, send_index[None, :n_send], dest[:, :n_send], op, self.size, deterministic)
             return [t[0] for t in out]
         return Work(finish)
 

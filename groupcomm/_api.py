@@ -87,15 +87,16 @@ def group_cast(tensors, send_index: torch.Tensor, split: torch.Tensor, recv_capa
     else:
         if out is None:  # new zero buffers, filled from the offset on
             out = [t.new_zeros(*t.shape[:lead], recv_capacity, *t.shape[lead + 1:]) for t in tensors]
-        if recv_offset is None:
+        if recv_offset is None:  # from row 0 on every rank: a host 0 too, so TorchGroup reads nothing back
             recv_offset = torch.zeros(P, dtype=torch.int64, device=tensors[0].device)
+            host_recv_offset = 0
         work = group._cast_into(tensors, send_index, split, out, recv_offset, phase, host_split, host_recv_offset)
     return work if async_op else work.wait()
 
 
 def group_reduce(partials, send_index: torch.Tensor, split: torch.Tensor, acc, group, *, op: str,
                  phase: str = "reduce", host_split=None, deterministic: bool = True, async_op: bool = False,
-                 flag_errors: bool = True):
+                 flag_errors: bool = True, consume: bool = False):
     """Send partial results back to the rows' hosts and reduce them there (reverse of ``group_cast``).
 
     Args:
@@ -113,14 +114,25 @@ def group_reduce(partials, send_index: torch.Tensor, split: torch.Tensor, acc, g
             (bit-identical across runs); False allows ``index_add_``. Both
             assume a row is sent to each destination at most once.
         flag_errors: as in ``group_cast``.
+        consume: hand ``partials`` and ``acc`` over (two lists, emptied here): the group then
+            drops each tensor as soon as it has read it, so a caller that keeps no other
+            reference has the partials freed once their rows have left (before the sums are
+            made) and each acc once its copy in the sum dtype is made.
 
     Returns new tensors shaped and typed like ``acc`` (``acc`` is not modified).
     """
     lead = _lead(group)
     P = group.size
     phase = check_phase(phase)
-    partials = check_tensors(partials, "partials", lead, P)
+    given = (partials, acc)
+    if consume and not all(isinstance(x, list) for x in given):
+        raise ValueError(f"group_reduce(consume=True) takes partials and acc as lists (it empties them), got "
+                         f"{type(partials).__name__} and {type(acc).__name__}")
+    partials = check_tensors(partials, "partials", lead, P)  # the call's own lists: the backends empty them
     acc = check_tensors(acc, "acc", lead, P)
+    if consume:
+        for x in given:
+            x.clear()
     check_reduce(partials, acc, op, lead)
     split = check_split(split, P, acc[0].device)
     send_index = check_send_index(send_index, lead, P, acc[0].device)

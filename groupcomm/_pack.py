@@ -43,6 +43,18 @@ def as_bytes(t: torch.Tensor, lead: int) -> torch.Tensor:
     return x.view(torch.uint8)
 
 
+def bytes_are_a_view(t: torch.Tensor, lead: int) -> bool:
+    """Whether ``as_bytes(t, lead)`` is a view of ``t`` (from shapes and strides only, so it traces
+    under ``torch.compile``): each row's trailing dims are contiguous and hold more than one element
+    (a row of one element may keep any stride; it is then copied, which is always correct)."""
+    expect = 1
+    for size, stride in zip(reversed(t.shape[lead + 1:]), reversed(t.stride()[lead + 1:])):
+        if size != 1 and stride != expect:
+            return False
+        expect *= size
+    return expect > 1
+
+
 def pack(tensors: list[torch.Tensor], lead: int) -> torch.Tensor:
     """``[*lead, n, row_bytes]`` uint8: the rows of all tensors side by side."""
     parts = [as_bytes(t, lead) for t in tensors]

@@ -39,3 +39,31 @@ def put_rows_into(src, index, peer, row, flat: torch.Tensor, P: int, R: int) -> 
     for b in range(B):  # one sender at a time: the gathered rows are one rank's, not all B ranks'
         flat.index_put_((target[b],), src[b].index_select(0, idx[b]))
     return flat[:P * R].view(P, R, W)
+
+
+def put_rows_inplace(src: torch.Tensor, index: torch.Tensor, peer: torch.Tensor, row: torch.Tensor,
+                     out: torch.Tensor) -> torch.Tensor:
+    """``put_rows_ref`` written into ``out [P, R, W]`` itself (any strides: a view of a larger tensor
+    included), with no copy of it and no scratch row; returns ``out``.
+
+    A skipped position writes the same row to the same place as its sender's first valid
+    position (equal values: whichever write lands, the bits are the same); a sender with no
+    valid position writes ``out[0, 0]``, which is put back as it was.
+    """
+    P, R, W = out.shape
+    B, N, _ = src.shape
+    if N == 0 or P * R == 0:
+        return out
+    ok = (index >= 0) & (index < N) & (peer >= 0) & (peer < P) & (row >= 0) & (row < R)
+    first = ok.to(torch.int8).argmax(1, keepdim=True)                  # [B, 1]: 0 when none is valid
+    any_ok = ok.any(1)                                                 # [B]
+    pick = lambda t: torch.where(ok, t, t.gather(1, first))            # noqa: E731
+    idx = pick(index).clamp(0, N - 1)
+    none = ~any_ok[:, None]                                            # such a sender writes out[0, 0] only
+    dst_p = pick(peer).clamp(0, P - 1).masked_fill(none, 0)
+    dst_r = pick(row).clamp(0, R - 1).masked_fill(none, 0)
+    for b in range(B):  # one sender at a time: the gathered rows are one rank's, not all B ranks'
+        keep = out[0, 0].clone()
+        out.index_put_((dst_p[b], dst_r[b]), src[b].index_select(0, idx[b]))
+        out[0, 0].copy_(torch.where(any_ok[b], out[0, 0], keep))
+    return out

@@ -129,22 +129,39 @@ def _sum_dtype(acc: torch.dtype, part: torch.dtype) -> torch.dtype:
     return dtype
 
 
-def reduce_sum(acc: list[torch.Tensor], ret: list[torch.Tensor], send_index: torch.Tensor,
-               dest: torch.Tensor, P: int, deterministic: bool) -> list[torch.Tensor]:
-    """``acc[i] [B, N, *f]`` plus the returned rows ``ret[i] [B, C, *f]``, in acc's dtype (fp32 inside)."""
+def reduce_sum(acc: list, ret: list, send_index: torch.Tensor, dest: torch.Tensor, P: int,
+               deterministic: bool) -> list[torch.Tensor]:
+    """``acc[i] [B, N, *f]`` plus the returned rows ``ret[i] [B, C, *f]``, in acc's dtype (fp32 inside).
+
+    Each entry of ``acc`` and ``ret`` is dropped from its list once read (``None``): a caller that
+    hands its tensors over (``group_reduce(consume=True)``) has tensor i's rows freed before the
+    sums of tensor i + 1 are made."""
     out = []
-    for a, r in zip(acc, ret):
+    for i in range(len(acc)):
+        a, r = acc[i], ret[i]
+        acc[i] = ret[i] = None
         B, N = a.shape[:2]
-        flat = scatter_add_(_sums(a, _sum_dtype(a.dtype, r.dtype)), r, send_index, dest, P, deterministic)
-        out.append(_drop_scratch(flat, B, N).to(a.dtype))
+        dtype = a.dtype
+        flat = _sums(a, _sum_dtype(dtype, r.dtype))
+        del a
+        flat = scatter_add_(flat, r, send_index, dest, P, deterministic)
+        del r
+        out.append(_drop_scratch(flat, B, N).to(dtype))
+        del flat
     return out
 
 
-def reduce_lse(acc: list[torch.Tensor], ret: list[torch.Tensor], send_index: torch.Tensor,
-               dest: torch.Tensor, P: int, deterministic: bool) -> list[torch.Tensor]:
-    """Merge partial (out ``[B, C, h, D]``, lse ``[B, C, h]``) into acc (out ``[B, N, h, D]``, lse ``[B, N, h]``)."""
+def reduce_lse(acc: list, ret: list, send_index: torch.Tensor, dest: torch.Tensor, P: int,
+               deterministic: bool) -> list[torch.Tensor]:
+    """Merge partial (out ``[B, C, h, D]``, lse ``[B, C, h]``) into acc (out ``[B, N, h, D]``, lse ``[B, N, h]``).
+
+    ``acc`` and ``ret`` are emptied (as in ``reduce_sum``): the host's out goes once its weighted
+    fp32 copy is made, the returned rows once they are summed."""
     out_acc, lse_acc = acc
     out_p, lse_p = ret
+    acc.clear()
+    ret.clear()
+    out_dtype, lse_dtype = out_acc.dtype, lse_acc.dtype
     B, N, h = lse_acc.shape
     t = _targets(send_index, dest, N)                                   # [B * C]
     la = lse_acc.float()                                                # [B, N, h]
@@ -162,9 +179,11 @@ def reduce_lse(acc: list[torch.Tensor], ret: list[torch.Tensor], send_index: tor
     sums = out_acc.new_empty((B, N + 1, *out_acc.shape[2:]), dtype=torch.float32)
     sums[:, :N].copy_(out_acc).mul_(w_acc[..., None])
     sums[:, N].zero_()
-    flat = scatter_add_(sums.view(B * (N + 1), *out_acc.shape[2:]), out_p, send_index, dest, P, deterministic,
-                        weight=w_p)
-    return [_drop_scratch(flat, B, N).to(out_acc.dtype), lse.to(lse_acc.dtype)]
+    f = out_acc.shape[2:]
+    del out_acc, lse_acc, la, w_acc, e_acc
+    flat = scatter_add_(sums.view(B * (N + 1), *f), out_p, send_index, dest, P, deterministic, weight=w_p)
+    del out_p, sums
+    return [_drop_scratch(flat, B, N).to(out_dtype), lse.to(lse_dtype)]
 
 
 def reduce_rows(acc: list[torch.Tensor], ret: list[torch.Tensor], send_index: torch.Tensor,

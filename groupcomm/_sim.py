@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from ._base import Work
-from ._pack import as_bytes, pack, row_layout, unpack, word_dtype
-from ._put_ref import put_rows_fresh, put_rows_ref
+from ._pack import as_bytes, bytes_are_a_view, pack, row_layout, unpack, word_dtype
+from ._put_ref import put_rows_fresh, put_rows_inplace
 from ._reduce import reduce_rows
 from ._routing import put_targets, return_index, traffic_rows
 
@@ -91,10 +91,10 @@ class LocalGroup:
             width = row_layout([t], 1).row_bytes
             word = word_dtype(width)
             src = as_bytes(t, 1).view(word)
-            inplace = self.impl == "triton" and o.is_contiguous()
-            dst = as_bytes(o, 1).view(word)  # a view of o when contiguous, else a copy
-            if self.impl == "torch":
-                dst = put_rows_ref(src, send_index, peer, row, dst)
+            dst = as_bytes(o, 1).view(word)  # a view of o when its rows' bytes are contiguous, else a copy
+            inplace = o.is_contiguous() if self.impl == "triton" else bytes_are_a_view(o, 1)
+            if self.impl == "torch":  # written where they land: no copy of o, no staging buffer
+                put_rows_inplace(src, send_index, peer, row, dst)
             else:
                 from ._put_kernel import put_rows
                 put_rows(src, send_index, peer, row, dst)
@@ -108,11 +108,19 @@ class LocalGroup:
         capacity = partials[0].shape[1]
         layout = row_layout(partials, 1)
         ranks = torch.arange(P, device=split.device)
-        # the way back is a cast with split.T, each helper sending its filled rows in buffer order
-        back = self._move(pack(partials, 1), return_index(split, ranks, capacity), split.t().contiguous(),
-                          send_index.shape[1])
+        # the way back is a cast with split.T, each helper sending its filled rows in buffer order;
+        # each tensor moves on its own (no packed copy of the partials), and the partials go (the
+        # list is this call's own: group_reduce's) before the sums are made
+        index, back_split = return_index(split, ranks, capacity), split.t().contiguous()
+        ret = []
+        for i in range(len(partials)):
+            t, partials[i] = partials[i], None
+            ret.append(unpack(self._move(as_bytes(t, 1), index, back_split, send_index.shape[1]),
+                              row_layout([t], 1))[0])
+            del t
+        partials.clear()
         dest, _ = put_targets(split, send_index, ranks, capacity)
-        out = reduce_rows(acc, unpack(back, layout, views=True), send_index, dest, op, P, deterministic)
+        out = reduce_rows(acc, ret, send_index, dest, op, P, deterministic)
         self._count(phase, split, layout.row_bytes, back=True)
         return Work.done(out)
 

@@ -199,11 +199,15 @@ class SymmMemGroup:
         capacity = partials[0].shape[0]
         layout = row_layout(partials, 0)
         ranks = torch.full((1,), self.rank, dtype=torch.int64, device=split.device)
-        back = self._move(pack(partials, 0), return_index(split, ranks, capacity)[0], split.t().contiguous(),
-                          send_index.shape[0])
+        rows = pack(partials, 0)
+        partials.clear()  # the call's own list (group_reduce(consume=True)): the partials go once moved
+        back = self._move(rows, return_index(split, ranks, capacity)[0], split.t().contiguous(), send_index.shape[0])
+        del rows
         dest, _ = put_targets(split, send_index[None], ranks, capacity)
         ret = [t[None] for t in unpack(back, layout, views=True)]
-        out = reduce_rows([a[None] for a in acc], ret, send_index[None], dest, op, self.size, deterministic)
+        mine = [a[None] for a in acc]
+        acc.clear()
+        out = reduce_rows(mine, ret, send_index[None], dest, op, self.size, deterministic)
         self._count(phase, split, layout.row_bytes, back=True)
         return Work.done([t[0] for t in out])
 

@@ -170,22 +170,28 @@ def _per_rank(routes: LayerRoutes, fn, *tensors: torch.Tensor):
 
 
 def issue(op: Op, routes: LayerRoutes, group, tensors, acc=None, deterministic: bool = True):
-    """Start the collective ``op`` (a cast of ``tensors``, or a reduce of them into ``acc``): its Work."""
+    """Start the collective ``op``: a cast of ``tensors`` (into the buffers ``acc`` when given: the
+    receive rows of stage 1's operands, written in place; else into new ones), or a reduce of them
+    into ``acc``. Its Work. A reduce given two lists empties them (``group_reduce(consume=True)``):
+    a caller that keeps no other reference has its partials freed once sent and its accumulators
+    once read; tuples are left as they are."""
     index = routes.qo_index if op.route == "qo" else routes.kv_index
     split = routes.qo_split if op.route == "qo" else routes.kv_split
     host = routes.qo_host if op.route == "qo" else routes.kv_host
     if op.kind == CAST:
         cap = routes.qo_capacity if op.route == "qo" else routes.kv_capacity
         return group_cast(list(tensors), index, split, cap, group, phase=op.phase, host_split=host,
-                          async_op=True, flag_errors=False)
-    return group_reduce(list(tensors), index, split, list(acc), group, op="lse" if op.phase == "fwd.o" else "sum",
-                        phase=op.phase, host_split=host, deterministic=deterministic, async_op=True,
-                        flag_errors=False)
+                          async_op=True, flag_errors=False, out=None if acc is None else list(acc))
+    consume = isinstance(tensors, list) and isinstance(acc, list)
+    return group_reduce(tensors if consume else list(tensors), index, split, acc if consume else list(acc), group,
+                        op="lse" if op.phase == "fwd.o" else "sum", phase=op.phase, host_split=host,
+                        deterministic=deterministic, async_op=True, flag_errors=False, consume=consume)
 
 
-def issue_tail(op: Op, routes: LayerRoutes, group, tensors, first_row: int):
+def issue_tail(op: Op, routes: LayerRoutes, group, tensors, first_row: int, out):
     """Start the cast ``op`` of the KV rows that land past ``first_row`` of each receive buffer
-    (``groupcomm.tail_routing``): what a rank that kept the first rows needs again. Its Work."""
+    (``groupcomm.tail_routing``) into ``out`` (those rows of stage 1's operands): what a rank that
+    kept the first rows needs again. Its Work."""
     index = routes.kv_index if routes.batched else routes.kv_index[None]
     ranks = torch.tensor(routes.ranks, dtype=torch.int64, device=index.device)
     split, index = tail_routing(routes.kv_split, index, ranks, first_row)
@@ -193,7 +199,7 @@ def issue_tail(op: Op, routes: LayerRoutes, group, tensors, first_row: int):
     # TorchGroup: the tail's split is another host copy, made here (the layer's first ones were made ahead)
     host = host_splits(split) if isinstance(group, TorchGroup) else None
     return group_cast(list(tensors), index, split, routes.kv_capacity - first_row, group, phase=op.phase,
-                      host_split=host, async_op=True, flag_errors=False)
+                      host_split=host, async_op=True, flag_errors=False, out=list(out))
 
 
 class _DistAttn(torch.autograd.Function):
@@ -230,24 +236,24 @@ class _DistAttn(torch.autograd.Function):
         n = ql.shape[lead]  # G * c local rows; a remote stage's rows are X = [local rows | receive buffer]
         local = lambda x: rows(x, lead, 0, n)  # noqa: E731
         remote = lambda x: rows(x, lead, n, cap)  # noqa: E731
-        # the operands of stage 1, allocated once: each cast's buffer is copied into its slot when
-        # waited for, so the local rows and buffers never exist a second time as a concatenation
-        X = {"qo": Operands([ql], cap, lead), "kv": Operands([kl, vl], routes.kv_capacity, lead)}
-        if "qo" in keep:  # the kept X holds the local rows too: ql is a view of it
-            ql = local(X["qo"].x[0])
-        if "kv" in keep:
-            kl, vl = (local(x) for x in X["kv"].x)
+        # the operands of stage 1, allocated once: each cast writes its rows into their slot (zero past
+        # the fill, as a new buffer), so the local rows and buffers never exist a second time
+        X = {"qo": Operands([ql], cap, lead, zero=True), "kv": Operands([kl, vl], routes.kv_capacity, lead, zero=True)}
+        # X holds the local rows: ql, kl, vl are views of it (their group-major copies go), and a kind
+        # not kept saves a copy of its local rows at the end, once the reduce's work is freed
+        ql = local(X["qo"].x[0])
+        kl, vl = (local(x) for x in X["kv"].x)
         sent = {"qo": (ql,), "kv": (kl, vl)}
         works, parts = {}, {}
         o = lse = None
         for op in forward_ops(routes.plan.calc.q_ranges.shape[1]):
             with nvtx_range(op_range(op)):
                 if op.kind == CAST:
-                    works[op.name] = issue(op, routes, group, sent[op.route])
+                    works[op.name] = issue(op, routes, group, sent[op.route], X[op.route].remote())
                 elif op.kind == WAIT and op.back:
                     o, lse = works.pop(op.deps[0]).wait()
                 elif op.kind == WAIT:
-                    X[op.route].fill(works.pop(op.deps[0]).wait())
+                    works.pop(op.deps[0]).wait()  # its rows are in X now
                 elif op.kind == ATTN:
                     (s,) = op.stages
                     args = (ql, kl, vl) if s == 0 else X["qo"].x + X["kv"].x
@@ -262,20 +268,23 @@ class _DistAttn(torch.autograd.Function):
                         o, lse = _per_rank(routes, lambda r, a, b, c_, d: merge_out_lse(a, b, c_, d), o, lse,
                                            local(parts[s][0]), local(parts[s][1]))
                 elif op.kind == REDUCE:
-                    (s,) = op.stages  # the remote rows of one stage go back to their hosts (views: the
-                    part_o, part_l = parts.pop(s)  # group packs them into its send buffer)
-                    works[op.name] = issue(op, routes, group, (remote(part_o), remote(part_l)), (o, lse),
-                                           deterministic)
-                    del part_o, part_l
+                    # the remote rows of one stage go back to their hosts (views of the stage's output),
+                    # handed over with the host's (o, lse): no reference is kept here, so the stage's
+                    # output is freed once its rows have left and o once the reduce has read it
+                    (s,) = op.stages
+                    partials, acc = [remote(x) for x in parts.pop(s)], [o, lse]
+                    o = lse = None
+                    works[op.name] = issue(op, routes, group, partials, acc, deterministic)
                 else:
                     raise AssertionError(f"dist_attn cannot run forward op {op}")
         # only what the backward reads: a kept kind's whole X (local rows and buffer), else its local rows
-        kv_saved = (kl, vl)
-        if "kv" in keep:  # all of X, or its local rows and the first kv_rows of the buffer (the rest is cast again)
+        if "kv" not in keep:
+            kv_saved = (kl.clone(), vl.clone())
+        else:  # all of X, or its local rows and the first kv_rows of the buffer (the rest is cast again)
             kv_saved = tuple(X["kv"].x) if kv_rows < 0 else tuple(rows(x, lead, 0, n + kv_rows).clone()
                                                                for x in X["kv"].x)
-        saved = (X["qo"].x[0] if "qo" in keep else ql,) + kv_saved
-        del X
+        saved = (X["qo"].x[0] if "qo" in keep else ql.clone(),) + kv_saved
+        del X, sent, ql, kl, vl
         ctx.save_for_backward(*saved, o, lse)
         ctx.routes, ctx.group, ctx.scale, ctx.keep, ctx.deterministic = routes, group, scale, keep, deterministic
         ctx.kv_rows = kv_rows
@@ -313,44 +322,40 @@ class _DistAttn(torch.autograd.Function):
         # stage 1's operands X = [local rows | buffer]: the forward's X of a kept kind, else built here
         xq, xk, xv = saved[:3]
         part = keep_kv and ctx.kv_rows >= 0  # the first kv_rows of the KV buffer kept, the rest cast again
-        Xq = None if keep_q else Operands([xq], qcap, lead)
-        Xkv = None if keep_kv and not part else Operands([local(xk), local(xv)], kcap, lead)
+        Xq = None if keep_q else Operands([xq], qcap, lead, zero=True)
+        Xkv = None if keep_kv and not part else Operands([local(xk), local(xv)], kcap, lead, zero=True)
         if Xq is not None:
             xq = Xq.x[0]
         if part:
-            for x, kept in zip(Xkv.x, (xk, xv)):
-                rows(x, lead, n, ctx.kv_rows).copy_(rows(kept, lead, n, ctx.kv_rows))
+            for i, kept in enumerate((xk, xv)):  # (no loop variable left holding an operand past the stages)
+                rows(Xkv.x[i], lead, n, ctx.kv_rows).copy_(rows(kept, lead, n, ctx.kv_rows))
         if Xkv is not None:
             xk, xv = Xkv.x
         ql, kl, vl = local(xq), local(xk), local(xv)
         works, parts, out = {}, {}, {}
         Xg = None  # dO, lse, delta over X's QO rows
+        last = routes.plan.calc.q_ranges.shape[1] - 1  # the last stage
         for op in backward_ops(routes.plan.calc.q_ranges.shape[1], keep_kv and not part):  # K, V again unless kept
             with nvtx_range(op_range(op)):
                 if op.kind == DELTA:  # the host computes delta from its final O: O itself never travels
                     delta = _per_rank(routes, lambda r, a, b, *c_: (row_delta(a, b, c_[0] if c_ else None),),
                                       d_o, o, *(() if d_l is None else (d_l,)))[0]
-                    Xg = Operands([d_o, lse, delta], qcap, lead)
+                    Xg = Operands([d_o, lse, delta], qcap, lead, zero=True)
                     del d_o, delta
-                elif op.kind == CAST:
-                    sent = tuple(local(x) for x in Xg.x) + (() if keep_q else (ql,)) if op.route == "qo" \
-                        else (kl, vl)
-                    works[op.name] = issue_tail(op, routes, group, sent, ctx.kv_rows) if op.route == "kv" and part \
-                        else issue(op, routes, group, sent)
+                elif op.kind == CAST:  # into the receive rows of stage 1's operands
+                    if op.route == "qo":
+                        sent = tuple(local(x) for x in Xg.x) + (() if keep_q else (ql,))
+                        works[op.name] = issue(op, routes, group, sent, Xg.remote() + ([] if keep_q else Xq.remote()))
+                    elif part:  # the rows past the kept ones
+                        works[op.name] = issue_tail(op, routes, group, (kl, vl), ctx.kv_rows,
+                                                    [rows(x, lead, n + ctx.kv_rows, kcap - ctx.kv_rows) for x in Xkv.x])
+                    else:
+                        works[op.name] = issue(op, routes, group, (kl, vl), Xkv.remote())
+                    sent = None  # views of Xg: they must not keep it past the stages
                 elif op.kind == WAIT and op.back:
                     out[op.phase] = works.pop(op.deps[0]).wait()
                 elif op.kind == WAIT:
-                    bufs = works.pop(op.deps[0]).wait()
-                    if op.route == "qo":
-                        Xg.fill(bufs[:3])
-                        if not keep_q:
-                            Xq.fill(bufs[3:])
-                    elif part:  # the rows past the kept ones
-                        for x, b in zip(Xkv.x, bufs):
-                            rows(x, lead, n + ctx.kv_rows, kcap - ctx.kv_rows).copy_(b)
-                    else:
-                        Xkv.fill(bufs)
-                    del bufs
+                    works.pop(op.deps[0]).wait()  # its rows are in the operands now
                 elif op.kind == ATTN:
                     (s,) = op.stages
                     args = (Xg.x[0], xq, xk, xv, Xg.x[1], Xg.x[2])
@@ -361,22 +366,25 @@ class _DistAttn(torch.autograd.Function):
                         return flex_attn_backward(*t, *_stage_slices(routes.plan, r, s), scale, **_INTERNAL)
 
                     parts[s] = list(_per_rank(routes, run, *args))
+                    del args
+                    if s == last:  # the stages are done: the operands built here go before the reduces
+                        Xg = Xq = Xkv = xq = xk = xv = ql = kl = vl = None
                 elif op.kind == REDUCE:
                     (s,) = op.stages
                     pick = (0,) if op.phase == "bwd.dq" else (1, 2)  # dQ to the QO host, dK and dV to the KV host
                     acc = []
-                    for i in pick:
+                    for i in pick:  # the host's rows summed in place into stage 0's output (same bits as a + b)
                         a = parts[0][i]
                         for t in range(1, len(parts)):
-                            a = a + local(parts[t][i])
+                            a.add_(local(parts[t][i]))
                         acc.append(a)
                     cap = qcap if op.phase == "bwd.dq" else kcap
-                    works[op.name] = issue(op, routes, group, tuple(remote(parts[s][i], cap) for i in pick), acc,
-                                           ctx.deterministic)
-                    for t in parts:  # each gradient goes back once: its stage outputs are done
+                    partials = [remote(parts[s][i], cap) for i in pick]
+                    for t in parts:  # each gradient goes back once: its stage outputs are handed over
                         for i in pick:
                             parts[t][i] = None
-                    del acc
+                    del a
+                    works[op.name] = issue(op, routes, group, partials, acc, ctx.deterministic)
                 else:
                     raise AssertionError(f"dist_attn cannot run backward op {op}")
         (dq,), (dk, dv) = out["bwd.dq"], out["bwd.dkv"]

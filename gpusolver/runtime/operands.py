@@ -2,8 +2,9 @@
 
 The remote stage's attention reads local rows and received rows through one
 set of ranges, so both live in one allocation: the local rows are copied in
-once, and the casts write (or are copied) into the last ``cap`` rows. Nothing
-is ever concatenated, so the local rows and the buffers never exist twice.
+once, and the casts write into the last ``cap`` rows in place (``group_cast(out=...)``).
+Nothing is ever concatenated or copied over, so the local rows and the buffers never
+exist twice.
 """
 from __future__ import annotations
 
@@ -37,8 +38,3 @@ class Operands:
     def remote(self) -> list[torch.Tensor]:
         """The receive buffers (views of ``X``'s last ``cap`` rows), what the casts write into."""
         return [rows(x, self.lead, self.n, self.cap) for x in self.x]
-
-    def fill(self, bufs: list[torch.Tensor]) -> None:
-        """Copy a cast's buffers into the receive rows (then the buffers can go)."""
-        for x, b in zip(self.remote(), bufs):
-            x.copy_(b)

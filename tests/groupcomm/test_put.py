@@ -4,7 +4,7 @@ import torch
 
 from groupcomm import LocalGroup, group_cast, group_reduce
 from groupcomm._put_kernel import put_rows
-from groupcomm._put_ref import put_rows_ref
+from groupcomm._put_ref import put_rows_inplace, put_rows_ref
 from groupcomm._routing import put_targets
 from groupcomm._symm_mem import SymmMemGroup, peer_table, put_arguments
 from tests.groupcomm._cases import random_routing
@@ -125,3 +125,58 @@ def test_put_kernel_compiles_for_sm90():
         raise
     for res in results:
         assert res["error"] is None, res["error"]
+
+
+def test_put_in_place_equals_twin_in_a_strided_view():
+    """``put_rows_inplace`` writes the twin's rows into a view of a larger tensor (the receive rows of
+    stage 1's operands) and leaves every other element alone: padding, out-of-range targets, and a
+    sender with no valid position at all (its writes must not touch out[0, 0])."""
+    P, N, C, R, W = 3, 6, 7, 5, 4
+    g = torch.Generator().manual_seed(3)
+    src = torch.randint(-100, 100, (P, N, W), generator=g)
+    index = torch.randint(-1, N, (P, C), generator=g)
+    index[2] = -1                                 # rank 2 sends nothing
+    index[0, 0] = -1                              # rank 0's first position is padding
+    peer = ((torch.arange(P)[:, None] + 1) % P).expand(P, C).clone()
+    peer[1, 2] = P                                # out of range: skipped
+    row = torch.arange(C).expand(P, C).clone()    # rows >= R are skipped
+    base = torch.randint(-100, 100, (P, 2 + R + 1, W), generator=g)
+    out = base.clone()
+    view = out[:, 2:2 + R]                        # strided: not contiguous across ranks
+    ref = put_rows_ref(src, index, peer, row, base[:, 2:2 + R].clone())
+    put_rows_inplace(src, index, peer, row, view)
+    assert torch.equal(view, ref)
+    assert torch.equal(out[:, :2], base[:, :2]) and torch.equal(out[:, 2 + R:], base[:, 2 + R:])
+
+
+def test_consumed_partials_are_freed_before_the_sums(monkeypatch):
+    """``group_reduce(consume=True)`` empties the lists it is given, and LocalGroup drops the partials
+    once their rows have moved: when the sums start, nothing holds the partials' storage."""
+    import weakref
+
+    import groupcomm._sim as sim
+
+    P, N = 4, 5
+    r = random_routing(P, N, 0)
+    g = torch.Generator().manual_seed(0)
+    full = torch.randn(P, r.recv_capacity + 2, 2, 4, generator=g)
+    expect = group_reduce([full[:, 2:].clone()], r.send_index, r.split, [torch.randn(P, N, 2, 4, generator=g)],
+                          LocalGroup(P), op="sum")
+    g = torch.Generator().manual_seed(0)
+    full = torch.randn(P, r.recv_capacity + 2, 2, 4, generator=g)
+    partials, acc = [full[:, 2:]], [torch.randn(P, N, 2, 4, generator=g)]
+    alive = weakref.ref(full.untyped_storage())
+    seen = []
+    reduce_rows = sim.reduce_rows
+
+    def check(*args):
+        seen.append(alive() is None)
+        return reduce_rows(*args)
+    monkeypatch.setattr(sim, "reduce_rows", check)
+    del full
+    out = group_reduce(partials, r.send_index, r.split, acc, LocalGroup(P), op="sum", consume=True)
+    assert partials == [] and acc == [] and seen == [True]
+    assert torch.equal(out[0], expect[0])
+    with pytest.raises(ValueError, match="consume"):
+        group_reduce((torch.zeros(P, r.recv_capacity, 1),), r.send_index, r.split, [torch.zeros(P, N, 1)],
+                     LocalGroup(P), op="sum", consume=True)

@@ -1,9 +1,10 @@
 """``plan.memory()`` equals what ``dist_attn`` allocates for its collective buffers and keeps.
 
 On CPU with a ``LocalGroup``: saved-tensor hooks count what the layer keeps for its backward
-(unique storages), and a wrapper around the group's row mover records every receive and
-return buffer the collectives allocate, forward and backward apart. Per-rank figures are the
-batched totals over P.
+(unique storages), and wrappers around the group record every receive buffer the casts write
+into (the receive rows of stage 1's operands, written in place) and every return buffer the
+reduces allocate (one per returned tensor), forward and backward apart. Per-rank figures are
+the batched totals over P.
 """
 import pytest
 import torch
@@ -16,7 +17,8 @@ from tests.gpusolver.runtime._cases import D, doc_lengths, make_config
 
 
 class _Recorder:
-    """Bytes of every buffer ``LocalGroup._move`` returns, appended to ``self.current``."""
+    """Bytes of every buffer ``LocalGroup._move`` returns (a reduce's return buffers), appended to
+    ``self.current``."""
 
     def __init__(self, group):
         self.current = []
@@ -59,12 +61,12 @@ def test_plan_memory_equals_the_runtime(keep):
     k = torch.randn(P, c, Hkv, D, generator=g, requires_grad=True)
     v = torch.randn(P, c, Hkv, D, generator=g, requires_grad=True)
     group = LocalGroup(P)
-    rec = _Recorder(group)
+    rec, into = _Recorder(group), _IntoRecorder(group)
     (out, lse), sizes, held = _saved(lambda: dist_attn(q, k, v, plan, group, keep_forward_buffers=keep))
-    fwd = rec.current
-    rec.current = []
+    fwd, fwd_recv = rec.current, list(into.current.values())
+    rec.current, into.current = [], {}
     (out.sum() + lse.sum()).backward()
-    bwd = rec.current
+    bwd, bwd_recv = rec.current, list(into.current.values())
     # the layer's own activations (group-major copies of q, k, v, and out, lse, fp32 here) and the
     # kept receive buffers: a kept kind is saved as one tensor, its local rows followed by its buffer
     own = P * c * (2 * Hq * D + 2 * Hkv * D + Hq) * 4
@@ -74,9 +76,11 @@ def test_plan_memory_equals_the_runtime(keep):
     q_kept = 40 * (Hq // 2) * D * 4 if keep in (True, "qo") else 0
     kv_kept = 64 * 2 * (Hkv // 2) * D * 4 if keep in (True, "kv") else 0
     assert m.kept == q_kept + kv_kept
-    assert len(fwd) == 3 and sum(fwd) == P * m.fwd_peak  # Q cast, K+V cast, O+lse reduce
-    # dO with lse, delta (and Q unless kept), K+V unless kept, then the dQ and dK+dV reduces
-    assert len(bwd) == (3 if kv_kept else 4) and sum(bwd) + P * m.kept == P * m.bwd_peak
+    # Q, K, V received into stage 1's operands; O and lse come back
+    assert len(fwd_recv) == 3 and len(fwd) == 2 and sum(fwd_recv) + sum(fwd) == P * m.fwd_peak
+    # dO, lse, delta (and Q unless kept), K, V unless kept, then dQ, and dK, dV back
+    assert len(bwd_recv) == 3 + (not q_kept) + 2 * (not kv_kept) and len(bwd) == 3
+    assert sum(bwd_recv) + sum(bwd) + P * m.kept == P * m.bwd_peak
 
 
 class _IntoRecorder:
@@ -126,10 +130,10 @@ def test_sub_stages_share_the_receive_memory(keep):
     # local rows are the saved q, k, v themselves), within the scratch rows of the puts and reduces
     assert 0 <= held - own - P * m.kept <= 2 * Hq // 2 * D * 4 * P
     assert (m.fwd_peak, m.bwd_peak) == (one.fwd_peak, one.bwd_peak)
-    # Q, K+V buffers and one O+lse return buffer at a time
-    assert len(fwd_ret) == S and len(set(fwd_ret)) == 1 and fwd_recv + fwd_ret[0] == P * m.fwd_peak
-    # dO, lse, delta (Q, K, V unless kept) buffers, the kept ones, and one dQ and one dK+dV return buffer
-    assert len(bwd_ret) == 2 * S and bwd_recv + bwd_ret[0] + bwd_ret[1] + P * m.kept == P * m.bwd_peak
+    # Q, K+V buffers and one O and lse return buffer at a time (each returned tensor its own buffer)
+    assert len(fwd_ret) == 2 * S and fwd_ret == fwd_ret[:2] * S and fwd_recv + sum(fwd_ret[:2]) == P * m.fwd_peak
+    # dO, lse, delta (Q, K, V unless kept) buffers, the kept ones, and one dQ and one dK, dV return buffer
+    assert len(bwd_ret) == 3 * S and bwd_recv + sum(bwd_ret[:3]) + P * m.kept == P * m.bwd_peak
 
 
 def test_part_of_the_kv_buffer_kept():
@@ -150,9 +154,9 @@ def test_part_of_the_kv_buffer_kept():
     grads = {}
     for kept in (None, rows):
         group = LocalGroup(P)
-        rec = _Recorder(group)
+        rec, into = _Recorder(group), _IntoRecorder(group)
         (out, lse), sizes, _ = _saved(lambda: dist_attn(q, k, v, plan, group, kept_kv_rows=kept))
-        rec.current = []
+        rec.current, into.current = [], {}
         q.grad = k.grad = v.grad = None
         (out.sum() + lse.sum()).backward()
         grads[kept] = (q.grad, k.grad, v.grad)
@@ -160,7 +164,12 @@ def test_part_of_the_kv_buffer_kept():
             own = P * c * (2 * Hq * D + 2 * Hkv * D + Hq) * 4
             assert m.kept == 40 * (Hq // 2) * D * 4 + rows * 2 * (Hkv // 2) * D * 4
             assert sum(sizes) == own + P * m.kept
-            assert len(rec.current) == 4 and sum(rec.current) + P * m.kept == P * m.bwd_peak
+            # dO, lse, delta; the KV rows past the kept ones, written after them (K, V); dQ, dK, dV back.
+            # The backward's KV operand is whole again (its kept rows copied back): its buffer counts
+            # once, as the kept rows plus the tail
+            recv = list(into.current.values())
+            assert len(recv) == 5 and len(rec.current) == 3
+            assert sum(recv) + sum(rec.current) + P * m.kept == P * m.bwd_peak
             sent, recv = group.traffic("bwd.kv")
             tail = plan.pair_bytes("bwd.kv", config.cost())
             assert torch.equal(recv, tail.sum(0)) and int(tail.sum()) > 0
