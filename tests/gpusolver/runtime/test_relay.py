@@ -39,7 +39,8 @@ def _plans(name, P, per_node, c=16, Hq=4, Hkv=2, tiles=1, keep=True, seed=None, 
     config = make_config(P, Hq, Hkv, True, tiles, keep_forward_buffers=keep, num_stages=num_stages)
     direct, tight = tight_plan(mask, config)
     areas = block_areas(mask, P, config.head_groups, impl="torch", tiles=tiles)
-    relayed = replace(tight, topology=_topology(per_node))
+    # sub-stage plans relay only when asked (relay_transport)
+    relayed = replace(tight, topology=_topology(per_node), ib_relay=True if num_stages > 1 else None)
     rows = relay_rows(relayed, c, per_node, **relay_kw) if relay_kw else None
     plan = build_plan(mask, areas, direct.assignment, relayed, relay_rows=rows).validate(ignore=IMBALANCED)
     return direct, plan, mask, relayed
@@ -283,9 +284,9 @@ def test_relay_bad_input():
     with pytest.raises(ValueError, match="ib_relay=True.*sparse plan"):
         from gpusolver.plan.build import relay_transport
         relay_transport(make_config(P, 4, 2, topology=topo, ib_relay=True), sparse=True)
-    # sub-stage plans relay too (``test_relay_stages``)
+    # sub-stage plans relay when asked (``test_relay_stages``)
     cfg = make_config(P, 4, 2, topology=topo, num_stages=2)
-    assert cfg.relays and relay_transport(cfg)
+    assert cfg.relays and not relay_transport(cfg) and relay_transport(replace(cfg, ib_relay=True))
     _, plan, _, _ = _plans("docs-causal", P, 4)
     with pytest.raises(ValueError, match="hop must be"):
         plan.pair_bytes("fwd", hop=4)

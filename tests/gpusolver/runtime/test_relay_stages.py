@@ -161,10 +161,12 @@ def test_relay_stages_schedule_and_sim(tmp_path):
     assert torch.equal(back.pair_bytes("bwd", stage=2, hop=1), plan.pair_bytes("bwd", stage=2, hop=1))
 
 
-def test_relay_stages_by_default():
-    """ib_relay None or True relays sub-stage plans; False keeps direct; bad stage arguments are named."""
+def test_relay_stages_when_asked():
+    """ib_relay True relays sub-stage plans; None (default) and False keep direct (the last sub-stage's
+    relayed reduce chain is exposed: simulated slower); bad stage arguments are named."""
     topo = _topology(4)
-    assert relay_transport(make_config(8, 4, 2, topology=topo, num_stages=4))
+    assert not relay_transport(make_config(8, 4, 2, topology=topo, num_stages=4))
+    assert relay_transport(make_config(8, 4, 2, topology=topo, num_stages=1))
     assert relay_transport(make_config(8, 4, 2, topology=topo, num_stages=2, ib_relay=True))
     assert not relay_transport(make_config(8, 4, 2, topology=topo, num_stages=2, ib_relay=False))
     _, plan, _, _ = _stage_plans("docs-causal", 8, 4, 2)
@@ -183,7 +185,7 @@ def test_relay_stages_layer_on_meta():
 
     P, c, Hq, Hkv = 4, 16, 4, 2
     mask = varlen_causal_mask(doc_lengths(P * c, 0), device="meta")
-    layer = DynamicCPAttention(LocalGroup(P), make_config(P, Hq, Hkv, topology=_topology(2), num_stages=2),
+    layer = DynamicCPAttention(LocalGroup(P), make_config(P, Hq, Hkv, topology=_topology(2), num_stages=2, ib_relay=True),
                                plan_cache=PlanCache())
     q = torch.empty(P, c, Hq, D, device="meta", requires_grad=True)
     k = torch.empty(P, c, Hkv, D, device="meta", requires_grad=True)
