@@ -92,12 +92,15 @@ class LocalGroup:
             word = word_dtype(width)
             src = as_bytes(t, 1).view(word)
             dst = as_bytes(o, 1).view(word)  # a view of o when its rows' bytes are contiguous, else a copy
-            inplace = o.is_contiguous() if self.impl == "triton" else bytes_are_a_view(o, 1)
+            inplace = bytes_are_a_view(o, 1)
             if self.impl == "torch":  # written where they land: no copy of o, no staging buffer
                 put_rows_inplace(src, send_index, peer, row, dst)
-            else:
+            else:  # the kernel writes contiguous rows: a strided view is staged and written back
                 from ._put_kernel import put_rows
-                put_rows(src, send_index, peer, row, dst)
+                staged = dst if dst.is_contiguous() else dst.contiguous()
+                put_rows(src.contiguous(), send_index, peer, row, staged)
+                if staged is not dst:
+                    dst.copy_(staged)
             if not inplace:
                 o.copy_(dst.view(torch.uint8).view(o.dtype).view(o.shape))
         self._count(phase, split, row_layout(tensors, 1).row_bytes, back=False)
