@@ -102,6 +102,24 @@ def cluster_sweep(p, args):
     return sizes, kinds, PRESETS[args.topology]
 
 
+def cached_assignment(mask, areas, config, path: Path | None):
+    """The solver's assignment for (mask, areas, config) and its CPU solve seconds, or the one a
+    plan saved at ``path`` holds (seconds None); a fresh solve is saved there as a plan."""
+    from gpusolver.plan import Plan
+    from gpusolver.plan.build import build_plan
+    from gpusolver.solve import solve_assignment
+
+    if path is not None and path.exists():
+        return Plan.load(path).assignment, None
+    t0 = time.perf_counter()
+    asg = solve_assignment(areas, config, impl="torch")
+    seconds = time.perf_counter() - t0
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        build_plan(mask, areas, asg, config).save(path, config=config)
+    return asg, seconds
+
+
 def median(xs: Sequence[float | None]) -> float | None:
     """Median of the non-None values, None when there are none."""
     vals = [float(x) for x in xs if x is not None]

@@ -43,7 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, run as a script or loaded by path
 
 from _common import (  # noqa: E402
-    RESULTS_DIR, add_cluster_sweep_args, cluster_sweep, environment, make_mask, markdown_table, parse_list,
+    RESULTS_DIR, add_cluster_sweep_args, cached_assignment, cluster_sweep, environment, make_mask, markdown_table, parse_list,
     write_results,
 )
 from topology_solve import link_bottlenecks  # noqa: E402
@@ -52,7 +52,6 @@ from gpusolver.config import SolverConfig  # noqa: E402
 from gpusolver.plan import Plan  # noqa: E402
 from gpusolver.plan.build import build_plan  # noqa: E402
 from gpusolver.sim import simulate, simulate_baseline  # noqa: E402
-from gpusolver.solve import solve_assignment  # noqa: E402
 from gpusolver.solver.device import solve_device  # noqa: E402
 
 DEFAULT_MUS = "1.02,1.04,1.06,1.10"
@@ -65,19 +64,6 @@ AUTO = "relay solve, auto mu"
 def solve_config(P: int, mu: float, topology, topo_solve: bool) -> SolverConfig:
     """The config of a cell's solve: relay-priced on ``topology`` (``topo_solve``), or untopologised."""
     return SolverConfig(cp_size=P, imbalance_tol=mu, topology=topology if topo_solve else None)
-
-
-def cached_assignment(mask, areas, config: SolverConfig, path: Path | None):
-    """(assignment, CPU solve seconds or None when read from ``path``)."""
-    if path is not None and path.exists():
-        return Plan.load(path).assignment, None
-    t0 = time.perf_counter()
-    asg = solve_assignment(areas, config, impl="torch")
-    seconds = time.perf_counter() - t0
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        build_plan(mask, areas, asg, config).save(path, config=config)
-    return asg, seconds
 
 
 def auto_assignment(areas, config: SolverConfig, path: Path | None):

@@ -50,7 +50,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, run as a script or loaded by path
 
 from _common import (  # noqa: E402
-    RESULTS_DIR, add_cluster_sweep_args, cluster_sweep, environment, make_mask, markdown_table, write_results,
+    RESULTS_DIR, add_cluster_sweep_args, cached_assignment, cluster_sweep, environment, make_mask, markdown_table, write_results,
 )
 from topology_solve import link_bottlenecks, usp_ib_fwd  # noqa: E402
 from gpusolver.areas import block_areas  # noqa: E402
@@ -59,7 +59,6 @@ from gpusolver.plan import Plan  # noqa: E402
 from gpusolver.plan.build import build_plan  # noqa: E402
 from gpusolver.plan.relay import DIRECT, FAN_OUT, SELF  # noqa: E402
 from gpusolver.sim import simulate, simulate_baseline  # noqa: E402
-from gpusolver.solve import solve_assignment  # noqa: E402
 
 COLUMNS = [
     ("kind", "kind", ""), ("P", "P", "d"), ("transport", "transport", ""),
@@ -84,13 +83,7 @@ def solved_assignment(kind: str, P: int, seed: int, tokens: int, cache, topology
                           ib_relay=None if topology is None or relay_priced else False)
     mask = make_mask(kind, P, seed, tokens_per_rank=tokens)
     areas = block_areas(mask, P, config.head_groups, impl="torch")
-    t0 = time.perf_counter()
-    asg = solve_assignment(areas, config, impl="torch")
-    seconds = time.perf_counter() - t0
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        build_plan(mask, areas, asg, config).save(path, config=config)
-    return asg, seconds
+    return cached_assignment(mask, areas, config, path)
 
 
 def ib_side_and_floor(pair: torch.Tensor, per_node: int) -> tuple[str, int]:

@@ -152,6 +152,18 @@ def _merge(o_a, l_a, o_b, l_b, lead: int):
     return o.view(o_a.shape), lse.view(l_a.shape)
 
 
+def merge_gradients(host, returned, lead: int, n: int):
+    """dQ, dK, dV on their host: the host's own rows (``host``: its dQ, dK, dV operands) plus what
+    came back, ``returned`` as (phase, results) in op order, summed in that fixed order."""
+    dq, dk, dv = (rows(t, lead, 0, n) for t in host)
+    for phase, parts in returned:
+        if phase == "bwd.dq":
+            dq = dq + parts[0].float()
+        else:
+            dk, dv = dk + parts[0].float(), dv + parts[1].float()
+    return dq, dk, dv
+
+
 def _slices(plan: Plan, rank: int, stage: int):
     c = plan.calc
     return c.q_ranges[rank, stage], c.k_ranges[rank, stage], c.attn_type[rank, stage]
@@ -311,12 +323,7 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
                                         [torch.zeros_like(ql)] if kind == "qo" else
                                         [torch.zeros_like(kl), torch.zeros_like(vl)], deterministic)
             elif op.kind == MERGE:  # the host's rows plus reduces 1..S in that order: a fixed summation order
-                dq, dk, dv = (rows(t, lead, 0, n) for t in grads_q.x + grads_kv.x)
-                for phase, parts in returned:
-                    if phase == "bwd.dq":
-                        dq = dq + parts[0].float()
-                    else:
-                        dk, dv = dk + parts[0].float(), dv + parts[1].float()
+                dq, dk, dv = merge_gradients(grads_q.x + grads_kv.x, returned, lead, n)
             else:
                 raise AssertionError(f"dist_attn cannot run backward op {op}")
     return dq.to(ql.dtype), dk.to(kl.dtype), dv.to(vl.dtype)

@@ -38,7 +38,7 @@ from gpusolver.plan.relay import assemble_index, hop_send_index, inverse_index, 
 from gpusolver.plan.schedule import ATTN, CAST, DELTA, MERGE, REDUCE, WAIT, backward_ops, forward_ops, hop_phase
 from gpusolver.runtime.operands import Operands, rows
 from gpusolver.runtime.pipelined import (KINDS, WHICH, _gather_remote, _HostStart, _merge, _per_rank, _slices, op_range,
-                                         stage_phase)
+                                         merge_gradients, stage_phase)
 from gpusolver.runtime.relayed import _identity, _take
 from groupcomm import TorchGroup, group_cast, group_reduce, host_splits
 
@@ -338,12 +338,7 @@ def relay_stages_backward(plan, group, ranks, batched: bool, sr: StageRelayRoute
                                          for t, x in zip(pick, local)]
                 hops.reduce(op, full[op.phase, s], [torch.zeros_like(x) for x in local], "sum", (0.0,) * len(local))
             elif op.kind == MERGE:  # the host's rows plus per sub-stage direct and relayed rows, in order
-                dq, dk, dv = (rows(t, lead, 0, n) for t in grads_q.x + grads_kv.x)
-                for phase, parts in hops.returned:
-                    if phase == "bwd.dq":
-                        dq = dq + parts[0].float()
-                    else:
-                        dk, dv = dk + parts[0].float(), dv + parts[1].float()
+                dq, dk, dv = merge_gradients(grads_q.x + grads_kv.x, hops.returned, lead, n)
             else:
                 raise AssertionError(f"relay sub-stages cannot run backward op {op}")
     return dq.to(ql.dtype), dk.to(kl.dtype), dv.to(vl.dtype)
