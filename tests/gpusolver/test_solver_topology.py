@@ -126,7 +126,11 @@ def test_solve_triton_equals_torch_with_topology():
     kw = dict(rounds=3, strategies=_SMALL, restart_every=2)
     ref, tri = solve_device(areas, config, impl="torch", **kw), solve_device(areas, config, impl="triton", **kw)
     for f in dataclasses.fields(ref):
-        assert torch.equal(getattr(ref, f.name), getattr(tri, f.name)), f.name
+        a, b = getattr(ref, f.name), getattr(tri, f.name)
+        if a is None or b is None:  # a field only some modes fill (imbalance_tol: imbalance_auto)
+            assert a is None and b is None, f.name
+        else:
+            assert torch.equal(a, b), f.name
 
 
 def test_persistent_path_refuses_topology():
