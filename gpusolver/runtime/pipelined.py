@@ -152,6 +152,14 @@ def _merge(o_a, l_a, o_b, l_b, lead: int):
     return o.view(o_a.shape), lse.view(l_a.shape)
 
 
+def _merge_into(acc: Operands, o_s, l_s, lead: int) -> None:
+    """Merge one stage's (out, lse) into the accumulator's rows, in place."""
+    a_o, a_l = acc.x
+    o_m, l_m = _merge(a_o, a_l, o_s, l_s, lead)
+    a_o.copy_(o_m)
+    a_l.copy_(l_m)
+
+
 def merge_gradients(host, returned, lead: int, n: int):
     """dQ, dK, dV on their host: the host's own rows (``host``: its dQ, dK, dV operands) plus what
     came back, ``returned`` as (phase, results) in op order, summed in that fixed order."""
@@ -240,10 +248,7 @@ def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql,
                 (s,) = op.stages
                 xq, *x_extra = X["qo"].x
                 o_s, l_s = _per_rank(ranks, batched, lambda r, *t: attend(r, s, *t), xq, *X["kv"].x, *x_extra)
-                a_o, a_l = acc.x
-                o_m, l_m = _merge(a_o, a_l, o_s, l_s, lead)
-                a_o.copy_(o_m)
-                a_l.copy_(l_m)
+                _merge_into(acc, o_s, l_s, lead)
             elif op.kind == REDUCE:
                 (s,) = op.stages
                 partial = [_gather_remote(t, sr.gather["qo"][s - 1], n, lead, d)

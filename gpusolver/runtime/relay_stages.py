@@ -37,8 +37,8 @@ from gpusolver.nvtx import nvtx_range
 from gpusolver.plan.relay import assemble_index, hop_send_index, inverse_index, shifted
 from gpusolver.plan.schedule import ATTN, CAST, DELTA, MERGE, REDUCE, WAIT, backward_ops, forward_ops, hop_phase
 from gpusolver.runtime.operands import Operands, rows
-from gpusolver.runtime.pipelined import (KINDS, WHICH, _gather_remote, _HostStart, _merge, _per_rank, _slices, op_range,
-                                         merge_gradients, stage_phase)
+from gpusolver.runtime.pipelined import (KINDS, WHICH, _gather_remote, _HostStart, _merge, _merge_into, _per_rank,
+                                         _slices, merge_gradients, op_range, stage_phase)
 from gpusolver.runtime.relayed import _identity, _take
 from groupcomm import TorchGroup, group_cast, group_reduce, host_splits
 
@@ -257,10 +257,7 @@ def relay_stages_forward(plan, group, ranks, batched: bool, sr: StageRelayRoutes
                 (s,) = op.stages
                 o_s, l_s = _per_rank(ranks, batched, lambda r, q_, k_, v_: flex_attn(
                     q_, k_, v_, *_slices(plan, r, s), scale, **_INTERNAL), *X["qo"].x, *X["kv"].x)
-                a_o, a_l = acc.x
-                o_m, l_m = _merge(a_o, a_l, o_s, l_s, lead)
-                a_o.copy_(o_m)
-                a_l.copy_(l_m)
+                _merge_into(acc, o_s, l_s, lead)
             elif op.kind == REDUCE:
                 (s,) = op.stages
                 if s not in full:  # sub-stage s's partials in reduce s's layout, once

@@ -13,14 +13,14 @@ from gpusolver.capacity import relay_rows
 from gpusolver.plan import Plan
 from gpusolver.plan.build import build_plan, relay_transport
 from gpusolver.plan.schedule import PHASES, REDUCE, WAIT, backward_ops, forward_ops, hop_phase
-from gpusolver.runtime import DynamicCPAttention, PlanCache, dist_attn, shard
+from gpusolver.runtime import dist_attn, shard
 from gpusolver.runtime.pipelined import stage_phase
 from gpusolver.sim import simulate
 from groupcomm import LocalGroup, TorchGroup
 from tests._dist import run_ranks
 from tests._testing import assert_close
-from tests.gpusolver.runtime._cases import ATOL, D, RTOL, make_config, make_inputs, make_mask, reference
-from tests.gpusolver.runtime.test_relay import KEYS, _plans, _run, _topology
+from tests.gpusolver.runtime._cases import ATOL, RTOL, make_config, make_inputs, make_mask, reference
+from tests.gpusolver.runtime.test_relay import KEYS, _plans, _run, _topology, check_layer_on_meta
 
 
 def _stage_plans(name, P, per_node, S, keep=True, **kw):
@@ -180,20 +180,7 @@ def test_relay_stages_when_asked():
 
 def test_relay_stages_layer_on_meta():
     """DynamicCPAttention with sub-stages on a two-node topology: solve, per-stage relay, backward on meta."""
-    from gpusolver.masks import varlen_causal_mask
-    from tests.gpusolver.runtime._cases import doc_lengths
-
-    P, c, Hq, Hkv = 4, 16, 4, 2
-    mask = varlen_causal_mask(doc_lengths(P * c, 0), device="meta")
-    layer = DynamicCPAttention(LocalGroup(P), make_config(P, Hq, Hkv, topology=_topology(2), num_stages=2, ib_relay=True),
-                               plan_cache=PlanCache())
-    q = torch.empty(P, c, Hq, D, device="meta", requires_grad=True)
-    k = torch.empty(P, c, Hkv, D, device="meta", requires_grad=True)
-    v = torch.empty(P, c, Hkv, D, device="meta", requires_grad=True)
-    out, lse = layer(q, k, v, mask, return_lse=True)
-    assert out.shape == (P, c, Hq, D) and out.device.type == "meta"
-    (out.sum() + lse.sum()).backward()
-    assert all(x.grad is not None and x.grad.device.type == "meta" for x in (q, k, v))
+    check_layer_on_meta(num_stages=2, ib_relay=True)
 
 
 def _gloo_rank(rank, P, transport):
