@@ -19,6 +19,12 @@ OBJECTIVES = ("training", "forward")
 # (1.19-1.33) and 2-4 tiles balanced them (1.06-1.10); head-group flattening already gives
 # G >= 4 enough pieces on the quality masks.
 AUTO_TILE_PIECES = 4
+# num_stages="auto" gives slice (dense) masks this many remote sub-stages: the lowest median
+# simulated training step over the benchmark masks at every P measured (h200_hgx; P = 16-64: 0.75x
+# the two-stage all-to-all-v step over point-to-point, 0.90x over all-to-all-v,
+# benchmarks/results/stages_bench.md; P = 2-8: 0.97x, stages_bench_small.md). Sparse selections
+# keep one remote stage: there S = 2-4 gave 0.90-1.08x of S = 1 (sparse_stages*.md).
+AUTO_STAGES = 4
 
 
 def auto_tile_cap(head_groups: int) -> int:
@@ -91,7 +97,7 @@ class SolverConfig:
     kept_kv_rows:       with K and V kept, keep only the first this many rows of the
                         KV receive buffer; the rows past them are cast again in the
                         backward (``groupcomm.tail_routing``). None (default): all of
-                        them. Needs ``num_stages = 1``.
+                        them. Needs ``num_stages = 1`` (``"auto"`` resolves to 1 with it).
     num_stages:         S, remote sub-stages of the layer (static). Stage 0 computes
                         the tasks whose units are all local; the remote tasks of
                         each rank are cut into S sub-stages by when their bytes
@@ -101,8 +107,11 @@ class SolverConfig:
                         The casts share the one QO and the one KV receive buffer
                         (each at its own rows): S costs no receive memory, but
                         S times the collectives and S + 1 attention launches per
-                        pass. 1 (default) is the two-stage layer: one cast, one
-                        remote stage, one reduce.
+                        pass. "auto" (default): ``AUTO_STAGES`` (4) for slice masks,
+                        the measured best (simulated); 1 for sparse selections
+                        (``for_sparse``) and with ``kept_kv_rows``. 1 is the
+                        two-stage layer: one cast, one remote stage, one reduce.
+    auto_stages:        set by num_stages="auto" (the field then reads the resolved S).
     objective:          what the device solver minimises among balanced plans.
                         "training" (default): the bytes of a training step,
                         ``max_r fwd_r + max_r bwd_r`` (each phase a rank's
@@ -148,16 +157,20 @@ class SolverConfig:
     memory_budget: float | None = None
     kept_kv_rows: int | None = None
     objective: str = "training"
-    num_stages: int = 1
+    num_stages: int | str = "auto"
     auto_tiles: bool = False
     topology: Topology | None = None
     ib_relay: bool | None = None
     imbalance_auto: bool = False
+    auto_stages: bool = False
 
     def __post_init__(self):
         if self.chunk_tiles == "auto":  # an int from here on: whole chunks until solve resolves the cap
             object.__setattr__(self, "chunk_tiles", 1)
             object.__setattr__(self, "auto_tiles", True)
+        if self.num_stages == "auto":  # an int from here on, as chunk_tiles
+            object.__setattr__(self, "num_stages", 1 if self.kept_kv_rows is not None else AUTO_STAGES)
+            object.__setattr__(self, "auto_stages", True)
         for name in ("cp_size", "num_heads_q", "num_heads_kv", "head_dim", "chunk_tiles", "num_stages"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -165,8 +178,9 @@ class SolverConfig:
         if self.num_heads_q % self.num_heads_kv:
             raise ValueError(
                 f"num_heads_q={self.num_heads_q} must be a multiple of num_heads_kv={self.num_heads_kv}")
-        if not isinstance(self.auto_tiles, bool):
-            raise ValueError(f"auto_tiles must be a bool, got {self.auto_tiles!r}")
+        for name in ("auto_tiles", "auto_stages"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
         kept_kinds(self.keep_forward_buffers)  # True, False, "qo" or "kv", else ValueError
@@ -221,6 +235,11 @@ class SolverConfig:
         while n > 1 and total_seqlen % (n * self.cp_size):
             n //= 2
         return self if n == self.chunk_tiles else replace(self, chunk_tiles=n)
+
+    def for_sparse(self) -> "SolverConfig":
+        """This config for a sparse selection's plan: with ``auto_stages``, one remote stage
+        (sub-stages measured 0.90-1.08x of S = 1 there); otherwise itself."""
+        return replace(self, num_stages=1) if self.auto_stages and self.num_stages != 1 else self
 
     @property
     def link_weights(self) -> tuple[int, int, int] | None:

@@ -90,6 +90,7 @@ def solve_sparse(mask, config: SolverConfig, *, areas: BlockAreas | None = None,
     """
     from gpusolver.areas.sparse import sparse_areas, used_block_rows
 
+    config = config.for_sparse()
     spec = SelectionSpec.of(mask, config.head_groups)
     check_sparse_stages(config, spec)
     S = mask.total_seqlen_k

@@ -7,13 +7,13 @@ import warnings
 import torch
 
 
-def rows(plan, mask, config, topology) -> list[tuple[str, object]]:
+def rows(plan, mask, config, topology, comm: str = "p2p") -> list[tuple[str, object]]:
     """(name, LayerTime) of ours, USP and balanced USP, all simulated on ``topology``."""
     from gpusolver.areas import block_areas
     from gpusolver.sim import simulate, simulate_baseline
 
     areas = block_areas(mask, config.cp_size, 1, impl="torch")
-    return [("ours", simulate(plan, topology)),
+    return [("ours", simulate(plan, topology, comm=comm)),
             ("USP", simulate_baseline("usp", mask, config, topology, areas=areas)),
             ("balanced USP", simulate_baseline("usp_balanced", mask, config, topology, areas=areas))]
 
@@ -48,15 +48,17 @@ def run(args) -> int:
     torch.set_num_threads(1)
     hq, hkv = args.heads
     config = SolverConfig(cp_size=P, num_heads_q=hq, num_heads_kv=hkv, head_dim=args.head_dim, dtype=args.dtype,
-                          chunk_tiles=args.tiles)
+                          chunk_tiles=args.tiles, num_stages="auto" if args.stages is None else args.stages,
+                          topology=topology)  # as README advises on a cluster: bytes priced by link
     mask = build_mask(args.mask, args.tokens_per_rank * P, args.seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # an imbalanced plan is slower: the simulation shows by how much
         plan = solve(mask, config, solver=args.solver)
-    results = rows(plan, mask, config, topology)
+    results = rows(plan, mask, config, topology, args.comm)
     print(f"Layer time on {topology.name} (SIMULATED, not measured): P = {P} ({topology.nodes(P)} node(s) of "
           f"{topology.ranks_per_node}), mask '{args.mask}' seed {args.seed}, {args.tokens_per_rank} tokens per rank, "
-          f"{hq}:{hkv} heads, D = {args.head_dim}, {str(args.dtype).replace('torch.', '')}, {args.solver} solver")
+          f"{hq}:{hkv} heads, D = {args.head_dim}, {str(args.dtype).replace('torch.', '')}, {args.solver} solver, "
+          f"S = {config.num_stages} sub-stage(s) over {args.comm}")
     print(f"NVLink {topology.nvlink_gbps:g} GB/s and InfiniBand {topology.ib_gbps:g} GB/s per direction per GPU / NIC, "
           f"attention {topology.attn_tflops:g} TFLOP/s forward, backward {topology.bwd_flops_ratio:g}x the FLOPs")
     print(table(results))

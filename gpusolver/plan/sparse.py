@@ -557,6 +557,7 @@ def build_sparse_plan(areas: BlockAreas, assignment: torch.Tensor, config: Solve
                  [G, U, S / kv_block] bool is every query unit's ``used_block_rows``. None: hulls.
                  Not with a window branch (its slices address hull buffers).
     """
+    config = config.for_sparse()
     check_sparse_stages(config, spec)
     S = config.num_stages
     relay_transport(config, sparse=True)  # sparse plans travel direct; ib_relay=True is refused

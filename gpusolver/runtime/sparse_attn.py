@@ -140,6 +140,7 @@ def solve_sparse_sharded(mask, config: SolverConfig, group, *, solver: str = "de
     group = as_group(group)
     if config.cp_size != group.size:
         raise ValueError(f"config.cp_size={config.cp_size} but the group has {group.size} ranks")
+    config = config.for_sparse()
     spec = SelectionSpec.of(mask, config.head_groups)
     check_sparse_stages(config, spec)
     if validate is None:
