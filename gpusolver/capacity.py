@@ -9,7 +9,7 @@ K plus V row: the kinds are sized apart.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from gpusolver.config import SolverConfig
 from gpusolver.problem import kept_kinds
@@ -139,7 +139,8 @@ def keep_for_budget(config: SolverConfig, chunk: int) -> SolverConfig:
         rows = int((room - kept_bytes(config, chunk, best)) // config.cost().kv_fwd)
         if rows > 0:  # fewer than the whole buffer: it did not fit
             best, kv_rows, stages = _with_kv(best), rows, 1
-    return replace(config, keep_forward_buffers=best, kept_kv_rows=kv_rows, memory_budget=None, num_stages=stages)
+    return config.replaced(keep_forward_buffers=best, kept_kv_rows=kv_rows, memory_budget=None,
+                           num_stages="auto" if config.auto_stages else stages)  # "auto" + kept rows: 1
 
 
 # Relay transport (``gpusolver.plan.relay``): rows of each relay's buffer (what it receives over

@@ -1,7 +1,7 @@
 """Solver configuration: the static facts that size every output."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -111,7 +111,9 @@ class SolverConfig:
                         the measured best (simulated); 1 for sparse selections
                         (``for_sparse``) and with ``kept_kv_rows``. 1 is the
                         two-stage layer: one cast, one remote stage, one reduce.
-    auto_stages:        set by num_stages="auto" (the field then reads the resolved S).
+    auto_stages:        set by num_stages="auto" (the field then reads the resolved S);
+                        not an argument: ``dataclasses.replace`` of a config makes its
+                        num_stages explicit, ``replaced`` keeps "auto".
     objective:          what the device solver minimises among balanced plans.
                         "training" (default): the bytes of a training step,
                         ``max_r fwd_r + max_r bwd_r`` (each phase a rank's
@@ -162,7 +164,7 @@ class SolverConfig:
     topology: Topology | None = None
     ib_relay: bool | None = None
     imbalance_auto: bool = False
-    auto_stages: bool = False
+    auto_stages: bool = field(default=False, init=False)
 
     def __post_init__(self):
         if self.chunk_tiles == "auto":  # an int from here on: whole chunks until solve resolves the cap
@@ -234,7 +236,13 @@ class SolverConfig:
         n = auto_tile_cap(self.head_groups)
         while n > 1 and total_seqlen % (n * self.cp_size):
             n //= 2
-        return self if n == self.chunk_tiles else replace(self, chunk_tiles=n)
+        return self if n == self.chunk_tiles else self.replaced(chunk_tiles=n)
+
+    def replaced(self, **changes) -> "SolverConfig":
+        """``dataclasses.replace`` that keeps ``num_stages="auto"`` unless ``changes`` name it."""
+        if self.auto_stages and "num_stages" not in changes:
+            changes["num_stages"] = "auto"
+        return replace(self, **changes)
 
     def for_sparse(self) -> "SolverConfig":
         """This config for a sparse selection's plan: with ``auto_stages``, one remote stage

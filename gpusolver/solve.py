@@ -5,7 +5,6 @@ Shape legend: S tokens, P ranks, c = S / P, G head groups, R slices.
 from __future__ import annotations
 
 import warnings
-from dataclasses import replace
 
 import torch
 
@@ -73,7 +72,7 @@ def solve(mask, config: SolverConfig, *, solver: str = "device", areas_impl: str
     config = keep_for_budget(config, c)
     if solver == "reference" and all(v < 0 for v in buffer_ints(config)):
         # the CPU reference places tasks with no buffer limit: its plan gets buffers that hold any plan
-        config = replace(config, max_recv_rows=config.head_groups * c * (config.cp_size - 1))
+        config = config.replaced(max_recv_rows=config.head_groups * c * (config.cp_size - 1))
     if validate is None:
         validate = mask.device.type == "cpu"
     if validate:

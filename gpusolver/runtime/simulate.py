@@ -9,8 +9,9 @@ Per rank r, as the distributed runtime does it:
 2. the send lists (``CommMeta.send_index``) gather the rows each source
    ships; rank r's receive buffer is the concatenation of what each source
    sends it, sources ascending (``recv_capacity`` rows, zero past the fill);
-3. stage 0 attends local rows only; stage 1 attends ``concat(local, buffer)``
-   (``CalcMeta`` ranges are in exactly these coordinates);
+3. stage 0 attends local rows only; remote stages 1..S (``num_stages`` S; the
+   sub-stages share the one receive buffer per kind, each at its own rows) attend
+   ``concat(local, buffer)`` (``CalcMeta`` ranges are in exactly these coordinates);
 4. partial (out, lse) of received query rows go back to their host, where all
    partials of a row are merged with the log-sum-exp correction.
 
@@ -40,21 +41,27 @@ def ungroup(rows: torch.Tensor, chunk: int, groups: int) -> torch.Tensor:
 
 
 def _exchange(plan: Plan, kind: str, local: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Receive buffers [receive capacity of the kind, h, D] of every rank for ``kind`` ("qo" or "kv")."""
+    """Receive buffers [receive capacity of the kind, h, D] of every rank for ``kind`` ("qo" or "kv"):
+    cast s (s in 1..S) lands at its ``*_stage_base`` row, sources ascending within it."""
     m = plan.comm
     P = m.cp_size
-    split = m.qo_split if kind == "qo" else m.kv_split
-    sent = []
-    for s in range(P):
-        idx = m.send_index(kind, s)
-        n = int(split[s].sum())
-        sent.append(torch.split(local[s][idx[:n]], split[s].tolist()))  # pieces for each destination
-    buffers = []
-    for r in range(P):
-        rows = torch.cat([sent[s][r] for s in range(P)])
-        buf = local[r].new_zeros((m.buffers.recv(kind),) + tuple(local[r].shape[1:]))
-        buf[:rows.shape[0]] = rows
-        buffers.append(buf)
+    if m.num_stages == 1:
+        casts = [(None, m.qo_split if kind == "qo" else m.kv_split, torch.zeros(P, dtype=torch.long))]
+    else:
+        split = m.qo_stage_split if kind == "qo" else m.kv_stage_split
+        base = m.qo_stage_base if kind == "qo" else m.kv_stage_base
+        casts = [(s + 1, split[s], base[s]) for s in range(m.num_stages)]
+    buffers = [local[r].new_zeros((m.buffers.recv(kind),) + tuple(local[r].shape[1:])) for r in range(P)]
+    for stage, split, base in casts:
+        sent = []
+        for src in range(P):
+            idx = m.send_index(kind, src, stage=stage)
+            n = int(split[src].sum())
+            sent.append(torch.split(local[src][idx[:n]], split[src].tolist()))  # pieces for each destination
+        for r in range(P):
+            rows = torch.cat([sent[src][r] for src in range(P)])
+            start = int(base[r])
+            buffers[r][start:start + rows.shape[0]] = rows
     return buffers
 
 
@@ -76,11 +83,14 @@ def simulate_forward(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     k_buf, v_buf = _exchange(plan, "kv", kl), _exchange(plan, "kv", vl)
 
     outs, lses = [], []
-    for r in range(P):  # each rank: both stages, then merge its own rows
+    for r in range(P):  # each rank: every stage, then merge its own rows
         o0, l0 = flex_attn(ql[r], kl[r], vl[r], calc.q_ranges[r, 0], calc.k_ranges[r, 0], calc.attn_type[r, 0],
                            softmax_scale)
-        o1, l1 = flex_attn(torch.cat((ql[r], q_buf[r])), torch.cat((kl[r], k_buf[r])), torch.cat((vl[r], v_buf[r])),
-                           calc.q_ranges[r, 1], calc.k_ranges[r, 1], calc.attn_type[r, 1], softmax_scale)
+        x = torch.cat((ql[r], q_buf[r])), torch.cat((kl[r], k_buf[r])), torch.cat((vl[r], v_buf[r]))
+        o1, l1 = flex_attn(*x, calc.q_ranges[r, 1], calc.k_ranges[r, 1], calc.attn_type[r, 1], softmax_scale)
+        for s in range(2, calc.q_ranges.shape[1]):  # sub-stages: the log-sum-exp merge is associative
+            o1, l1 = merge_out_lse(o1, l1, *flex_attn(*x, calc.q_ranges[r, s], calc.k_ranges[r, s],
+                                                      calc.attn_type[r, s], softmax_scale))
         outs.append(merge_out_lse(o0, l0, o1[:G * c], l1[:G * c]))
         lses.append((o1[G * c:], l1[G * c:]))  # partials of received query rows, in buffer order
 

@@ -25,10 +25,10 @@ def test_group_major_round_trip():
     assert torch.equal(ungroup(rows, 3, 2), x[3:6])
 
 
-@pytest.mark.parametrize("solver", ["device", "reference"])
+@pytest.mark.parametrize("solver,stages", [("device", "auto"), ("reference", "auto"), ("device", 1)])
 @pytest.mark.parametrize("name,P,G", [("packed-causal", 4, 2), ("packed-full", 3, 2), ("causal", 4, 1),
                                       ("window", 2, 2), ("docs-full", 4, 2)])
-def test_plan_forward_equals_dense_attention(solver, name, P, G):
+def test_plan_forward_equals_dense_attention(solver, stages, name, P, G):
     S = 48 * P
     mask = {"packed-causal": lambda: packed_documents(S, seed=3),
             "packed-full": lambda: packed_documents(S, seed=4, causal=False),
@@ -36,8 +36,10 @@ def test_plan_forward_equals_dense_attention(solver, name, P, G):
             "window": lambda: sliding_window_mask(S, 20),
             "docs-full": lambda: varlen_full_mask([10, 70, S - 80])}[name]()
     Hq, Hkv, D = 4 * G, G, 32
-    config = SolverConfig(cp_size=P, num_heads_q=Hq, num_heads_kv=Hkv, head_dim=D, dtype=torch.float32)
+    config = SolverConfig(cp_size=P, num_heads_q=Hq, num_heads_kv=Hkv, head_dim=D, dtype=torch.float32,
+                          num_stages=stages)
     plan = shared_solve(mask, config, solver=solver)
+    assert plan.comm.num_stages == (4 if stages == "auto" else 1)  # the default: sub-stages, each cast at its base
     q, k, v = _qkv(S, Hq, Hkv, D)
     out, lse = simulate_forward(plan, q, k, v)
     ref_out, ref_lse = dense_attn(q, k, v, mask.to_dense())
