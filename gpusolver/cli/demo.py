@@ -255,6 +255,7 @@ class _Passes:
         """(layers, backward bytes match, seconds). ``checks``: time each solve, read each plan's status
         and the group's byte counters (host reads); without, the layers alone, as a profile should see them."""
         from gpusolver.runtime import shard
+        from gpusolver.runtime.pipelined import counter_phases
 
         run_, device = self.run_, self.run_.device
         h = shard(self.h0, run_.group).requires_grad_()
@@ -270,7 +271,8 @@ class _Passes:
             fwd_ok = True
             if checks:
                 m = plan.metrics.to_dict()
-                fwd_ok = _phases_match(run_, FWD_PHASES, m["fwd_send"], m["fwd_recv"])
+                fwd_ok = _phases_match(run_, counter_phases(FWD_PHASES, plan.comm.num_stages), m["fwd_send"],
+                                       m["fwd_recv"])
                 bwd_sent = m["bwd_send"] if bwd_sent is None else [a + b for a, b in zip(bwd_sent, m["bwd_send"])]
                 bwd_recv = m["bwd_recv"] if bwd_recv is None else [a + b for a, b in zip(bwd_recv, m["bwd_recv"])]
             layers.append((plan, ms, note, tensors, fwd_ok))
@@ -281,7 +283,9 @@ class _Passes:
         _sync(device)
         seconds = time.perf_counter() - t_start
         # one backward runs every layer: its counters are checked against the plans' summed volumes
-        bwd_ok = _phases_match(run_, BWD_PHASES, bwd_sent, bwd_recv) if checks else True
+        stages = {plan.comm.num_stages for plan, *_ in layers}
+        bwd_phases = sorted({ph for S in stages for ph in counter_phases(BWD_PHASES, S)})
+        bwd_ok = _phases_match(run_, bwd_phases, bwd_sent, bwd_recv) if checks else True
         return layers, bwd_ok, seconds
 
 

@@ -57,6 +57,14 @@ def stage_phase(base: str, stage: int) -> str:
     return f"{base}.{stage}"
 
 
+def counter_phases(bases, num_stages: int) -> tuple[str, ...]:
+    """Every byte-counter phase a layer of ``num_stages`` S counts ``bases`` under: the bases
+    themselves with one remote stage, each base per sub-stage (``stage_phase``) with S > 1."""
+    if num_stages == 1:
+        return tuple(bases)
+    return tuple(stage_phase(b, s) for b in bases for s in range(1, num_stages + 1))
+
+
 @dataclass(frozen=True)
 class StageRoutes:
     """The routing of each sub-stage's cast and reduce, for the ranks run here.

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from gpusolver import SolverConfig, block_areas, solve
+from gpusolver.config import AUTO_STAGES
 from gpusolver.plan.build import build_plan
 from gpusolver.plan.stages import assign_stages, landing_time
 from gpusolver.topology import Topology, h200_hgx
@@ -26,10 +27,16 @@ def _solved(P=8, c=16, S=4, tiles=1, name="docs-causal", seed=1):
 
 
 def test_config_num_stages_is_checked():
-    for bad in (0, -1, True, 1.5, 33):
+    for bad in (0, -1, True, 1.5, 33, "four"):
         with pytest.raises(ValueError, match="num_stages"):
             SolverConfig(cp_size=4, num_stages=bad)
-    assert SolverConfig(cp_size=4).num_stages == 1
+    auto = SolverConfig(cp_size=4)
+    assert auto.num_stages == AUTO_STAGES == 4 and auto.auto_stages  # the measured default
+    assert auto.for_sparse().num_stages == 1 and auto.replaced(imbalance_tol=1.2).auto_stages
+    assert SolverConfig(cp_size=4, kept_kv_rows=8).num_stages == 1
+    explicit = replace(auto, num_stages=2)  # dataclasses.replace names S: it is the caller's
+    assert explicit.num_stages == 2 and not explicit.auto_stages and explicit.for_sparse() is explicit
+    assert not SolverConfig(cp_size=4, num_stages=4).auto_stages
 
 
 def test_landing_time_by_hand():
