@@ -109,11 +109,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     p.add_argument("--mask", choices=a.MASK_KINDS, default="docs", help=a.MASK_HELP)
     p.add_argument("--tiles", type=a.positive_int, default=1, help="sub-chunk tiles per chunk (default 1)")
     p.add_argument("--solver", choices=("device", "reference"), default="device")
-    p.add_argument("--stages", type=a.positive_int, default=None,
-                   help="remote sub-stages, num_stages (default: the library's, SolverConfig's \"auto\")")
-    p.add_argument("--comm", choices=("p2p", "a2a", "p2p-batch"), default="p2p",
-                   help="TorchGroup's transport as simulated: p2p (default, TorchGroup's; gloo's handle per "
-                        "send), a2a (all-to-all-v), p2p-batch (NCCL's coalesced batch)")
+    p.add_argument("--stages", default="1",
+                   help="remote sub-stages, SolverConfig.num_stages: an int, or auto (4 for these masks, the "
+                        "simulated best); default 1, the library's")
+    p.add_argument("--comm", choices=("a2a", "p2p", "p2p-batch"), default="a2a",
+                   help="TorchGroup's transport as simulated: a2a (default, TorchGroup's: all-to-all-v), p2p "
+                        "(transport=\"p2p\" with gloo's handle per send and receive), p2p-batch (the same on "
+                        "NCCL's coalesced batch)")
     p.add_argument("--out", default="build/timeline.png", help="timeline PNG ('' for none; default build/timeline.png)")
 
     p = subs["bench"] = sub.add_parser(

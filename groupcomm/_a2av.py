@@ -79,20 +79,19 @@ class TorchGroup:
 
     ``timeout`` bounds each wait (default: the process group's own timeout);
     a failed or timed-out exchange raises ``CollectiveError``.
-    ``transport``: ``"p2p"`` (default; the lower simulated step at every sub-stage count,
-    benchmarks/results/stages_bench.md) posts one send and one receive per peer with rows to move
+    ``transport``: ``"a2a"`` (default) moves each call's rows in one ``all_to_all_single``;
+    ``"p2p"`` posts one send and one receive per peer with rows to move
     (``batch_isend_irecv``), so a pair's rows need not wait for the whole group, and a
     call's ``wait()`` waits for this rank's receives only: its sends stay in flight,
     held here (their buffers are this group's own copies, never the caller's tensors),
     until ``wait_sends()`` or a later call finds them done. A backend that completes a
     batch as one handle (NCCL's coalesced batch) waits for its sends with its receives.
-    ``"a2a"`` moves each call's rows in one ``all_to_all_single``.
     ``traffic(phase)`` returns this rank's (sent, recv) bytes as host ints.
     """
 
     batched = False
 
-    def __init__(self, process_group=None, timeout: timedelta | None = None, transport: str = "p2p"):
+    def __init__(self, process_group=None, timeout: timedelta | None = None, transport: str = "a2a"):
         if transport not in ("a2a", "p2p"):
             raise ValueError(f"TorchGroup: transport must be 'a2a' or 'p2p', got {transport!r}")
         if not dist.is_initialized():

@@ -49,5 +49,5 @@ def load_plan_config(path: str | os.PathLike):
         from gpusolver.topology import Topology
 
         d["topology"] = Topology(**d["topology"])
-    known = {f.name for f in dataclasses.fields(SolverConfig)}
+    known = {f.name for f in dataclasses.fields(SolverConfig) if f.init}
     return SolverConfig(**{k: v for k, v in d.items() if k in known})

@@ -51,6 +51,8 @@ Nothing here reads device values except ``validate()`` and ``summary()``.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass, replace
 
 import torch
@@ -158,7 +160,7 @@ class SelectionSpec:
 
 def sparse_config(config: SolverConfig, spec: SelectionSpec) -> SparseSolverConfig:
     """``config`` priced for a sparse mask of this ``spec`` (selection bytes, branches)."""
-    fields = {f: getattr(config, f) for f in SolverConfig.__dataclass_fields__}
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(SolverConfig) if f.init}
     return SparseSolverConfig(**fields, selection_bytes=spec.row_bytes, branches=2 if spec.window_size else 1)
 
 

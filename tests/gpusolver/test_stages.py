@@ -30,10 +30,11 @@ def test_config_num_stages_is_checked():
     for bad in (0, -1, True, 1.5, 33, "four"):
         with pytest.raises(ValueError, match="num_stages"):
             SolverConfig(cp_size=4, num_stages=bad)
-    auto = SolverConfig(cp_size=4)
-    assert auto.num_stages == AUTO_STAGES == 4 and auto.auto_stages  # the measured default
+    assert SolverConfig(cp_size=4).num_stages == 1 and not SolverConfig(cp_size=4).auto_stages
+    auto = SolverConfig(cp_size=4, num_stages="auto")
+    assert auto.num_stages == AUTO_STAGES == 4 and auto.auto_stages  # the measured best
     assert auto.for_sparse().num_stages == 1 and auto.replaced(imbalance_tol=1.2).auto_stages
-    assert SolverConfig(cp_size=4, kept_kv_rows=8).num_stages == 1
+    assert SolverConfig(cp_size=4, num_stages="auto", kept_kv_rows=8).num_stages == 1
     explicit = replace(auto, num_stages=2)  # dataclasses.replace names S: it is the caller's
     assert explicit.num_stages == 2 and not explicit.auto_stages and explicit.for_sparse() is explicit
     assert not SolverConfig(cp_size=4, num_stages=4).auto_stages
