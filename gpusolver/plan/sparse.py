@@ -158,9 +158,13 @@ class SelectionSpec:
         return self.heads * self.width * _INDEX_BYTES
 
 
+# the constructor's fields of a SolverConfig, read once outside any torch.compile trace
+_CONFIG_ARGS = tuple(f.name for f in dataclasses.fields(SolverConfig) if f.init)
+
+
 def sparse_config(config: SolverConfig, spec: SelectionSpec) -> SparseSolverConfig:
     """``config`` priced for a sparse mask of this ``spec`` (selection bytes, branches)."""
-    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(SolverConfig) if f.init}
+    fields = {name: getattr(config, name) for name in _CONFIG_ARGS}
     return SparseSolverConfig(**fields, selection_bytes=spec.row_bytes, branches=2 if spec.window_size else 1)
 
 
