@@ -1,7 +1,7 @@
 """Solver configuration: the static facts that size every output."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -300,3 +300,8 @@ class SolverConfig:
             raise ValueError(f"total_seqlen={total_seqlen} must be divisible by {what} "
                              f"(pad the sequence to a multiple of {U})")
         return total_seqlen // self.cp_size
+
+
+# the names SolverConfig's constructor takes (not ``auto_stages``), read once: a config copied field by
+# field (a saved plan's, ``SparseSolverConfig``'s) passes these, also inside a torch.compile trace
+CONFIG_ARGS = tuple(f.name for f in fields(SolverConfig) if f.init)

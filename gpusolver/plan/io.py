@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from gpusolver.config import SolverConfig
+from gpusolver.config import CONFIG_ARGS, SolverConfig
 from gpusolver.plan import records
 from gpusolver.plan.meta import Plan
 from gpusolver.plan.records import FORMAT, VERSION
@@ -49,5 +49,4 @@ def load_plan_config(path: str | os.PathLike):
         from gpusolver.topology import Topology
 
         d["topology"] = Topology(**d["topology"])
-    known = {f.name for f in dataclasses.fields(SolverConfig) if f.init}
-    return SolverConfig(**{k: v for k, v in d.items() if k in known})
+    return SolverConfig(**{k: v for k, v in d.items() if k in CONFIG_ARGS})

@@ -51,13 +51,11 @@ Nothing here reads device values except ``validate()`` and ``summary()``.
 """
 from __future__ import annotations
 
-import dataclasses
-
 from dataclasses import dataclass, replace
 
 import torch
 
-from gpusolver.config import SolverConfig
+from gpusolver.config import CONFIG_ARGS, SolverConfig
 from gpusolver.masks.constructors import sliding_window_mask
 from gpusolver.masks.slices import AttnSlices
 from gpusolver.masks.sparse import BlockSparseMask, NSALayerMask, TokenTopKMask
@@ -158,13 +156,9 @@ class SelectionSpec:
         return self.heads * self.width * _INDEX_BYTES
 
 
-# the constructor's fields of a SolverConfig, read once outside any torch.compile trace
-_CONFIG_ARGS = tuple(f.name for f in dataclasses.fields(SolverConfig) if f.init)
-
-
 def sparse_config(config: SolverConfig, spec: SelectionSpec) -> SparseSolverConfig:
     """``config`` priced for a sparse mask of this ``spec`` (selection bytes, branches)."""
-    fields = {name: getattr(config, name) for name in _CONFIG_ARGS}
+    fields = {name: getattr(config, name) for name in CONFIG_ARGS}
     return SparseSolverConfig(**fields, selection_bytes=spec.row_bytes, branches=2 if spec.window_size else 1)
 
 
