@@ -12,7 +12,6 @@ bit, and ``dist_attn`` can execute it.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import torch
