@@ -6,6 +6,11 @@ as hulls and as key blocks; each sub-stage's byte counters equal the plan's per-
 their sums the plan's metrics; the stage tables read only rows of casts 1..s; the layer on meta. The
 default tier keeps two LocalGroup cases and one gloo case; S = 1, 2, 4, 8 on P = 8 and 16 and gloo p2p
 are in the slow tier.
+
+NSA layer masks (selection plus sliding-window branch, two (out, lse) per row) likewise: both branches
+and the gradients against dense attention at fp32 1e-5, counters per sub-stage, on meta, priced by the
+simulator (two cases in the default tier; S = 1, 2, 4, 8 on P = 4 and 8, the Triton kernels and
+torch.compile in the slow tier).
 """
 import math
 from dataclasses import replace
@@ -314,5 +319,59 @@ def test_sub_stages_compiled_equals_eager():
         out = fn(*leaves)
         (out * shard(d_out, group)).sum().backward()
         results.append([out.detach()] + [x.grad for x in leaves])
+    for name, a, b in zip(("out", "dq", "dk", "dv"), *results):
+        assert_close(name, a, b, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.slow
+def test_nsa_layer_sub_stages_triton_kernels():
+    """The sparse kernel's Triton path (the interpreter here) on an S = 2 NSA layer's stage tables:
+    windows into the shared receive buffer, rows cast for the later sub-stage left unread."""
+    P, c, Hq, Hkv, S = 4, 8, 4, 2, 2
+    T = P * c
+    mask = make_mask("nsa-layer", T, Hkv, seed=1)
+    group = LocalGroup(P)
+    plan = scatter_plan(mask, _config(P, Hq, Hkv, S), group)
+    assert plan.num_stages == S and int((plan.task_stage > 1).sum()) > 0
+    q, k, v, d_out, d_lse = make_inputs(T, Hq, Hkv, seed=1)
+    ref = reference(mask, q, k, v, d_out, d_lse)
+    leaves = [shard(x, group).requires_grad_() for x in (q, k, v)]
+    res = sparse_dist_attn(*leaves, local_selection(mask, group), plan, group, backend="triton")
+    outs, lses = [unshard(o, group) for o, _ in res], [unshard(lse, group) for _, lse in res]
+    loss(outs, lses, d_out, d_lse).backward()
+    for b in range(2):
+        assert_close(f"out{b}", ref[0][b], outs[b], atol=ATOL, rtol=RTOL)
+        assert_close(f"lse{b}", ref[1][b], lses[b], atol=ATOL, rtol=RTOL)
+    for name, a, x in zip(("dq", "dk", "dv"), ref[2:], leaves):
+        assert_close(name, a, unshard(x.grad, group), atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.slow
+def test_nsa_layer_sub_stages_compiled_equals_eager():
+    """torch.compile(fullgraph=True) of an S = 2 NSA layer mask's layer, solve included (LocalGroup
+    P = 2): both branches' outputs and the gradients equal eager. About 70 s of tracing here; the
+    fast tier runs the same layer eagerly and on meta (no host read)."""
+    from gpusolver.runtime import DynamicCPAttention, PlanCache
+
+    P, c, Hq, Hkv = 2, 16, 4, 2
+    T = P * c
+    group = LocalGroup(P)
+    mask = make_mask("nsa-layer", T, Hkv, seed=3)
+    q, k, v, d_out, _ = make_inputs(T, Hq, Hkv, seed=3)
+    results = []
+    for compiled in (False, True):
+        layer = DynamicCPAttention(group, _config(P, Hq, Hkv, 2), plan_cache=PlanCache())  # empty: solve traced
+        leaves = [shard(x, group).requires_grad_() for x in (q, k, v)]
+
+        def step(q_, k_, v_):
+            o_sel, o_win = layer(q_, k_, v_, mask)
+            return o_sel + 0.5 * o_win
+
+        fn = torch.compile(step, fullgraph=True, backend="aot_eager") if compiled else step
+        out = fn(*leaves)
+        (out * shard(d_out, group)).sum().backward()
+        results.append([out.detach()] + [x.grad for x in leaves])
+        if not compiled:  # the layer really ran sub-stages (its cached plan)
+            assert layer.plan_for(mask, q.device, "default").num_stages == 2
     for name, a, b in zip(("out", "dq", "dk", "dv"), *results):
         assert_close(name, a, b, atol=ATOL, rtol=RTOL)
