@@ -258,8 +258,9 @@ def _gloo_rank(rank, P, kind, S, kv_block, transport):
     plan = scatter_plan(mine, _config(P, Hq, Hkv, S), group, kv_block)  # area rows all-gathered over gloo
     q, k, v, d_out, d_lse = make_inputs(T, Hq, Hkv, seed=P)
     leaves = [shard(x, group).clone().requires_grad_() for x in (q, k, v)]
-    out, lse = sparse_dist_attn(*leaves, local_selection(mine, group), plan, group)
-    loss([out], [lse], shard(d_out, group), shard(d_lse, group)).backward()
+    res = _pairs(sparse_dist_attn(*leaves, local_selection(mine, group), plan, group))
+    outs, lses = [o for o, _ in res], [lse for _, lse in res]
+    loss(outs, lses, shard(d_out, group), shard(d_lse, group)).backward()
     counted = {lab: [int(x) for x in group.traffic(lab)]
                for ph in PHASES_FWD + PHASES_BWD for lab in _counted(group, ph, S)}
     planned = {}
@@ -267,7 +268,7 @@ def _gloo_rank(rank, P, kind, S, kv_block, transport):
         for s, lab in enumerate(_counted(group, ph, S), start=1):
             pb = plan.pair_bytes(ph, stage=s)
             planned[lab] = [int(pb[rank].sum()), int(pb[:, rank].sum())]
-    return (out.detach(), lse.detach(), [x.grad for x in leaves], counted, planned,
+    return ([o.detach() for o in outs], [x.detach() for x in lses], [x.grad for x in leaves], counted, planned,
             int((plan.task_stage > 1).sum()))
 
 
@@ -276,8 +277,9 @@ def _check_gloo(P, kind, S, kv_block, transport):
     results = run_ranks(_gloo_rank, P, kind, S, kv_block, transport, timeout=120.0)
     T = P * c
     ref = reference(make_mask(kind, T, Hkv, seed=P), *make_inputs(T, Hq, Hkv, seed=P))
-    assert_close("out", ref[0][0], torch.cat([r[0] for r in results]), atol=ATOL, rtol=RTOL)
-    assert_close("lse", ref[1][0], torch.cat([r[1] for r in results]), atol=ATOL, rtol=RTOL)
+    for b in range(len(ref[0])):  # each output branch (two for an NSA layer mask)
+        assert_close(f"out{b}", ref[0][b], torch.cat([r[0][b] for r in results]), atol=ATOL, rtol=RTOL)
+        assert_close(f"lse{b}", ref[1][b], torch.cat([r[1][b] for r in results]), atol=ATOL, rtol=RTOL)
     for i, name in enumerate(("dq", "dk", "dv")):
         assert_close(name, ref[2 + i], torch.cat([r[2][i] for r in results]), atol=GRAD_ATOL, rtol=RTOL)
     for rank, r in enumerate(results):
@@ -291,7 +293,8 @@ def test_sub_stages_gloo(transport):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,kv_block,transport", [("nsa", 8, "p2p"), ("dsa", None, "p2p"), ("dsa", None, "a2a")])
+@pytest.mark.parametrize("kind,kv_block,transport", [("nsa", 8, "p2p"), ("dsa", None, "p2p"), ("dsa", None, "a2a"),
+                                                     ("nsa-layer", None, "a2a"), ("nsa-layer", None, "p2p")])
 def test_sub_stages_gloo_matrix(kind, kv_block, transport):
     _check_gloo(4, kind, 2, kv_block, transport)
 
