@@ -219,8 +219,8 @@ class _DistAttn(torch.autograd.Function):
                 o, lse, operands = run(routes.plan, group, routes.ranks, routes.batched, routes.relay,
                                        ql, kl, vl, scale, deterministic)
             else:
-                o, lse, operands = forward_stages(routes.plan, group, routes.ranks, routes.batched, routes.stages,
-                                                  ql, kl, vl, scale, deterministic)
+                (o, lse), operands = forward_stages(routes.plan, group, routes.ranks, routes.batched,
+                                                    routes.stages, ql, kl, vl, scale, deterministic)
             x_q, x_k, x_v = operands  # only the kept kinds' operands: the others are cast again
             if routes.relay is None or routes.relay.sub_stages:
                 # a sub-stage operand's first n rows are the local rows: keep them once, as views of it
