@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import torch
 
+from ._merge import fused_reduce_rows, use_fused
+
 _NEG_INF = float("-inf")
 
 
@@ -188,6 +190,12 @@ def reduce_lse(acc: list, ret: list, send_index: torch.Tensor, dest: torch.Tenso
 
 def reduce_rows(acc: list[torch.Tensor], ret: list[torch.Tensor], send_index: torch.Tensor,
                 dest: torch.Tensor, op: str, P: int, deterministic: bool) -> list[torch.Tensor]:
-    """Dispatch on ``op`` ("sum" or "lse"); all tensors carry the leading batch dim."""
+    """Dispatch on ``op`` ("sum" or "lse"); all tensors carry the leading batch dim.
+
+    The fused merge (``_merge``: fp32 in registers, only the outputs written; deterministic in
+    either mode, in the deterministic order) where ``fused_reduce`` allows it (by default on
+    CUDA), else the torch path of this module."""
+    if use_fused(acc, ret):
+        return fused_reduce_rows(acc, ret, send_index, dest, op, P)
     fn = reduce_sum if op == "sum" else reduce_lse
     return fn(acc, ret, send_index, dest, P, deterministic)
