@@ -119,6 +119,21 @@ def _rows(t: torch.Tensor, inner: int) -> torch.Tensor:
     return t
 
 
+def lse_blocks(D: int, items: int, gpu: bool) -> dict:
+    """BLOCK_M x BLOCK_D of the lse kernel: about 4096 fp32 accumulators a program on a GPU (four
+    warps, no spills); the interpreter runs few, big programs."""
+    block_d = triton.next_power_of_2(D)
+    block_m = max(1, (4096 if gpu else 16384) // block_d)
+    return dict(BLOCK_M=min(block_m, triton.next_power_of_2(items)), BLOCK_D=block_d)
+
+
+def sum_blocks(F: int, N: int, gpu: bool) -> dict:
+    """BLOCK_R x BLOCK_F of the sum kernel (as ``lse_blocks``; rows of F > 1024 values in column blocks)."""
+    block_f = min(triton.next_power_of_2(F), 1024)
+    block_r = max(1, (4096 if gpu else 16384) // block_f)
+    return dict(BLOCK_R=min(block_r, triton.next_power_of_2(N)), BLOCK_F=block_f)
+
+
 def merge_lse_into(out: torch.Tensor, lse: torch.Tensor, out_p: torch.Tensor, lse_p: torch.Tensor,
                    slots: torch.Tensor, out_new: torch.Tensor, lse_new: torch.Tensor) -> None:
     """Launch ``_merge_lse_kernel``: out ``[B, N, h, D]``, lse ``[B, N, h]``, out_p ``[B, C, h, D]``,
@@ -129,15 +144,13 @@ def merge_lse_into(out: torch.Tensor, lse: torch.Tensor, out_p: torch.Tensor, ls
         return
     out, out_p = _rows(out, 1), _rows(out_p, 1)
     slots = slots.contiguous()
-    block_d = triton.next_power_of_2(D)
-    block_m = max(1, (16384 if interpreting() else 4096) // block_d)  # interpreter: few, big programs
-    block_m = min(block_m, triton.next_power_of_2(N * H))
-    grid = (triton.cdiv(N * H, block_m), B)
+    blocks = lse_blocks(D, N * H, gpu=not interpreting())
+    grid = (triton.cdiv(N * H, blocks["BLOCK_M"]), B)
     _merge_lse_kernel[grid](out, lse, out_p, lse_p, slots, out_new, lse_new, N, H, D, P,
                             out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
                             out_p.stride(0), out_p.stride(1), out_p.stride(2),
                             lse_p.stride(0), lse_p.stride(1), lse_p.stride(2),
-                            BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4)
+                            **blocks, num_warps=4)
 
 
 def merge_sum_into(acc: torch.Tensor, ret: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> None:
@@ -151,9 +164,7 @@ def merge_sum_into(acc: torch.Tensor, ret: torch.Tensor, slots: torch.Tensor, ou
     a = _rows(acc, acc.dim() - 2).reshape(B, N, F)
     r = _rows(ret, ret.dim() - 2).reshape(B, C, F)
     slots = slots.contiguous()
-    block_f = min(triton.next_power_of_2(F), 1024)
-    block_r = max(1, (16384 if interpreting() else 4096) // block_f)
-    block_r = min(block_r, triton.next_power_of_2(N))
-    grid = (triton.cdiv(N, block_r), triton.cdiv(F, block_f), B)
+    blocks = sum_blocks(F, N, gpu=not interpreting())
+    grid = (triton.cdiv(N, blocks["BLOCK_R"]), triton.cdiv(F, blocks["BLOCK_F"]), B)
     _merge_sum_kernel[grid](a, r, slots, out, N, F, P, a.stride(0), a.stride(1), r.stride(0), r.stride(1),
-                            BLOCK_R=block_r, BLOCK_F=block_f, num_warps=4)
+                            **blocks, num_warps=4)
