@@ -252,3 +252,30 @@ def test_compiles_fullgraph():
     torch._dynamo.reset()
     for a, b in zip(eager, compiled):
         assert torch.equal(a, b)
+
+
+def test_kernels_compile_for_sm90_without_spills():
+    """Both kernels as a GPU launches them at real shapes (h = 8, D = 128 and rows of 1024 values, bf16
+    and fp16, the GPU's block sizes and divisibility hints) compile for sm_90 with no spills."""
+    from groupcomm._merge_kernel import lse_blocks, sum_blocks
+    from tests._sm90 import capture_launches, compile_sm90
+
+    P, N, h, D = 4, 6, 8, 128
+    send_index, dest, out, lse, out_p, lse_p = _lse_inputs(P, N, 2, h=h, D=D)
+    slots = slot_table(send_index, dest, N, P)
+    records = []
+    for dtype in (torch.bfloat16, torch.float16):
+        with capture_launches(specialize=True) as got:
+            merge_lse_op(out.to(dtype), lse, out_p.to(dtype), lse_p, slots, True)
+            merge_sum_op(out.to(dtype), out_p.to(dtype), slots, True)
+        records += got
+    assert sorted(r["name"] for r in records) == ["_merge_lse_kernel"] * 2 + ["_merge_sum_kernel"] * 2
+    for rec in records:  # the interpreter's launches use bigger blocks: the GPU's, at 65536 rows per rank
+        lse_kernel = rec["name"] == "_merge_lse_kernel"
+        rec["constexprs"].update(lse_blocks(D, 65536 * h, gpu=True) if lse_kernel else sum_blocks(h * D, 65536, gpu=True))
+    results = compile_sm90(records, stats=True)
+    if any(r["error"] and "ptxas" in r["error"] and "not found" in r["error"].lower() for r in results):
+        pytest.skip("no ptxas in this Triton install")
+    for rec, res in zip(records, results):
+        assert res["error"] is None, f"{rec['name']}: {res['error']}"
+        assert res["spill_stores"] == res["spill_loads"] == res["stack"] == 0, f"{rec['name']} spills: {res}"
