@@ -30,11 +30,10 @@ CUDA tensors only; True everywhere (meta: the fakes; CPU: the kernels under
 """
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 
 import torch
-
-from ._merge_kernel import interpreting, merge_lse_into, merge_sum_into
 
 _NEG_INF = float("-inf")
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -122,8 +121,12 @@ def merge_sum_ref(acc: torch.Tensor, ret: torch.Tensor, slots: torch.Tensor) -> 
     return total.to(acc.dtype)
 
 
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def _check_triton(t: torch.Tensor, name: str) -> None:
-    if not t.is_cuda and not interpreting():
+    if not t.is_cuda and not _interpreting():
         raise ValueError(f"groupcomm::{name}: the fused kernel on {t.device} needs TRITON_INTERPRET=1; "
                          f"use fused_reduce(None) or fused_reduce(False) for the torch path")
 
@@ -136,9 +139,10 @@ def merge_lse_op(out: torch.Tensor, lse: torch.Tensor, out_p: torch.Tensor, lse_
     if not use_triton:
         return merge_lse_ref(out, lse, out_p, lse_p, slots)
     _check_triton(out, "merge_lse")
+    from ._merge_kernel import merge_lse_into  # triton is imported when a kernel first runs, as the put's
     out_new, lse_new = torch.empty_like(out, memory_format=torch.contiguous_format), \
         torch.empty_like(lse, memory_format=torch.contiguous_format)
-    merge_lse_into(out, lse, out_p, lse_p, slots, out_new, lse_new)
+    merge_lse_into(out, lse, out_p, lse_p, slots, out_new, lse_new, gpu=not _interpreting())
     return out_new, lse_new
 
 
@@ -155,8 +159,9 @@ def merge_sum_op(acc: torch.Tensor, ret: torch.Tensor, slots: torch.Tensor, use_
     if not use_triton:
         return merge_sum_ref(acc, ret, slots)
     _check_triton(acc, "merge_sum")
+    from ._merge_kernel import merge_sum_into
     out = torch.empty_like(acc, memory_format=torch.contiguous_format)
-    merge_sum_into(acc, ret, slots, out)
+    merge_sum_into(acc, ret, slots, out, gpu=not _interpreting())
     return out
 
 

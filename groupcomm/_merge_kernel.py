@@ -22,15 +22,9 @@ process); a slot of -1 masks its loads, so its address is never read.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
@@ -135,16 +129,17 @@ def sum_blocks(F: int, N: int, gpu: bool) -> dict:
 
 
 def merge_lse_into(out: torch.Tensor, lse: torch.Tensor, out_p: torch.Tensor, lse_p: torch.Tensor,
-                   slots: torch.Tensor, out_new: torch.Tensor, lse_new: torch.Tensor) -> None:
+                   slots: torch.Tensor, out_new: torch.Tensor, lse_new: torch.Tensor, gpu: bool) -> None:
     """Launch ``_merge_lse_kernel``: out ``[B, N, h, D]``, lse ``[B, N, h]``, out_p ``[B, C, h, D]``,
-    lse_p ``[B, C, h]``, slots ``[B, N, P]`` int32 -> out_new, lse_new (contiguous, written)."""
+    lse_p ``[B, C, h]``, slots ``[B, N, P]`` int32 -> out_new, lse_new (contiguous, written);
+    ``gpu``: the GPU's block sizes (else the interpreter's)."""
     B, N, H, D = out.shape
     P = slots.shape[2]
     if B * N * H * D == 0:
         return
     out, out_p = _rows(out, 1), _rows(out_p, 1)
     slots = slots.contiguous()
-    blocks = lse_blocks(D, N * H, gpu=not interpreting())
+    blocks = lse_blocks(D, N * H, gpu)
     grid = (triton.cdiv(N * H, blocks["BLOCK_M"]), B)
     _merge_lse_kernel[grid](out, lse, out_p, lse_p, slots, out_new, lse_new, N, H, D, P,
                             out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
@@ -153,9 +148,10 @@ def merge_lse_into(out: torch.Tensor, lse: torch.Tensor, out_p: torch.Tensor, ls
                             **blocks, num_warps=4)
 
 
-def merge_sum_into(acc: torch.Tensor, ret: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> None:
+def merge_sum_into(acc: torch.Tensor, ret: torch.Tensor, slots: torch.Tensor, out: torch.Tensor,
+                   gpu: bool) -> None:
     """Launch ``_merge_sum_kernel``: acc ``[B, N, *f]``, ret ``[B, C, *f]``, slots ``[B, N, P]`` int32
-    -> out ``[B, N, *f]`` (contiguous, written)."""
+    -> out ``[B, N, *f]`` (contiguous, written); ``gpu`` as in ``merge_lse_into``."""
     B, N = acc.shape[:2]
     C, P = ret.shape[1], slots.shape[2]
     F = out[0, 0].numel() if B and N else 0
@@ -164,7 +160,7 @@ def merge_sum_into(acc: torch.Tensor, ret: torch.Tensor, slots: torch.Tensor, ou
     a = _rows(acc, acc.dim() - 2).reshape(B, N, F)
     r = _rows(ret, ret.dim() - 2).reshape(B, C, F)
     slots = slots.contiguous()
-    blocks = sum_blocks(F, N, gpu=not interpreting())
+    blocks = sum_blocks(F, N, gpu)
     grid = (triton.cdiv(N, blocks["BLOCK_R"]), triton.cdiv(F, blocks["BLOCK_F"]), B)
     _merge_sum_kernel[grid](a, r, slots, out, N, F, P, a.stride(0), a.stride(1), r.stride(0), r.stride(1),
                             **blocks, num_warps=4)
