@@ -114,7 +114,7 @@ def merge_lse_ref(out: torch.Tensor, lse: torch.Tensor, out_p: torch.Tensor, lse
 
 def merge_sum_ref(acc: torch.Tensor, ret: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """Torch twin of the sum kernel: acc plus its partials in destination order, fp32 inside."""
-    total = acc.float()
+    total = acc.to(torch.float32, copy=True)  # never the input itself: an op output must not alias it
     for k in range(slots.shape[2]):
         x, ok = _gather(ret, slots, k)
         total = total + torch.where(ok.view(*ok.shape, *([1] * (x.dim() - 2))), x.float(), 0.0)

@@ -215,6 +215,16 @@ def test_fake_signature_matches_op(opname, fake):
     assert list(inspect.signature(fake).parameters) == [a.name for a in schema.arguments]
 
 
+@pytest.mark.parametrize("use_triton", [True, False], ids=["triton", "torch"])
+def test_opcheck(use_triton):
+    """torch.library's checks of both ops: schema, fake against real (shapes, dtypes, strides), no
+    alias of an input in the outputs."""
+    send_index, dest, out, lse, out_p, lse_p = _lse_inputs(3, 5, 1)
+    slots = slot_table(send_index, dest, 5, 3)
+    torch.library.opcheck(merge_lse_op, (out, lse, out_p, lse_p, slots, use_triton))
+    torch.library.opcheck(merge_sum_op, (out, out_p, slots, use_triton))
+
+
 def test_meta_bf16_allocates_outputs_only():
     """On meta the fused reduce is the fakes: outputs in acc's dtypes, contiguous, no host read."""
     P, N, h, D, cap, send_cap = 4, 6, 2, 8, 11, 9
