@@ -318,7 +318,8 @@ def step_cost(kind: str, P: int, budget: float, seed: int, topology: str, qo_chu
 
 
 def _mb(rows):
-    keys = ("kept", "plain_kept", "fwd_peak", "bwd_peak", "fwd_reduce", "bwd_reduce", "own", "plan_kept", "plan_fwd", "plan_bwd")
+    keys = ("kept", "plain_kept", "fwd_peak", "bwd_peak", "fwd_reduce", "bwd_reduce", "own", "plan_kept", "plan_fwd",
+            "plan_bwd")
     return [{k: (v / 1e6 if k in keys and v is not None else v) for k, v in r.items()} for r in rows]
 
 

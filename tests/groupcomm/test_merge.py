@@ -282,7 +282,8 @@ def test_kernels_compile_for_sm90_without_spills():
     assert sorted(r["name"] for r in records) == ["_merge_lse_kernel"] * 2 + ["_merge_sum_kernel"] * 2
     for rec in records:  # the interpreter's launches use bigger blocks: the GPU's, at 65536 rows per rank
         lse_kernel = rec["name"] == "_merge_lse_kernel"
-        rec["constexprs"].update(lse_blocks(D, 65536 * h, gpu=True) if lse_kernel else sum_blocks(h * D, 65536, gpu=True))
+        blocks = lse_blocks(D, 65536 * h, gpu=True) if lse_kernel else sum_blocks(h * D, 65536, gpu=True)
+        rec["constexprs"].update(blocks)
     results = compile_sm90(records, stats=True)
     if any(r["error"] and "ptxas" in r["error"] and "not found" in r["error"].lower() for r in results):
         pytest.skip("no ptxas in this Triton install")
