@@ -13,6 +13,7 @@ from gpusolver import solve
 from gpusolver.masks import varlen_causal_mask
 from gpusolver.runtime import dist_attn
 from groupcomm import LocalGroup
+from tests._testing import assert_close
 from tests.gpusolver.runtime._cases import D, doc_lengths, make_config
 
 
@@ -186,3 +187,42 @@ def test_kept_kv_rows_must_be_a_row_count():
     for bad in (-1, 2.0, True):
         with pytest.raises(ValueError, match="kept_kv_rows"):
             dist_attn(q, k, v, plan, LocalGroup(P), kept_kv_rows=bad)
+
+
+def test_fused_reduce_keeps_the_accounting_and_the_results(monkeypatch):
+    """The reduces through groupcomm's fused merge (the GPU default; its kernels under the interpreter
+    here): the same buffers and kept bytes as ``plan.memory()`` says, the torch path's results."""
+    import groupcomm._reduce
+    from groupcomm._merge import fused_reduce
+
+    calls = []
+    merge = groupcomm._reduce.fused_reduce_rows
+    monkeypatch.setattr(groupcomm._reduce, "fused_reduce_rows", lambda *a: calls.append(a[4]) or merge(*a))
+
+    P, c, Hq, Hkv = 4, 16, 4, 2
+    config = make_config(P, Hq, Hkv, max_qo_recv_rows=40, max_kv_recv_rows=64, max_qo_send_rows=56,
+                         max_kv_send_rows=88)
+    plan = solve(varlen_causal_mask(doc_lengths(P * c, 0)), config)
+    m = plan.memory(config)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(P, c, Hq, D, generator=g, requires_grad=True)
+    k = torch.randn(P, c, Hkv, D, generator=g, requires_grad=True)
+    v = torch.randn(P, c, Hkv, D, generator=g, requires_grad=True)
+    results = {}
+    for fused in (False, True):
+        group = LocalGroup(P)
+        rec, into = _Recorder(group), _IntoRecorder(group)
+        q.grad = k.grad = v.grad = None
+        with fused_reduce(fused):
+            (out, lse), sizes, _ = _saved(lambda: dist_attn(q, k, v, plan, group))
+            fwd = sum(rec.current) + sum(into.current.values())
+            rec.current, into.current = [], {}
+            (out.sum() + lse.sum()).backward()
+        bwd = sum(rec.current) + sum(into.current.values())
+        assert sum(sizes) == P * c * (2 * Hq * D + 2 * Hkv * D + Hq) * 4 + P * m.kept
+        assert fwd == P * m.fwd_peak and bwd + P * m.kept == P * m.bwd_peak
+        results[fused] = (out, lse, q.grad, k.grad, v.grad)
+        assert calls == (["lse", "sum", "sum"] if fused else [])  # O and lse; dQ; dK and dV
+        calls.clear()
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), results[False], results[True]):
+        assert_close(name, a, b, atol=1e-5, rtol=1e-5)
