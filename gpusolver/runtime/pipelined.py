@@ -153,7 +153,10 @@ def _per_rank(ranks, batched, fn, *tensors):
 
 
 def _merge(o_a, l_a, o_b, l_b, lead: int):
-    """The log-sum-exp merge of two (out, lse) row sets; elementwise, so all ranks in one call."""
+    """The log-sum-exp merge of two (out, lse) row sets; elementwise, so all ranks in one call. Out in
+    o_a's dtype: the running fp32 accumulator merges a stage's (or a reduce's) out in the activation
+    dtype, which the merge kernel, one dtype for both, gets as fp32 too."""
+    o_b = o_b.to(o_a.dtype)
     if lead == 0:
         return merge_out_lse(o_a, l_a, o_b, l_b)
     B, T = l_a.shape[:2]

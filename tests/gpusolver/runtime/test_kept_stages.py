@@ -114,3 +114,19 @@ def test_kept_rows_sub_stages_on_meta():
     (out.sum() + lse.sum()).backward()
     for x in (q, k, v):
         assert x.grad is not None and x.grad.shape == x.shape and x.grad.device.type == "meta"
+
+
+def test_sub_stages_bf16_on_meta():
+    """S = 2 in bf16 (the accumulator fp32, each stage's out bf16: the merge takes both), kept rows or
+    not, on ``device="meta"``."""
+    P, c, Hq, Hkv = 4, 16, 4, 2
+    mask = varlen_causal_mask(doc_lengths(P * c, 0), device="meta")
+    for rows in (None, 9):
+        config = replace(make_config(P, Hq, Hkv, num_stages=2, kept_kv_rows=rows), dtype=torch.bfloat16)
+        layer = DynamicCPAttention(LocalGroup(P), config, plan_cache=PlanCache())
+        q, k, v = (torch.empty(P, c, h, D, device="meta", dtype=torch.bfloat16, requires_grad=True)
+                   for h in (Hq, Hkv, Hkv))
+        out, lse = layer(q, k, v, mask, return_lse=True)
+        assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+        (out.sum() + lse.sum()).backward()
+        assert all(x.grad.dtype == torch.bfloat16 for x in (q, k, v))
