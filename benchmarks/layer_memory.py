@@ -170,19 +170,20 @@ def shape_plan(mask, config: SolverConfig):
     return build_plan(mask, areas, owner.expand(config.head_groups, U, U).to(torch.int32), config)
 
 
-def make_config(P: int, shapes: dict, keep=True, budget=None, qo_chunks=None) -> SolverConfig:
+def make_config(P: int, shapes: dict, keep=True, budget=None, qo_chunks=None, stages=1) -> SolverConfig:
     """The benchmark's config; ``qo_chunks``: the QO receive buffer in multiples of G * c (the budget
-    runs': a smaller buffer the solve keeps its plans within, so that Q fits the budget whole)."""
+    runs': a smaller buffer the solve keeps its plans within, so that Q fits the budget whole);
+    ``stages``: ``num_stages`` (an int or "auto")."""
     config = SolverConfig(cp_size=P, num_heads_q=shapes["num_heads_q"], num_heads_kv=shapes["num_heads_kv"],
                           head_dim=shapes["head_dim"], dtype=shapes["dtype"], keep_forward_buffers=keep,
-                          memory_budget=budget)
+                          memory_budget=budget, num_stages=stages)
     if qo_chunks is None:
         return config
     return replace(config, max_qo_recv_rows=int(round(qo_chunks * config.head_groups * shapes["tokens_per_rank"])))
 
 
 def measure(kind: str, P: int, shapes: dict, device: str, *, seed: int = 0, keep=True, budget=None,
-            checkpoint: bool = False, qo_chunks=None, top: int = 0, fused: bool = False) -> dict:
+            checkpoint: bool = False, qo_chunks=None, top: int = 0, fused: bool = False, stages=1) -> dict:
     """Kept and peak bytes per rank of one layer (forward and backward) for one mask; ``checkpoint``:
     the layer under full activation checkpointing (non-reentrant: nothing saved, the forward run
     again inside the backward, whose peak is then counted); ``top``: also the biggest storages
@@ -192,7 +193,7 @@ def measure(kind: str, P: int, shapes: dict, device: str, *, seed: int = 0, keep
     off CUDA)."""
     with fused_reduce(True if fused else None), _reduce_spans() as current:
         row = _measure(current, kind, P, shapes, device, seed=seed, keep=keep, budget=budget, checkpoint=checkpoint,
-                       qo_chunks=qo_chunks, top=top)
+                       qo_chunks=qo_chunks, top=top, stages=stages)
     row["fused"] = "yes" if fused else "no"
     return row
 
@@ -217,10 +218,10 @@ def _reduce_spans():
 
 
 def _measure(current: list, kind: str, P: int, shapes: dict, device: str, *, seed: int, keep, budget, checkpoint: bool,
-             qo_chunks, top: int) -> dict:
+             qo_chunks, top: int, stages=1) -> dict:
     c, D, dtype = shapes["tokens_per_rank"], shapes["head_dim"], shapes["dtype"]
     Hq, Hkv = shapes["num_heads_q"], shapes["num_heads_kv"]
-    config = keep_for_budget(make_config(P, shapes, keep, budget, qo_chunks), c)  # what the budget keeps
+    config = keep_for_budget(make_config(P, shapes, keep, budget, qo_chunks, stages), c)  # what the budget keeps
     keep, kv_rows = config.keep_forward_buffers, config.kept_kv_rows
     mask = make_mask(kind, P, seed, c, device=device)
     t0 = time.perf_counter()
@@ -251,7 +252,8 @@ def _measure(current: list, kind: str, P: int, shapes: dict, device: str, *, see
         torch.autograd.backward(out, d_out)
     current[0] = None
     ref = layer_shapes(shapes, P)
-    row = {"kind": kind, "P": P, "budget": budget, "qo_recv": "default" if qo_chunks is None else f"{qo_chunks:g} Gc",
+    row = {"kind": kind, "P": P, "S": config.num_stages, "budget": budget,
+           "qo_recv": "default" if qo_chunks is None else f"{qo_chunks:g} Gc",
            "keep": keep, "kv_rows": _chunks(kv_rows, config, c),
            "ckpt": "yes" if checkpoint else "no", "device": device, "solve_s": solve_s,
            "kept": saved.total / P, "fwd_peak": fwd_live.peak / P, "bwd_peak": bwd_live.peak / P,
@@ -270,7 +272,7 @@ def _chunks(rows, config: SolverConfig, c: int) -> str:
     return "all" if rows is None else f"{rows / (config.head_groups * c):.2f} Gc"
 
 
-COLUMNS = [("kind", "kind", ""), ("P", "P", "d"), ("budget", "budget", ""), ("QO recv", "qo_recv", ""),
+COLUMNS = [("kind", "kind", ""), ("P", "P", "d"), ("S", "S", "d"), ("budget", "budget", ""), ("QO recv", "qo_recv", ""),
            ("keep", "keep", ""), ("fused reduce", "fused", ""),
            ("kept KV rows", "kv_rows", ""), ("checkpointed", "ckpt", ""),
            ("kept MB", "kept", ".1f"), ("plan.memory kept MB", "plan_kept", ".1f"),
@@ -279,7 +281,8 @@ COLUMNS = [("kind", "kind", ""), ("P", "P", "d"), ("budget", "budget", ""), ("QO
            ("fwd merge MB", "fwd_reduce", ".1f"), ("bwd merge MB", "bwd_reduce", ".1f"),
            ("plan.memory fwd MB", "plan_fwd", ".1f"), ("plan.memory bwd MB", "plan_bwd", ".1f"),
            ("own q,k,v,out MB", "own", ".1f"), ("peak / own", "peak_ratio", ".2f")]
-STEP_COLUMNS = [("kind", "kind", ""), ("P", "P", "d"), ("budget", "budget", ""), ("QO recv", "qo_recv", ""),
+STEP_COLUMNS = [("kind", "kind", ""), ("P", "P", "d"), ("S", "S", "d"), ("comm", "comm", ""),
+                ("budget", "budget", ""), ("QO recv", "qo_recv", ""),
                 ("status", "status", "d"), ("kept kinds", "budget_keep", ""),
                 ("kept KV rows", "kv_rows", ""),
                 ("step ms, all kept (simulated)", "keep_ms", ".2f"), ("step ms, budget (simulated)", "budget_ms", ".2f"),
@@ -292,10 +295,11 @@ TOP_COLUMNS = [("pass", "pass_", ""), ("P", "P", "d"), ("fused reduce", "fused",
                ("dtype", "dtype", ""), ("made at", "site", "")]
 
 
-def step_cost(kind: str, P: int, budget: float, seed: int, topology: str, qo_chunks=None) -> dict:
-    """Simulated training step (forward + backward, ``gpusolver.sim``) of the device solver's plan at
-    real shapes on CPU: everything kept, within ``budget`` (what is not kept cast again, the solve
-    pricing it), and nothing kept."""
+def step_cost(kind: str, P: int, budget: float, seed: int, topology: str, qo_chunks=None, stages=1,
+              comm: str = "a2a") -> dict:
+    """Simulated training step (forward + backward, ``gpusolver.sim``, transport ``comm``) of the device
+    solver's plan at real shapes on CPU, all three with ``stages`` sub-stages: everything kept, within
+    ``budget`` (what is not kept cast again, the solve pricing it), and nothing kept."""
     from gpusolver.sim import simulate
     from gpusolver.topology import Topology
 
@@ -304,12 +308,13 @@ def step_cost(kind: str, P: int, budget: float, seed: int, topology: str, qo_chu
     mask = make_mask(kind, P, seed, c)
     times, resolved = {}, None
     for name, keep, b in (("keep", True, None), ("budget", True, budget), ("none", False, None)):
-        config = make_config(P, REAL, keep, b, qo_chunks if b is not None else None)
+        config = make_config(P, REAL, keep, b, qo_chunks if b is not None else None, stages)
         plan = solve(mask, config)
-        times[name] = simulate(plan, topo).step_ms
+        times[name] = simulate(plan, topo, comm=comm).step_ms
         if name == "budget":
             resolved, plan_status = keep_for_budget(config, c), plan.status
-    return {"kind": kind, "P": P, "budget": budget, "status": int(plan_status),
+    return {"kind": kind, "P": P, "S": resolved.num_stages, "comm": comm, "budget": budget,
+            "status": int(plan_status),
             "qo_recv": "default" if qo_chunks is None else f"{qo_chunks:g} Gc",
             "budget_keep": resolved.keep_forward_buffers,
             "kv_rows": _chunks(resolved.kept_kv_rows, resolved, c), "keep_ms": times["keep"],
@@ -341,6 +346,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fused-reduce", choices=("off", "on", "both"), default="off",
                    help="reduce through groupcomm's fused merge (the GPU default; on meta its fakes): off (the "
                    "torch path, the CPU default), on, or both (every row measured each way)")
+    p.add_argument("--stages", default="1", help="num_stages of every run: an int, or auto")
+    p.add_argument("--comm", default="a2a", help="the simulated transport of the step cost runs: a2a, p2p, "
+                   "p2p-batch")
     p.add_argument("--top", type=int, default=0, help="list the N biggest storages live at each pass's peak "
                    "(real shapes, first kind, default config)")
     return p.parse_args(argv)
@@ -349,6 +357,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     kinds = parse_list(args.kinds, str, name="--kinds")
+    stages = args.stages if args.stages == "auto" else int(args.stages)
     rows, steps = [], []
     fused_modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.fused_reduce]
     for keep, budget, ckpt in ((True, None, False), (False, None, False), (True, args.budget, False),
@@ -358,23 +367,25 @@ def main(argv=None) -> list[dict]:
             for P in [] if args.no_small else parse_list(args.small_cp_sizes, name="--small-cp-sizes"):
                 for fused in fused_modes:  # on CPU the fused merge runs its kernels: TRITON_INTERPRET=1
                     rows.append(measure(kind, P, SMALL, "cpu", seed=args.seed, keep=keep, budget=budget,
-                                        checkpoint=ckpt, qo_chunks=qo, fused=fused))
+                                        checkpoint=ckpt, qo_chunks=qo, fused=fused, stages=stages))
             if not args.no_real:
                 for P in parse_list(args.cp_sizes, name="--cp-sizes"):
                     first = keep is True and budget is None and not ckpt and kind == kinds[0]
                     for fused in fused_modes:
                         rows.append(measure(kind, P, REAL, "meta", seed=args.seed, keep=keep, budget=budget,
                                             checkpoint=ckpt, qo_chunks=qo, top=args.top if first else 0,
-                                            fused=fused))
+                                            fused=fused, stages=stages))
     for kind in kinds:
         for P in parse_list(args.step_cp_sizes, name="--step-cp-sizes") if args.step_cp_sizes else []:
-            steps.append(step_cost(kind, P, args.budget, args.seed, args.topology, args.budget_qo_chunks))
+            steps.append(step_cost(kind, P, args.budget, args.seed, args.topology, args.budget_qo_chunks, stages,
+                                   args.comm))
             r = steps[-1]
-            print(f"step {kind:6} P={P:3} budget {args.budget} keeps {r['budget_keep']} ({r['kv_rows']} KV): "
+            print(f"step {kind:6} P={P:3} S={r['S']} {args.comm} budget {args.budget} keeps {r['budget_keep']} "
+                  f"({r['kv_rows']} KV): "
                   f"{r['budget_ms']:.2f} ms vs {r['keep_ms']:.2f} all kept = {r['step_ratio']:.3f} "
                   f"(nothing kept {r['none_ratio']:.3f}; simulated)", flush=True)
     for r in rows:
-        print(f"{r['device']:4} {r['kind']:6} P={r['P']:3} budget={r['budget']} keep={r['keep']!s:5} "
+        print(f"{r['device']:4} {r['kind']:6} P={r['P']:3} S={r['S']} budget={r['budget']} keep={r['keep']!s:5} "
               f"fused {r['fused']:3} "
               f"kv rows {r['kv_rows']} ckpt {r['ckpt']} kept {r['kept'] / 1e6:9.1f} MB "
               f"= {r['kept_ratio']:.2f}x plain; transient fwd {r['fwd_peak'] / 1e6:9.1f} bwd "

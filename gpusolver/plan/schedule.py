@@ -467,13 +467,28 @@ def op_split(plan, op: Op) -> torch.Tensor:
     return comm.qo_split if op.route == "qo" else kv_split_of(plan)
 
 
+def tail_first_row(plan, op: Op, kept_rows: int) -> int | torch.Tensor:
+    """The first row of ``op``'s own cast (a ``bwd.kv`` cast of a partly kept KV buffer) that lies
+    past the ``kept_rows`` kept rows of the receive buffer: ``kept_rows`` with one remote stage; with
+    S sub-stages ``[P]`` per destination, ``max(kept_rows - kv_stage_base[s], 0)``, as cast s's rows
+    start at ``kv_stage_base[s]`` of the buffer the casts share (``runtime.kept_rows``)."""
+    comm = plan.comm
+    if getattr(plan, "relay", None) is not None or getattr(comm, "num_stages", 1) == 1:
+        return kept_rows
+    kb = getattr(plan, "kv_blocks", None)
+    comm = comm if kb is None else kb.staged  # a sparse plan's key blocks, routed per sub-stage
+    (s,) = op.stages
+    return (kept_rows - comm.stage_base("kv")[s - 1]).clamp(min=0)
+
+
 def op_pair_bytes(plan, op: Op, cost) -> torch.Tensor:
     """[P(src), P(dst)] int64 bytes ``op`` moves from each source to each destination (a ``bwd.kv``
-    cast of a partly kept KV buffer moves only the rows past ``cost.kept_kv_rows``)."""
+    cast of a partly kept KV buffer moves only the rows past ``cost.kept_kv_rows``, per sub-stage
+    the rows of its cast past them, ``tail_first_row``)."""
     split = op_split(plan, op)
     kept_rows = getattr(cost, "kept_kv_rows", None)
     if op.phase == "bwd.kv" and kept_rows is not None and "kv" in kept_kinds(cost.keep_forward_buffers):
-        split = tail_split(split, kept_rows)
+        split = tail_split(split, tail_first_row(plan, op, kept_rows))
     split = split.t() if op.back else split
     return split.to(torch.int64) * row_bytes(op, cost)
 

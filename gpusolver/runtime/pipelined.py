@@ -26,7 +26,8 @@ exact up to rounding, and the fixed order makes it deterministic).
 
 Backward: dO, lse and delta (and Q, K, V again without kept buffers) are cast
 per sub-stage (``bwd.qo.s``, ``bwd.kv.s``; each kind kept or cast again on its own,
-``keep_forward_buffers``); after sub-stage s the dQ rows (``bwd.dq.s``) and dK, dV
+``keep_forward_buffers``; with ``kept_kv_rows`` only the first rows of the shared KV buffer are
+kept and each ``bwd.kv.s`` moves its cast's rows past them, ``kept_rows``); after sub-stage s the dQ rows (``bwd.dq.s``) and dK, dV
 rows (``bwd.dkv.s``) whose last task was in s are summed back to their hosts, and
 the local stage runs last, while those reduces fly.
 
@@ -44,6 +45,7 @@ from attn_kernels import flex_attn, flex_attn_backward, merge_out_lse, row_delta
 from gpusolver.nvtx import nvtx_range
 from gpusolver.plan import Plan
 from gpusolver.plan.schedule import ATTN, CAST, DELTA, MERGE, REDUCE, WAIT, Op, backward_ops, forward_ops
+from gpusolver.runtime.kept_rows import tail_cast, whole_operands
 from gpusolver.runtime.operands import Operands, rows
 from groupcomm import TorchGroup, group_cast, group_reduce, host_splits
 
@@ -151,7 +153,10 @@ def _per_rank(ranks, batched, fn, *tensors):
 
 
 def _merge(o_a, l_a, o_b, l_b, lead: int):
-    """The log-sum-exp merge of two (out, lse) row sets; elementwise, so all ranks in one call."""
+    """The log-sum-exp merge of two (out, lse) row sets; elementwise, so all ranks in one call. Out in
+    o_a's dtype: the running fp32 accumulator merges a stage's (or a reduce's) out in the activation
+    dtype, which the merge kernel, one dtype for both, gets as fp32 too."""
+    o_b = o_b.to(o_a.dtype)
     if lead == 0:
         return merge_out_lse(o_a, l_a, o_b, l_b)
     B, T = l_a.shape[:2]
@@ -284,9 +289,12 @@ def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql,
 
 def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql, kl, vl, o, lse, kept_q,
                     kept_kv, d_o, d_l, scale: float, deterministic: bool, *, extra=(), kept_extra=(),
-                    attend_bwd=None, more_branches=()):
+                    attend_bwd=None, more_branches=(), kept_kv_rows: int = -1):
     """Run ``backward_ops(S + 1)``: (dq, dk, dv) group-major. ``kept_q``: the forward's Xq or None
     (Q is cast again with dO); ``kept_kv``: its [Xk, Xv] or None (K, V are cast again).
+    kept_kv_rows >= 0: ``kept_kv`` holds the local rows and only the first this many rows of the
+    shared KV buffer; each sub-stage's KV cast runs again restricted to its rows past them
+    (``kept_rows.tail_cast``, phases ``bwd.kv.s``) into whole operands (``kept_rows.whole_operands``).
     extra / kept_extra: the rows travelling with Q (``forward_stages``) and, with ``kept_q``, their
     kept X; attend_bwd(rank, stage, dO, q, k, v, lse, delta, *extra, *more) -> (dq, dk, dv), the
     gradients of every branch summed. more_branches: the other output branches' (o, lse, dO, dlse
@@ -301,7 +309,12 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
     works, returned = {}, []
     attend_bwd = _flex_backward(plan, scale) if attend_bwd is None else attend_bwd
     Xq = Operands([ql, *extra], cap_q, lead, zero=True) if kept_q is None else None
-    Xkv = Operands([kl, vl], cap_k, lead, zero=True) if kept_kv is None else None
+    part = kept_kv is not None and kept_kv_rows >= 0
+    if part:  # the local and kept rows, the rest cast again
+        Xkv = whole_operands(kept_kv, cap_k, lead, n, kept_kv_rows)
+        kept_kv = None
+    else:
+        Xkv = Operands([kl, vl], cap_k, lead, zero=True) if kept_kv is None else None
     xq = [kept_q, *kept_extra] if kept_q is not None else Xq.x
     xk, xv = kept_kv if kept_kv is not None else Xkv.x
     grads = Xg = None
@@ -326,9 +339,17 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
                 if op.route == "qo":
                     tensors = tuple(grads) + (() if kept_q is not None else (ql, *extra))
                     into = Xg.remote() + ([] if kept_q is not None else Xq.remote())
+                    works[op.name] = _issue(op, sr, group, caps, tensors, into)
+                elif part:  # sub-stage s's rows past the kept ones, into the buffer rows past them
+                    (s,) = op.stages
+                    key = ("kv", "cast")
+                    into = [rows(x, lead, n + kept_kv_rows, cap_k - kept_kv_rows) for x in Xkv.x]
+                    works[op.name] = tail_cast((kl, vl), sr.index[key][s - 1], sr.split[key][s - 1], kept_kv_rows,
+                                               into, group, phase=stage_phase(op.phase, s), ranks=ranks,
+                                               batched=batched, base=sr.start["kv"][s - 1],
+                                               host_base=sr.host_start["kv"][s - 1])
                 else:
-                    tensors, into = (kl, vl), Xkv.remote()
-                works[op.name] = _issue(op, sr, group, caps, tensors, into)
+                    works[op.name] = _issue(op, sr, group, caps, (kl, vl), Xkv.remote())
             elif op.kind == WAIT and op.back:
                 returned.append((op.phase, works[op.deps[0]].wait()))
             elif op.kind == WAIT:

@@ -34,7 +34,7 @@ def test_config_num_stages_is_checked():
     auto = SolverConfig(cp_size=4, num_stages="auto")
     assert auto.num_stages == AUTO_STAGES == 4 and auto.auto_stages  # the measured best
     assert auto.for_sparse().num_stages == 1 and auto.replaced(imbalance_tol=1.2).auto_stages
-    assert SolverConfig(cp_size=4, num_stages="auto", kept_kv_rows=8).num_stages == 1
+    assert SolverConfig(cp_size=4, num_stages="auto", kept_kv_rows=8).num_stages == AUTO_STAGES  # one shared buffer
     explicit = replace(auto, num_stages=2)  # dataclasses.replace names S: it is the caller's
     assert explicit.num_stages == 2 and not explicit.auto_stages and explicit.for_sparse() is explicit
     assert not SolverConfig(cp_size=4, num_stages=4).auto_stages
