@@ -53,6 +53,7 @@ from gpusolver.problem import kept_kinds
 from gpusolver.runtime.kept_rows import keep_prefix, tail_cast, whole_operands
 from gpusolver.runtime.layout import from_group_major, to_group_major
 from gpusolver.runtime.operands import Operands, rows
+from gpusolver.runtime.per_rank import per_rank
 from gpusolver.runtime.pipelined import StageRoutes, backward_stages, forward_stages, op_range, stage_routes
 from gpusolver.runtime.relay_stages import (StageRelayRoutes, relay_stages_backward, relay_stages_forward,
                                             stage_relay_routes)
@@ -152,19 +153,7 @@ def _stage_slices(plan: Plan, rank: int, stage: int):
 
 
 def _per_rank(routes: LayerRoutes, fn, *tensors: torch.Tensor):
-    """``fn(rank, *rank_tensors) -> tuple`` for each rank run here; batched results are written into
-    one ``[P, ...]`` tensor each as they come (never all P ranks' results and their stack at once)."""
-    if not routes.batched:
-        return fn(routes.ranks[0], *tensors)
-    outs = None
-    for i, r in enumerate(routes.ranks):
-        res = fn(r, *(t[r] for t in tensors))
-        if outs is None:
-            outs = tuple(x.new_empty((len(routes.ranks), *x.shape)) for x in res)
-        for o, x in zip(outs, res):
-            o[i].copy_(x)
-        del res
-    return outs
+    return per_rank(routes.ranks, routes.batched, fn, *tensors)
 
 
 

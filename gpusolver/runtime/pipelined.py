@@ -47,6 +47,7 @@ from gpusolver.plan import Plan
 from gpusolver.plan.schedule import ATTN, CAST, DELTA, MERGE, REDUCE, WAIT, Op, backward_ops, forward_ops
 from gpusolver.runtime.kept_rows import tail_cast, whole_operands
 from gpusolver.runtime.operands import Operands, rows
+from gpusolver.runtime.per_rank import per_rank
 from groupcomm import TorchGroup, group_cast, group_reduce, host_splits
 
 _INTERNAL = dict(validate=False, flag_errors=False)
@@ -145,13 +146,6 @@ def op_range(op: Op, sub_stages: bool = False) -> str:
     return f"attn/{op.phase} {op.kind}"
 
 
-def _per_rank(ranks, batched, fn, *tensors):
-    if not batched:
-        return fn(ranks[0], *tensors)
-    outs = [fn(r, *(t[r] for t in tensors)) for r in ranks]
-    return tuple(torch.stack(parts) for parts in zip(*outs))
-
-
 def _merge(o_a, l_a, o_b, l_b, lead: int):
     """The log-sum-exp merge of two (out, lse) row sets; elementwise, so all ranks in one call. Out in
     o_a's dtype: the running fp32 accumulator merges a stage's (or a reduce's) out in the activation
@@ -165,23 +159,54 @@ def _merge(o_a, l_a, o_b, l_b, lead: int):
     return o.view(o_a.shape), lse.view(l_a.shape)
 
 
+MERGE_PIECES = 8
+
+
 def _merge_into(acc: Operands, o_s, l_s, lead: int) -> None:
-    """Merge one stage's (out, lse) into the accumulator's rows, in place."""
+    """Merge one stage's (out, lse) into the accumulator's rows, in place, a window of rows at a
+    time: the merge is elementwise (the same bits in any windows), and the fp32 copy of the stage's
+    out and the merged result then never exist for all rows at once (both are as large as the
+    accumulator itself)."""
     a_o, a_l = acc.x
-    o_m, l_m = _merge(a_o, a_l, o_s, l_s, lead)
-    a_o.copy_(o_m)
-    a_l.copy_(l_m)
+    total = a_o.shape[lead]
+    step = max(1, -(-total // MERGE_PIECES))
+    for start in range(0, total, step):
+        width = min(step, total - start)
+        o_w, l_w = rows(a_o, lead, start, width), rows(a_l, lead, start, width)
+        o_m, l_m = _merge(o_w, l_w, rows(o_s, lead, start, width), rows(l_s, lead, start, width), lead)
+        o_w.copy_(o_m)
+        l_w.copy_(l_m)
+        del o_m, l_m
+
+
+def _merge_returned(host, returned, dtype: torch.dtype, lead: int):
+    """(out in ``dtype``, lse) of the host's rows: its running (out fp32, lse) ``host``, then each
+    returned (out, lse) in order, merged a window of rows at a time into outputs allocated once."""
+    h_o, h_l = host
+    out, lse = torch.empty_like(h_o, dtype=dtype), torch.empty_like(h_l)
+    total = h_o.shape[lead]
+    step = max(1, -(-total // MERGE_PIECES))
+    for start in range(0, total, step):
+        width = min(step, total - start)
+        o, l_ = rows(h_o, lead, start, width), rows(h_l, lead, start, width)
+        for r_o, r_l in returned:
+            o, l_ = _merge(o, l_, rows(r_o, lead, start, width), rows(r_l, lead, start, width), lead)
+        rows(out, lead, start, width).copy_(o)
+        rows(lse, lead, start, width).copy_(l_)
+    return out, lse
 
 
 def merge_gradients(host, returned, lead: int, n: int):
     """dQ, dK, dV on their host: the host's own rows (``host``: its dQ, dK, dV operands) plus what
-    came back, ``returned`` as (phase, results) in op order, summed in that fixed order."""
+    came back, ``returned`` as (phase, results) in op order, summed in that fixed order, in place
+    into the host's fp32 rows (the sums run last: nothing reads those rows again)."""
     dq, dk, dv = (rows(t, lead, 0, n) for t in host)
     for phase, parts in returned:
         if phase == "bwd.dq":
-            dq = dq + parts[0].float()
+            dq.add_(parts[0])
         else:
-            dk, dv = dk + parts[0].float(), dv + parts[1].float()
+            dk.add_(parts[0])
+            dv.add_(parts[1])
     return dq, dk, dv
 
 
@@ -257,18 +282,20 @@ def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql,
             elif op.kind == WAIT:
                 works[op.deps[0]].wait()  # cast s's rows are in X now
             elif op.kind == ATTN and op.stages == (0,):
-                parts = _per_rank(ranks, batched, lambda r, *t: attend(r, 0, *t), ql, kl, vl, *extra)
+                parts = per_rank(ranks, batched, lambda r, *t: attend(r, 0, *t), ql, kl, vl, *extra)
                 for b in range(branches):  # running (out fp32, lse) of every row of X, per branch
                     o0, l0 = parts[2 * b], parts[2 * b + 1]
                     dtypes.append((o0.dtype, l0.dtype))
                     acc.append(Operands([o0.float(), l0], caps["qo"], lead, zero=True))
                     acc[-1].remote()[1].fill_(float("-inf"))
+                del parts, o0, l0  # merged: a stage's out is as large as its rows, never kept past its merge
             elif op.kind == ATTN:
                 (s,) = op.stages
                 xq, *x_extra = X["qo"].x
-                parts = _per_rank(ranks, batched, lambda r, *t: attend(r, s, *t), xq, *X["kv"].x, *x_extra)
+                parts = per_rank(ranks, batched, lambda r, *t: attend(r, s, *t), xq, *X["kv"].x, *x_extra)
                 for b in range(branches):
                     _merge_into(acc[b], parts[2 * b], parts[2 * b + 1], lead)
+                del parts
             elif op.kind == REDUCE:
                 (s,), b = op.stages, op.branch
                 partial = [_gather_remote(t, sr.gather["qo"][s - 1], n, lead, d)
@@ -278,10 +305,8 @@ def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql,
                 works[op.name] = _issue(op, sr, group, caps, partial, neutral, deterministic)
             elif op.kind == MERGE:  # the host's rows, then reduces 1..S in that order: a fixed merge order
                 for b in range(branches):
-                    o, lse = (rows(t, lead, 0, n) for t in acc[b].x)
-                    for r_o, r_l in returned[b]:
-                        o, lse = _merge(o, lse, r_o, r_l, lead)
-                    outs += [o.to(dtypes[b][0]).contiguous(), lse.contiguous()]
+                    outs += list(_merge_returned([rows(t, lead, 0, n) for t in acc[b].x], returned[b],
+                                                 dtypes[b][0], lead))
             else:
                 raise AssertionError(f"dist_attn cannot run forward op {op}")
     return tuple(outs), X["qo"].x + X["kv"].x
@@ -331,7 +356,7 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
             if op.kind == DELTA:  # the host computes delta from its final O: O itself never travels
                 grads = []  # (dO, lse, delta) of each branch
                 for o_b, l_b, do_b, dl_b in ((o, lse, d_o, d_l), *more_branches):
-                    delta = _per_rank(ranks, batched, lambda r, a, b, *c_: (row_delta(a, b, c_[0] if c_ else None),),
+                    delta = per_rank(ranks, batched, lambda r, a, b, *c_: (row_delta(a, b, c_[0] if c_ else None),),
                                       do_b, o_b, *(() if dl_b is None else (dl_b,)))[0]
                     grads += [do_b, l_b, delta]
                 Xg = Operands(grads, cap_q, lead, zero=True)
@@ -355,16 +380,18 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
             elif op.kind == WAIT:
                 works[op.deps[0]].wait()  # cast s's rows are in the operands now
             elif op.kind == ATTN and op.stages == (0,):  # local rows only: its grads never travel
-                parts = _per_rank(ranks, batched, run(0), grads[0], ql, kl, vl, grads[1], grads[2], *extra,
+                parts = per_rank(ranks, batched, run(0), grads[0], ql, kl, vl, grads[1], grads[2], *extra,
                                   *grads[3:])
                 for acc_, part in zip(grads_q.x + grads_kv.x, parts):
                     rows(acc_, lead, 0, n).add_(part)
+                del parts, part
             elif op.kind == ATTN:
                 (s,) = op.stages
                 g_do, g_lse, g_delta, *g_more = Xg.x
-                parts = _per_rank(ranks, batched, run(s), g_do, xq[0], xk, xv, g_lse, g_delta, *xq[1:], *g_more)
+                parts = per_rank(ranks, batched, run(s), g_do, xq[0], xk, xv, g_lse, g_delta, *xq[1:], *g_more)
                 for acc_, part in zip(grads_q.x + grads_kv.x, parts):
                     acc_.add_(part)
+                del parts, part  # summed: a stage's gradients are as large as its rows
             elif op.kind == REDUCE:
                 (s,) = op.stages
                 kind = "qo" if op.phase == "bwd.dq" else "kv"

@@ -37,7 +37,8 @@ from gpusolver.nvtx import nvtx_range
 from gpusolver.plan.relay import assemble_index, hop_send_index, inverse_index, shifted
 from gpusolver.plan.schedule import ATTN, CAST, DELTA, MERGE, REDUCE, WAIT, backward_ops, forward_ops, hop_phase
 from gpusolver.runtime.operands import Operands, rows
-from gpusolver.runtime.pipelined import (KINDS, WHICH, _gather_remote, _HostStart, _merge, _merge_into, _per_rank,
+from gpusolver.runtime.per_rank import per_rank
+from gpusolver.runtime.pipelined import (KINDS, WHICH, _gather_remote, _HostStart, _merge, _merge_into,
                                          _slices, merge_gradients, op_range, stage_phase)
 from gpusolver.runtime.relayed import _identity, _take
 from groupcomm import TorchGroup, group_cast, group_reduce, host_splits
@@ -249,13 +250,13 @@ def relay_stages_forward(plan, group, ranks, batched: bool, sr: StageRelayRoutes
             elif op.kind == WAIT:
                 hops.wait_cast(op, X[op.route].remote())
             elif op.kind == ATTN and op.stages == (0,):
-                o0, l0 = _per_rank(ranks, batched, lambda r, q_, k_, v_: flex_attn(
+                o0, l0 = per_rank(ranks, batched, lambda r, q_, k_, v_: flex_attn(
                     q_, k_, v_, *_slices(plan, r, 0), scale, **_INTERNAL), ql, kl, vl)
                 acc = Operands([o0.float(), l0], cap_q, lead, zero=True)  # running (out fp32, lse) of X's rows
                 acc.remote()[1].fill_(float("-inf"))
             elif op.kind == ATTN:
                 (s,) = op.stages
-                o_s, l_s = _per_rank(ranks, batched, lambda r, q_, k_, v_: flex_attn(
+                o_s, l_s = per_rank(ranks, batched, lambda r, q_, k_, v_: flex_attn(
                     q_, k_, v_, *_slices(plan, r, s), scale, **_INTERNAL), *X["qo"].x, *X["kv"].x)
                 _merge_into(acc, o_s, l_s, lead)
             elif op.kind == REDUCE:
@@ -301,7 +302,7 @@ def relay_stages_backward(plan, group, ranks, batched: bool, sr: StageRelayRoute
     for op in backward_ops(S + 1, kept_kv is not None, relay=True, egress=sr.egress):
         with nvtx_range(op_range(op, sub_stages=True)):
             if op.kind == DELTA:
-                delta = _per_rank(ranks, batched, lambda r, a, b, *c_: (row_delta(a, b, c_[0] if c_ else None),),
+                delta = per_rank(ranks, batched, lambda r, a, b, *c_: (row_delta(a, b, c_[0] if c_ else None),),
                                   d_o, o, *(() if d_l is None else (d_l,)))[0]
                 Xg = Operands([d_o, lse, delta], cap_q, lead, zero=True)
             elif op.kind == CAST:
@@ -316,13 +317,13 @@ def relay_stages_backward(plan, group, ranks, batched: bool, sr: StageRelayRoute
                     else Xkv.remote()
                 hops.wait_cast(op, into)
             elif op.kind == ATTN and op.stages == (0,):  # local rows only: its grads never travel
-                parts = _per_rank(ranks, batched, run(0), d_o, ql, kl, vl, lse, delta)
+                parts = per_rank(ranks, batched, run(0), d_o, ql, kl, vl, lse, delta)
                 for acc_, part in zip(grads_q.x + grads_kv.x, parts):
                     rows(acc_, lead, 0, n).add_(part)
             elif op.kind == ATTN:
                 (s,) = op.stages
                 g_do, g_lse, g_delta = Xg.x
-                parts = _per_rank(ranks, batched, run(s), g_do, xq[0], xk, xv, g_lse, g_delta)
+                parts = per_rank(ranks, batched, run(s), g_do, xq[0], xk, xv, g_lse, g_delta)
                 for acc_, part in zip(grads_q.x + grads_kv.x, parts):
                     acc_.add_(part)
             elif op.kind == REDUCE:

@@ -33,6 +33,7 @@ from attn_kernels import flex_attn, flex_attn_backward, merge_out_lse, row_delta
 from gpusolver.nvtx import nvtx_range
 from gpusolver.plan.relay import assemble_index, hop_send_index, inverse_index
 from gpusolver.plan.schedule import ATTN, CAST, DELTA, MERGE, REDUCE, WAIT, backward_ops, forward_ops
+from gpusolver.runtime.per_rank import per_rank
 from gpusolver.runtime.pipelined import op_range
 from groupcomm import TorchGroup, group_cast, group_reduce, host_splits
 
@@ -199,13 +200,6 @@ def _identity(like: torch.Tensor, rows: int, fill: float, lead: int) -> torch.Te
     return torch.full(shape, fill, dtype=like.dtype, device=like.device)
 
 
-def _per_rank(ranks, batched, fn, *tensors):
-    if not batched:
-        return fn(ranks[0], *tensors)
-    outs = [fn(r, *(t[r] for t in tensors)) for r in ranks]
-    return tuple(torch.stack(parts) for parts in zip(*outs))
-
-
 def _slices(plan, rank: int, stage: int):
     c = plan.calc
     return c.q_ranges[rank, stage], c.k_ranges[rank, stage], c.attn_type[rank, stage]
@@ -235,10 +229,10 @@ def relay_forward(plan, group, ranks, batched, routes: RelayRoutes, ql, kl, vl, 
                 def run(r, q_, k_, v_, s=s):
                     return flex_attn(q_, k_, v_, *_slices(plan, r, s), scale, **_INTERNAL)
 
-                parts[s] = _per_rank(ranks, batched, run, *args)
+                parts[s] = per_rank(ranks, batched, run, *args)
             elif op.kind == MERGE:
                 o, lse = parts[0]
-                o, lse = _per_rank(ranks, batched, lambda r, a, b, c_, d: merge_out_lse(a, b, c_, d), o, lse,
+                o, lse = per_rank(ranks, batched, lambda r, a, b, c_, d: merge_out_lse(a, b, c_, d), o, lse,
                                    parts[1][0].narrow(lead, 0, n), parts[1][1].narrow(lead, 0, n))
             elif op.kind == REDUCE:
                 full = [x.narrow(lead, n, cap).contiguous() for x in parts[1]]
@@ -264,7 +258,7 @@ def relay_backward(plan, group, ranks, batched, routes: RelayRoutes, ql, kl, vl,
     for op in backward_ops(plan.calc.q_ranges.shape[1], keep_kv, relay=True, egress=plan.relay.egress):
         with nvtx_range(op_range(op)):
             if op.kind == DELTA:
-                delta = _per_rank(ranks, batched, lambda r, a, b, *c_: (row_delta(a, b, c_[0] if c_ else None),),
+                delta = per_rank(ranks, batched, lambda r, a, b, *c_: (row_delta(a, b, c_[0] if c_ else None),),
                                   d_o, o, *(() if d_l is None else (d_l,)))[0]
             elif op.kind == CAST:
                 sent = (d_o, lse, delta) + (() if keep_q else (ql,)) if op.route == "qo" else (kl, vl)
@@ -286,7 +280,7 @@ def relay_backward(plan, group, ranks, batched, routes: RelayRoutes, ql, kl, vl,
                 def run(r, *t, s=s):
                     return flex_attn_backward(*t, *_slices(plan, r, s), scale, **_INTERNAL)
 
-                parts[s] = _per_rank(ranks, batched, run, *args)
+                parts[s] = per_rank(ranks, batched, run, *args)
             elif op.kind == REDUCE:
                 pick = (0,) if op.phase == "bwd.dq" else (1, 2)  # dQ to the QO host, dK and dV to the KV host
                 cap = qcap if op.phase == "bwd.dq" else kcap

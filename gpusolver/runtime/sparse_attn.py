@@ -54,6 +54,7 @@ from gpusolver.plan.schedule import ATTN, CAST, DELTA, MERGE, REDUCE, WAIT, back
 from gpusolver.sparse_solve import sparse_assignment
 from gpusolver.runtime.dist_attn import LayerRoutes, issue, layer_routes
 from gpusolver.runtime.layout import from_group_major, to_group_major
+from gpusolver.runtime.per_rank import per_rank
 from gpusolver.runtime.pipelined import backward_stages, forward_stages, op_range, stage_routes
 from groupcomm import TorchGroup, as_group, host_splits, retain
 
@@ -191,11 +192,7 @@ def sparse_routes(plan: SparsePlan, group) -> LayerRoutes:
 
 
 def _per_rank(routes: LayerRoutes, fn, *tensors):
-    """``fn(rank, *rank_tensors) -> tuple`` for each rank run here; batched results are stacked."""
-    if not routes.batched:
-        return fn(routes.ranks[0], *tensors)
-    outs = [fn(r, *(t[r] for t in tensors)) for r in routes.ranks]
-    return tuple(torch.stack(parts) for parts in zip(*outs))
+    return per_rank(routes.ranks, routes.batched, fn, *tensors)
 
 
 def _selection_rows(sel: torch.Tensor, G: int, lead: int) -> torch.Tensor:

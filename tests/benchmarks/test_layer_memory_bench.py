@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch
 
+from gpusolver.capacity import buffer_rows
+
 _BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "layer_memory.py"
 
 
@@ -34,3 +36,24 @@ def test_fused_merge_allocates_its_outputs_only():
     for key in ("kept", "plan_kept", "plan_fwd", "plan_bwd"):
         assert rows[False][key] == rows[True][key], key
     assert (rows[False]["fused"], rows[True]["fused"]) == ("no", "yes")
+
+
+def test_sub_stage_merges_hold_a_window_not_the_rows(monkeypatch):
+    """With S > 1 sub-stages the forward merges each stage's out into its fp32 running out a window
+    of rows at a time and drops the stage's out once merged: the forward peak is lower than with one
+    window by at least the rows' fp32 copy that one window would make (7/8 of it at 8 windows)."""
+    import gpusolver.runtime.pipelined as pipelined
+
+    lm = _load()
+    P, c, Hq, Hkv, D = 4, 512, 16, 4, 64
+    shapes = {"tokens_per_rank": c, "num_heads_q": Hq, "num_heads_kv": Hkv, "head_dim": D, "dtype": torch.bfloat16}
+    config = lm.make_config(P, shapes, stages=4)
+    assert config.num_stages == 4
+    windowed = lm.measure("causal", P, shapes, "meta", stages=4)
+    monkeypatch.setattr(pipelined, "MERGE_PIECES", 1)
+    whole = lm.measure("causal", P, shapes, "meta", stages=4)
+    G = config.head_groups
+    rows = G * c + buffer_rows(config, c).recv("qo")       # local and received Q rows of a rank
+    assert windowed["kept"] == whole["kept"] and windowed["plan_fwd"] == whole["plan_fwd"]
+    assert windowed["fwd_peak"] < whole["fwd_peak"]
+    assert whole["fwd_peak"] - windowed["fwd_peak"] >= rows * (Hq // G) * D * 4 * 7 // 8

@@ -165,6 +165,25 @@ def test_stages_deterministic_bit_identical():
     _assert_all_close(first, _run(plan, P, *inputs, deterministic=False), "deterministic=False ")
 
 
+def test_stages_merge_windows_same_bits(monkeypatch):
+    """The running (out, lse) merges and the host's final merge a window of rows at a time
+    (``pipelined.MERGE_PIECES``): elementwise, so any number of windows gives the same bits."""
+    import gpusolver.runtime.pipelined as pipelined
+
+    P, c, Hq, Hkv, S = 4, 16, 4, 2, 4
+    T = P * c
+    mask = make_mask("docs-causal", T, seed=3)
+    plan, _ = tight_plan(mask, make_config(P, Hq, Hkv, num_stages=S))
+    inputs = make_inputs(T, Hq, Hkv, seed=3)
+    got = {}
+    for pieces in (1, 3, 8):
+        monkeypatch.setattr(pipelined, "MERGE_PIECES", pieces)
+        got[pieces] = _run(plan, P, *inputs)
+    for pieces in (3, 8):
+        for key in KEYS:
+            assert torch.equal(got[1][key], got[pieces][key]), (pieces, key)
+
+
 def test_stages_layer_on_meta():
     """Solve, stage pass, per-stage metas, casts, reduces and backward with no host read."""
     P, c, Hq, Hkv = 4, 16, 4, 2
