@@ -27,8 +27,8 @@ exact up to rounding, and the fixed order makes it deterministic).
 Backward: dO, lse and delta (and Q, K, V again without kept buffers) are cast
 per sub-stage (``bwd.qo.s``, ``bwd.kv.s``; each kind kept or cast again on its own,
 ``keep_forward_buffers``; with ``kept_kv_rows`` only the first rows of the shared KV buffer are
-kept and each ``bwd.kv.s`` moves its cast's rows past them, ``kept_rows``); after sub-stage s the dQ rows (``bwd.dq.s``) and dK, dV
-rows (``bwd.dkv.s``) whose last task was in s are summed back to their hosts, and
+kept and each ``bwd.kv.s`` moves its cast's rows past them, ``kept_rows``); after sub-stage s
+the dQ rows (``bwd.dq.s``) and dK, dV rows (``bwd.dkv.s``) whose last task was in s are summed back to their hosts, and
 the local stage runs last, while those reduces fly.
 
 Host reads: none with ``LocalGroup``; with ``TorchGroup`` the 4 S ``[P, P]``
