@@ -409,12 +409,14 @@ def render(rows, steps, argv) -> str:
     small = [r for r in rows if r["device"] == "cpu"]
     real = [r for r in rows if r["device"] == "meta"]
     s = SMALL
-    parts = [f"## Layer memory per rank: kept for the backward and transient peak\n\n`{cmd}`\n",
-             f"### Real shapes on meta: {REAL['tokens_per_rank']} tokens per rank, 64:8, D = 128, bf16\n",
-             markdown_table(_mb(real), COLUMNS),
-             f"\n### Small shapes on CPU (real values): {s['tokens_per_rank']} tokens per rank, "
-             f"{s['num_heads_q']}:{s['num_heads_kv']}, D = {s['head_dim']}, fp32\n",
-             markdown_table(_mb(small), COLUMNS)]
+    parts = [f"## Layer memory per rank: kept for the backward and transient peak\n\n`{cmd}`\n"]
+    if real:
+        parts += [f"### Real shapes on meta: {REAL['tokens_per_rank']} tokens per rank, 64:8, D = 128, bf16\n",
+                  markdown_table(_mb(real), COLUMNS)]
+    if small:
+        parts += [f"\n### Small shapes on CPU (real values): {s['tokens_per_rank']} tokens per rank, "
+                  f"{s['num_heads_q']}:{s['num_heads_kv']}, D = {s['head_dim']}, fp32\n",
+                  markdown_table(_mb(small), COLUMNS)]
     tops = [dict(pass_=name, P=r["P"], fused=r["fused"], mb=n / r["P"] / 1e6, op=op, shape=str(list(shape)),
                  dtype=dtype, site=site)
             for r in real for name in ("fwd", "bwd") for n, op, shape, dtype, site in r.get(f"{name}_top", [])]
