@@ -159,7 +159,7 @@ class SolverConfig:
     memory_budget: float | None = None
     kept_kv_rows: int | None = None
     objective: str = "training"
-    num_stages: int | str = 1
+    num_stages: int | str = "auto"
     auto_tiles: bool = False
     topology: Topology | None = None
     ib_relay: bool | None = None

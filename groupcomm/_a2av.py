@@ -91,7 +91,7 @@ class TorchGroup:
 
     batched = False
 
-    def __init__(self, process_group=None, timeout: timedelta | None = None, transport: str = "a2a"):
+    def __init__(self, process_group=None, timeout: timedelta | None = None, transport: str = "p2p"):
         if transport not in ("a2a", "p2p"):
             raise ValueError(f"TorchGroup: transport must be 'a2a' or 'p2p', got {transport!r}")
         if not dist.is_initialized():
@@ -117,7 +117,8 @@ class TorchGroup:
         return rows
 
     def _fail(self, phase: str, e: Exception) -> CollectiveError:
-        return CollectiveError(f"rank {self.rank}: {phase} all-to-all over {self.size} ranks failed: {e}")
+        how = "all-to-all" if self.transport == "a2a" else "point-to-point exchange"
+        return CollectiveError(f"rank {self.rank}: {phase} {how} over {self.size} ranks failed: {e}")
 
     def _wait_all(self, works, phase: str) -> None:
         try:
