@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from gpusolver import solve
+from gpusolver.config import AUTO_STAGES
 from gpusolver.masks import varlen_causal_mask
 from gpusolver.runtime import dist_attn
 from groupcomm import LocalGroup
@@ -46,13 +47,17 @@ def _saved(fn):
     return out, sizes, sum(n for _, n in storages.values())
 
 
-@pytest.mark.parametrize("keep", [True, False, "qo", "kv"])
-def test_plan_memory_equals_the_runtime(keep):
+@pytest.mark.parametrize("keep,stages", [(True, "auto"), (False, "auto"), ("qo", "auto"), ("kv", "auto"), (True, 1)])
+def test_plan_memory_equals_the_runtime(keep, stages):
+    """At the default S = 4 sub-stages and with one remote stage: the buffers the layer receives
+    into, returns into and keeps are ``plan.memory()``'s."""
     P, c, Hq, Hkv = 4, 16, 4, 2
     S = P * c
     config = make_config(P, Hq, Hkv, keep_forward_buffers=keep, max_qo_recv_rows=40, max_kv_recv_rows=64,
-                         max_qo_send_rows=56, max_kv_send_rows=88)
+                         max_qo_send_rows=56, max_kv_send_rows=88, num_stages=stages)
     plan = solve(varlen_causal_mask(doc_lengths(S, 0)), config)
+    NS = plan.num_stages
+    assert NS == (1 if stages == 1 else AUTO_STAGES)
     m = plan.memory(config)
     # distinct per-kind capacities: a formula with one kind's rows in place of another's fails
     assert plan.comm.buffers.as_tuple() == (40, 64, 56, 88)
@@ -69,18 +74,23 @@ def test_plan_memory_equals_the_runtime(keep):
     bwd, bwd_recv = rec.current, list(into.current.values())
     # the layer's own activations (group-major copies of q, k, v, and out, lse, fp32 here) and the
     # kept receive buffers: a kept kind is saved as one tensor, its local rows followed by its buffer
+    # (with sub-stages each sub-stage saves its views of that one tensor: the storages count it once)
     own = P * c * (2 * Hq * D + 2 * Hkv * D + Hq) * 4
-    assert len(sizes) == 5 and sum(sizes) == own + P * m.kept
+    assert sum(sizes[:5]) == own
+    if NS == 1:
+        assert len(sizes) == 5 and sum(sizes) == own + P * m.kept
     # their storages hold no more than a scratch row each (the reduce's and LocalGroup's put's)
-    assert 0 <= held - sum(sizes) <= 2 * Hq // 2 * D * 4 * P
+    assert 0 <= held - own - P * m.kept <= 2 * Hq // 2 * D * 4 * P
     q_kept = 40 * (Hq // 2) * D * 4 if keep in (True, "qo") else 0
     kv_kept = 64 * 2 * (Hkv // 2) * D * 4 if keep in (True, "kv") else 0
     assert m.kept == q_kept + kv_kept
-    # Q, K, V received into stage 1's operands; O and lse come back
-    assert len(fwd_recv) == 3 and len(fwd) == 2 and sum(fwd_recv) + sum(fwd) == P * m.fwd_peak
+    # Q, K, V received into the remote stages' operands (one buffer per tensor, shared by the S casts);
+    # O and lse come back, one return buffer each per sub-stage, finished before the next
+    assert len(fwd_recv) == 3 and len(fwd) == 2 * NS and fwd == fwd[:2] * NS
+    assert sum(fwd_recv) + sum(fwd[:2]) == P * m.fwd_peak
     # dO, lse, delta (and Q unless kept), K, V unless kept, then dQ, and dK, dV back
-    assert len(bwd_recv) == 3 + (not q_kept) + 2 * (not kv_kept) and len(bwd) == 3
-    assert sum(bwd_recv) + sum(bwd) + P * m.kept == P * m.bwd_peak
+    assert len(bwd_recv) == 3 + (not q_kept) + 2 * (not kv_kept) and len(bwd) == 3 * NS and bwd == bwd[:3] * NS
+    assert sum(bwd_recv) + sum(bwd[:3]) + P * m.kept == P * m.bwd_peak
 
 
 class _IntoRecorder:
