@@ -15,7 +15,10 @@ Two runs per (mask kind, P):
   meaningless, but every buffer has the static size the solved plan would give it.
 
 Plain attention of the same shard keeps q, k, v, out and lse (``plain_kept``); the layer's own
-activations are q, k, v and out (``own``).
+activations are q, k, v and out (``own``). The merge columns are the most one reduce's merge of
+the returned rows (``reduce_rows``) allocates above what was live when it began, its outputs
+included; ``--fused-reduce`` runs the merges through groupcomm's fused kernels (the GPU default;
+on meta their fakes, which make the kernels' outputs, all the kernels allocate).
 
     python benchmarks/layer_memory.py --cp-sizes 8,16,32,64 --md benchmarks/results/layer_memory.md
 """
@@ -26,6 +29,7 @@ import sys
 import time
 import traceback
 import weakref
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -40,7 +44,9 @@ from gpusolver import SolverConfig, block_areas, solve  # noqa: E402
 from gpusolver.capacity import keep_for_budget  # noqa: E402
 from gpusolver.plan import build_plan  # noqa: E402
 from gpusolver.runtime import dist_attn  # noqa: E402
+import groupcomm._sim  # noqa: E402
 from groupcomm import LocalGroup  # noqa: E402
+from groupcomm._merge import fused_reduce  # noqa: E402
 
 SMALL = {"tokens_per_rank": 64, "num_heads_q": 8, "num_heads_kv": 2, "head_dim": 32, "dtype": torch.float32}
 REAL = {"tokens_per_rank": TOKENS_PER_RANK, "num_heads_q": 64, "num_heads_kv": 8, "head_dim": 128,
@@ -82,13 +88,16 @@ class LiveBytes(TorchDispatchMode):
     when its last tensor dies (a weakref finaliser on the storage, whose Python object lives
     as long as the storage does). ``track``: also keep what made each live storage (op, shape,
     dtype, the innermost lines of gpusolver / groupcomm / attn_kernels that called it) and the
-    live set at the peak (``at_peak``, biggest first).
+    live set at the peak (``at_peak``, biggest first). ``span()``: a block whose own peak (the
+    most live above what was live when it began) goes into ``span_peak`` (the largest of all).
     """
 
     def __init__(self, track: bool = False):
         super().__init__()
         self.live = 0
         self.peak = 0
+        self.span_peak = 0
+        self._span_max: int | None = None
         self._seen: set[int] = set()
         self.track = track
         self._what: dict[int, tuple] = {}
@@ -104,6 +113,15 @@ class LiveBytes(TorchDispatchMode):
         ours = ("gpusolver/", "groupcomm/", "attn_kernels/")
         frames = [f for f in traceback.extract_stack()[:-3] if any(o in f.filename for o in ours)]
         return " < ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames[-2:]))
+
+    @contextmanager
+    def span(self):
+        base = self._span_max = self.live
+        try:
+            yield
+        finally:
+            self.span_peak = max(self.span_peak, self._span_max - base)
+            self._span_max = None
 
     def at_peak(self, top: int) -> list[tuple]:
         """(bytes, op, shape, dtype, site) of the ``top`` biggest storages live at the peak."""
@@ -128,6 +146,8 @@ class LiveBytes(TorchDispatchMode):
         if self.live > self.peak and self.track:
             self._peak_set = list(self._what.values())
         self.peak = max(self.peak, self.live)
+        if self._span_max is not None:
+            self._span_max = max(self._span_max, self.live)
         return out
 
 
@@ -150,26 +170,58 @@ def shape_plan(mask, config: SolverConfig):
     return build_plan(mask, areas, owner.expand(config.head_groups, U, U).to(torch.int32), config)
 
 
-def make_config(P: int, shapes: dict, keep=True, budget=None, qo_chunks=None) -> SolverConfig:
+def make_config(P: int, shapes: dict, keep=True, budget=None, qo_chunks=None, stages=1) -> SolverConfig:
     """The benchmark's config; ``qo_chunks``: the QO receive buffer in multiples of G * c (the budget
-    runs': a smaller buffer the solve keeps its plans within, so that Q fits the budget whole)."""
+    runs': a smaller buffer the solve keeps its plans within, so that Q fits the budget whole);
+    ``stages``: ``num_stages`` (an int or "auto")."""
     config = SolverConfig(cp_size=P, num_heads_q=shapes["num_heads_q"], num_heads_kv=shapes["num_heads_kv"],
                           head_dim=shapes["head_dim"], dtype=shapes["dtype"], keep_forward_buffers=keep,
-                          memory_budget=budget)
+                          memory_budget=budget, num_stages=stages)
     if qo_chunks is None:
         return config
     return replace(config, max_qo_recv_rows=int(round(qo_chunks * config.head_groups * shapes["tokens_per_rank"])))
 
 
 def measure(kind: str, P: int, shapes: dict, device: str, *, seed: int = 0, keep=True, budget=None,
-            checkpoint: bool = False, qo_chunks=None, top: int = 0) -> dict:
+            checkpoint: bool = False, qo_chunks=None, top: int = 0, fused: bool = False, stages=1) -> dict:
     """Kept and peak bytes per rank of one layer (forward and backward) for one mask; ``checkpoint``:
     the layer under full activation checkpointing (non-reentrant: nothing saved, the forward run
     again inside the backward, whose peak is then counted); ``top``: also the biggest storages
-    live at each pass's peak (``fwd_top``, ``bwd_top``: (bytes, op, shape, dtype, site))."""
+    live at each pass's peak (``fwd_top``, ``bwd_top``: (bytes, op, shape, dtype, site)); ``fused``:
+    the reduces through groupcomm's fused merge (what a GPU runs; on meta its fakes, which make
+    the kernels' outputs and nothing else, as the kernels do), else the default (the torch path
+    off CUDA)."""
+    with fused_reduce(True if fused else None), _reduce_spans() as current:
+        row = _measure(current, kind, P, shapes, device, seed=seed, keep=keep, budget=budget, checkpoint=checkpoint,
+                       qo_chunks=qo_chunks, top=top, stages=stages)
+    row["fused"] = "yes" if fused else "no"
+    return row
+
+
+@contextmanager
+def _reduce_spans():
+    """Every ``LocalGroup`` reduce's merge (``reduce_rows``) as a span of the ``LiveBytes`` in
+    ``current[0]``: its own peak above what was live when it began (its outputs included)."""
+    current = [None]
+    merge = groupcomm._sim.reduce_rows
+
+    def spanned(*args, **kwargs):
+        if current[0] is None:
+            return merge(*args, **kwargs)
+        with current[0].span():
+            return merge(*args, **kwargs)
+    groupcomm._sim.reduce_rows = spanned
+    try:
+        yield current
+    finally:
+        groupcomm._sim.reduce_rows = merge
+
+
+def _measure(current: list, kind: str, P: int, shapes: dict, device: str, *, seed: int, keep, budget, checkpoint: bool,
+             qo_chunks, top: int, stages=1) -> dict:
     c, D, dtype = shapes["tokens_per_rank"], shapes["head_dim"], shapes["dtype"]
     Hq, Hkv = shapes["num_heads_q"], shapes["num_heads_kv"]
-    config = keep_for_budget(make_config(P, shapes, keep, budget, qo_chunks), c)  # what the budget keeps
+    config = keep_for_budget(make_config(P, shapes, keep, budget, qo_chunks, stages), c)  # what the budget keeps
     keep, kv_rows = config.keep_forward_buffers, config.kept_kv_rows
     mask = make_mask(kind, P, seed, c, device=device)
     t0 = time.perf_counter()
@@ -188,19 +240,24 @@ def measure(kind: str, P: int, shapes: dict, device: str, *, seed: int = 0, keep
     def layer(q, k, v):
         return dist_attn(q, k, v, plan, group, keep_forward_buffers=keep, kept_kv_rows=kv_rows)
 
+    current[0] = fwd_live
     with SavedBytes() as saved, fwd_live:
         if checkpoint:
             out, lse = torch.utils.checkpoint.checkpoint(layer, q, k, v, use_reentrant=False)
         else:
             out, lse = layer(q, k, v)
     d_out = torch.ones_like(out) if device == "meta" else torch.randn(out.shape, generator=g).to(dtype)
+    current[0] = bwd_live
     with bwd_live:
         torch.autograd.backward(out, d_out)
+    current[0] = None
     ref = layer_shapes(shapes, P)
-    row = {"kind": kind, "P": P, "budget": budget, "qo_recv": "default" if qo_chunks is None else f"{qo_chunks:g} Gc",
+    row = {"kind": kind, "P": P, "S": config.num_stages, "budget": budget,
+           "qo_recv": "default" if qo_chunks is None else f"{qo_chunks:g} Gc",
            "keep": keep, "kv_rows": _chunks(kv_rows, config, c),
            "ckpt": "yes" if checkpoint else "no", "device": device, "solve_s": solve_s,
-           "kept": saved.total / P, "fwd_peak": fwd_live.peak / P, "bwd_peak": bwd_live.peak / P, **ref}
+           "kept": saved.total / P, "fwd_peak": fwd_live.peak / P, "bwd_peak": bwd_live.peak / P,
+           "fwd_reduce": fwd_live.span_peak / P, "bwd_reduce": bwd_live.span_peak / P, **ref}
     if top:
         row["fwd_top"], row["bwd_top"] = fwd_live.at_peak(top), bwd_live.at_peak(top)
     row["kept_ratio"] = row["kept"] / ref["plain_kept"]
@@ -215,15 +272,17 @@ def _chunks(rows, config: SolverConfig, c: int) -> str:
     return "all" if rows is None else f"{rows / (config.head_groups * c):.2f} Gc"
 
 
-COLUMNS = [("kind", "kind", ""), ("P", "P", "d"), ("budget", "budget", ""), ("QO recv", "qo_recv", ""),
-           ("keep", "keep", ""),
+COLUMNS = [("kind", "kind", ""), ("P", "P", "d"), ("S", "S", "d"), ("budget", "budget", ""), ("QO recv", "qo_recv", ""),
+           ("keep", "keep", ""), ("fused reduce", "fused", ""),
            ("kept KV rows", "kv_rows", ""), ("checkpointed", "ckpt", ""),
            ("kept MB", "kept", ".1f"), ("plan.memory kept MB", "plan_kept", ".1f"),
            ("plain attn MB", "plain_kept", ".1f"), ("kept / plain", "kept_ratio", ".2f"),
            ("fwd transient MB", "fwd_peak", ".1f"), ("bwd transient MB", "bwd_peak", ".1f"),
+           ("fwd merge MB", "fwd_reduce", ".1f"), ("bwd merge MB", "bwd_reduce", ".1f"),
            ("plan.memory fwd MB", "plan_fwd", ".1f"), ("plan.memory bwd MB", "plan_bwd", ".1f"),
            ("own q,k,v,out MB", "own", ".1f"), ("peak / own", "peak_ratio", ".2f")]
-STEP_COLUMNS = [("kind", "kind", ""), ("P", "P", "d"), ("budget", "budget", ""), ("QO recv", "qo_recv", ""),
+STEP_COLUMNS = [("kind", "kind", ""), ("P", "P", "d"), ("S", "S", "d"), ("comm", "comm", ""),
+                ("budget", "budget", ""), ("QO recv", "qo_recv", ""),
                 ("status", "status", "d"), ("kept kinds", "budget_keep", ""),
                 ("kept KV rows", "kv_rows", ""),
                 ("step ms, all kept (simulated)", "keep_ms", ".2f"), ("step ms, budget (simulated)", "budget_ms", ".2f"),
@@ -231,14 +290,16 @@ STEP_COLUMNS = [("kind", "kind", ""), ("P", "P", "d"), ("budget", "budget", ""),
                 ("ratio none", "none_ratio", ".3f")]
 
 
-TOP_COLUMNS = [("pass", "pass_", ""), ("P", "P", "d"), ("MB", "mb", ".1f"), ("op", "op", ""), ("shape", "shape", ""),
+TOP_COLUMNS = [("pass", "pass_", ""), ("P", "P", "d"), ("fused reduce", "fused", ""), ("MB", "mb", ".1f"),
+               ("op", "op", ""), ("shape", "shape", ""),
                ("dtype", "dtype", ""), ("made at", "site", "")]
 
 
-def step_cost(kind: str, P: int, budget: float, seed: int, topology: str, qo_chunks=None) -> dict:
-    """Simulated training step (forward + backward, ``gpusolver.sim``) of the device solver's plan at
-    real shapes on CPU: everything kept, within ``budget`` (what is not kept cast again, the solve
-    pricing it), and nothing kept."""
+def step_cost(kind: str, P: int, budget: float, seed: int, topology: str, qo_chunks=None, stages=1,
+              comm: str = "a2a") -> dict:
+    """Simulated training step (forward + backward, ``gpusolver.sim``, transport ``comm``) of the device
+    solver's plan at real shapes on CPU, all three with ``stages`` sub-stages: everything kept, within
+    ``budget`` (what is not kept cast again, the solve pricing it), and nothing kept."""
     from gpusolver.sim import simulate
     from gpusolver.topology import Topology
 
@@ -247,12 +308,13 @@ def step_cost(kind: str, P: int, budget: float, seed: int, topology: str, qo_chu
     mask = make_mask(kind, P, seed, c)
     times, resolved = {}, None
     for name, keep, b in (("keep", True, None), ("budget", True, budget), ("none", False, None)):
-        config = make_config(P, REAL, keep, b, qo_chunks if b is not None else None)
+        config = make_config(P, REAL, keep, b, qo_chunks if b is not None else None, stages)
         plan = solve(mask, config)
-        times[name] = simulate(plan, topo).step_ms
+        times[name] = simulate(plan, topo, comm=comm).step_ms
         if name == "budget":
             resolved, plan_status = keep_for_budget(config, c), plan.status
-    return {"kind": kind, "P": P, "budget": budget, "status": int(plan_status),
+    return {"kind": kind, "P": P, "S": resolved.num_stages, "comm": comm, "budget": budget,
+            "status": int(plan_status),
             "qo_recv": "default" if qo_chunks is None else f"{qo_chunks:g} Gc",
             "budget_keep": resolved.keep_forward_buffers,
             "kv_rows": _chunks(resolved.kept_kv_rows, resolved, c), "keep_ms": times["keep"],
@@ -261,7 +323,8 @@ def step_cost(kind: str, P: int, budget: float, seed: int, topology: str, qo_chu
 
 
 def _mb(rows):
-    keys = ("kept", "plain_kept", "fwd_peak", "bwd_peak", "own", "plan_kept", "plan_fwd", "plan_bwd")
+    keys = ("kept", "plain_kept", "fwd_peak", "bwd_peak", "fwd_reduce", "bwd_reduce", "own", "plan_kept", "plan_fwd",
+            "plan_bwd")
     return [{k: (v / 1e6 if k in keys and v is not None else v) for k, v in r.items()} for r in rows]
 
 
@@ -280,6 +343,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--step-cp-sizes", default="", help="P of the simulated step cost runs (device solver on CPU at "
                    "real shapes: minutes each at P >= 32); empty: none")
     p.add_argument("--topology", default="h200_hgx", help="the simulated cluster of the step cost runs")
+    p.add_argument("--fused-reduce", choices=("off", "on", "both"), default="off",
+                   help="reduce through groupcomm's fused merge (the GPU default; on meta its fakes): off (the "
+                   "torch path, the CPU default), on, or both (every row measured each way)")
+    p.add_argument("--stages", default="1", help="num_stages of every run: an int, or auto")
+    p.add_argument("--comm", default="a2a", help="the simulated transport of the step cost runs: a2a, p2p, "
+                   "p2p-batch")
     p.add_argument("--top", type=int, default=0, help="list the N biggest storages live at each pass's peak "
                    "(real shapes, first kind, default config)")
     return p.parse_args(argv)
@@ -288,37 +357,47 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     kinds = parse_list(args.kinds, str, name="--kinds")
+    stages = args.stages if args.stages == "auto" else int(args.stages)
     rows, steps = [], []
+    fused_modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.fused_reduce]
     for keep, budget, ckpt in ((True, None, False), (False, None, False), (True, args.budget, False),
                                (True, None, True)):
         qo = args.budget_qo_chunks if budget is not None else None
         for kind in kinds:
             for P in [] if args.no_small else parse_list(args.small_cp_sizes, name="--small-cp-sizes"):
-                rows.append(measure(kind, P, SMALL, "cpu", seed=args.seed, keep=keep, budget=budget, checkpoint=ckpt,
-                                    qo_chunks=qo))
+                for fused in fused_modes:  # on CPU the fused merge runs its kernels: TRITON_INTERPRET=1
+                    rows.append(measure(kind, P, SMALL, "cpu", seed=args.seed, keep=keep, budget=budget,
+                                        checkpoint=ckpt, qo_chunks=qo, fused=fused, stages=stages))
             if not args.no_real:
                 for P in parse_list(args.cp_sizes, name="--cp-sizes"):
                     first = keep is True and budget is None and not ckpt and kind == kinds[0]
-                    rows.append(measure(kind, P, REAL, "meta", seed=args.seed, keep=keep, budget=budget,
-                                        checkpoint=ckpt, qo_chunks=qo, top=args.top if first else 0))
+                    for fused in fused_modes:
+                        rows.append(measure(kind, P, REAL, "meta", seed=args.seed, keep=keep, budget=budget,
+                                            checkpoint=ckpt, qo_chunks=qo, top=args.top if first else 0,
+                                            fused=fused, stages=stages))
     for kind in kinds:
         for P in parse_list(args.step_cp_sizes, name="--step-cp-sizes") if args.step_cp_sizes else []:
-            steps.append(step_cost(kind, P, args.budget, args.seed, args.topology, args.budget_qo_chunks))
+            steps.append(step_cost(kind, P, args.budget, args.seed, args.topology, args.budget_qo_chunks, stages,
+                                   args.comm))
             r = steps[-1]
-            print(f"step {kind:6} P={P:3} budget {args.budget} keeps {r['budget_keep']} ({r['kv_rows']} KV): "
+            print(f"step {kind:6} P={P:3} S={r['S']} {args.comm} budget {args.budget} keeps {r['budget_keep']} "
+                  f"({r['kv_rows']} KV): "
                   f"{r['budget_ms']:.2f} ms vs {r['keep_ms']:.2f} all kept = {r['step_ratio']:.3f} "
                   f"(nothing kept {r['none_ratio']:.3f}; simulated)", flush=True)
     for r in rows:
-        print(f"{r['device']:4} {r['kind']:6} P={r['P']:3} budget={r['budget']} keep={r['keep']!s:5} "
+        print(f"{r['device']:4} {r['kind']:6} P={r['P']:3} S={r['S']} budget={r['budget']} keep={r['keep']!s:5} "
+              f"fused {r['fused']:3} "
               f"kv rows {r['kv_rows']} ckpt {r['ckpt']} kept {r['kept'] / 1e6:9.1f} MB "
               f"= {r['kept_ratio']:.2f}x plain; transient fwd {r['fwd_peak'] / 1e6:9.1f} bwd "
-              f"{r['bwd_peak'] / 1e6:9.1f} MB = {r['peak_ratio']:.2f}x own"
+              f"{r['bwd_peak'] / 1e6:9.1f} MB = {r['peak_ratio']:.2f}x own (merge fwd {r['fwd_reduce'] / 1e6:.1f} "
+              f"bwd {r['bwd_reduce'] / 1e6:.1f} MB)"
               + (f"; plan.memory kept {r['plan_kept'] / 1e6:.1f} fwd {r['plan_fwd'] / 1e6:.1f} "
                  f"bwd {r['plan_bwd'] / 1e6:.1f} MB" if "plan_kept" in r else ""), flush=True)
     for r in rows:
         for name in ("fwd", "bwd"):
             for n, op, shape, dtype, site in r.get(f"{name}_top", []):
-                print(f"top {name} P={r['P']:3} {n / r['P'] / 1e6:8.1f} MB {op:24} {str(shape):26} {dtype:9} {site}")
+                print(f"top {name} P={r['P']:3} fused {r['fused']:3} {n / r['P'] / 1e6:8.1f} MB {op:24} "
+                      f"{str(shape):26} {dtype:9} {site}")
     if args.md:
         text = render(rows, steps, argv)
         Path(args.md).write_text(text)
@@ -336,7 +415,8 @@ def render(rows, steps, argv) -> str:
              f"\n### Small shapes on CPU (real values): {s['tokens_per_rank']} tokens per rank, "
              f"{s['num_heads_q']}:{s['num_heads_kv']}, D = {s['head_dim']}, fp32\n",
              markdown_table(_mb(small), COLUMNS)]
-    tops = [dict(pass_=name, P=r["P"], mb=n / r["P"] / 1e6, op=op, shape=str(list(shape)), dtype=dtype, site=site)
+    tops = [dict(pass_=name, P=r["P"], fused=r["fused"], mb=n / r["P"] / 1e6, op=op, shape=str(list(shape)),
+                 dtype=dtype, site=site)
             for r in real for name in ("fwd", "bwd") for n, op, shape, dtype, site in r.get(f"{name}_top", [])]
     if tops:
         parts += [f"\n### The biggest storages live at each pass's peak (real shapes, {real[0]['kind']}, default "

@@ -123,9 +123,9 @@ def keep_for_budget(config: SolverConfig, chunk: int) -> SolverConfig:
     set (a subset of what ``keep_forward_buffers`` keeps) with the most kept bytes within
     ``memory_budget * plain_kept_bytes``; then, when K and V are allowed but their whole buffer
     does not fit, the first rows of it that fit in the room left (``kept_kv_rows``; the rest
-    is cast again in the backward; ``num_stages = 1`` only: with ``auto_stages`` such a config
-    gets one remote stage, as the row-wise keep is the memory-first choice). Without a budget, ``config``
-    itself. Host ints only: every rank resolves the same choice.
+    is cast again in the backward, per sub-stage with S > 1: the S casts share the buffer, so the
+    kept bytes and the stages do not depend on each other). Without a budget, ``config`` itself.
+    Host ints only: every rank resolves the same choice.
     """
     if config.memory_budget is None:
         return config
@@ -134,13 +134,11 @@ def keep_for_budget(config: SolverConfig, chunk: int) -> SolverConfig:
     fits = [k for k in _KEEP_ORDER if set(kept_kinds(k)) <= allowed and kept_bytes(config, chunk, k) <= room]
     best = max(fits, key=lambda k: kept_bytes(config, chunk, k))  # False always fits; first on ties
     kv_rows = None
-    stages = config.num_stages
-    if "kv" in allowed and "kv" not in kept_kinds(best) and (stages == 1 or config.auto_stages):
+    if "kv" in allowed and "kv" not in kept_kinds(best):
         rows = int((room - kept_bytes(config, chunk, best)) // config.cost().kv_fwd)
         if rows > 0:  # fewer than the whole buffer: it did not fit
-            best, kv_rows, stages = _with_kv(best), rows, 1
-    return config.replaced(keep_forward_buffers=best, kept_kv_rows=kv_rows, memory_budget=None,
-                           num_stages="auto" if config.auto_stages else stages)  # "auto" + kept rows: 1
+            best, kv_rows = _with_kv(best), rows
+    return config.replaced(keep_forward_buffers=best, kept_kv_rows=kv_rows, memory_budget=None)
 
 
 # Relay transport (``gpusolver.plan.relay``): rows of each relay's buffer (what it receives over

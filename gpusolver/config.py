@@ -97,7 +97,9 @@ class SolverConfig:
     kept_kv_rows:       with K and V kept, keep only the first this many rows of the
                         KV receive buffer; the rows past them are cast again in the
                         backward (``groupcomm.tail_routing``). None (default): all of
-                        them. Needs ``num_stages = 1`` (``"auto"`` resolves to 1 with it).
+                        them. With S sub-stages the rows are those of the one buffer the
+                        S casts share; each sub-stage's cast again moves its rows past
+                        them (``gpusolver.runtime.kept_rows``).
     num_stages:         S, remote sub-stages of the layer (static). Stage 0 computes
                         the tasks whose units are all local; the remote tasks of
                         each rank are cut into S sub-stages by when their bytes
@@ -109,8 +111,8 @@ class SolverConfig:
                         S times the collectives and S + 1 attention launches per
                         pass. 1 (default) is the two-stage layer: one cast, one
                         remote stage, one reduce. "auto": ``AUTO_STAGES`` (4) for
-                        slice masks, the measured best (simulated); 1 for sparse
-                        selections (``for_sparse``) and with ``kept_kv_rows``.
+                        slice masks, the measured best (simulated), ``kept_kv_rows`` or
+                        not; 1 for sparse selections (``for_sparse``).
     auto_stages:        set by num_stages="auto" (the field then reads the resolved S);
                         not an argument: ``dataclasses.replace`` of a config makes its
                         num_stages explicit, ``replaced`` keeps "auto".
@@ -171,7 +173,7 @@ class SolverConfig:
             object.__setattr__(self, "chunk_tiles", 1)
             object.__setattr__(self, "auto_tiles", True)
         if self.num_stages == "auto":  # an int from here on, as chunk_tiles
-            object.__setattr__(self, "num_stages", 1 if self.kept_kv_rows is not None else AUTO_STAGES)
+            object.__setattr__(self, "num_stages", AUTO_STAGES)
             object.__setattr__(self, "auto_stages", True)
         for name in ("cp_size", "num_heads_q", "num_heads_kv", "head_dim", "chunk_tiles", "num_stages"):
             v = getattr(self, name)
@@ -191,9 +193,6 @@ class SolverConfig:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
                 raise ValueError(f"{name} must be None or a non-negative int, got {v!r}")
-        if self.kept_kv_rows is not None and self.num_stages > 1:
-            raise ValueError(f"kept_kv_rows={self.kept_kv_rows} needs num_stages = 1 (a sub-stage's KV buffer is "
-                             f"kept whole or cast again), got num_stages={self.num_stages}")
         if self.memory_budget is not None and (isinstance(self.memory_budget, bool)
                                                or not isinstance(self.memory_budget, (int, float))
                                                or not self.memory_budget >= 1.0):

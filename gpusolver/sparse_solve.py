@@ -25,7 +25,7 @@ from gpusolver.assign import solve_assignment
 from gpusolver.config import SolverConfig
 from gpusolver.plan.meta import IMBALANCED
 from gpusolver.plan.sparse import (SelectionSpec, SparsePlan, SparseSolverConfig, build_sparse_plan,
-                                   check_sparse_stages, default_kv_block, no_worse_than_owner, sparse_config)
+                                   default_kv_block, no_worse_than_owner, sparse_config)
 from gpusolver.problem import BlockAreas
 
 
@@ -92,7 +92,6 @@ def solve_sparse(mask, config: SolverConfig, *, areas: BlockAreas | None = None,
 
     config = config.for_sparse()
     spec = SelectionSpec.of(mask, config.head_groups)
-    check_sparse_stages(config, spec)
     S = mask.total_seqlen_k
     config.check_seqlen(S)
     if validate is None:

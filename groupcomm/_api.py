@@ -112,7 +112,9 @@ def group_reduce(partials, send_index: torch.Tensor, split: torch.Tensor, acc, g
             -inf gives out 0 and lse -inf).
         deterministic: sum destination by destination, no float atomics
             (bit-identical across runs); False allows ``index_add_``. Both
-            assume a row is sent to each destination at most once.
+            assume a row is sent to each destination at most once. On CUDA the
+            merge runs in fused kernels (``groupcomm._merge``: fp32 in registers,
+            only the outputs allocated), in the deterministic order either way.
         flag_errors: as in ``group_cast``.
         consume: hand ``partials`` and ``acc`` over (two lists, emptied here): the group then
             drops each tensor as soon as it has read it, so a caller that keeps no other

@@ -19,8 +19,9 @@ atomics on GPU).
 
 Memory: the sums live in one ``[B * (N + 1), *f]`` tensor of the sum dtype
 (fp32 for fp16 / bf16 rows); the returned rows are read window by window, so
-no fp32 copy at the send capacity C is ever made (a window of ``min(N, C)``
-rows at a time).
+no fp32 copy at the send capacity C is ever made, and each window in
+``_PIECES`` pieces (a quarter of ``min(N, C)`` rows gathered and converted at a
+time). The fused merge (``_merge``, by default on CUDA) makes neither.
 
 The lse merge (``op="lse"``): for partials k of one row, with the host's own
 (out_0, lse_0) among them,
@@ -36,7 +37,10 @@ from __future__ import annotations
 
 import torch
 
+from ._merge import fused_reduce_rows, use_fused
+
 _NEG_INF = float("-inf")
+_PIECES = 4  # pieces of each window the returned rows are converted in (a bounded number of ops)
 
 
 def _targets(send_index: torch.Tensor, dest: torch.Tensor, N: int) -> torch.Tensor:
@@ -74,16 +78,25 @@ def _window_starts(dest: torch.Tensor, P: int) -> torch.Tensor:
 def _add_rows(flat: torch.Tensor, vals: torch.Tensor, pos: torch.Tensor, targets: torch.Tensor,
               weight: torch.Tensor | None, accumulate: bool) -> None:
     """``flat[targets] += vals[b, pos[b]] (* weight[b, pos[b]])``; pos ``[B, W]`` in range, targets
-    ``[B * W]`` distinct outside the scratch rows when ``accumulate`` (else ``index_add_``)."""
-    b = torch.arange(pos.shape[0], device=pos.device)[:, None]
-    rows = vals[b, pos].reshape(-1, *vals.shape[2:]).to(flat.dtype)   # [B * W, *f]: one window
-    if weight is not None:
-        w = weight[b, pos].reshape(-1, *weight.shape[2:])
-        rows.mul_(w.reshape(*w.shape, *([1] * (rows.dim() - w.dim()))))
-    if accumulate:
-        flat.index_put_((targets,), rows, accumulate=True)
-    else:
-        flat.index_add_(0, targets, rows)
+    ``[B * W]`` distinct outside the scratch rows when ``accumulate`` (else ``index_add_``).
+
+    The window goes in ``_PIECES`` pieces of columns, so its gathered rows and their copy in the
+    sum dtype exist a piece at a time. The same bits: each real row is in one piece of one window."""
+    B, W = pos.shape
+    b = torch.arange(B, device=pos.device)[:, None]
+    targets = targets.view(B, W)
+    step = -(-W // _PIECES)
+    for c0 in range(0, W, step):
+        p, t = pos[:, c0:c0 + step], targets[:, c0:c0 + step].reshape(-1)
+        rows = vals[b, p].reshape(-1, *vals.shape[2:]).to(flat.dtype)   # [B * step, *f]
+        if weight is not None:
+            w = weight[b, p].reshape(-1, *weight.shape[2:])
+            rows.mul_(w.reshape(*w.shape, *([1] * (rows.dim() - w.dim()))))
+        if accumulate:
+            flat.index_put_((t,), rows, accumulate=True)
+        else:
+            flat.index_add_(0, t, rows)
+        del rows
 
 
 def scatter_add_(flat: torch.Tensor, vals: torch.Tensor, send_index: torch.Tensor, dest: torch.Tensor,
@@ -188,6 +201,12 @@ def reduce_lse(acc: list, ret: list, send_index: torch.Tensor, dest: torch.Tenso
 
 def reduce_rows(acc: list[torch.Tensor], ret: list[torch.Tensor], send_index: torch.Tensor,
                 dest: torch.Tensor, op: str, P: int, deterministic: bool) -> list[torch.Tensor]:
-    """Dispatch on ``op`` ("sum" or "lse"); all tensors carry the leading batch dim."""
+    """Dispatch on ``op`` ("sum" or "lse"); all tensors carry the leading batch dim.
+
+    The fused merge (``_merge``: fp32 in registers, only the outputs written; deterministic in
+    either mode, in the deterministic order) where ``fused_reduce`` allows it (by default on
+    CUDA), else the torch path of this module."""
+    if use_fused(acc, ret):
+        return fused_reduce_rows(acc, ret, send_index, dest, op, P)
     fn = reduce_sum if op == "sum" else reduce_lse
     return fn(acc, ret, send_index, dest, P, deterministic)

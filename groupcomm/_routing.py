@@ -84,14 +84,19 @@ def traffic_rows(split: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return off.sum(1), off.sum(0)
 
 
-def tail_split(split: torch.Tensor, first_row: int) -> torch.Tensor:
-    """``[P, P]``: the rows of each source that land at receive rows ``>= first_row`` (``tail_routing``)."""
+def tail_split(split: torch.Tensor, first_row: int | torch.Tensor) -> torch.Tensor:
+    """``[P, P]``: the rows of each source that land at receive rows ``>= first_row`` (``tail_routing``).
+
+    first_row: a host int (the same row on every destination) or a ``[P]`` int64 device tensor,
+    one first row per destination (a negative one keeps every row)."""
     _, recv_off = split_offsets(split)
+    if isinstance(first_row, torch.Tensor):  # per destination: broadcast along the source dim
+        first_row = first_row.to(split.dtype).view(1, -1)
     return split - torch.minimum(split, (first_row - recv_off).clamp(min=0))
 
 
 def tail_routing(split: torch.Tensor, send_index: torch.Tensor, ranks: torch.Tensor,
-                 first_row: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 first_row: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The routing of the same cast restricted to receive rows ``>= first_row``.
 
     A cast with the returned ``(split_tail [P, P], send_index_tail [B, C])`` and receive
@@ -99,6 +104,10 @@ def tail_routing(split: torch.Tensor, send_index: torch.Tensor, ranks: torch.Ten
     full cast puts at row ``first_row + j``: sources fill a buffer in ascending order, so the
     rows past ``first_row`` are a suffix of each source's run (the straddling source's tail,
     then every later source whole). Static shapes, no host read.
+
+    first_row: a host int, or a ``[P]`` int64 tensor of one non-negative first row per
+    destination (then row ``j`` of rank d's tail is the full cast's row ``first_row[d] + j``:
+    cast it with ``recv_offset``, ``group_cast``, to land each rank's tail at its own row).
     """
     B, C = send_index.shape
     P = split.shape[0]

@@ -23,9 +23,10 @@ returns into buffers of the rows each reduce really returns; ``LocalGroup`` and
 
 Not counted: the layer's own activations (its q, k, v, out and lse, which plain attention
 keeps too) and the runtime's work around the buffers (the local rows that share stage 1's
-operand tensor with each buffer, stage 1's outputs over those rows, the reduce's fp32 sums
-over the host's rows and one window of returned rows), which ``benchmarks/layer_memory.py``
-measures.
+operand tensor with each buffer, stage 1's outputs over those rows, the reduce's merge: its
+outputs, and on the torch path its fp32 sums over the host's rows and a piece of a window of
+returned rows), which ``benchmarks/layer_memory.py`` measures (``--fused-reduce``: the fused
+merge of a GPU).
 """
 from __future__ import annotations
 

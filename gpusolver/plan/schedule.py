@@ -127,7 +127,8 @@ def forward_ops(num_stages: int = 2, branches: int = 1, relay: bool = False, egr
     """The forward: both casts up front, stage 0 while they fly, the remote stages, merge, reduce O.
 
     num_stages: CalcMeta stages (2: local + one remote; S + 1 with S sub-stages).
-    branches: outputs per query row (one with sub-stages).
+    branches: outputs per query row (2 for an NSA layer's selection and window branches): one
+        ``fwd.o`` reduce per branch (per sub-stage with S > 1), each moving its branch's O and lse.
     relay: the plan's transport relays inter-node rows (``Plan.relay``): every cast and
         reduce becomes its hops (``_forward_relay_ops``); one remote stage, one branch.
     egress: with relay, the hops include the pre-hop to the egress (``RelayMeta.egress``).
@@ -140,17 +141,17 @@ def forward_ops(num_stages: int = 2, branches: int = 1, relay: bool = False, egr
 
     def build():
         _check(num_stages, branches)
-        if num_stages > 2 and branches != 1:
-            raise ValueError(f"sub-stages (num_stages={num_stages}) run one output branch, got {branches}")
-        return _forward_ops(num_stages, branches) if num_stages <= 2 else _forward_sub_stages(num_stages - 1)
+        return (_forward_ops(num_stages, branches) if num_stages <= 2
+                else _forward_sub_stages(num_stages - 1, branches))
 
     return _kept(("fwd", num_stages, branches), build)
 
 
-def _forward_sub_stages(S: int) -> tuple[Op, ...]:
-    """S sub-stages: casts 1..S up front; sub-stage s after its own casts; reduce s right after it;
-    the host merges its rows with reduces 1..S in that order (``fwd.merge``). Each ``fwd.attn.s``
-    also merges its partials into the rows it covers."""
+def _forward_sub_stages(S: int, branches: int = 1) -> tuple[Op, ...]:
+    """S sub-stages: casts 1..S up front; sub-stage s after its own casts; reduce s right after it
+    (one per output branch, ``Op.branch``: each branch's partials merge on their own); the host
+    merges its rows with reduces 1..S in that order, per branch (``fwd.merge``). Each
+    ``fwd.attn.s`` runs every branch and merges its partials into the rows it covers."""
     casts = [(_collective(CAST, "fwd.qo", stages=(s,), tag=f".{s}"), _collective(CAST, "fwd.kv", stages=(s,),
                                                                                  tag=f".{s}")) for s in range(1, S + 1)]
     ops = [c for pair in casts for c in pair] + [Op("fwd.attn.0", ATTN, COMPUTE, phase="fwd", stages=(0,))]
@@ -158,8 +159,10 @@ def _forward_sub_stages(S: int) -> tuple[Op, ...]:
     for s, (cq, ckv) in enumerate(casts, start=1):
         waits = (_wait(cq), _wait(ckv))
         attn = Op(f"fwd.attn.{s}", ATTN, COMPUTE, deps=tuple(w.name for w in waits), phase="fwd", stages=(s,))
-        reduces.append(_collective(REDUCE, "fwd.o", deps=(attn.name,), stages=(s,), tag=f".{s}"))
-        ops += [*waits, attn, reduces[-1]]
+        mine = [_collective(REDUCE, "fwd.o", deps=(attn.name,), stages=(s,), branch=b,
+                            tag=f".{s}" if branches == 1 else f".{s}.{b}") for b in range(branches)]
+        reduces += mine
+        ops += [*waits, attn, *mine]
     back = [_wait(r) for r in reduces]
     ops += back
     ops.append(Op("fwd.merge", MERGE, COMPUTE, deps=tuple(w.name for w in back), phase="fwd",
@@ -464,13 +467,28 @@ def op_split(plan, op: Op) -> torch.Tensor:
     return comm.qo_split if op.route == "qo" else kv_split_of(plan)
 
 
+def tail_first_row(plan, op: Op, kept_rows: int) -> int | torch.Tensor:
+    """The first row of ``op``'s own cast (a ``bwd.kv`` cast of a partly kept KV buffer) that lies
+    past the ``kept_rows`` kept rows of the receive buffer: ``kept_rows`` with one remote stage; with
+    S sub-stages ``[P]`` per destination, ``max(kept_rows - kv_stage_base[s], 0)``, as cast s's rows
+    start at ``kv_stage_base[s]`` of the buffer the casts share (``runtime.kept_rows``)."""
+    comm = plan.comm
+    if getattr(plan, "relay", None) is not None or getattr(comm, "num_stages", 1) == 1:
+        return kept_rows
+    kb = getattr(plan, "kv_blocks", None)
+    comm = comm if kb is None else kb.staged  # a sparse plan's key blocks, routed per sub-stage
+    (s,) = op.stages
+    return (kept_rows - comm.stage_base("kv")[s - 1]).clamp(min=0)
+
+
 def op_pair_bytes(plan, op: Op, cost) -> torch.Tensor:
     """[P(src), P(dst)] int64 bytes ``op`` moves from each source to each destination (a ``bwd.kv``
-    cast of a partly kept KV buffer moves only the rows past ``cost.kept_kv_rows``)."""
+    cast of a partly kept KV buffer moves only the rows past ``cost.kept_kv_rows``, per sub-stage
+    the rows of its cast past them, ``tail_first_row``)."""
     split = op_split(plan, op)
     kept_rows = getattr(cost, "kept_kv_rows", None)
     if op.phase == "bwd.kv" and kept_rows is not None and "kv" in kept_kinds(cost.keep_forward_buffers):
-        split = tail_split(split, kept_rows)
+        split = tail_split(split, tail_first_row(plan, op, kept_rows))
     split = split.t() if op.back else split
     return split.to(torch.int64) * row_bytes(op, cost)
 

@@ -29,7 +29,8 @@ bytes); ``CommMeta`` routes the Q hulls per sub-stage into the one shared QO buf
 blocks are routed the same way (``KVBlocks.staged``). Stage s's tables keep the query rows
 of stage 1 (local rows, then the whole buffer: ``_recv_rows`` reads each segment's start,
 stage-major) and windows only for the tasks of sub-stage s, which read rows of casts 1..s
-only. An NSA layer mask (two branches) runs one remote stage.
+only. An NSA layer mask's window branch (``window_calc``) has its slices in the same sub-stages
+(``build_calc_meta(task_stage=...)``): a task's selection and window pieces run together.
 
 KV as key blocks (``kv_block``, ``KVBlocks``): instead of one hull per (unit,
 destination), a destination receives exactly the blocks of ``kv_block`` keys
@@ -529,15 +530,6 @@ def window_slices(total_seqlen: int, window_size: int, device) -> AttnSlices:
     return sliding_window_mask(total_seqlen, window_size, device=device)
 
 
-def check_sparse_stages(config: SolverConfig, spec: SelectionSpec) -> None:
-    """Sub-stages run one output branch: an NSA layer mask (selection and window) needs S = 1.
-    Called before a solve too, so the refusal costs no solve (host values only)."""
-    if config.num_stages > 1 and spec.window_size:
-        raise ValueError(f"num_stages={config.num_stages}: an NSA layer mask (selection and sliding-window "
-                         "branches) runs one remote stage so far; use num_stages=1, or a BlockSparseMask (the "
-                         "selection alone)")
-
-
 def build_sparse_plan(areas: BlockAreas, assignment: torch.Tensor, config: SolverConfig, spec: SelectionSpec,
                       total_seqlen: int, *, mask_error: torch.Tensor | None = None,
                       imbalance_tol: float | None = None, recv_capacity: int | None = None,
@@ -558,7 +550,6 @@ def build_sparse_plan(areas: BlockAreas, assignment: torch.Tensor, config: Solve
                  Not with a window branch (its slices address hull buffers).
     """
     config = config.for_sparse()
-    check_sparse_stages(config, spec)
     S = config.num_stages
     relay_transport(config, sparse=True)  # sparse plans travel direct; ib_relay=True is refused
     G, P, n = config.head_groups, config.cp_size, config.chunk_tiles
@@ -606,7 +597,10 @@ def build_sparse_plan(areas: BlockAreas, assignment: torch.Tensor, config: Solve
     window_calc = None
     if spec.window_size:
         slices = window_slices(total_seqlen, spec.window_size, assignment.device)
-        window_calc, flags = build_calc_meta(slices, areas, assignment, comm, stage_cap)
+        # the window branch's slices in the same sub-stages as the selection's tasks: both branches
+        # of sub-stage s read the rows of casts 1..s only
+        window_calc, flags = build_calc_meta(slices, areas, assignment, comm, stage_cap,
+                                             task_stage if S > 1 else None)
         status = (status | bit(flags["calc_overflow"], CALC_OVERFLOW)
                   | bit(flags["buffer_overflow"], BUFFER_OVERFLOW) | bit(flags["mismatch"], NEED_MISMATCH))
     return SparsePlan(assignment=assignment, metrics=metrics, comm=comm, status=status, area=areas.area,

@@ -25,7 +25,7 @@ Backward moves as little as it can: the host computes the row delta
 never O; the Q, K and V a helper received in the forward are kept
 (``keep_forward_buffers``; otherwise cast again, ``bwd.q`` / ``bwd.kv``; with
 ``kept_kv_rows`` only the first rows of the KV buffer are kept and ``bwd.kv`` casts
-the rest, ``groupcomm.tail_routing``);
+the rest, ``runtime.kept_rows``, with S sub-stages each sub-stage's cast its rows past them);
 partial dQ is summed back to the QO host (``bwd.dq``), dK and dV to the KV
 host (``bwd.dkv``). These are the volumes ``PlanMetrics`` prices
 (``CommCost``), and the groups' byte counters equal them.
@@ -50,6 +50,7 @@ from gpusolver.plan import IMBALANCED, Plan
 from gpusolver.plan.schedule import ATTN, CAST, DELTA, MERGE, REDUCE, WAIT, Op, backward_ops, forward_ops
 from gpusolver.plan.sparse import SparsePlan
 from gpusolver.problem import kept_kinds
+from gpusolver.runtime.kept_rows import keep_prefix, tail_cast, whole_operands
 from gpusolver.runtime.layout import from_group_major, to_group_major
 from gpusolver.runtime.operands import Operands, rows
 from gpusolver.runtime.pipelined import StageRoutes, backward_stages, forward_stages, op_range, stage_routes
@@ -57,8 +58,7 @@ from gpusolver.runtime.relay_stages import (StageRelayRoutes, relay_stages_backw
                                             stage_relay_routes)
 from gpusolver.runtime.relayed import RelayRoutes, relay_backward, relay_forward, relay_routes
 from gpusolver.support import check_supported
-from groupcomm import (CollectiveError, TorchGroup, as_group, group_cast, group_reduce, host_splits, retain,
-                       tail_routing)
+from groupcomm import CollectiveError, TorchGroup, as_group, group_cast, group_reduce, host_splits, retain
 
 # The stages run the plan's own tables, checked once per layer through the plan's status
 # (validation: plan.validate(); sync-free: one device flag), so the calls skip their own checks.
@@ -190,16 +190,10 @@ def issue(op: Op, routes: LayerRoutes, group, tensors, acc=None, deterministic: 
 
 def issue_tail(op: Op, routes: LayerRoutes, group, tensors, first_row: int, out):
     """Start the cast ``op`` of the KV rows that land past ``first_row`` of each receive buffer
-    (``groupcomm.tail_routing``) into ``out`` (those rows of stage 1's operands): what a rank that
+    (``kept_rows.tail_cast``) into ``out`` (those rows of stage 1's operands): what a rank that
     kept the first rows needs again. Its Work."""
-    index = routes.kv_index if routes.batched else routes.kv_index[None]
-    ranks = torch.tensor(routes.ranks, dtype=torch.int64, device=index.device)
-    split, index = tail_routing(routes.kv_split, index, ranks, first_row)
-    index = index if routes.batched else index[0]
-    # TorchGroup: the tail's split is another host copy, made here (the layer's first ones were made ahead)
-    host = host_splits(split) if isinstance(group, TorchGroup) else None
-    return group_cast(list(tensors), index, split, routes.kv_capacity - first_row, group, phase=op.phase,
-                      host_split=host, async_op=True, flag_errors=False, out=list(out))
+    return tail_cast(tensors, routes.kv_index, routes.kv_split, first_row, out, group, phase=op.phase,
+                     ranks=routes.ranks, batched=routes.batched)
 
 
 class _DistAttn(torch.autograd.Function):
@@ -219,9 +213,14 @@ class _DistAttn(torch.autograd.Function):
                 o, lse, operands = run(routes.plan, group, routes.ranks, routes.batched, routes.relay,
                                        ql, kl, vl, scale, deterministic)
             else:
-                o, lse, operands = forward_stages(routes.plan, group, routes.ranks, routes.batched, routes.stages,
-                                                  ql, kl, vl, scale, deterministic)
+                (o, lse), operands = forward_stages(routes.plan, group, routes.ranks, routes.batched,
+                                                    routes.stages, ql, kl, vl, scale, deterministic)
             x_q, x_k, x_v = operands  # only the kept kinds' operands: the others are cast again
+            part = routes.relay is None and "kv" in keep and kv_rows >= 0
+            if part:  # the local rows and the first kv_rows of the KV buffer (the rest is cast again)
+                x_k, x_v = keep_prefix([x_k, x_v], lead, ql.shape[lead], kv_rows)
+                operands = None  # the whole KV operands go with the forward
+            ctx.kv_rows = kv_rows if part else -1
             if routes.relay is None or routes.relay.sub_stages:
                 # a sub-stage operand's first n rows are the local rows: keep them once, as views of it
                 n = ql.shape[lead]
@@ -281,8 +280,7 @@ class _DistAttn(torch.autograd.Function):
         if "kv" not in keep:
             kv_saved = (kl.clone(), vl.clone())
         else:  # all of X, or its local rows and the first kv_rows of the buffer (the rest is cast again)
-            kv_saved = tuple(X["kv"].x) if kv_rows < 0 else tuple(rows(x, lead, 0, n + kv_rows).clone()
-                                                               for x in X["kv"].x)
+            kv_saved = tuple(X["kv"].x) if kv_rows < 0 else keep_prefix(X["kv"].x, lead, n, kv_rows)
         saved = (X["qo"].x[0] if "qo" in keep else ql.clone(),) + kv_saved
         del X, sent, ql, kl, vl
         ctx.save_for_backward(*saved, o, lse)
@@ -308,8 +306,9 @@ class _DistAttn(torch.autograd.Function):
             kept_kv = kept if keep_kv else None
             run, how = (backward_stages, routes.stages) if routes.relay is None else (
                 relay_stages_backward if routes.relay.sub_stages else relay_backward, routes.relay)
+            more = {} if routes.relay is not None else {"kept_kv_rows": ctx.kv_rows}
             dq, dk, dv = run(routes.plan, group, routes.ranks, routes.batched, how, ql, kl, vl, o, lse, kept_q,
-                             kept_kv, d_o, d_l, scale, ctx.deterministic)
+                             kept_kv, d_o, d_l, scale, ctx.deterministic, **more)
             group.wait_sends()  # p2p sends may outlive their wait(): none past the pass
             return (from_group_major(dq, G, lead), from_group_major(dk, G, lead), from_group_major(dv, G, lead),
                     None, None, None, None, None, None)
@@ -323,12 +322,12 @@ class _DistAttn(torch.autograd.Function):
         xq, xk, xv = saved[:3]
         part = keep_kv and ctx.kv_rows >= 0  # the first kv_rows of the KV buffer kept, the rest cast again
         Xq = None if keep_q else Operands([xq], qcap, lead, zero=True)
-        Xkv = None if keep_kv and not part else Operands([local(xk), local(xv)], kcap, lead, zero=True)
+        if part:  # the local and kept rows copied into whole operands, the rest cast again below
+            Xkv = whole_operands((xk, xv), kcap, lead, n, ctx.kv_rows)
+        else:
+            Xkv = None if keep_kv else Operands([local(xk), local(xv)], kcap, lead, zero=True)
         if Xq is not None:
             xq = Xq.x[0]
-        if part:
-            for i, kept in enumerate((xk, xv)):  # (no loop variable left holding an operand past the stages)
-                rows(Xkv.x[i], lead, n, ctx.kv_rows).copy_(rows(kept, lead, n, ctx.kv_rows))
         if Xkv is not None:
             xk, xv = Xkv.x
         ql, kl, vl = local(xq), local(xk), local(xv)
@@ -522,7 +521,8 @@ def dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, gro
         kept_kv_rows: with K and V kept, keep only the first this many rows of the KV receive
             buffer (``SolverConfig.kept_kv_rows``, as ``capacity.keep_for_budget`` resolves a
             ``memory_budget``); the rows past them are cast again in the backward. None: all.
-            One remote stage only (``num_stages = 1``).
+            With S sub-stages the rows are those of the one buffer the S casts share: each
+            sub-stage's cast again moves its rows past them (``runtime.kept_rows``).
 
     Returns:
         out ``[c, Hq, D]`` in q's dtype and lse ``[c, Hq]`` fp32 (natural log; a row with
@@ -555,9 +555,6 @@ def dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, gro
     if kept_kv_rows is not None:
         if isinstance(kept_kv_rows, bool) or not isinstance(kept_kv_rows, int) or kept_kv_rows < 0:
             raise ValueError(f"kept_kv_rows must be None or a non-negative int, got {kept_kv_rows!r}")
-        if plan.comm.num_stages > 1:
-            raise ValueError(f"kept_kv_rows={kept_kv_rows} needs a plan with num_stages = 1, this one has "
-                             f"{plan.comm.num_stages}")
     # the whole buffer when it fits in kept_kv_rows (-1)
     kv_rows = -1 if kept_kv_rows is None or kept_kv_rows >= plan.comm.kv_recv_capacity else kept_kv_rows
     return _DistAttn.apply(q, k, v, routes, group, scale, keep, kv_rows, bool(deterministic))

@@ -26,7 +26,8 @@ exact up to rounding, and the fixed order makes it deterministic).
 
 Backward: dO, lse and delta (and Q, K, V again without kept buffers) are cast
 per sub-stage (``bwd.qo.s``, ``bwd.kv.s``; each kind kept or cast again on its own,
-``keep_forward_buffers``); after sub-stage s the dQ rows (``bwd.dq.s``) and dK, dV
+``keep_forward_buffers``; with ``kept_kv_rows`` only the first rows of the shared KV buffer are
+kept and each ``bwd.kv.s`` moves its cast's rows past them, ``kept_rows``); after sub-stage s the dQ rows (``bwd.dq.s``) and dK, dV
 rows (``bwd.dkv.s``) whose last task was in s are summed back to their hosts, and
 the local stage runs last, while those reduces fly.
 
@@ -44,6 +45,7 @@ from attn_kernels import flex_attn, flex_attn_backward, merge_out_lse, row_delta
 from gpusolver.nvtx import nvtx_range
 from gpusolver.plan import Plan
 from gpusolver.plan.schedule import ATTN, CAST, DELTA, MERGE, REDUCE, WAIT, Op, backward_ops, forward_ops
+from gpusolver.runtime.kept_rows import tail_cast, whole_operands
 from gpusolver.runtime.operands import Operands, rows
 from groupcomm import TorchGroup, group_cast, group_reduce, host_splits
 
@@ -151,7 +153,10 @@ def _per_rank(ranks, batched, fn, *tensors):
 
 
 def _merge(o_a, l_a, o_b, l_b, lead: int):
-    """The log-sum-exp merge of two (out, lse) row sets; elementwise, so all ranks in one call."""
+    """The log-sum-exp merge of two (out, lse) row sets; elementwise, so all ranks in one call. Out in
+    o_a's dtype: the running fp32 accumulator merges a stage's (or a reduce's) out in the activation
+    dtype, which the merge kernel, one dtype for both, gets as fp32 too."""
+    o_b = o_b.to(o_a.dtype)
     if lead == 0:
         return merge_out_lse(o_a, l_a, o_b, l_b)
     B, T = l_a.shape[:2]
@@ -225,10 +230,13 @@ def _flex_backward(plan: Plan, scale: float):
 
 
 def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql, kl, vl, scale: float,
-                   deterministic: bool, *, extra=(), attend=None):
-    """Run ``forward_ops(S + 1)``: (o, lse, the operand tensors [Xq, *X extra, Xk, Xv] for the backward),
-    group-major. extra: per-row tensors that travel with Q (a sparse layer's selection rows);
-    attend(rank, stage, q, k, v, *extra) -> (out, lse): the stage kernel (default: the slice kernel)."""
+                   deterministic: bool, *, extra=(), attend=None, branches: int = 1):
+    """Run ``forward_ops(S + 1, branches)``: (outs, the operand tensors [Xq, *X extra, Xk, Xv] for the
+    backward), group-major; ``outs`` is (out, lse) per output branch, flat: ``(o_0, lse_0, o_1, ...)``.
+    extra: per-row tensors that travel with Q (a sparse layer's selection rows);
+    attend(rank, stage, q, k, v, *extra) -> (out_0, lse_0, ...): the stage kernel, one (out, lse)
+    per branch (default: the slice kernel, one branch). Each branch keeps its own running (out,
+    lse) and is reduced and merged on its own (an NSA layer's selection and window branches)."""
     lead = 1 if batched else 0
     S, buffers = sr.num_stages, plan.comm.buffers
     caps = {kind: buffers.recv(kind) for kind in KINDS}
@@ -237,48 +245,62 @@ def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql,
     # the operands, allocated before the casts that fill their receive rows
     X = {"qo": Operands([ql, *extra], caps["qo"], lead, zero=True),
          "kv": Operands([kl, vl], caps["kv"], lead, zero=True)}
-    works, returned = {}, []
-    acc = None
+    works, returned = {}, [[] for _ in range(branches)]
+    acc, dtypes, outs = [], [], []
     n = ql.shape[lead]
-    for op in forward_ops(S + 1):
+    for op in forward_ops(S + 1, branches):
         with nvtx_range(op_range(op, sub_stages=True)):
             if op.kind == CAST:
                 works[op.name] = _issue(op, sr, group, caps, sent[op.route], X[op.route].remote())
             elif op.kind == WAIT and op.back:
-                returned.append(works[op.deps[0]].wait())
+                returned[op.branch].append(works[op.deps[0]].wait())
             elif op.kind == WAIT:
                 works[op.deps[0]].wait()  # cast s's rows are in X now
             elif op.kind == ATTN and op.stages == (0,):
-                o0, l0 = _per_rank(ranks, batched, lambda r, *t: attend(r, 0, *t), ql, kl, vl, *extra)
-                acc = Operands([o0.float(), l0], caps["qo"], lead, zero=True)   # running (out fp32, lse) of every row of X
-                acc.remote()[1].fill_(float("-inf"))
+                parts = _per_rank(ranks, batched, lambda r, *t: attend(r, 0, *t), ql, kl, vl, *extra)
+                for b in range(branches):  # running (out fp32, lse) of every row of X, per branch
+                    o0, l0 = parts[2 * b], parts[2 * b + 1]
+                    dtypes.append((o0.dtype, l0.dtype))
+                    acc.append(Operands([o0.float(), l0], caps["qo"], lead, zero=True))
+                    acc[-1].remote()[1].fill_(float("-inf"))
             elif op.kind == ATTN:
                 (s,) = op.stages
                 xq, *x_extra = X["qo"].x
-                o_s, l_s = _per_rank(ranks, batched, lambda r, *t: attend(r, s, *t), xq, *X["kv"].x, *x_extra)
-                _merge_into(acc, o_s, l_s, lead)
+                parts = _per_rank(ranks, batched, lambda r, *t: attend(r, s, *t), xq, *X["kv"].x, *x_extra)
+                for b in range(branches):
+                    _merge_into(acc[b], parts[2 * b], parts[2 * b + 1], lead)
             elif op.kind == REDUCE:
-                (s,) = op.stages
+                (s,), b = op.stages, op.branch
                 partial = [_gather_remote(t, sr.gather["qo"][s - 1], n, lead, d)
-                           for t, d in zip(acc.x, (o0.dtype, l0.dtype))]
-                neutral = (torch.zeros_like(o0), torch.full_like(l0, float("-inf")))
+                           for t, d in zip(acc[b].x, dtypes[b])]
+                o_b, l_b = (rows(t, lead, 0, n) for t in acc[b].x)
+                neutral = (torch.zeros_like(o_b, dtype=dtypes[b][0]), torch.full_like(l_b, float("-inf")))
                 works[op.name] = _issue(op, sr, group, caps, partial, neutral, deterministic)
             elif op.kind == MERGE:  # the host's rows, then reduces 1..S in that order: a fixed merge order
-                o, lse = (rows(t, lead, 0, n) for t in acc.x)
-                for r_o, r_l in returned:
-                    o, lse = _merge(o, lse, r_o, r_l, lead)
+                for b in range(branches):
+                    o, lse = (rows(t, lead, 0, n) for t in acc[b].x)
+                    for r_o, r_l in returned[b]:
+                        o, lse = _merge(o, lse, r_o, r_l, lead)
+                    outs += [o.to(dtypes[b][0]).contiguous(), lse.contiguous()]
             else:
                 raise AssertionError(f"dist_attn cannot run forward op {op}")
-    return o.to(o0.dtype).contiguous(), lse.contiguous(), X["qo"].x + X["kv"].x
+    return tuple(outs), X["qo"].x + X["kv"].x
 
 
 def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql, kl, vl, o, lse, kept_q,
                     kept_kv, d_o, d_l, scale: float, deterministic: bool, *, extra=(), kept_extra=(),
-                    attend_bwd=None):
+                    attend_bwd=None, more_branches=(), kept_kv_rows: int = -1):
     """Run ``backward_ops(S + 1)``: (dq, dk, dv) group-major. ``kept_q``: the forward's Xq or None
     (Q is cast again with dO); ``kept_kv``: its [Xk, Xv] or None (K, V are cast again).
+    kept_kv_rows >= 0: ``kept_kv`` holds the local rows and only the first this many rows of the
+    shared KV buffer; each sub-stage's KV cast runs again restricted to its rows past them
+    (``kept_rows.tail_cast``, phases ``bwd.kv.s``) into whole operands (``kept_rows.whole_operands``).
     extra / kept_extra: the rows travelling with Q (``forward_stages``) and, with ``kept_q``, their
-    kept X; attend_bwd(rank, stage, dO, q, k, v, lse, delta, *extra) -> (dq, dk, dv)."""
+    kept X; attend_bwd(rank, stage, dO, q, k, v, lse, delta, *extra, *more) -> (dq, dk, dv), the
+    gradients of every branch summed. more_branches: the other output branches' (o, lse, dO, dlse
+    or None), as the first's (an NSA layer's window branch): each gets its own delta, its dO, lse
+    and delta travel in the same ``bwd.qo`` casts after the first's, and ``more`` is their
+    (dO, lse, delta) per branch, in that order."""
     lead = 1 if batched else 0
     S, buffers = sr.num_stages, plan.comm.buffers
     caps = {kind: buffers.recv(kind) for kind in KINDS}
@@ -287,10 +309,15 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
     works, returned = {}, []
     attend_bwd = _flex_backward(plan, scale) if attend_bwd is None else attend_bwd
     Xq = Operands([ql, *extra], cap_q, lead, zero=True) if kept_q is None else None
-    Xkv = Operands([kl, vl], cap_k, lead, zero=True) if kept_kv is None else None
+    part = kept_kv is not None and kept_kv_rows >= 0
+    if part:  # the local and kept rows, the rest cast again
+        Xkv = whole_operands(kept_kv, cap_k, lead, n, kept_kv_rows)
+        kept_kv = None
+    else:
+        Xkv = Operands([kl, vl], cap_k, lead, zero=True) if kept_kv is None else None
     xq = [kept_q, *kept_extra] if kept_q is not None else Xq.x
     xk, xv = kept_kv if kept_kv is not None else Xkv.x
-    delta = Xg = None
+    grads = Xg = None
     # fp32 sums over the rows of each kind's operands (the local stage may run last: start from zero)
     grads_q = Operands([torch.zeros(ql.shape, dtype=torch.float32, device=ql.device)], cap_q, lead, zero=True)
     grads_kv = Operands([torch.zeros(kl.shape, dtype=torch.float32, device=kl.device),
@@ -302,28 +329,40 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
     for op in backward_ops(S + 1, kept_kv is not None):
         with nvtx_range(op_range(op, sub_stages=True)):
             if op.kind == DELTA:  # the host computes delta from its final O: O itself never travels
-                delta = _per_rank(ranks, batched, lambda r, a, b, *c_: (row_delta(a, b, c_[0] if c_ else None),),
-                                  d_o, o, *(() if d_l is None else (d_l,)))[0]
-                Xg = Operands([d_o, lse, delta], cap_q, lead, zero=True)
+                grads = []  # (dO, lse, delta) of each branch
+                for o_b, l_b, do_b, dl_b in ((o, lse, d_o, d_l), *more_branches):
+                    delta = _per_rank(ranks, batched, lambda r, a, b, *c_: (row_delta(a, b, c_[0] if c_ else None),),
+                                      do_b, o_b, *(() if dl_b is None else (dl_b,)))[0]
+                    grads += [do_b, l_b, delta]
+                Xg = Operands(grads, cap_q, lead, zero=True)
             elif op.kind == CAST:
                 if op.route == "qo":
-                    tensors = (d_o, lse, delta) + (() if kept_q is not None else (ql, *extra))
+                    tensors = tuple(grads) + (() if kept_q is not None else (ql, *extra))
                     into = Xg.remote() + ([] if kept_q is not None else Xq.remote())
+                    works[op.name] = _issue(op, sr, group, caps, tensors, into)
+                elif part:  # sub-stage s's rows past the kept ones, into the buffer rows past them
+                    (s,) = op.stages
+                    key = ("kv", "cast")
+                    into = [rows(x, lead, n + kept_kv_rows, cap_k - kept_kv_rows) for x in Xkv.x]
+                    works[op.name] = tail_cast((kl, vl), sr.index[key][s - 1], sr.split[key][s - 1], kept_kv_rows,
+                                               into, group, phase=stage_phase(op.phase, s), ranks=ranks,
+                                               batched=batched, base=sr.start["kv"][s - 1],
+                                               host_base=sr.host_start["kv"][s - 1])
                 else:
-                    tensors, into = (kl, vl), Xkv.remote()
-                works[op.name] = _issue(op, sr, group, caps, tensors, into)
+                    works[op.name] = _issue(op, sr, group, caps, (kl, vl), Xkv.remote())
             elif op.kind == WAIT and op.back:
                 returned.append((op.phase, works[op.deps[0]].wait()))
             elif op.kind == WAIT:
                 works[op.deps[0]].wait()  # cast s's rows are in the operands now
             elif op.kind == ATTN and op.stages == (0,):  # local rows only: its grads never travel
-                parts = _per_rank(ranks, batched, run(0), d_o, ql, kl, vl, lse, delta, *extra)
+                parts = _per_rank(ranks, batched, run(0), grads[0], ql, kl, vl, grads[1], grads[2], *extra,
+                                  *grads[3:])
                 for acc_, part in zip(grads_q.x + grads_kv.x, parts):
                     rows(acc_, lead, 0, n).add_(part)
             elif op.kind == ATTN:
                 (s,) = op.stages
-                g_do, g_lse, g_delta = Xg.x
-                parts = _per_rank(ranks, batched, run(s), g_do, xq[0], xk, xv, g_lse, g_delta, *xq[1:])
+                g_do, g_lse, g_delta, *g_more = Xg.x
+                parts = _per_rank(ranks, batched, run(s), g_do, xq[0], xk, xv, g_lse, g_delta, *xq[1:], *g_more)
                 for acc_, part in zip(grads_q.x + grads_kv.x, parts):
                     acc_.add_(part)
             elif op.kind == REDUCE:

@@ -19,7 +19,9 @@ With S > 1 remote sub-stages (``SolverConfig.num_stages``) the layer runs throug
 ``dist_attn``'s own sub-stage executor (``runtime.pipelined.forward_stages`` /
 ``backward_stages``) with the sparse kernel as its stage kernel and the selection rows
 travelling with Q: every cast issued up front, each sub-stage waiting only for its own,
-each sub-stage's partials reduced as it ends; the backward likewise.
+each sub-stage's partials reduced as it ends; the backward likewise. An NSA layer mask's two
+branches run in every sub-stage, each with its own running (out, lse) and its own ``fwd.o``
+reduce; the backward casts both branches' dO, lse and delta and sums their gradients.
 
 The backward is the delta protocol (``bwd.qo``: dO, lse, delta; ``bwd.dq``,
 ``bwd.dkv`` back), with the received Q, selection, K and V kept from the
@@ -46,7 +48,7 @@ from gpusolver.config import SolverConfig
 from gpusolver.masks.sparse import BlockSparseMask, NSALayerMask, TokenTopKMask
 from gpusolver.nvtx import nvtx_range
 from gpusolver.plan.meta import IMBALANCED
-from gpusolver.plan.sparse import (SelectionSpec, SparsePlan, build_sparse_plan, check_sparse_stages,
+from gpusolver.plan.sparse import (SelectionSpec, SparsePlan, build_sparse_plan,
                                    default_kv_block, no_worse_than_owner, sparse_config)
 from gpusolver.plan.schedule import ATTN, CAST, DELTA, MERGE, REDUCE, WAIT, backward_ops, forward_ops
 from gpusolver.sparse_solve import sparse_assignment
@@ -142,7 +144,6 @@ def solve_sparse_sharded(mask, config: SolverConfig, group, *, solver: str = "de
         raise ValueError(f"config.cp_size={config.cp_size} but the group has {group.size} ranks")
     config = config.for_sparse()
     spec = SelectionSpec.of(mask, config.head_groups)
-    check_sparse_stages(config, spec)
     if validate is None:
         validate = mask.device.type == "cpu" and not torch.compiler.is_compiling()
     if validate:
@@ -208,56 +209,81 @@ def _selection_rows(sel: torch.Tensor, G: int, lead: int) -> torch.Tensor:
 
 
 def _sparse_kernels(plan: SparsePlan, stages, scale: float, backend: str, deterministic: bool):
-    """The sparse kernel of each stage as the pipelined executor calls it: ``attend(rank, stage, q, k,
-    v, sel)`` and ``attend_bwd(rank, stage, dO, q, k, v, lse, delta, sel)`` over the stage's tables."""
-    block = plan.spec.block_size
+    """The kernels of each stage as the pipelined executor calls them: ``attend(rank, stage, q, k, v,
+    sel) -> (out, lse[, out_win, lse_win])`` and ``attend_bwd(rank, stage, dO, q, k, v, lse, delta,
+    sel[, dO_win, lse_win, delta_win]) -> (dq, dk, dv)`` over the stage's tables: the sparse kernel,
+    and for an NSA layer mask the slice kernel over the window branch's ``window_calc`` too (its
+    gradients summed with the selection's)."""
+    block, wc = plan.spec.block_size, plan.window_calc if plan.spec.window_size else None
 
     def attend(r, s, q_, k_, v_, s_):
         st = stages[r][s]
-        return sparse_attn(q_, k_, v_, s_, block, scale, q_pos=st.q_pos, q_class=st.q_class,
-                           kv_windows=st.kv_windows, window=st.window, backend=backend)
+        out = sparse_attn(q_, k_, v_, s_, block, scale, q_pos=st.q_pos, q_class=st.q_class,
+                          kv_windows=st.kv_windows, window=st.window, backend=backend)
+        if wc is not None:
+            out = tuple(out) + tuple(flex_attn(q_, k_, v_, wc.q_ranges[r, s], wc.k_ranges[r, s],
+                                               wc.attn_type[r, s], scale, **_INTERNAL))
+        return out
 
-    def attend_bwd(r, s, d_o, q_, k_, v_, lse, delta, s_):
+    def attend_bwd(r, s, d_o, q_, k_, v_, lse, delta, s_, *win):
         st = stages[r][s]
-        return sparse_attn_backward(d_o, q_, k_, v_, lse, delta, s_, block, scale, q_pos=st.q_pos,
-                                    q_class=st.q_class, kv_windows=st.kv_windows, window=st.window,
-                                    backend=backend, deterministic=deterministic)
+        dq, dk, dv = sparse_attn_backward(d_o, q_, k_, v_, lse, delta, s_, block, scale, q_pos=st.q_pos,
+                                          q_class=st.q_class, kv_windows=st.kv_windows, window=st.window,
+                                          backend=backend, deterministic=deterministic)
+        if wc is not None:
+            d_w, lse_w, delta_w = win
+            g = flex_attn_backward(d_w, q_, k_, v_, lse_w, delta_w, wc.q_ranges[r, s], wc.k_ranges[r, s],
+                                   wc.attn_type[r, s], scale, **_INTERNAL)
+            dq, dk, dv = dq + g[0], dk + g[1], dv + g[2]
+        return dq, dk, dv
 
     return attend, attend_bwd
 
 
 def _forward_sub_stages(ctx, ql, kl, vl, sl, routes: LayerRoutes, stages, group, scale, keep, deterministic,
                         backend):
-    """S > 1 remote sub-stages: ``pipelined.forward_stages`` with the sparse kernel, the selection rows
-    travelling with Q. Saves for the backward what it reads: the local rows and, kept, the operands."""
+    """S > 1 remote sub-stages: ``pipelined.forward_stages`` with the sparse kernel (and the window
+    branch's slice kernel: one (out, lse) per branch), the selection rows travelling with Q. Saves
+    for the backward what it reads: the local rows, every branch's (out, lse) and, kept, the operands."""
     attend, _ = _sparse_kernels(routes.plan, stages, scale, backend, deterministic)
     lead = 1 if routes.batched else 0
-    o, lse, (xq, xs, xk, xv) = forward_stages(routes.plan, group, routes.ranks, routes.batched, routes.stages,
-                                              ql, kl, vl, scale, deterministic, extra=(sl,), attend=attend)
+    nb = 2 if routes.plan.spec.window_size else 1
+    outs, (xq, xs, xk, xv) = forward_stages(routes.plan, group, routes.ranks, routes.batched, routes.stages,
+                                            ql, kl, vl, scale, deterministic, extra=(sl,), attend=attend,
+                                            branches=nb)
     if keep:  # the local rows are the operands' first rows: kept once, as views
         n = ql.shape[lead]
         ql, sl, kl, vl = (x.narrow(lead, 0, n) for x in (xq, xs, xk, xv))
-    ctx.save_for_backward(ql, kl, vl, sl, o, lse, *((xq, xs, xk, xv) if keep else ()))
+    ctx.save_for_backward(ql, kl, vl, sl, *outs, *((xq, xs, xk, xv) if keep else ()))
     ctx.routes, ctx.stages, ctx.group, ctx.scale = routes, stages, group, scale
-    ctx.keep, ctx.deterministic, ctx.backend, ctx.branches = keep, deterministic, backend, 1
+    ctx.keep, ctx.deterministic, ctx.backend, ctx.branches = keep, deterministic, backend, nb
     group.wait_sends()  # p2p sends may outlive their wait(): none past the pass
     G = routes.groups
-    return from_group_major(o, G, lead), from_group_major(lse, G, lead)
+    return tuple(from_group_major(x, G, lead) for x in outs)
 
 
-def _backward_sub_stages(ctx, d_out, d_lse):
+def _backward_sub_stages(ctx, *grads):
+    """grads: (dout, dlse) per branch, as ``_forward_sub_stages`` returned (out, lse)."""
     routes, group = ctx.routes, ctx.group
     lead = 1 if routes.batched else 0
-    G = routes.groups
-    ql, kl, vl, sl, o, lse, *kept = ctx.saved_tensors
+    G, nb = routes.groups, ctx.branches
+    saved = ctx.saved_tensors
+    ql, kl, vl, sl = saved[:4]
+    outs, kept = saved[4:4 + 2 * nb], saved[4 + 2 * nb:]
     _, attend_bwd = _sparse_kernels(routes.plan, ctx.stages, ctx.scale, ctx.backend, ctx.deterministic)
-    d_o = torch.zeros_like(o) if d_out is None else to_group_major(d_out, G, lead).contiguous()
-    d_l = None if d_lse is None else to_group_major(d_lse, G, lead).contiguous()
+    branches = []  # (o, lse, dO, dlse or None) per branch
+    for b in range(nb):
+        o, lse = outs[2 * b], outs[2 * b + 1]
+        d_out, d_lse = grads[2 * b], grads[2 * b + 1]
+        d_o = torch.zeros_like(o) if d_out is None else to_group_major(d_out, G, lead).contiguous()
+        d_l = None if d_lse is None else to_group_major(d_lse, G, lead).contiguous()
+        branches.append((o, lse, d_o, d_l))
+    (o, lse, d_o, d_l), more = branches[0], tuple(branches[1:])
     xq, xs, xk, xv = kept if ctx.keep else (None,) * 4
     dq, dk, dv = backward_stages(routes.plan, group, routes.ranks, routes.batched, routes.stages, ql, kl, vl, o,
                                  lse, xq, None if xk is None else [xk, xv], d_o, d_l, ctx.scale,
                                  ctx.deterministic, extra=(sl,), kept_extra=() if xs is None else (xs,),
-                                 attend_bwd=attend_bwd)
+                                 attend_bwd=attend_bwd, more_branches=more)
     group.wait_sends()
     return (from_group_major(dq, G, lead), from_group_major(dk, G, lead), from_group_major(dv, G, lead),
             None, None, None, None, None, None, None, None)

@@ -1,8 +1,10 @@
 """The four buffer capacities, per-kind kept buffers and the memory budget (host-side rules)."""
+from dataclasses import replace
+
 import pytest
 
 from gpusolver.capacity import buffer_rows, keep_for_budget, kept_bytes, plain_kept_bytes
-from gpusolver.config import SolverConfig
+from gpusolver.config import AUTO_STAGES, SolverConfig
 from gpusolver.problem import CommCost
 
 
@@ -58,6 +60,22 @@ def test_budget_keeps_the_most_that_fits():
     assert keep_for_budget(base, c) is base
 
 
+def test_budget_keeps_kv_rows_at_any_stage_count():
+    """A budget short of the whole KV buffer keeps its first rows with S sub-stages too: the same rows
+    as at S = 1 (the casts share the buffer), and the stage count the config asked for ("auto": 4)."""
+    c = 8192
+    one = SolverConfig(cp_size=8)
+    plain, kv_row = plain_kept_bytes(one, c), 2 * 128 * 2
+    budget = 1 + 1000 * kv_row / plain + 1e-9
+    want = keep_for_budget(replace(one, memory_budget=budget), c)
+    assert (want.keep_forward_buffers, want.kept_kv_rows, want.num_stages) == ("kv", 1000, 1)
+    for stages, S in ((2, 2), (4, 4), ("auto", AUTO_STAGES)):
+        resolved = keep_for_budget(SolverConfig(cp_size=8, num_stages=stages, memory_budget=budget), c)
+        assert (resolved.keep_forward_buffers, resolved.kept_kv_rows) == ("kv", 1000), stages
+        assert resolved.num_stages == S and resolved.auto_stages == (stages == "auto"), stages
+        assert kept_bytes(resolved, c, "kv", 1000) == kept_bytes(want, c, "kv", 1000)
+
+
 def test_sub_stages_share_the_kept_buffers():
     """The S remote sub-stages cast into one receive buffer per kind: the kept bytes of one stage."""
     c = 256
@@ -74,7 +92,7 @@ def test_kept_kv_rows_prices_and_checks():
     assert SolverConfig(cp_size=4, kept_kv_rows=7).cost().kept_kv_rows == 7
     with pytest.raises(ValueError, match="kept_kv_rows"):
         SolverConfig(cp_size=4, kept_kv_rows=-1)
-    with pytest.raises(ValueError, match="num_stages"):
-        SolverConfig(cp_size=4, kept_kv_rows=8, num_stages=2)
+    # the sub-stages share the one KV buffer whose first rows are kept: any S takes them
+    assert SolverConfig(cp_size=4, kept_kv_rows=8, num_stages=2).num_stages == 2
     with pytest.raises(ValueError, match="kept_kv_rows"):
         CommCost(8, 2, 16, 2, 2, True, kept_kv_rows=1.5)

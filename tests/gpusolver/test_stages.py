@@ -34,7 +34,7 @@ def test_config_num_stages_is_checked():
     auto = SolverConfig(cp_size=4, num_stages="auto")
     assert auto.num_stages == AUTO_STAGES == 4 and auto.auto_stages  # the measured best
     assert auto.for_sparse().num_stages == 1 and auto.replaced(imbalance_tol=1.2).auto_stages
-    assert SolverConfig(cp_size=4, num_stages="auto", kept_kv_rows=8).num_stages == 1
+    assert SolverConfig(cp_size=4, num_stages="auto", kept_kv_rows=8).num_stages == AUTO_STAGES  # one shared buffer
     explicit = replace(auto, num_stages=2)  # dataclasses.replace names S: it is the caller's
     assert explicit.num_stages == 2 and not explicit.auto_stages and explicit.for_sparse() is explicit
     assert not SolverConfig(cp_size=4, num_stages=4).auto_stages
@@ -143,9 +143,10 @@ def test_stage_pass_deterministic_and_on_meta():
     assert out.device.type == "meta" and out.shape == plan.task_stage.shape and out.dtype == torch.int32
 
 
-def test_sparse_plans_take_sub_stages_but_nsa_layer_masks_refuse():
-    """A top-k plan solves into S = 2 sub-stages (the layer: tests/gpusolver/sparse/test_stages.py); an
-    NSA layer mask (two output branches) is refused by name."""
+def test_sparse_plans_take_sub_stages_nsa_layer_masks_too():
+    """A top-k plan and an NSA layer mask (two output branches) solve into S = 2 sub-stages (the layers:
+    tests/gpusolver/sparse/test_stages.py); the window branch's slices get the same sub-stages, and
+    ``num_stages="auto"`` keeps sparse masks at one remote stage."""
     from gpusolver.masks.sparse import BlockSparseMask, NSALayerMask, TokenTopKMask
 
     P, c = 4, 16
@@ -154,8 +155,9 @@ def test_sparse_plans_take_sub_stages_but_nsa_layer_masks_refuse():
     assert plan.num_stages == 2 and plan.task_stage.shape == plan.assignment.shape
     blocks = (torch.arange(P * c)[:, None, None] // 8 - torch.arange(2)).clamp(min=-1).expand(P * c, 2, 2)
     layer = NSALayerMask(BlockSparseMask(blocks.to(torch.int32).contiguous(), 8, P * c), 4)
-    with pytest.raises(ValueError, match="num_stages=2: an NSA layer mask"):  # before any solve
-        solve(layer, make_config(P, 4, 2, num_stages=2))
+    plan = solve(layer, make_config(P, 4, 2, num_stages=2))
+    assert plan.num_stages == 2 and plan.window_calc.q_ranges.shape[:2] == (P, 3)  # stage 0 and sub-stages 1, 2
+    assert solve(layer, make_config(P, 4, 2, num_stages="auto")).num_stages == 1
 
 
 @pytest.mark.parametrize("tiles", [1, 2])

@@ -253,3 +253,23 @@ def test_tail_cast_is_the_full_cast_past_first_row(P, N, seed, first_row):
     assert int(split_t.sum()) == int((r.split.sum(0) - first_row).clamp(min=0).sum())
     for f, t in zip(full, tail):
         assert torch.equal(f[:, first_row:], t)
+
+
+@pytest.mark.parametrize("P,N,seed", CASES, ids=IDS)
+def test_tail_cast_per_destination_first_row(P, N, seed):
+    """``first_row`` per destination: rank d's tail is the full cast's rows from ``first_row[d]`` on,
+    landing there with ``recv_offset`` (each rank past its own kept rows)."""
+    from groupcomm import tail_routing
+
+    r = random_routing(P, N, seed)
+    g = torch.Generator().manual_seed(seed + 7)
+    x = _rows(P, N, g)
+    full = group_cast(x, r.send_index, r.split, r.recv_capacity, LocalGroup(P))
+    first = torch.randint(0, r.recv_capacity + 1, (P,), generator=g)
+    split_t, index_t = tail_routing(r.split, r.send_index, torch.arange(P), first)
+    assert torch.equal(split_t.sum(0), (r.split.sum(0) - first).clamp(min=0))
+    tail = group_cast(x, index_t, split_t, r.recv_capacity, LocalGroup(P), recv_offset=first)
+    for f, t in zip(full, tail):
+        for d in range(P):
+            a = int(first[d])
+            assert torch.equal(f[d, a:], t[d, a:]) and not t[d, :a].any(), d

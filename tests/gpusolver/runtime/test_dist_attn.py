@@ -84,8 +84,12 @@ def _make_layer(group, config, cache=None):
     return DynamicCPAttention(group, config, plan_cache=PlanCache() if cache is None else cache)
 
 
-def test_layer_on_meta():
-    """Solve, metas, casts, both stages, reduce and backward with no host read: the whole layer on meta."""
+@pytest.mark.parametrize("fused", [None, True], ids=["default-reduce", "fused-reduce"])
+def test_layer_on_meta(fused):
+    """Solve, metas, casts, both stages, reduce and backward with no host read: the whole layer on meta
+    (the reduces through the torch path, or groupcomm's fused merge as on a GPU)."""
+    from groupcomm._merge import fused_reduce
+
     P, c, Hq, Hkv = 4, 16, 4, 2
     S = P * c
     mask = varlen_causal_mask(doc_lengths(S, 0), device="meta")
@@ -93,10 +97,11 @@ def test_layer_on_meta():
     q = torch.empty(P, c, Hq, D, device="meta", requires_grad=True)
     k = torch.empty(P, c, Hkv, D, device="meta", requires_grad=True)
     v = torch.empty(P, c, Hkv, D, device="meta", requires_grad=True)
-    out, lse = layer(q, k, v, mask, return_lse=True)
+    with fused_reduce(fused):
+        out, lse = layer(q, k, v, mask, return_lse=True)
+        (out.sum() + lse.sum()).backward()
     assert out.shape == (P, c, Hq, D) and lse.shape == (P, c, Hq) and lse.dtype == torch.float32
     assert out.device.type == "meta"
-    (out.sum() + lse.sum()).backward()
     for x in (q, k, v):
         assert x.grad is not None and x.grad.shape == x.shape and x.grad.device.type == "meta"
 
@@ -118,7 +123,17 @@ class _Block(nn.Module):
         return self.proj(out.flatten(-2))
 
 
-def test_compiled_block_equals_eager():
+@pytest.mark.parametrize("fused", [None, True], ids=["default-reduce", "fused-reduce"])
+def test_compiled_block_equals_eager(fused):
+    """fullgraph compile of a block; fused: the reduces through groupcomm's fused merge ops (opaque
+    custom ops in the graph, their kernels under the interpreter)."""
+    from groupcomm._merge import fused_reduce
+
+    with fused_reduce(fused):
+        _compiled_block_equals_eager()
+
+
+def _compiled_block_equals_eager():
     P, c, Hq, Hkv, hidden = 2, 16, 4, 2, 64  # P = 2: tracing unrolls the LocalGroup's loop over ranks
     S = P * c
     mask = varlen_causal_mask(doc_lengths(S, 2))

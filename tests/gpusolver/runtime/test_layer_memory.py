@@ -14,6 +14,7 @@ from gpusolver.config import AUTO_STAGES
 from gpusolver.masks import varlen_causal_mask
 from gpusolver.runtime import dist_attn
 from groupcomm import LocalGroup
+from tests._testing import assert_close
 from tests.gpusolver.runtime._cases import D, doc_lengths, make_config
 
 
@@ -196,3 +197,87 @@ def test_kept_kv_rows_must_be_a_row_count():
     for bad in (-1, 2.0, True):
         with pytest.raises(ValueError, match="kept_kv_rows"):
             dist_attn(q, k, v, plan, LocalGroup(P), kept_kv_rows=bad)
+
+
+def test_fused_reduce_keeps_the_accounting_and_the_results(monkeypatch):
+    """The reduces through groupcomm's fused merge (the GPU default; its kernels under the interpreter
+    here): the same buffers and kept bytes as ``plan.memory()`` says, the torch path's results."""
+    import groupcomm._reduce
+    from groupcomm._merge import fused_reduce
+
+    calls = []
+    merge = groupcomm._reduce.fused_reduce_rows
+    monkeypatch.setattr(groupcomm._reduce, "fused_reduce_rows", lambda *a: calls.append(a[4]) or merge(*a))
+
+    P, c, Hq, Hkv = 4, 16, 4, 2
+    config = make_config(P, Hq, Hkv, max_qo_recv_rows=40, max_kv_recv_rows=64, max_qo_send_rows=56,
+                         max_kv_send_rows=88)
+    plan = solve(varlen_causal_mask(doc_lengths(P * c, 0)), config)
+    m = plan.memory(config)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(P, c, Hq, D, generator=g, requires_grad=True)
+    k = torch.randn(P, c, Hkv, D, generator=g, requires_grad=True)
+    v = torch.randn(P, c, Hkv, D, generator=g, requires_grad=True)
+    results = {}
+    for fused in (False, True):
+        group = LocalGroup(P)
+        rec, into = _Recorder(group), _IntoRecorder(group)
+        q.grad = k.grad = v.grad = None
+        with fused_reduce(fused):
+            (out, lse), sizes, _ = _saved(lambda: dist_attn(q, k, v, plan, group))
+            fwd = sum(rec.current) + sum(into.current.values())
+            rec.current, into.current = [], {}
+            (out.sum() + lse.sum()).backward()
+        bwd = sum(rec.current) + sum(into.current.values())
+        assert sum(sizes) == P * c * (2 * Hq * D + 2 * Hkv * D + Hq) * 4 + P * m.kept
+        assert fwd == P * m.fwd_peak and bwd + P * m.kept == P * m.bwd_peak
+        results[fused] = (out, lse, q.grad, k.grad, v.grad)
+        assert calls == (["lse", "sum", "sum"] if fused else [])  # O and lse; dQ; dK and dV
+        calls.clear()
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), results[False], results[True]):
+        assert_close(name, a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_part_of_the_kv_buffer_kept_with_sub_stages():
+    """S = 3 with ``kept_kv_rows``: the forward keeps the first rows of the one KV buffer the casts
+    share, the backward casts each sub-stage's rows past them again into the rows past them: the layer
+    keeps and receives what ``plan.memory()`` says, and its gradients are those of keeping everything."""
+    P, c, Hq, Hkv, S, kept_rows = 4, 16, 4, 2, 3, 20
+    caps = dict(max_qo_recv_rows=40, max_kv_recv_rows=64, max_qo_send_rows=56, max_kv_send_rows=88)
+    config = make_config(P, Hq, Hkv, num_stages=S, kept_kv_rows=kept_rows, **caps)
+    plan = solve(varlen_causal_mask(doc_lengths(P * c, 0)), config)
+    assert plan.num_stages == S and int(plan.comm.kv_recv_rows.max()) > kept_rows
+    m = plan.memory(config)
+    assert m.kept == 40 * (Hq // 2) * D * 4 + kept_rows * 2 * (Hkv // 2) * D * 4
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(P, c, Hq, D, generator=g, requires_grad=True)
+    k = torch.randn(P, c, Hkv, D, generator=g, requires_grad=True)
+    v = torch.randn(P, c, Hkv, D, generator=g, requires_grad=True)
+    own = P * c * (2 * Hq * D + 2 * Hkv * D + Hq) * 4
+    grads = {}
+    for kept in (None, kept_rows):
+        group = LocalGroup(P)
+        ret, into = _Recorder(group), _IntoRecorder(group)
+        (out, lse), sizes, held = _saved(lambda: dist_attn(q, k, v, plan, group, kept_kv_rows=kept))
+        ret.current, into.current = [], {}
+        q.grad = k.grad = v.grad = None
+        (out.sum() + lse.sum()).backward()
+        grads[kept] = (q.grad, k.grad, v.grad)
+        if kept is None:
+            continue
+        # the layer's activations (the kept operands' local rows are the saved q, k, v), then the kept
+        # rows: the whole Q buffer and the first kept_rows of the KV one
+        assert sum(sizes[:5]) == own and sum(sizes) - sum(sizes[:5]) == P * (m.kept + c * (Hq + 2 * Hkv) * D * 4)
+        assert 0 <= held - own - P * m.kept <= 2 * Hq // 2 * D * 4 * P
+        # dO, lse, delta; K, V past the kept rows (every sub-stage's tail lands in those rows of the whole
+        # operands, the kept rows copied in: its buffer counts once, kept rows plus tail); one dQ and one
+        # dK, dV return buffer at a time
+        recv = list(into.current.values())
+        assert len(recv) == 5 and len(ret.current) == 3 * S
+        assert sum(recv) + sum(ret.current[:3]) + P * m.kept == P * m.bwd_peak
+        for s in range(1, S + 1):
+            assert torch.equal(group.traffic(f"bwd.kv.{s}")[1],
+                               plan.pair_bytes("bwd.kv", config.cost(), stage=s).sum(0))
+        assert int(sum(group.traffic(f"bwd.kv.{s}")[1].sum() for s in range(1, S + 1))) > 0
+    for a, b in zip(grads[None], grads[kept_rows]):
+        assert torch.equal(a, b)

@@ -24,8 +24,7 @@ def _check_well_formed(ops):
 
 @pytest.mark.parametrize("stages", [1, 2, 4])
 def test_lists_are_well_formed(stages):
-    two_branches = (forward_ops(stages, 2),) if stages <= 2 else ()  # sub-stages (stages > 2) run one branch
-    for ops in (forward_ops(stages), *two_branches, backward_ops(stages, True), backward_ops(stages, False)):
+    for ops in (forward_ops(stages), forward_ops(stages, 2), backward_ops(stages, True), backward_ops(stages, False)):
         _check_well_formed(ops)
         order = [op.stages for op in ops if op.kind == ATTN]
         if stages > 2 and ops[0].phase.startswith("bwd"):  # sub-stages' backward: the local stage last
@@ -57,6 +56,23 @@ def test_sub_stage_backward_hides_its_returns_under_the_local_stage():
     fwd = forward_ops(4)
     first_wait = next(i for i, op in enumerate(fwd) if op.kind == WAIT)
     assert [op.name for op in fwd].index("fwd.attn.0") < first_wait
+
+
+def test_sub_stage_forward_reduces_every_branch():
+    """An NSA layer's two output branches with S = 3: each sub-stage reduces both branches right after
+    its attention, and the merge waits for all 2 S reduces."""
+    fwd = forward_ops(4, 2)
+    names = [op.name for op in fwd]
+    reduces = [op for op in fwd if op.kind == REDUCE]
+    assert sorted((op.stages, op.branch) for op in reduces) == [((s,), b) for s in (1, 2, 3) for b in (0, 1)]
+    for op in reduces:
+        (s,) = op.stages
+        assert op.deps == (f"fwd.attn.{s}",) and names.index(op.name) < names.index(f"fwd.attn.{s + 1}"
+                                                                                   if s < 3 else "fwd.merge")
+    merge = fwd[-1]
+    assert merge.kind == "merge" and len(merge.deps) == 6
+    assert {names.index(d) for d in merge.deps} == {names.index(f"fwd.wait.o.{s}.{b}") for s in (1, 2, 3)
+                                                    for b in (0, 1)}
 
 
 def test_bad_stage_count():

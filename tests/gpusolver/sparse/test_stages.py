@@ -6,7 +6,13 @@ as hulls and as key blocks; each sub-stage's byte counters equal the plan's per-
 their sums the plan's metrics; the stage tables read only rows of casts 1..s; the layer on meta. The
 default tier keeps two LocalGroup cases and one gloo case; S = 1, 2, 4, 8 on P = 8 and 16 and gloo p2p
 are in the slow tier.
+
+NSA layer masks (selection plus sliding-window branch, two (out, lse) per row) likewise: both branches
+and the gradients against dense attention at fp32 1e-5, counters per sub-stage, on meta, priced by the
+simulator (two cases in the default tier; S = 1, 2, 4, 8 on P = 4 and 8, the Triton kernels and
+torch.compile in the slow tier).
 """
+import math
 from dataclasses import replace
 
 import pytest
@@ -48,7 +54,7 @@ def _check_bytes(plan, group, S):
         assert torch.equal(sum(group.traffic(lab)[1] for lab in labels), recv)
 
 
-def _check_local(kind, P, S, keep, kv_block, tiles=1, c=16, Hq=4, Hkv=2):
+def _check_local(kind, P, S, keep, kv_block, tiles=1, c=16, Hq=4, Hkv=2, grad_atol=GRAD_ATOL):
     T = P * c
     mask = make_mask(kind, T, Hkv, seed=P)
     group = LocalGroup(P)
@@ -60,14 +66,22 @@ def _check_local(kind, P, S, keep, kv_block, tiles=1, c=16, Hq=4, Hkv=2):
     ref = reference(mask, q, k, v, d_out, d_lse)
     leaves = [shard(x, group).requires_grad_() for x in (q, k, v)]
     group.reset_traffic()
-    out, lse = sparse_dist_attn(*leaves, local_selection(mask, group), plan, group, keep_forward_buffers=keep)
-    out, lse = unshard(out, group), unshard(lse, group)
-    loss([out], [lse], d_out, d_lse).backward()
-    assert_close(f"S={S} out", ref[0][0], out, atol=ATOL, rtol=RTOL)
-    assert_close(f"S={S} lse", ref[1][0], lse, atol=ATOL, rtol=RTOL)
+    res = _pairs(sparse_dist_attn(*leaves, local_selection(mask, group), plan, group, keep_forward_buffers=keep))
+    assert len(res) == len(ref[0])  # one (out, lse) per branch: two for an NSA layer mask
+    outs, lses = [unshard(o, group) for o, _ in res], [unshard(lse, group) for _, lse in res]
+    loss(outs, lses, d_out, d_lse).backward()
+    for b, (out, lse) in enumerate(zip(outs, lses)):
+        assert_close(f"S={S} out{b}", ref[0][b], out, atol=ATOL, rtol=RTOL)
+        assert_close(f"S={S} lse{b}", ref[1][b], lse, atol=ATOL, rtol=RTOL)
     for name, a, x in zip(("dq", "dk", "dv"), ref[2:], leaves):
-        assert_close(f"S={S} {name}", a, unshard(x.grad, group), atol=GRAD_ATOL, rtol=RTOL)
+        assert_close(f"S={S} {name}", a, unshard(x.grad, group), atol=grad_atol, rtol=RTOL)
     _check_bytes(plan, group, S)
+    return plan
+
+
+def _pairs(res):
+    """(out, lse) per output branch of a ``sparse_dist_attn`` result."""
+    return list(res) if isinstance(res[0], tuple) else [res]
 
 
 # (mask kind, P, S, keep, kv_block: None = hulls, tiles)
@@ -92,6 +106,78 @@ SLOW_CASES = [(kind, P, S, keep, kv_block, tiles) for P in (8, 16) for S in (1, 
                               for k, P, S, kp, kb, n in SLOW_CASES])
 def test_sub_stages_equal_dense_matrix(kind, P, S, keep, kv_block, tiles):
     _check_local(kind, P, S, keep, kv_block, tiles)
+
+
+# NSA layer masks (selection and sliding-window branches; K, V as hulls): (P, S, keep, tiles). The contract
+# is fp32 <= 1e-5 for out, lse and the gradients alike
+LAYER_CASES = [(4, 2, True, 1), (8, 4, False, 1)]
+LAYER_SLOW = [(P, S, keep, tiles) for P in (4, 8) for S in (1, 2, 4, 8) for keep, tiles in ((True, 1), (False, 2))]
+
+
+def _layer_id(P, S, keep, tiles):
+    return f"nsa-layer-P{P}-S{S}-{'keep' if keep else 'recast'}-n{tiles}"
+
+
+def _check_layer(P, S, keep, tiles):
+    plan = _check_local("nsa-layer", P, S, keep, None, tiles, grad_atol=ATOL)
+    # the window branch's slices sit in the sub-stages too: stage 0 and sub-stages 1..S
+    assert plan.window_calc.q_ranges.shape[:2] == (P, S + 1)
+    if S > 1:  # some sub-stage past the first runs window slices (rows a query's window reads there)
+        wc = plan.window_calc
+        assert bool((wc.q_ranges[:, 2:, :, 1] > wc.q_ranges[:, 2:, :, 0]).any())
+
+
+@pytest.mark.parametrize("P,S,keep,tiles", LAYER_CASES, ids=[_layer_id(*c) for c in LAYER_CASES])
+def test_nsa_layer_sub_stages_equal_dense(P, S, keep, tiles):
+    """Both branches' out and lse, and the gradients, equal dense attention; counters equal the plan's
+    per-stage pair bytes (the two branches' ``fwd.o`` reduces count under one phase per sub-stage)."""
+    _check_layer(P, S, keep, tiles)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("P,S,keep,tiles", LAYER_SLOW, ids=[_layer_id(*c) for c in LAYER_SLOW])
+def test_nsa_layer_sub_stages_equal_dense_matrix(P, S, keep, tiles):
+    _check_layer(P, S, keep, tiles)
+
+
+def test_nsa_layer_sub_stages_on_meta_and_simulated():
+    """An S = 4 NSA layer runs on device="meta" (no host read), and the simulator prices the same
+    schedule: finite times, and the bytes it moves are the plan's, pair by pair."""
+    from gpusolver.runtime.sparse_attn import mask_on_device
+    from gpusolver.sim import simulate
+    from gpusolver.topology import h200_hgx
+
+    P, c, Hq, Hkv, S = 4, 16, 4, 2, 4
+    T = P * c
+    mask = make_mask("nsa-layer", T, Hkv, seed=5)
+    plan = scatter_plan(mask, _config(P, Hq, Hkv, S), LocalGroup(P))
+    assert plan.num_stages == S and int((plan.task_stage > 1).sum()) > 0
+    t = simulate(plan, h200_hgx)
+    for pas in (t.fwd, t.bwd):
+        assert all(math.isfinite(x) and x > 0 for x in (pas.ms, pas.ideal_ms, pas.compute_ms, pas.comm_ms))
+        assert pas.ms >= pas.ideal_ms * (1 - 1e-9)
+    assert torch.equal(torch.tensor(t.fwd.pair_bytes), plan.pair_bytes("fwd"))
+    assert torch.equal(torch.tensor(t.bwd.pair_bytes), plan.pair_bytes("bwd"))
+    # the forward's reduces: both branches in every sub-stage
+    from gpusolver.plan.schedule import REDUCE, plan_ops
+
+    fwd = plan_ops(plan, "fwd", True)
+    assert sorted((op.stages[0], op.branch) for op in fwd if op.kind == REDUCE) == [
+        (s, b) for s in range(1, S + 1) for b in (0, 1)]
+
+    group = LocalGroup(P)  # its byte counters live on meta
+    meta = mask_on_device(mask, torch.device("meta"))
+    plan = scatter_plan(meta, _config(P, Hq, Hkv, S), group)
+    assert plan.status.device.type == "meta" and plan.num_stages == S
+    qm = torch.empty(P, c, Hq, D, device="meta", requires_grad=True)
+    km = torch.empty(P, c, Hkv, D, device="meta", requires_grad=True)
+    vm = torch.empty(P, c, Hkv, D, device="meta", requires_grad=True)
+    (o_sel, l_sel), (o_win, l_win) = sparse_dist_attn(qm, km, vm, local_selection(meta, group), plan, group,
+                                                      validate=False)
+    (o_sel.sum() + l_sel.sum() + o_win.sum() + l_win.sum()).backward()
+    assert o_sel.device.type == "meta" and o_win.shape == (P, c, Hq, D) and l_win.shape == (P, c, Hq)
+    for x in (qm, km, vm):
+        assert x.grad is not None and x.grad.shape == x.shape and x.grad.device.type == "meta"
 
 
 @pytest.mark.parametrize("kv_block", [None, 8], ids=["hulls", "blocks"])
@@ -172,8 +258,9 @@ def _gloo_rank(rank, P, kind, S, kv_block, transport):
     plan = scatter_plan(mine, _config(P, Hq, Hkv, S), group, kv_block)  # area rows all-gathered over gloo
     q, k, v, d_out, d_lse = make_inputs(T, Hq, Hkv, seed=P)
     leaves = [shard(x, group).clone().requires_grad_() for x in (q, k, v)]
-    out, lse = sparse_dist_attn(*leaves, local_selection(mine, group), plan, group)
-    loss([out], [lse], shard(d_out, group), shard(d_lse, group)).backward()
+    res = _pairs(sparse_dist_attn(*leaves, local_selection(mine, group), plan, group))
+    outs, lses = [o for o, _ in res], [lse for _, lse in res]
+    loss(outs, lses, shard(d_out, group), shard(d_lse, group)).backward()
     counted = {lab: [int(x) for x in group.traffic(lab)]
                for ph in PHASES_FWD + PHASES_BWD for lab in _counted(group, ph, S)}
     planned = {}
@@ -181,7 +268,7 @@ def _gloo_rank(rank, P, kind, S, kv_block, transport):
         for s, lab in enumerate(_counted(group, ph, S), start=1):
             pb = plan.pair_bytes(ph, stage=s)
             planned[lab] = [int(pb[rank].sum()), int(pb[:, rank].sum())]
-    return (out.detach(), lse.detach(), [x.grad for x in leaves], counted, planned,
+    return ([o.detach() for o in outs], [x.detach() for x in lses], [x.grad for x in leaves], counted, planned,
             int((plan.task_stage > 1).sum()))
 
 
@@ -190,8 +277,9 @@ def _check_gloo(P, kind, S, kv_block, transport):
     results = run_ranks(_gloo_rank, P, kind, S, kv_block, transport, timeout=120.0)
     T = P * c
     ref = reference(make_mask(kind, T, Hkv, seed=P), *make_inputs(T, Hq, Hkv, seed=P))
-    assert_close("out", ref[0][0], torch.cat([r[0] for r in results]), atol=ATOL, rtol=RTOL)
-    assert_close("lse", ref[1][0], torch.cat([r[1] for r in results]), atol=ATOL, rtol=RTOL)
+    for b in range(len(ref[0])):  # each output branch (two for an NSA layer mask)
+        assert_close(f"out{b}", ref[0][b], torch.cat([r[0][b] for r in results]), atol=ATOL, rtol=RTOL)
+        assert_close(f"lse{b}", ref[1][b], torch.cat([r[1][b] for r in results]), atol=ATOL, rtol=RTOL)
     for i, name in enumerate(("dq", "dk", "dv")):
         assert_close(name, ref[2 + i], torch.cat([r[2][i] for r in results]), atol=GRAD_ATOL, rtol=RTOL)
     for rank, r in enumerate(results):
@@ -205,7 +293,8 @@ def test_sub_stages_gloo(transport):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,kv_block,transport", [("nsa", 8, "p2p"), ("dsa", None, "p2p"), ("dsa", None, "a2a")])
+@pytest.mark.parametrize("kind,kv_block,transport", [("nsa", 8, "p2p"), ("dsa", None, "p2p"), ("dsa", None, "a2a"),
+                                                     ("nsa-layer", None, "a2a"), ("nsa-layer", None, "p2p")])
 def test_sub_stages_gloo_matrix(kind, kv_block, transport):
     _check_gloo(4, kind, 2, kv_block, transport)
 
@@ -233,5 +322,59 @@ def test_sub_stages_compiled_equals_eager():
         out = fn(*leaves)
         (out * shard(d_out, group)).sum().backward()
         results.append([out.detach()] + [x.grad for x in leaves])
+    for name, a, b in zip(("out", "dq", "dk", "dv"), *results):
+        assert_close(name, a, b, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.slow
+def test_nsa_layer_sub_stages_triton_kernels():
+    """The sparse kernel's Triton path (the interpreter here) on an S = 2 NSA layer's stage tables:
+    windows into the shared receive buffer, rows cast for the later sub-stage left unread."""
+    P, c, Hq, Hkv, S = 4, 8, 4, 2, 2
+    T = P * c
+    mask = make_mask("nsa-layer", T, Hkv, seed=1)
+    group = LocalGroup(P)
+    plan = scatter_plan(mask, _config(P, Hq, Hkv, S), group)
+    assert plan.num_stages == S and int((plan.task_stage > 1).sum()) > 0
+    q, k, v, d_out, d_lse = make_inputs(T, Hq, Hkv, seed=1)
+    ref = reference(mask, q, k, v, d_out, d_lse)
+    leaves = [shard(x, group).requires_grad_() for x in (q, k, v)]
+    res = sparse_dist_attn(*leaves, local_selection(mask, group), plan, group, backend="triton")
+    outs, lses = [unshard(o, group) for o, _ in res], [unshard(lse, group) for _, lse in res]
+    loss(outs, lses, d_out, d_lse).backward()
+    for b in range(2):
+        assert_close(f"out{b}", ref[0][b], outs[b], atol=ATOL, rtol=RTOL)
+        assert_close(f"lse{b}", ref[1][b], lses[b], atol=ATOL, rtol=RTOL)
+    for name, a, x in zip(("dq", "dk", "dv"), ref[2:], leaves):
+        assert_close(name, a, unshard(x.grad, group), atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.slow
+def test_nsa_layer_sub_stages_compiled_equals_eager():
+    """torch.compile(fullgraph=True) of an S = 2 NSA layer mask's layer, solve included (LocalGroup
+    P = 2): both branches' outputs and the gradients equal eager. About 70 s of tracing here; the
+    fast tier runs the same layer eagerly and on meta (no host read)."""
+    from gpusolver.runtime import DynamicCPAttention, PlanCache
+
+    P, c, Hq, Hkv = 2, 16, 4, 2
+    T = P * c
+    group = LocalGroup(P)
+    mask = make_mask("nsa-layer", T, Hkv, seed=3)
+    q, k, v, d_out, _ = make_inputs(T, Hq, Hkv, seed=3)
+    results = []
+    for compiled in (False, True):
+        layer = DynamicCPAttention(group, _config(P, Hq, Hkv, 2), plan_cache=PlanCache())  # empty: solve traced
+        leaves = [shard(x, group).requires_grad_() for x in (q, k, v)]
+
+        def step(q_, k_, v_):
+            o_sel, o_win = layer(q_, k_, v_, mask)
+            return o_sel + 0.5 * o_win
+
+        fn = torch.compile(step, fullgraph=True, backend="aot_eager") if compiled else step
+        out = fn(*leaves)
+        (out * shard(d_out, group)).sum().backward()
+        results.append([out.detach()] + [x.grad for x in leaves])
+        if not compiled:  # the layer really ran sub-stages (its cached plan)
+            assert layer.plan_for(mask, q.device, "default").num_stages == 2
     for name, a, b in zip(("out", "dq", "dk", "dv"), *results):
         assert_close(name, a, b, atol=ATOL, rtol=RTOL)

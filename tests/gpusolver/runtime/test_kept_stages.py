@@ -1,0 +1,132 @@
+"""``kept_kv_rows`` with S > 1 sub-stages: the first R rows of the shared KV receive buffer kept, each
+sub-stage's KV cast run again past them (``gpusolver.runtime.kept_rows``).
+
+LocalGroup, fp32, small shapes: values and gradients against dense attention and bit for bit against
+keeping the whole buffer, every sub-stage's ``bwd.kv.s`` counters against ``plan.pair_bytes``, the
+simulator's bytes against the plan's, and the layer on ``device="meta"``. R spans the cases: 0 (every
+KV row cast again), a row inside the fill (some casts straddle it, some lie below it) and the fill
+itself (nothing cast again). The gloo case is ``test_stages.py``'s ``test_stages_gloo_kept_rows``.
+"""
+from dataclasses import replace
+
+import pytest
+import torch
+
+from gpusolver.masks import varlen_causal_mask
+from gpusolver.runtime import DynamicCPAttention, PlanCache
+from gpusolver.sim import simulate
+from gpusolver.topology import Topology
+from groupcomm import LocalGroup
+from tests.gpusolver.runtime._cases import D, doc_lengths, make_config, make_inputs, make_mask, reference, tight_plan
+from tests.gpusolver.runtime.test_dist_attn import KEYS, _assert_all_close, _run
+
+PHASES_BWD = ("bwd.qo", "bwd.kv", "bwd.dq", "bwd.dkv")
+ROWS = {"zero": lambda fill: 0, "part": lambda fill: fill // 2, "filled": lambda fill: fill}
+
+
+def _plan(name, P, S, seed):
+    mask = make_mask(name, P * 16, seed=seed)
+    plan, config = tight_plan(mask, make_config(P, 4, 2, num_stages=S))
+    assert plan.num_stages == S and int((plan.task_stage > 1).sum()) > 0
+    return mask, plan, config
+
+
+def _tails(plan, cost):
+    """Rows of the ``bwd.kv`` tail of each sub-stage, summed over ranks."""
+    return [int(plan.pair_bytes("bwd.kv", cost, stage=s).sum()) // cost.kv_fwd
+            for s in range(1, plan.num_stages + 1)]
+
+
+@pytest.mark.parametrize("which", list(ROWS))
+@pytest.mark.parametrize("name,P,S,seed", [("docs-causal", 4, 2, 3), ("random", 4, 4, 1)],
+                         ids=["docs-causal-P4-S2", "random-P4-S4"])
+def test_kept_rows_with_sub_stages(name, P, S, seed, which):
+    mask, plan, config = _plan(name, P, S, seed)
+    comm = plan.comm
+    fill, cap = int(comm.kv_recv_rows.max()), comm.kv_recv_capacity
+    R = ROWS[which](fill)
+    assert R < cap  # a row count dist_attn keeps in part (R >= cap keeps the whole buffer)
+    cost = replace(config, kept_kv_rows=R).cost()
+    tails, full = _tails(plan, cost), _tails(plan, replace(config, keep_forward_buffers=False).cost())
+    if which == "zero":
+        assert tails == full and sum(full) > 0
+    elif which == "filled":
+        assert sum(tails) == 0
+    else:  # some rows lie below R, some past it
+        assert 0 < sum(tails) < sum(full)
+    inputs = make_inputs(P * 16, 4, 2, seed=seed)
+    group = LocalGroup(P)
+    got = _run(plan, P, *inputs, group=group, kept_kv_rows=R)
+    _assert_all_close(reference(mask, *inputs), got, f"S={S} R={R} ")
+    whole = _run(plan, P, *inputs)  # the same kernels over the same operand rows: the same bits
+    for key in KEYS:
+        assert torch.equal(got[key], whole[key]), key
+    for base in PHASES_BWD:  # every sub-stage's counters, pair by pair, are the plan's
+        for s in range(1, S + 1):
+            phase = f"{base}.{s}"
+            assert torch.equal(group.pair_traffic(phase), plan.pair_bytes(base, cost, stage=s)), phase
+    assert all(int(group.traffic(b)[0].sum()) == 0 for b in PHASES_BWD)  # no unstaged phase ran
+
+
+def test_straddling_tails_by_hand():
+    """A hand check of the per-stage first row: each sub-stage's tail is its rows at buffer rows >= R,
+    counted from ``kv_stage_base`` and the stage's receive fill, rank by rank."""
+    _, plan, config = _plan("docs-causal", 4, 4, 3)
+    comm = plan.comm
+    base = comm.stage_base("kv")                                       # [S, P]
+    fill = comm.stage_split("kv").sum(1)                               # [S, P] rows each cast brings
+    R = int(comm.kv_recv_rows.max()) // 2
+    cost = replace(config, kept_kv_rows=R).cost()
+    want = (base + fill - torch.maximum(base, torch.full_like(base, R))).clamp(min=0)  # rows past R
+    for s in range(1, plan.num_stages + 1):
+        got = plan.pair_bytes("bwd.kv", cost, stage=s).sum(0) // cost.kv_fwd
+        assert torch.equal(got, want[s - 1]), s
+    assert int(((base < R) & (base + fill > R)).sum()) > 0  # some cast straddles the kept rows
+
+
+def test_simulator_prices_the_stage_tails():
+    """The simulated backward moves ``plan.pair_bytes("bwd")``: the kept rows' tails per sub-stage."""
+    _, plan, config = _plan("docs-causal", 4, 4, 3)
+    R = int(plan.comm.kv_recv_rows.max()) // 2
+    topo = Topology(ranks_per_node=4, nvlink_gbps=1.0, ib_gbps=0.5, attn_tflops=1.0)
+    bwd = {}
+    for rows in (None, R, 0):
+        cost = replace(config, kept_kv_rows=rows).cost()
+        want = plan.pair_bytes("bwd", cost)
+        want.fill_diagonal_(0)
+        lt = simulate(plan, topo, cost=cost)
+        assert torch.equal(torch.tensor(lt.bwd.pair_bytes), want), rows
+        bwd[rows] = int(want.sum())
+    assert bwd[None] < bwd[R] < bwd[0]
+
+
+def test_kept_rows_sub_stages_on_meta():
+    """The S = 3 layer keeping part of its KV buffer runs on ``device="meta"``: no host read."""
+    P, c, Hq, Hkv = 4, 16, 4, 2
+    mask = varlen_causal_mask(doc_lengths(P * c, 0), device="meta")
+    layer = DynamicCPAttention(LocalGroup(P), make_config(P, Hq, Hkv, num_stages=3, kept_kv_rows=9),
+                               plan_cache=PlanCache())
+    q = torch.empty(P, c, Hq, D, device="meta", requires_grad=True)
+    k = torch.empty(P, c, Hkv, D, device="meta", requires_grad=True)
+    v = torch.empty(P, c, Hkv, D, device="meta", requires_grad=True)
+    out, lse = layer(q, k, v, mask, return_lse=True)
+    assert out.shape == (P, c, Hq, D) and out.device.type == "meta"
+    (out.sum() + lse.sum()).backward()
+    for x in (q, k, v):
+        assert x.grad is not None and x.grad.shape == x.shape and x.grad.device.type == "meta"
+
+
+def test_sub_stages_bf16_on_meta():
+    """S = 2 in bf16 (the accumulator fp32, each stage's out bf16: the merge takes both), kept rows or
+    not, on ``device="meta"``."""
+    P, c, Hq, Hkv = 4, 16, 4, 2
+    mask = varlen_causal_mask(doc_lengths(P * c, 0), device="meta")
+    for rows in (None, 9):
+        config = replace(make_config(P, Hq, Hkv, num_stages=2, kept_kv_rows=rows), dtype=torch.bfloat16)
+        layer = DynamicCPAttention(LocalGroup(P), config, plan_cache=PlanCache())
+        q, k, v = (torch.empty(P, c, h, D, device="meta", dtype=torch.bfloat16, requires_grad=True)
+                   for h in (Hq, Hkv, Hkv))
+        out, lse = layer(q, k, v, mask, return_lse=True)
+        assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+        (out.sum() + lse.sum()).backward()
+        assert all(x.grad.dtype == torch.bfloat16 for x in (q, k, v))
