@@ -79,9 +79,11 @@ class TorchGroup:
 
     ``timeout`` bounds each wait (default: the process group's own timeout);
     a failed or timed-out exchange raises ``CollectiveError``.
-    ``transport``: ``"a2a"`` (default) moves each call's rows in one ``all_to_all_single``;
-    ``"p2p"`` posts one send and one receive per peer with rows to move
-    (``batch_isend_irecv``), so a pair's rows need not wait for the whole group, and a
+    ``transport``: ``"p2p"`` (default) posts one send and one receive per peer with rows to
+    move (``batch_isend_irecv``), so a pair's rows need not wait for the whole group (what
+    sub-stages overlap with: the simulated step at S = 4 is 0.75x of one all-to-all-v stage,
+    benchmarks/results/stages_bench.md); ``"a2a"`` moves each call's rows in one
+    ``all_to_all_single`` (the default before 2026-12-03). With ``"p2p"`` a
     call's ``wait()`` waits for this rank's receives only: its sends stay in flight,
     held here (their buffers are this group's own copies, never the caller's tensors),
     until ``wait_sends()`` or a later call finds them done. A backend that completes a
