@@ -109,12 +109,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     p.add_argument("--mask", choices=a.MASK_KINDS, default="docs", help=a.MASK_HELP)
     p.add_argument("--tiles", type=a.positive_int, default=1, help="sub-chunk tiles per chunk (default 1)")
     p.add_argument("--solver", choices=("device", "reference"), default="device")
-    p.add_argument("--stages", default="1",
-                   help="remote sub-stages, SolverConfig.num_stages: an int, or auto (4 for these masks, the "
-                        "simulated best); default 1, the library's")
-    p.add_argument("--comm", choices=("a2a", "p2p", "p2p-batch"), default="a2a",
-                   help="TorchGroup's transport as simulated: a2a (default, TorchGroup's: all-to-all-v), p2p "
-                        "(transport=\"p2p\" with gloo's handle per send and receive), p2p-batch (the same on "
+    p.add_argument("--stages", default="auto",
+                   help="remote sub-stages, SolverConfig.num_stages: an int, or auto (default, the library's: 4 "
+                        "for these masks, the simulated best); 1 for the two-stage layer")
+    p.add_argument("--comm", choices=("a2a", "p2p", "p2p-batch"), default="p2p",
+                   help="TorchGroup's transport as simulated: p2p (default, TorchGroup's: a handle per send "
+                        "and receive, as on gloo), a2a (transport=\"a2a\": all-to-all-v), p2p-batch (p2p on "
                         "NCCL's coalesced batch)")
     p.add_argument("--out", default="build/timeline.png", help="timeline PNG ('' for none; default build/timeline.png)")
 

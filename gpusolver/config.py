@@ -19,7 +19,7 @@ OBJECTIVES = ("training", "forward")
 # (1.19-1.33) and 2-4 tiles balanced them (1.06-1.10); head-group flattening already gives
 # G >= 4 enough pieces on the quality masks.
 AUTO_TILE_PIECES = 4
-# num_stages="auto" (opt-in) gives slice (dense) masks this many remote sub-stages: the lowest median
+# num_stages="auto" (the default) gives slice (dense) masks this many remote sub-stages: the lowest median
 # simulated training step over the benchmark masks at every P measured (h200_hgx; P = 16-64: 0.75x
 # the two-stage all-to-all-v step over point-to-point, 0.90x over all-to-all-v,
 # benchmarks/results/stages_bench.md; P = 2-8: 0.97x, stages_bench_small.md). Sparse selections
@@ -109,10 +109,10 @@ class SolverConfig:
                         The casts share the one QO and the one KV receive buffer
                         (each at its own rows): S costs no receive memory, but
                         S times the collectives and S + 1 attention launches per
-                        pass. 1 (default) is the two-stage layer: one cast, one
-                        remote stage, one reduce. "auto": ``AUTO_STAGES`` (4) for
-                        slice masks, the measured best (simulated), ``kept_kv_rows`` or
-                        not; 1 for sparse selections (``for_sparse``).
+                        pass. "auto" (default): ``AUTO_STAGES`` (4) for slice masks,
+                        the measured best (simulated), ``kept_kv_rows`` or not; 1 for
+                        sparse selections (``for_sparse``). 1 is the two-stage layer
+                        (one cast, one remote stage, one reduce; the pinned digests).
     auto_stages:        set by num_stages="auto" (the field then reads the resolved S);
                         not an argument: ``dataclasses.replace`` of a config makes its
                         num_stages explicit, ``replaced`` keeps "auto".
@@ -128,7 +128,8 @@ class SolverConfig:
                         InfiniBand byte weighs ``link_weights``); None, or a group
                         inside one node, gives the plans of an untopologised solve.
     ib_relay:           inter-node transport. None (default): relay wherever the
-                        group spans nodes (``relays``); False: every rank pulls its
+                        group spans nodes (``relays``) and the plan has one remote
+                        stage (sub-stages: direct, ``plan.build.relay_transport``); False: every rank pulls its
                         own copy across nodes; True: relay (an error without nodes).
     imbalance_auto:     a time-aware mu (opt-in; needs ``topology``). False (default):
                         mu = ``imbalance_tol``. True: ``imbalance_tol`` is the upper
@@ -161,7 +162,7 @@ class SolverConfig:
     memory_budget: float | None = None
     kept_kv_rows: int | None = None
     objective: str = "training"
-    num_stages: int | str = 1
+    num_stages: int | str = "auto"
     auto_tiles: bool = False
     topology: Topology | None = None
     ib_relay: bool | None = None

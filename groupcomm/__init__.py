@@ -22,8 +22,9 @@ Backends, chosen by the group object:
 - ``LocalGroup(P, impl="torch" | "triton")``: P simulated ranks in one
   process; every per-rank tensor has a leading rank dim ``[P, ...]``.
   Sync-free (runs on ``device="meta"``).
-- ``TorchGroup(process_group)``: ``torch.distributed`` all-to-all-v (gloo on
-  CPU, NCCL on GPU). Split sizes are host lists: ``host_splits(split)`` makes
+- ``TorchGroup(process_group, transport="p2p")``: ``torch.distributed``
+  point-to-point sends and receives per peer (default; ``transport="a2a"``: one
+  all-to-all-v per call), gloo on CPU, NCCL on GPU. Split sizes are host lists: ``host_splits(split)`` makes
   the one non-blocking copy that a layer's casts and reduces share.
 - ``SymmMemGroup(process_group)``: sync-free on GPU; a Triton put kernel
   writes rows into the peers' symmetric-memory receive buffers.

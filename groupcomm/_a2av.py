@@ -79,9 +79,11 @@ class TorchGroup:
 
     ``timeout`` bounds each wait (default: the process group's own timeout);
     a failed or timed-out exchange raises ``CollectiveError``.
-    ``transport``: ``"a2a"`` (default) moves each call's rows in one ``all_to_all_single``;
-    ``"p2p"`` posts one send and one receive per peer with rows to move
-    (``batch_isend_irecv``), so a pair's rows need not wait for the whole group, and a
+    ``transport``: ``"p2p"`` (default) posts one send and one receive per peer with rows to
+    move (``batch_isend_irecv``), so a pair's rows need not wait for the whole group (what
+    sub-stages overlap with: the simulated step at S = 4 is 0.75x of one all-to-all-v stage,
+    benchmarks/results/stages_bench.md); ``"a2a"`` moves each call's rows in one
+    ``all_to_all_single`` (the default before 2026-12-03). With ``"p2p"`` a
     call's ``wait()`` waits for this rank's receives only: its sends stay in flight,
     held here (their buffers are this group's own copies, never the caller's tensors),
     until ``wait_sends()`` or a later call finds them done. A backend that completes a
@@ -91,7 +93,7 @@ class TorchGroup:
 
     batched = False
 
-    def __init__(self, process_group=None, timeout: timedelta | None = None, transport: str = "a2a"):
+    def __init__(self, process_group=None, timeout: timedelta | None = None, transport: str = "p2p"):
         if transport not in ("a2a", "p2p"):
             raise ValueError(f"TorchGroup: transport must be 'a2a' or 'p2p', got {transport!r}")
         if not dist.is_initialized():
@@ -117,7 +119,8 @@ class TorchGroup:
         return rows
 
     def _fail(self, phase: str, e: Exception) -> CollectiveError:
-        return CollectiveError(f"rank {self.rank}: {phase} all-to-all over {self.size} ranks failed: {e}")
+        how = "all-to-all" if self.transport == "a2a" else "point-to-point exchange"
+        return CollectiveError(f"rank {self.rank}: {phase} {how} over {self.size} ranks failed: {e}")
 
     def _wait_all(self, works, phase: str) -> None:
         try:

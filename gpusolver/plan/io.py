@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from gpusolver.config import CONFIG_ARGS, SolverConfig
+from gpusolver.config import AUTO_STAGES, CONFIG_ARGS, SolverConfig
 from gpusolver.plan import records
 from gpusolver.plan.meta import Plan
 from gpusolver.plan.records import FORMAT, VERSION
@@ -48,4 +48,9 @@ def load_plan_config(path: str | os.PathLike):
         from gpusolver.topology import Topology
 
         d["topology"] = Topology(**d["topology"])
+    # auto_stages is not a constructor argument: a config saved with num_stages="auto" (the default)
+    # comes back as "auto" where the saved S is what "auto" resolves to today; a plan saved when
+    # "auto" meant another S keeps that S, explicit, as its plan was cut into it
+    if d.get("auto_stages") and d.get("num_stages") == AUTO_STAGES:
+        d["num_stages"] = "auto"
     return SolverConfig(**{k: v for k, v in d.items() if k in CONFIG_ARGS})

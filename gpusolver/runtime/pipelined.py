@@ -219,9 +219,15 @@ def _slices(plan: Plan, rank: int, stage: int):
 
 def _gather_remote(x: torch.Tensor, gather: torch.Tensor, n: int, lead: int, dtype: torch.dtype) -> torch.Tensor:
     """Rows ``gather`` of x's remote part as a reduce buffer in ``dtype`` (-1: row 0, past the fill:
-    never sent)."""
-    remote = x.narrow(lead, n, x.shape[lead] - n)
-    idx = gather.clamp(min=0)
+    never sent). An overflowed plan run sync-free (``validate=False``, its status flagged) can name
+    rows past the receive capacity, which its casts dropped: they read the last row, so the layer
+    runs bounded instead of indexing out of range."""
+    rows = x.shape[lead] - n
+    if rows == 0:  # no receive rows at all: nothing was received, the buffer is zeros
+        shape = (*gather.shape, *x.shape[lead + 1:]) if lead else (gather.shape[0], *x.shape[1:])
+        return x.new_zeros(shape, dtype=dtype)
+    remote = x.narrow(lead, n, rows)
+    idx = gather.clamp(min=0, max=rows - 1)
     if lead == 0:
         return remote.index_select(0, idx).to(dtype)
     b = torch.arange(remote.shape[0], device=idx.device)[:, None]

@@ -64,7 +64,7 @@ def test_budget_keeps_kv_rows_at_any_stage_count():
     """A budget short of the whole KV buffer keeps its first rows with S sub-stages too: the same rows
     as at S = 1 (the casts share the buffer), and the stage count the config asked for ("auto": 4)."""
     c = 8192
-    one = SolverConfig(cp_size=8)
+    one = SolverConfig(cp_size=8, num_stages=1)
     plain, kv_row = plain_kept_bytes(one, c), 2 * 128 * 2
     budget = 1 + 1000 * kv_row / plain + 1e-9
     want = keep_for_budget(replace(one, memory_budget=budget), c)
@@ -79,7 +79,7 @@ def test_budget_keeps_kv_rows_at_any_stage_count():
 def test_sub_stages_share_the_kept_buffers():
     """The S remote sub-stages cast into one receive buffer per kind: the kept bytes of one stage."""
     c = 256
-    one, three = SolverConfig(cp_size=8), SolverConfig(cp_size=8, num_stages=3)
+    one, three = SolverConfig(cp_size=8, num_stages=1), SolverConfig(cp_size=8, num_stages=3)
     for keep in (True, "qo", "kv", False):
         assert kept_bytes(three, c, keep) == kept_bytes(one, c, keep), keep
     assert kept_bytes(three, c, "qo") > 0

@@ -136,7 +136,7 @@ def test_solve_reports_imbalance_it_cannot_fix():
     config = _config(P, G=1, head_group_flatten=False, chunk_tiles=1)
     mask = varlen_causal_mask([16])  # causal over both chunks: blocks (0,0), (1,0), (1,1)
     with pytest.warns(UserWarning, match="imbalance_tol"):
-        plan = solve(mask, config.__class__(**{**config.__dict__, "imbalance_tol": 1.0}))
+        plan = solve(mask, config.replaced(imbalance_tol=1.0))
     assert int(plan.status) & IMBALANCED
 
 

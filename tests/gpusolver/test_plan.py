@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpusolver.areas import block_areas
-from gpusolver.config import SolverConfig
+from gpusolver.config import AUTO_STAGES, SolverConfig
 from gpusolver.masks import causal_mask, slices_to_dense, sliding_window_mask, varlen_causal_mask, varlen_full_mask
 from gpusolver.masks.slices import AttnSlices
 from gpusolver.metrics import evaluate, owner_computes_assignment
@@ -51,54 +51,66 @@ def _random_assignment(areas: BlockAreas, seed: int) -> torch.Tensor:
     return torch.where(areas.area > 0, r, -1).to(torch.int32)
 
 
-def _simulate_buffers(plan: Plan, kind: str, G: int, P: int, c: int, S: int) -> list[torch.Tensor]:
-    """Run the all-to-all-v the CommMeta describes on codes g * S + token.
+def _simulate_buffers(plan: Plan, kind: str, G: int, P: int, c: int, S: int):
+    """Run the all-to-all-v casts the CommMeta describes on codes g * S + token.
 
     Returns per rank the codes of concat(local group-major rows, receive buffer),
-    length G*c + the kind's receive capacity, -1 where the buffer is unfilled. Asserts the
-    send lists, splits and offsets along the way (buffer order: host, g, tile).
+    length G*c + the kind's receive capacity, -1 where the buffer is unfilled, and next to
+    them the cast (1..S sub-stages; 0 local or unfilled) that brought each row. Each of the
+    S casts writes its rows from its stage base on (``stage_base``: after casts 1..s-1's
+    rows); asserts the send lists, splits and offsets along the way (buffer order: cast
+    stage, then host, g, tile).
     """
     m = plan.comm
-    n = m.tiles
-    split = getattr(m, f"{kind}_split")
+    n, NS = m.tiles, m.num_stages
+    splits, base = m.stage_split(kind), m.stage_base(kind)
+    assert torch.equal(splits.sum(0), getattr(m, f"{kind}_split")), "the casts' splits do not add up"
     rng, off = getattr(m, f"{kind}_range"), getattr(m, f"{kind}_recv_offset")
     recv_rows = getattr(m, f"{kind}_recv_rows")
+    cap = m.buffers.recv(kind)
     g_of_row = torch.arange(G * c) // c
     local = [g_of_row * S + s * c + torch.arange(G * c) % c for s in range(P)]
-    pieces = [[None] * P for _ in range(P)]
-    for s in range(P):
-        total = int(split[s].sum())
-        idx = m.send_index(kind, s)
-        assert (idx[total:] == -1).all(), f"{kind} send_index[{s}] not -1 padded after {total} rows"
-        assert ((idx[:total] >= 0) & (idx[:total] < G * c)).all()
-        sent = local[s][idx[:total]]
-        pieces[s] = list(torch.split(sent, split[s].tolist()))
-    out = []
+    got = [torch.full((cap,), -1, dtype=torch.long) for _ in range(P)]
+    cast_of = [torch.zeros(cap, dtype=torch.long) for _ in range(P)]
+    for st_ in range(1, NS + 1):
+        pieces = [[None] * P for _ in range(P)]
+        for s in range(P):
+            total = int(splits[st_ - 1, s].sum())
+            idx = m.send_index(kind, s, st_)
+            assert (idx[total:] == -1).all(), f"{kind} send_index[{s}] cast {st_} not -1 padded after {total} rows"
+            assert ((idx[:total] >= 0) & (idx[:total] < G * c)).all()
+            pieces[s] = list(torch.split(local[s][idx[:total]], splits[st_ - 1, s].tolist()))
+        for d in range(P):
+            buf = torch.cat([pieces[s][d] for s in range(P)])
+            start = int(base[st_ - 1, d])
+            assert start == int(splits[:st_ - 1, :, d].sum()), f"{kind} cast {st_} on rank {d} starts at {start}"
+            assert (got[d][start:start + buf.numel()] == -1).all(), f"{kind} cast {st_} overwrites rows"
+            got[d][start:start + buf.numel()] = buf
+            cast_of[d][start:start + buf.numel()] = st_
+    out, casts = [], []
     for d in range(P):
-        buf = torch.cat([pieces[s][d] for s in range(P)])
-        assert buf.numel() == int(recv_rows[d])
-        expect = torch.full((m.buffers.recv(kind),), -1, dtype=torch.long)
+        assert int((got[d] >= 0).sum()) == int(recv_rows[d])
+        expect = torch.full((cap,), -1, dtype=torch.long)
         for u in range(P * n):
             for g in range(G):
                 lo, hi = rng[g, u, d].tolist()
                 o = int(off[g, u, d])
                 expect[o:o + hi - lo] = g * S + (u // n) * c + torch.arange(lo, hi)
-        got = torch.full((m.buffers.recv(kind),), -1, dtype=torch.long)
-        got[:buf.numel()] = buf
-        assert_close(f"{kind} recv buffer of rank {d}", expect, got)
-        out.append(torch.cat([local[d], got]))
-    return out
+        assert_close(f"{kind} recv buffer of rank {d}", expect, got[d])
+        out.append(torch.cat([local[d], got[d]]))
+        casts.append(torch.cat([torch.zeros(G * c, dtype=torch.long), cast_of[d]]))
+    return out, casts
 
 
 def _calc_counts(plan: Plan, G: int, P: int, c: int, S: int) -> torch.Tensor:
     """int64 [P, G, S, S]: entries each rank's CalcMeta pieces cover, in global coordinates."""
-    qbuf = _simulate_buffers(plan, "qo", G, P, c, S)
-    kbuf = _simulate_buffers(plan, "kv", G, P, c, S)
+    qbuf, qcast = _simulate_buffers(plan, "qo", G, P, c, S)
+    kbuf, kcast = _simulate_buffers(plan, "kv", G, P, c, S)
     cal = plan.calc
     cap = cal.capacity
     out = torch.zeros(P, G, S, S, dtype=torch.long)
     for r in range(P):
-        for stage in range(2):
+        for stage in range(cal.num_stages + 1):
             n = int(cal.num_rows[r, stage])
             assert n == min(int(cal.needed_rows[r, stage]), cap)
             qr, kr, ty = cal.q_ranges[r, stage], cal.k_ranges[r, stage], cal.attn_type[r, stage]
@@ -115,13 +127,16 @@ def _calc_counts(plan: Plan, G: int, P: int, c: int, S: int) -> torch.Tensor:
                 assert qi.numel() > 0, f"rank {r} stage {stage} row {row} is an empty piece"
                 qc, kc = qbuf[r][qi], kbuf[r][ki]
                 assert (qc >= 0).all() and (kc >= 0).all(), "piece reads unfilled buffer rows"
+                # the pipeline: sub-stage s reads only what casts 1..s brought (never waits for a later one)
+                assert (qcast[r][qi] <= stage).all() and (kcast[r][ki] <= stage).all(), \
+                    f"rank {r} stage {stage} row {row} reads rows of a later cast"
                 g = qc // S
                 assert (g == kc // S).all(), "piece mixes head groups"
                 qt, kt = qc % S, kc % S
                 if stage == 0:
                     assert ((qt // c == r) & (kt // c == r)).all(), "stage 0 piece not local"
                 else:
-                    assert (~((qt // c == r) & (kt // c == r))).all(), "stage 1 piece is local"
+                    assert (~((qt // c == r) & (kt // c == r))).all(), f"stage {stage} piece is local"
                 out[r].index_put_((g, qt, kt), torch.ones_like(qt), accumulate=True)
     return out
 
@@ -143,17 +158,24 @@ def _check_plan(mask: AttnSlices, areas: BlockAreas, asg: torch.Tensor, plan: Pl
             lo, hi = m.kv_range[g, j, r].tolist()
             klo, khi = (x + (j % n) * cu for x in areas.k_need[g, i, j].tolist())
             assert lo <= klo and khi <= hi, f"task {(g, i, j)} on {r}: k need {(klo, khi)} not in {(lo, hi)}"
-    # offsets are exclusive prefix sums over (host, g, tile); splits are sums over g and tiles
+    # offsets are exclusive prefix sums over (cast stage, host, g, tile); splits are sums over g and tiles.
+    # One remote stage: every transfer is in cast 1 (an empty one too: its offset is the running sum);
+    # S > 1: a transfer is in the cast of the first sub-stage using it (CommMeta.*_stage), empty ones in none
     for kind in ("qo", "kv"):
         rng, off = getattr(m, f"{kind}_range"), getattr(m, f"{kind}_recv_offset")
         ln = rng[..., 1] - rng[..., 0]
+        first = getattr(m, f"{kind}_stage")[..., 0] if m.num_stages > 1 else torch.ones_like(ln)
+        assert bool(((first > 0) == (ln > 0)).all()) or m.num_stages == 1, f"{kind}: a cast stage of no rows"
         for d in range(P):
             acc = 0
-            for h in range(P):
-                for g in range(G):
-                    for t in range(n):
-                        assert int(off[g, h * n + t, d]) == acc
-                        acc += int(ln[g, h * n + t, d])
+            for s_ in range(1, m.num_stages + 1):
+                for h in range(P):
+                    for g in range(G):
+                        for t in range(n):
+                            if int(first[g, h * n + t, d]) != s_:
+                                continue
+                            assert int(off[g, h * n + t, d]) == acc
+                            acc += int(ln[g, h * n + t, d])
             assert int(getattr(m, f"{kind}_recv_rows")[d]) == acc
         assert_close(f"{kind}_split", ln.sum(0).view(P, n, P).sum(1), getattr(m, f"{kind}_split"))
         hosts = torch.arange(P * n) // n
@@ -244,19 +266,21 @@ def _random_mask(data, S, G, grouped):
 
 @settings(max_examples=15, deadline=None)
 @given(data=st.data(), P=st.integers(2, 4), c=st.integers(2, 5), G=st.integers(1, 2), grouped=st.booleans(),
-       owner=st.booleans(), seed=st.integers(0, 1000), tiles=st.sampled_from([1, 1, 2, 3]))
-def test_plan_random_slices(data, P, c, G, grouped, owner, seed, tiles):
+       owner=st.booleans(), seed=st.integers(0, 1000), tiles=st.sampled_from([1, 1, 2, 3]),
+       stages=st.sampled_from([1, "auto", 2]))
+def test_plan_random_slices(data, P, c, G, grouped, owner, seed, tiles, stages):
     S = P * c * tiles
     mask = _random_mask(data, S, G, grouped)
     areas = block_areas(mask, P, G, impl="torch", tiles=tiles)
     asg = owner_computes_assignment(areas) if owner else _random_assignment(areas, seed)
-    plan = build_plan(mask, areas, asg, _config(P, G, chunk_tiles=tiles))
+    plan = build_plan(mask, areas, asg, _config(P, G, chunk_tiles=tiles, num_stages=stages))
     _check_plan(mask, areas, asg, plan)
 
 
+@pytest.mark.parametrize("stages", [1, "auto"])  # the two-stage layer, and the default's S = 4 sub-stages
 @pytest.mark.parametrize("name", ["varlen_causal", "varlen_full", "causal", "window"])
 @pytest.mark.parametrize("P,G,tiles", [(3, 2, 1), (4, 1, 1), (2, 2, 2), (2, 1, 4)])
-def test_plan_constructor_masks(name, P, G, tiles):
+def test_plan_constructor_masks(name, P, G, tiles, stages):
     S = 12 * P // 3 if P == 3 else 16
     mask = {
         "varlen_causal": lambda: varlen_causal_mask([3, 7, 1, S - 11]),
@@ -268,7 +292,8 @@ def test_plan_constructor_masks(name, P, G, tiles):
     assert_close("dense oracle", slices_to_dense(mask).long(), _mask_counts(mask, 1)[0])
     areas = block_areas(mask, P, G, impl="torch", tiles=tiles)
     for asg in (owner_computes_assignment(areas), _random_assignment(areas, 7)):
-        plan = build_plan(mask, areas, asg, _config(P, G, chunk_tiles=tiles))
+        plan = build_plan(mask, areas, asg, _config(P, G, chunk_tiles=tiles, num_stages=stages))
+        assert plan.num_stages == (1 if stages == 1 else AUTO_STAGES)
         _check_plan(mask, areas, asg, plan)
 
 
@@ -310,7 +335,7 @@ def test_shapes_depend_only_on_config():
         plans.append(build_plan(mask, areas, _random_assignment(areas, 1), _config(P, G)))
     assert _shapes(plans[0]) == _shapes(plans[1])
     cap = default_stage_capacity(5, G, P)
-    assert plans[0].calc.q_ranges.shape == (P, 2, cap, 2)
+    assert plans[0].calc.q_ranges.shape == (P, AUTO_STAGES + 1, cap, 2)  # local stage, S = 4 sub-stages
     worst = G * (S // P) * (P - 1)  # below P = 17 the default capacity is the worst case
     assert plans[0].comm.buffers.as_tuple() == (min(worst, 2 * G * (S // P)), worst, worst, worst)
     for kind in ("qo", "kv"):
@@ -391,7 +416,7 @@ def test_calc_overflow():
         return set(map(tuple, torch.cat([c.q_ranges[r, s, :n], c.k_ranges[r, s, :n],
                                          c.attn_type[r, s, :n, None]], dim=1).tolist()))
     for r in range(4):
-        for s in range(2):
+        for s in range(plan.num_stages + 1):
             assert rows(plan, r, s) <= rows(full, r, s)
             assert len(rows(full, r, s)) == int(need[r, s])
 

@@ -47,6 +47,21 @@ def test_round_trip_is_exact(tmp_path, P, tiles, S):
     assert loaded.summary() == plan.summary()
 
 
+def test_saved_config_keeps_num_stages_auto(tmp_path):
+    """The default num_stages="auto" loads as "auto" (``auto_stages`` is no constructor argument, so
+    a field-by-field copy lost it), an explicit S of the same value as explicit, and 1 as 1."""
+    from gpusolver.config import AUTO_STAGES
+
+    plan = solve(packed_documents(256, seed=2), _config(4))
+    for stages, auto in (("auto", True), (AUTO_STAGES, False), (1, False)):
+        config = _config(4, num_stages=stages)
+        save_plan(plan, tmp_path / "p.pt", config=config)
+        loaded = load_plan_config(tmp_path / "p.pt")
+        assert loaded == config and loaded.auto_stages is auto
+        assert loaded.num_stages == (AUTO_STAGES if stages == "auto" else stages)
+        assert loaded.replaced(imbalance_tol=1.2).auto_stages is auto
+
+
 def test_loaded_plan_executes_like_the_original(tmp_path):
     P, S = 2, 128
     config = _config(P, max_recv_rows=128, max_stage_slices=16)  # small buffers: short CPU attention

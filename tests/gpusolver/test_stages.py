@@ -30,7 +30,11 @@ def test_config_num_stages_is_checked():
     for bad in (0, -1, True, 1.5, 33, "four"):
         with pytest.raises(ValueError, match="num_stages"):
             SolverConfig(cp_size=4, num_stages=bad)
-    assert SolverConfig(cp_size=4).num_stages == 1 and not SolverConfig(cp_size=4).auto_stages
+    default = SolverConfig(cp_size=4)  # "auto" by default (2026-12-03), 1 the two-stage layer
+    assert default.num_stages == AUTO_STAGES and default.auto_stages
+    assert default == SolverConfig(cp_size=4, num_stages="auto")
+    one = SolverConfig(cp_size=4, num_stages=1)
+    assert one.num_stages == 1 and not one.auto_stages and one.for_sparse() is one
     auto = SolverConfig(cp_size=4, num_stages="auto")
     assert auto.num_stages == AUTO_STAGES == 4 and auto.auto_stages  # the measured best
     assert auto.for_sparse().num_stages == 1 and auto.replaced(imbalance_tol=1.2).auto_stages

@@ -332,7 +332,11 @@ def _tight(**kw):
     (dict(max_recv_rows=1), r"BUFFER_OVERFLOW: rank \d receives \d+ (QO|KV) rows, receive capacity 1"),
     (dict(max_stage_slices=1), r"CALC_OVERFLOW: rank \d stage \d needs \d+ slice rows, capacity 1"),
 ], ids=["receive", "stage"])
-def test_capacities_too_small(kw, match):
+@pytest.mark.parametrize("stages", [1, "auto"])
+def test_capacities_too_small(kw, match, stages):
+    """One remote stage and the default sub-stages (whose reduce buffers once indexed past an
+    overflowed receive buffer: an IndexError instead of a flag)."""
+    kw = dict(kw, num_stages=stages)
     mask = varlen_causal_mask([40, 8, 16])
     with pytest.raises(ValueError, match=match):                  # validation: solve names rank and count
         with quiet():

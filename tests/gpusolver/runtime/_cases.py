@@ -16,6 +16,7 @@ from gpusolver import SolverConfig, block_areas, solve
 from gpusolver.masks import AttnSlices, sliding_window_mask, varlen_causal_mask, varlen_full_mask
 from gpusolver.plan import IMBALANCED
 from gpusolver.plan.build import build_plan
+from gpusolver.runtime.pipelined import counter_phases
 from tests.attn_kernels._slices import random_slices
 
 D = 32  # the smallest supported head dim
@@ -82,10 +83,11 @@ def reference(mask: AttnSlices, q, k, v, d_out, d_lse) -> dict[str, torch.Tensor
     return {"out": out.float(), "lse": lse, "dq": dq.float(), "dk": dk.float(), "dv": dv.float()}
 
 
-def traffic_sums(group, phases) -> tuple:
-    """(sent, recv) summed over ``phases`` of a group's byte counters."""
+def traffic_sums(group, phases, num_stages: int = 1) -> tuple:
+    """(sent, recv) summed over ``phases`` of a group's byte counters; a layer of ``num_stages``
+    S > 1 counts each phase per sub-stage (``counter_phases``), and those are summed."""
     sent = recv = 0
-    for ph in phases:
+    for ph in counter_phases(phases, num_stages):
         s, r = group.traffic(ph)
         sent, recv = sent + s, recv + r
     return sent, recv

@@ -34,7 +34,7 @@ def _rank_case(rank, P, name, c, Hq, Hkv, flatten, tiles, keep, solver, seed):
     m = plan.metrics
     return {
         "got": dict(zip(KEYS, (out.detach(), lse.detach(), qs.grad, ks.grad, vs.grad))),
-        "bytes": (traffic_sums(group, PHASES_FWD), traffic_sums(group, PHASES_BWD)),
+        "bytes": tuple(traffic_sums(group, phases, plan.num_stages) for phases in (PHASES_FWD, PHASES_BWD)),
         "metrics": ((int(m.fwd_send[rank]), int(m.fwd_recv[rank])), (int(m.bwd_send[rank]), int(m.bwd_recv[rank]))),
         "assignment": plan.assignment,
         "moved": (int(plan.comm.qo_split.sum()), int(plan.comm.kv_split.sum())),
@@ -90,5 +90,6 @@ def test_failed_rank_raises_collective_error():
     for rank in (0, 1):
         kind, msg, elapsed = got[rank]
         assert kind == "CollectiveError", got[rank]
-        assert f"rank {rank}" in msg and re.search(r"fwd\.(qo|kv|o) all-to-all", msg), msg
+        # the phase, of a sub-stage's collective (fwd.kv.1) with the default S = 4, and the transport
+        assert f"rank {rank}" in msg and re.search(r"fwd\.(qo|kv|o)\.\d point-to-point exchange", msg), msg
         assert elapsed < 10, elapsed

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from gpusolver import solve
+from gpusolver.config import AUTO_STAGES
 from gpusolver.masks import varlen_causal_mask
 from gpusolver.runtime import dist_attn
 from groupcomm import LocalGroup
@@ -47,13 +48,17 @@ def _saved(fn):
     return out, sizes, sum(n for _, n in storages.values())
 
 
-@pytest.mark.parametrize("keep", [True, False, "qo", "kv"])
-def test_plan_memory_equals_the_runtime(keep):
+@pytest.mark.parametrize("keep,stages", [(True, "auto"), (False, "auto"), ("qo", "auto"), ("kv", "auto"), (True, 1)])
+def test_plan_memory_equals_the_runtime(keep, stages):
+    """At the default S = 4 sub-stages and with one remote stage: the buffers the layer receives
+    into, returns into and keeps are ``plan.memory()``'s."""
     P, c, Hq, Hkv = 4, 16, 4, 2
     S = P * c
     config = make_config(P, Hq, Hkv, keep_forward_buffers=keep, max_qo_recv_rows=40, max_kv_recv_rows=64,
-                         max_qo_send_rows=56, max_kv_send_rows=88)
+                         max_qo_send_rows=56, max_kv_send_rows=88, num_stages=stages)
     plan = solve(varlen_causal_mask(doc_lengths(S, 0)), config)
+    NS = plan.num_stages
+    assert NS == (1 if stages == 1 else AUTO_STAGES)
     m = plan.memory(config)
     # distinct per-kind capacities: a formula with one kind's rows in place of another's fails
     assert plan.comm.buffers.as_tuple() == (40, 64, 56, 88)
@@ -70,18 +75,24 @@ def test_plan_memory_equals_the_runtime(keep):
     bwd, bwd_recv = rec.current, list(into.current.values())
     # the layer's own activations (group-major copies of q, k, v, and out, lse, fp32 here) and the
     # kept receive buffers: a kept kind is saved as one tensor, its local rows followed by its buffer
+    # (with sub-stages each sub-stage saves its views of that one tensor: the storages count it once)
     own = P * c * (2 * Hq * D + 2 * Hkv * D + Hq) * 4
-    assert len(sizes) == 5 and sum(sizes) == own + P * m.kept
+    if NS == 1:  # the kept buffers are inside the five saved tensors
+        assert len(sizes) == 5 and sum(sizes) == own + P * m.kept
+    else:  # the five are the activations, the sub-stages' views of the kept buffers follow
+        assert sum(sizes[:5]) == own
     # their storages hold no more than a scratch row each (the reduce's and LocalGroup's put's)
-    assert 0 <= held - sum(sizes) <= 2 * Hq // 2 * D * 4 * P
+    assert 0 <= held - own - P * m.kept <= 2 * Hq // 2 * D * 4 * P
     q_kept = 40 * (Hq // 2) * D * 4 if keep in (True, "qo") else 0
     kv_kept = 64 * 2 * (Hkv // 2) * D * 4 if keep in (True, "kv") else 0
     assert m.kept == q_kept + kv_kept
-    # Q, K, V received into stage 1's operands; O and lse come back
-    assert len(fwd_recv) == 3 and len(fwd) == 2 and sum(fwd_recv) + sum(fwd) == P * m.fwd_peak
+    # Q, K, V received into the remote stages' operands (one buffer per tensor, shared by the S casts);
+    # O and lse come back, one return buffer each per sub-stage, finished before the next
+    assert len(fwd_recv) == 3 and len(fwd) == 2 * NS and fwd == fwd[:2] * NS
+    assert sum(fwd_recv) + sum(fwd[:2]) == P * m.fwd_peak
     # dO, lse, delta (and Q unless kept), K, V unless kept, then dQ, and dK, dV back
-    assert len(bwd_recv) == 3 + (not q_kept) + 2 * (not kv_kept) and len(bwd) == 3
-    assert sum(bwd_recv) + sum(bwd) + P * m.kept == P * m.bwd_peak
+    assert len(bwd_recv) == 3 + (not q_kept) + 2 * (not kv_kept) and len(bwd) == 3 * NS and bwd == bwd[:3] * NS
+    assert sum(bwd_recv) + sum(bwd[:3]) + P * m.kept == P * m.bwd_peak
 
 
 class _IntoRecorder:
@@ -143,8 +154,10 @@ def test_part_of_the_kv_buffer_kept():
     and moved are ``plan.memory``'s and ``pair_bytes``'s."""
     P, c, Hq, Hkv, rows = 4, 16, 4, 2, 20
     S = P * c
+    # one remote stage: the saved tensors and buffers below are its layout (S = 3 sub-stages:
+    # test_kept_rows_with_sub_stages; the default S = 4: test_kept_stages.py)
     config = make_config(P, Hq, Hkv, max_qo_recv_rows=40, max_kv_recv_rows=64, max_qo_send_rows=56,
-                         max_kv_send_rows=88, kept_kv_rows=rows)
+                         max_kv_send_rows=88, kept_kv_rows=rows, num_stages=1)
     plan = solve(varlen_causal_mask(doc_lengths(S, 0)), config)
     assert int(plan.comm.kv_recv_rows.max()) > rows  # some rows past the kept ones are cast again
     m = plan.memory(config)
@@ -189,9 +202,11 @@ def test_kept_kv_rows_must_be_a_row_count():
             dist_attn(q, k, v, plan, LocalGroup(P), kept_kv_rows=bad)
 
 
-def test_fused_reduce_keeps_the_accounting_and_the_results(monkeypatch):
+@pytest.mark.parametrize("stages", [1, "auto"])
+def test_fused_reduce_keeps_the_accounting_and_the_results(monkeypatch, stages):
     """The reduces through groupcomm's fused merge (the GPU default; its kernels under the interpreter
-    here): the same buffers and kept bytes as ``plan.memory()`` says, the torch path's results."""
+    here): the same buffers and kept bytes as ``plan.memory()`` says, the torch path's results, with
+    one remote stage and at the default sub-stages (each sub-stage's reduce its own return buffers)."""
     import groupcomm._reduce
     from groupcomm._merge import fused_reduce
 
@@ -201,8 +216,10 @@ def test_fused_reduce_keeps_the_accounting_and_the_results(monkeypatch):
 
     P, c, Hq, Hkv = 4, 16, 4, 2
     config = make_config(P, Hq, Hkv, max_qo_recv_rows=40, max_kv_recv_rows=64, max_qo_send_rows=56,
-                         max_kv_send_rows=88)
+                         max_kv_send_rows=88, num_stages=stages)
     plan = solve(varlen_causal_mask(doc_lengths(P * c, 0)), config)
+    NS = plan.num_stages
+    assert NS == (1 if stages == 1 else AUTO_STAGES)
     m = plan.memory(config)
     g = torch.Generator().manual_seed(1)
     q = torch.randn(P, c, Hq, D, generator=g, requires_grad=True)
@@ -214,15 +231,24 @@ def test_fused_reduce_keeps_the_accounting_and_the_results(monkeypatch):
         rec, into = _Recorder(group), _IntoRecorder(group)
         q.grad = k.grad = v.grad = None
         with fused_reduce(fused):
-            (out, lse), sizes, _ = _saved(lambda: dist_attn(q, k, v, plan, group))
-            fwd = sum(rec.current) + sum(into.current.values())
+            (out, lse), sizes, held = _saved(lambda: dist_attn(q, k, v, plan, group))
+            fwd_ret, fwd_recv = rec.current, sum(into.current.values())
             rec.current, into.current = [], {}
             (out.sum() + lse.sum()).backward()
-        bwd = sum(rec.current) + sum(into.current.values())
-        assert sum(sizes) == P * c * (2 * Hq * D + 2 * Hkv * D + Hq) * 4 + P * m.kept
-        assert fwd == P * m.fwd_peak and bwd + P * m.kept == P * m.bwd_peak
+        bwd_ret, bwd_recv = rec.current, sum(into.current.values())
+        own = P * c * (2 * Hq * D + 2 * Hkv * D + Hq) * 4
+        if NS == 1:
+            assert sum(sizes) == own + P * m.kept
+        else:  # each sub-stage saves views of the one kept buffer per kind: its storage counts once
+            assert sum(sizes[:5]) == own and 0 <= held - own - P * m.kept <= 2 * Hq // 2 * D * 4 * P
+        # one O and lse return buffer, one dQ and one dK, dV at a time: each sub-stage's the same
+        assert len(fwd_ret) == 2 * NS and fwd_ret == fwd_ret[:2] * NS
+        assert len(bwd_ret) == 3 * NS and bwd_ret == bwd_ret[:3] * NS
+        assert fwd_recv + sum(fwd_ret[:2]) == P * m.fwd_peak
+        assert bwd_recv + sum(bwd_ret[:3]) + P * m.kept == P * m.bwd_peak
         results[fused] = (out, lse, q.grad, k.grad, v.grad)
-        assert calls == (["lse", "sum", "sum"] if fused else [])  # O and lse; dQ; dK and dV
+        # per sub-stage: O and lse in the forward; dQ, then dK and dV in the backward
+        assert calls == (["lse"] * NS + ["sum", "sum"] * NS if fused else [])
         calls.clear()
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), results[False], results[True]):
         assert_close(name, a, b, atol=1e-5, rtol=1e-5)

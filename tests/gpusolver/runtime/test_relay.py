@@ -319,8 +319,9 @@ def check_layer_on_meta(**config_kw):
 
 
 def test_relay_layer_on_meta():
-    """DynamicCPAttention on a two-node topology: solve, relay routing, both hops and backward on meta."""
-    check_layer_on_meta()
+    """DynamicCPAttention on a two-node topology: solve, relay routing, both hops and backward on meta
+    (one remote stage, where relay is the default)."""
+    check_layer_on_meta(num_stages=1)
 
 
 def _gloo_rank(rank, P, transport):
@@ -352,11 +353,16 @@ def test_relay_gloo_two_nodes_of_two(transport):
 
 
 def test_relay_layer_equals_reference():
-    """DynamicCPAttention solves on a topology of two nodes of two and runs the relay plan it built."""
+    """DynamicCPAttention solves on a topology of two nodes of two and runs the relay plan it built
+    (one remote stage: relay's default there; the default sub-stages keep direct transport)."""
+    from gpusolver.plan.build import relay_transport
+
     P, c, Hq, Hkv = 4, 16, 4, 2
+    assert not relay_transport(make_config(P, Hq, Hkv, topology=_topology(2)))
     mask = make_mask("docs-full", P * c, seed=8)
     group = LocalGroup(P)
-    layer = DynamicCPAttention(group, make_config(P, Hq, Hkv, topology=_topology(2)), plan_cache=PlanCache())
+    layer = DynamicCPAttention(group, make_config(P, Hq, Hkv, topology=_topology(2), num_stages=1),
+                               plan_cache=PlanCache())
     q, k, v, d_out, d_lse = make_inputs(P * c, Hq, Hkv, seed=8)
     qs, ks, vs = (shard(x, group).requires_grad_() for x in (q, k, v))
     out, lse = layer(qs, ks, vs, mask, return_lse=True)
@@ -374,7 +380,7 @@ def test_relay_layer_compiles_once():
     from gpusolver.masks import varlen_causal_mask
 
     P, c = 4, 16
-    config = make_config(P, 2, 1, topology=_topology(2))
+    config = make_config(P, 2, 1, topology=_topology(2), num_stages=1)  # relay: one remote stage
     group = LocalGroup(P)
     layer = DynamicCPAttention(group, config, plan_cache=PlanCache())
     eager = DynamicCPAttention(group, config, plan_cache=PlanCache())

@@ -2,9 +2,11 @@
 import pytest
 import torch
 
+from gpusolver.config import AUTO_STAGES
 from gpusolver.plan.schedule import (ATTN, CAST, COMM, COMPUTE, PHASES, REDUCE, WAIT, backward_ops, forward_ops,
                                      stage_area)
 from gpusolver.runtime import dist_attn, shard
+from gpusolver.runtime.pipelined import counter_phases, stage_phase
 from groupcomm import LocalGroup
 from tests.gpusolver.runtime._cases import PHASES_BWD, PHASES_FWD, make_config, make_inputs, make_mask, tight_plan
 
@@ -90,18 +92,22 @@ def test_pair_bytes_equal_local_group_counts(keep):
     qs, ks, vs = (shard(x, group).requires_grad_() for x in (q, k, v))
     out, lse = dist_attn(qs, ks, vs, plan, group, keep_forward_buffers=keep)
     torch.autograd.backward((out, lse), (shard(d_out, group), shard(d_lse, group)))
+    S = plan.num_stages
+    assert S == AUTO_STAGES  # the default: the group counts each collective per sub-stage
     moved = 0
     for phase in PHASES:
-        want = group.pair_traffic(phase)
+        want = sum(group.pair_traffic(ph) for ph in counter_phases((phase,), S))
         got = plan.pair_bytes(phase)
         assert got.dtype == torch.int64 and got.shape == (P, P)
         assert torch.equal(got, want), phase
+        for s in range(1, S + 1):  # and each sub-stage's collective on its own
+            assert torch.equal(plan.pair_bytes(phase, stage=s), group.pair_traffic(stage_phase(phase, s))), (phase, s)
         moved += int(want.sum())
     assert moved > 0
     m = plan.metrics
     for pas, send, recv in (("fwd", m.fwd_send, m.fwd_recv), ("bwd", m.bwd_send, m.bwd_recv)):
         pb = plan.pair_bytes(pas)
-        assert torch.equal(pb, sum(group.pair_traffic(ph) for ph in PHASES if ph.startswith(pas)))
+        assert torch.equal(pb, sum(group.pair_traffic(ph) for ph in counter_phases(PHASES, S) if ph.startswith(pas)))
         assert torch.equal(pb.sum(1), send) and torch.equal(pb.sum(0), recv)
     with pytest.raises(ValueError, match="phase"):
         plan.pair_bytes("fwd.x")
@@ -112,12 +118,19 @@ def test_task_stage_and_stage_area():
     mask = make_mask("docs-full", P * c, seed=1)
     plan, _ = tight_plan(mask, make_config(P, 4, 2))
     st = plan.task_stage
-    assert st.dtype == torch.int32 and st.shape == plan.assignment.shape
+    S = plan.num_stages
+    assert st.dtype == torch.int32 and st.shape == plan.assignment.shape and S == AUTO_STAGES
     a, area = plan.assignment.long(), plan.area
     host = torch.arange(P)
     for g, i, j in torch.cartesian_prod(*(torch.arange(n) for n in st.shape)).tolist():
-        want = -1 if area[g, i, j] == 0 else int(not (a[g, i, j] == host[i] == host[j]))
-        assert st[g, i, j] == want
-    sa = stage_area(plan)
-    assert torch.equal(sa.sum(1), plan.metrics.load)
+        if area[g, i, j] == 0:
+            assert st[g, i, j] == -1
+        elif a[g, i, j] == host[i] == host[j]:
+            assert st[g, i, j] == 0
+        else:  # a remote task: one of the S sub-stages
+            assert 1 <= st[g, i, j] <= S
+    sa = stage_area(plan)  # [P, 2]: local, and every remote sub-stage together
+    full = stage_area(plan, S + 1)
+    assert torch.equal(sa.sum(1), plan.metrics.load) and torch.equal(full.sum(1), plan.metrics.load)
+    assert torch.equal(sa[:, 0], full[:, 0]) and torch.equal(sa[:, 1], full[:, 1:].sum(1))
     assert torch.equal(sa[:, 0], torch.stack([area[:, r, r][a[:, r, r] == r].sum() for r in range(P)]))

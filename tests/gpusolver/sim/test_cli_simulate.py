@@ -4,18 +4,36 @@ import pytest
 from gpusolver.__main__ import main
 
 
+def _ours(text):
+    """(fwd, bwd, step) ms of the printed "ours" row."""
+    ours = next(line for line in text.splitlines() if line.startswith("ours "))
+    return tuple(float(x) for x in ours.split()[1:4])
+
+
 def test_simulate_prints_and_draws(tmp_path, capsys):
     out = tmp_path / "tl.png"
     assert main(["simulate", "-P", "2", "--tokens-per-rank", "64", "--heads", "4:2", "--head-dim", "32",
                  "--dtype", "float32", "--topology", "single_node", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "SIMULATED" in text
+    assert "S = 4 sub-stage(s) over p2p" in text  # the library's defaults: num_stages="auto", TorchGroup p2p
     for row in ("ours", "USP", "balanced USP", "ideal bound (ours)"):
         assert f"\n{row} " in text
-    ours = next(line for line in text.splitlines() if line.startswith("ours "))
-    fwd, bwd, step = (float(x) for x in ours.split()[1:4])
-    assert step == pytest.approx(fwd + bwd, abs=2e-3) and step > 0
+    fwd, bwd, step = _ours(text)
+    # this toy plan moves no rows: over p2p nothing waits on a latency and the step rounds to 0 ms
+    ideal = next(line for line in text.splitlines() if line.startswith("ideal bound (ours)"))
+    assert step == pytest.approx(fwd + bwd, abs=2e-3) and step >= float(ideal.split()[5])
     assert out.stat().st_size > 1000 and out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_simulate_runs_the_old_defaults_when_asked(capsys):
+    assert main(["simulate", "-P", "2", "--tokens-per-rank", "64", "--heads", "4:2", "--head-dim", "32",
+                 "--dtype", "float32", "--topology", "single_node", "--stages", "1", "--comm", "a2a",
+                 "--out", ""]) == 0
+    text = capsys.readouterr().out
+    assert "S = 1 sub-stage(s) over a2a" in text
+    fwd, bwd, step = _ours(text)
+    assert step == pytest.approx(fwd + bwd, abs=2e-3) and step > 0  # each all-to-all-v pays its latency
 
 
 def test_simulate_rejects_a_group_the_topology_cannot_hold():

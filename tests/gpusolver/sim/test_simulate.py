@@ -17,8 +17,8 @@ def _config(P, **kw):
     return SolverConfig(cp_size=P, num_heads_q=HQ, num_heads_kv=HKV, head_dim=D, dtype=torch.float32, **kw)
 
 
-def _plan(mask, P, assignment):
-    config = _config(P)
+def _plan(mask, P, assignment, **kw):
+    config = _config(P, **kw)
     areas = block_areas(mask, P, config.head_groups, impl="torch")
     asg = torch.where(areas.area > 0, torch.as_tensor(assignment, dtype=torch.int32), -1)
     return build_plan(mask, areas, asg, config), areas
@@ -32,7 +32,7 @@ def _two_rank_plan():
     asg = torch.zeros(G, 2, 2, dtype=torch.int32)
     asg[:, 1, 1] = 1
     asg[0, 1, 0], asg[1, 1, 0] = 0, 1
-    return _plan(mask, 2, asg)
+    return _plan(mask, 2, asg, num_stages=1)  # the two-stage layer the schedule below is worked out for
 
 
 def _by_hand(plan, areas, topo, inter):
