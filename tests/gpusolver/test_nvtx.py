@@ -77,7 +77,8 @@ def test_compiled_layer_with_ranges(ranges):
     P, c, Hq, Hkv = 2, 16, 4, 2
     mask = varlen_causal_mask(doc_lengths(P * c, 2))
     group = LocalGroup(P)
-    attn = DynamicCPAttention(group, make_config(P, Hq, Hkv), plan_cache=PlanCache())
+    # the two-stage layer's range names
+    attn = DynamicCPAttention(group, make_config(P, Hq, Hkv, num_stages=1), plan_cache=PlanCache())
     g = torch.Generator().manual_seed(0)
     q, k, v = (shard(torch.randn(P * c, h, 32, generator=g), group).requires_grad_() for h in (Hq, Hkv, Hkv))
 

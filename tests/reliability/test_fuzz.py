@@ -161,7 +161,8 @@ def test_plan_computes_every_entry_exactly_once(m, P, c, tiles, seed, tight, fla
     mask = make_mask(S=S, **m)
     G = 2 if (mask.grouped or flatten) else 1
     config = SolverConfig(cp_size=P, num_heads_q=2 * G, num_heads_kv=G, head_dim=D, dtype=torch.float32,
-                          chunk_tiles=tiles, head_group_flatten=G > 1)
+                          chunk_tiles=tiles, head_group_flatten=G > 1,
+                          num_stages=1)  # plan_coverage reads the two-stage layout
     areas = block_areas(mask, P, G, tiles=tiles)
     assignment = _random_assignment(areas, P, seed)
     # a random assignment is no solver's plan: the default buffers (sized to what solves fill) need
@@ -180,7 +181,7 @@ def test_plan_computes_every_entry_exactly_once(m, P, c, tiles, seed, tight, fla
         stage_cap, row_cap = int(g.integers(1, need + 2)), int(g.integers(0, rows + 2))
         small = build_plan(mask, areas, assignment, config, recv_capacity=row_cap, send_capacity=row_cap)
         small_stage = build_plan(mask, areas, assignment,
-                                 SolverConfig(**{**config.__dict__, "max_stage_slices": stage_cap}))
+                                 config.replaced(max_stage_slices=stage_cap))
         assert bool(int(small.status) & BUFFER_OVERFLOW) == (rows > row_cap)
         assert bool(int(small_stage.status) & CALC_OVERFLOW) == (need > stage_cap)
         if not int(small.status) & BUFFER_OVERFLOW:

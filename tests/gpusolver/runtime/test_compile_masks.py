@@ -37,7 +37,8 @@ def _sparse_masks():
 
 
 def _layers(cache: str, n: int):
-    config = make_config(P, HQ, HKV)
+    # one remote stage: inductor's CPU code for the S > 1 layer fails a bounds check (open, docs/support_matrix.md)
+    config = make_config(P, HQ, HKV, num_stages=1)
     group = LocalGroup(P)
     if cache == "shared":  # the process-wide default
         default_plan_cache().clear()
