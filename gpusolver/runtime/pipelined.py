@@ -162,16 +162,20 @@ def _merge(o_a, l_a, o_b, l_b, lead: int):
 MERGE_PIECES = 8
 
 
+def _windows(total: int):
+    """(start, width) of ``MERGE_PIECES`` row windows covering ``total`` rows."""
+    step = max(1, -(-total // MERGE_PIECES))
+    for start in range(0, total, step):
+        yield start, min(step, total - start)
+
+
 def _merge_into(acc: Operands, o_s, l_s, lead: int) -> None:
     """Merge one stage's (out, lse) into the accumulator's rows, in place, a window of rows at a
     time: the merge is elementwise (the same bits in any windows), and the fp32 copy of the stage's
     out and the merged result then never exist for all rows at once (both are as large as the
     accumulator itself)."""
     a_o, a_l = acc.x
-    total = a_o.shape[lead]
-    step = max(1, -(-total // MERGE_PIECES))
-    for start in range(0, total, step):
-        width = min(step, total - start)
+    for start, width in _windows(a_o.shape[lead]):
         o_w, l_w = rows(a_o, lead, start, width), rows(a_l, lead, start, width)
         o_m, l_m = _merge(o_w, l_w, rows(o_s, lead, start, width), rows(l_s, lead, start, width), lead)
         o_w.copy_(o_m)
@@ -184,10 +188,7 @@ def _merge_returned(host, returned, dtype: torch.dtype, lead: int):
     returned (out, lse) in order, merged a window of rows at a time into outputs allocated once."""
     h_o, h_l = host
     out, lse = torch.empty_like(h_o, dtype=dtype), torch.empty_like(h_l)
-    total = h_o.shape[lead]
-    step = max(1, -(-total // MERGE_PIECES))
-    for start in range(0, total, step):
-        width = min(step, total - start)
+    for start, width in _windows(h_o.shape[lead]):
         o, l_ = rows(h_o, lead, start, width), rows(h_l, lead, start, width)
         for r_o, r_l in returned:
             o, l_ = _merge(o, l_, rows(r_o, lead, start, width), rows(r_l, lead, start, width), lead)
@@ -222,12 +223,12 @@ def _gather_remote(x: torch.Tensor, gather: torch.Tensor, n: int, lead: int, dty
     never sent). An overflowed plan run sync-free (``validate=False``, its status flagged) can name
     rows past the receive capacity, which its casts dropped: they read the last row, so the layer
     runs bounded instead of indexing out of range."""
-    rows = x.shape[lead] - n
-    if rows == 0:  # no receive rows at all: nothing was received, the buffer is zeros
+    n_recv = x.shape[lead] - n
+    if n_recv == 0:  # no receive rows at all: nothing was received, the buffer is zeros
         shape = (*gather.shape, *x.shape[lead + 1:]) if lead else (gather.shape[0], *x.shape[1:])
         return x.new_zeros(shape, dtype=dtype)
-    remote = x.narrow(lead, n, rows)
-    idx = gather.clamp(min=0, max=rows - 1)
+    remote = x.narrow(lead, n, n_recv)
+    idx = gather.clamp(min=0, max=n_recv - 1)
     if lead == 0:
         return remote.index_select(0, idx).to(dtype)
     b = torch.arange(remote.shape[0], device=idx.device)[:, None]
