@@ -127,10 +127,12 @@ class SolverConfig:
                         spans nodes the solve prices each byte by its link (an
                         InfiniBand byte weighs ``link_weights``); None, or a group
                         inside one node, gives the plans of an untopologised solve.
-    ib_relay:           inter-node transport. None (default): relay wherever the
-                        group spans nodes (``relays``) and the plan has one remote
-                        stage (sub-stages: direct, ``plan.build.relay_transport``); False: every rank pulls its
-                        own copy across nodes; True: relay (an error without nodes).
+    ib_relay:           inter-node transport, the one the solve prices and the plan runs
+                        (``relays``). None (default): relay wherever the group spans
+                        nodes and the plan has one remote stage; direct with sub-stages
+                        (the default S = 4 of slice masks) and for sparse plans; False: every
+                        rank pulls its own copy across nodes; True: relay at every S (an
+                        error without nodes, and for sparse plans).
     imbalance_auto:     a time-aware mu (opt-in; needs ``topology``). False (default):
                         mu = ``imbalance_tol``. True: ``imbalance_tol`` is the upper
                         bound; the device solve runs once per candidate bound
@@ -266,11 +268,20 @@ class SolverConfig:
 
     @property
     def relays(self) -> bool:
-        """Whether inter-node rows travel by relay: each (unit, remote node) crosses InfiniBand once,
-        host to ``Topology.relay_rank(host, node)``, and fans out over NVLink from there; partial
-        results merge on the relay before they cross back. On by default wherever the group spans
-        nodes (``link_weights`` is not None); ``ib_relay=False`` keeps direct transport."""
-        return self.link_weights is not None and self.ib_relay is not False
+        """Whether this config's slice-mask plans route inter-node rows by relay: each (unit, remote
+        node) crosses InfiniBand once, host to ``Topology.relay_rank(host, node)``, and fans out over
+        NVLink from there; partial results merge on the relay before they cross back.
+
+        The one answer the solver prices (``solver.core.Tasks.relays``, its strategies) and the plan
+        builder builds (``plan.build.relay_transport``), so the objective is what runs. Only where the
+        group spans nodes (``link_weights`` is not None). ``ib_relay=None`` (default): relay with one
+        remote stage (``num_stages=1``), direct with sub-stages (the default ``"auto"`` resolves to S = 4
+        for slice masks; relayed sub-stages measured no faster than direct there, simulated,
+        ``benchmarks/results/relay_stages.md``); ``ib_relay=True``: relay at every S;
+        ``ib_relay=False``: direct. Sparse plans always travel direct (``SparseSolverConfig.relays``)."""
+        if self.link_weights is None or self.ib_relay is False:
+            return False
+        return self.ib_relay is True or self.num_stages == 1
 
     @property
     def head_groups(self) -> int:

@@ -141,18 +141,23 @@ def build_plan(mask: AttnSlices, areas: BlockAreas, assignment: torch.Tensor, co
 
 
 def relay_transport(config: SolverConfig, sparse: bool = False) -> bool:
-    """Whether a plan of ``config`` routes inter-node rows by relay (``SolverConfig.relays``).
+    """Whether a plan of ``config`` routes inter-node rows by relay.
 
-    Relay runs slice-mask plans, with one remote stage or with S > 1 sub-stages (each
-    sub-stage's casts and reduces relayed on their own, ``plan.relay.stage_relay_routes``).
-    Asked for explicitly (``ib_relay=True``) for a sparse plan it is a ValueError; by default
-    (``ib_relay=None``) sparse plans keep direct transport (docs/support_matrix.md), and so do
-    plans with sub-stages: there relay is opt-in (``ib_relay=True``), because each relayed
-    reduce is a chain of hops the last sub-stage cannot hide (simulated at S = 4 over p2p:
-    1.00-1.07x the direct step, ``benchmarks/results/relay_stages.md``).
+    Slice-mask plans: ``config.relays``, the same answer the solver prices its moves by
+    (``solver.core.Tasks.relays``), so a plan runs the transport its assignment was chosen for.
+    By default (``ib_relay=None``) that is relay with one remote stage and direct with sub-stages
+    (the default S = 4): each relayed reduce is a chain of hops the last sub-stage cannot hide
+    (simulated at S = 4 over p2p: 1.00-1.07x the direct step, ``benchmarks/results/relay_stages.md``);
+    ``ib_relay=True`` relays every sub-stage's casts and reduces on their own
+    (``plan.relay.stage_relay_routes``). Sparse plans (``sparse``) travel direct
+    (docs/support_matrix.md); ``ib_relay=True`` there is a ValueError.
     """
-    if not config.relays:
-        return False
+    if not sparse:
+        return config.relays
+    if config.ib_relay:
+        raise ValueError("ib_relay=True is not supported with a sparse plan (relay transport runs slice-mask "
+                         "plans): set SolverConfig(ib_relay=False) or leave ib_relay=None for direct transport there")
+    return False
     if not sparse:
         return config.num_stages == 1 or bool(config.ib_relay)
     if config.ib_relay:

@@ -116,6 +116,12 @@ class SparseSolverConfig(SolverConfig):
     selection_bytes: int = 0
     branches: int = 1
 
+    @property
+    def relays(self) -> bool:
+        """False: sparse plans travel direct (``plan.build.relay_transport(sparse=True)``), so their
+        solve prices direct transport, each byte still weighed by its link (``link_weights``)."""
+        return False
+
     def cost(self) -> SparseCommCost:
         return SparseCommCost(self.num_heads_q, self.num_heads_kv, self.head_dim, self.dtype_bytes,
                               self.head_groups, self.keep_forward_buffers,

@@ -106,8 +106,10 @@ class Tasks:
         # (ranks per node, NVLink weight, InfiniBand weight): every byte priced by the link it
         # crosses; None when all links are alike (the plain-byte solve, untouched)
         self.links = config.link_weights
-        # inter-node rows travel by relay (``SolverConfig.relays``): each (unit, remote node) crosses
-        # InfiniBand once, host to ``Topology.relay_rank``, then NVLink to the node's other consumers
+        # inter-node rows travel by relay (``SolverConfig.relays``, the answer the plan builder's
+        # ``relay_transport`` gives too, so the solve prices the transport that runs): each (unit,
+        # remote node) crosses InfiniBand once, host to ``Topology.relay_rank``, then NVLink to the
+        # node's other consumers
         self.relays = config.relays
         self.problem = (areas, config)  # what the "nodes" start solves over the nodes
         # the plan's receive and send buffers, in group-major rows per rank: (QO recv, KV recv, QO
