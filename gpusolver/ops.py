@@ -50,14 +50,16 @@ def solve_assignment_op(area: torch.Tensor, q_need: torch.Tensor, k_need: torch.
                         max_qo_send_rows: int = -1, max_kv_send_rows: int = -1, keep_only: str = "",
                         ranks_per_node: int = 0, nvlink_gbps: float = 0.0, ib_gbps: float = 0.0,
                         nics_per_node: int = 0, imbalance_auto: bool = False, attn_tflops: float = 1.0,
-                        bwd_flops_ratio: float = 2.5, bwd_attn_tflops: float = 1.0) -> torch.Tensor:
+                        bwd_flops_ratio: float = 2.5, bwd_attn_tflops: float = 1.0,
+                        relays: bool = False) -> torch.Tensor:
     from gpusolver.solver.device import solve_device
     from gpusolver.topology import Topology
 
     G = area.shape[0]
     rows = buffer_fields(max_recv_rows, max_qo_recv_rows, max_kv_recv_rows, max_qo_send_rows, max_kv_send_rows)
     # the solver reads the links of a topology (ranks_per_node 0: none), and with imbalance_auto its
-    # attention rates (the step model of ``solver.balance``)
+    # attention rates (the step model of ``solver.balance``); ``relays`` is the caller's resolved
+    # transport (``SolverConfig.relays``: it hangs on ``ib_relay`` and ``num_stages``), priced as given
     topology = None if ranks_per_node <= 0 else Topology(ranks_per_node=ranks_per_node, nvlink_gbps=nvlink_gbps,
                                                          ib_gbps=ib_gbps, attn_tflops=attn_tflops,
                                                          bwd_flops_ratio=bwd_flops_ratio,
@@ -66,7 +68,8 @@ def solve_assignment_op(area: torch.Tensor, q_need: torch.Tensor, k_need: torch.
     config = SolverConfig(cp_size=cp_size, num_heads_q=num_heads_q, num_heads_kv=num_heads_kv, head_dim=head_dim,
                           dtype=dtype, imbalance_tol=imbalance_tol, head_group_flatten=G != 1, chunk_tiles=tiles,
                           objective=objective, keep_forward_buffers=keep_only or keep_forward_buffers,
-                          auto_tiles=auto_tiles, topology=topology, imbalance_auto=imbalance_auto, **rows)
+                          auto_tiles=auto_tiles, topology=topology, imbalance_auto=imbalance_auto,
+                          ib_relay=bool(relays), **rows)
     return solve_device(BlockAreas(area, q_need, k_need, chunk, tiles), config, impl=impl).assignment
 
 
@@ -76,7 +79,7 @@ def _solve_assignment_fake(area, q_need, k_need, chunk, cp_size, tiles, num_head
                            auto_tiles=False, max_qo_recv_rows=-1, max_kv_recv_rows=-1, max_qo_send_rows=-1,
                            max_kv_send_rows=-1, keep_only="", ranks_per_node=0, nvlink_gbps=0.0, ib_gbps=0.0,
                            nics_per_node=0, imbalance_auto=False, attn_tflops=1.0, bwd_flops_ratio=2.5,
-                           bwd_attn_tflops=1.0):
+                           bwd_attn_tflops=1.0, relays=False):
     return area.new_empty(area.shape, dtype=torch.int32)
 
 
@@ -100,7 +103,8 @@ def solve_op_options(config: SolverConfig) -> tuple:
     """The trailing arguments of ``solve_assignment_op`` from a config: objective, kept buffers,
     receive rows (-1 for the default), auto tiles, the per-kind buffer rows, the one kind kept
     ("qo" / "kv", or "" when ``keep_forward_buffers`` is a bool), the topology's links (ranks
-    per node 0: none), ``imbalance_auto`` and the topology's attention rates (what it prices by)."""
+    per node 0: none), ``imbalance_auto``, the topology's attention rates (what it prices by) and
+    ``config.relays`` (the transport the plan will run, so the compiled solve prices it too)."""
     shared, *kinds = buffer_ints(config)
     keep = config.keep_forward_buffers
     only = keep if isinstance(keep, str) else ""
@@ -110,4 +114,4 @@ def solve_op_options(config: SolverConfig) -> tuple:
     rates = (1.0, 2.5, 1.0) if topo is None else (float(topo.attn_tflops), float(topo.bwd_flops_ratio),
                                                   float(topo.bwd_attn_tflops))
     return (config.objective, keep is True, shared, config.auto_tiles, *kinds, only) + links + \
-        (config.imbalance_auto,) + rates
+        (config.imbalance_auto,) + rates + (config.relays,)

@@ -4,7 +4,9 @@ Each (unit, remote node) crosses InfiniBand once, host to ``Topology.relay_rank`
 hull of what that node's consumers need, then NVLink from the relay to the node's other
 consumers; partial results come back the same two hops. The state's bytes per rank and link
 class equal a per-hop count made here cell by cell; the Triton state equals the torch one;
-``ib_relay=False`` keeps direct transport's prices.
+``ib_relay=False`` keeps direct transport's prices. The solve prices the transport the plan runs
+(``SolverConfig.relays`` is ``plan.build.relay_transport``'s answer): relay with one remote stage or
+``ib_relay=True``, direct with the default sub-stages.
 """
 import pytest
 import torch
@@ -56,7 +58,7 @@ def test_relay_tokens_equal_hop_count():
     P, G, per_node = 6, 2, 2
     gen = torch.Generator().manual_seed(5)
     areas = _random_areas(gen, P, G)
-    tasks = core.Tasks(areas, _config(P, G, topology=_nodes(per_node)))
+    tasks = core.Tasks(areas, _config(P, G, topology=_nodes(per_node), num_stages=1))
     assert tasks.relays
     A = _random_assignments(gen, tasks, 2)
     st = state_ref.state(tasks, A)
@@ -89,7 +91,7 @@ def test_direct_transport_keeps_its_prices():
 
 @pytest.mark.slow
 def test_state_triton_equals_torch_with_relays():
-    """(The default tier: ``test_solver_topology``'s state and bundle twins, relays on by default.)
+    """(The default tier: ``test_solver_topology``'s state and bundle twins, relay priced.)
     Untiled and tiled, nodes of 2 and 3 (a node size that is not a power of two)."""
     from gpusolver.solver.state.kernel import state_triton
     from tests.gpusolver.test_solver_kernels import _check_state
@@ -97,7 +99,7 @@ def test_state_triton_equals_torch_with_relays():
     for P, per_node, G, tiles, seed in ((4, 2, 2, 1, 0), (6, 3, 1, 2, 1), (8, 2, 1, 1, 2)):
         gen = torch.Generator().manual_seed(seed)
         areas = _random_areas(gen, P, G, **({} if tiles == 1 else {"chunk": 8, "tiles": tiles}))
-        tasks = core.Tasks(areas, _config(P, G, tiles, topology=_nodes(per_node)))
+        tasks = core.Tasks(areas, _config(P, G, tiles, topology=_nodes(per_node), num_stages=1))
         A = _random_assignments(gen, tasks, 2)
         ref = state_ref.state(tasks, A)
         assert ref.nodes.shape == (6, 2, G * P * tiles, P // per_node)
@@ -110,7 +112,7 @@ def test_relay_hops_equal_hop_count():
     P, G, per_node = 8, 2, 4
     gen = torch.Generator().manual_seed(8)
     areas = _random_areas(gen, P, G, chunk=8, tiles=2)
-    tasks = core.Tasks(areas, _config(P, G, 2, topology=_nodes(per_node)))
+    tasks = core.Tasks(areas, _config(P, G, 2, topology=_nodes(per_node), num_stages=1))
     A = _random_assignments(gen, tasks, 2)
     st = state_ref.state(tasks, A)
     for x in ((st.qlen, st.q_lo, st.q_hi), (st.klen, st.k_lo, st.k_hi)):
@@ -128,7 +130,7 @@ def test_bundle_proposals_triton_equal_torch_with_relays():
     for P, per_node, objective, tiles, seed in ((8, 4, "training", 1, 3), (6, 3, "forward", 1, 4),
                                                 (4, 2, "training", 2, 5)):
         ref = _bundle_case(P, 1, 2, 2, 4, True, 4, seed, tiles=tiles, states=("triton",), objective=objective,
-                           topology=_nodes(per_node))
+                           topology=_nodes(per_node), ib_relay=True)
         direct = _bundle_case(P, 1, 2, 2, 4, True, 4, seed, tiles=tiles, states=(), objective=objective,
                               topology=_nodes(per_node), ib_relay=False)
         assert ref.ok.any()
@@ -136,7 +138,8 @@ def test_bundle_proposals_triton_equal_torch_with_relays():
 
 
 # Plans of the direct-priced topology solve, computed on the solver before it priced relays (main
-# at dc1ce3e): ``ib_relay=False`` must keep them bit for bit, while the relay's plans differ.
+# at dc1ce3e): ``ib_relay=False`` must keep them bit for bit, and so must the default sub-stages
+# (S = 4 runs direct transport, so its solve prices direct), while the relay's plans differ.
 _DIRECT_DIGESTS = {(8, 2, 256, 3): "2246ef51cda18b12d865", (16, 4, 256, 0): "59ef8ddc9dfe84ed1cbf"}
 
 
@@ -162,7 +165,35 @@ def _topology_digest(P, per_node, tokens, seed, **kw):
 def test_direct_transport_keeps_its_plans():
     for case, digest in _DIRECT_DIGESTS.items():
         assert _topology_digest(*case, ib_relay=False) == digest, case
-        assert _topology_digest(*case) != digest, case  # relays priced: another plan
+        assert _topology_digest(*case) == digest, case  # num_stages="auto" (S = 4): direct runs, direct priced
+        relay = _topology_digest(*case, num_stages=1)
+        assert relay != digest, case  # one remote stage: relay runs, relay priced: another plan
+        assert _topology_digest(*case, ib_relay=True) == relay, case  # relay at S = 4 too: the same prices
+
+
+@pytest.mark.parametrize("per_node,P", [(2, 8), (4, 16), (8, 8), (16, 8)], ids=lambda v: str(v))
+def test_solver_prices_the_transport_that_runs(per_node, P):
+    """``Tasks.relays`` (what the solve prices) is ``relay_transport`` (what the plan builder runs) for
+    every S and ``ib_relay``; relay only where the group spans nodes, with S = 1 or ``ib_relay=True``;
+    sparse plans (``SparseSolverConfig``) travel direct and price direct."""
+    from gpusolver.config import SolverConfig
+    from gpusolver.plan.build import relay_transport
+    from gpusolver.plan.sparse import SelectionSpec, sparse_config
+
+    gen = torch.Generator().manual_seed(P + per_node)
+    areas = _random_areas(gen, P, 1)
+    spans = per_node < P
+    for S in ("auto", 1, 2, 4):
+        for ib_relay in ((None, True, False) if spans else (None, False)):
+            config = _config(P, 1, topology=_nodes(per_node), num_stages=S, ib_relay=ib_relay)
+            tasks = core.Tasks(areas, config)
+            want = spans and ib_relay is not False and (ib_relay is True or config.num_stages == 1)
+            assert tasks.relays == relay_transport(config) == want, (S, ib_relay)
+            assert (tasks.links is not None) == spans
+            sparse = sparse_config(config.for_sparse(), SelectionSpec(1, 1, 4))
+            if ib_relay is not True:  # ib_relay=True is refused for sparse plans (test_relay_bad_input)
+                assert not core.Tasks(areas, sparse).relays and not relay_transport(config.for_sparse(), sparse=True)
+    assert SolverConfig(cp_size=P, topology=_nodes(per_node)).num_stages == 4  # "auto": direct where it spans
 
 
 def test_state_bytes_equal_the_transports_pair_bytes():

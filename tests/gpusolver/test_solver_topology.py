@@ -78,14 +78,16 @@ def test_state_matches_torch_with_topology(shape, G, tiles, seed):
     P, per_node = shape
     gen = torch.Generator().manual_seed(seed)
     areas = _random_areas(gen, P, G, **({} if tiles == 1 else {"chunk": 8, "tiles": tiles}))
-    tasks = core.Tasks(areas, _config(P, G, tiles, topology=_nodes(per_node)))
+    # one remote stage: relay transport, priced (the direct state's twin: ib_relay=False below)
+    tasks = core.Tasks(areas, _config(P, G, tiles, topology=_nodes(per_node), num_stages=1))
     A = _random_assignments(gen, tasks, 2)
     _check_state(state_ref.state(tasks, A), state_triton(tasks, A))
 
 
 def test_bundle_proposals_match_torch_with_topology_small():
     """One fixed small round (the default tier's check; the sweeps below are slow)."""
-    _bundle_case(4, 1, 2, 1, 2, True, 16, 3, states=("triton",), topology=_nodes(2))
+    _bundle_case(4, 1, 2, 1, 2, True, 16, 3, states=("triton",), topology=_nodes(2), ib_relay=True)
+    _bundle_case(4, 1, 2, 1, 2, True, 16, 3, states=("triton",), topology=_nodes(2))  # S = 4: priced direct
 
 
 @pytest.mark.slow
@@ -97,7 +99,7 @@ def test_bundle_proposals_match_torch_with_topology_small():
 def test_bundle_proposals_match_torch_with_topology(shape, G, K, D, sideways, singles, tile, objective, rows, seed):
     P, per_node = shape
     _bundle_case(P, G, 2, K, D, sideways, tile, seed, singles=singles, objective=objective, rows=rows,
-                 topology=_nodes(per_node))
+                 topology=_nodes(per_node), ib_relay=True)
 
 
 @pytest.mark.slow
@@ -106,7 +108,7 @@ def test_bundle_proposals_match_torch_with_topology(shape, G, K, D, sideways, si
        rows=st.sampled_from([None, 4]), seed=st.integers(0, 2**31 - 1))
 def test_bundle_proposals_match_torch_with_topology_tiled(K, D, objective, rows, seed):
     _bundle_case(4, 1, 2, K, D, True, 4, seed, tiles=2, states=("triton",), objective=objective, rows=rows,
-                 topology=_nodes(2))
+                 topology=_nodes(2), ib_relay=True)
 
 
 _SMALL = (Strategy((3.0, float("inf")), units_per_rank=2, bundle_dests=4),
@@ -114,15 +116,15 @@ _SMALL = (Strategy((3.0, float("inf")), units_per_rank=2, bundle_dests=4),
           NODES_STRATEGY)
 
 
-def _case(P, G, tokens, topology, seed=1):
+def _case(P, G, tokens, topology, seed=1, **kw):
     config = SolverConfig(cp_size=P, num_heads_q=4 * G, num_heads_kv=G, head_dim=8, dtype=torch.float16,
-                          chunk_tiles=1, topology=topology)
+                          chunk_tiles=1, topology=topology, **kw)
     return block_areas(packed_documents(tokens * P, seed=seed, causal=True), P, G, impl="torch"), config
 
 
 @pytest.mark.slow
 def test_solve_triton_equals_torch_with_topology():
-    areas, config = _case(4, 2, 64, _nodes(2))
+    areas, config = _case(4, 2, 64, _nodes(2), num_stages=1)  # relay priced
     kw = dict(rounds=3, strategies=_SMALL, restart_every=2)
     ref, tri = solve_device(areas, config, impl="torch", **kw), solve_device(areas, config, impl="triton", **kw)
     for f in dataclasses.fields(ref):
@@ -189,10 +191,18 @@ def test_node_start_balances_the_nodes():
 
 
 def test_compile_op_carries_the_topology():
-    """The custom op ``solve`` uses under torch.compile solves with the config's topology."""
+    """The custom op ``solve`` uses under torch.compile solves with the config's topology and the
+    transport its plan runs (``SolverConfig.relays``): relay with one remote stage, direct with the
+    default sub-stages or ``ib_relay=False``; the two transports' plans differ here."""
     from gpusolver.ops import solve_assignment_op, solve_op_options
 
-    areas, config = _case(4, 2, 128, _nodes(2), seed=3)
-    op = solve_assignment_op(areas.area, areas.q_need, areas.k_need, areas.chunk, 4, 1, 8, 2, 8, torch.float16,
-                             config.imbalance_tol, "torch", *solve_op_options(config))
-    assert torch.equal(op, solve_device(areas, config, impl="torch").assignment)
+    got = {}
+    for name, kw in (("direct, S = 4", {}), ("relay, S = 1", {"num_stages": 1}),
+                     ("direct, S = 1", {"num_stages": 1, "ib_relay": False})):
+        areas, config = _case(4, 2, 128, _nodes(2), seed=3, **kw)
+        op = solve_assignment_op(areas.area, areas.q_need, areas.k_need, areas.chunk, 4, 1, 8, 2, 8, torch.float16,
+                                 config.imbalance_tol, "torch", *solve_op_options(config))
+        assert torch.equal(op, solve_device(areas, config, impl="torch").assignment), name
+        got[name] = op
+    assert torch.equal(got["direct, S = 4"], got["direct, S = 1"])
+    assert not torch.equal(got["relay, S = 1"], got["direct, S = 1"])
