@@ -284,9 +284,10 @@ def test_relay_bad_input():
     with pytest.raises(ValueError, match="ib_relay=True.*sparse plan"):
         from gpusolver.plan.build import relay_transport
         relay_transport(make_config(P, 4, 2, topology=topo, ib_relay=True), sparse=True)
-    # sub-stage plans relay when asked (``test_relay_stages``)
+    # sub-stage plans relay when asked (``test_relay_stages``), and their solve prices what runs
     cfg = make_config(P, 4, 2, topology=topo, num_stages=2)
-    assert cfg.relays and not relay_transport(cfg) and relay_transport(replace(cfg, ib_relay=True))
+    assert not cfg.relays and not relay_transport(cfg)
+    assert replace(cfg, ib_relay=True).relays and relay_transport(replace(cfg, ib_relay=True))
     _, plan, _, _ = _plans("docs-causal", P, 4)
     with pytest.raises(ValueError, match="hop must be"):
         plan.pair_bytes("fwd", hop=4)
