@@ -30,12 +30,22 @@ Per plan, from its own bytes per (source, destination) and hop (``Plan.pair_byte
     python benchmarks/relay_bench.py --plan-cache build/relay_plans     # P = 16, 32, 64; seed 0
 
 With ``--stages S`` (default 4; 1 skips it) a second table gives the SIMULATED training step of the
-relay-priced solve's assignment (``SolverConfig(topology=...)``, the default on a cluster) built
+relay-priced solve's assignment (``SolverConfig(topology=..., ib_relay=True)``; the default at S = 1) built
 four ways: one remote stage with direct and with relay transport (a2a), and S sub-stages with
 direct and with relay transport (p2p: ``TorchGroup(transport="p2p")``, each rank starting when its
 own rows land; and a2a), next to its ideal bound, USP and load-balanced USP (``simulate_baseline``):
 
     python benchmarks/relay_bench.py --plan-cache build/relay_plans --step-only   # relay_stages.md
+
+With ``--pricing`` it prints only a third table, the price-what-runs check at S sub-stages over p2p
+(``--seeds``, default 0): (a) the relay-priced solve's assignment run with direct transport (what
+``num_stages="auto"`` did before the solve priced the transport that runs), (b) the direct-priced
+solve's run direct (the default now: ``SolverConfig(topology=...)`` prices direct at S > 1) and
+(c) the relay-priced solve's run with relay transport (``ib_relay=True``), each with its forward
+IB bytes per GPU next to USP's, its IB time and its SIMULATED step next to USP's and load-balanced
+USP's:
+
+    python benchmarks/relay_bench.py --plan-cache build/relay_plans --pricing --seeds 0,1   # relay_pricing.md
 """
 from __future__ import annotations
 
@@ -50,7 +60,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, run as a script or loaded by path
 
 from _common import (  # noqa: E402
-    RESULTS_DIR, add_cluster_sweep_args, cached_assignment, cluster_sweep, environment, make_mask, markdown_table, write_results,
+    RESULTS_DIR, add_cluster_sweep_args, cached_assignment, cluster_sweep, environment, make_mask, markdown_table,
+    median, write_results,
 )
 from topology_solve import link_bottlenecks, usp_ib_fwd  # noqa: E402
 from gpusolver.areas import block_areas  # noqa: E402
@@ -73,14 +84,17 @@ COLUMNS = [
 
 def solved_assignment(kind: str, P: int, seed: int, tokens: int, cache, topology=None, relay_priced=False):
     """The solver's assignment (without topology: today's; with: the topology-aware solve, priced
-    for direct transport or, with ``relay_priced``, for the relay transport) and its CPU solve
-    seconds (None when read from the cache)."""
+    for direct transport (``ib_relay=False``, the plans of the default at S > 1) or, with
+    ``relay_priced``, for the relay transport (``ib_relay=True``; the prices the default gave every
+    S before the solve priced the transport that runs)) and its CPU solve seconds (None when read
+    from the cache)."""
     tag = "" if topology is None else f"_{topology.name}" + ("_relay" if relay_priced else "")
     path = None if not cache else Path(cache) / f"{kind}_P{P}_s{seed}_c{tokens}{tag}.pt"
     if path is not None and path.exists():
         return Plan.load(path).assignment, None
     config = SolverConfig(cp_size=P, topology=topology,
-                          ib_relay=None if topology is None or relay_priced else False)
+                          ib_relay=None if topology is None else bool(relay_priced))
+    assert topology is None or config.relays == relay_priced
     mask = make_mask(kind, P, seed, tokens_per_rank=tokens)
     areas = block_areas(mask, P, config.head_groups, impl="torch")
     return cached_assignment(mask, areas, config, path)
@@ -198,6 +212,73 @@ def step_rows(kind: str, P: int, seed: int, topology, tokens: int, cache, stages
     return rows
 
 
+PRICING_COLUMNS = [
+    ("kind", "kind", ""), ("P", "P", "d"), ("seed", "seed", "d"), ("case", "case", ""),
+    ("priced", "priced", ""), ("runs", "runs", ""),
+    ("step ms (sim.)", "step_ms", ".2f"), ("step / (b)", "step_vs_b", ".3f"),
+    ("IB fwd MB/GPU", "ib_fwd_mb", ".1f"), ("USP IB fwd MB/GPU", "usp_ib_fwd_mb", ".1f"),
+    ("IB fwd / USP", "ib_fwd_vs_usp", ".2f"), ("IB ms (sim.)", "ib_ms", ".2f"),
+    ("exposed %", "exposed_pct", ".1f"), ("imbalance", "imbalance", ".3f"),
+    ("step / USP", "step_vs_usp", ".3f"), ("step / bal. USP", "step_vs_usp_bal", ".3f"),
+]
+# (case, solve priced for relay, plan runs relay): what the default did at S > 1 before this table,
+# what it does now, and relay at every sub-stage (ib_relay=True)
+PRICING_CASES = (("(a)", True, False), ("(b)", False, False), ("(c)", True, True))
+
+
+def pricing_rows(kind: str, P: int, seed: int, topology, tokens: int, cache, stages: int) -> list[dict]:
+    """The three (priced, runs) cases of ``PRICING_CASES`` at ``stages`` sub-stages over p2p, and
+    USP's and load-balanced USP's step on the same shards (SIMULATED)."""
+    mask = make_mask(kind, P, seed, tokens_per_rank=tokens)
+    base = SolverConfig(cp_size=P)
+    areas = block_areas(mask, P, base.head_groups, impl="torch")
+    usp = simulate_baseline("usp", mask, base, topology).step_ms
+    bal = simulate_baseline("usp_balanced", mask, base, topology).step_ms
+    usp_fwd = usp_ib_fwd(base, mask.total_seqlen_q, topology.ranks_per_node)
+    L = topology.ranks_per_node
+    nic_bps = topology.ib_gbps * 1e9 * topology.nics_per_node / L
+    default = SolverConfig(cp_size=P, topology=topology)
+    rows = []
+    for case, relay_priced, relay_runs in PRICING_CASES:
+        asg = solved_assignment(kind, P, seed, tokens, cache, topology, relay_priced=relay_priced)[0]
+        config = replace(base, topology=topology, ib_relay=relay_runs, num_stages=stages)
+        plan = build_plan(mask, areas, asg, config)
+        assert (plan.relay is not None) == relay_runs and plan.num_stages == stages
+        t = simulate(plan, topology, comm="p2p")
+        ib_fwd, _ = link_bottlenecks(plan.pair_bytes("fwd"), L)
+        ib_bwd, _ = link_bottlenecks(plan.pair_bytes("bwd"), L)
+        rows.append({"kind": kind, "P": P, "seed": seed, "S": stages, "case": case,
+                     "priced": "relay" if relay_priced else "direct", "runs": "relay" if relay_runs else "direct",
+                     # the default config prices (and, at this S, runs) this case's transport
+                     "default": default.relays == relay_priced == relay_runs and default.num_stages == stages,
+                     "step_ms": t.step_ms, "fwd_ms": t.fwd_ms, "bwd_ms": t.bwd_ms, "ideal_ms": t.ideal_ms,
+                     "exposed_pct": 100 * t.exposed_comm_ms / t.step_ms, "ib_fwd_mb": ib_fwd / 1e6,
+                     "ib_bwd_mb": ib_bwd / 1e6, "usp_ib_fwd_mb": usp_fwd / 1e6, "ib_fwd_vs_usp": ib_fwd / usp_fwd,
+                     "ib_ms": (ib_fwd + ib_bwd) / nic_bps * 1e3, "imbalance": float(plan.metrics.imbalance),
+                     "status": int(plan.status), "usp_step_ms": usp, "usp_balanced_step_ms": bal,
+                     "step_vs_usp": t.step_ms / usp, "step_vs_usp_bal": t.step_ms / bal})
+    b = next(r for r in rows if r["case"] == "(b)")
+    for r in rows:
+        r["step_vs_b"] = r["step_ms"] / b["step_ms"]
+    return rows
+
+
+def _pricing_summary(rows: list[dict]) -> str:
+    """Per case: the median and range of step / (b), and the cells where it beats (b)."""
+    out = []
+    for case, relay_priced, relay_runs in PRICING_CASES:
+        cells = [r for r in rows if r["case"] == case]
+        vs = [r["step_vs_b"] for r in cells]
+        wins = sum(v < 1 for v in vs)
+        out.append(f"- {case} priced {'relay' if relay_priced else 'direct'}, runs "
+                   f"{'relay' if relay_runs else 'direct'}: step / (b) median {median(vs):.3f} "
+                   f"(range {min(vs):.3f}-{max(vs):.3f}), below (b) in {wins} of {len(cells)} cells; "
+                   f"step / bal. USP median {median([r['step_vs_usp_bal'] for r in cells]):.3f}, "
+                   f"step / USP median {median([r['step_vs_usp'] for r in cells]):.3f}; "
+                   f"IB fwd / USP worst {max(r['ib_fwd_vs_usp'] for r in cells):.2f}.\n")
+    return "".join(out)
+
+
 def _step_verdict(rows: list[dict], stages: int) -> str:
     targets = {16: 0.85, 32: 0.75, 64: 0.65}
     out = []
@@ -236,11 +317,49 @@ def main(argv=None) -> dict:
     p.add_argument("--step-only", action="store_true", help="only the step table (relay with sub-stages)")
     p.add_argument("--stages-json", default=str(RESULTS_DIR / "relay_stages.json"))
     p.add_argument("--stages-md", default=str(RESULTS_DIR / "relay_stages.md"))
+    p.add_argument("--pricing", action="store_true",
+                   help="only the price-what-runs table at --stages sub-stages over p2p (relay_pricing.md)")
+    p.add_argument("--seeds", default="0", help="mask seeds of the --pricing table (default 0)")
+    p.add_argument("--pricing-json", default=str(RESULTS_DIR / "relay_pricing.json"))
+    p.add_argument("--pricing-md", default=str(RESULTS_DIR / "relay_pricing.md"))
     args = p.parse_args(argv)
     sizes, kinds, topology = cluster_sweep(p, args)
     if args.stages < 1:
         p.error(f"--stages must be >= 1, got {args.stages}")
     torch.set_num_threads(1)
+    cmd = "python benchmarks/relay_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.pricing:
+        if args.stages < 2:
+            p.error(f"--pricing needs --stages >= 2 (the sub-stages whose transport is priced), got {args.stages}")
+        try:
+            seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+        except ValueError:
+            p.error(f"--seeds must be comma-separated ints, got {args.seeds!r}")
+        if not seeds or any(x < 0 for x in seeds):
+            p.error(f"--seeds must list seeds >= 0, got {args.seeds!r}")
+        prices = []
+        for kind in kinds:
+            for P in sizes:
+                for seed in seeds:
+                    t0 = time.perf_counter()
+                    got = pricing_rows(kind, P, seed, topology, args.tokens, args.plan_cache, args.stages)
+                    prices += got
+                    print(markdown_table(got, PRICING_COLUMNS) + f"\n({time.perf_counter() - t0:.0f} s)", flush=True)
+        text = (f"# Price what runs: the solve's transport at S = {args.stages} over p2p ({topology.name}, SIMULATED)\n\n"
+                f"Packed causal and full documents, seeds {', '.join(map(str, seeds))}, {args.tokens} tokens per rank, "
+                "GQA 64:8, D = 128, bf16, mu = 1.10, nodes of 8, S sub-stages, p2p (`TorchGroup(transport=\"p2p\")`). "
+                "(a) the relay-priced solve's assignment (`ib_relay=True` prices) run with direct transport: what "
+                "`num_stages=\"auto\"` gave before the solve priced the transport that runs; (b) the direct-priced "
+                "solve's (`ib_relay=False` prices: the default's now) run direct; (c) the relay-priced solve's run "
+                "with relay (`ib_relay=True`). IB fwd MB/GPU: the largest over GPUs of max(sent, received) to and "
+                "from other nodes (`Plan.pair_bytes`); USP's: its ring over nodes; IB ms: (IB fwd + IB bwd) / NIC "
+                "bandwidth, ideal. Every time is simulated by `gpusolver.sim` (the runtime's own op lists, priced), "
+                "not measured; USP and bal. USP: `simulate_baseline` on the same shards. "
+                "Command: `PYTHONPATH=. " + cmd + "`.\n\n"
+                + markdown_table(prices, PRICING_COLUMNS) + "\n\n" + _pricing_summary(prices))
+        print("\n" + text)
+        write_results(args.pricing_json, {"environment": environment(), "rows": prices}, args.pricing_md, text)
+        return {"pricing": prices}
     steps = []
     if args.stages > 1:
         for kind in kinds:
@@ -248,11 +367,10 @@ def main(argv=None) -> dict:
                 got = step_rows(kind, P, args.seed, topology, args.tokens, args.plan_cache, args.stages)
                 steps += got
                 print(markdown_table(got, STEP_COLUMNS), flush=True)
-        cmd = "python benchmarks/relay_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
         text = (f"# Relay transport with sub-stages: the training step ({topology.name}, SIMULATED)\n\n"
                 f"Packed causal and full documents, seed {args.seed}, {args.tokens} tokens per rank, GQA 64:8, "
                 "D = 128, bf16, mu = 1.10, nodes of 8. One assignment per cell: the relay-priced solve's "
-                "(`SolverConfig(topology=...)`), built with one remote stage (S = 1) and with S sub-stages, "
+                "(`SolverConfig(topology=..., ib_relay=True)`), built with one remote stage (S = 1) and with S sub-stages, "
                 "direct (`ib_relay=False`) or relay transport. Every time is simulated by `gpusolver.sim` "
                 "(the runtime's own op lists, priced), not measured. comm: a2a, every collective an "
                 "all-to-all-v; p2p, `TorchGroup(transport=\"p2p\")`. USP and bal. USP: "
@@ -272,9 +390,9 @@ def main(argv=None) -> dict:
     text = (f"# Relay transport on today's plans ({topology.name})\n\n"
             f"Packed causal and full documents, seed {args.seed}, {args.tokens} tokens per rank, GQA 64:8, D = 128, "
             "bf16, mu = 1.10; today's assignment (solved without topology), built with direct and with relay "
-            "transport, and the topology-aware solve's assignment (`SolverConfig(topology=...)`, which prices "
-            "direct transport) built with relay, and the relay-priced solve's (`SolverConfig(topology=...)` "
-            "with relays, the default) built with relay. With more than two nodes a relay plan matches its hosts' "
+            "transport, and the topology-aware solve's assignment (`SolverConfig(topology=..., ib_relay=False)`, "
+            "which prices direct transport) built with relay, and the relay-priced solve's "
+            "(`SolverConfig(topology=..., ib_relay=True)`, the default's prices at S = 1) built with relay. With more than two nodes a relay plan matches its hosts' "
             "crossings to rails per node pair (`plan.relay.matched_rails`, egress pre-hop over NVLink). "
             "IB ms and step ms are simulated (`gpusolver.sim`; IB ms: ideal bytes / NIC bandwidth). "
             "Command: `python benchmarks/relay_bench.py --plan-cache build/relay_plans`.\n\n"
