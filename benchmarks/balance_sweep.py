@@ -2,7 +2,7 @@
 
 For each benchmark mask (packed causal and full documents, 8K tokens per
 rank, GQA 64:8, D = 128, bf16) and each mu in ``--mus`` it solves the
-relay-priced topology-aware plan (``SolverConfig(topology=..., imbalance_tol=mu)``,
+relay-priced topology-aware plan (``SolverConfig(topology=..., imbalance_tol=mu, ib_relay=True)``,
 relay transport, the best of today's variants in ``relay_bench``) on the CPU
 torch path, builds it with S = 1 and S = 4 sub-stages and simulates the step
 (``gpusolver.sim.simulate``, the runtime's own op lists; relay hops priced on
@@ -62,8 +62,10 @@ AUTO = "relay solve, auto mu"
 
 
 def solve_config(P: int, mu: float, topology, topo_solve: bool) -> SolverConfig:
-    """The config of a cell's solve: relay-priced on ``topology`` (``topo_solve``), or untopologised."""
-    return SolverConfig(cp_size=P, imbalance_tol=mu, topology=topology if topo_solve else None)
+    """The config of a cell's solve: relay-priced on ``topology`` (``topo_solve``; ``ib_relay=True``
+    prices relay at every S), or untopologised."""
+    return SolverConfig(cp_size=P, imbalance_tol=mu, topology=topology if topo_solve else None,
+                        ib_relay=True if topo_solve else None)
 
 
 def auto_assignment(areas, config: SolverConfig, path: Path | None):

@@ -8,7 +8,8 @@ CPU torch path three ways:
   copy across nodes): its bytes are the plan's own (``Plan.pair_bytes``);
 - direct: ``SolverConfig(topology=..., ib_relay=False)``, bytes priced by link
   for direct transport (the plan's own bytes again);
-- relay: ``SolverConfig(topology=...)`` (relays by default), priced by the relay
+- relay: ``SolverConfig(topology=..., num_stages=1)`` (one remote stage: relays by default;
+  with sub-stages the default prices and runs direct), priced by the relay
   transport's hops; its bytes are the relay transport's own (``plan.relay``,
   ``Plan.pair_bytes(phase, hop=)``: each (unit, remote node) crosses InfiniBand
   once, host to ``Topology.relay_rank``, with the node hull of the rows its
@@ -67,7 +68,7 @@ def relay_pair_bytes(plan, mask, config: SolverConfig):
     the solver prices it (phase "fwd"/"bwd", class 0 NVLink, 1 InfiniBand): each hop's down
     tokens (Q, K/V there) and, on the reversed hop, the results back (O; dQ, dK/dV). The same
     rule as the transport's, but with every relay buffer large enough."""
-    cfg = config if config.relays else replace(config, ib_relay=None)
+    cfg = config if config.relays else replace(config, ib_relay=True)
     areas = block_areas(mask, cfg.cp_size, cfg.head_groups, impl="torch", tiles=cfg.chunk_tiles)
     tasks = Tasks(areas, cfg)
     a = plan.assignment.long().reshape(-1)
@@ -90,7 +91,7 @@ def _peak(pair: torch.Tensor) -> int:
 def measure(kind: str, P: int, seed: int, topology, tokens: int) -> list[dict]:
     mask = make_mask(kind, P, seed, tokens_per_rank=tokens)
     base = SolverConfig(cp_size=P)
-    relay_cfg = replace(base, topology=topology)
+    relay_cfg = replace(base, topology=topology, num_stages=1)  # one remote stage: relay priced and run
     usp_fwd = usp_ib_fwd(base, mask.total_seqlen_q, topology.ranks_per_node)
     nic_bps = topology.ib_gbps * 1e9 * topology.nics_per_node / topology.ranks_per_node
     rows = []

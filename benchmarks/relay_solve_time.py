@@ -54,7 +54,7 @@ def main(argv=None) -> dict:
         for P in sizes:
             mask = make_mask(kind, P, 0, tokens_per_rank=TOKENS_PER_RANK)
             base = SolverConfig(cp_size=P)
-            relay = replace(base, topology=PRESETS[args.topology])
+            relay = replace(base, topology=PRESETS[args.topology], ib_relay=True)  # relay priced at every S
             areas = block_areas(mask, P, base.head_groups, impl="torch")
             t = {"today": [], "relay": []}
             for _ in range(args.repeats):

@@ -66,7 +66,8 @@ def measure(P: int, impl: str, device: str, rounds: int = DEFAULT_ROUNDS, ranks_
     (``ranks_per_node`` > 0: topology-aware, nodes of that many ranks with h200_hgx links, priced
     for the relay transport unless ``direct``)."""
     topology = replace(h200_hgx, ranks_per_node=ranks_per_node, nics_per_node=None) if ranks_per_node else None
-    config = SolverConfig(cp_size=P, topology=topology, ib_relay=False if direct and topology else None)
+    spans = topology is not None and ranks_per_node < P  # relay priced (ib_relay=True: at every S) unless direct
+    config = SolverConfig(cp_size=P, topology=topology, ib_relay=(not direct) if spans else None)
     mask = make_mask("causal", P, seed=0, device=device)
     areas = block_areas(mask, P, config.head_groups, impl="torch")
     one, two = count(areas, config, impl, 1), count(areas, config, impl, 2)
