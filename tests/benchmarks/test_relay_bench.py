@@ -39,3 +39,26 @@ def test_relay_bench_small(tmp_path, capsys):
     usp = next(r for r in steps if r["transport"] == "USP")
     assert all(abs(r["step_vs_usp"] - r["step_ms"] / usp["step_ms"]) < 1e-12 for r in steps)
     assert "SIMULATED" in (tmp_path / "s.md").read_text()
+
+
+def test_relay_bench_pricing_small(tmp_path):
+    """``--pricing``: the three (priced, runs) cases, (b) the default's own, (c) relay plans."""
+    saved_path, saved_threads = list(sys.path), torch.get_num_threads()
+    spec = importlib.util.spec_from_file_location("_bench_relay_pricing", _BENCH / "relay_bench.py")
+    mod = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(mod)
+        out = mod.main(["--P", "16", "--kinds", "full", "--tokens", "64", "--pricing", "--stages", "2",
+                        "--seeds", "0", "--plan-cache", str(tmp_path / "plans"),
+                        "--pricing-json", str(tmp_path / "p.json"), "--pricing-md", str(tmp_path / "p.md")])
+    finally:
+        sys.path[:] = saved_path
+        torch.set_num_threads(saved_threads)
+    rows = {r["case"]: r for r in out["pricing"]}
+    assert [(rows[c]["priced"], rows[c]["runs"]) for c in ("(a)", "(b)", "(c)")] == [
+        ("relay", "direct"), ("direct", "direct"), ("relay", "relay")]
+    assert [rows[c]["default"] for c in ("(a)", "(b)", "(c)")] == [False, True, False]
+    assert rows["(b)"]["step_vs_b"] == 1.0 and all(r["status"] == 0 for r in rows.values())
+    assert all(abs(r["step_vs_usp"] - r["step_ms"] / r["usp_step_ms"]) < 1e-12 for r in rows.values())
+    assert "SIMULATED" in (tmp_path / "p.md").read_text()
+    assert len(json.loads((tmp_path / "p.json").read_text())["rows"]) == 3
