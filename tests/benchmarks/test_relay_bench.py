@@ -42,13 +42,13 @@ def test_relay_bench_small(tmp_path, capsys):
 
 
 def test_relay_bench_pricing_small(tmp_path):
-    """``--pricing``: the three (priced, runs) cases, (b) the default's own, (c) relay plans."""
+    """``--pricing`` at S = 4 (the default): the three (priced, runs) cases, (b) the default's own, (c) relay plans."""
     saved_path, saved_threads = list(sys.path), torch.get_num_threads()
     spec = importlib.util.spec_from_file_location("_bench_relay_pricing", _BENCH / "relay_bench.py")
     mod = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(mod)
-        out = mod.main(["--P", "16", "--kinds", "full", "--tokens", "64", "--pricing", "--stages", "2",
+        out = mod.main(["--P", "16", "--kinds", "full", "--tokens", "64", "--pricing", "--stages", "4",
                         "--seeds", "0", "--plan-cache", str(tmp_path / "plans"),
                         "--pricing-json", str(tmp_path / "p.json"), "--pricing-md", str(tmp_path / "p.md")])
     finally:
