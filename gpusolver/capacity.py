@@ -124,17 +124,28 @@ def keep_for_budget(config: SolverConfig, chunk: int) -> SolverConfig:
     ``memory_budget * plain_kept_bytes``; then, when K and V are allowed but their whole buffer
     does not fit, the first rows of it that fit in the room left (``kept_kv_rows``; the rest
     is cast again in the backward, per sub-stage with S > 1: the S casts share the buffer, so the
-    kept bytes and the stages do not depend on each other). Without a budget, ``config`` itself.
+    kept bytes and the stages do not depend on each other; relay transport, whose backward has no
+    such tail cast, keeps whole kinds only). Without a budget, ``config`` itself; with
+    ``kept_kv_rows`` set, the caller's choice (the budget dropped).
     Host ints only: every rank resolves the same choice.
     """
     if config.memory_budget is None:
         return config
+    if config.kept_kv_rows is not None:  # the caller chose the kept rows: theirs, not the budget's
+        return config.replaced(memory_budget=None)
     allowed = set(kept_kinds(config.keep_forward_buffers))
     room = config.memory_budget * plain_kept_bytes(config, chunk) - plain_kept_bytes(config, chunk)
-    fits = [k for k in _KEEP_ORDER if set(kept_kinds(k)) <= allowed and kept_bytes(config, chunk, k) <= room]
-    best = max(fits, key=lambda k: kept_bytes(config, chunk, k))  # False always fits; first on ties
+    # a plain loop, not max(key=...): a module's solve runs under torch.compile(fullgraph=True),
+    # where dynamo traces this host arithmetic and has no max with a key
+    best, best_bytes = False, 0  # False always fits
+    for k in _KEEP_ORDER:
+        b = kept_bytes(config, chunk, k)
+        if set(kept_kinds(k)) <= allowed and b <= room and b > best_bytes:  # first on ties
+            best, best_bytes = k, b
     kv_rows = None
-    if "kv" in allowed and "kv" not in kept_kinds(best):
+    # relay transport keeps whole kinds only: its backward has no tail cast of a part-kept buffer
+    relayed = config.relays and (config.num_stages == 1 or bool(config.ib_relay))
+    if "kv" in allowed and "kv" not in kept_kinds(best) and not relayed:
         rows = int((room - kept_bytes(config, chunk, best)) // config.cost().kv_fwd)
         if rows > 0:  # fewer than the whole buffer: it did not fit
             best, kv_rows = _with_kv(best), rows

@@ -86,8 +86,11 @@ class SolverConfig:
                         only K and V (the other kind is sent again).
     memory_budget:      what a layer keeps for its backward, at most this multiple of
                         what plain attention of the rank's shard keeps (q, k, v,
-                        out, lse). None (default): helpers keep what
-                        ``keep_forward_buffers`` says. Set: of the kinds it allows,
+                        out, lse). 1.5 (default): on the benchmark masks the step
+                        stays within 1.5 % of keeping everything at P = 8-64
+                        (simulated, benchmarks/results/layer_memory_budget_stages*.md),
+                        while keeping everything holds 2.7-3.3x. None: helpers keep
+                        what ``keep_forward_buffers`` says. Set: of the kinds it allows,
                         they keep the largest set of receive buffers that fits
                         (``capacity.keep_for_budget``, a function of the config
                         and c alone), at row granularity for K and V: the first
@@ -161,7 +164,7 @@ class SolverConfig:
     max_qo_send_rows: int | None = None
     max_kv_send_rows: int | None = None
     keep_forward_buffers: bool | str = True
-    memory_budget: float | None = None
+    memory_budget: float | None = 1.5
     kept_kv_rows: int | None = None
     objective: str = "training"
     num_stages: int | str = "auto"

@@ -479,8 +479,8 @@ def check_plan_digest(plan: Plan, group, config_key: int, *, validate: bool) -> 
 
 
 def dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, group, *,
-              softmax_scale: float | None = None, deterministic: bool = True, keep_forward_buffers: bool | str = True,
-              validate: bool | None = None, debug_digest: bool = False,
+              softmax_scale: float | None = None, deterministic: bool = True,
+              keep_forward_buffers: bool | str | None = None, validate: bool | None = None, debug_digest: bool = False,
               config_key: int | None = None, kept_kv_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of this rank's query shard over the whole sequence, as ``plan`` assigns the work.
 
@@ -494,10 +494,11 @@ def dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, gro
         softmax_scale: default ``D ** -0.5``.
         deterministic: partial results are reduced rank by rank in a fixed order
             (no float atomics), so outputs are bit-identical across runs.
-        keep_forward_buffers: keep the received Q, K, V for the backward (True, default; the
-            plan's backward volumes assume this unless its config says otherwise), cast them
+        keep_forward_buffers: keep the received Q, K, V for the backward (True), cast them
             again (False: less activation memory, more bytes), or keep one kind only ("qo": Q,
-            "kv": K and V; the other is cast again).
+            "kv": K and V; the other is cast again). None (default): what the plan's solve
+            priced (``plan.cost``: the kinds and the KV rows ``SolverConfig.memory_budget``
+            keeps), True for a plan without a cost.
         validate: read ``plan.status`` on the host and raise on a capacity overflow or a
             mask the plan does not fit (default: on for CPU tensors; off on GPU, where
             reading it would sync, and under ``torch.compile``, where it would break the graph).
@@ -509,7 +510,8 @@ def dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, gro
             default: one of the plan's shape (P, c, G, capacities, mu).
         kept_kv_rows: with K and V kept, keep only the first this many rows of the KV receive
             buffer (``SolverConfig.kept_kv_rows``, as ``capacity.keep_for_budget`` resolves a
-            ``memory_budget``); the rows past them are cast again in the backward. None: all.
+            ``memory_budget``); the rows past them are cast again in the backward. None: all,
+            or with ``keep_forward_buffers=None`` the plan's.
             With S sub-stages the rows are those of the one buffer the S casts share: each
             sub-stage's cast again moves its rows past them (``runtime.kept_rows``).
 
@@ -540,10 +542,19 @@ def dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, gro
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     with nvtx_range("solve/routes"):
         routes = layer_routes(plan, group)
+    if keep_forward_buffers is None:  # run what the solve priced
+        cost = plan.cost
+        keep_forward_buffers = True if cost is None else cost.keep_forward_buffers
+        if kept_kv_rows is None and cost is not None:
+            kept_kv_rows = cost.kept_kv_rows
     keep = kept_kinds(keep_forward_buffers)
     if kept_kv_rows is not None:
         if isinstance(kept_kv_rows, bool) or not isinstance(kept_kv_rows, int) or kept_kv_rows < 0:
             raise ValueError(f"kept_kv_rows must be None or a non-negative int, got {kept_kv_rows!r}")
+        if plan.relay is not None and kept_kv_rows < plan.comm.kv_recv_capacity:
+            raise ValueError(f"kept_kv_rows={kept_kv_rows} keeps part of the KV buffer, which relay transport does "
+                             f"not run (plan.relay is set): keep whole kinds (keep_forward_buffers) or solve with "
+                             f"SolverConfig(ib_relay=False)")
     # the whole buffer when it fits in kept_kv_rows (-1)
     kv_rows = -1 if kept_kv_rows is None or kept_kv_rows >= plan.comm.kv_recv_capacity else kept_kv_rows
     return _DistAttn.apply(q, k, v, routes, group, scale, keep, kv_rows, bool(deterministic))

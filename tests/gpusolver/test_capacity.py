@@ -57,7 +57,16 @@ def test_budget_keeps_the_most_that_fits():
     # the budget chooses only among what keep_forward_buffers allows
     assert keep_for_budget(SolverConfig(cp_size=8, keep_forward_buffers="qo", memory_budget=100.0), c) \
         .keep_forward_buffers == "qo"
-    assert keep_for_budget(base, c) is base
+    unbounded = SolverConfig(cp_size=8, memory_budget=None)
+    assert keep_for_budget(unbounded, c) is unbounded
+    # the default budget, 1.5: the first KV rows that fit, nothing of Q (its buffer alone is past it)
+    assert base.memory_budget == 1.5
+    default = keep_for_budget(base, c)
+    assert default.keep_forward_buffers == "kv" and 0 < default.kept_kv_rows < kv_recv
+    assert kept_bytes(default, c, "kv", default.kept_kv_rows) <= 0.5 * plain
+    # rows the caller chose are theirs, and the budget is dropped
+    chosen = keep_for_budget(SolverConfig(cp_size=8, kept_kv_rows=7), c)
+    assert chosen.kept_kv_rows == 7 and chosen.memory_budget is None
 
 
 def test_budget_keeps_kv_rows_at_any_stage_count():

@@ -209,8 +209,9 @@ def test_state_bytes_equal_the_transports_pair_bytes():
 
     P, per_node, G = 8, 4, 2
     # one remote stage: relay is its default transport (sub-stages travel direct unless ib_relay=True)
+    # memory_budget=None: the solver's Tasks below price the config as given, keeping everything
     config = SolverConfig(cp_size=P, num_heads_q=8, num_heads_kv=G, head_dim=8, dtype=torch.float16, chunk_tiles=1,
-                          topology=_nodes(per_node), num_stages=1)
+                          topology=_nodes(per_node), num_stages=1, memory_budget=None)
     mask = packed_documents(256 * P, seed=3, causal=False)
     plan = solve(mask, config, impl="torch")
     assert plan.relay is not None

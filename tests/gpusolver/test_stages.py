@@ -18,8 +18,8 @@ from gpusolver.topology import Topology, h200_hgx
 from tests.gpusolver.runtime._cases import make_config, make_mask
 
 
-def _solved(P=8, c=16, S=4, tiles=1, name="docs-causal", seed=1):
-    config = make_config(P, 4, 2, True, tiles, num_stages=S)
+def _solved(P=8, c=16, S=4, tiles=1, name="docs-causal", seed=1, **kw):
+    config = make_config(P, 4, 2, True, tiles, num_stages=S, **kw)
     mask = make_mask(name, P * c, seed=seed)
     plan = solve(mask, config, solver="reference", validate=False)
     areas = block_areas(mask, P, config.head_groups, impl="torch", tiles=tiles)
@@ -112,8 +112,10 @@ def test_one_stage_is_the_two_stage_plan():
 
 @pytest.mark.parametrize("tiles", [1, 2])
 def test_per_stage_routing_adds_up(tiles):
-    mask, areas, plan, config = _solved(S=4, tiles=tiles)
-    one = build_plan(mask, areas, plan.assignment, make_config(8, 4, 2, True, tiles, num_stages=1))
+    # whole buffers kept: a part-kept KV buffer casts again the rows past its kept ones, which are
+    # not the same rows in the one-stage and the sub-stage layouts
+    mask, areas, plan, config = _solved(S=4, tiles=tiles, memory_budget=None)
+    one = build_plan(mask, areas, plan.assignment, make_config(8, 4, 2, True, tiles, num_stages=1, memory_budget=None))
     comm = plan.comm
     for kind in ("qo", "kv"):
         total = getattr(comm, f"{kind}_split")

@@ -55,7 +55,7 @@ def test_plan_memory_equals_the_runtime(keep, stages):
     P, c, Hq, Hkv = 4, 16, 4, 2
     S = P * c
     config = make_config(P, Hq, Hkv, keep_forward_buffers=keep, max_qo_recv_rows=40, max_kv_recv_rows=64,
-                         max_qo_send_rows=56, max_kv_send_rows=88, num_stages=stages)
+                         max_qo_send_rows=56, max_kv_send_rows=88, num_stages=stages, memory_budget=None)
     plan = solve(varlen_causal_mask(doc_lengths(S, 0)), config)
     NS = plan.num_stages
     assert NS == (1 if stages == 1 else AUTO_STAGES)
@@ -119,11 +119,11 @@ def test_sub_stages_share_the_receive_memory(keep):
     P, c, Hq, Hkv, S = 4, 16, 4, 2, 3
     caps = dict(max_qo_recv_rows=40, max_kv_recv_rows=64, max_qo_send_rows=56, max_kv_send_rows=88)
     mask = varlen_causal_mask(doc_lengths(P * c, 0))
-    config = make_config(P, Hq, Hkv, keep_forward_buffers=keep, num_stages=S, **caps)
+    config = make_config(P, Hq, Hkv, keep_forward_buffers=keep, num_stages=S, memory_budget=None, **caps)
     plan = solve(mask, config)
     assert plan.num_stages == S and int((plan.task_stage > 1).sum()) > 0
     m = plan.memory(config)
-    one = solve(mask, make_config(P, Hq, Hkv, keep_forward_buffers=keep, **caps)).memory(config)
+    one = solve(mask, make_config(P, Hq, Hkv, keep_forward_buffers=keep, memory_budget=None, **caps)).memory(config)
     assert m.kept == one.kept
     g = torch.Generator().manual_seed(0)
     q = torch.randn(P, c, Hq, D, generator=g, requires_grad=True)

@@ -298,6 +298,16 @@ def test_relay_bad_input():
     with pytest.raises(ValueError, match="qo_relay must be a non-negative int"):
         relay_rows(cfg, 16, 4, qo_relay=-1)
     assert backward_ops(2, True, relay=True)[0].name == "bwd.delta"
+    # relay keeps whole kinds: the budget keeps no part of the KV buffer there, and asking for one is
+    # an error, not a layer that silently keeps it all
+    from gpusolver.capacity import keep_for_budget
+    relayed = make_config(P, 4, 2, topology=topo, num_stages=1)
+    assert relayed.memory_budget == 1.5 and keep_for_budget(relayed, 16).kept_kv_rows is None
+    assert keep_for_budget(replace(relayed, ib_relay=False), 16).kept_kv_rows is not None
+    q = torch.randn(P, 16, 4, D)
+    k = torch.randn(P, 16, 2, D)
+    with pytest.raises(ValueError, match="kept_kv_rows=1 keeps part of the KV buffer"):
+        dist_attn(q, k, k, plan, LocalGroup(P), kept_kv_rows=1)
 
 
 def check_layer_on_meta(**config_kw):

@@ -131,7 +131,8 @@ def test_stages_per_kind_keep_and_capacities(keep):
     P, c, Hq, Hkv, S = 4, 16, 4, 2, 3
     T = P * c
     mask = make_mask("docs-causal", T, seed=3)
-    plan, config = _per_kind_plan(mask, make_config(P, Hq, Hkv, num_stages=S, keep_forward_buffers=keep))
+    plan, config = _per_kind_plan(mask, make_config(P, Hq, Hkv, num_stages=S, keep_forward_buffers=keep,
+                                                    memory_budget=None))
     comm = plan.comm
     assert comm.num_stages == S and comm.qo_recv_capacity != comm.kv_recv_capacity
     inputs = make_inputs(T, Hq, Hkv, seed=3)
