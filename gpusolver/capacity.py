@@ -144,8 +144,7 @@ def keep_for_budget(config: SolverConfig, chunk: int) -> SolverConfig:
             best, best_bytes = k, b
     kv_rows = None
     # relay transport keeps whole kinds only: its backward has no tail cast of a part-kept buffer
-    relayed = config.relays and (config.num_stages == 1 or bool(config.ib_relay))
-    if "kv" in allowed and "kv" not in kept_kinds(best) and not relayed:
+    if "kv" in allowed and "kv" not in kept_kinds(best) and not config.relays:
         rows = int((room - kept_bytes(config, chunk, best)) // config.cost().kv_fwd)
         if rows > 0:  # fewer than the whole buffer: it did not fit
             best, kv_rows = _with_kv(best), rows

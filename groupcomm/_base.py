@@ -54,6 +54,23 @@ class HostTraffic:
         self._bytes.clear()
 
 
+def first_true(mask: torch.Tensor) -> torch.Tensor:
+    """``mask [B, N]`` bool -> ``[B, 1]`` int64: the first True position of each row, 0 when none
+    (what ``mask.to(torch.int8).argmax(1, keepdim=True)`` gives in eager).
+
+    A min over int64 positions rather than that argmax: inductor's CPU code for a vectorized
+    int8/uint8 argmax reduces more value lanes than it has index lanes, so a row with no True
+    (all values tied) can return an uninitialized index (upstream fix open: pytorch/pytorch#191543),
+    which the gather after it then reads out of bounds. int64 lanes match the index lanes.
+    """
+    B, N = mask.shape
+    if N == 0:
+        return torch.zeros(B, 1, dtype=torch.int64, device=mask.device)
+    pos = torch.arange(N, device=mask.device)
+    first = torch.where(mask, pos, N).amin(1, keepdim=True)            # N when none
+    return first.masked_fill(first == N, 0)
+
+
 # Sync-free backends cannot raise on a bad routing value without a host read: they flag it
 # through a sink that ``gpusolver.errors`` installs (this package imports nothing of ours).
 _error_sink = None
@@ -100,11 +117,11 @@ def flag_routing(op: str, phase: str, split: torch.Tensor, send_index: torch.Ten
     neg = own.amin(1)
     idx_bad = (send_index < -1) | (send_index >= n_rows)
     idx_val = torch.where(idx_bad, send_index, torch.zeros_like(send_index)).gather(
-        1, idx_bad.to(torch.int8).argmax(1, keepdim=True))[:, 0]
+        1, first_true(idx_bad))[:, 0]
     checks = torch.stack([neg < 0, recv > capacity, sent > C, idx_bad.any(1)], 1)   # [B, 4]
     count = torch.stack([neg, recv, sent, idx_val], 1)
     limit = torch.stack([torch.full((B,), v, dtype=torch.int64, device=split.device)
                          for v in (0, capacity, C, n_rows)], 1)
-    which = checks.to(torch.int8).argmax(1, keepdim=True)                 # first failing check per rank
+    which = first_true(checks)                                            # first failing check per rank
     values = torch.cat([which, ranks[:, None], count.gather(1, which), limit.gather(1, which)], 1)
     _error_sink(f"{op} ({phase})", "split/send_index", _routing_message, checks.any(1), values)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from ._base import first_true
+
 
 def put_rows_ref(src: torch.Tensor, index: torch.Tensor, peer: torch.Tensor, row: torch.Tensor,
                  out: torch.Tensor) -> torch.Tensor:
@@ -55,7 +57,7 @@ def put_rows_inplace(src: torch.Tensor, index: torch.Tensor, peer: torch.Tensor,
     if N == 0 or P * R == 0:
         return out
     ok = (index >= 0) & (index < N) & (peer >= 0) & (peer < P) & (row >= 0) & (row < R)
-    first = ok.to(torch.int8).argmax(1, keepdim=True)                  # [B, 1]: 0 when none is valid
+    first = first_true(ok)                                             # [B, 1]: 0 when none is valid
     any_ok = ok.any(1)                                                 # [B]
     pick = lambda t: torch.where(ok, t, t.gather(1, first))            # noqa: E731
     idx = pick(index).clamp(0, N - 1)

@@ -158,9 +158,3 @@ def relay_transport(config: SolverConfig, sparse: bool = False) -> bool:
         raise ValueError("ib_relay=True is not supported with a sparse plan (relay transport runs slice-mask "
                          "plans): set SolverConfig(ib_relay=False) or leave ib_relay=None for direct transport there")
     return False
-    if not sparse:
-        return config.num_stages == 1 or bool(config.ib_relay)
-    if config.ib_relay:
-        raise ValueError("ib_relay=True is not supported with a sparse plan (relay transport runs slice-mask "
-                         "plans): set SolverConfig(ib_relay=False) or leave ib_relay=None for direct transport there")
-    return False

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from groupcomm import LocalGroup, group_cast, group_reduce
+from groupcomm._base import first_true
 from groupcomm._put_kernel import put_rows
 from groupcomm._put_ref import put_rows_inplace, put_rows_ref
 from groupcomm._routing import put_targets
@@ -147,6 +148,20 @@ def test_put_in_place_equals_twin_in_a_strided_view():
     put_rows_inplace(src, index, peer, row, view)
     assert torch.equal(view, ref)
     assert torch.equal(out[:, :2], base[:, :2]) and torch.equal(out[:, 2 + R:], base[:, 2 + R:])
+
+
+@pytest.mark.parametrize("B,N", [(3, 1), (4, 16), (5, 37)], ids=["B3-N1", "B4-N16", "B5-N37"])
+def test_first_true_equals_argmax(B, N):
+    """The first True of each row, 0 for a row with none: eager ``argmax`` of the int8 mask, exactly.
+    (Compiled, the int8 argmax could return garbage for a row with none; that failure depended on
+    stack bytes, so the inductor check is end to end: test_compile_masks.py::test_slices_inductor.)"""
+    g = torch.Generator().manual_seed(N)
+    mask = torch.rand(B, N, generator=g) < 0.2
+    mask[0] = False                               # a row with no True
+    mask[-1, -1] = True                           # a row whose only True may be the last
+    mask[-1, :-1] = False
+    assert torch.equal(first_true(mask), mask.to(torch.int8).argmax(1, keepdim=True))
+    assert first_true(torch.zeros(B, 0, dtype=torch.bool)).tolist() == [[0]] * B
 
 
 def test_consumed_partials_are_freed_before_the_sums(monkeypatch):

@@ -36,9 +36,10 @@ def _sparse_masks():
     return [TokenTopKMask(dsa_topk_indices(S, 6, seed=s), S) for s in (1, 2, 3)]
 
 
-def _layers(cache: str, n: int):
-    # one remote stage: inductor's CPU code for the S > 1 layer fails a bounds check (open, docs/support_matrix.md)
-    config = make_config(P, HQ, HKV, num_stages=1)
+def _layers(cache: str, n: int, num_stages="auto"):
+    # the default num_stages ("auto": S = 4 sub-stages for slice masks), where a sub-stage's cast
+    # can have a rank that sends no row: the tied int8 argmax inductor's CPU code got wrong (CHANGELOG)
+    config = make_config(P, HQ, HKV, num_stages=num_stages)
     group = LocalGroup(P)
     if cache == "shared":  # the process-wide default
         default_plan_cache().clear()
@@ -53,8 +54,9 @@ def _stack(layers, q, k, v, mask):
     return out
 
 
-def _check_sequence(masks, backend: str, cache: str, layers: int = 1, grads: bool = False):
-    group, compiled_layers = _layers(cache, layers)
+def _check_sequence(masks, backend: str, cache: str, layers: int = 1, grads: bool = False,
+                    num_stages="auto"):
+    group, compiled_layers = _layers(cache, layers, num_stages)
     q, k, v, d_out, _ = (shard(x, group) for x in make_inputs(S, HQ, HKV, seed=7))
 
     def leaves():
@@ -63,7 +65,7 @@ def _check_sequence(masks, backend: str, cache: str, layers: int = 1, grads: boo
     refs = {}
     for i in sorted(set(ORDER)):  # eager, fresh layers and caches: the result of this mask alone
         x = leaves()
-        out = _stack(_layers("own", layers)[1], *x, masks[i])
+        out = _stack(_layers("own", layers, num_stages)[1], *x, masks[i])
         if grads:
             (out * d_out).sum().backward()
         refs[i] = [out.detach()] + ([t.grad for t in x] if grads else [])
@@ -102,6 +104,14 @@ def test_slices_aot_eager_own_cache_grads():
 @pytest.mark.parametrize("cache", ["own", "shared"])
 def test_slices_inductor(cache):
     _check_sequence(_slice_masks(), "inductor", cache)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:imbalance_tol")
+@pytest.mark.parametrize("num_stages", [1, 2], ids=["S1", "S2"])
+def test_slices_inductor_stages(num_stages):
+    """Explicit S next to the default's 4: one remote stage and two sub-stages."""
+    _check_sequence(_slice_masks(), "inductor", "own", num_stages=num_stages)
 
 
 @pytest.mark.slow
