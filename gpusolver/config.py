@@ -86,10 +86,12 @@ class SolverConfig:
                         only K and V (the other kind is sent again).
     memory_budget:      what a layer keeps for its backward, at most this multiple of
                         what plain attention of the rank's shard keeps (q, k, v,
-                        out, lse). 1.5 (default): on the benchmark masks the step
-                        stays within 1.5 % of keeping everything at P = 8-64
+                        out, lse). 1.5 (default): with the default S = 4 sub-stages
+                        the step is 0.99-1.03x that of keeping everything at P = 8-64
                         (simulated, benchmarks/results/layer_memory_budget_stages*.md),
-                        while keeping everything holds 2.7-3.3x. None: helpers keep
+                        while keeping everything holds 2.7-3.3x. Slice-mask plans
+                        only: sparse solves keep what ``keep_forward_buffers`` says.
+                        None: helpers keep
                         what ``keep_forward_buffers`` says. Set: of the kinds it allows,
                         they keep the largest set of receive buffers that fits
                         (``capacity.keep_for_budget``, a function of the config
