@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import PACKED_KINDS, TOKENS_PER_RANK, make_mask, markdown_table, parse_list  # noqa: E402
 from gpusolver import SolverConfig, block_areas, solve  # noqa: E402
+from gpusolver import nvtx  # noqa: E402
 from gpusolver.capacity import keep_for_budget  # noqa: E402
 from gpusolver.plan import build_plan  # noqa: E402
 from gpusolver.runtime import dist_attn  # noqa: E402
@@ -102,6 +103,11 @@ class LiveBytes(TorchDispatchMode):
         self.track = track
         self._what: dict[int, tuple] = {}
         self._peak_set: list[tuple] = []
+        # the runtime's NVTX ranges (``gpusolver.nvtx``, on while measured: their push and pop ops
+        # pass through this mode): the range open at the peak, and the peak inside each range
+        self._ranges: list[str] = []
+        self.peak_range = ""
+        self.range_peaks: dict[str, int] = {}
 
     def _free(self, key: int, nbytes: int) -> None:
         self.live -= nbytes
@@ -127,7 +133,25 @@ class LiveBytes(TorchDispatchMode):
         """(bytes, op, shape, dtype, site) of the ``top`` biggest storages live at the peak."""
         return sorted(self._peak_set, key=lambda x: -x[0])[:top]
 
+    def breakdown(self) -> list[tuple]:
+        """The live set at the peak grouped by what made it: (total bytes, count, op, shape,
+        dtype, site), biggest first; every storage counted (their totals sum to ``peak``)."""
+        groups: dict[tuple, list] = {}
+        for n, *what in self._peak_set:
+            g = groups.setdefault(tuple(what), [0, 0])
+            g[0] += n
+            g[1] += 1
+        return sorted(((n, k, *what) for what, (n, k) in groups.items()), key=lambda x: -x[0])
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if name.startswith("gpusolver.nvtx_"):
+            if name.startswith("gpusolver.nvtx_push"):
+                self._ranges.append(args[0])
+                self.range_peaks.setdefault(args[0], self.live)
+            elif self._ranges:
+                self._ranges.pop()
+            return func(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
         # an output that shares an argument's storage (a view, an in-place op) allocated nothing:
         # without this, the first view of an input made before the mode would count as new
@@ -143,9 +167,14 @@ class LiveBytes(TorchDispatchMode):
                     if self.track:
                         self._what[key] = (s.nbytes(), str(func).removeprefix("aten."), tuple(t.shape),
                                            str(t.dtype).removeprefix("torch."), self._site())
-        if self.live > self.peak and self.track:
-            self._peak_set = list(self._what.values())
+        if self.live > self.peak:
+            self.peak_range = " > ".join(self._ranges)
+            if self.track:
+                self._peak_set = list(self._what.values())
         self.peak = max(self.peak, self.live)
+        if self._ranges:
+            r = self._ranges[-1]
+            self.range_peaks[r] = max(self.range_peaks[r], self.live)
         if self._span_max is not None:
             self._span_max = max(self._span_max, self.live)
         return out
@@ -183,17 +212,25 @@ def make_config(P: int, shapes: dict, keep=True, budget=None, qo_chunks=None, st
 
 
 def measure(kind: str, P: int, shapes: dict, device: str, *, seed: int = 0, keep=True, budget=None,
-            checkpoint: bool = False, qo_chunks=None, top: int = 0, fused: bool = False, stages=1) -> dict:
+            checkpoint: bool = False, qo_chunks=None, top: int = 0, fused: bool = False, stages=1,
+            breakdown: bool = False) -> dict:
     """Kept and peak bytes per rank of one layer (forward and backward) for one mask; ``checkpoint``:
     the layer under full activation checkpointing (non-reentrant: nothing saved, the forward run
     again inside the backward, whose peak is then counted); ``top``: also the biggest storages
     live at each pass's peak (``fwd_top``, ``bwd_top``: (bytes, op, shape, dtype, site)); ``fused``:
     the reduces through groupcomm's fused merge (what a GPU runs; on meta its fakes, which make
     the kernels' outputs and nothing else, as the kernels do), else the default (the torch path
-    off CUDA)."""
-    with fused_reduce(True if fused else None), _reduce_spans() as current:
-        row = _measure(current, kind, P, shapes, device, seed=seed, keep=keep, budget=budget, checkpoint=checkpoint,
-                       qo_chunks=qo_chunks, top=top, stages=stages)
+    off CUDA); ``breakdown``: also every storage live at each pass's peak grouped by what made it
+    (``fwd_breakdown``, ``bwd_breakdown``: (bytes, count, op, shape, dtype, site)), the runtime op
+    (its NVTX range) running at the peak (``fwd_at``, ``bwd_at``) and the peak inside each op
+    (``fwd_ops``, ``bwd_ops``: {range: bytes}, in the order they ran)."""
+    prev = nvtx.set_enabled(True)  # the ranges' push / pop ops tell LiveBytes which op runs (no-ops off CUDA)
+    try:
+        with fused_reduce(True if fused else None), _reduce_spans() as current:
+            row = _measure(current, kind, P, shapes, device, seed=seed, keep=keep, budget=budget,
+                           checkpoint=checkpoint, qo_chunks=qo_chunks, top=top, stages=stages, breakdown=breakdown)
+    finally:
+        nvtx.set_enabled(prev)
     row["fused"] = "yes" if fused else "no"
     return row
 
@@ -218,7 +255,7 @@ def _reduce_spans():
 
 
 def _measure(current: list, kind: str, P: int, shapes: dict, device: str, *, seed: int, keep, budget, checkpoint: bool,
-             qo_chunks, top: int, stages=1) -> dict:
+             qo_chunks, top: int, stages=1, breakdown: bool = False) -> dict:
     c, D, dtype = shapes["tokens_per_rank"], shapes["head_dim"], shapes["dtype"]
     Hq, Hkv = shapes["num_heads_q"], shapes["num_heads_kv"]
     config = keep_for_budget(make_config(P, shapes, keep, budget, qo_chunks, stages), c)  # what the budget keeps
@@ -236,7 +273,7 @@ def _measure(current: list, kind: str, P: int, shapes: dict, device: str, *, see
 
     q, k, v = make(Hq), make(Hkv), make(Hkv)
     group = LocalGroup(P)
-    fwd_live, bwd_live = LiveBytes(track=top > 0), LiveBytes(track=top > 0)
+    fwd_live, bwd_live = LiveBytes(track=top > 0 or breakdown), LiveBytes(track=top > 0 or breakdown)
     def layer(q, k, v):
         return dist_attn(q, k, v, plan, group, keep_forward_buffers=keep, kept_kv_rows=kv_rows)
 
@@ -260,6 +297,10 @@ def _measure(current: list, kind: str, P: int, shapes: dict, device: str, *, see
            "fwd_reduce": fwd_live.span_peak / P, "bwd_reduce": bwd_live.span_peak / P, **ref}
     if top:
         row["fwd_top"], row["bwd_top"] = fwd_live.at_peak(top), bwd_live.at_peak(top)
+    if breakdown:
+        for name, live in (("fwd", fwd_live), ("bwd", bwd_live)):
+            row[f"{name}_breakdown"], row[f"{name}_at"] = live.breakdown(), live.peak_range
+            row[f"{name}_ops"] = dict(live.range_peaks)
     row["kept_ratio"] = row["kept"] / ref["plain_kept"]
     row["peak_ratio"] = max(row["fwd_peak"], row["bwd_peak"]) / ref["own"]
     m = plan.memory(config)
@@ -290,6 +331,9 @@ STEP_COLUMNS = [("kind", "kind", ""), ("P", "P", "d"), ("S", "S", "d"), ("comm",
                 ("ratio none", "none_ratio", ".3f")]
 
 
+MIN_MB = 1.0  # breakdown groups below this many MB per rank are summed, not listed
+BREAKDOWN_COLUMNS = [("MB", "mb", ".1f"), ("count", "count", "d"), ("op", "op", ""), ("shape", "shape", ""),
+                     ("dtype", "dtype", ""), ("made at", "site", "")]
 TOP_COLUMNS = [("pass", "pass_", ""), ("P", "P", "d"), ("fused reduce", "fused", ""), ("MB", "mb", ".1f"),
                ("op", "op", ""), ("shape", "shape", ""),
                ("dtype", "dtype", ""), ("made at", "site", "")]
@@ -349,6 +393,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--stages", default="1", help="num_stages of every run: an int, or auto")
     p.add_argument("--comm", default="a2a", help="the simulated transport of the step cost runs: a2a, p2p, "
                    "p2p-batch")
+    p.add_argument("--breakdown", action="store_true", help="every storage live at each pass's peak, grouped by "
+                   "what made it, the op running then and each op's own peak (real shapes, first kind, default "
+                   "config)")
     p.add_argument("--top", type=int, default=0, help="list the N biggest storages live at each pass's peak "
                    "(real shapes, first kind, default config)")
     return p.parse_args(argv)
@@ -374,7 +421,7 @@ def main(argv=None) -> list[dict]:
                     for fused in fused_modes:
                         rows.append(measure(kind, P, REAL, "meta", seed=args.seed, keep=keep, budget=budget,
                                             checkpoint=ckpt, qo_chunks=qo, top=args.top if first else 0,
-                                            fused=fused, stages=stages))
+                                            fused=fused, stages=stages, breakdown=args.breakdown and first))
     for kind in kinds:
         for P in parse_list(args.step_cp_sizes, name="--step-cp-sizes") if args.step_cp_sizes else []:
             steps.append(step_cost(kind, P, args.budget, args.seed, args.topology, args.budget_qo_chunks, stages,
@@ -398,6 +445,17 @@ def main(argv=None) -> list[dict]:
             for n, op, shape, dtype, site in r.get(f"{name}_top", []):
                 print(f"top {name} P={r['P']:3} fused {r['fused']:3} {n / r['P'] / 1e6:8.1f} MB {op:24} "
                       f"{str(shape):26} {dtype:9} {site}")
+    for r in rows:
+        for name in ("fwd", "bwd"):
+            if f"{name}_breakdown" not in r:
+                continue
+            print(f"breakdown {name} P={r['P']:3} S={r['S']} fused {r['fused']:3}: peak {r[name + '_peak'] / 1e6:.1f} MB "
+                  f"in {r[name + '_at'] or '(no op)'}")
+            for n, k, op, shape, dtype, site in r[f"{name}_breakdown"]:
+                if n / r["P"] >= MIN_MB * 1e6:
+                    print(f"  {n / r['P'] / 1e6:8.1f} MB {k:3}x {op:24} {str(shape):26} {dtype:9} {site}")
+            print("  peak inside each op: " + ", ".join(f"{op} {n / r['P'] / 1e6:.0f}"
+                                                        for op, n in r[f"{name}_ops"].items()))
     if args.md:
         text = render(rows, steps, argv)
         Path(args.md).write_text(text)
@@ -424,6 +482,20 @@ def render(rows, steps, argv) -> str:
         parts += [f"\n### The biggest storages live at each pass's peak (real shapes, {real[0]['kind']}, default "
                   "config; MB per rank, shapes with LocalGroup's leading [P])\n",
                   markdown_table(tops, TOP_COLUMNS)]
+    for r in real:
+        for name in ("fwd", "bwd"):
+            if f"{name}_breakdown" not in r:
+                continue
+            groups = [dict(mb=n / r["P"] / 1e6, count=k, op=op, shape=str(list(shape)), dtype=dtype, site=site)
+                      for n, k, op, shape, dtype, site in r[f"{name}_breakdown"] if n / r["P"] >= MIN_MB * 1e6]
+            rest = r[f"{name}_peak"] / 1e6 - sum(g["mb"] for g in groups)
+            parts += [f"\n### {name} transient peak, P = {r['P']}, S = {r['S']}, fused reduce {r['fused']}: "
+                      f"{r[name + '_peak'] / 1e6:.1f} MB per rank, in `{r[name + '_at'] or '(no op)'}`\n",
+                      f"Every storage live at the peak, grouped by what made it (MB per rank; shapes with "
+                      f"LocalGroup's leading [P]; {rest:.1f} MB in groups under {MIN_MB} MB not listed).\n",
+                      markdown_table(groups, BREAKDOWN_COLUMNS),
+                      "\nPeak inside each op (MB per rank, in the order the ops ran): "
+                      + ", ".join(f"`{op}` {n / r['P'] / 1e6:.0f}" for op, n in r[f"{name}_ops"].items()) + "\n"]
     if steps:
         parts += ["\n### Simulated step cost of the budget (real shapes, device solver on CPU, `gpusolver.sim`: "
                   "modelled, not measured)\n", markdown_table(steps, STEP_COLUMNS)]
