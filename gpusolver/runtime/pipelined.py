@@ -170,11 +170,15 @@ def _windows(total: int):
 
 
 def _merge_into(acc: Operands, o_s, l_s, lead: int) -> None:
-    """Merge one stage's (out, lse) into the accumulator's rows, in place, a window of rows at a
-    time: the merge is elementwise (the same bits in any windows), and the fp32 copy of the stage's
-    out and the merged result then never exist for all rows at once (both are as large as the
+    """Merge one stage's (out, lse) into the accumulator's rows, in place (``merge_rows_into``)."""
+    merge_rows_into(*acc.x, o_s, l_s, lead)
+
+
+def merge_rows_into(a_o, a_l, o_s, l_s, lead: int) -> None:
+    """Merge (out, lse) ``o_s, l_s`` into the running (out fp32, lse) ``a_o, a_l``, in place, a window
+    of rows at a time: the merge is elementwise (the same bits in any windows), and the fp32 copy of
+    ``o_s`` and the merged result then never exist for all rows at once (both are as large as the
     accumulator itself)."""
-    a_o, a_l = acc.x
     for start, width in _windows(a_o.shape[lead]):
         o_w, l_w = rows(a_o, lead, start, width), rows(a_l, lead, start, width)
         o_m, l_m = _merge(o_w, l_w, rows(o_s, lead, start, width), rows(l_s, lead, start, width), lead)
@@ -183,24 +187,11 @@ def _merge_into(acc: Operands, o_s, l_s, lead: int) -> None:
         del o_m, l_m
 
 
-def _merge_returned(host, returned, dtype: torch.dtype, lead: int):
-    """(out in ``dtype``, lse) of the host's rows: its running (out fp32, lse) ``host``, then each
-    returned (out, lse) in order, merged a window of rows at a time into outputs allocated once."""
-    h_o, h_l = host
-    out, lse = torch.empty_like(h_o, dtype=dtype), torch.empty_like(h_l)
-    for start, width in _windows(h_o.shape[lead]):
-        o, l_ = rows(h_o, lead, start, width), rows(h_l, lead, start, width)
-        for r_o, r_l in returned:
-            o, l_ = _merge(o, l_, rows(r_o, lead, start, width), rows(r_l, lead, start, width), lead)
-        rows(out, lead, start, width).copy_(o)
-        rows(lse, lead, start, width).copy_(l_)
-    return out, lse
-
-
 def merge_gradients(host, returned, lead: int, n: int):
     """dQ, dK, dV on their host: the host's own rows (``host``: its dQ, dK, dV operands) plus what
-    came back, ``returned`` as (phase, results) in op order, summed in that fixed order, in place
-    into the host's fp32 rows (the sums run last: nothing reads those rows again)."""
+    came back, ``returned`` as (phase, results), summed in that order in place into the host's fp32
+    rows; the pipelined backward adds each reduce as it arrives (the op order fixes the summation
+    order), so no returned gradient outlives its wait."""
     dq, dk, dv = (rows(t, lead, 0, n) for t in host)
     for phase, parts in returned:
         if phase == "bwd.dq":
@@ -229,10 +220,15 @@ def _gather_remote(x: torch.Tensor, gather: torch.Tensor, n: int, lead: int, dty
         return x.new_zeros(shape, dtype=dtype)
     remote = x.narrow(lead, n, n_recv)
     idx = gather.clamp(min=0, max=n_recv - 1)
-    if lead == 0:
-        return remote.index_select(0, idx).to(dtype)
-    b = torch.arange(remote.shape[0], device=idx.device)[:, None]
-    return remote[b, idx].to(dtype)
+    shape = (*idx.shape, *x.shape[lead + 1:])
+    out = x.new_empty(shape, dtype=dtype)
+    # a window of rows at a time: the gathered rows in x's dtype (fp32 sums) exist for one window,
+    # never for the whole buffer (twice the size of ``out`` in bf16)
+    b = torch.arange(remote.shape[0], device=idx.device)[:, None] if lead else None
+    for start, width in _windows(idx.shape[lead]):
+        w = idx.narrow(lead, start, width)
+        rows(out, lead, start, width).copy_(remote.index_select(0, w) if lead == 0 else remote[b, w])
+    return out
 
 
 def _issue(op: Op, sr: StageRoutes, group, caps: dict, tensors, acc=None, deterministic: bool = True):
@@ -277,15 +273,17 @@ def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql,
     # the operands, allocated before the casts that fill their receive rows
     X = {"qo": Operands([ql, *extra], caps["qo"], lead, zero=True),
          "kv": Operands([kl, vl], caps["kv"], lead, zero=True)}
-    works, returned = {}, [[] for _ in range(branches)]
+    works = {}
     acc, dtypes, outs = [], [], []
     n = ql.shape[lead]
     for op in forward_ops(S + 1, branches):
         with nvtx_range(op_range(op, sub_stages=True)):
             if op.kind == CAST:
                 works[op.name] = _issue(op, sr, group, caps, sent[op.route], X[op.route].remote())
-            elif op.kind == WAIT and op.back:
-                returned[op.branch].append(works[op.deps[0]].wait())
+            elif op.kind == WAIT and op.back:  # merged into the host's rows on arrival, in op order
+                r_o, r_l = works.pop(op.deps[0]).wait()
+                merge_rows_into(*(rows(t, lead, 0, n) for t in acc[op.branch].x), r_o, r_l, lead)
+                del r_o, r_l
             elif op.kind == WAIT:
                 works[op.deps[0]].wait()  # cast s's rows are in X now
             elif op.kind == ATTN and op.stages == (0,):
@@ -310,10 +308,10 @@ def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql,
                 o_b, l_b = (rows(t, lead, 0, n) for t in acc[b].x)
                 neutral = (torch.zeros_like(o_b, dtype=dtypes[b][0]), torch.full_like(l_b, float("-inf")))
                 works[op.name] = _issue(op, sr, group, caps, partial, neutral, deterministic)
-            elif op.kind == MERGE:  # the host's rows, then reduces 1..S in that order: a fixed merge order
+            elif op.kind == MERGE:  # every return is merged in: the host's rows are the output
                 for b in range(branches):
-                    outs += list(_merge_returned([rows(t, lead, 0, n) for t in acc[b].x], returned[b],
-                                                 dtypes[b][0], lead))
+                    h_o, h_l = (rows(t, lead, 0, n) for t in acc[b].x)
+                    outs += [h_o.to(dtypes[b][0]), h_l.clone()]  # copies: the output never holds acc
             else:
                 raise AssertionError(f"dist_attn cannot run forward op {op}")
     return tuple(outs), X["qo"].x + X["kv"].x
@@ -338,7 +336,7 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
     caps = {kind: buffers.recv(kind) for kind in KINDS}
     cap_q, cap_k = caps["qo"], caps["kv"]
     n = ql.shape[lead]
-    works, returned = {}, []
+    works = {}
     attend_bwd = _flex_backward(plan, scale) if attend_bwd is None else attend_bwd
     Xq = Operands([ql, *extra], cap_q, lead, zero=True) if kept_q is None else None
     part = kept_kv is not None and kept_kv_rows >= 0
@@ -382,8 +380,8 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
                                                host_base=sr.host_start["kv"][s - 1])
                 else:
                     works[op.name] = _issue(op, sr, group, caps, (kl, vl), Xkv.remote())
-            elif op.kind == WAIT and op.back:
-                returned.append((op.phase, works[op.deps[0]].wait()))
+            elif op.kind == WAIT and op.back:  # summed into the host's rows on arrival, in op order
+                merge_gradients(grads_q.x + grads_kv.x, [(op.phase, works.pop(op.deps[0]).wait())], lead, n)
             elif op.kind == WAIT:
                 works[op.deps[0]].wait()  # cast s's rows are in the operands now
             elif op.kind == ATTN and op.stages == (0,):  # local rows only: its grads never travel
@@ -408,8 +406,8 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
                 works[op.name] = _issue(op, sr, group, caps, partial,
                                         [torch.zeros_like(ql)] if kind == "qo" else
                                         [torch.zeros_like(kl), torch.zeros_like(vl)], deterministic)
-            elif op.kind == MERGE:  # the host's rows plus reduces 1..S in that order: a fixed summation order
-                dq, dk, dv = merge_gradients(grads_q.x + grads_kv.x, returned, lead, n)
+            elif op.kind == MERGE:  # every reduce is summed in: the host's rows are the gradients
+                dq, dk, dv = merge_gradients(grads_q.x + grads_kv.x, [], lead, n)
             else:
                 raise AssertionError(f"dist_attn cannot run backward op {op}")
     return dq.to(ql.dtype), dk.to(kl.dtype), dv.to(vl.dtype)
