@@ -311,7 +311,7 @@ def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql,
             elif op.kind == MERGE:  # every return is merged in: the host's rows are the output
                 for b in range(branches):
                     h_o, h_l = (rows(t, lead, 0, n) for t in acc[b].x)
-                    outs += [h_o.to(dtypes[b][0]), h_l.clone()]  # copies: the output never holds acc
+                    outs += [h_o.to(dtypes[b][0], copy=True), h_l.clone()]  # copies: the output never holds acc
             else:
                 raise AssertionError(f"dist_attn cannot run forward op {op}")
     return tuple(outs), X["qo"].x + X["kv"].x
