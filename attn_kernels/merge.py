@@ -162,7 +162,9 @@ def merge_out_lse_inplace_fake(out_acc: torch.Tensor, lse_acc: torch.Tensor, out
     return None
 
 
-def _check(out_a, lse_a, out_b, lse_b, names) -> None:
+def _check(out_a, lse_a, out_b, lse_b, names, any_b_dtype: bool = False) -> None:
+    """any_b_dtype: out_b may be any floating dtype (an accumulator merging a part in its own
+    dtype: every load is cast to fp32 in both paths)."""
     na, la, nb, lb = names
     if out_a.dim() != 3:
         raise ValueError(f"{na} must be [T, H, D], got {tuple(out_a.shape)}")
@@ -170,7 +172,9 @@ def _check(out_a, lse_a, out_b, lse_b, names) -> None:
         raise ValueError(f"{nb} shape {tuple(out_b.shape)} must equal {na} shape {tuple(out_a.shape)}")
     if not out_a.dtype.is_floating_point:
         raise ValueError(f"{na} must be fp16, bf16 or fp32, got {out_a.dtype}")
-    if out_b.dtype != out_a.dtype:
+    if not out_b.dtype.is_floating_point:
+        raise ValueError(f"{nb} must be fp16, bf16 or fp32, got {out_b.dtype}")
+    if out_b.dtype != out_a.dtype and not any_b_dtype:
         raise ValueError(f"{nb} is {out_b.dtype} but {na} is {out_a.dtype}: they must match")
     for name, lse in ((la, lse_a), (lb, lse_b)):
         if tuple(lse.shape) != tuple(out_a.shape[:2]):
@@ -199,9 +203,10 @@ def merge_out_lse_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_b: torch.Te
     """In place: (out_acc, lse_acc) <- merge((out_acc, lse_acc), (out_b, lse_b)); not differentiable.
 
     out_acc: [T, H, D] contiguous, lse_acc: [T, H] fp32 contiguous (both updated);
-    out_b: [T, H, D], lse_b: [T, H] fp32.
+    out_b: [T, H, D] in any float dtype (a bf16 part into an fp32 accumulator: no fp32 copy of it),
+    lse_b: [T, H] fp32. On the Triton path nothing is allocated.
     """
-    _check(out_acc, lse_acc, out_b, lse_b, ("out_acc", "lse_acc", "out_b", "lse_b"))
+    _check(out_acc, lse_acc, out_b, lse_b, ("out_acc", "lse_acc", "out_b", "lse_b"), any_b_dtype=True)
     if not (out_acc.is_contiguous() and lse_acc.is_contiguous()):
         raise ValueError("out_acc and lse_acc must be contiguous (they are updated in place)")
     merge_out_lse_inplace_op(out_acc, lse_acc, out_b.contiguous(), lse_b.contiguous(),

@@ -55,6 +55,22 @@ def test_triton_matches_twin_and_inplace():
         assert_close(f"inplace lse {backend}", ref[1], acc_l)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("dtype_b", [torch.float16, torch.bfloat16])
+def test_inplace_merges_a_lower_precision_part_into_fp32(backend, dtype_b):
+    """A pipelined layer's fp32 running sums take each stage's out in the activation dtype."""
+    parts, _ = _parts()
+    o_b = parts[2].to(dtype_b)
+    ref = merge_out_lse_ref(parts[0], parts[1], o_b.float(), parts[3])
+    acc_o, acc_l = parts[0].clone(), parts[1].clone()
+    merge_out_lse_(acc_o, acc_l, o_b, parts[3], backend=backend)
+    assert acc_o.dtype == torch.float32
+    assert_close("out", ref[0], acc_o, atol=1e-6)
+    assert_close("lse", ref[1], acc_l, atol=1e-6)
+    with pytest.raises(ValueError, match="out_b is torch.float16 but out_a"):  # the copying merge still matches dtypes
+        merge_out_lse(parts[0], parts[1], parts[2].half(), parts[3])
+
+
 def test_merge_gradients_match_softmax_over_all_keys():
     q = torch.randn(T, H, D, dtype=torch.float64)
     k = torch.randn(TK, H, D, dtype=torch.float64, requires_grad=True)
