@@ -74,7 +74,7 @@ from _common import (  # noqa: E402
 from topology_solve import link_bottlenecks, usp_ib_fwd  # noqa: E402
 from gpusolver.areas import block_areas  # noqa: E402
 from gpusolver.config import SolverConfig  # noqa: E402
-from gpusolver.plan import Plan  # noqa: E402
+from gpusolver.plan import Plan, status_names  # noqa: E402
 from gpusolver.plan.build import build_plan  # noqa: E402
 from gpusolver.plan.relay import DIRECT, FAN_OUT, SELF  # noqa: E402
 from gpusolver.sim import simulate, simulate_baseline  # noqa: E402
@@ -275,7 +275,7 @@ BALANCE_COLUMNS = [
     ("kind", "kind", ""), ("P", "P", "d"), ("seed", "seed", "d"), ("case", "case", ""), ("config", "config", ""),
     ("mu", "mu", ".2f"), ("step ms (sim.)", "step_ms", ".2f"), ("step / (b)", "step_vs_b", ".3f"),
     ("step / USP", "step_vs_usp", ".3f"), ("step / bal. USP", "step_vs_usp_bal", ".3f"),
-    ("imbalance", "imbalance", ".3f"), ("exposed %", "exposed_pct", ".1f"),
+    ("imbalance", "imbalance", ".3f"), ("status", "status_names", ""), ("exposed %", "exposed_pct", ".1f"),
     ("solve s (CPU)", "solve_s", ".1f"), ("solve / (b)", "solve_vs_b", ".2f"),
 ]
 
@@ -330,7 +330,8 @@ def balance_rows(kind: str, P: int, seed: int, topology, tokens: int, cache, sta
         rows.append({"kind": kind, "P": P, "seed": seed, "S": stages, "case": case, "config": label, "mu": mu,
                      "step_ms": t.step_ms, "fwd_ms": t.fwd_ms, "bwd_ms": t.bwd_ms, "ideal_ms": t.ideal_ms,
                      "exposed_pct": 100 * t.exposed_comm_ms / t.step_ms, "imbalance": float(plan.metrics.imbalance),
-                     "status": int(plan.status), "usp_step_ms": usp, "usp_balanced_step_ms": bal,
+                     "status": int(plan.status), "status_names": ",".join(status_names(int(plan.status))) or "ok",
+                     "usp_step_ms": usp, "usp_balanced_step_ms": bal,
                      "step_vs_usp": t.step_ms / usp, "step_vs_usp_bal": t.step_ms / bal, "solve_s": solve_s})
     b = rows[0]
     for r in rows:
@@ -460,7 +461,7 @@ def main(argv=None) -> dict:
                 "`solve_device(impl=\"torch\")`): (b) the default config `SolverConfig(topology=...)` (mu = 1.10); "
                 "(d) `imbalance_auto=True` (one solve per candidate bound 1.10, 1.06, 1.04, 1.02; the plan of the "
                 "lowest modelled step kept; mu: the bound it chose); (e) a fixed tighter `imbalance_tol`. imbalance: "
-                "the plan's max / mean compute. Every time is simulated by `gpusolver.sim` (the runtime's own op "
+                "the plan's max / mean compute; status: the plan's flags (IMBALANCED: above the bound it ran at). Every time is simulated by `gpusolver.sim` (the runtime's own op "
                 "lists, priced), not measured; USP and bal. USP: `simulate_baseline` on the same shards. solve s: the "
                 "wall time of the CPU solve when it ran (kept with the cached plan; other jobs shared the machine's "
                 "2 cores, so take the ratios as rough). Command: `PYTHONPATH=. " + cmd + "`.\n\n"
