@@ -46,6 +46,14 @@ IB bytes per GPU next to USP's, its IB time and its SIMULATED step next to USP's
 USP's:
 
     python benchmarks/relay_bench.py --plan-cache build/relay_plans --pricing --seeds 0,1   # relay_pricing.md
+
+With ``--balance`` it prints only a fourth table, the imbalance bound at S sub-stages over p2p (direct
+transport, the default's at S > 1): (b) the default config on the topology (mu = 1.10), (d)
+``imbalance_auto=True`` (one solve per candidate bound, the lowest modelled step kept) and (e) each fixed
+bound of ``--balance-tols`` (default 1.05, 1.03), with the SIMULATED step next to USP's and load-balanced
+USP's, the plan's imbalance and the CPU solve's wall time (saved with the cached plan):
+
+    python benchmarks/relay_bench.py --plan-cache build/balance_plans --balance --seeds 0,1   # relay_balance.md
 """
 from __future__ import annotations
 
@@ -61,12 +69,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, run as a sc
 
 from _common import (  # noqa: E402
     RESULTS_DIR, add_cluster_sweep_args, cached_assignment, cluster_sweep, environment, make_mask, markdown_table,
-    median, write_results,
+    median, parse_list, write_results,
 )
 from topology_solve import link_bottlenecks, usp_ib_fwd  # noqa: E402
 from gpusolver.areas import block_areas  # noqa: E402
 from gpusolver.config import SolverConfig  # noqa: E402
-from gpusolver.plan import Plan  # noqa: E402
+from gpusolver.plan import Plan, status_names  # noqa: E402
 from gpusolver.plan.build import build_plan  # noqa: E402
 from gpusolver.plan.relay import DIRECT, FAN_OUT, SELF  # noqa: E402
 from gpusolver.sim import simulate, simulate_baseline  # noqa: E402
@@ -263,6 +271,90 @@ def pricing_rows(kind: str, P: int, seed: int, topology, tokens: int, cache, sta
     return rows
 
 
+BALANCE_COLUMNS = [
+    ("kind", "kind", ""), ("P", "P", "d"), ("seed", "seed", "d"), ("case", "case", ""), ("config", "config", ""),
+    ("mu", "mu", ".2f"), ("step ms (sim.)", "step_ms", ".2f"), ("step / (b)", "step_vs_b", ".3f"),
+    ("step / USP", "step_vs_usp", ".3f"), ("step / bal. USP", "step_vs_usp_bal", ".3f"),
+    ("imbalance", "imbalance", ".3f"), ("status", "status_names", ""), ("exposed %", "exposed_pct", ".1f"),
+    ("solve s (CPU)", "solve_s", ".1f"), ("solve / (b)", "solve_vs_b", ".2f"),
+]
+
+
+def balance_cases(tols) -> list[tuple[str, str, dict]]:
+    """(case, config label, SolverConfig overrides) of the --balance table: (b) the default config
+    with a topology, (d) the time-aware bound, (e) each fixed tighter bound of ``tols``."""
+    return ([("(b)", "default", {}), ("(d)", "imbalance_auto=True", {"imbalance_auto": True})]
+            + [("(e)", f"imbalance_tol={mu:.2f}", {"imbalance_tol": mu}) for mu in tols])
+
+
+def timed_solve(areas, config: SolverConfig, path: Path | None):
+    """(assignment, the bound it ran at (with ``imbalance_auto``: the one it chose), CPU solve
+    seconds). A fresh solve is saved at ``path`` with its seconds, so a rerun from the cache keeps
+    the seconds the solve took when it ran (the table's solve column is those)."""
+    from gpusolver.solver.device import solve_device
+
+    if path is not None and path.exists():
+        saved = torch.load(path)
+        return saved["assignment"], saved["imbalance_tol"], saved["solve_s"]
+    t0 = time.perf_counter()
+    res = solve_device(areas, config, impl="torch")
+    seconds = time.perf_counter() - t0
+    mu = config.imbalance_tol if res.imbalance_tol is None else float(res.imbalance_tol)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"assignment": res.assignment, "imbalance_tol": mu, "solve_s": seconds}, path)
+    return res.assignment, mu, seconds
+
+
+def balance_rows(kind: str, P: int, seed: int, topology, tokens: int, cache, stages: int, tols) -> list[dict]:
+    """The default config's plan (b) against the time-aware bound (d) and fixed tighter bounds (e),
+    each solved on ``topology`` and built (as the default does) with ``stages`` sub-stages and direct
+    transport, simulated over p2p next to USP's and load-balanced USP's step (SIMULATED)."""
+    mask = make_mask(kind, P, seed, tokens_per_rank=tokens)
+    base = SolverConfig(cp_size=P)
+    areas = block_areas(mask, P, base.head_groups, impl="torch")
+    usp = simulate_baseline("usp", mask, base, topology).step_ms
+    bal = simulate_baseline("usp_balanced", mask, base, topology).step_ms
+    rows = []
+    for case, label, overrides in balance_cases(tols):
+        config = SolverConfig(cp_size=P, topology=topology, **overrides)
+        tag = "auto" if config.imbalance_auto else "mu"
+        path = None if not cache else Path(cache) / (
+            f"{kind}_P{P}_s{seed}_c{tokens}_{topology.name}_bal_{tag}{config.imbalance_tol:.2f}.pt")
+        asg, mu, solve_s = timed_solve(areas, config, path)
+        plan = build_plan(mask, areas, asg, replace(config, imbalance_tol=mu, imbalance_auto=False,
+                                                    num_stages=stages))
+        # the default's transport at S > 1: direct (no relay)
+        assert plan.relay is None and plan.num_stages == stages
+        t = simulate(plan, topology, comm="p2p")
+        rows.append({"kind": kind, "P": P, "seed": seed, "S": stages, "case": case, "config": label, "mu": mu,
+                     "step_ms": t.step_ms, "fwd_ms": t.fwd_ms, "bwd_ms": t.bwd_ms, "ideal_ms": t.ideal_ms,
+                     "exposed_pct": 100 * t.exposed_comm_ms / t.step_ms, "imbalance": float(plan.metrics.imbalance),
+                     "status": int(plan.status), "status_names": ",".join(status_names(int(plan.status))) or "ok",
+                     "usp_step_ms": usp, "usp_balanced_step_ms": bal,
+                     "step_vs_usp": t.step_ms / usp, "step_vs_usp_bal": t.step_ms / bal, "solve_s": solve_s})
+    b = rows[0]
+    for r in rows:
+        r["step_vs_b"], r["solve_vs_b"] = r["step_ms"] / b["step_ms"], r["solve_s"] / b["solve_s"]
+    return rows
+
+
+def _balance_summary(rows: list[dict]) -> str:
+    """Per case: medians of step / bal. USP and of step / (b), the cells at <= 1.0x bal. USP, the solve cost."""
+    out = []
+    for label in dict.fromkeys(r["config"] for r in rows):
+        cells = [r for r in rows if r["config"] == label]
+        vs_bal = [r["step_vs_usp_bal"] for r in cells]
+        vs_b = [r["step_vs_b"] for r in cells]
+        out.append(f"- {cells[0]['case']} {label}: step / bal. USP median {median(vs_bal):.3f} "
+                   f"(range {min(vs_bal):.3f}-{max(vs_bal):.3f}), <= 1.0 in {sum(v <= 1 for v in vs_bal)} of "
+                   f"{len(cells)} cells; step / (b) median {median(vs_b):.3f} (range {min(vs_b):.3f}-{max(vs_b):.3f}), "
+                   f"below (b) in {sum(v < 1 for v in vs_b)}; step / USP median "
+                   f"{median([r['step_vs_usp'] for r in cells]):.3f}; solve / (b) median "
+                   f"{median([r['solve_vs_b'] for r in cells]):.2f}.\n")
+    return "".join(out)
+
+
 def _pricing_summary(rows: list[dict]) -> str:
     """Per case: the median and range of step / (b), and the cells where it beats (b)."""
     out = []
@@ -322,21 +414,62 @@ def main(argv=None) -> dict:
     p.add_argument("--seeds", default="0", help="mask seeds of the --pricing table (default 0)")
     p.add_argument("--pricing-json", default=str(RESULTS_DIR / "relay_pricing.json"))
     p.add_argument("--pricing-md", default=str(RESULTS_DIR / "relay_pricing.md"))
+    p.add_argument("--balance", action="store_true",
+                   help="only the imbalance-bound table at --stages sub-stages over p2p: the default config (b), "
+                        "imbalance_auto=True (d), fixed --balance-tols (e) (relay_balance.md)")
+    p.add_argument("--balance-tols", default="1.05,1.03", help="the fixed bounds (e) of --balance (default 1.05,1.03)")
+    p.add_argument("--balance-json", default=str(RESULTS_DIR / "relay_balance.json"))
+    p.add_argument("--balance-md", default=str(RESULTS_DIR / "relay_balance.md"))
     args = p.parse_args(argv)
     sizes, kinds, topology = cluster_sweep(p, args)
     if args.stages < 1:
         p.error(f"--stages must be >= 1, got {args.stages}")
     torch.set_num_threads(1)
     cmd = "python benchmarks/relay_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    if args.pricing:
+    if args.pricing or args.balance:
+        if args.pricing and args.balance:
+            p.error("--pricing and --balance are two tables: give one of them")
         if args.stages < 2:
-            p.error(f"--pricing needs --stages >= 2 (the sub-stages whose transport is priced), got {args.stages}")
+            p.error(f"--{'pricing' if args.pricing else 'balance'} needs --stages >= 2 (the sub-stages of the "
+                    f"default's plans), got {args.stages}")
         try:
             seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
         except ValueError:
             p.error(f"--seeds must be comma-separated ints, got {args.seeds!r}")
         if not seeds or any(x < 0 for x in seeds):
             p.error(f"--seeds must list seeds >= 0, got {args.seeds!r}")
+    if args.balance:
+        try:
+            tols = parse_list(args.balance_tols, float, name="--balance-tols")
+        except ValueError as e:
+            p.error(str(e))
+        if any(not 1.0 <= mu < SolverConfig(cp_size=2).imbalance_tol for mu in tols):
+            p.error(f"--balance-tols must be in [1.0, the default imbalance_tol), got {args.balance_tols!r}")
+        got_rows = []
+        for kind in kinds:
+            for P in sizes:
+                for seed in seeds:
+                    t0 = time.perf_counter()
+                    got = balance_rows(kind, P, seed, topology, args.tokens, args.plan_cache, args.stages, tols)
+                    got_rows += got
+                    print(markdown_table(got, BALANCE_COLUMNS) + f"\n({time.perf_counter() - t0:.0f} s)", flush=True)
+        text = (f"# The imbalance bound: the default against tighter bounds at S = {args.stages} over p2p "
+                f"({topology.name}, SIMULATED)\n\n"
+                f"Packed causal and full documents, seeds {', '.join(map(str, seeds))}, {args.tokens} tokens per rank, "
+                "GQA 64:8, D = 128, bf16, nodes of 8, S sub-stages, p2p (`TorchGroup(transport=\"p2p\")`), direct "
+                "transport (the default's at S > 1). Every case is solved on the topology (CPU torch path, "
+                "`solve_device(impl=\"torch\")`): (b) the default config `SolverConfig(topology=...)` (mu = 1.10); "
+                "(d) `imbalance_auto=True` (one solve per candidate bound 1.10, 1.06, 1.04, 1.02; the plan of the "
+                "lowest modelled step kept; mu: the bound it chose); (e) a fixed tighter `imbalance_tol`. imbalance: "
+                "the plan's max / mean compute; status: the plan's flags (IMBALANCED: above the bound it ran at). Every time is simulated by `gpusolver.sim` (the runtime's own op "
+                "lists, priced), not measured; USP and bal. USP: `simulate_baseline` on the same shards. solve s: the "
+                "wall time of the CPU solve when it ran (kept with the cached plan; other jobs shared the machine's "
+                "2 cores, so take the ratios as rough). Command: `PYTHONPATH=. " + cmd + "`.\n\n"
+                + markdown_table(got_rows, BALANCE_COLUMNS) + "\n\n" + _balance_summary(got_rows))
+        print("\n" + text)
+        write_results(args.balance_json, {"environment": environment(), "rows": got_rows}, args.balance_md, text)
+        return {"balance": got_rows}
+    if args.pricing:
         prices = []
         for kind in kinds:
             for P in sizes:

@@ -62,3 +62,35 @@ def test_relay_bench_pricing_small(tmp_path):
     assert all(abs(r["step_vs_usp"] - r["step_ms"] / r["usp_step_ms"]) < 1e-12 for r in rows.values())
     assert "SIMULATED" in (tmp_path / "p.md").read_text()
     assert len(json.loads((tmp_path / "p.json").read_text())["rows"]) == 3
+
+
+def test_relay_bench_balance_small(tmp_path):
+    """``--balance`` at S = 4: the default config (b), imbalance_auto (d) and a fixed tighter bound (e)
+    per cell, each plan within its bound, the solve seconds kept with the cached plan."""
+    saved_path, saved_threads = list(sys.path), torch.get_num_threads()
+    spec = importlib.util.spec_from_file_location("_bench_relay_balance", _BENCH / "relay_bench.py")
+    mod = importlib.util.module_from_spec(spec)
+    argv = ["--P", "16", "--kinds", "full", "--tokens", "64", "--balance", "--balance-tols", "1.03",
+            "--seeds", "0", "--plan-cache", str(tmp_path / "plans"),
+            "--balance-json", str(tmp_path / "b.json"), "--balance-md", str(tmp_path / "b.md")]
+    try:
+        spec.loader.exec_module(mod)
+        out = mod.main(argv)
+        again = mod.main(argv)  # read back from the plan cache
+    finally:
+        sys.path[:] = saved_path
+        torch.set_num_threads(saved_threads)
+    rows = out["balance"]
+    assert [(r["case"], r["config"]) for r in rows] == [
+        ("(b)", "default"), ("(d)", "imbalance_auto=True"), ("(e)", "imbalance_tol=1.03")]
+    b, d, e = rows
+    assert b["mu"] == 1.10 and e["mu"] == 1.03 and d["mu"] in (1.10, 1.06, 1.04, 1.02)
+    assert all(r["imbalance"] <= r["mu"] + 1e-9 and r["status"] == 0 for r in rows)
+    assert b["step_vs_b"] == 1.0 and b["solve_vs_b"] == 1.0 and all(r["solve_s"] > 0 for r in rows)
+    assert all(abs(r["step_vs_usp_bal"] - r["step_ms"] / r["usp_balanced_step_ms"]) < 1e-12 for r in rows)
+    assert [r["solve_s"] for r in again["balance"]] == [r["solve_s"] for r in rows]
+    assert len(list((tmp_path / "plans").glob("full_P16_s0_c64_h200_hgx_bal_*.pt"))) == 3
+    text = (tmp_path / "b.md").read_text()
+    assert "SIMULATED" in text and "| step / bal. USP |" in text and "| solve / (b) |" in text
+    assert text.count("| full | 16 | 0 |") == 3
+    assert len(json.loads((tmp_path / "b.json").read_text())["rows"]) == 3
