@@ -306,6 +306,20 @@ def timed_solve(areas, config: SolverConfig, path: Path | None):
     return res.assignment, mu, seconds
 
 
+def _sweep(kinds, sizes, seeds, columns, rows_of) -> list[dict]:
+    """``rows_of(kind, P, seed)`` over every cell, each cell's table printed as it lands (with its
+    wall time): the rows of all cells, in that order."""
+    rows = []
+    for kind in kinds:
+        for P in sizes:
+            for seed in seeds:
+                t0 = time.perf_counter()
+                got = rows_of(kind, P, seed)
+                rows += got
+                print(markdown_table(got, columns) + f"\n({time.perf_counter() - t0:.0f} s)", flush=True)
+    return rows
+
+
 def balance_rows(kind: str, P: int, seed: int, topology, tokens: int, cache, stages: int, tols) -> list[dict]:
     """The default config's plan (b) against the time-aware bound (d) and fixed tighter bounds (e),
     each solved on ``topology`` and built (as the default does) with ``stages`` sub-stages and direct
@@ -445,14 +459,8 @@ def main(argv=None) -> dict:
             p.error(str(e))
         if any(not 1.0 <= mu < SolverConfig(cp_size=2).imbalance_tol for mu in tols):
             p.error(f"--balance-tols must be in [1.0, the default imbalance_tol), got {args.balance_tols!r}")
-        got_rows = []
-        for kind in kinds:
-            for P in sizes:
-                for seed in seeds:
-                    t0 = time.perf_counter()
-                    got = balance_rows(kind, P, seed, topology, args.tokens, args.plan_cache, args.stages, tols)
-                    got_rows += got
-                    print(markdown_table(got, BALANCE_COLUMNS) + f"\n({time.perf_counter() - t0:.0f} s)", flush=True)
+        got_rows = _sweep(kinds, sizes, seeds, BALANCE_COLUMNS, lambda kind, P, seed: balance_rows(
+            kind, P, seed, topology, args.tokens, args.plan_cache, args.stages, tols))
         text = (f"# The imbalance bound: the default against tighter bounds at S = {args.stages} over p2p "
                 f"({topology.name}, SIMULATED)\n\n"
                 f"Packed causal and full documents, seeds {', '.join(map(str, seeds))}, {args.tokens} tokens per rank, "
@@ -470,14 +478,8 @@ def main(argv=None) -> dict:
         write_results(args.balance_json, {"environment": environment(), "rows": got_rows}, args.balance_md, text)
         return {"balance": got_rows}
     if args.pricing:
-        prices = []
-        for kind in kinds:
-            for P in sizes:
-                for seed in seeds:
-                    t0 = time.perf_counter()
-                    got = pricing_rows(kind, P, seed, topology, args.tokens, args.plan_cache, args.stages)
-                    prices += got
-                    print(markdown_table(got, PRICING_COLUMNS) + f"\n({time.perf_counter() - t0:.0f} s)", flush=True)
+        prices = _sweep(kinds, sizes, seeds, PRICING_COLUMNS, lambda kind, P, seed: pricing_rows(
+            kind, P, seed, topology, args.tokens, args.plan_cache, args.stages))
         text = (f"# Price what runs: the solve's transport at S = {args.stages} over p2p ({topology.name}, SIMULATED)\n\n"
                 f"Packed causal and full documents, seeds {', '.join(map(str, seeds))}, {args.tokens} tokens per rank, "
                 "GQA 64:8, D = 128, bf16, mu = 1.10, nodes of 8, S sub-stages, p2p (`TorchGroup(transport=\"p2p\")`). "
