@@ -176,26 +176,15 @@ def _merge_into(acc: Operands, o_s, l_s, lead: int) -> None:
 
 
 def merge_rows_into(a_o, a_l, o_s, l_s, lead: int) -> None:
-    """Merge (out, lse) ``o_s, l_s`` into the running (out fp32, lse) ``a_o, a_l``, in place: through
-    ``merge_out_lse_`` when the accumulator's rows are contiguous, else a window of rows at a time.
-    The merge is elementwise (the same bits either way), and neither an fp32 copy of ``o_s`` nor the
-    merged result ever exists for all rows at once (each is as large as the accumulator)."""
-    # per rank when batched: one rank's rows are contiguous, a window of every rank's is not
-    per = [(a_o, a_l, o_s, l_s)] if lead == 0 else list(zip(a_o, a_l, o_s, l_s))
-    if a_o.dtype == torch.float32 and all(x.is_contiguous() for p in per for x in p[:2]):
-        # in place: on CUDA one kernel that allocates nothing; its torch twin (CPU) makes fp32
-        # temporaries as large as its rows, so large CPU rows go a window at a time
-        for x_o, x_l, y_o, y_l in per:
-            big = x_o.device.type == "cpu" and x_o.numel() > _CPU_MERGE_WHOLE
-            for start, width in _windows(x_o.shape[0]) if big else [(0, x_o.shape[0])]:
-                merge_out_lse_(*(t.narrow(0, start, width) for t in (x_o, x_l, y_o, y_l)))
-        return
-    for start, width in _windows(a_o.shape[lead]):
-        o_w, l_w = rows(a_o, lead, start, width), rows(a_l, lead, start, width)
-        o_m, l_m = _merge(o_w, l_w, rows(o_s, lead, start, width), rows(l_s, lead, start, width), lead)
-        o_w.copy_(o_m)
-        l_w.copy_(l_m)
-        del o_m, l_m
+    """Merge (out, lse) ``o_s, l_s`` into the running (out fp32, lse) ``a_o, a_l`` in place, through
+    ``merge_out_lse_`` (on CUDA one kernel that allocates nothing; its torch twin makes fp32
+    temporaries as large as its rows, so large CPU rows go a window at a time: the merge is
+    elementwise, the same bits in any windows). Batched, rank by rank: one rank's rows are
+    contiguous, a window of every rank's is not."""
+    for x_o, x_l, y_o, y_l in [(a_o, a_l, o_s, l_s)] if lead == 0 else zip(a_o, a_l, o_s, l_s):
+        big = x_o.device.type == "cpu" and x_o.numel() > _CPU_MERGE_WHOLE
+        for start, width in _windows(x_o.shape[0]) if big else [(0, x_o.shape[0])]:
+            merge_out_lse_(*(t.narrow(0, start, width) for t in (x_o, x_l, y_o, y_l)))
 
 
 def merge_gradients(host, returned, lead: int, n: int):
