@@ -32,6 +32,10 @@ two-stage a2a step: no schedule of those bytes and FLOPs can be 0.75 x it.
 
     PYTHONPATH=. python benchmarks/stages_bench.py --P 16,32,64 --seeds 3 --plan-cache build/sim_plans \\
         --md benchmarks/results/stages_bench.md
+
+``--solve-topology`` solves each mask on the topology, as a cluster user does
+(``SolverConfig(topology=...)``; the plans of ``stages_bench_topo.md``); without it
+the solve sees no topology and only the sub-stage order does (``stages_bench.md``).
 """
 from __future__ import annotations
 
@@ -63,7 +67,8 @@ COMMS = ("a2a", "p2p", "p2p-batch", "a2a+rs", "p2p+rs", "p2p-batch+rs")
 
 
 def _assignment(kind, P, seed, tokens, cache, mask, areas, config):
-    path = Path(cache) / f"{kind}_P{P}_s{seed}_c{tokens}.pt" if cache else None
+    tag = "_topo" if config.topology is not None else ""  # a topology-aware solve is another assignment
+    path = Path(cache) / f"{kind}_P{P}_s{seed}_c{tokens}{tag}.pt" if cache else None
     if path is not None and path.exists():
         return Plan.load(path).assignment
     asg = solve_assignment(areas, config, impl="torch")
@@ -98,8 +103,10 @@ def costs(plan, config: SolverConfig, S: int) -> dict:
             "bwd_peak_mb": mem.bwd_peak / MB}
 
 
-def run(kind, P, seed, tokens, stages, comms, topo, cache) -> list[dict]:
-    config = SolverConfig(cp_size=P)
+def run(kind, P, seed, tokens, stages, comms, topo, cache, solve_topology: bool = False) -> list[dict]:
+    """solve_topology: solve on ``topo`` (``SolverConfig(topology=...)``, bytes priced by link class, as
+    on a cluster); otherwise the solve sees no topology and only the sub-stage order does."""
+    config = SolverConfig(cp_size=P, topology=topo if solve_topology else None)
     mask = make_mask(kind, P, seed, tokens)
     areas = block_areas(mask, P, config.head_groups, impl="torch")
     asg = _assignment(kind, P, seed, tokens, cache, mask, areas, config)
@@ -223,11 +230,17 @@ def main(argv=None):
     ap.add_argument("--tokens-per-rank", type=int, default=8192)
     ap.add_argument("--topology", default="h200_hgx", choices=sorted(PRESETS))
     ap.add_argument("--plan-cache", default=None)
+    ap.add_argument("--solve-topology", action="store_true",
+                    help="solve on the topology (SolverConfig(topology=...), as a cluster user does; with one "
+                         "remote stage such a plan relays inter-node rows); default: solve without it")
     ap.add_argument("--side-stages", type=int, default=None,
                     help="S of the side-by-side table (default: p2p's lowest median)")
     ap.add_argument("--md", default=None)
     ap.add_argument("--json", default=str(Path(RESULTS_DIR) / "stages_bench.json"))
     args = ap.parse_args(argv)
+    comms = parse_list(args.comm, str, COMMS, "comm")
+    if "a2a" not in comms:  # every summary ratio is against the two-stage a2a step
+        ap.error(f"--comm must include a2a (the baseline of every ratio), got {args.comm!r}")
     torch.set_num_threads(1)
     topo = PRESETS[args.topology]
     rows = []
@@ -235,10 +248,13 @@ def main(argv=None):
         for P in parse_list(args.P):
             for seed in range(args.seeds):
                 rows += run(kind, P, seed, args.tokens_per_rank, parse_list(args.stages),
-                            parse_list(args.comm, str, COMMS, "comm"), topo, args.plan_cache)
+                            comms, topo, args.plan_cache, args.solve_topology)
     side_S = args.side_stages if args.side_stages else best_stages(rows).get("p2p", max(r["S"] for r in rows))
     cmd = "python benchmarks/stages_bench.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
-    text = (f"# Sub-stages: SIMULATED training step ({args.topology})\n\nCommand: `{cmd}`\n\n"
+    solved = ("Every mask is solved on the topology (`SolverConfig(topology=...)`: bytes priced by link class, "
+              "relay transport at S = 1, direct with sub-stages)" if args.solve_topology else
+              "Every mask is solved without a topology (the topology orders the sub-stages only)")
+    text = (f"# Sub-stages: SIMULATED training step ({args.topology})\n\nCommand: `{cmd}`\n\n{solved}.\n\n"
             "All times are simulated by `gpusolver.sim` (not measured). `/ S=1` is against the same plan's "
             "two-stage step with the same transport, `/ S=1 a2a` against the two-stage step over all-to-all-v "
             "(today's `TorchGroup`).\n\n## Summary over the masks\n\n"

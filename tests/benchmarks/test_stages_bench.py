@@ -5,6 +5,8 @@ import math
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -28,3 +30,29 @@ def test_stages_bench_quick(tmp_path, capsys):
         assert math.isfinite(r["step_ms"]) and r["step_ms"] >= r["ideal_ms"] * (1 - 1e-9)
         assert r["collectives"] == (6 if r["S"] == 1 else 12)  # fwd 3 S, bwd 3 S (kept buffers)
     assert rows[0]["vs_s1"] == 1.0 and rows[2]["vs_s1"] == rows[2]["step_ms"] / rows[0]["step_ms"]
+
+
+def test_stages_bench_solves_on_the_topology(tmp_path, capsys):
+    """--solve-topology solves with SolverConfig(topology=...) and caches that assignment apart from
+    the topology-free one (the two solves give different plans, so they must not share a file)."""
+    mod = _load()
+    cache = tmp_path / "plans"
+    args = ["--P", "16", "--kinds", "causal", "--tokens-per-rank", "64", "--stages", "1,4", "--comm", "a2a,p2p",
+            "--plan-cache", str(cache)]
+    rows = mod.main(args + ["--solve-topology", "--json", str(tmp_path / "t.json")])
+    assert "solved on the topology" in capsys.readouterr().out
+    assert sorted(p.name for p in cache.iterdir()) == ["causal_P16_s0_c64_topo.pt"]
+    mod.main(args + ["--json", str(tmp_path / "n.json")])
+    assert "solved without a topology" in capsys.readouterr().out
+    assert sorted(p.name for p in cache.iterdir()) == ["causal_P16_s0_c64.pt", "causal_P16_s0_c64_topo.pt"]
+    from gpusolver.plan.io import load_plan_config
+    assert load_plan_config(cache / "causal_P16_s0_c64_topo.pt").topology is not None
+    assert load_plan_config(cache / "causal_P16_s0_c64.pt").topology is None
+    for r in rows:
+        assert math.isfinite(r["step_ms"]) and r["step_ms"] >= r["ideal_ms"] * (1 - 1e-9)
+
+
+def test_stages_bench_needs_the_a2a_baseline(capsys):
+    with pytest.raises(SystemExit):
+        _load().main(["--P", "8", "--comm", "p2p"])
+    assert "--comm must include a2a" in capsys.readouterr().err
