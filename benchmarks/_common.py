@@ -411,3 +411,13 @@ def environment() -> dict:
     return {"torch": torch.__version__, "triton": triton_version, "cuda": cuda,
             "device": torch.cuda.get_device_name() if cuda else "cpu",
             "torch_threads": torch.get_num_threads()}
+
+
+def compute_floor_ms(areas, config, topology) -> float:
+    """The mean-compute lower bound of a training step, ms: forward plus backward attention time of
+    the whole mask (``areas``: its ``block_areas``, any head groups) over ``config.cp_size`` ranks, at
+    ``topology``'s rates (``Topology.attn_seconds``, the simulator's price of a compute). No plan's
+    busiest rank computes less, so no plan's simulated step is below it."""
+    entries, hq = float(areas.area.sum()), config.num_heads_q // areas.head_groups
+    return sum(topology.attn_seconds(entries, hq, config.head_dim, phase) for phase in ("fwd", "bwd")) \
+        * 1e3 / config.cp_size

@@ -51,7 +51,11 @@ With ``--balance`` it prints only a fourth table, the imbalance bound at S sub-s
 transport, the default's at S > 1): (b) the default config on the topology (mu = 1.10), (d)
 ``imbalance_auto=True`` (one solve per candidate bound, the lowest modelled step kept) and (e) each fixed
 bound of ``--balance-tols`` (default 1.05, 1.03), with the SIMULATED step next to USP's and load-balanced
-USP's, the plan's imbalance and the CPU solve's wall time (saved with the cached plan):
+USP's, the plan's imbalance and the CPU solve's wall time (saved with the cached plan); per plan, its forward
+IB bytes per GPU over USP's, its IB time and solve time over today's plan's (the same mask solved without
+topology), and its busiest rank's compute; per cell, the compute floor (the whole mask's forward plus backward
+attention time over P at the topology's rates: no plan's step is below it) over load-balanced USP's step and
+over the issue's step target (0.85 / 0.75 / 0.65 x USP at P = 16 / 32 / 64):
 
     python benchmarks/relay_bench.py --plan-cache build/balance_plans --balance --seeds 0,1   # relay_balance.md
 """
@@ -68,8 +72,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, run as a script or loaded by path
 
 from _common import (  # noqa: E402
-    RESULTS_DIR, add_cluster_sweep_args, cached_assignment, cluster_sweep, environment, make_mask, markdown_table,
-    median, parse_list, write_results,
+    RESULTS_DIR, add_cluster_sweep_args, cached_assignment, cluster_sweep, compute_floor_ms, environment, make_mask,
+    markdown_table, median, parse_list, ratio, write_results,
 )
 from topology_solve import link_bottlenecks, usp_ib_fwd  # noqa: E402
 from gpusolver.areas import block_areas  # noqa: E402
@@ -277,7 +281,29 @@ BALANCE_COLUMNS = [
     ("step / USP", "step_vs_usp", ".3f"), ("step / bal. USP", "step_vs_usp_bal", ".3f"),
     ("imbalance", "imbalance", ".3f"), ("status", "status_names", ""), ("exposed %", "exposed_pct", ".1f"),
     ("solve s (CPU)", "solve_s", ".1f"), ("solve / (b)", "solve_vs_b", ".2f"),
+    ("IB fwd / USP", "ib_fwd_vs_usp", ".2f"), ("IB / today", "ib_vs_today", ".2f"),
+    ("solve / today", "solve_vs_today", ".2f"), ("compute ms (sim.)", "compute_ms", ".2f"),
+    ("compute floor ms", "floor_ms", ".2f"), ("floor / bal. USP", "floor_vs_usp_bal", ".3f"),
+    ("floor / (target x USP)", "floor_vs_target", ".3f"),
 ]
+
+
+BALANCE_FLOOR_NOTE = (
+    "Targets and floors. IB fwd / USP: the plan's forward InfiniBand bytes per GPU (the largest over GPUs of "
+    "max(sent, received) to and from other nodes, `Plan.pair_bytes`) over USP's (its ring over nodes). IB / "
+    "today: the plan's IB time ((IB fwd + IB bwd) / NIC bandwidth, ideal) over today's plan's (the same mask "
+    "solved without topology, `SolverConfig(cp_size=P)`, built direct at the same S); solve / today: the CPU "
+    "solve's wall time over today's solve's (`solve_device(impl=\"torch\")` both; cached with the plan). "
+    "compute ms: the plan's busiest rank's simulated attention compute, forward plus backward (`LayerTime."
+    "compute_ms`). compute floor ms: the whole mask's forward plus backward attention time at the topology's "
+    "rates (`Topology.attn_seconds`, what the simulator prices a compute at) over P: the mean compute per rank. "
+    "Every plan's step is at least its busiest rank's compute, which is at least this floor, so a step target "
+    "below the floor is unreachable by any plan; load-balanced USP's compute is exactly the floor (every ring "
+    "step at the mean area), so floor / bal. USP is the share of its step that is compute. floor / (target x USP): "
+    "the floor over the issue's step target, target 0.85 / 0.75 / 0.65 at P = 16 / 32 / 64; above 1.0 no plan "
+    "meets the target in that cell. A plan that uses all its imbalance slack has its busiest rank at mu x floor; "
+    "compute ms / floor is the plan's achieved imbalance (its max / mean compute), so the step's distance from "
+    "the floor splits into that imbalance and the exposed communication.")
 
 
 def balance_cases(tols) -> list[tuple[str, str, dict]]:
@@ -329,6 +355,21 @@ def balance_rows(kind: str, P: int, seed: int, topology, tokens: int, cache, sta
     areas = block_areas(mask, P, base.head_groups, impl="torch")
     usp = simulate_baseline("usp", mask, base, topology).step_ms
     bal = simulate_baseline("usp_balanced", mask, base, topology).step_ms
+    # the same mask's mean compute per rank, and the step target at P (None: no target at this P)
+    floor, target = compute_floor_ms(areas, base, topology), USP_STEP_TARGETS.get(P)
+    usp_fwd = usp_ib_fwd(base, mask.total_seqlen_q, topology.ranks_per_node)
+    L = topology.ranks_per_node
+    nic_bps = topology.ib_gbps * 1e9 * topology.nics_per_node / L
+
+    def ib_ms(plan) -> tuple[float, float]:  # (forward IB bytes per GPU, (fwd + bwd) IB ms: ideal)
+        fwd, bwd = (link_bottlenecks(plan.pair_bytes(phase), L)[0] for phase in ("fwd", "bwd"))
+        return fwd, (fwd + bwd) / nic_bps * 1e3
+
+    # today's plan (solved without topology, direct transport), built as the cases are: the IB and solve reference
+    today_path = None if not cache else Path(cache) / f"{kind}_P{P}_s{seed}_c{tokens}_today.pt"
+    today_asg, _, today_s = timed_solve(areas, base, today_path)
+    today_ib = ib_ms(build_plan(mask, areas, today_asg, replace(base, topology=topology, ib_relay=False,
+                                                                num_stages=stages)))[1]
     rows = []
     for case, label, overrides in balance_cases(tols):
         config = SolverConfig(cp_size=P, topology=topology, **overrides)
@@ -341,12 +382,19 @@ def balance_rows(kind: str, P: int, seed: int, topology, tokens: int, cache, sta
         # the default's transport at S > 1: direct (no relay)
         assert plan.relay is None and plan.num_stages == stages
         t = simulate(plan, topology, comm="p2p")
+        ib_fwd, ib = ib_ms(plan)
         rows.append({"kind": kind, "P": P, "seed": seed, "S": stages, "case": case, "config": label, "mu": mu,
                      "step_ms": t.step_ms, "fwd_ms": t.fwd_ms, "bwd_ms": t.bwd_ms, "ideal_ms": t.ideal_ms,
                      "exposed_pct": 100 * t.exposed_comm_ms / t.step_ms, "imbalance": float(plan.metrics.imbalance),
                      "status": int(plan.status), "status_names": ",".join(status_names(int(plan.status))) or "ok",
                      "usp_step_ms": usp, "usp_balanced_step_ms": bal,
-                     "step_vs_usp": t.step_ms / usp, "step_vs_usp_bal": t.step_ms / bal, "solve_s": solve_s})
+                     "step_vs_usp": t.step_ms / usp, "step_vs_usp_bal": t.step_ms / bal, "solve_s": solve_s,
+                     "ib_fwd_mb": ib_fwd / 1e6, "usp_ib_fwd_mb": usp_fwd / 1e6, "ib_fwd_vs_usp": ib_fwd / usp_fwd,
+                     "ib_ms": ib, "today_ib_ms": today_ib, "ib_vs_today": ratio(ib, today_ib),
+                     "today_solve_s": today_s, "solve_vs_today": solve_s / today_s,
+                     "compute_ms": t.compute_ms, "floor_ms": floor, "usp_target": target,
+                     "floor_vs_usp_bal": floor / bal, "floor_vs_target": ratio(floor, None if target is None
+                                                                               else target * usp)})
     b = rows[0]
     for r in rows:
         r["step_vs_b"], r["solve_vs_b"] = r["step_ms"] / b["step_ms"], r["solve_s"] / b["solve_s"]
@@ -366,6 +414,22 @@ def _balance_summary(rows: list[dict]) -> str:
                    f"below (b) in {sum(v < 1 for v in vs_b)}; step / USP median "
                    f"{median([r['step_vs_usp'] for r in cells]):.3f}; solve / (b) median "
                    f"{median([r['solve_vs_b'] for r in cells]):.2f}.\n")
+        met = [r for r in cells if r["usp_target"] is not None and r["step_vs_usp"] <= r["usp_target"]]
+        out.append(f"  Targets: IB fwd <= USP's in {sum(r['ib_fwd_vs_usp'] <= 1 for r in cells)} of {len(cells)} "
+                   f"cells (worst {max(r['ib_fwd_vs_usp'] for r in cells):.2f}x); IB time <= 0.4x today's in "
+                   f"{sum(r['ib_vs_today'] is not None and r['ib_vs_today'] <= 0.4 for r in cells)} (worst "
+                   f"{max((r['ib_vs_today'] or 0) for r in cells):.2f}x); step <= 1.0x bal. USP in "
+                   f"{sum(r['step_vs_usp_bal'] <= 1 for r in cells)}, <= target x USP in {len(met)}; solve <= 1.5x "
+                   f"today's in {sum(r['solve_vs_today'] <= 1.5 for r in cells)} (median "
+                   f"{median([r['solve_vs_today'] for r in cells]):.2f}x); busiest compute / floor median "
+                   f"{median([r['compute_ms'] / r['floor_ms'] for r in cells]):.3f}.\n")
+    cells = [r for r in rows if r["case"] == "(b)"]  # one row per cell: the floor is the mask's, not the plan's
+    fb = [r["floor_vs_usp_bal"] for r in cells]
+    ft = [r["floor_vs_target"] for r in cells if r["floor_vs_target"] is not None]
+    out.append(f"- compute floor (every cell): floor / bal. USP median {median(fb):.3f} (range {min(fb):.3f}-"
+               f"{max(fb):.3f}); floor / (target x USP) above 1.0 (the target below the floor: no plan reaches it) "
+               f"in {sum(v > 1 for v in ft)} of {len(ft)} cells (range {min(ft, default=0):.3f}-"
+               f"{max(ft, default=0):.3f}).\n")
     return "".join(out)
 
 
@@ -385,8 +449,12 @@ def _pricing_summary(rows: list[dict]) -> str:
     return "".join(out)
 
 
+# issue 28's step targets: step <= this x USP's step at P
+USP_STEP_TARGETS = {16: 0.85, 32: 0.75, 64: 0.65}
+
+
 def _step_verdict(rows: list[dict], stages: int) -> str:
-    targets = {16: 0.85, 32: 0.75, 64: 0.65}
+    targets = USP_STEP_TARGETS
     out = []
     for transport in ("direct", "relay"):
         for comm in ("p2p", "a2a"):
@@ -473,7 +541,8 @@ def main(argv=None) -> dict:
                 "lists, priced), not measured; USP and bal. USP: `simulate_baseline` on the same shards. solve s: the "
                 "wall time of the CPU solve when it ran (kept with the cached plan; other jobs shared the machine's "
                 "2 cores, so take the ratios as rough). Command: `PYTHONPATH=. " + cmd + "`.\n\n"
-                + markdown_table(got_rows, BALANCE_COLUMNS) + "\n\n" + _balance_summary(got_rows))
+                + markdown_table(got_rows, BALANCE_COLUMNS) + "\n\n" + BALANCE_FLOOR_NOTE + "\n\n"
+                + _balance_summary(got_rows))
         print("\n" + text)
         write_results(args.balance_json, {"environment": environment(), "rows": got_rows}, args.balance_md, text)
         return {"balance": got_rows}

@@ -90,7 +90,49 @@ def test_relay_bench_balance_small(tmp_path):
     assert all(abs(r["step_vs_usp_bal"] - r["step_ms"] / r["usp_balanced_step_ms"]) < 1e-12 for r in rows)
     assert [r["solve_s"] for r in again["balance"]] == [r["solve_s"] for r in rows]
     assert len(list((tmp_path / "plans").glob("full_P16_s0_c64_h200_hgx_bal_*.pt"))) == 3
+    # the floor columns: the mask's (one per cell), the plan's busiest compute over it is the plan's imbalance
+    assert len({r["floor_ms"] for r in rows}) == 1 and all(r["usp_target"] == 0.85 for r in rows)
+    assert all(abs(r["compute_ms"] / r["floor_ms"] - r["imbalance"]) < 1e-6 for r in rows)
+    assert all(abs(r["floor_vs_target"] - r["floor_ms"] / (0.85 * r["usp_step_ms"])) < 1e-12 for r in rows)
+    assert all(r["ib_fwd_vs_usp"] > 0 and r["ib_vs_today"] > 0 and r["solve_vs_today"] > 0 for r in rows)
+    assert len(list((tmp_path / "plans").glob("full_P16_s0_c64_today.pt"))) == 1
     text = (tmp_path / "b.md").read_text()
     assert "SIMULATED" in text and "| step / bal. USP |" in text and "| solve / (b) |" in text
+    assert "| compute floor ms |" in text and "| floor / (target x USP) |" in text and "no plan reaches it" in text
     assert text.count("| full | 16 | 0 |") == 3
     assert len(json.loads((tmp_path / "b.json").read_text())["rows"]) == 3
+
+
+def test_compute_floor_is_the_simulators_mean_compute():
+    """``compute_floor_ms`` prices at the simulator's rates: load-balanced USP's busiest compute (every ring
+    step at the mean area) is exactly the floor, and an owner-computes plan's simulated busiest compute over
+    the floor is that plan's max / mean compute (so never below the floor)."""
+    saved_path = list(sys.path)
+    spec = importlib.util.spec_from_file_location("_bench_relay_floor", _BENCH / "relay_bench.py")
+    mod = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path[:] = saved_path
+    from gpusolver.areas import block_areas
+    from gpusolver.config import SolverConfig
+    from gpusolver.metrics import owner_computes_assignment
+    from gpusolver.plan.build import build_plan
+    from gpusolver.sim import simulate, simulate_baseline
+    from gpusolver.topology import Topology
+
+    topo = Topology.preset("h200_hgx")
+    mask = mod.make_mask("causal", 16, 0, tokens_per_rank=64)
+    config = SolverConfig(cp_size=16)
+    areas = block_areas(mask, 16, config.head_groups, impl="torch")
+    floor = mod.compute_floor_ms(areas, config, topo)
+    assert floor > 0
+    # the head groups of the areas do not change it
+    assert abs(mod.compute_floor_ms(block_areas(mask, 16, 1, impl="torch"), config, topo) - floor) <= 1e-9 * floor
+    bal = simulate_baseline("usp_balanced", mask, config, topo)
+    assert abs(bal.compute_ms - floor) <= 1e-9 * floor
+    plan = build_plan(mask, areas, owner_computes_assignment(areas), config)
+    busiest = simulate(plan, topo).compute_ms
+    imbalance = float(plan.metrics.imbalance)
+    assert imbalance > 1.01  # causal packed documents: owner-computes is uneven, so this is not 1 == 1
+    assert abs(busiest / floor - imbalance) < 1e-6 and busiest >= floor
