@@ -1,0 +1,123 @@
+"""The floor of a layer's transient buffers: the plan's collective buffers sized to what they fill.
+
+A layer receives every remote row of a pass into receive buffers and takes every partial
+result back into return buffers (``gpusolver.plan.memory``: the forward's Q, K, V receive and
+partial O return buffers; the backward's dO, lse, delta, the Q, K, V it keeps or receives
+again, and the dQ and dK, dV return buffers). Sized at the default capacities they are the
+plan's ``plan.memory()``; sized to the rows the plan really moves (each buffer's largest fill
+over the ranks, ``CommMeta.*_recv_rows`` and the send splits) they are the least those buffers
+can take for this mask, whatever the runtime around them does. This prints both next to the
+layer's own q, k, v and out per rank (the ``own`` of ``layer_memory.py``), per benchmark mask
+(packed causal / full documents, 8K tokens per rank, 64:8, D = 128, bf16). Host arithmetic on
+static sizes and the plans' row counts: no layer runs.
+
+    PYTHONPATH=. python benchmarks/memory_floor.py --P 16,32,64 --seeds 3 --plan-cache build/sim_plans \\
+        --solve-topology --md benchmarks/results/memory_floor.md
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import PACKED_KINDS, cached_assignment, make_mask, markdown_table, parse_list, write_text  # noqa: E402
+
+from gpusolver import SolverConfig, block_areas  # noqa: E402
+from gpusolver.capacity import BufferRows  # noqa: E402
+from gpusolver.plan.build import build_plan  # noqa: E402
+from gpusolver.plan.memory import buffer_memory  # noqa: E402
+from gpusolver.topology import PRESETS  # noqa: E402
+
+MB = 1e6
+
+
+def fill_rows(comm) -> BufferRows:
+    """Each buffer's largest fill over the ranks (rows): what a buffer sized to this plan must hold."""
+    top = lambda t: int(t.max())  # noqa: E731
+    return BufferRows(qo_recv=top(comm.qo_recv_rows), kv_recv=top(comm.kv_recv_rows),
+                      qo_send=top(comm.qo_split.sum(1)), kv_send=top(comm.kv_split.sum(1)))
+
+
+def own_bytes(config: SolverConfig, chunk: int) -> int:
+    """A rank's q, k, v and out: ``c * (2 Hq + 2 Hkv) * D * b`` bytes."""
+    return chunk * 2 * (config.num_heads_q + config.num_heads_kv) * config.head_dim * config.dtype_bytes
+
+
+def floor_row(plan, config: SolverConfig, chunk: int) -> dict:
+    """Forward and backward buffer bytes at the default capacities and at the plan's fill, and own."""
+    comm = plan.comm
+    at = lambda rows: buffer_memory(SimpleNamespace(head_groups=comm.head_groups, buffers=rows),  # noqa: E731
+                                    config.num_heads_q, config.num_heads_kv, config.head_dim, config.dtype)
+    cap, fill, own = at(comm.buffers), at(fill_rows(comm)), own_bytes(config, chunk)
+    unit = comm.head_groups * chunk
+    f = fill_rows(comm)
+    return {"qo_recv": f.qo_recv / unit, "kv_recv": f.kv_recv / unit, "qo_send": f.qo_send / unit,
+            "kv_send": f.kv_send / unit, "own_mb": own / MB,
+            "cap_fwd_mb": cap.fwd_peak / MB, "cap_bwd_mb": cap.bwd_peak / MB,
+            "fill_fwd_mb": fill.fwd_peak / MB, "fill_bwd_mb": fill.bwd_peak / MB,
+            "cap_own": max(cap.fwd_peak, cap.bwd_peak) / own, "fill_own": max(fill.fwd_peak, fill.bwd_peak) / own}
+
+
+def run(kind: str, P: int, seed: int, tokens: int, cache, topology) -> dict:
+    config = SolverConfig(cp_size=P, topology=topology)
+    mask = make_mask(kind, P, seed, tokens)
+    areas = block_areas(mask, P, config.head_groups, impl="torch")
+    tag = "_topo" if topology is not None else ""  # stages_bench's cache names: its plans are reused
+    path = Path(cache) / f"{kind}_P{P}_s{seed}_c{tokens}{tag}.pt" if cache else None
+    asg, _ = cached_assignment(mask, areas, config, path)
+    plan = build_plan(mask, areas, asg, replace(config, num_stages=1))  # the buffers do not depend on S
+    return {"kind": kind, "P": P, "seed": seed, **floor_row(plan, config, tokens)}
+
+
+COLUMNS = [("kind", "kind", "s"), ("P", "P", "d"), ("seed", "seed", "d"),
+           ("QO recv (G·c)", "qo_recv", ".2f"), ("KV recv", "kv_recv", ".2f"), ("QO send", "qo_send", ".2f"),
+           ("KV send", "kv_send", ".2f"), ("own q,k,v,out MB", "own_mb", ".1f"),
+           ("fwd MB at capacity", "cap_fwd_mb", ".1f"), ("bwd MB at capacity", "cap_bwd_mb", ".1f"),
+           ("peak / own at capacity", "cap_own", ".2f"), ("fwd MB at fill", "fill_fwd_mb", ".1f"),
+           ("bwd MB at fill", "fill_bwd_mb", ".1f"), ("peak / own at fill", "fill_own", ".2f")]
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--P", default="16,32,64")
+    ap.add_argument("--kinds", default=",".join(PACKED_KINDS))
+    ap.add_argument("--seeds", type=int, default=1)
+    ap.add_argument("--tokens-per-rank", type=int, default=8192)
+    ap.add_argument("--topology", default="h200_hgx", choices=sorted(PRESETS))
+    ap.add_argument("--solve-topology", action="store_true", help="solve on the topology, as a cluster user does")
+    ap.add_argument("--plan-cache", default=None)
+    ap.add_argument("--md", default=None)
+    args = ap.parse_args(argv)
+    if args.seeds < 1:
+        ap.error(f"--seeds must be positive, got {args.seeds}")
+    torch.set_num_threads(1)
+    topology = PRESETS[args.topology] if args.solve_topology else None
+    rows = [run(kind, P, seed, args.tokens_per_rank, args.plan_cache, topology)
+            for kind in parse_list(args.kinds, str, PACKED_KINDS, "kind") for P in parse_list(args.P)
+            for seed in range(args.seeds)]
+    worst = max(rows, key=lambda r: r["fill_own"])
+    cmd = "python benchmarks/memory_floor.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    text = ("# The floor of a layer's collective buffers (per rank)\n\n"
+            f"Command: `{cmd}`\n\n"
+            "Fill: each buffer's largest rows over the ranks, in G·c (G head groups of c tokens). At capacity: "
+            "`plan.memory()` at the default capacities; at fill: the same buffers sized to the fill, the least "
+            "they take for this plan. peak: the larger pass. Not counted: the runtime's work around the "
+            "buffers (operand copies, partial outputs, fp32 running sums), which `layer_memory.py` measures.\n\n"
+            + markdown_table(rows, COLUMNS)
+            + f"\n\nLargest peak / own at fill: {worst['fill_own']:.2f} ({worst['kind']} P = {worst['P']} seed "
+            f"{worst['seed']}); smallest: {min(r['fill_own'] for r in rows):.2f}.\n")
+    print(text)
+    if args.md:
+        write_text(args.md, text)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
