@@ -157,6 +157,15 @@ def test_bundle_proposals_match_torch(P, G, B, K, D, sideways, singles, tile, ob
     _bundle_case(P, G, B, K, D, sideways, tile, seed, singles=singles, objective=objective, rows=rows)
 
 
+@pytest.mark.parametrize("objective,rows", [("training", 6), ("forward", None)])
+def test_bundle_proposals_match_torch_one_case(objective, rows):
+    """One fixed instance per objective of the random sweep above (which runs in the slow tier):
+    several destination tiles (the running best), sideways and single-task bundles on; with
+    ``rows`` the buffers bind."""
+    ref = _bundle_case(4, 2, 2, 2, 4, True, 2, 7, singles=True, objective=objective, rows=rows)
+    assert bool(ref.ok.any()), "the instance proposes nothing: the twins would agree trivially"
+
+
 @settings(max_examples=4, deadline=None)
 @given(P=st.integers(2, 3), G=st.integers(1, 2), tiles=st.sampled_from([2, 3]), K=st.integers(1, 3),
        D=st.integers(1, 3), sideways=st.booleans(), singles=st.booleans(), tile=st.sampled_from([4, 16]),
@@ -168,6 +177,15 @@ def test_bundle_proposals_match_torch_tiled(P, G, tiles, K, D, sideways, singles
     ref = _bundle_case(P, G, 2, K, D, sideways, tile, seed, tiles=tiles, states=("triton",), singles=singles,
                        objective=objective, rows=rows)
     assert ref.tasks.shape == (2, P * min(K, G * tiles * P), tiles * P)
+
+
+def test_bundle_proposals_match_torch_tiled_one_case():
+    """One fixed instance of the tiled sweep above (slow tier): 3 tiles (padded key-host slots), the
+    destinations in several tiles, the buffers binding."""
+    P, G, tiles, K = 3, 2, 3, 2
+    ref = _bundle_case(P, G, 2, K, 3, True, 4, 11, tiles=tiles, states=("triton",), singles=True, rows=4)
+    assert ref.tasks.shape == (2, P * min(K, G * tiles * P), tiles * P)
+    assert bool(ref.ok.any()), "the instance proposes nothing: the twins would agree trivially"
 
 
 def test_tiled_bundles_sum_key_host_deltas():
@@ -320,8 +338,10 @@ def test_triton_path_launches_each_kernel_once_per_round(monkeypatch):
     assert state_k.grids[0] == (1, 2) and bytes_k.grids[0] == (2, P) and bundle_k.grids[0] == (2, P, 2)
 
 
-def test_sideways_proposals_match_torch():
-    """Bottleneck-phase instances with sideways moves (score in [1, 2)), the one rule only they exercise."""
+@pytest.mark.parametrize("need", [1, 3])
+def test_sideways_proposals_match_torch(need):
+    """Bottleneck-phase instances with sideways moves (score in [1, 2)), the one rule only they exercise
+    (``need`` such instances; three in the slow tier)."""
     P, G, B, K, D = 5, 2, 2, 3, 5
     found = 0
     for seed in range(40):
@@ -340,6 +360,6 @@ def test_sideways_proposals_match_torch():
                 _check_proposals(ref, bundle_proposals_triton(tasks, st_, *args))
             without = bundle_ref.bundle_proposals(tasks, st_, *args[:-1], False)
             assert not bool((without.ok & (without.score >= 1.0)).any()), "sideways moves without the flag"
-            if found == 3:
+            if found == need:
                 break
-    assert found == 3, f"only {found} of 40 instances had a sideways move"
+    assert found == need, f"only {found} of 40 instances had a sideways move"
