@@ -258,9 +258,12 @@ def _flex_backward(plan: Plan, scale: float):
 
 
 def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql, kl, vl, scale: float,
-                   deterministic: bool, *, extra=(), attend=None, branches: int = 1):
+                   deterministic: bool, *, extra=(), attend=None, branches: int = 1, groups: int = 1):
     """Run ``forward_ops(S + 1, branches)``: (outs, the operand tensors [Xq, *X extra, Xk, Xv] for the
     backward), group-major; ``outs`` is (out, lse) per output branch, flat: ``(o_0, lse_0, o_1, ...)``.
+    groups: ql, kl, vl are group-major rows (1), or with G > 1 the shards in their natural layout
+    ``[*, c, H, D]``, written group-major straight into the operands' local rows (``Operands``),
+    which every later read sees: no group-major copy of them exists.
     extra: per-row tensors that travel with Q (a sparse layer's selection rows);
     attend(rank, stage, q, k, v, *extra) -> (out_0, lse_0, ...): the stage kernel, one (out, lse)
     per branch (default: the slice kernel, one branch). Each branch keeps its own running (out,
@@ -269,13 +272,16 @@ def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql,
     S, buffers = sr.num_stages, plan.comm.buffers
     caps = {kind: buffers.recv(kind) for kind in KINDS}
     attend = _flex(plan, scale) if attend is None else attend
+    # the operands, allocated before the casts that fill their receive rows; the local rows are
+    # read from them (the casts send them, stage 0 attends them)
+    X = {"qo": Operands([ql, *extra], caps["qo"], lead, zero=True, groups=(groups,) + (1,) * len(extra)),
+         "kv": Operands([kl, vl], caps["kv"], lead, zero=True, groups=groups)}
+    ql, *extra = X["qo"].local()
+    kl, vl = X["kv"].local()
     sent = {"qo": (ql, *extra), "kv": (kl, vl)}
-    # the operands, allocated before the casts that fill their receive rows
-    X = {"qo": Operands([ql, *extra], caps["qo"], lead, zero=True),
-         "kv": Operands([kl, vl], caps["kv"], lead, zero=True)}
     works = {}
     acc, dtypes, outs = [], [], []
-    n = ql.shape[lead]
+    n = X["qo"].n
     for op in forward_ops(S + 1, branches):
         with nvtx_range(op_range(op, sub_stages=True)):
             if op.kind == CAST:
@@ -319,7 +325,7 @@ def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql,
 
 def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql, kl, vl, o, lse, kept_q,
                     kept_kv, d_o, d_l, scale: float, deterministic: bool, *, extra=(), kept_extra=(),
-                    attend_bwd=None, more_branches=(), kept_kv_rows: int = -1):
+                    attend_bwd=None, more_branches=(), kept_kv_rows: int = -1, groups: int = 1):
     """Run ``backward_ops(S + 1)``: (dq, dk, dv) group-major. ``kept_q``: the forward's Xq or None
     (Q is cast again with dO); ``kept_kv``: its [Xk, Xv] or None (K, V are cast again).
     kept_kv_rows >= 0: ``kept_kv`` holds the local rows and only the first this many rows of the
@@ -330,7 +336,9 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
     gradients of every branch summed. more_branches: the other output branches' (o, lse, dO, dlse
     or None), as the first's (an NSA layer's window branch): each gets its own delta, its dO, lse
     and delta travel in the same ``bwd.qo`` casts after the first's, and ``more`` is their
-    (dO, lse, delta) per branch, in that order."""
+    (dO, lse, delta) per branch, in that order. groups: ``d_o`` is group-major rows (1), or with
+    G > 1 the upstream grad in its natural layout ``[*, c, Hq, D]``; either way it is written
+    group-major straight into its operand, whose local rows are the dO every later step reads."""
     lead = 1 if batched else 0
     S, buffers = sr.num_stages, plan.comm.buffers
     caps = {kind: buffers.recv(kind) for kind in KINDS}
@@ -359,12 +367,18 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
     for op in backward_ops(S + 1, kept_kv is not None):
         with nvtx_range(op_range(op, sub_stages=True)):
             if op.kind == DELTA:  # the host computes delta from its final O: O itself never travels
-                grads = []  # (dO, lse, delta) of each branch
-                for o_b, l_b, do_b, dl_b in ((o, lse, d_o, d_l), *more_branches):
+                # dO goes into its operand first and delta is computed from its rows there: the
+                # operands' local rows are the only dO, lse and delta the stages and casts read
+                first = Operands([d_o], cap_q, lead, zero=True, groups=groups)
+                d_o = None
+                trio = []  # (dO, lse, delta) of each branch
+                for o_b, l_b, do_b, dl_b in ((o, lse, first.local()[0], d_l), *more_branches):
                     delta = per_rank(ranks, batched, lambda r, a, b, *c_: (row_delta(a, b, c_[0] if c_ else None),),
                                       do_b, o_b, *(() if dl_b is None else (dl_b,)))[0]
-                    grads += [do_b, l_b, delta]
-                Xg = Operands(grads, cap_q, lead, zero=True)
+                    trio += [do_b, l_b, delta]
+                Xg = first.join(Operands(trio[1:], cap_q, lead, zero=True))
+                grads = Xg.local()
+                del first, trio, delta, do_b
             elif op.kind == CAST:
                 if op.route == "qo":
                     tensors = tuple(grads) + (() if kept_q is not None else (ql, *extra))
