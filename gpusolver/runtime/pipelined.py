@@ -233,7 +233,10 @@ def _gather_remote(x: torch.Tensor, gather: torch.Tensor, n: int, lead: int, dty
 
 def _issue(op: Op, sr: StageRoutes, group, caps: dict, tensors, acc=None, deterministic: bool = True):
     """Start collective ``op`` of sub-stage ``op.stages[0]``: its Work. ``caps[kind]``: receive rows.
-    A cast writes into ``acc`` (the kind's shared receive buffers) at its own rows."""
+    A cast writes into ``acc`` (the kind's shared receive buffers) at its own rows. A reduce takes
+    its partials and accumulators as two lists and empties them (``group_reduce(consume=True)``): a
+    caller that keeps no other reference has the partials freed once their rows have left and the
+    accumulators once read, not when the next reduce replaces them."""
     (s,) = op.stages
     which = "return" if op.back else "cast"
     key, i = (op.route, which), s - 1
@@ -242,9 +245,9 @@ def _issue(op: Op, sr: StageRoutes, group, caps: dict, tensors, acc=None, determ
         return group_cast(list(tensors), sr.index[key][i], sr.split[key][i], caps[op.route], group, phase=phase,
                           host_split=sr.host[key][i], async_op=True, flag_errors=False, out=list(acc),
                           recv_offset=sr.start[op.route][i], host_recv_offset=sr.host_start[op.route][i])
-    return group_reduce(list(tensors), sr.index[key][i], sr.split[key][i], list(acc), group,
+    return group_reduce(tensors, sr.index[key][i], sr.split[key][i], acc, group,
                         op="lse" if op.phase == "fwd.o" else "sum", phase=phase, host_split=sr.host[key][i],
-                        deterministic=deterministic, async_op=True, flag_errors=False)
+                        deterministic=deterministic, async_op=True, flag_errors=False, consume=True)
 
 
 def _flex(plan: Plan, scale: float):
@@ -309,11 +312,14 @@ def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql,
                 del parts
             elif op.kind == REDUCE:
                 (s,), b = op.stages, op.branch
-                partial = [_gather_remote(t, sr.gather["qo"][s - 1], n, lead, d)
-                           for t, d in zip(acc[b].x, dtypes[b])]
                 o_b, l_b = (rows(t, lead, 0, n) for t in acc[b].x)
-                neutral = (torch.zeros_like(o_b, dtype=dtypes[b][0]), torch.full_like(l_b, float("-inf")))
-                works[op.name] = _issue(op, sr, group, caps, partial, neutral, deterministic)
+                # handed over (no name keeps them): freed once sent and read, not held through s + 1
+                works[op.name] = _issue(op, sr, group, caps,
+                                        [_gather_remote(t, sr.gather["qo"][s - 1], n, lead, d)
+                                         for t, d in zip(acc[b].x, dtypes[b])],
+                                        [torch.zeros_like(o_b, dtype=dtypes[b][0]),
+                                         torch.full_like(l_b, float("-inf"))], deterministic)
+                del o_b, l_b
             elif op.kind == MERGE:  # every return is merged in: the host's rows are the output
                 for b in range(branches):
                     h_o, h_l = (rows(t, lead, 0, n) for t in acc[b].x)
@@ -416,8 +422,9 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
                 kind = "qo" if op.phase == "bwd.dq" else "kv"
                 pick = grads_q.x if kind == "qo" else grads_kv.x
                 dtype = ql.dtype if kind == "qo" else kl.dtype
-                partial = [_gather_remote(t, sr.gather[kind][s - 1], n, lead, dtype) for t in pick]
-                works[op.name] = _issue(op, sr, group, caps, partial,
+                # handed over (no name keeps them): freed once sent and read, not held through s + 1
+                works[op.name] = _issue(op, sr, group, caps,
+                                        [_gather_remote(t, sr.gather[kind][s - 1], n, lead, dtype) for t in pick],
                                         [torch.zeros_like(ql)] if kind == "qo" else
                                         [torch.zeros_like(kl), torch.zeros_like(vl)], deterministic)
             elif op.kind == MERGE:  # every reduce is summed in: the host's rows are the gradients

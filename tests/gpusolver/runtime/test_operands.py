@@ -1,6 +1,7 @@
 """Operands: group-major rows written straight from natural-layout shards, and no group-major copy
 of q, k, v or dO in a sub-staged layer (issue 29)."""
 import importlib
+import weakref
 
 import pytest
 import torch
@@ -53,3 +54,24 @@ def test_sub_stages_make_no_group_major_copy(monkeypatch):
     got = _run(plan, P, *make_inputs(P * c, Hq, Hkv, seed=5))
     assert got["dq"].abs().sum() > 0
     assert copied and all(len(s) == 3 for s in copied), copied  # [P, c, Hq]: d_lse only
+
+
+def test_sub_stage_reduces_free_their_inputs(monkeypatch):
+    """Each sub-stage reduce's partials and accumulators are handed over: none is alive once the
+    reduce has been issued (LocalGroup moves them at once), so no reduce's inputs are held through
+    the next sub-stage (issue 29)."""
+    P, c, Hq, Hkv, S = 4, 32, 4, 2, 4
+    plan, _ = tight_plan(make_mask("docs-causal", P * c, seed=3), make_config(P, Hq, Hkv, num_stages=S))
+    pipelined = importlib.import_module("gpusolver.runtime.pipelined")
+    real, alive, calls = pipelined.group_reduce, [], []
+
+    def spy(partials, *args, **kw):
+        refs = [weakref.ref(t) for t in (*partials, *args[2])]  # args[2]: acc (lists: emptied if consumed)
+        work = real(partials, *args, **kw)
+        calls.append(kw.get("phase"))
+        alive.extend(kw.get("phase") for r in refs if r() is not None)
+        return work
+
+    monkeypatch.setattr(pipelined, "group_reduce", spy)
+    _run(plan, P, *make_inputs(P * c, Hq, Hkv, seed=5))
+    assert len(calls) == 3 * S and not alive, alive  # fwd.o, bwd.dq, bwd.dkv per sub-stage
