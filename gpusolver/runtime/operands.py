@@ -28,17 +28,19 @@ class Operands:
     natural layout ``[*lead, c, H, *tail]`` and writes it as its G * c group-major rows
     ``[*lead, G * c, H / G, *tail]`` (``layout.to_group_major``'s rows, without its copy);
     1 (default): the tensor is rows already.
+    dtype: X's dtype (default: each tensor's own); the local rows are converted as they are
+    copied in, with no converted copy of them beside X.
     """
 
     def __init__(self, local: list[torch.Tensor], cap: int, lead: int, *, zero: bool = False,
-                 groups: int | tuple[int, ...] = 1):
+                 groups: int | tuple[int, ...] = 1, dtype: torch.dtype | None = None):
         groups = (groups,) * len(local) if isinstance(groups, int) else tuple(groups)
         self.n, self.cap, self.lead = local[0].shape[lead] * groups[0], cap, lead
         self.x = []
         for t, g in zip(local, groups):
             pre, tail = list(t.shape[:lead]), list(t.shape[lead + 2 if g > 1 else lead + 1:])
             heads = [t.shape[lead + 1] // g] if g > 1 else []
-            x = (t.new_zeros if zero else t.new_empty)(pre + [self.n + cap] + heads + tail)
+            x = (t.new_zeros if zero else t.new_empty)(pre + [self.n + cap] + heads + tail, dtype=dtype or t.dtype)
             local_rows = rows(x, lead, 0, self.n)
             if g > 1:  # rows g * c + i <- token i's heads of group g: a strided copy, no temporary
                 c = t.shape[lead]
@@ -47,6 +49,15 @@ class Operands:
             else:
                 local_rows.copy_(t)
             self.x.append(x)
+
+    @classmethod
+    def zeros(cls, like: list[torch.Tensor], cap: int, lead: int, dtype: torch.dtype) -> "Operands":
+        """``X`` of zeros in ``dtype``, shaped as ``like``'s rows plus ``cap`` (accumulators: no
+        zero local rows are made to be copied in)."""
+        ops = object.__new__(cls)
+        ops.n, ops.cap, ops.lead = like[0].shape[lead], cap, lead
+        ops.x = [t.new_zeros((*t.shape[:lead], ops.n + cap, *t.shape[lead + 1:]), dtype=dtype) for t in like]
+        return ops
 
     def join(self, other: "Operands") -> "Operands":
         """One ``Operands`` of this one's tensors then ``other``'s (the same rows: n, cap, lead)."""

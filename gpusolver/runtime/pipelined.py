@@ -300,7 +300,7 @@ def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql,
                 for b in range(branches):  # running (out fp32, lse) of every row of X, per branch
                     o0, l0 = parts[2 * b], parts[2 * b + 1]
                     dtypes.append((o0.dtype, l0.dtype))
-                    acc.append(Operands([o0.float(), l0], caps["qo"], lead, zero=True))
+                    acc.append(Operands([o0, l0], caps["qo"], lead, zero=True, dtype=torch.float32))
                     acc[-1].remote()[1].fill_(float("-inf"))
                 del parts, o0, l0  # merged: a stage's out is as large as its rows, never kept past its merge
             elif op.kind == ATTN:
@@ -363,9 +363,8 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
     xk, xv = kept_kv if kept_kv is not None else Xkv.x
     grads = Xg = None
     # fp32 sums over the rows of each kind's operands (the local stage may run last: start from zero)
-    grads_q = Operands([torch.zeros(ql.shape, dtype=torch.float32, device=ql.device)], cap_q, lead, zero=True)
-    grads_kv = Operands([torch.zeros(kl.shape, dtype=torch.float32, device=kl.device),
-                          torch.zeros(vl.shape, dtype=torch.float32, device=vl.device)], cap_k, lead, zero=True)
+    grads_q = Operands.zeros([ql], cap_q, lead, torch.float32)
+    grads_kv = Operands.zeros([kl, vl], cap_k, lead, torch.float32)
 
     def run(s):
         return lambda r, *t: attend_bwd(r, s, *t)

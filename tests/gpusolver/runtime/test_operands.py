@@ -75,3 +75,17 @@ def test_sub_stage_reduces_free_their_inputs(monkeypatch):
     monkeypatch.setattr(pipelined, "group_reduce", spy)
     _run(plan, P, *make_inputs(P * c, Hq, Hkv, seed=5))
     assert len(calls) == 3 * S and not alive, alive  # fwd.o, bwd.dq, bwd.dkv per sub-stage
+
+
+@pytest.mark.parametrize("lead", [0, 1], ids=["rank", "batched"])
+def test_dtype_and_zeros(lead):
+    """dtype converts the local rows as they are copied in (what ``.float()`` then a copy gives);
+    ``Operands.zeros`` is all zeros with the rows of ``like`` plus cap."""
+    pre = (3,) if lead else ()
+    o = torch.randn(*pre, 6, 2, 4).to(torch.bfloat16)
+    got = Operands([o], 5, lead, zero=True, dtype=torch.float32)
+    want = Operands([o.float()], 5, lead, zero=True)
+    assert got.x[0].dtype == torch.float32 and torch.equal(got.x[0], want.x[0])
+    z = Operands.zeros([o], 5, lead, torch.float32)
+    assert z.n == 6 and z.x[0].shape == want.x[0].shape and z.x[0].dtype == torch.float32
+    assert not z.x[0].any()
