@@ -194,25 +194,28 @@ class _DistAttn(torch.autograd.Function):
                 deterministic: bool):
         lead = 1 if routes.batched else 0
         G, cap = routes.groups, routes.qo_capacity  # remote rows here are QO rows (partial O, lse)
-        ql, kl, vl = (to_group_major(x, G, lead).contiguous() for x in (q, k, v))
+        n = G * q.shape[lead]  # G * c local group-major rows
         if routes.stages is not None or routes.relay is not None:  # their own executors of the same op lists
             ctx.routes, ctx.group, ctx.scale, ctx.keep, ctx.deterministic = routes, group, scale, keep, deterministic
             if routes.relay is not None:
+                ql, kl, vl = (to_group_major(x, G, lead).contiguous() for x in (q, k, v))
                 run = relay_stages_forward if routes.relay.sub_stages else relay_forward
                 o, lse, operands = run(routes.plan, group, routes.ranks, routes.batched, routes.relay,
                                        ql, kl, vl, scale, deterministic)
-            else:
+            else:  # q, k, v go group-major straight into the operands: their local rows exist once
                 (o, lse), operands = forward_stages(routes.plan, group, routes.ranks, routes.batched,
-                                                    routes.stages, ql, kl, vl, scale, deterministic)
+                                                    routes.stages, q, k, v, scale, deterministic, groups=G)
+                # a kind cast again saves a copy of its local rows, made now (a kept kind's are views, below)
+                ql, kl, vl = (None if kind in keep else x.narrow(lead, 0, n).clone()
+                              for kind, x in zip(("qo", "kv", "kv"), operands))
             x_q, x_k, x_v = operands  # only the kept kinds' operands: the others are cast again
             part = routes.relay is None and "kv" in keep and kv_rows >= 0
             if part:  # the local rows and the first kv_rows of the KV buffer (the rest is cast again)
-                x_k, x_v = keep_prefix([x_k, x_v], lead, ql.shape[lead], kv_rows)
+                x_k, x_v = keep_prefix([x_k, x_v], lead, n, kv_rows)
                 operands = None  # the whole KV operands go with the forward
             ctx.kv_rows = kv_rows if part else -1
             if routes.relay is None or routes.relay.sub_stages:
                 # a sub-stage operand's first n rows are the local rows: keep them once, as views of it
-                n = ql.shape[lead]
                 if "qo" in keep:
                     ql = x_q.narrow(lead, 0, n)
                 if "kv" in keep:
@@ -221,14 +224,16 @@ class _DistAttn(torch.autograd.Function):
                                   *((x_k, x_v) if "kv" in keep else ()))
             group.wait_sends()  # p2p sends may outlive their wait(): none past the pass
             return from_group_major(o, G, lead), from_group_major(lse, G, lead)
-        n = ql.shape[lead]  # G * c local rows; a remote stage's rows are X = [local rows | receive buffer]
+        # a remote stage's rows are X = [local rows | receive buffer]
         local = lambda x: rows(x, lead, 0, n)  # noqa: E731
         remote = lambda x: rows(x, lead, n, cap)  # noqa: E731
         # the operands of stage 1, allocated once: each cast writes its rows into their slot (zero past
         # the fill, as a new buffer), so the local rows and buffers never exist a second time
-        X = {"qo": Operands([ql], cap, lead, zero=True), "kv": Operands([kl, vl], routes.kv_capacity, lead, zero=True)}
-        # X holds the local rows: ql, kl, vl are views of it (their group-major copies go), and a kind
-        # not kept saves a copy of its local rows at the end, once the reduce's work is freed
+        X = {"qo": Operands([q], cap, lead, zero=True, groups=G),
+             "kv": Operands([k, v], routes.kv_capacity, lead, zero=True, groups=G)}
+        # X holds the local rows, written group-major straight from q, k, v (no group-major copy):
+        # ql, kl, vl are views of it, and a kind not kept saves a copy of its local rows at the end,
+        # once the reduce's work is freed
         ql = local(X["qo"].x[0])
         kl, vl = (local(x) for x in X["kv"].x)
         sent = {"qo": (ql,), "kv": (kl, vl)}
@@ -288,14 +293,19 @@ class _DistAttn(torch.autograd.Function):
         keep_q, keep_kv = "qo" in ctx.keep, "kv" in ctx.keep
         if routes.stages is not None or routes.relay is not None:  # sub-stages, or relay
             ql, kl, vl, o, lse = saved[:5]
-            d_o = torch.zeros_like(o) if d_out is None else to_group_major(d_out, G, lead).contiguous()
+            # sub-stages write dO group-major straight into its operand (groups=G): no copy of it here
+            staged = routes.relay is None
+            if d_out is None:
+                d_o = torch.zeros_like(o)
+            else:
+                d_o = d_out if staged else to_group_major(d_out, G, lead).contiguous()
             d_l = None if d_lse is None else to_group_major(d_lse, G, lead).contiguous()
             kept = list(saved[5:])  # the kept kinds' operands, Xq then Xk, Xv
             kept_q = kept.pop(0) if keep_q else None
             kept_kv = kept if keep_kv else None
             run, how = (backward_stages, routes.stages) if routes.relay is None else (
                 relay_stages_backward if routes.relay.sub_stages else relay_backward, routes.relay)
-            more = {} if routes.relay is not None else {"kept_kv_rows": ctx.kv_rows}
+            more = {} if not staged else {"kept_kv_rows": ctx.kv_rows, "groups": 1 if d_out is None else G}
             dq, dk, dv = run(routes.plan, group, routes.ranks, routes.batched, how, ql, kl, vl, o, lse, kept_q,
                              kept_kv, d_o, d_l, scale, ctx.deterministic, **more)
             group.wait_sends()  # p2p sends may outlive their wait(): none past the pass

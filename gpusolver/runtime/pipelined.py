@@ -233,7 +233,10 @@ def _gather_remote(x: torch.Tensor, gather: torch.Tensor, n: int, lead: int, dty
 
 def _issue(op: Op, sr: StageRoutes, group, caps: dict, tensors, acc=None, deterministic: bool = True):
     """Start collective ``op`` of sub-stage ``op.stages[0]``: its Work. ``caps[kind]``: receive rows.
-    A cast writes into ``acc`` (the kind's shared receive buffers) at its own rows."""
+    A cast writes into ``acc`` (the kind's shared receive buffers) at its own rows. A reduce takes
+    its partials and accumulators as two lists and empties them (``group_reduce(consume=True)``): a
+    caller that keeps no other reference has the partials freed once their rows have left and the
+    accumulators once read, not when the next reduce replaces them."""
     (s,) = op.stages
     which = "return" if op.back else "cast"
     key, i = (op.route, which), s - 1
@@ -242,9 +245,9 @@ def _issue(op: Op, sr: StageRoutes, group, caps: dict, tensors, acc=None, determ
         return group_cast(list(tensors), sr.index[key][i], sr.split[key][i], caps[op.route], group, phase=phase,
                           host_split=sr.host[key][i], async_op=True, flag_errors=False, out=list(acc),
                           recv_offset=sr.start[op.route][i], host_recv_offset=sr.host_start[op.route][i])
-    return group_reduce(list(tensors), sr.index[key][i], sr.split[key][i], list(acc), group,
+    return group_reduce(tensors, sr.index[key][i], sr.split[key][i], acc, group,
                         op="lse" if op.phase == "fwd.o" else "sum", phase=phase, host_split=sr.host[key][i],
-                        deterministic=deterministic, async_op=True, flag_errors=False)
+                        deterministic=deterministic, async_op=True, flag_errors=False, consume=True)
 
 
 def _flex(plan: Plan, scale: float):
@@ -258,9 +261,12 @@ def _flex_backward(plan: Plan, scale: float):
 
 
 def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql, kl, vl, scale: float,
-                   deterministic: bool, *, extra=(), attend=None, branches: int = 1):
+                   deterministic: bool, *, extra=(), attend=None, branches: int = 1, groups: int = 1):
     """Run ``forward_ops(S + 1, branches)``: (outs, the operand tensors [Xq, *X extra, Xk, Xv] for the
     backward), group-major; ``outs`` is (out, lse) per output branch, flat: ``(o_0, lse_0, o_1, ...)``.
+    groups: ql, kl, vl are group-major rows (1), or with G > 1 the shards in their natural layout
+    ``[*, c, H, D]``, written group-major straight into the operands' local rows (``Operands``),
+    which every later read sees: no group-major copy of them exists.
     extra: per-row tensors that travel with Q (a sparse layer's selection rows);
     attend(rank, stage, q, k, v, *extra) -> (out_0, lse_0, ...): the stage kernel, one (out, lse)
     per branch (default: the slice kernel, one branch). Each branch keeps its own running (out,
@@ -269,13 +275,16 @@ def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql,
     S, buffers = sr.num_stages, plan.comm.buffers
     caps = {kind: buffers.recv(kind) for kind in KINDS}
     attend = _flex(plan, scale) if attend is None else attend
+    # the operands, allocated before the casts that fill their receive rows; the local rows are
+    # read from them (the casts send them, stage 0 attends them)
+    X = {"qo": Operands([ql, *extra], caps["qo"], lead, zero=True, groups=(groups,) + (1,) * len(extra)),
+         "kv": Operands([kl, vl], caps["kv"], lead, zero=True, groups=groups)}
+    ql, *extra = X["qo"].local()
+    kl, vl = X["kv"].local()
     sent = {"qo": (ql, *extra), "kv": (kl, vl)}
-    # the operands, allocated before the casts that fill their receive rows
-    X = {"qo": Operands([ql, *extra], caps["qo"], lead, zero=True),
-         "kv": Operands([kl, vl], caps["kv"], lead, zero=True)}
     works = {}
     acc, dtypes, outs = [], [], []
-    n = ql.shape[lead]
+    n = X["qo"].n
     for op in forward_ops(S + 1, branches):
         with nvtx_range(op_range(op, sub_stages=True)):
             if op.kind == CAST:
@@ -291,7 +300,7 @@ def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql,
                 for b in range(branches):  # running (out fp32, lse) of every row of X, per branch
                     o0, l0 = parts[2 * b], parts[2 * b + 1]
                     dtypes.append((o0.dtype, l0.dtype))
-                    acc.append(Operands([o0.float(), l0], caps["qo"], lead, zero=True))
+                    acc.append(Operands([o0, l0], caps["qo"], lead, zero=True, dtype=torch.float32))
                     acc[-1].remote()[1].fill_(float("-inf"))
                 del parts, o0, l0  # merged: a stage's out is as large as its rows, never kept past its merge
             elif op.kind == ATTN:
@@ -303,11 +312,14 @@ def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql,
                 del parts
             elif op.kind == REDUCE:
                 (s,), b = op.stages, op.branch
-                partial = [_gather_remote(t, sr.gather["qo"][s - 1], n, lead, d)
-                           for t, d in zip(acc[b].x, dtypes[b])]
                 o_b, l_b = (rows(t, lead, 0, n) for t in acc[b].x)
-                neutral = (torch.zeros_like(o_b, dtype=dtypes[b][0]), torch.full_like(l_b, float("-inf")))
-                works[op.name] = _issue(op, sr, group, caps, partial, neutral, deterministic)
+                # handed over (no name keeps them): freed once sent and read, not held through s + 1
+                works[op.name] = _issue(op, sr, group, caps,
+                                        [_gather_remote(t, sr.gather["qo"][s - 1], n, lead, d)
+                                         for t, d in zip(acc[b].x, dtypes[b])],
+                                        [torch.zeros_like(o_b, dtype=dtypes[b][0]),
+                                         torch.full_like(l_b, float("-inf"))], deterministic)
+                del o_b, l_b
             elif op.kind == MERGE:  # every return is merged in: the host's rows are the output
                 for b in range(branches):
                     h_o, h_l = (rows(t, lead, 0, n) for t in acc[b].x)
@@ -319,7 +331,7 @@ def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql,
 
 def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql, kl, vl, o, lse, kept_q,
                     kept_kv, d_o, d_l, scale: float, deterministic: bool, *, extra=(), kept_extra=(),
-                    attend_bwd=None, more_branches=(), kept_kv_rows: int = -1):
+                    attend_bwd=None, more_branches=(), kept_kv_rows: int = -1, groups: int = 1):
     """Run ``backward_ops(S + 1)``: (dq, dk, dv) group-major. ``kept_q``: the forward's Xq or None
     (Q is cast again with dO); ``kept_kv``: its [Xk, Xv] or None (K, V are cast again).
     kept_kv_rows >= 0: ``kept_kv`` holds the local rows and only the first this many rows of the
@@ -330,7 +342,9 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
     gradients of every branch summed. more_branches: the other output branches' (o, lse, dO, dlse
     or None), as the first's (an NSA layer's window branch): each gets its own delta, its dO, lse
     and delta travel in the same ``bwd.qo`` casts after the first's, and ``more`` is their
-    (dO, lse, delta) per branch, in that order."""
+    (dO, lse, delta) per branch, in that order. groups: ``d_o`` is group-major rows (1), or with
+    G > 1 the upstream grad in its natural layout ``[*, c, Hq, D]``; either way it is written
+    group-major straight into its operand, whose local rows are the dO every later step reads."""
     lead = 1 if batched else 0
     S, buffers = sr.num_stages, plan.comm.buffers
     caps = {kind: buffers.recv(kind) for kind in KINDS}
@@ -349,9 +363,8 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
     xk, xv = kept_kv if kept_kv is not None else Xkv.x
     grads = Xg = None
     # fp32 sums over the rows of each kind's operands (the local stage may run last: start from zero)
-    grads_q = Operands([torch.zeros(ql.shape, dtype=torch.float32, device=ql.device)], cap_q, lead, zero=True)
-    grads_kv = Operands([torch.zeros(kl.shape, dtype=torch.float32, device=kl.device),
-                          torch.zeros(vl.shape, dtype=torch.float32, device=vl.device)], cap_k, lead, zero=True)
+    grads_q = Operands.zeros([ql], cap_q, lead, torch.float32)
+    grads_kv = Operands.zeros([kl, vl], cap_k, lead, torch.float32)
 
     def run(s):
         return lambda r, *t: attend_bwd(r, s, *t)
@@ -359,12 +372,18 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
     for op in backward_ops(S + 1, kept_kv is not None):
         with nvtx_range(op_range(op, sub_stages=True)):
             if op.kind == DELTA:  # the host computes delta from its final O: O itself never travels
-                grads = []  # (dO, lse, delta) of each branch
-                for o_b, l_b, do_b, dl_b in ((o, lse, d_o, d_l), *more_branches):
+                # dO goes into its operand first and delta is computed from its rows there: the
+                # operands' local rows are the only dO, lse and delta the stages and casts read
+                first = Operands([d_o], cap_q, lead, zero=True, groups=groups)
+                d_o = None
+                trio = []  # (dO, lse, delta) of each branch
+                for o_b, l_b, do_b, dl_b in ((o, lse, first.local()[0], d_l), *more_branches):
                     delta = per_rank(ranks, batched, lambda r, a, b, *c_: (row_delta(a, b, c_[0] if c_ else None),),
                                       do_b, o_b, *(() if dl_b is None else (dl_b,)))[0]
-                    grads += [do_b, l_b, delta]
-                Xg = Operands(grads, cap_q, lead, zero=True)
+                    trio += [do_b, l_b, delta]
+                Xg = first.join(Operands(trio[1:], cap_q, lead, zero=True))
+                grads = Xg.local()
+                del first, trio, delta, do_b
             elif op.kind == CAST:
                 if op.route == "qo":
                     tensors = tuple(grads) + (() if kept_q is not None else (ql, *extra))
@@ -402,8 +421,9 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
                 kind = "qo" if op.phase == "bwd.dq" else "kv"
                 pick = grads_q.x if kind == "qo" else grads_kv.x
                 dtype = ql.dtype if kind == "qo" else kl.dtype
-                partial = [_gather_remote(t, sr.gather[kind][s - 1], n, lead, dtype) for t in pick]
-                works[op.name] = _issue(op, sr, group, caps, partial,
+                # handed over (no name keeps them): freed once sent and read, not held through s + 1
+                works[op.name] = _issue(op, sr, group, caps,
+                                        [_gather_remote(t, sr.gather[kind][s - 1], n, lead, dtype) for t in pick],
                                         [torch.zeros_like(ql)] if kind == "qo" else
                                         [torch.zeros_like(kl), torch.zeros_like(vl)], deterministic)
             elif op.kind == MERGE:  # every reduce is summed in: the host's rows are the gradients
