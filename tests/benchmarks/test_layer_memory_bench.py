@@ -1,22 +1,13 @@
 """benchmarks/layer_memory.py on meta: the fused merge's own peak is its outputs (and the slot table),
 the torch path's is more; the rest of the layer's figures do not depend on the merge."""
-import importlib.util
-import sys
-from pathlib import Path
-
 import torch
 
 from gpusolver.capacity import buffer_rows
-
-_BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "layer_memory.py"
+from tests.benchmarks._load import load_bench
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("_bench_layer_memory", _BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("layer_memory.py")
 
 
 def test_fused_merge_allocates_its_outputs_only():

@@ -1,19 +1,11 @@
 """benchmarks/memory_floor.py: the plan's buffers at capacity equal plan.memory(), at fill they hold the rows moved."""
-import importlib.util
-import sys
-from pathlib import Path
-
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmarks._load import load_bench
 
 
 def _load():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("memory_floor", ROOT / "benchmarks" / "memory_floor.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("memory_floor.py")
 
 
 def test_floor_at_capacity_is_plan_memory_and_fill_is_what_moves(tmp_path, capsys):

@@ -1,21 +1,14 @@
 """benchmarks/stages_bench.py on one small mask: every (S, transport) row, ratios against S = 1, the summary."""
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmarks._load import load_bench
 
 
 def _load():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("stages_bench", ROOT / "benchmarks" / "stages_bench.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("stages_bench.py")
 
 
 def test_stages_bench_quick(tmp_path, capsys):

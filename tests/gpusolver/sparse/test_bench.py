@@ -1,21 +1,15 @@
 """benchmarks/sparse_bench.py on tiny sizes: complete tables and JSON, exact sets never above hulls."""
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-_BENCH = Path(__file__).resolve().parents[3] / "benchmarks"
+from tests.benchmarks._load import load_bench
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("_bench_sparse", _BENCH / "sparse_bench.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("sparse_bench.py", "_bench_sparse")
 
 
 def test_tiny_grid_writes_tables(tmp_path, monkeypatch):
