@@ -102,6 +102,15 @@ def cluster_sweep(p, args):
     return sizes, kinds, PRESETS[args.topology]
 
 
+def plan_cache_path(cache, kind: str, P: int, seed: int, tokens: int, config) -> Path | None:
+    """Where a benchmark mask's solved plan is cached under ``cache`` (None: no cache). A solve on a
+    topology (``config.topology``) gives another assignment, so it gets a file of its own."""
+    if not cache:
+        return None
+    tag = "_topo" if config.topology is not None else ""
+    return Path(cache) / f"{kind}_P{P}_s{seed}_c{tokens}{tag}.pt"
+
+
 def cached_assignment(mask, areas, config, path: Path | None):
     """The solver's assignment for (mask, areas, config) and its CPU solve seconds, or the one a
     plan saved at ``path`` holds (seconds None); a fresh solve is saved there as a plan."""

@@ -27,7 +27,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import PACKED_KINDS, cached_assignment, make_mask, markdown_table, parse_list, write_text  # noqa: E402
+from _common import (  # noqa: E402
+    PACKED_KINDS, cached_assignment, make_mask, markdown_table, parse_list, plan_cache_path, write_text,
+)
 
 from gpusolver import SolverConfig, block_areas  # noqa: E402
 from gpusolver.capacity import BufferRows  # noqa: E402
@@ -69,9 +71,7 @@ def run(kind: str, P: int, seed: int, tokens: int, cache, topology) -> dict:
     config = SolverConfig(cp_size=P, topology=topology)
     mask = make_mask(kind, P, seed, tokens)
     areas = block_areas(mask, P, config.head_groups, impl="torch")
-    tag = "_topo" if topology is not None else ""  # stages_bench's cache names: its plans are reused
-    path = Path(cache) / f"{kind}_P{P}_s{seed}_c{tokens}{tag}.pt" if cache else None
-    asg, _ = cached_assignment(mask, areas, config, path)
+    asg, _ = cached_assignment(mask, areas, config, plan_cache_path(cache, kind, P, seed, tokens, config))
     plan = build_plan(mask, areas, asg, replace(config, num_stages=1))  # the buffers do not depend on S
     return {"kind": kind, "P": P, "seed": seed, **floor_row(plan, config, tokens)}
 

@@ -51,12 +51,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
-    PACKED_KINDS, RESULTS_DIR, environment, make_mask, markdown_table, parse_list, write_results,
+    PACKED_KINDS, RESULTS_DIR, cached_assignment, environment, make_mask, markdown_table, parse_list,
+    plan_cache_path, write_results,
 )
 
 from gpusolver import SolverConfig, block_areas  # noqa: E402
-from gpusolver.assign import solve_assignment  # noqa: E402
-from gpusolver.plan import Plan  # noqa: E402
 from gpusolver.plan.build import build_plan  # noqa: E402
 from gpusolver.plan.schedule import plan_ops  # noqa: E402
 from gpusolver.sim import simulate  # noqa: E402
@@ -64,18 +63,6 @@ from gpusolver.topology import PRESETS  # noqa: E402
 
 MB = 1e6
 COMMS = ("a2a", "p2p", "p2p-batch", "a2a+rs", "p2p+rs", "p2p-batch+rs")
-
-
-def _assignment(kind, P, seed, tokens, cache, mask, areas, config):
-    tag = "_topo" if config.topology is not None else ""  # a topology-aware solve is another assignment
-    path = Path(cache) / f"{kind}_P{P}_s{seed}_c{tokens}{tag}.pt" if cache else None
-    if path is not None and path.exists():
-        return Plan.load(path).assignment
-    asg = solve_assignment(areas, config, impl="torch")
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        build_plan(mask, areas, asg, config).save(path, config=config)
-    return asg
 
 
 def _stage_meta_bytes(comm) -> int:
@@ -109,7 +96,7 @@ def run(kind, P, seed, tokens, stages, comms, topo, cache, solve_topology: bool 
     config = SolverConfig(cp_size=P, topology=topo if solve_topology else None)
     mask = make_mask(kind, P, seed, tokens)
     areas = block_areas(mask, P, config.head_groups, impl="torch")
-    asg = _assignment(kind, P, seed, tokens, cache, mask, areas, config)
+    asg, _ = cached_assignment(mask, areas, config, plan_cache_path(cache, kind, P, seed, tokens, config))
     rows, base = [], {}
     for S in stages:
         t0 = time.perf_counter()
