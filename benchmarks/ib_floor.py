@@ -3,27 +3,10 @@
 Issue 28 asks for forward IB bytes per GPU <= USP's and IB time <= 0.4x today's plans' in every
 benchmark cell. Whether a cell can meet them at all depends on the mask: when a node's own work
 (tasks whose query and key units both live on it) cannot be balanced against the others' within
-mu, work has to cross nodes, and with it its rows. This bounds that from below by a linear program
-over the mask's block areas and needs, independent of any solver:
-
-- x[t, n] >= 0, the share of task t (a (query unit, key unit) block, all head groups alike) run on
-  node n; every task runs once (sum over n is 1);
-- every node runs at most mu * (ranks per node) * mean load (each of its ranks runs at most mu x
-  the mean);
-- Yq[i, n] >= x[t, n] * |q_need(t)| for every task t of query unit i and every node n other than
-  i's: the rows of i that cross to n (a plan sends at least the hull of its tasks' needs, at least
-  each one's), likewise Yk[j, n] for key unit j;
-- a node's IB bytes out and in (forward: Q out and partial O plus lse back; K, V out; backward:
-  dO, lse, delta out and dQ back; dK, dV back; ``SolverConfig.cost()``, the solver's own per-token
-  prices, with its kept buffers) are spread at best evenly over its ranks' NICs, so the largest
-  per-GPU bytes is at least the largest node's out or in over L.
-
-Each (unit, node) pays its rows once, whichever of its node's ranks uses them: what relay
-transport reaches; direct transport moves at least as much. Every plan within mu is a point of this
-program (x in {0, 1}), so its optimum is a floor for every plan, every solver and both transports.
-By the head groups' symmetry the program over all groups has an optimum with every group alike,
-so it is solved once with the groups summed. Whole-chunk tasks only (``chunk_tiles`` 1, the
-default at G >= 4): with sub-chunk tiles a plan may split a block's work unevenly over its rows.
+mu, work has to cross nodes, and with it its rows. ``gpusolver.bounds.ib_lower_bound`` bounds that
+from below by a linear program over the nodes that every plan within mu satisfies, whatever the
+solver or transport; this prints it per benchmark mask next to USP's, today's plans' (solved
+without topology), the default topology-solved plans' (direct) and the relay-priced plans' (relay).
 
     PYTHONPATH=. python benchmarks/ib_floor.py --P 16,32,64 --seeds 3 --plan-cache build/sim_plans \\
         --md benchmarks/results/ib_floor.md
@@ -37,10 +20,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import torch
-from scipy.optimize import linprog
-from scipy.sparse import coo_matrix
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -50,6 +30,7 @@ from _common import (  # noqa: E402
 from topology_solve import link_bottlenecks, usp_ib_fwd  # noqa: E402
 
 from gpusolver import SolverConfig, block_areas  # noqa: E402
+from gpusolver.bounds import ib_lower_bound  # noqa: E402
 from gpusolver.capacity import keep_for_budget  # noqa: E402
 from gpusolver.plan.build import build_plan  # noqa: E402
 from gpusolver.topology import PRESETS  # noqa: E402
@@ -57,96 +38,13 @@ from gpusolver.topology import PRESETS  # noqa: E402
 MB = 1e6
 
 
-class _Rows:
-    """A sparse constraint matrix built a row at a time (``A @ v <= b`` or ``== b``)."""
-
-    def __init__(self):
-        self.r, self.c, self.v, self.b = [], [], [], []
-
-    def add(self, cols, vals, rhs: float) -> None:
-        row = len(self.b)
-        self.r += [row] * len(cols)
-        self.c += list(cols)
-        self.v += list(vals)
-        self.b.append(rhs)
-
-    def matrix(self, n: int):
-        return coo_matrix((self.v, (self.r, self.c)), shape=(len(self.b), n)).tocsr(), np.array(self.b)
-
-
 def ib_floor(areas, config: SolverConfig, ranks_per_node: int, mu: float | None = None) -> dict:
-    """Floors of a plan's per-GPU IB bytes on nodes of ``ranks_per_node``: ``fwd`` (the forward's
-    largest per-GPU bytes, ``link_bottlenecks``' IB figure) and ``step`` (forward plus backward), each
-    the optimum of its own program (module docstring); mu defaults to ``config.imbalance_tol``.
-    ``config`` prices the bytes as the solve does (``keep_for_budget`` resolved)."""
-    if areas.tiles != 1:
-        raise ValueError(f"ib_floor: whole-chunk tasks only (areas.tiles must be 1, got {areas.tiles})")
-    P, L = areas.cp_size, ranks_per_node
-    if P % L:
-        raise ValueError(f"ib_floor: cp_size {P} must be a multiple of ranks_per_node {L}")
-    mu = config.imbalance_tol if mu is None else mu
-    N, G = P // L, areas.head_groups
+    """``bounds.ib_lower_bound`` of the forward and of the step (forward plus backward), bytes per GPU,
+    at the solver's own prices (``config.cost()`` with ``keep_for_budget`` resolved, as the solve
+    prices); mu defaults to ``config.imbalance_tol``."""
     cost = keep_for_budget(config, areas.chunk).cost()
-    area = areas.area.sum(0).double().numpy()                      # [P, P], summed over the groups
-    qlen = (areas.q_need[0, ..., 1] - areas.q_need[0, ..., 0]).numpy()
-    klen = (areas.k_need[0, ..., 1] - areas.k_need[0, ..., 0]).numpy()
-    node = np.arange(P) // L
-    tasks = [(i, j) for i in range(P) for j in range(P) if area[i, j] > 0]
-    T = len(tasks)
-    # variables: x[t, n] | Yq[i, n] | Yk[j, n] | Zf, Zb (per-GPU bytes, MB)
-    X, YQ, YK = 0, T * N, T * N + P * N
-    ZF, ZB, V = T * N + 2 * P * N, T * N + 2 * P * N + 1, T * N + 2 * P * N + 2
-    x = lambda t, n: X + t * N + n  # noqa: E731
-    yq = lambda i, n: YQ + i * N + n  # noqa: E731
-    yk = lambda j, n: YK + j * N + n  # noqa: E731
-    eq, ub = _Rows(), _Rows()
-    for t in range(T):
-        eq.add([x(t, n) for n in range(N)], [1.0] * N, 1.0)
-    cap = mu * L * area.sum() / P
-    for n in range(N):
-        ub.add([x(t, n) for t in range(T)], [area[i, j] / cap for i, j in tasks], 1.0)
-    for t, (i, j) in enumerate(tasks):
-        for n in range(N):
-            if n != node[i] and qlen[i, j] > 0:
-                ub.add([x(t, n), yq(i, n)], [float(qlen[i, j]), -1.0], 0.0)
-            if n != node[j] and klen[i, j] > 0:
-                ub.add([x(t, n), yk(j, n)], [float(klen[i, j]), -1.0], 0.0)
-    # per token of a unit, all groups: (sent by the unit's host node, sent back by the helper node)
-    per = {"fwd": {"q": (cost.q_fwd, cost.o_fwd), "k": (cost.kv_fwd, 0)},
-           "bwd": {"q": (cost.q_bwd, cost.dq_bwd), "k": (cost.kv_bwd, cost.dkv_bwd)}}
-    for phase, z in (("fwd", ZF), ("bwd", ZB)):
-        for n in range(N):
-            out, into = {}, {}
-            for kind, y in (("q", yq), ("k", yk)):
-                there, back = (G * b / MB for b in per[phase][kind])
-                for u in range(P):
-                    for m in range(N):
-                        if m == node[u]:
-                            continue
-                        if node[u] == n:      # n's unit crossing to m: out there, in back
-                            out[y(u, m)] = out.get(y(u, m), 0.0) + there
-                            into[y(u, m)] = into.get(y(u, m), 0.0) + back
-                        elif m == n:          # another node's unit crossing to n
-                            into[y(u, m)] = into.get(y(u, m), 0.0) + there
-                            out[y(u, m)] = out.get(y(u, m), 0.0) + back
-            for side in (out, into):
-                cols = [c for c, v in side.items() if v]
-                ub.add(cols + [z], [side[c] for c in cols] + [-float(L)], 0.0)
-    A_eq, b_eq = eq.matrix(V)
-    A_ub, b_ub = ub.matrix(V)
-    bounds = [(0, None)] * V
-    for u in range(P):  # a unit never crosses to its own node
-        bounds[yq(u, node[u])] = bounds[yk(u, node[u])] = (0, 0)
-    floors = {}
-    for name, objective in (("fwd", {ZF: 1.0}), ("step", {ZF: 1.0, ZB: 1.0})):
-        c = np.zeros(V)
-        for k, v in objective.items():
-            c[k] = v
-        res = linprog(c, A_ub=A_ub, b_ub=b_ub, A_eq=A_eq, b_eq=b_eq, bounds=bounds, method="highs")
-        if res.status != 0:
-            raise RuntimeError(f"ib_floor: the {name} program did not solve: {res.message}")
-        floors[name] = float(res.fun) * MB
-    return floors
+    mu = config.imbalance_tol if mu is None else mu
+    return {d: ib_lower_bound(areas, cost, ranks_per_node, mu, direction=d) for d in ("fwd", "step")}
 
 
 def run(kind: str, P: int, seed: int, tokens: int, cache, topology) -> dict:

@@ -1,6 +1,7 @@
 """Lower bounds on load and on the communication bottleneck (offline, host-side).
 
-``load_lower_bound`` is the trivial bound on the max load. ``milp_bottleneck``
+``load_lower_bound`` is the trivial bound on the max load; ``ib_lower_bound`` bounds the
+InfiniBand bytes per GPU on a cluster (a linear program over the nodes). ``milp_bottleneck``
 solves a mixed-integer program (``scipy.optimize.milp``, HiGHS) whose optimum
 is a valid lower bound on the smallest bottleneck any balanced assignment can
 reach under hull semantics, for small instances (P <= 8, a few hundred tasks).
@@ -16,7 +17,7 @@ import torch
 from gpusolver.metrics import evaluate
 from gpusolver.problem import BlockAreas, CommCost
 
-__all__ = ["load_lower_bound", "MilpResult", "milp_bottleneck", "shed_lower_bound"]
+__all__ = ["load_lower_bound", "MilpResult", "milp_bottleneck", "shed_lower_bound", "ib_lower_bound"]
 
 MAX_MILP_RANKS = 8
 MAX_MILP_TASKS = 256
@@ -326,3 +327,88 @@ def shed_lower_bound(areas: BlockAreas, cost: CommCost, mu: float = 1.10, direct
         bound = dual if dual is not None and np.isfinite(dual) else 0.0
         per_rank.append(max(0, math.ceil(bound - 1e-6 * max(1.0, abs(bound)))))
     return max(per_rank), per_rank
+
+
+def ib_lower_bound(areas: BlockAreas, cost: CommCost, ranks_per_node: int, mu: float = 1.10,
+                   direction: str = "fwd") -> float:
+    """A lower bound on the InfiniBand bytes per GPU of any assignment with max load <= mu * mean,
+    on nodes of ``ranks_per_node`` (bytes; the largest over GPUs of max(sent, received) to other
+    nodes, per phase, ``direction`` "fwd", "bwd" or "step" = fwd + bwd).
+
+    A linear program over the nodes, not the ranks, so it is small at any P (thousands of tasks
+    at P = 64 solve in seconds) and holds for every transport and solver:
+
+        x[t, n] >= 0, sum_n x[t, n] = 1         task t = (i, j), all head groups alike, on node n
+        sum_t area_t * x[t, n] <= mu * L * total / P     (each of n's L ranks at most mu x mean)
+        yq[i, n] >= |q_need(t)| * x[t, n]       for each task t of query unit i, n not i's node
+        yk[j, n] >= |k_need(t)| * x[t, n]       likewise for key unit j
+        L * z >= node n's IB bytes out, and in  (the ``_coeffs`` prices on y, times G)
+
+    Each (unit, node) pays its rows once, whichever of the node's ranks use them (what relay
+    transport reaches; direct transport moves at least as much), at least each task's need (the
+    hull a plan sends is at least that), and a node's bytes spread at best evenly over its L
+    NICs. Every whole-task assignment within mu is a point (x in {0, 1}), so the optimum bounds
+    them all from below. By the head groups' symmetry the program over all groups has an optimum
+    with every group alike: it is solved once, the groups summed. Whole chunks only (``tiles``
+    1): a tiled plan may split a block's work unevenly over its rows.
+    """
+    _check_bound_args(areas, cost, mu, direction)
+    P, L, G = areas.cp_size, ranks_per_node, areas.head_groups
+    if areas.tiles != 1:
+        raise ValueError(f"ib_lower_bound: whole-chunk tasks only (areas.tiles must be 1, got {areas.tiles})")
+    if isinstance(L, bool) or not isinstance(L, int) or L < 1 or P % L:
+        raise ValueError(f"ranks_per_node must be a positive int dividing cp_size {P}, got {L!r}")
+    N = P // L
+    area = areas.area.detach().cpu().double().sum(0).numpy()                    # [P, P], groups summed
+    qlen = (areas.q_need[0, ..., 1] - areas.q_need[0, ..., 0]).detach().cpu().numpy()
+    klen = (areas.k_need[0, ..., 1] - areas.k_need[0, ..., 0]).detach().cpu().numpy()
+    node = np.arange(P) // L
+    tasks = [(int(i), int(j)) for i, j in np.argwhere(area > 0)]
+    T = len(tasks)
+    # columns: x[t, n] | yq[i, n] | yk[j, n] | z per phase; y in MB keeps HiGHS's numbers near 1
+    yq = lambda i, n: T * N + i * N + n  # noqa: E731
+    yk = lambda j, n: T * N + P * N + j * N + n  # noqa: E731
+    phases = ("fwd", "bwd") if direction == "step" else (direction,)
+    z = {ph: T * N + 2 * P * N + k for k, ph in enumerate(phases)}
+    nvar = T * N + 2 * P * N + len(phases)
+    rows, cols, vals, lo, hi = [], [], [], [], []
+
+    def add_row(entries, lb, ub):
+        for c, v in entries:
+            rows.append(len(lo))
+            cols.append(c)
+            vals.append(float(v))
+        lo.append(lb)
+        hi.append(ub)
+
+    for t in range(T):
+        add_row([(t * N + n, 1.0) for n in range(N)], 1.0, 1.0)
+    cap = mu * L * area.sum() / P
+    for n in range(N):
+        add_row([(t * N + n, area[i, j] / cap) for t, (i, j) in enumerate(tasks)], -np.inf, 1.0)
+    for t, (i, j) in enumerate(tasks):
+        for n in range(N):
+            if n != node[i] and qlen[i, j] > 0:
+                add_row([(t * N + n, qlen[i, j]), (yq(i, n), -1.0)], -np.inf, 0.0)
+            if n != node[j] and klen[i, j] > 0:
+                add_row([(t * N + n, klen[i, j]), (yk(j, n), -1.0)], -np.inf, 0.0)
+    MB = 1e6
+    for ph in phases:
+        q_send, q_recv, kv_send, kv_recv = (G * f / MB for f in _coeffs(cost, ph))  # as the unit's host
+        for n in range(N):
+            out, into = {}, {}
+            for y, there, back in ((yq, q_send, q_recv), (yk, kv_send, kv_recv)):
+                for u in range(P):
+                    for m in range(N):
+                        if m == node[u] or n not in (node[u], m):
+                            continue
+                        # n hosts u (sends there, takes back), or n is the node u crosses to
+                        send, take = (there, back) if node[u] == n else (back, there)
+                        out[y(u, m)], into[y(u, m)] = send, take
+            for side in (out, into):
+                add_row([(c, v) for c, v in side.items() if v] + [(z[ph], -float(L))], -np.inf, 0.0)
+    pinned = [y(u, node[u]) for u in range(P) for y in (yq, yk)]  # a unit never crosses to its own node
+    res = _solve((rows, cols, vals, lo, hi), nvar, 0, list(z.values()), 60.0, 1e-9, pinned)
+    if res.status != 0:
+        raise RuntimeError(f"ib_lower_bound: the program did not solve ({res.message})")
+    return max(0.0, float(res.fun)) * MB
