@@ -6,7 +6,8 @@ benchmark cell. Whether a cell can meet them at all depends on the mask: when a 
 mu, work has to cross nodes, and with it its rows. ``gpusolver.bounds.ib_lower_bound`` bounds that
 from below by a linear program over the nodes that every plan within mu satisfies, whatever the
 solver or transport; this prints it per benchmark mask next to USP's, today's plans' (solved
-without topology), the default topology-solved plans' (direct) and the relay-priced plans' (relay).
+without topology), the default topology-solved plans' (direct) and the relay-priced plans' (relay,
+at the default sub-stages and at one remote stage).
 
     PYTHONPATH=. python benchmarks/ib_floor.py --P 16,32,64 --seeds 3 --plan-cache build/sim_plans \\
         --md benchmarks/results/ib_floor.md
@@ -79,13 +80,18 @@ def run(kind: str, P: int, seed: int, tokens: int, cache, topology) -> dict:
             # the relay-priced solve's assignment is another one: a file of its own
             ("relay", relay, cache and Path(cache) / f"{kind}_P{P}_s{seed}_c{tokens}_topo_relay.pt")):
         asg, _ = cached_assignment(mask, areas, config, path)
-        # today and topo built direct, as the default runs at S > 1; relay with relay transport
-        plan = build_plan(mask, areas, asg, replace(config, topology=topology, ib_relay=name == "relay"))
-        fwd, bwd = (link_bottlenecks(plan.pair_bytes(phase), L)[0] for phase in ("fwd", "bwd"))
-        row[f"{name}_fwd_mb"], row[f"{name}_ib_ms"] = fwd / MB, (fwd + bwd) / nic_bps * 1e3
-        row[f"{name}_even_mb"] = node_spread(plan.pair_bytes("fwd"), L) / MB
+        # today and topo built direct, as the default runs at S > 1; relay with relay transport at the
+        # default S (its returns cross once per sub-stage) and at one remote stage ("relay1")
+        builds = [(name, replace(config, topology=topology, ib_relay=name == "relay"))]
+        if name == "relay":
+            builds.append(("relay1", replace(builds[0][1], num_stages=1)))
+        for label, built in builds:
+            plan = build_plan(mask, areas, asg, built)
+            fwd, bwd = (link_bottlenecks(plan.pair_bytes(phase), L)[0] for phase in ("fwd", "bwd"))
+            row[f"{label}_fwd_mb"], row[f"{label}_ib_ms"] = fwd / MB, (fwd + bwd) / nic_bps * 1e3
+            row[f"{label}_even_mb"] = node_spread(plan.pair_bytes("fwd"), L) / MB
     row["floor_vs_today"] = row["floor_ib_ms"] / row["today_ib_ms"] if row["today_ib_ms"] else None
-    for name in ("topo", "relay"):
+    for name in ("topo", "relay", "relay1"):
         row[f"{name}_vs_floor"] = row[f"{name}_fwd_mb"] / row["floor_fwd_mb"] if row["floor_fwd_mb"] else None
         row[f"{name}_vs_usp"] = row[f"{name}_fwd_mb"] / row["usp_fwd_mb"]
         row[f"{name}_vs_today"] = row[f"{name}_ib_ms"] / row["today_ib_ms"] if row["today_ib_ms"] else None
@@ -102,10 +108,13 @@ COLUMNS = [("kind", "kind", "s"), ("P", "P", "d"), ("seed", "seed", "d"),
            ("relay plan IB fwd MB/GPU", "relay_fwd_mb", ".1f"), ("relay / USP", "relay_vs_usp", ".2f"),
            ("relay / floor", "relay_vs_floor", ".2f"), ("relay even / floor", "relay_even_vs_floor", ".2f"),
            ("relay / even", "relay_vs_even", ".2f"),
+           ("relay S=1 IB fwd MB/GPU", "relay1_fwd_mb", ".1f"), ("relay S=1 / USP", "relay1_vs_usp", ".2f"),
+           ("relay S=1 / floor", "relay1_vs_floor", ".2f"), ("relay S=1 / even", "relay1_vs_even", ".2f"),
            ("today IB ms", "today_ib_ms", ".2f"), ("floor IB ms", "floor_ib_ms", ".2f"),
            ("floor / today", "floor_vs_today", ".2f"), ("plan IB ms", "topo_ib_ms", ".2f"),
            ("plan / today", "topo_vs_today", ".2f"), ("relay IB ms", "relay_ib_ms", ".2f"),
-           ("relay / today", "relay_vs_today", ".2f"), ("LP s", "lp_s", ".1f")]
+           ("relay / today", "relay_vs_today", ".2f"), ("relay S=1 / today", "relay1_vs_today", ".2f"),
+           ("LP s", "lp_s", ".1f")]
 
 
 def summary(rows: list[dict]) -> str:
@@ -114,7 +123,9 @@ def summary(rows: list[dict]) -> str:
     time_ok = [r for r in rows if r["floor_vs_today"] is not None and r["floor_vs_today"] <= 0.4]
     out = [f"- IB fwd <= USP's is reachable (floor / USP <= 1) in {len(fwd_ok)} of {n} cells; IB time <= 0.4x "
            f"today's (floor / today <= 0.4) in {len(time_ok)} of {n}.\n"]
-    for name, label in (("topo", "plan (default: topology-solved, direct)"), ("relay", "relay plan (ib_relay=True)")):
+    for name, label in (("topo", "plan (default: topology-solved, direct)"),
+                        ("relay", "relay plan (ib_relay=True, the default S)"),
+                        ("relay1", "relay plan at S = 1 (num_stages=1)")):
         # a floor under 1 % of USP's is a node balance that needs next to nothing: its ratio says little
         gaps = [r[f"{name}_vs_floor"] for r in rows if r["floor_vs_usp"] >= 0.01]
         out.append(f"- {label}: IB fwd <= USP's in {sum(r[f'{name}_vs_usp'] <= 1.0 for r in rows)} of {n}; IB time "
@@ -153,14 +164,16 @@ def main(argv=None) -> list[dict]:
             f"Packed documents, {args.tokens_per_rank} tokens per rank, GQA 64:8, D = 128, bf16, mu = 1.10, "
             f"`{topology.name}` (nodes of {topology.ranks_per_node}). floor: the optimum of a linear program "
             "that every plan within mu satisfies (each (unit, node) crossing once, its rows at least each "
-            "task's need, a node's bytes spread evenly over its NICs: `benchmarks/ib_floor.py`), so no solver "
+            "task's need, a node's bytes spread evenly over its NICs: `gpusolver.bounds.ib_lower_bound`), so no solver "
             "and no transport moves less; a target below it is out of reach in that cell. IB fwd: the "
             "largest per-GPU max(sent, received) to other nodes, forward (as `relay_bench.py`); IB ms: "
             "(IB fwd + IB bwd) / NIC bandwidth, ideal. even: the plan's forward IB bytes per GPU were each node's "
             "spread evenly over its NICs (`node_spread`), so plan / floor = (even / floor) x (plan / even). "
             "USP: its ring over nodes. today: the plan solved "
             "without topology; plan: solved with `SolverConfig(topology=...)`; both built direct, as the "
-            "default runs with sub-stages. Bytes are counted, not simulated.\n\n"
+            "default runs with sub-stages; relay: solved with `ib_relay=True` and built with relay transport at "
+            "the default sub-stages (its returns cross once per sub-stage) and at S = 1. Bytes are counted, "
+            "not simulated.\n\n"
             + markdown_table(rows, COLUMNS) + "\n\n" + summary(rows))
     print(text)
     if args.md:

@@ -10,11 +10,12 @@ where in its receive buffer (the layout CalcMeta and the kernels read). A
 - hop 0 (direct): the host sends the consumer its rows itself, as without
   relay. Every intra-node transfer goes this way, and so does every
   inter-node transfer whose (unit, node) is not relayed.
-- rails (``matched_rails``, more than two nodes only): each (unit, remote node
+- rails (``matched_rails``, where ``uses_egress``: more than two nodes, or two at
+  one remote stage): each (unit, remote node
   B) crossing uses one rail l, leaving from the egress ``e = A * L + l`` of its
   host's node A and landing on the relay ``r = B * L + l``. By default l is the
   host's own local index (``Topology.relay_rank``, what the solver prices); with
-  more than two nodes the plan matches crossings to rails per node pair, by
+  an egress the plan matches crossings to rails per node pair, by
   their forward bytes, to spread a node's InfiniBand bytes over its NICs on
   both sides, and keeps the matching only when it lowers the busiest NIC.
 - hop 3 (NVLink pre-hop): host h moves each unit's rows bound for remote node B
@@ -142,7 +143,7 @@ class RelayMeta:
     qo: RelayRoute
     kv: RelayRoute
     ranks_per_node: int
-    egress: bool = False  # more than two nodes: hop 3 (the NVLink pre-hop to the egress) runs
+    egress: bool = False  # ``uses_egress``: hop 3 (the NVLink pre-hop to the egress) runs
     rails: torch.Tensor | None = None  # [G, U, N] int64 the rail of each (unit, node) crossing
     num_stages: int = 1
     qo_back: RelayRoute | None = None
@@ -490,15 +491,27 @@ def stage_relay_routes(comm, kind: str, tiles: int, L: int, rows, egress: bool,
     return stack_routes(casts), stack_routes(backs)
 
 
-def build_relay_meta(comm, ranks_per_node: int, rows, cost=None) -> RelayMeta:
+def uses_egress(nodes: int, num_stages: int) -> bool:
+    """Whether a relay plan over ``nodes`` nodes with ``num_stages`` remote sub-stages moves rows
+    to an egress first (hop 3), so its crossings can leave by other NICs than their host's
+    (``matched_rails``). With more than two nodes, always. With two, only at one remote stage:
+    on the P = 16 benchmark masks it halved the busiest NIC's forward bytes (causal seed 1: 88 to
+    49 MB per GPU, ``benchmarks/results/ib_floor.md``) and lowered the simulated two-stage step
+    6-16 % in four of six masks (``stages_bench_topo.md``), but with four sub-stages every
+    reduce's chain gains the pre-hop and the step rose in 3 of the 6 (up to 8.7 %; CHANGELOG)."""
+    return nodes > 2 or (nodes == 2 and num_stages == 1)
+
+
+def build_relay_meta(comm, ranks_per_node: int, rows, cost=None, egress: bool | None = None) -> RelayMeta:
     """Relay routing of both kinds of ``comm`` (a ``CommMeta``; with S > 1 sub-stages per sub-stage,
-    ``stage_relay_routes``) for nodes of ``ranks_per_node``; ``rows`` a ``capacity.RelayRows``."""
+    ``stage_relay_routes``) for nodes of ``ranks_per_node``; ``rows`` a ``capacity.RelayRows``;
+    ``egress``: whether crossings go by an egress (hop 3), default ``uses_egress``."""
     P = comm.cp_size
     if P % ranks_per_node or P <= ranks_per_node:
         raise ValueError(f"relay transport needs whole nodes of ranks_per_node = {ranks_per_node} and more "
                          f"than one of them, got cp_size = {P}")
-    egress = P // ranks_per_node > 2
     N, L = P // ranks_per_node, ranks_per_node
+    egress = uses_egress(N, comm.num_stages) if egress is None else bool(egress)
     G, U = comm.qo_range.shape[:2]
     own = (torch.arange(U, device=comm.qo_range.device) // comm.tiles % L)[None, :, None]
     rails = (matched_rails(comm, ranks_per_node, cost) if egress and cost is not None

@@ -65,7 +65,7 @@ class Op:
     branch: the output branch a fwd.o reduce returns (NSA layers have two), else 0.
     hop:    relay transport (``gpusolver.plan.relay``): 0 the direct rows, 1 the InfiniBand leg
             (the egress <-> the node's relay), 2 the NVLink leg (relay <-> its node's consumers),
-            3 the NVLink pre-hop (host <-> its egress, more than two nodes); always 0 in a plan
+            3 the NVLink pre-hop (host <-> its egress, ``relay.uses_egress``); always 0 in a plan
             without relay.
     """
 
@@ -327,7 +327,7 @@ def _place_legs(slots: list[list[Op]], legs: dict[int, tuple], early_last: bool 
 
 
 def _home_waits(reduces: list[Op], egress: bool) -> list[Op]:
-    """The waits for what reaches the host: the direct rows, and hop 1 (two nodes) or hop 3."""
+    """The waits for what reaches the host: the direct rows, and hop 1 (no egress) or hop 3."""
     last = 3 if egress else 1
     return [_wait(r) for r in reduces if r.hop in (0, last)]
 

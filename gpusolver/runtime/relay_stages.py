@@ -225,7 +225,7 @@ class _StageHops:
             self.merged[key] = res
         elif op.hop == 1 and self.sr.egress:
             self.at_egress[key] = res
-        else:  # hop 0, or the last hop home (1 with two nodes, else 3)
+        else:  # hop 0, or the last hop home (1 without an egress, else 3)
             self.returned.append((op.phase, res))
 
 
