@@ -31,7 +31,7 @@ start row on this rank summed from that copy (``pipelined._HostStart``).
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -154,15 +154,13 @@ class _CommSide:
                 self.stream = _SIDE_STREAMS[like.device] = torch.cuda.Stream(like.device)
         self.kept: list = []
 
-    @contextmanager
     def on(self, side: bool):
-        """Run the block on the side stream when ``side`` (after what the compute stream has queued)."""
+        """A context that runs its block on the side stream when ``side`` (after what the compute
+        stream has queued), else where it is."""
         if self.stream is None or not side:
-            yield
-            return
+            return nullcontext()
         self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
-        with torch.cuda.stream(self.stream):
-            yield
+        return torch.cuda.stream(self.stream)
 
     def keep(self, *objs) -> None:
         if self.stream is not None:
