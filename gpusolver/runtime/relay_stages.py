@@ -21,6 +21,9 @@ sub-stage) with every cast and reduce as the hops of ``runtime.relayed``:
   neutral accumulator, so no leg waits for another's on its way home; the host merges its own
   rows, then per sub-stage its direct rows and its relayed rows, s = 1..S: a fixed order, so the
   result is deterministic (the log-sum-exp merge and the sums are associative).
+  The waits of the relays' and egresses' merges are on the schedule's comm stream
+  (``schedule._relay_reduce_legs``): on CUDA they, and the hop each feeds, run on a side stream
+  (``_CommSide``), so the compute stream never waits for a hop it does not read.
 
 Host reads: none with ``LocalGroup``; with ``TorchGroup`` every hop's ``[P, P]`` split of every
 sub-stage, stacked and copied once without blocking (``host_splits``), and each shared buffer's
@@ -28,6 +31,7 @@ start row on this rank summed from that copy (``pipelined._HostStart``).
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +39,8 @@ import torch
 from attn_kernels import flex_attn, flex_attn_backward, row_delta
 from gpusolver.nvtx import nvtx_range
 from gpusolver.plan.relay import assemble_index, hop_send_index, inverse_index, shifted
-from gpusolver.plan.schedule import ATTN, CAST, DELTA, MERGE, REDUCE, WAIT, backward_ops, forward_ops, hop_phase
+from gpusolver.plan.schedule import (ATTN, CAST, COMM, DELTA, MERGE, REDUCE, WAIT, backward_ops, forward_ops,
+                                     hop_phase)
 from gpusolver.runtime.operands import Operands, rows
 from gpusolver.runtime.per_rank import per_rank
 from gpusolver.runtime.pipelined import (KINDS, WHICH, _gather_remote, _HostStart, _merge, _merge_into,
@@ -126,6 +131,47 @@ def stage_relay_routes(plan, group, ranks: tuple[int, ...], batched: bool) -> St
     return StageRelayRoutes(num_stages=S, egress=egress, routes=routes, gather=gather, caps=caps)
 
 
+_SIDE_STREAMS: dict = {}
+
+
+class _CommSide:
+    """Where a pass runs its comm-stream waits (a relay's or an egress's merge of a hop's partials)
+    and the hop each feeds: on CUDA a side stream, so the compute stream goes on with the next
+    sub-stage while the relay waits for its node's partials (the schedule's comm stream, which the
+    simulator prices); off CUDA, under ``torch.compile`` or on meta, inline (nothing to overlap).
+
+    Every tensor the side stream reads that the compute stream made, and every collective's work
+    it waits on, is kept until ``join`` (before the pass's final merge), where the compute stream
+    waits for the side stream: a block the caching allocator hands back is then never written by
+    the compute stream while the side stream may still read it.
+    """
+
+    def __init__(self, like: torch.Tensor):
+        self.stream = None
+        if like.device.type == "cuda" and not torch.compiler.is_compiling():
+            self.stream = _SIDE_STREAMS.get(like.device)
+            if self.stream is None:
+                self.stream = _SIDE_STREAMS[like.device] = torch.cuda.Stream(like.device)
+        self.kept: list = []
+
+    def on(self, side: bool):
+        """A context that runs its block on the side stream when ``side`` (after what the compute
+        stream has queued), else where it is."""
+        if self.stream is None or not side:
+            return nullcontext()
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        return torch.cuda.stream(self.stream)
+
+    def keep(self, *objs) -> None:
+        if self.stream is not None:
+            self.kept.extend(objs)
+
+    def join(self) -> None:
+        if self.stream is not None:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+            self.kept.clear()
+
+
 def _label(op) -> str:
     """The byte counter of one hop of one sub-stage's collective: ``"fwd.kv.2:hop1"``."""
     return hop_phase(stage_phase(op.phase, op.stages[0]), op.hop)
@@ -134,11 +180,17 @@ def _label(op) -> str:
 class _StageHops:
     """One pass's relayed collectives: works, the shared receiving buffers, reduce legs' results."""
 
-    def __init__(self, sr: StageRelayRoutes, group, batched: bool, deterministic: bool):
+    def __init__(self, sr: StageRelayRoutes, group, batched: bool, deterministic: bool, like: torch.Tensor,
+                 ops):
         self.sr, self.group, self.batched, self.det = sr, group, batched, deterministic
         self.lead = 1 if batched else 0
         self.works, self.bufs, self.landed, self.merged, self.at_egress = {}, {}, {}, {}, {}
         self.returned = []  # what reached the host, in op order: (phase, results)
+        self.side = _CommSide(like)
+        # the comm-stream waits, and the collectives whose inputs they merge: both on the side stream
+        self.on_comm = {op.name for op in ops if op.kind == WAIT and op.stream == COMM}
+        self.fed = {op.name for op in ops if op.kind == REDUCE and set(op.deps) & self.on_comm}
+        self.merged_on_side = {op.deps[0] for op in ops if op.name in self.on_comm}
 
     def _buffers(self, op, tensors) -> dict:
         """The shared buffers of ``op``'s pass and kind (allocated at its first cast): per hop one
@@ -161,16 +213,22 @@ class _StageHops:
         return self.bufs[key]
 
     def cast(self, op, tensors) -> None:
+        """Issue one hop of a cast. A hop that forwards what an earlier hop brought (2, and 1 with
+        egress) waits for it on the side stream: in the schedule that dependency is the comm
+        stream's alone, and the compute stream goes on (stage 0 runs while the casts fly)."""
+        bufs = self._buffers(op, tensors)
+        forwards = op.hop == 2 or (op.hop == 1 and self.sr.egress)
+        with self.side.on(forwards):
+            if forwards:
+                self.works[op.deps[0]].wait()
+                # hop 1 reads the local rows, then the egress rows hop 3 brought; hop 2 the relay buffer
+                tensors = bufs[3].x if op.hop == 1 else bufs[1]
+            self._cast(op, tensors, bufs)
+
+    def _cast(self, op, tensors, bufs) -> None:
         (s,) = op.stages
         hr = self.sr.routes[op.route, "cast"][s - 1]
-        bufs = self._buffers(op, tensors)
         i = op.hop
-        if op.hop == 1 and self.sr.egress:  # reads the local rows, then the egress rows hop 3 brought
-            self.works[op.deps[0]].wait()
-            tensors = bufs[3].x
-        elif op.hop == 2:  # reads the relay buffer hop 1 brought
-            self.works[op.deps[0]].wait()
-            tensors = bufs[1]
         out = bufs[3].remote() if op.hop == 3 else bufs[op.hop]
         cap, rcap, ecap = self.sr.caps[op.route]
         hop_cap = {1: rcap, 3: ecap}.get(op.hop, cap)
@@ -194,7 +252,15 @@ class _StageHops:
             x.copy_(torch.where(keep, got, x))
 
     def reduce(self, op, full, neutral, red: str, fills) -> None:
-        """``full``: sub-stage s's partials in reduce s's layout; ``neutral``: the host's identity rows."""
+        """``full``: sub-stage s's partials in reduce s's layout; ``neutral``: the host's identity rows.
+        A hop fed by a comm-stream merge (1, 3) is taken and issued on the side stream."""
+        fed = op.name in self.fed
+        if fed:
+            self.side.keep(*neutral)
+        with self.side.on(fed):
+            self._reduce(op, full, neutral, red, fills)
+
+    def _reduce(self, op, full, neutral, red: str, fills) -> None:
         (s,) = op.stages
         hr = self.sr.routes[op.route, "return"][s - 1]
         _, _, ecap = self.sr.caps[op.route]
@@ -214,12 +280,19 @@ class _StageHops:
             acc = [x.narrow(self.lead, 0, n) for x in res]
             partials = [x.narrow(self.lead, n, ecap).contiguous() for x in res]
         i = op.hop
+        if op.name in self.merged_on_side:  # its accumulator is merged into on the side stream
+            self.side.keep(*acc)
         self.works[op.name] = group_reduce(list(partials), hr.index[i], hr.split[i], list(acc), self.group, op=red,
                                            phase=_label(op), host_split=hr.host[i], deterministic=self.det,
                                            async_op=True, flag_errors=False)
 
     def wait_reduce(self, op) -> None:
-        res = self.works.pop(op.deps[0]).wait()
+        work = self.works.pop(op.deps[0])
+        side = op.name in self.on_comm
+        if side:
+            self.side.keep(work)
+        with self.side.on(side):
+            res = work.wait()
         key = (op.phase, op.stages[0])
         if op.hop == 2:
             self.merged[key] = res
@@ -238,10 +311,11 @@ def relay_stages_forward(plan, group, ranks, batched: bool, sr: StageRelayRoutes
     n = ql.shape[lead]
     sent = {"qo": (ql,), "kv": (kl, vl)}
     X = {"qo": Operands([ql], cap_q, lead, zero=True), "kv": Operands([kl, vl], cap_k, lead, zero=True)}
-    hops = _StageHops(sr, group, batched, deterministic)
+    ops = forward_ops(S + 1, relay=True, egress=sr.egress)
+    hops = _StageHops(sr, group, batched, deterministic, ql, ops)
     acc = o0 = l0 = None
     full = {}
-    for op in forward_ops(S + 1, relay=True, egress=sr.egress):
+    for op in ops:
         with nvtx_range(op_range(op, sub_stages=True)):
             if op.kind == CAST:
                 hops.cast(op, sent[op.route])
@@ -267,6 +341,7 @@ def relay_stages_forward(plan, group, ranks, batched: bool, sr: StageRelayRoutes
                 neutral = (torch.zeros_like(o0), torch.full_like(l0, float("-inf")))
                 hops.reduce(op, full[s], neutral, "lse", (0.0, float("-inf")))
             elif op.kind == MERGE:  # the host's rows, then per sub-stage direct and relayed rows
+                hops.side.join()
                 o, lse = (rows(t, lead, 0, n) for t in acc.x)
                 for _, (r_o, r_l) in hops.returned:
                     o, lse = _merge(o, lse, r_o, r_l, lead)
@@ -290,7 +365,8 @@ def relay_stages_backward(plan, group, ranks, batched: bool, sr: StageRelayRoute
     grads_q = Operands([torch.zeros(ql.shape, dtype=torch.float32, device=ql.device)], cap_q, lead, zero=True)
     grads_kv = Operands([torch.zeros(kl.shape, dtype=torch.float32, device=kl.device),
                          torch.zeros(vl.shape, dtype=torch.float32, device=vl.device)], cap_k, lead, zero=True)
-    hops = _StageHops(sr, group, batched, deterministic)
+    ops = backward_ops(S + 1, kept_kv is not None, relay=True, egress=sr.egress)
+    hops = _StageHops(sr, group, batched, deterministic, ql, ops)
     delta = Xg = None
     full = {}
 
@@ -299,7 +375,7 @@ def relay_stages_backward(plan, group, ranks, batched: bool, sr: StageRelayRoute
             return flex_attn_backward(*t, *_slices(plan, r, s), scale, **_INTERNAL)
         return fn
 
-    for op in backward_ops(S + 1, kept_kv is not None, relay=True, egress=sr.egress):
+    for op in ops:
         with nvtx_range(op_range(op, sub_stages=True)):
             if op.kind == DELTA:
                 delta = per_rank(ranks, batched, lambda r, a, b, *c_: (row_delta(a, b, c_[0] if c_ else None),),
@@ -336,6 +412,7 @@ def relay_stages_backward(plan, group, ranks, batched: bool, sr: StageRelayRoute
                                          for t, x in zip(pick, local)]
                 hops.reduce(op, full[op.phase, s], [torch.zeros_like(x) for x in local], "sum", (0.0,) * len(local))
             elif op.kind == MERGE:  # the host's rows plus per sub-stage direct and relayed rows, in order
+                hops.side.join()
                 dq, dk, dv = merge_gradients(grads_q.x + grads_kv.x, hops.returned, lead, n)
             else:
                 raise AssertionError(f"relay sub-stages cannot run backward op {op}")

@@ -190,8 +190,8 @@ def simulate(plan, topology: Topology, *, cost=None, keep_forward_buffers: bool 
     passes = {}
     for phase in ("fwd", "bwd"):
         ops = _priced(plan, phase, topology, cost, keep, comm)
-        if reduce_stream:
-            ops = [replace(op, stream="reduce") if op.collective and op.name.split(".")[1] == "reduce" else op
-                   for op in ops]
+        if reduce_stream:  # the reduces, and the relays' merges between their hops (comm-stream waits)
+            ops = [replace(op, stream="reduce") if op.stream == "comm" and op.name.split(".")[1] in ("reduce", "wait")
+                   else op for op in ops]
         passes[phase] = pass_time(ops, P, topology)
     return LayerTime(fwd=passes["fwd"], bwd=passes["bwd"], name=name)
