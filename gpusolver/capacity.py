@@ -187,8 +187,7 @@ def relay_rows(config: SolverConfig, chunk: int, ranks_per_node: int, **override
     ``min(worst, RELAY_CHUNKS[name] * G * c)``; worst: a relay buffer holds at most every
     other node's same-rail host's chunk, ``G * c * (N - 1)``, a fan-out list every other rank
     of the node taking all of it, ``(L - 1)`` times that, an egress buffer a slot per unit of every
-    other rank of its node, ``G * c * (L - 1)``, and none on one node (used only where
-    ``plan.relay.uses_egress``).
+    other rank of its node, ``G * c * (L - 1)``, and none on one node.
     """
     G, P, L = config.head_groups, config.cp_size, ranks_per_node
     bad = set(override) - set(RELAY_CHUNKS)

@@ -326,7 +326,7 @@ class Plan:
         stage: None for all sub-stages, s in 1..S for sub-stage s's collectives alone;
         hop: None for every hop, or one hop of relay transport (0 direct, 1 InfiniBand to or
         from a relay, 2 NVLink between a relay and its node's consumers, 3 NVLink between a host and
-        its egress, where ``relay.uses_egress``); a plan without
+        its egress, ``RelayMeta.egress``); a plan without
         relay has hop 0 only. The groups count hop h of phase ph as ``schedule.hop_phase(ph, h)``.
         Without relay the sums over destinations and sources are the metrics' send and receive
         volumes.

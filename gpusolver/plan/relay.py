@@ -10,8 +10,7 @@ where in its receive buffer (the layout CalcMeta and the kernels read). A
 - hop 0 (direct): the host sends the consumer its rows itself, as without
   relay. Every intra-node transfer goes this way, and so does every
   inter-node transfer whose (unit, node) is not relayed.
-- rails (``matched_rails``, where ``uses_egress``: more than two nodes, or two at
-  one remote stage): each (unit, remote node
+- rails (``matched_rails``; ``build_relay_meta(egress=False)`` turns them off): each (unit, remote node
   B) crossing uses one rail l, leaving from the egress ``e = A * L + l`` of its
   host's node A and landing on the relay ``r = B * L + l``. By default l is the
   host's own local index (``Topology.relay_rank``, what the solver prices); with
@@ -143,7 +142,7 @@ class RelayMeta:
     qo: RelayRoute
     kv: RelayRoute
     ranks_per_node: int
-    egress: bool = False  # ``uses_egress``: hop 3 (the NVLink pre-hop to the egress) runs
+    egress: bool = False  # hop 3 (the NVLink pre-hop to the egress) runs: every relay plan by default
     rails: torch.Tensor | None = None  # [G, U, N] int64 the rail of each (unit, node) crossing
     num_stages: int = 1
     qo_back: RelayRoute | None = None
@@ -491,27 +490,21 @@ def stage_relay_routes(comm, kind: str, tiles: int, L: int, rows, egress: bool,
     return stack_routes(casts), stack_routes(backs)
 
 
-def uses_egress(nodes: int, num_stages: int) -> bool:
-    """Whether a relay plan over ``nodes`` nodes with ``num_stages`` remote sub-stages moves rows
-    to an egress first (hop 3), so its crossings can leave by other NICs than their host's
-    (``matched_rails``). With more than two nodes, always. With two, only at one remote stage:
-    on the P = 16 benchmark masks it halved the busiest NIC's forward bytes (causal seed 1: 88 to
-    49 MB per GPU, ``benchmarks/results/ib_floor.md``) and lowered the simulated two-stage step
-    6-16 % in four of six masks (``stages_bench_topo.md``), but with four sub-stages every
-    reduce's chain gains the pre-hop and the step rose in 3 of the 6 (up to 8.7 %; CHANGELOG)."""
-    return nodes > 2 or (nodes == 2 and num_stages == 1)
-
-
-def build_relay_meta(comm, ranks_per_node: int, rows, cost=None, egress: bool | None = None) -> RelayMeta:
+def build_relay_meta(comm, ranks_per_node: int, rows, cost=None, egress: bool = True) -> RelayMeta:
     """Relay routing of both kinds of ``comm`` (a ``CommMeta``; with S > 1 sub-stages per sub-stage,
     ``stage_relay_routes``) for nodes of ``ranks_per_node``; ``rows`` a ``capacity.RelayRows``;
-    ``egress``: whether crossings go by an egress (hop 3), default ``uses_egress``."""
+    ``egress``: whether crossings may leave by an egress (hop 3) on rails matched to spread a
+    node's crossings over its NICs (``matched_rails``), the default at every node count and S; off,
+    each host sends its own crossings. With two nodes the matching halved the busiest NIC's forward
+    bytes on the P = 16 benchmark masks (causal seed 1: 88 to 49 MB per GPU at S = 1,
+    ``benchmarks/results/ib_floor.md``) and lowered the simulated step in 4 of 6 of them (S = 1:
+    6-16 %, ``stages_bench_topo.md``; S = 4 relay: 1-10 %, the other two unchanged, CHANGELOG)."""
     P = comm.cp_size
     if P % ranks_per_node or P <= ranks_per_node:
         raise ValueError(f"relay transport needs whole nodes of ranks_per_node = {ranks_per_node} and more "
                          f"than one of them, got cp_size = {P}")
     N, L = P // ranks_per_node, ranks_per_node
-    egress = uses_egress(N, comm.num_stages) if egress is None else bool(egress)
+    egress = bool(egress)
     G, U = comm.qo_range.shape[:2]
     own = (torch.arange(U, device=comm.qo_range.device) // comm.tiles % L)[None, :, None]
     rails = (matched_rails(comm, ranks_per_node, cost) if egress and cost is not None

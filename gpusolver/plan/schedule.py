@@ -68,7 +68,7 @@ class Op:
     branch: the output branch a fwd.o reduce returns (NSA layers have two), else 0.
     hop:    relay transport (``gpusolver.plan.relay``): 0 the direct rows, 1 the InfiniBand leg
             (the egress <-> the node's relay), 2 the NVLink leg (relay <-> its node's consumers),
-            3 the NVLink pre-hop (host <-> its egress, ``relay.uses_egress``); always 0 in a plan
+            3 the NVLink pre-hop (host <-> its egress, ``RelayMeta.egress``); always 0 in a plan
             without relay.
     """
 

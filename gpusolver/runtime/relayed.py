@@ -7,7 +7,7 @@ rows, ``relay_cap`` / ``fan_cap`` its relay buffer / fan-out send rows
 
 It runs ``schedule.forward_ops(..., relay=True, egress=...)`` / ``backward_ops`` op by op:
 
-- a cast is, with an egress (``relay.uses_egress``), hop 3 first (host -> its egress over NVLink, into the
+- a cast is, with an egress (``RelayMeta.egress``, the default), hop 3 first (host -> its egress over NVLink, into the
   egress buffer), then hop 1 (egress or host -> relay over InfiniBand, read from
   concat(local rows, egress buffer), into the relay buffer), hop 0
   (the direct rows) and hop 2 (relay -> consumers, read from the relay buffer);

@@ -14,7 +14,7 @@ from gpusolver.areas import block_areas
 from gpusolver.capacity import relay_rows
 from gpusolver.plan import IMBALANCED, Plan
 from gpusolver.plan.build import build_plan
-from gpusolver.plan.relay import DIRECT, FAN_OUT, SELF, uses_egress
+from gpusolver.plan.relay import DIRECT, FAN_OUT, SELF
 from gpusolver.plan.schedule import PHASES, backward_ops, forward_ops, hop_phase
 from gpusolver.runtime import DynamicCPAttention, PlanCache, dist_attn, shard, unshard
 from gpusolver.sim import simulate
@@ -107,7 +107,7 @@ def test_relay_equals_reference(name, P, per_node):
     for kind in ("qo", "kv"):  # both hops carry rows of both kinds
         assert int(plan.relay.route(kind).split(1).sum()) > 0 and int(plan.relay.route(kind).split(2).sum()) > 0
     _check_hops(plan, per_node)
-    assert plan.relay.egress == uses_egress(P // per_node, plan.num_stages)
+    assert plan.relay.egress  # every node count: a crossing may leave by another NIC of its node
     if plan.relay.egress:  # the spread acts: some rows reach their NIC over the pre-hop
         for kind in ("qo", "kv"):
             assert int(plan.relay.route(kind).split(3).sum()) > 0
@@ -141,7 +141,7 @@ def test_relay_state_prices_the_plans_hops():
 def test_relay_matched_rails():
     """More than two nodes: per node offset d each rail carries as many of a node's crossings
     towards node A + d (L at a time, one per rail), the same rails every build; two nodes: matched
-    too at one remote stage, every unit on its host's own rail (no pre-hop) with sub-stages."""
+    too, with and without sub-stages; without an egress every unit on its host's own rail."""
     from gpusolver.plan.relay import matched_rails
 
     P, per_node = 16, 4
@@ -156,14 +156,20 @@ def test_relay_matched_rails():
             counts = torch.bincount(rails[:, node == A, (A + d) % N].reshape(-1), minlength=per_node)
             assert counts.tolist() == [G * plan.comm.tiles] * per_node, (A, d)
     assert torch.equal(matched_rails(plan.comm, per_node, config.cost()), rails)
-    # two nodes: matched at one remote stage (an egress, ``uses_egress``), the hosts' own rails with sub-stages
-    _, two, _, two_config = _plans("docs-causal", P, 8)
-    G2, U2, _ = two.relay.rails.shape
-    own2 = (torch.arange(U2) // two.comm.tiles % 8)[None, :, None].expand(G2, U2, 2)
-    assert two.relay.egress and torch.equal(two.relay.rails, matched_rails(two.comm, 8, two_config.cost()))
-    assert not torch.equal(two.relay.rails, own2)  # the matching won here too
-    _, staged, _, _ = _plans("docs-causal", P, 8, num_stages=4)
-    assert not staged.relay.egress and torch.equal(staged.relay.rails, own2)
+    # two nodes: matched as well, at one remote stage and with sub-stages; without an egress
+    # (``build_relay_meta(egress=False)``) every unit keeps its host's own rail
+    from gpusolver.capacity import relay_rows
+    from gpusolver.plan.relay import build_relay_meta
+
+    for S in (1, 4):
+        _, two, _, two_config = _plans("docs-causal", P, 8, num_stages=S)
+        G2, U2, _ = two.relay.rails.shape
+        own2 = (torch.arange(U2) // two.comm.tiles % 8)[None, :, None].expand(G2, U2, 2)
+        assert two.relay.egress and torch.equal(two.relay.rails, matched_rails(two.comm, 8, two_config.cost()))
+        assert not torch.equal(two.relay.rails, own2), S  # the matching won here too
+    off = build_relay_meta(two.comm, 8, relay_rows(two_config, two.comm.chunk, 8), two_config.cost(), egress=False)
+    assert not off.egress and torch.equal(off.rails, own2)
+    assert int(off.route("kv").split(3).sum()) == 0
 
 
 def _ib_senders(plan, kind, per_node):
