@@ -83,6 +83,22 @@ def _check_bound_args(areas: BlockAreas, cost: CommCost, mu: float, direction: s
         _coeffs(cost, direction)  # raises, naming the directions
 
 
+def _rows():
+    """(add_row, program): ``add_row(entries, lb, ub)`` appends the row ``lb <= sum(v * x[c]) <= ub``
+    over ``entries`` [(c, v)] to ``program``, the (rows, cols, vals, lo, hi) lists ``_solve`` takes."""
+    rows, cols, vals, lo, hi = [], [], [], [], []
+
+    def add_row(entries, lb, ub):
+        for c, v in entries:
+            rows.append(len(lo))
+            cols.append(c)
+            vals.append(float(v))
+        lo.append(lb)
+        hi.append(ub)
+
+    return add_row, (rows, cols, vals, lo, hi)
+
+
 def _solve(entries, nvar: int, n_binary: int, objective_cols, time_limit: float, rel_gap: float, pinned=()):
     """HiGHS on ``min sum(x[objective_cols])`` subject to lo <= A x <= hi (``entries``: the
     rows, cols, vals, lo and hi lists), x >= 0, the first ``n_binary`` variables in {0, 1} and
@@ -170,18 +186,7 @@ def milp_bottleneck(areas: BlockAreas, cost: CommCost, mu: float = 1.10, directi
     z_of = {ph: iz0 + k for k, ph in enumerate(phases)}
     nvar = iz0 + len(phases)
 
-    rows, cols, vals, lo, hi = [], [], [], [], []
-    nrow = 0
-
-    def add_row(entries, lb, ub):
-        nonlocal nrow
-        for col, val in entries:
-            rows.append(nrow)
-            cols.append(col)
-            vals.append(val)
-        lo.append(lb)
-        hi.append(ub)
-        nrow += 1
+    add_row, program = _rows()
 
     for t in range(T):  # each task on exactly one rank
         add_row([(t * P + r, 1.0) for r in range(P)], 1.0, 1.0)
@@ -214,7 +219,7 @@ def milp_bottleneck(areas: BlockAreas, cost: CommCost, mu: float = 1.10, directi
 
     # vq / vk to a unit's own host never appear in a row; pin them to 0
     pinned = [base + i // n for (g, i), base in qo_idx.items()] + [base + j // n for (g, j), base in kv_idx.items()]
-    res = _solve((rows, cols, vals, lo, hi), nvar, nx, list(z_of.values()), time_limit, 1e-6, pinned)
+    res = _solve(program, nvar, nx, list(z_of.values()), time_limit, 1e-6, pinned)
 
     if res.status == 2:
         return MilpResult(None, None, None, "infeasible", None, None)
@@ -284,15 +289,7 @@ def shed_lower_bound(areas: BlockAreas, cost: CommCost, mu: float = 1.10, direct
         def col(key):
             return var.setdefault(key, T + len(var))
 
-        rows, cols, vals, lo, hi = [], [], [], [], []
-
-        def add_row(entries, lb, ub):
-            for c, v in entries:
-                rows.append(len(lo))
-                cols.append(c)
-                vals.append(float(v))
-            lo.append(lb)
-            hi.append(ub)
+        add_row, program = _rows()
 
         # load: own work shipped minus foreign work taken in covers r's excess over the cap
         own_load = sum(int(area[t]) for t in own)
@@ -319,7 +316,7 @@ def shed_lower_bound(areas: BlockAreas, cost: CommCost, mu: float = 1.10, direct
             for factor in (send_f, recv_f):
                 add_row([(c, factor[key[0]]) for key, c in var.items() if factor[key[0]]] + [(z[ph], -1.0)],
                         -np.inf, 0.0)
-        res = _solve((rows, cols, vals, lo, hi), nvar, T, list(z.values()), time_limit, 1e-9)
+        res = _solve(program, nvar, T, list(z.values()), time_limit, 1e-9)
         if res.status == 2:  # r cannot shed enough at all: no balanced assignment exists
             per_rank.append(0)
             continue
@@ -371,15 +368,7 @@ def ib_lower_bound(areas: BlockAreas, cost: CommCost, ranks_per_node: int, mu: f
     phases = ("fwd", "bwd") if direction == "step" else (direction,)
     z = {ph: T * N + 2 * P * N + k for k, ph in enumerate(phases)}
     nvar = T * N + 2 * P * N + len(phases)
-    rows, cols, vals, lo, hi = [], [], [], [], []
-
-    def add_row(entries, lb, ub):
-        for c, v in entries:
-            rows.append(len(lo))
-            cols.append(c)
-            vals.append(float(v))
-        lo.append(lb)
-        hi.append(ub)
+    add_row, program = _rows()
 
     for t in range(T):
         add_row([(t * N + n, 1.0) for n in range(N)], 1.0, 1.0)
@@ -408,7 +397,7 @@ def ib_lower_bound(areas: BlockAreas, cost: CommCost, ranks_per_node: int, mu: f
             for side in (out, into):
                 add_row([(c, v) for c, v in side.items() if v] + [(z[ph], -float(L))], -np.inf, 0.0)
     pinned = [y(u, node[u]) for u in range(P) for y in (yq, yk)]  # a unit never crosses to its own node
-    res = _solve((rows, cols, vals, lo, hi), nvar, 0, list(z.values()), 60.0, 1e-9, pinned)
+    res = _solve(program, nvar, 0, list(z.values()), 60.0, 1e-9, pinned)
     if res.status != 0:
         raise RuntimeError(f"ib_lower_bound: the program did not solve ({res.message})")
     return max(0.0, float(res.fun)) * MB

@@ -395,14 +395,16 @@ def test_relay_layer_equals_reference():
         assert_close(key, ref[key], unshard(t, group), atol=ATOL, rtol=RTOL)
 
 
-def test_relay_layer_compiles_once():
-    """torch.compile(fullgraph=True) of a relay layer: one graph for two masks, equal to eager."""
+@pytest.mark.parametrize("num_stages", [1, 2])
+def test_relay_layer_compiles_once(num_stages):
+    """torch.compile(fullgraph=True) of a relay layer, one remote stage or sub-stages (whose
+    comm-side merges run inline off CUDA): one graph for two masks, equal to eager."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     from gpusolver.masks import varlen_causal_mask
 
     P, c = 4, 16
-    config = make_config(P, 2, 1, topology=_topology(2), num_stages=1)  # relay: one remote stage
+    config = make_config(P, 2, 1, topology=_topology(2), num_stages=num_stages, ib_relay=True)
     group = LocalGroup(P)
     layer = DynamicCPAttention(group, config, plan_cache=PlanCache())
     eager = DynamicCPAttention(group, config, plan_cache=PlanCache())

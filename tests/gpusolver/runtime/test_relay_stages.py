@@ -231,28 +231,6 @@ def test_relay_stages_layer_on_meta():
     check_layer_on_meta(num_stages=2, ib_relay=True)
 
 
-def test_relay_stages_layer_compiles_once():
-    """torch.compile(fullgraph=True) of a relay layer with sub-stages (its comm-side merges run
-    inline off CUDA): one graph for two masks, equal to eager."""
-    from torch._dynamo.testing import CompileCounterWithBackend
-
-    from gpusolver.masks import varlen_causal_mask
-    from gpusolver.runtime import DynamicCPAttention, PlanCache
-
-    P, c = 4, 16
-    config = make_config(P, 2, 1, topology=_topology(2), num_stages=2, ib_relay=True)
-    group = LocalGroup(P)
-    layer = DynamicCPAttention(group, config, plan_cache=PlanCache())
-    eager = DynamicCPAttention(group, config, plan_cache=PlanCache())
-    qs, ks, vs = (shard(x, group) for x in make_inputs(P * c, 2, 1)[:3])
-    counter = CompileCounterWithBackend("aot_eager")
-    run = torch.compile(lambda q, k, v, m: layer(q, k, v, m), backend=counter, fullgraph=True)
-    for lengths in ([10, 6, 16, 32], [20, 12, 32]):
-        mask = varlen_causal_mask(lengths, pad_to=6)
-        assert_close("out", eager(qs, ks, vs, mask), run(qs, ks, vs, mask), atol=ATOL, rtol=RTOL)
-    assert counter.frame_count == 1
-
-
 def _gloo_rank(rank, P, transport):
     c, Hq, Hkv, S = 16, 4, 2, 2
     _, plan, mask, _ = _stage_plans("docs-full", P, 2, S, c=c, Hq=Hq, Hkv=Hkv, seed=8)
