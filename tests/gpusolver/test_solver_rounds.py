@@ -33,6 +33,12 @@ def _problem(P, G, kind, seed=0, tiles=1):
     (3, 4, "packed", 6, 8, True, 2, False, ()),  # the restarts (balanced variants only) change this result
     (2, 8, "packed", 2, 2, True, 0, True, _ROWS_FIRST),  # one-task balance bundles change this one's
     (3, 2, "packed", 1, 3, True, 0, False, _SMALL_FIRST),
+    # the smallest instances of the first, third and fifth cases above (the fast tier's; the
+    # larger ones are in the slow tier): the same flags, and each still changes the result by
+    # them (a restart, smallest first) and moves a task
+    (3, 2, "packed", 0, 2, False, 0, False, ()),  # no sideways; D = 3: two destination tiles of 2
+    (2, 4, "packed", 7, 3, True, 2, False, ()),  # a restart after round 2 changes this result
+    (2, 2, "packed", 2, 2, True, 0, False, _SMALL_FIRST),
 ])
 def test_every_variant_equals_the_torch_loop(P, G, kind, seed, rounds, sideways, restart_every, singles, extra,
                                               monkeypatch):
