@@ -7,6 +7,7 @@ import torch
 from gpusolver.areas import block_areas
 from gpusolver.config import SolverConfig
 from gpusolver.masks import causal_mask, packed_documents
+from gpusolver.metrics import owner_computes_assignment
 from gpusolver.solver import core, device, strategies as strat
 from gpusolver.solver.bundle import kernel as bundle_kernel
 from gpusolver.solver.device import Strategy, solve_device
@@ -67,11 +68,15 @@ def test_every_variant_equals_the_torch_loop(P, G, kind, seed, rounds, sideways,
 
 
 def test_solve_persistent_equals_torch():
-    config, areas, _, _ = _problem(4, 2, "packed")
-    ref = solve_device(areas, config, rounds=3, strategies=_STRATEGIES, impl="torch")
-    per = solve_device(areas, config, rounds=3, strategies=_STRATEGIES, impl="persistent")
+    """The whole solve (both rules of the training objective) at its smallest moving instance:
+    P = 3, two rounds; a task moves and the winner is the third variant, not the first."""
+    config, areas, _, _ = _problem(3, 2, "packed")
+    ref = solve_device(areas, config, rounds=2, strategies=_STRATEGIES, impl="torch")
+    per = solve_device(areas, config, rounds=2, strategies=_STRATEGIES, impl="persistent")
     for name in ("assignment", "balanced", "fwd_bottleneck", "variant"):
         assert_close(name, getattr(ref, name), getattr(per, name))
+    assert int(ref.variant) == 2 and bool(ref.balanced)
+    assert bool((ref.assignment != owner_computes_assignment(areas)).any()), "no task moved"
 
 
 def test_persistent_runs_on_meta():
