@@ -157,12 +157,14 @@ def test_bundle_proposals_match_torch(P, G, B, K, D, sideways, singles, tile, ob
     _bundle_case(P, G, B, K, D, sideways, tile, seed, singles=singles, objective=objective, rows=rows)
 
 
-@pytest.mark.parametrize("objective,rows", [("training", 6), ("forward", None)])
-def test_bundle_proposals_match_torch_one_case(objective, rows):
+@pytest.mark.parametrize("objective,rows,states", [("training", 6, ("torch", "triton")), ("forward", None, ("triton",))],
+                         ids=["training-6", "forward-None"])
+def test_bundle_proposals_match_torch_one_case(objective, rows, states):
     """One fixed instance per objective of the random sweep above (which runs in the slow tier):
-    several destination tiles (the running best), sideways and single-task bundles on; with
-    ``rows`` the buffers bind."""
-    ref = _bundle_case(4, 2, 2, 2, 4, True, 2, 7, singles=True, objective=objective, rows=rows)
+    P = 3 with D = 3 destinations in tiles of 2 (the running best), sideways and single-task
+    bundles on; with ``rows`` the buffers bind. The torch twin's strided state is read by the
+    training case (its fields are a superset of the forward objective's)."""
+    ref = _bundle_case(3, 2, 2, 2, 3, True, 2, 7, states=states, singles=True, objective=objective, rows=rows)
     assert bool(ref.ok.any()), "the instance proposes nothing: the twins would agree trivially"
 
 
