@@ -157,12 +157,14 @@ def test_bundle_proposals_match_torch(P, G, B, K, D, sideways, singles, tile, ob
     _bundle_case(P, G, B, K, D, sideways, tile, seed, singles=singles, objective=objective, rows=rows)
 
 
-@pytest.mark.parametrize("objective,rows", [("training", 6), ("forward", None)])
-def test_bundle_proposals_match_torch_one_case(objective, rows):
+@pytest.mark.parametrize("objective,rows,states", [("training", 6, ("torch", "triton")), ("forward", None, ("triton",))],
+                         ids=["training-6", "forward-None"])
+def test_bundle_proposals_match_torch_one_case(objective, rows, states):
     """One fixed instance per objective of the random sweep above (which runs in the slow tier):
-    several destination tiles (the running best), sideways and single-task bundles on; with
-    ``rows`` the buffers bind."""
-    ref = _bundle_case(4, 2, 2, 2, 4, True, 2, 7, singles=True, objective=objective, rows=rows)
+    P = 3 with D = 3 destinations in tiles of 2 (the running best), sideways and single-task
+    bundles on; with ``rows`` the buffers bind. The torch twin's strided state is read by the
+    training case (its fields are a superset of the forward objective's)."""
+    ref = _bundle_case(3, 2, 2, 2, 3, True, 2, 7, states=states, singles=True, objective=objective, rows=rows)
     assert bool(ref.ok.any()), "the instance proposes nothing: the twins would agree trivially"
 
 
@@ -242,12 +244,14 @@ def test_bundle_proposals_find_moves_in_both_phases():
     _check_proposals(ref, tri)
 
 
-@pytest.mark.parametrize("tiles", [1, 2])
-def test_singles_offer_one_task_bundles_while_balancing(tiles):
+@pytest.mark.parametrize("tiles,P,G,K", [(1, 3, 2, 2), (2, 3, 1, 2), (1, 4, 2, 4), (2, 4, 2, 4)],
+                         ids=["1", "2", "1-P4", "2-P4"])
+def test_singles_offer_one_task_bundles_while_balancing(tiles, P, G, K):
     """With ``singles`` a balancing variant may propose a unit's first task alone: on some of these
     instances a valid proposal changes to a one-task bundle; the bottleneck-phase variant's
-    proposals never change. Both twins agree wherever one changed."""
-    P, G, B = 4, 2, 2
+    proposals never change. Both twins agree wherever one changed (``K`` units offered per source,
+    as many window destinations; the P = 4 cases are in the slow tier)."""
+    B = 2
     found = 0
     for seed in range(40):
         gen = torch.Generator().manual_seed(seed)
@@ -259,7 +263,7 @@ def test_singles_offer_one_task_bundles_while_balancing(tiles):
         cap = tasks.area.sum() * 11 // (10 * P)
         balance = torch.tensor([True, False])
         threshold = torch.full((B,), float(core._BIG), dtype=torch.float64)
-        args = (cap, st_.load - cap, balance, threshold, 4, 4, None, None, False)
+        args = (cap, st_.load - cap, balance, threshold, K, K, None, None, False)
         plain = bundle_ref.bundle_proposals(tasks, st_, *args, False)
         single = bundle_ref.bundle_proposals(tasks, st_, *args, True)
         for name in ("ok", "score", "tasks"):
@@ -338,11 +342,12 @@ def test_triton_path_launches_each_kernel_once_per_round(monkeypatch):
     assert state_k.grids[0] == (1, 2) and bytes_k.grids[0] == (2, P) and bundle_k.grids[0] == (2, P, 2)
 
 
-@pytest.mark.parametrize("need", [1, 3])
-def test_sideways_proposals_match_torch(need):
+@pytest.mark.parametrize("need,P,K,D", [(1, 3, 2, 3), (3, 5, 3, 5)], ids=["1", "3"])
+def test_sideways_proposals_match_torch(need, P, K, D):
     """Bottleneck-phase instances with sideways moves (score in [1, 2)), the one rule only they exercise
-    (``need`` such instances; three in the slow tier)."""
-    P, G, B, K, D = 5, 2, 2, 3, 5
+    (``need`` such instances: one at P = 3 with D = 3, two destination tiles; three at P = 5 in the
+    slow tier)."""
+    G, B = 2, 2
     found = 0
     for seed in range(40):
         gen = torch.Generator().manual_seed(seed)

@@ -7,6 +7,7 @@ import torch
 from gpusolver.areas import block_areas
 from gpusolver.config import SolverConfig
 from gpusolver.masks import causal_mask, packed_documents
+from gpusolver.metrics import owner_computes_assignment
 from gpusolver.solver import core, device, strategies as strat
 from gpusolver.solver.bundle import kernel as bundle_kernel
 from gpusolver.solver.device import Strategy, solve_device
@@ -33,6 +34,12 @@ def _problem(P, G, kind, seed=0, tiles=1):
     (3, 4, "packed", 6, 8, True, 2, False, ()),  # the restarts (balanced variants only) change this result
     (2, 8, "packed", 2, 2, True, 0, True, _ROWS_FIRST),  # one-task balance bundles change this one's
     (3, 2, "packed", 1, 3, True, 0, False, _SMALL_FIRST),
+    # the smallest instances of the first, third and fifth cases above (the fast tier's; the
+    # larger ones are in the slow tier): the same flags, and each still changes the result by
+    # them (a restart, smallest first) and moves a task
+    (3, 2, "packed", 0, 2, False, 0, False, ()),  # no sideways; D = 3: two destination tiles of 2
+    (2, 4, "packed", 7, 3, True, 2, False, ()),  # a restart after round 2 changes this result
+    (2, 2, "packed", 2, 2, True, 0, False, _SMALL_FIRST),
 ])
 def test_every_variant_equals_the_torch_loop(P, G, kind, seed, rounds, sideways, restart_every, singles, extra,
                                               monkeypatch):
@@ -61,11 +68,15 @@ def test_every_variant_equals_the_torch_loop(P, G, kind, seed, rounds, sideways,
 
 
 def test_solve_persistent_equals_torch():
-    config, areas, _, _ = _problem(4, 2, "packed")
-    ref = solve_device(areas, config, rounds=3, strategies=_STRATEGIES, impl="torch")
-    per = solve_device(areas, config, rounds=3, strategies=_STRATEGIES, impl="persistent")
+    """The whole solve (both rules of the training objective) at its smallest moving instance:
+    P = 3, two rounds; a task moves and the winner is the third variant, not the first."""
+    config, areas, _, _ = _problem(3, 2, "packed")
+    ref = solve_device(areas, config, rounds=2, strategies=_STRATEGIES, impl="torch")
+    per = solve_device(areas, config, rounds=2, strategies=_STRATEGIES, impl="persistent")
     for name in ("assignment", "balanced", "fwd_bottleneck", "variant"):
         assert_close(name, getattr(ref, name), getattr(per, name))
+    assert int(ref.variant) == 2 and bool(ref.balanced)
+    assert bool((ref.assignment != owner_computes_assignment(areas)).any()), "no task moved"
 
 
 def test_persistent_runs_on_meta():

@@ -6,9 +6,11 @@ same global tensors as the parent and takes its shard.
 """
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import replace
 
+import pytest
 import torch
 
 from attn_kernels.reference import dense_attn
@@ -23,6 +25,23 @@ D = 32  # the smallest supported head dim
 PHASES_FWD = ("fwd.qo", "fwd.kv", "fwd.o")
 PHASES_BWD = ("bwd.qo", "bwd.kv", "bwd.dq", "bwd.dkv")
 ATOL = RTOL = 1e-5
+# Rounds of the device solve inside the layer-on-meta tests (``few_solve_rounds``).
+META_SOLVE_ROUNDS = 2
+
+
+@pytest.fixture
+def few_solve_rounds(monkeypatch):
+    """The layer's device solve runs ``META_SOLVE_ROUNDS`` rounds instead of the default 24.
+
+    For the layer-on-meta tests: they check that the layer (solve, stages, casts, reduces,
+    backward) reads nothing from the host and gives the right shapes; on meta every round is the
+    same ops again, at about a quarter second each through the meta kernels. The default solve's
+    every round on meta stays in the fast tier: tests/gpusolver/test_device_solver.py
+    (test_whole_solve_runs_on_meta, test_runs_on_meta_and_shapes_depend_only_on_config) and
+    tests/reliability/test_host_reads.py::test_every_path_runs_on_meta (the layer on meta)."""
+    from gpusolver.solver import device
+
+    monkeypatch.setattr(device, "solve_device", functools.partial(device.solve_device, rounds=META_SOLVE_ROUNDS))
 
 
 def random_slice_mask(S: int, seed: int) -> AttnSlices:

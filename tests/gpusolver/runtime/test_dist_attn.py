@@ -18,6 +18,7 @@ from groupcomm import LocalGroup
 from tests._testing import assert_close
 from tests.gpusolver.runtime._cases import (ATOL, D, PHASES_BWD, PHASES_FWD, RTOL, doc_lengths, make_config,
                                             make_inputs, make_mask, reference, tight_plan, traffic_sums)
+from tests.gpusolver.runtime._cases import few_solve_rounds  # noqa: F401 - fixture
 
 KEYS = ("out", "lse", "dq", "dk", "dv")
 
@@ -84,6 +85,7 @@ def _make_layer(group, config, cache=None):
     return DynamicCPAttention(group, config, plan_cache=PlanCache() if cache is None else cache)
 
 
+@pytest.mark.usefixtures("few_solve_rounds")
 @pytest.mark.parametrize("fused", [None, True], ids=["default-reduce", "fused-reduce"])
 def test_layer_on_meta(fused):
     """Solve, metas, casts, both stages, reduce and backward with no host read: the whole layer on meta

@@ -19,6 +19,7 @@ from gpusolver.topology import Topology
 from groupcomm import LocalGroup
 from tests.gpusolver.runtime._cases import D, doc_lengths, make_config, make_inputs, make_mask, reference, tight_plan
 from tests.gpusolver.runtime.test_dist_attn import KEYS, _assert_all_close, _run
+from tests.gpusolver.runtime._cases import few_solve_rounds  # noqa: F401 - fixture
 
 PHASES_BWD = ("bwd.qo", "bwd.kv", "bwd.dq", "bwd.dkv")
 ROWS = {"zero": lambda fill: 0, "part": lambda fill: fill // 2, "filled": lambda fill: fill}
@@ -100,6 +101,7 @@ def test_simulator_prices_the_stage_tails():
     assert bwd[None] < bwd[R] < bwd[0]
 
 
+@pytest.mark.usefixtures("few_solve_rounds")
 def test_kept_rows_sub_stages_on_meta():
     """The S = 3 layer keeping part of its KV buffer runs on ``device="meta"``: no host read."""
     P, c, Hq, Hkv = 4, 16, 4, 2
@@ -116,6 +118,7 @@ def test_kept_rows_sub_stages_on_meta():
         assert x.grad is not None and x.grad.shape == x.shape and x.grad.device.type == "meta"
 
 
+@pytest.mark.usefixtures("few_solve_rounds")
 def test_sub_stages_bf16_on_meta():
     """S = 2 in bf16 (the accumulator fp32, each stage's out bf16: the merge takes both), kept rows or
     not, on ``device="meta"``."""

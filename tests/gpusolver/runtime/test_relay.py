@@ -24,6 +24,7 @@ from tests._dist import run_ranks
 from tests._testing import assert_close
 from tests.gpusolver.runtime._cases import (ATOL, D, RTOL, make_config, make_inputs, make_mask, reference,
                                             tight_plan)
+from tests.gpusolver.runtime._cases import few_solve_rounds  # noqa: F401 - fixture
 
 KEYS = ("out", "lse", "dq", "dk", "dv")
 
@@ -340,6 +341,7 @@ def check_layer_on_meta(**config_kw):
     assert all(x.grad is not None and x.grad.device.type == "meta" for x in (q, k, v))
 
 
+@pytest.mark.usefixtures("few_solve_rounds")
 def test_relay_layer_on_meta():
     """DynamicCPAttention on a two-node topology: solve, relay routing, both hops and backward on meta
     (one remote stage, where relay is the default)."""

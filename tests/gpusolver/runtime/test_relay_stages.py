@@ -21,6 +21,7 @@ from tests._dist import run_ranks
 from tests._testing import assert_close
 from tests.gpusolver.runtime._cases import ATOL, RTOL, make_config, make_inputs, make_mask, reference
 from tests.gpusolver.runtime.test_relay import KEYS, _plans, _run, _topology, check_layer_on_meta
+from tests.gpusolver.runtime._cases import few_solve_rounds  # noqa: F401 - fixture
 
 
 def _stage_plans(name, P, per_node, S, keep=True, **kw):
@@ -226,6 +227,7 @@ def test_relay_stages_when_asked():
         relay_rows(make_config(8, 4, 2, topology=topo), 16, 4, qo_relays=3)
 
 
+@pytest.mark.usefixtures("few_solve_rounds")
 def test_relay_stages_layer_on_meta():
     """DynamicCPAttention with sub-stages on a two-node topology: solve, per-stage relay, backward on meta."""
     check_layer_on_meta(num_stages=2, ib_relay=True)

@@ -25,6 +25,7 @@ from tests._testing import assert_close
 from tests.gpusolver.runtime._cases import (ATOL, D, RTOL, doc_lengths, make_config, make_inputs, make_mask,
                                             reference, tight_plan)
 from tests.gpusolver.runtime.test_dist_attn import KEYS, _assert_all_close, _run
+from tests.gpusolver.runtime._cases import few_solve_rounds  # noqa: F401 - fixture
 
 
 def _case_id(case):
@@ -185,6 +186,7 @@ def test_stages_merge_windows_same_bits(monkeypatch):
             assert torch.equal(got[1][key], got[pieces][key]), (pieces, key)
 
 
+@pytest.mark.usefixtures("few_solve_rounds")
 def test_stages_layer_on_meta():
     """Solve, stage pass, per-stage metas, casts, reduces and backward with no host read."""
     P, c, Hq, Hkv = 4, 16, 4, 2

@@ -13,6 +13,7 @@ from tests._dist import run_ranks
 from tests._testing import assert_close
 from tests.gpusolver.sparse._cases import (D, PHASES_BWD, PHASES_FWD, loss, make_config, make_inputs, make_mask,
                                            reference, scatter_plan, traffic_sums)
+from tests.gpusolver.runtime._cases import few_solve_rounds  # noqa: F401 - fixture
 
 torch.set_num_threads(1)  # a loaded 2-core machine: many small ops run faster on one thread
 
@@ -123,6 +124,7 @@ def test_gloo_ranks_equal_dense(kind, P, flatten):
         assert torch.equal(r[3], results[0][3])
 
 
+@pytest.mark.usefixtures("few_solve_rounds")
 def test_layer_on_meta_end_to_end():
     """Indexers, area rows, all-gather (a stack), solve, metas, casts, attention, reduces: no host read.
     The DSA layer goes through DynamicCPAttention (a device solve on meta costs seconds here); the NSA
