@@ -26,7 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
-    PACKED_KINDS, cached_assignment, make_mask, markdown_table, median, parse_list, plan_cache_path, write_text,
+    add_cluster_sweep_args, cached_assignment, cluster_sweep, make_mask, markdown_table, median, plan_cache_path,
+    write_text,
 )
 from topology_solve import link_bottlenecks, usp_ib_fwd  # noqa: E402
 
@@ -34,7 +35,6 @@ from gpusolver import SolverConfig, block_areas  # noqa: E402
 from gpusolver.bounds import ib_lower_bound  # noqa: E402
 from gpusolver.capacity import keep_for_budget  # noqa: E402
 from gpusolver.plan.build import build_plan  # noqa: E402
-from gpusolver.topology import PRESETS  # noqa: E402
 
 MB = 1e6
 
@@ -123,45 +123,46 @@ def summary(rows: list[dict]) -> str:
     time_ok = [r for r in rows if r["floor_vs_today"] is not None and r["floor_vs_today"] <= 0.4]
     out = [f"- IB fwd <= USP's is reachable (floor / USP <= 1) in {len(fwd_ok)} of {n} cells; IB time <= 0.4x "
            f"today's (floor / today <= 0.4) in {len(time_ok)} of {n}.\n"]
+    # a floor under 1 % of USP's is a node balance that needs next to nothing: its ratios say little
+    crossing = [r for r in rows if r["floor_vs_usp"] >= 0.01]
     for name, label in (("topo", "plan (default: topology-solved, direct)"),
                         ("relay", "relay plan (ib_relay=True, the default S)"),
                         ("relay1", "relay plan at S = 1 (num_stages=1)")):
-        # a floor under 1 % of USP's is a node balance that needs next to nothing: its ratio says little
-        gaps = [r[f"{name}_vs_floor"] for r in rows if r["floor_vs_usp"] >= 0.01]
-        out.append(f"- {label}: IB fwd <= USP's in {sum(r[f'{name}_vs_usp'] <= 1.0 for r in rows)} of {n}; IB time "
-                   f"<= 0.4x today's in {sum(r[f'{name}_vs_today'] is not None and r[f'{name}_vs_today'] <= 0.4 for r in rows)}; "
-                   f"IB fwd / floor median {median(gaps):.2f}, range {min(gaps):.2f}-{max(gaps):.2f} "
-                   f"(over the {len(gaps)} cells whose floor is at least 1 % of USP's): crossings chosen (even / "
-                   f"floor) median {median([r[f'{name}_even_vs_floor'] for r in rows if r['floor_vs_usp'] >= 0.01]):.2f}, "
-                   f"NICs' uneven load (IB fwd / even) median "
-                   f"{median([r[f'{name}_vs_even'] for r in rows if r[f'{name}_vs_even'] is not None]):.2f}.\n")
+        met_fwd = sum(r[f"{name}_vs_usp"] <= 1.0 for r in rows)
+        met_time = sum(r[f"{name}_vs_today"] is not None and r[f"{name}_vs_today"] <= 0.4 for r in rows)
+        line = f"- {label}: IB fwd <= USP's in {met_fwd} of {n}; IB time <= 0.4x today's in {met_time}"
+        if crossing:
+            gaps = [r[f"{name}_vs_floor"] for r in crossing]
+            even = [r[f"{name}_vs_even"] for r in rows if r[f"{name}_vs_even"] is not None]
+            line += (f"; IB fwd / floor median {median(gaps):.2f}, range {min(gaps):.2f}-{max(gaps):.2f} (over "
+                     f"the {len(gaps)} cells whose floor is at least 1 % of USP's): crossings chosen (even / floor) "
+                     f"median {median([r[f'{name}_even_vs_floor'] for r in crossing]):.2f}, NICs' uneven load "
+                     f"(IB fwd / even) median {median(even):.2f}" if even else "")
+        out.append(line + ".\n")
     return "".join(out)
 
 
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--P", default="16,32,64")
-    ap.add_argument("--kinds", default=",".join(PACKED_KINDS))
+    add_cluster_sweep_args(ap)
     ap.add_argument("--seeds", type=int, default=1)
-    ap.add_argument("--tokens-per-rank", type=int, default=8192)
-    ap.add_argument("--topology", default="h200_hgx", choices=sorted(PRESETS))
     ap.add_argument("--plan-cache", default=None, help="where solved plans are cached (as stages_bench's)")
     ap.add_argument("--md", default=None)
     args = ap.parse_args(argv)
     if args.seeds < 1:
         ap.error(f"--seeds must be positive, got {args.seeds}")
+    sizes, kinds, topology = cluster_sweep(ap, args)
     torch.set_num_threads(1)
-    topology = PRESETS[args.topology]
     rows = []
-    for kind in parse_list(args.kinds, str, PACKED_KINDS, "kind"):
-        for P in parse_list(args.P):
+    for kind in kinds:
+        for P in sizes:
             for seed in range(args.seeds):
-                rows.append(run(kind, P, seed, args.tokens_per_rank, args.plan_cache, topology))
+                rows.append(run(kind, P, seed, args.tokens, args.plan_cache, topology))
                 print(markdown_table(rows[-1:], COLUMNS), flush=True)
     cmd = "python benchmarks/ib_floor.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     text = ("# The InfiniBand floor of a plan within the imbalance bound (per GPU)\n\n"
             f"Command: `{cmd}`\n\n"
-            f"Packed documents, {args.tokens_per_rank} tokens per rank, GQA 64:8, D = 128, bf16, mu = 1.10, "
+            f"Packed documents, {args.tokens} tokens per rank, GQA 64:8, D = 128, bf16, mu = 1.10, "
             f"`{topology.name}` (nodes of {topology.ranks_per_node}). floor: the optimum of a linear program "
             "that every plan within mu satisfies (each (unit, node) crossing once, its rows at least each "
             "task's need, a node's bytes spread evenly over its NICs: `gpusolver.bounds.ib_lower_bound`), so no solver "
