@@ -119,7 +119,7 @@ class Topology:
         Rail-aligned: the rank at ``host``'s local index, so every host's inter-node bytes leave
         through its own NIC and land on one NIC per remote node, and a node's hosts spread their
         traffic over all of its NICs. On ``host``'s own node it is ``host`` itself (no relay).
-        This is the rule the solver prices; with more than two nodes a plan may move a host's
+        This is the rule the solver prices; a relay plan may move a host's
         crossing to another rail of its node (egress and relay both at that local index, the
         host's rows brought to the egress over NVLink) when that spreads the bytes of the
         node's NICs better (``plan.relay.matched_rails``, ``RelayMeta.rails``).
