@@ -146,9 +146,7 @@ def relay_transport(config: SolverConfig, sparse: bool = False) -> bool:
     Slice-mask plans: ``config.relays``, the same answer the solver prices its moves by
     (``solver.core.Tasks.relays``), so a plan runs the transport its assignment was chosen for.
     By default (``ib_relay=None``) that is relay with one remote stage and direct with sub-stages
-    (the default S = 4): relayed sub-stages are simulated at S = 4 over p2p at 0.96-1.06x the direct
-    step (median 1.00x, worse by more than 2 % in three P = 16 cells,
-    ``benchmarks/results/relay_pricing.md``);
+    (the default S = 4; why, with the figures: ``SolverConfig.relays``);
     ``ib_relay=True`` relays every sub-stage's casts and reduces on their own
     (``plan.relay.stage_relay_routes``). Sparse plans (``sparse``) travel direct
     (docs/support_matrix.md); ``ib_relay=True`` there is a ValueError.
