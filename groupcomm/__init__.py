@@ -15,7 +15,9 @@ rows past ``first_row`` (what a rank that kept the first rows of a buffer needs 
 
 ``group_reduce`` is the reverse: partials in the receive layout go back to
 their source and are reduced (``sum``, or the log-sum-exp ``lse`` merge) into
-the host's rows ``send_index[p]``.
+the host's rows ``send_index[p]``. ``neutral_rows(like, value)`` is an accumulator
+holding the identity (0 for ``sum``, -inf for an lse) that takes no memory until
+the reduce makes its result: a reduce in flight holds none for it.
 
 Backends, chosen by the group object:
 
@@ -39,6 +41,7 @@ send_cap send positions, h heads, D head dim.
 from ._a2av import HostSplits, TorchGroup, host_splits
 from ._api import as_group, default_group, group_cast, group_reduce
 from ._base import CollectiveError, Work
+from ._reduce import neutral_rows
 from ._retain import retain
 from ._routing import tail_routing, tail_split
 from ._sim import LocalGroup
@@ -48,4 +51,5 @@ __all__ = [
     "group_cast", "group_reduce", "default_group", "as_group",
     "LocalGroup", "TorchGroup", "SymmMemGroup",
     "host_splits", "HostSplits", "CollectiveError", "Work", "retain", "tail_routing", "tail_split",
+    "neutral_rows",
 ]

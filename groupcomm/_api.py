@@ -105,7 +105,9 @@ def group_reduce(partials, send_index: torch.Tensor, split: torch.Tensor, acc, g
         send_index, split: the routing of that cast.
         acc: list of ``[N, *f]`` host tensors, paired with ``partials``; row
             ``send_index[p]`` receives the partial of the row sent at position p
-            (a row sent to several ranks gets several partials).
+            (a row sent to several ranks gets several partials). An entry may be
+            a broadcast view (``neutral_rows``): it is made whole only when the result
+            is made (on ``wait()`` for an asynchronous reduce).
         op: ``"sum"`` (acc + partials; bf16/fp16 accumulate in fp32) or ``"lse"``
             (``partials = (out [.., h, D], lse [.., h] fp32)``, ``acc = (out, lse)``,
             merged with the log-sum-exp correction; a row whose every lse is

@@ -30,7 +30,7 @@ import triton.language as tl
 @triton.jit
 def _merge_lse_kernel(p_o, p_l, p_po, p_pl, p_slot, p_out, p_lse, N, H, D, P,
                       s_ob, s_on, s_oh, s_lb, s_ln, s_lh, s_pob, s_poc, s_poh, s_plb, s_plc, s_plh,
-                      BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, O_BCAST: tl.constexpr):
     i_m = tl.program_id(0)
     i_b = tl.program_id(1).to(tl.int64)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
@@ -60,7 +60,9 @@ def _merge_lse_kernel(p_o, p_l, p_po, p_pl, p_slot, p_out, p_lse, N, H, D, P,
     b_safe = tl.where(b_lse == float("-inf"), 0.0, b_lse)
     m_md = m_m[:, None] & m_d[None, :]
     # [BLOCK_M, BLOCK_D]
-    b_o0 = tl.load(p_o + (i_b * s_ob + o_n * s_on + o_h * s_oh)[:, None] + o_d[None, :], mask=m_md, other=0.0)
+    # O_BCAST: the host's out is one value per (row, head) broadcast over D (a neutral accumulator)
+    o_d0 = o_d * 0 if O_BCAST else o_d
+    b_o0 = tl.load(p_o + (i_b * s_ob + o_n * s_on + o_h * s_oh)[:, None] + o_d0[None, :], mask=m_md, other=0.0)
     b_acc = tl.exp(b_l0 - b_safe)[:, None] * b_o0.to(tl.float32)
     for k in range(0, P):
         b_p = tl.load(p_slots + k, mask=m_m, other=-1).to(tl.int64)
@@ -79,7 +81,7 @@ def _merge_lse_kernel(p_o, p_l, p_po, p_pl, p_slot, p_out, p_lse, N, H, D, P,
 
 @triton.jit
 def _merge_sum_kernel(p_a, p_r, p_slot, p_out, N, F, P, s_ab, s_an, s_rb, s_rc,
-                      BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
+                      BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr, A_BCAST: tl.constexpr):
     i_r = tl.program_id(0)
     i_f = tl.program_id(1)
     i_b = tl.program_id(2).to(tl.int64)
@@ -90,7 +92,9 @@ def _merge_sum_kernel(p_a, p_r, p_slot, p_out, N, F, P, s_ab, s_an, s_rb, s_rc,
     m_nf = m_n[:, None] & m_f[None, :]
     p_slots = p_slot + (i_b * N + o_n) * P
     # [BLOCK_R, BLOCK_F]
-    b_acc = tl.load(p_a + (i_b * s_ab + o_n * s_an)[:, None] + o_f[None, :], mask=m_nf, other=0.0).to(tl.float32)
+    # A_BCAST: the host's row is one value broadcast over its F columns (a neutral accumulator)
+    o_f0 = o_f * 0 if A_BCAST else o_f
+    b_acc = tl.load(p_a + (i_b * s_ab + o_n * s_an)[:, None] + o_f0[None, :], mask=m_nf, other=0.0).to(tl.float32)
     for k in range(0, P):
         # [BLOCK_R]
         b_p = tl.load(p_slots + k, mask=m_n, other=-1).to(tl.int64)
@@ -100,6 +104,12 @@ def _merge_sum_kernel(p_a, p_r, p_slot, p_out, N, F, P, s_ab, s_an, s_rb, s_rc,
                       other=0.0)
         b_acc += b_x.to(tl.float32)
     tl.store(p_out + (i_b * N + o_n)[:, None] * F + o_f[None, :], b_acc.to(p_out.dtype.element_ty), mask=m_nf)
+
+
+def _broadcast(t: torch.Tensor, inner: int) -> bool:
+    """Whether ``t``'s last ``inner`` dims are one value broadcast (every stride 0): an accumulator
+    from ``neutral_rows``, which the kernels read as it is instead of a copy of its rows."""
+    return t.numel() > 0 and all(st == 0 for st in t.stride()[t.dim() - inner:])
 
 
 def _rows(t: torch.Tensor, inner: int) -> torch.Tensor:
@@ -137,7 +147,9 @@ def merge_lse_into(out: torch.Tensor, lse: torch.Tensor, out_p: torch.Tensor, ls
     P = slots.shape[2]
     if B * N * H * D == 0:
         return
-    out, out_p = _rows(out, 1), _rows(out_p, 1)
+    bcast = _broadcast(out, 1)
+    out = out if bcast else _rows(out, 1)
+    out_p = _rows(out_p, 1)
     slots = slots.contiguous()
     blocks = lse_blocks(D, N * H, gpu)
     grid = (triton.cdiv(N * H, blocks["BLOCK_M"]), B)
@@ -145,7 +157,7 @@ def merge_lse_into(out: torch.Tensor, lse: torch.Tensor, out_p: torch.Tensor, ls
                             out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
                             out_p.stride(0), out_p.stride(1), out_p.stride(2),
                             lse_p.stride(0), lse_p.stride(1), lse_p.stride(2),
-                            **blocks, num_warps=4)
+                            **blocks, O_BCAST=bcast, num_warps=4)
 
 
 def merge_sum_into(acc: torch.Tensor, ret: torch.Tensor, slots: torch.Tensor, out: torch.Tensor,
@@ -157,10 +169,11 @@ def merge_sum_into(acc: torch.Tensor, ret: torch.Tensor, slots: torch.Tensor, ou
     F = out[0, 0].numel() if B and N else 0
     if B * N * F == 0:
         return
-    a = _rows(acc, acc.dim() - 2).reshape(B, N, F)
+    bcast = _broadcast(acc, acc.dim() - 2)
+    a = acc.as_strided((B, N, F), (*acc.stride()[:2], 0)) if bcast else _rows(acc, acc.dim() - 2).reshape(B, N, F)
     r = _rows(ret, ret.dim() - 2).reshape(B, C, F)
     slots = slots.contiguous()
     blocks = sum_blocks(F, N, gpu)
     grid = (triton.cdiv(N, blocks["BLOCK_R"]), triton.cdiv(F, blocks["BLOCK_F"]), B)
     _merge_sum_kernel[grid](a, r, slots, out, N, F, P, a.stride(0), a.stride(1), r.stride(0), r.stride(1),
-                            **blocks, num_warps=4)
+                            **blocks, A_BCAST=bcast, num_warps=4)

@@ -199,13 +199,22 @@ def reduce_lse(acc: list, ret: list, send_index: torch.Tensor, dest: torch.Tenso
     return [_drop_scratch(flat, B, N).to(out_dtype), lse.to(lse_dtype)]
 
 
+def neutral_rows(like: torch.Tensor, value: float = 0.0, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An accumulator of ``like``'s shape that holds ``value`` everywhere (0: a sum's identity, -inf:
+    an lse's) as a broadcast view of one element: it takes no memory until ``reduce_rows`` makes the
+    reduce's result, so a reduce in flight holds none for it (``group_reduce``'s ``acc``)."""
+    return like.new_full((), value, dtype=like.dtype if dtype is None else dtype).expand(like.shape)
+
+
 def reduce_rows(acc: list[torch.Tensor], ret: list[torch.Tensor], send_index: torch.Tensor,
                 dest: torch.Tensor, op: str, P: int, deterministic: bool) -> list[torch.Tensor]:
     """Dispatch on ``op`` ("sum" or "lse"); all tensors carry the leading batch dim.
 
     The fused merge (``_merge``: fp32 in registers, only the outputs written; deterministic in
     either mode, in the deterministic order) where ``fused_reduce`` allows it (by default on
-    CUDA), else the torch path of this module."""
+    CUDA), else the torch path of this module. Both read an accumulator given as a broadcast
+    view (``neutral_rows``) as it is: the torch path copies it into its fp32 sums, the fused
+    path makes its rows contiguous (``_merge_kernel._rows``) only when the result is made."""
     if use_fused(acc, ret):
         return fused_reduce_rows(acc, ret, send_index, dest, op, P)
     fn = reduce_sum if op == "sum" else reduce_lse

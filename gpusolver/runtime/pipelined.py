@@ -48,7 +48,7 @@ from gpusolver.plan.schedule import ATTN, CAST, DELTA, MERGE, REDUCE, WAIT, Op, 
 from gpusolver.runtime.kept_rows import tail_cast, whole_operands
 from gpusolver.runtime.operands import Operands, rows
 from gpusolver.runtime.per_rank import per_rank
-from groupcomm import TorchGroup, group_cast, group_reduce, host_splits
+from groupcomm import TorchGroup, group_cast, group_reduce, host_splits, neutral_rows
 
 _INTERNAL = dict(validate=False, flag_errors=False)
 KINDS = ("qo", "kv")
@@ -317,8 +317,8 @@ def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql,
                 works[op.name] = _issue(op, sr, group, caps,
                                         [_gather_remote(t, sr.gather["qo"][s - 1], n, lead, d)
                                          for t, d in zip(acc[b].x, dtypes[b])],
-                                        [torch.zeros_like(o_b, dtype=dtypes[b][0]),
-                                         torch.full_like(l_b, float("-inf"))], deterministic)
+                                        [neutral_rows(o_b, 0.0, dtypes[b][0]),
+                                         neutral_rows(l_b, float("-inf"))], deterministic)
                 del o_b, l_b
             elif op.kind == MERGE:  # every return is merged in: the host's rows are the output
                 for b in range(branches):
@@ -424,8 +424,8 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
                 # handed over (no name keeps them): freed once sent and read, not held through s + 1
                 works[op.name] = _issue(op, sr, group, caps,
                                         [_gather_remote(t, sr.gather[kind][s - 1], n, lead, dtype) for t in pick],
-                                        [torch.zeros_like(ql)] if kind == "qo" else
-                                        [torch.zeros_like(kl), torch.zeros_like(vl)], deterministic)
+                                        [neutral_rows(ql)] if kind == "qo" else
+                                        [neutral_rows(kl), neutral_rows(vl)], deterministic)
             elif op.kind == MERGE:  # every reduce is summed in: the host's rows are the gradients
                 dq, dk, dv = merge_gradients(grads_q.x + grads_kv.x, [], lead, n)
             else:

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from groupcomm import LocalGroup, Work, group_cast, group_reduce
+from groupcomm import LocalGroup, Work, group_cast, group_reduce, neutral_rows
+from groupcomm._merge import fused_reduce
 from tests._testing import assert_close
 from tests.groupcomm._cases import oracle_cast, oracle_lse, oracle_sum, random_routing
 
@@ -90,6 +91,36 @@ def test_reduce_lse_bf16_out(P, N, seed):
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     assert_close("out", out_ref.float(), out.float(), atol=2e-2, rtol=2e-2)
     assert_close("lse", lse_ref.float(), lse, atol=1e-4)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["torch", "fused"])
+@pytest.mark.parametrize("op", ["sum", "lse"])
+def test_neutral_accumulator_is_the_identity_without_its_memory(op, fused):
+    """``neutral_rows`` (a broadcast view of one element) reduces bit for bit as the materialized
+    identity (zeros; -inf for an lse) does, on the torch and the fused path, in fp32 and bf16."""
+    P, N = 4, 7
+    if op == "lse":
+        r, partials, _ = _lse_case(P, N, 5)
+        partials[0] = partials[0].bfloat16()
+        like = [torch.empty(P, N, *partials[0].shape[2:], dtype=torch.bfloat16), torch.empty(P, N, partials[1].shape[2])]
+        values = (0.0, float("-inf"))
+    else:
+        r = random_routing(P, N, 5)
+        g = torch.Generator().manual_seed(5)
+        partials = [torch.randn(P, r.recv_capacity, 4, generator=g),
+                    torch.randn(P, r.recv_capacity, 2, 2, generator=g).bfloat16()]
+        like = [torch.empty(P, N, 4), torch.empty(P, N, 2, 2, dtype=torch.bfloat16)]
+        values = (0.0, 0.0)
+    neutral = [neutral_rows(t, v) for t, v in zip(like, values)]
+    assert all(n.untyped_storage().nbytes() == n.element_size() for n in neutral)  # one element each
+    whole = [torch.full_like(t, v) for t, v in zip(like, values)]
+    with fused_reduce(fused):
+        got = group_reduce(partials, r.send_index, r.split, neutral, LocalGroup(P), op=op)
+        want = group_reduce(partials, r.send_index, r.split, whole, LocalGroup(P), op=op)
+    for g_, w in zip(got, want):
+        assert g_.dtype == w.dtype and g_.shape == w.shape
+        assert torch.equal(g_, w)
+    assert not torch.equal(got[0], whole[0])  # the partials arrived: not a check of zeros against zeros
 
 
 @pytest.mark.parametrize("op", ["sum", "lse"])

@@ -10,7 +10,7 @@ import inspect
 import pytest
 import torch
 
-from groupcomm import LocalGroup, group_reduce
+from groupcomm import LocalGroup, group_reduce, neutral_rows
 from groupcomm import _merge
 from groupcomm._merge import (fused_reduce, merge_lse_op, merge_lse_ref, merge_sum_op, merge_sum_ref, slot_table,
                               use_fused)
@@ -266,7 +266,8 @@ def test_compiles_fullgraph():
 
 def test_kernels_compile_for_sm90_without_spills():
     """Both kernels as a GPU launches them at real shapes (h = 8, D = 128 and rows of 1024 values, bf16
-    and fp16, the GPU's block sizes and divisibility hints) compile for sm_90 with no spills."""
+    and fp16, the GPU's block sizes and divisibility hints) compile for sm_90 with no spills, with the
+    host's rows given and as a neutral accumulator (``neutral_rows``, the sub-stage reduces')."""
     from groupcomm._merge_kernel import lse_blocks, sum_blocks
     from tests._sm90 import capture_launches, compile_sm90
 
@@ -278,8 +279,12 @@ def test_kernels_compile_for_sm90_without_spills():
         with capture_launches(specialize=True) as got:
             merge_lse_op(out.to(dtype), lse, out_p.to(dtype), lse_p, slots, True)
             merge_sum_op(out.to(dtype), out_p.to(dtype), slots, True)
+            merge_lse_op(neutral_rows(out, 0.0, dtype), neutral_rows(lse, NEG_INF), out_p.to(dtype), lse_p, slots,
+                         True)
+            merge_sum_op(neutral_rows(out, 0.0, dtype), out_p.to(dtype), slots, True)
         records += got
-    assert sorted(r["name"] for r in records) == ["_merge_lse_kernel"] * 2 + ["_merge_sum_kernel"] * 2
+    assert sorted(r["name"] for r in records) == ["_merge_lse_kernel"] * 4 + ["_merge_sum_kernel"] * 4
+    assert sorted(r["constexprs"].get("O_BCAST", r["constexprs"].get("A_BCAST")) for r in records) == [False] * 4 + [True] * 4
     for rec in records:  # the interpreter's launches use bigger blocks: the GPU's, at 65536 rows per rank
         lse_kernel = rec["name"] == "_merge_lse_kernel"
         blocks = lse_blocks(D, 65536 * h, gpu=True) if lse_kernel else sum_blocks(h * D, 65536, gpu=True)

@@ -5,12 +5,13 @@ from datetime import timedelta
 import pytest
 import torch
 
-from groupcomm import CollectiveError, HostSplits, LocalGroup, TorchGroup, group_cast, group_reduce, host_splits
+from groupcomm import (CollectiveError, HostSplits, LocalGroup, TorchGroup, group_cast, group_reduce, host_splits,
+                       neutral_rows)
 from tests._dist import run_ranks
 from tests._testing import assert_close
 from tests.groupcomm._cases import random_routing
 
-PHASES = ("fwd", "fwd_async", "sum", "sum_nd", "lse")
+PHASES = ("fwd", "fwd_async", "sum", "sum_nd", "lse", "lse_neutral")
 
 
 def _inputs(P, seed):
@@ -44,6 +45,10 @@ def _run(group, rank, r, rows, sums, lses):
                                  async_op=True, **kw).wait()
     parts, acc = ([pick(t) for t in x] for x in lses)
     out["lse"] = group_reduce(parts, idx, r.split, acc, group, op="lse", phase="lse", **kw)
+    # the identity accumulator as a broadcast view: held by the reduce in flight, made whole on wait()
+    neutral = [neutral_rows(acc[0]), neutral_rows(acc[1], float("-inf"))]
+    out["lse_neutral"] = group_reduce(parts, idx, r.split, neutral, group, op="lse", phase="lse_neutral",
+                                      async_op=True, **kw).wait()
     out["traffic"] = {ph: group.traffic(ph) for ph in PHASES}
     return out
 
@@ -56,8 +61,12 @@ def _rank_fn(rank, P, seed):
 def test_torch_group_equals_local_group(P, seed):
     got = run_ranks(_rank_fn, P, seed, timeout=60)
     ref = _run(LocalGroup(P), None, *_inputs(P, seed))
+    r, _, _, (parts, acc) = _inputs(P, seed)
+    ident = [torch.zeros_like(acc[0]), torch.full_like(acc[1], float("-inf"))]
+    want = group_reduce(parts, r.send_index, r.split, ident, LocalGroup(P), op="lse")
+    assert all(torch.equal(a, b) for a, b in zip(want, ref["lse_neutral"]))
     for rank, res in enumerate(got):
-        for key in ("fwd", "fwd_async", "sum", "lse"):
+        for key in ("fwd", "fwd_async", "sum", "lse", "lse_neutral"):
             for i, (a, b) in enumerate(zip(ref[key], res[key])):
                 assert a.dtype == b.dtype, (rank, key, i)
                 assert torch.equal(a[rank], b), f"rank {rank} {key}[{i}]"
