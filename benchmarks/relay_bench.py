@@ -58,6 +58,12 @@ attention time over P at the topology's rates: no plan's step is below it) over 
 over the issue's step target (0.85 / 0.75 / 0.65 x USP at P = 16 / 32 / 64):
 
     python benchmarks/relay_bench.py --plan-cache build/balance_plans --balance --seeds 0,1   # relay_balance.md
+
+``--balance-relay`` adds relay cases to that table, each solved relay-priced (``ib_relay=True``) and built
+with relay transport at S sub-stages: (f) at the default bound, (g) at each bound of ``--balance-tols``:
+
+    python benchmarks/relay_bench.py --plan-cache build/balance_plans --balance --balance-relay \
+        --balance-tols 1.05,1.03 --seeds 0,1   # relay_balance.md
 """
 from __future__ import annotations
 
@@ -306,11 +312,16 @@ BALANCE_FLOOR_NOTE = (
     "the floor splits into that imbalance and the exposed communication.")
 
 
-def balance_cases(tols) -> list[tuple[str, str, dict]]:
+def balance_cases(tols, relay: bool = False) -> list[tuple[str, str, dict]]:
     """(case, config label, SolverConfig overrides) of the --balance table: (b) the default config
-    with a topology, (d) the time-aware bound, (e) each fixed tighter bound of ``tols``."""
+    with a topology, (d) the time-aware bound, (e) each fixed tighter bound of ``tols``; with ``relay``
+    also (f) relay transport at the default bound and (g) relay at each bound of ``tols``
+    (``ib_relay=True``: the relay-priced solve, built relay)."""
     return ([("(b)", "default", {}), ("(d)", "imbalance_auto=True", {"imbalance_auto": True})]
-            + [("(e)", f"imbalance_tol={mu:.2f}", {"imbalance_tol": mu}) for mu in tols])
+            + [("(e)", f"imbalance_tol={mu:.2f}", {"imbalance_tol": mu}) for mu in tols]
+            + ([("(f)", "relay", {"ib_relay": True})]
+               + [("(g)", f"relay imbalance_tol={mu:.2f}", {"ib_relay": True, "imbalance_tol": mu}) for mu in tols]
+               if relay else []))
 
 
 def timed_solve(areas, config: SolverConfig, path: Path | None):
@@ -346,10 +357,12 @@ def _sweep(kinds, sizes, seeds, columns, rows_of) -> list[dict]:
     return rows
 
 
-def balance_rows(kind: str, P: int, seed: int, topology, tokens: int, cache, stages: int, tols) -> list[dict]:
+def balance_rows(kind: str, P: int, seed: int, topology, tokens: int, cache, stages: int, tols,
+                 relay: bool = False) -> list[dict]:
     """The default config's plan (b) against the time-aware bound (d) and fixed tighter bounds (e),
     each solved on ``topology`` and built (as the default does) with ``stages`` sub-stages and direct
-    transport, simulated over p2p next to USP's and load-balanced USP's step (SIMULATED)."""
+    transport, and with ``relay`` the relay cases (f), (g) built with relay transport, simulated over
+    p2p next to USP's and load-balanced USP's step (SIMULATED)."""
     mask = make_mask(kind, P, seed, tokens_per_rank=tokens)
     base = SolverConfig(cp_size=P)
     areas = block_areas(mask, P, base.head_groups, impl="torch")
@@ -371,19 +384,20 @@ def balance_rows(kind: str, P: int, seed: int, topology, tokens: int, cache, sta
     today_ib = ib_ms(build_plan(mask, areas, today_asg, replace(base, topology=topology, ib_relay=False,
                                                                 num_stages=stages)))[1]
     rows = []
-    for case, label, overrides in balance_cases(tols):
+    for case, label, overrides in balance_cases(tols, relay):
         config = SolverConfig(cp_size=P, topology=topology, **overrides)
-        tag = "auto" if config.imbalance_auto else "mu"
+        tag = ("relay_" if config.ib_relay else "") + ("auto" if config.imbalance_auto else "mu")
         path = None if not cache else Path(cache) / (
             f"{kind}_P{P}_s{seed}_c{tokens}_{topology.name}_bal_{tag}{config.imbalance_tol:.2f}.pt")
         asg, mu, solve_s = timed_solve(areas, config, path)
         plan = build_plan(mask, areas, asg, replace(config, imbalance_tol=mu, imbalance_auto=False,
                                                     num_stages=stages))
-        # the default's transport at S > 1: direct (no relay)
-        assert plan.relay is None and plan.num_stages == stages
+        # the default's transport at S > 1: direct (no relay); the relay cases: relay
+        assert (plan.relay is not None) == bool(config.ib_relay) and plan.num_stages == stages
         t = simulate(plan, topology, comm="p2p")
         ib_fwd, ib = ib_ms(plan)
         rows.append({"kind": kind, "P": P, "seed": seed, "S": stages, "case": case, "config": label, "mu": mu,
+                     "transport": "relay" if plan.relay is not None else "direct",
                      "step_ms": t.step_ms, "fwd_ms": t.fwd_ms, "bwd_ms": t.bwd_ms, "ideal_ms": t.ideal_ms,
                      "exposed_pct": 100 * t.exposed_comm_ms / t.step_ms, "imbalance": float(plan.metrics.imbalance),
                      "status": int(plan.status), "status_names": ",".join(status_names(int(plan.status))) or "ok",
@@ -408,11 +422,14 @@ def _balance_summary(rows: list[dict]) -> str:
         cells = [r for r in rows if r["config"] == label]
         vs_bal = [r["step_vs_usp_bal"] for r in cells]
         vs_b = [r["step_vs_b"] for r in cells]
+        worst = max(cells, key=lambda r: r["step_vs_b"])
         out.append(f"- {cells[0]['case']} {label}: step / bal. USP median {median(vs_bal):.3f} "
                    f"(range {min(vs_bal):.3f}-{max(vs_bal):.3f}), <= 1.0 in {sum(v <= 1 for v in vs_bal)} of "
                    f"{len(cells)} cells; step / (b) median {median(vs_b):.3f} (range {min(vs_b):.3f}-{max(vs_b):.3f}), "
-                   f"below (b) in {sum(v < 1 for v in vs_b)}; step / USP median "
-                   f"{median([r['step_vs_usp'] for r in cells]):.3f}; solve / (b) median "
+                   f"below (b) in {sum(v < 1 for v in vs_b)}, above 1.02 in {sum(v > 1.02 for v in vs_b)} (worst "
+                   f"{worst['kind']} P = {worst['P']} seed {worst['seed']}); step / USP median "
+                   f"{median([r['step_vs_usp'] for r in cells]):.3f}; IB fwd / USP median "
+                   f"{median([r['ib_fwd_vs_usp'] for r in cells]):.2f}; solve / (b) median "
                    f"{median([r['solve_vs_b'] for r in cells]):.2f}.\n")
         met = [r for r in cells if r["usp_target"] is not None and r["step_vs_usp"] <= r["usp_target"]]
         out.append(f"  Targets: IB fwd <= USP's in {sum(r['ib_fwd_vs_usp'] <= 1 for r in cells)} of {len(cells)} "
@@ -500,6 +517,9 @@ def main(argv=None) -> dict:
                    help="only the imbalance-bound table at --stages sub-stages over p2p: the default config (b), "
                         "imbalance_auto=True (d), fixed --balance-tols (e) (relay_balance.md)")
     p.add_argument("--balance-tols", default="1.05,1.03", help="the fixed bounds (e) of --balance (default 1.05,1.03)")
+    p.add_argument("--balance-relay", action="store_true",
+                   help="with --balance: add relay transport (ib_relay=True) at the default bound (f) and at each "
+                        "--balance-tols bound (g)")
     p.add_argument("--balance-json", default=str(RESULTS_DIR / "relay_balance.json"))
     p.add_argument("--balance-md", default=str(RESULTS_DIR / "relay_balance.md"))
     args = p.parse_args(argv)
@@ -508,6 +528,8 @@ def main(argv=None) -> dict:
         p.error(f"--stages must be >= 1, got {args.stages}")
     torch.set_num_threads(1)
     cmd = "python benchmarks/relay_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.balance_relay and not args.balance:
+        p.error("--balance-relay adds cases to the --balance table: give --balance")
     if args.pricing or args.balance:
         if args.pricing and args.balance:
             p.error("--pricing and --balance are two tables: give one of them")
@@ -528,15 +550,20 @@ def main(argv=None) -> dict:
         if any(not 1.0 <= mu < SolverConfig(cp_size=2).imbalance_tol for mu in tols):
             p.error(f"--balance-tols must be in [1.0, the default imbalance_tol), got {args.balance_tols!r}")
         got_rows = _sweep(kinds, sizes, seeds, BALANCE_COLUMNS, lambda kind, P, seed: balance_rows(
-            kind, P, seed, topology, args.tokens, args.plan_cache, args.stages, tols))
+            kind, P, seed, topology, args.tokens, args.plan_cache, args.stages, tols, args.balance_relay))
         text = (f"# The imbalance bound: the default against tighter bounds at S = {args.stages} over p2p "
                 f"({topology.name}, SIMULATED)\n\n"
                 f"Packed causal and full documents, seeds {', '.join(map(str, seeds))}, {args.tokens} tokens per rank, "
                 "GQA 64:8, D = 128, bf16, nodes of 8, S sub-stages, p2p (`TorchGroup(transport=\"p2p\")`), direct "
-                "transport (the default's at S > 1). Every case is solved on the topology (CPU torch path, "
-                "`solve_device(impl=\"torch\")`): (b) the default config `SolverConfig(topology=...)` (mu = 1.10); "
+                "transport (the default's at S > 1) unless the case says relay. Every case is solved on the topology "
+                "(CPU torch path, `solve_device(impl=\"torch\")`): (b) the default config "
+                "`SolverConfig(topology=...)` (mu = 1.10); "
                 "(d) `imbalance_auto=True` (one solve per candidate bound 1.10, 1.06, 1.04, 1.02; the plan of the "
-                "lowest modelled step kept; mu: the bound it chose); (e) a fixed tighter `imbalance_tol`. imbalance: "
+                "lowest modelled step kept; mu: the bound it chose); (e) a fixed tighter `imbalance_tol`"
+                + ("; (f) relay: `SolverConfig(topology=..., ib_relay=True)` (the relay-priced solve, mu = 1.10), "
+                   "built with relay transport (inter-node rows cross IB once per node and fan out over NVLink); "
+                   "(g) relay at a fixed tighter `imbalance_tol`" if args.balance_relay else "")
+                + ". imbalance: "
                 "the plan's max / mean compute; status: the plan's flags (IMBALANCED: above the bound it ran at). Every time is simulated by `gpusolver.sim` (the runtime's own op "
                 "lists, priced), not measured; USP and bal. USP: `simulate_baseline` on the same shards. solve s: the "
                 "wall time of the CPU solve when it ran (kept with the cached plan; other jobs shared the machine's "

@@ -5,6 +5,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 _BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -65,16 +66,19 @@ def test_relay_bench_pricing_small(tmp_path):
 
 
 def test_relay_bench_balance_small(tmp_path):
-    """``--balance`` at S = 4: the default config (b), imbalance_auto (d) and a fixed tighter bound (e)
-    per cell, each plan within its bound, the solve seconds kept with the cached plan."""
+    """``--balance --balance-relay`` at S = 4: the default config (b), imbalance_auto (d), a fixed tighter
+    bound (e), and relay transport at the default bound (f) and at the tighter one (g) per cell, each plan
+    within its bound, the solve seconds kept with the cached plan."""
     saved_path, saved_threads = list(sys.path), torch.get_num_threads()
     spec = importlib.util.spec_from_file_location("_bench_relay_balance", _BENCH / "relay_bench.py")
     mod = importlib.util.module_from_spec(spec)
-    argv = ["--P", "16", "--kinds", "full", "--tokens", "64", "--balance", "--balance-tols", "1.03",
+    argv = ["--P", "16", "--kinds", "full", "--tokens", "64", "--balance", "--balance-relay", "--balance-tols", "1.03",
             "--seeds", "0", "--plan-cache", str(tmp_path / "plans"),
             "--balance-json", str(tmp_path / "b.json"), "--balance-md", str(tmp_path / "b.md")]
     try:
         spec.loader.exec_module(mod)
+        with pytest.raises(SystemExit):  # relay cases without the table they join
+            mod.main(["--balance-relay"])
         out = mod.main(argv)
         again = mod.main(argv)  # read back from the plan cache
     finally:
@@ -82,14 +86,18 @@ def test_relay_bench_balance_small(tmp_path):
         torch.set_num_threads(saved_threads)
     rows = out["balance"]
     assert [(r["case"], r["config"]) for r in rows] == [
-        ("(b)", "default"), ("(d)", "imbalance_auto=True"), ("(e)", "imbalance_tol=1.03")]
-    b, d, e = rows
+        ("(b)", "default"), ("(d)", "imbalance_auto=True"), ("(e)", "imbalance_tol=1.03"), ("(f)", "relay"),
+        ("(g)", "relay imbalance_tol=1.03")]
+    b, d, e, f, g = rows
     assert b["mu"] == 1.10 and e["mu"] == 1.03 and d["mu"] in (1.10, 1.06, 1.04, 1.02)
+    assert f["mu"] == 1.10 and g["mu"] == 1.03
+    assert [r["transport"] for r in rows] == ["direct"] * 3 + ["relay"] * 2
     assert all(r["imbalance"] <= r["mu"] + 1e-9 and r["status"] == 0 for r in rows)
     assert b["step_vs_b"] == 1.0 and b["solve_vs_b"] == 1.0 and all(r["solve_s"] > 0 for r in rows)
     assert all(abs(r["step_vs_usp_bal"] - r["step_ms"] / r["usp_balanced_step_ms"]) < 1e-12 for r in rows)
     assert [r["solve_s"] for r in again["balance"]] == [r["solve_s"] for r in rows]
-    assert len(list((tmp_path / "plans").glob("full_P16_s0_c64_h200_hgx_bal_*.pt"))) == 3
+    assert len(list((tmp_path / "plans").glob("full_P16_s0_c64_h200_hgx_bal_*.pt"))) == 5
+    assert len(list((tmp_path / "plans").glob("full_P16_s0_c64_h200_hgx_bal_relay_*.pt"))) == 2
     # the floor columns: the mask's (one per cell), the plan's busiest compute over it is the plan's imbalance
     assert len({r["floor_ms"] for r in rows}) == 1 and all(r["usp_target"] == 0.85 for r in rows)
     assert all(abs(r["compute_ms"] / r["floor_ms"] - r["imbalance"]) < 1e-6 for r in rows)
@@ -99,8 +107,9 @@ def test_relay_bench_balance_small(tmp_path):
     text = (tmp_path / "b.md").read_text()
     assert "SIMULATED" in text and "| step / bal. USP |" in text and "| solve / (b) |" in text
     assert "| compute floor ms |" in text and "| floor / (target x USP) |" in text and "no plan reaches it" in text
-    assert text.count("| full | 16 | 0 |") == 3
-    assert len(json.loads((tmp_path / "b.json").read_text())["rows"]) == 3
+    assert "(f) relay" in text and "(g) relay imbalance_tol=1.03" in text
+    assert text.count("| full | 16 | 0 |") == 5
+    assert len(json.loads((tmp_path / "b.json").read_text())["rows"]) == 5
 
 
 def test_compute_floor_is_the_simulators_mean_compute():
