@@ -104,10 +104,13 @@ def cluster_sweep(p, args):
 
 def plan_cache_path(cache, kind: str, P: int, seed: int, tokens: int, config) -> Path | None:
     """Where a benchmark mask's solved plan is cached under ``cache`` (None: no cache). A solve on a
-    topology (``config.topology``) gives another assignment, so it gets a file of its own."""
+    topology (``config.topology``) gives another assignment, so it gets a file of its own, and so does
+    one at another bound than 1.10 (the default across nodes is 1.05: ``_mu1.05``)."""
     if not cache:
         return None
     tag = "_topo" if config.topology is not None else ""
+    if config.imbalance_tol != 1.10:
+        tag += f"_mu{config.imbalance_tol:.2f}"
     return Path(cache) / f"{kind}_P{P}_s{seed}_c{tokens}{tag}.pt"
 
 

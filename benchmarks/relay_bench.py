@@ -48,7 +48,8 @@ USP's:
     python benchmarks/relay_bench.py --plan-cache build/relay_plans --pricing --seeds 0,1   # relay_pricing.md
 
 With ``--balance`` it prints only a fourth table, the imbalance bound at S sub-stages over p2p (direct
-transport, the default's at S > 1): (b) the default config on the topology (mu = 1.10), (d)
+transport, the default's at S > 1): (b) mu = 1.10 on the topology (the default before 2026-12-05; the
+default across nodes is now 1.05, ``CLUSTER_IMBALANCE_TOL``, chosen from this table), (d)
 ``imbalance_auto=True`` (one solve per candidate bound, the lowest modelled step kept) and (e) each fixed
 bound of ``--balance-tols`` (default 1.05, 1.03), with the SIMULATED step next to USP's and load-balanced
 USP's, the plan's imbalance and the CPU solve's wall time (saved with the cached plan); per plan, its forward
@@ -60,7 +61,7 @@ over the issue's step target (0.85 / 0.75 / 0.65 x USP at P = 16 / 32 / 64):
     python benchmarks/relay_bench.py --plan-cache build/balance_plans --balance --seeds 0,1   # relay_balance.md
 
 ``--balance-relay`` adds relay cases to that table, each solved relay-priced (``ib_relay=True``) and built
-with relay transport at S sub-stages: (f) at the default bound, (g) at each bound of ``--balance-tols``:
+with relay transport at S sub-stages: (f) at mu = 1.10, (g) at each bound of ``--balance-tols``:
 
     python benchmarks/relay_bench.py --plan-cache build/balance_plans --balance --balance-relay \
         --balance-tols 1.05,1.03 --seeds 0,1   # relay_balance.md
@@ -313,13 +314,14 @@ BALANCE_FLOOR_NOTE = (
 
 
 def balance_cases(tols, relay: bool = False) -> list[tuple[str, str, dict]]:
-    """(case, config label, SolverConfig overrides) of the --balance table: (b) the default config
-    with a topology, (d) the time-aware bound, (e) each fixed tighter bound of ``tols``; with ``relay``
-    also (f) relay transport at the default bound and (g) relay at each bound of ``tols``
-    (``ib_relay=True``: the relay-priced solve, built relay)."""
-    return ([("(b)", "default", {}), ("(d)", "imbalance_auto=True", {"imbalance_auto": True})]
+    """(case, config label, SolverConfig overrides) of the --balance table: (b) mu = 1.10 with a
+    topology (the default before the cluster default became 1.05), (d) the time-aware bound, (e) each
+    fixed tighter bound of ``tols``; with ``relay`` also (f) relay transport at mu = 1.10 and (g) relay
+    at each bound of ``tols`` (``ib_relay=True``: the relay-priced solve, built relay)."""
+    return ([("(b)", "imbalance_tol=1.10", {"imbalance_tol": 1.10}),
+             ("(d)", "imbalance_auto=True", {"imbalance_auto": True})]
             + [("(e)", f"imbalance_tol={mu:.2f}", {"imbalance_tol": mu}) for mu in tols]
-            + ([("(f)", "relay", {"ib_relay": True})]
+            + ([("(f)", "relay imbalance_tol=1.10", {"ib_relay": True, "imbalance_tol": 1.10})]
                + [("(g)", f"relay imbalance_tol={mu:.2f}", {"ib_relay": True, "imbalance_tol": mu}) for mu in tols]
                if relay else []))
 
@@ -359,7 +361,7 @@ def _sweep(kinds, sizes, seeds, columns, rows_of) -> list[dict]:
 
 def balance_rows(kind: str, P: int, seed: int, topology, tokens: int, cache, stages: int, tols,
                  relay: bool = False) -> list[dict]:
-    """The default config's plan (b) against the time-aware bound (d) and fixed tighter bounds (e),
+    """mu = 1.10's plan (b) against the time-aware bound (d) and fixed tighter bounds (e),
     each solved on ``topology`` and built (as the default does) with ``stages`` sub-stages and direct
     transport, and with ``relay`` the relay cases (f), (g) built with relay transport, simulated over
     p2p next to USP's and load-balanced USP's step (SIMULATED)."""
@@ -514,11 +516,11 @@ def main(argv=None) -> dict:
     p.add_argument("--pricing-json", default=str(RESULTS_DIR / "relay_pricing.json"))
     p.add_argument("--pricing-md", default=str(RESULTS_DIR / "relay_pricing.md"))
     p.add_argument("--balance", action="store_true",
-                   help="only the imbalance-bound table at --stages sub-stages over p2p: the default config (b), "
+                   help="only the imbalance-bound table at --stages sub-stages over p2p: mu = 1.10 (b), "
                         "imbalance_auto=True (d), fixed --balance-tols (e) (relay_balance.md)")
     p.add_argument("--balance-tols", default="1.05,1.03", help="the fixed bounds (e) of --balance (default 1.05,1.03)")
     p.add_argument("--balance-relay", action="store_true",
-                   help="with --balance: add relay transport (ib_relay=True) at the default bound (f) and at each "
+                   help="with --balance: add relay transport (ib_relay=True) at mu = 1.10 (f) and at each "
                         "--balance-tols bound (g)")
     p.add_argument("--balance-json", default=str(RESULTS_DIR / "relay_balance.json"))
     p.add_argument("--balance-md", default=str(RESULTS_DIR / "relay_balance.md"))
@@ -551,13 +553,13 @@ def main(argv=None) -> dict:
             p.error(f"--balance-tols must be in [1.0, the default imbalance_tol), got {args.balance_tols!r}")
         got_rows = _sweep(kinds, sizes, seeds, BALANCE_COLUMNS, lambda kind, P, seed: balance_rows(
             kind, P, seed, topology, args.tokens, args.plan_cache, args.stages, tols, args.balance_relay))
-        text = (f"# The imbalance bound: the default against tighter bounds at S = {args.stages} over p2p "
+        text = (f"# The imbalance bound: mu = 1.10 against tighter bounds at S = {args.stages} over p2p "
                 f"({topology.name}, SIMULATED)\n\n"
                 f"Packed causal and full documents, seeds {', '.join(map(str, seeds))}, {args.tokens} tokens per rank, "
                 "GQA 64:8, D = 128, bf16, nodes of 8, S sub-stages, p2p (`TorchGroup(transport=\"p2p\")`), direct "
                 "transport (the default's at S > 1) unless the case says relay. Every case is solved on the topology "
-                "(CPU torch path, `solve_device(impl=\"torch\")`): (b) the default config "
-                "`SolverConfig(topology=...)` (mu = 1.10); "
+                "(CPU torch path, `solve_device(impl=\"torch\")`): (b) `SolverConfig(topology=..., imbalance_tol=1.10)` "
+                "(the default before the default across nodes became `CLUSTER_IMBALANCE_TOL` = 1.05, from this table); "
                 "(d) `imbalance_auto=True` (one solve per candidate bound 1.10, 1.06, 1.04, 1.02; the plan of the "
                 "lowest modelled step kept; mu: the bound it chose); (e) a fixed tighter `imbalance_tol`"
                 + ("; (f) relay: `SolverConfig(topology=..., ib_relay=True)` (the relay-priced solve, mu = 1.10), "

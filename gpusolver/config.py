@@ -25,6 +25,14 @@ AUTO_TILE_PIECES = 4
 # benchmarks/results/stages_bench.md; P = 2-8: 0.97x, stages_bench_small.md). Sparse selections
 # keep one remote stage: there S = 2-4 gave 0.90-1.08x of S = 1 (sparse_stages*.md).
 AUTO_STAGES = 4
+# imbalance_tol="auto" (the default): mu for a group inside one node (or without a topology), and for a
+# slice-mask group that spans nodes. On the benchmark masks across nodes (h200_hgx, packed causal and
+# full documents, P = 16-64, seeds 0-1, S = 4 over p2p, benchmarks/results/relay_balance.md) mu = 1.05
+# gave 0.966x mu = 1.10's simulated step at the median (0.935-1.024, faster in 10 of 12 cells) at the
+# same CPU solve time; with one remote stage and relay, 1.04-1.06 gave 0.978x at the median (seeds
+# 0-2, balance_sweep_seeds.md). Inside one node the plans stay those of mu = 1.10 (pinned digests).
+DEFAULT_IMBALANCE_TOL = 1.10
+CLUSTER_IMBALANCE_TOL = 1.05
 
 
 def auto_tile_cap(head_groups: int) -> int:
@@ -43,7 +51,12 @@ class SolverConfig:
     num_heads_q/kv:     Hq, Hkv (Hq a multiple of Hkv).
     head_dim:           D.
     dtype:              activation dtype, for byte counts.
-    imbalance_tol:      mu; a plan is balanced when max load <= mu * mean load.
+    imbalance_tol:      mu; a plan is balanced when max load <= mu * mean load. "auto"
+                        (default): 1.10 (``DEFAULT_IMBALANCE_TOL``), or 1.05
+                        (``CLUSTER_IMBALANCE_TOL``) for a slice-mask config whose group
+                        spans nodes of its ``topology`` (the step measured faster there);
+                        a float from construction on (``auto_mu`` remembers the choice;
+                        ``replaced`` keeps it "auto" when the topology or P changes).
     head_group_flatten: split work per KV head group (G = Hkv) instead of G = 1.
     chunk_tiles:        n, sub-chunk tiles per rank's chunk. With n > 1 a task is a
                         (query tile, key tile) pair of c / n tokens each, so the
@@ -121,6 +134,7 @@ class SolverConfig:
     auto_stages:        set by num_stages="auto" (the field then reads the resolved S);
                         not an argument: ``dataclasses.replace`` of a config makes its
                         num_stages explicit, ``replaced`` keeps "auto".
+    auto_mu:            set by imbalance_tol="auto", as ``auto_stages``.
     objective:          what the device solver minimises among balanced plans.
                         "training" (default): the bytes of a training step,
                         ``max_r fwd_r + max_r bwd_r`` (each phase a rank's
@@ -156,7 +170,7 @@ class SolverConfig:
     num_heads_kv: int = 8
     head_dim: int = 128
     dtype: torch.dtype = torch.bfloat16
-    imbalance_tol: float = 1.10
+    imbalance_tol: float | str = "auto"
     head_group_flatten: bool = True
     chunk_tiles: int | str = "auto"
     max_stage_slices: int | None = None
@@ -175,6 +189,7 @@ class SolverConfig:
     ib_relay: bool | None = None
     imbalance_auto: bool = False
     auto_stages: bool = field(default=False, init=False)
+    auto_mu: bool = field(default=False, init=False)
 
     def __post_init__(self):
         if self.chunk_tiles == "auto":  # an int from here on: whole chunks until solve resolves the cap
@@ -224,6 +239,11 @@ class SolverConfig:
         if self.imbalance_auto and self.topology is None:
             raise ValueError("imbalance_auto=True needs a topology (SolverConfig(topology=...)): its attention "
                              "rate and link bandwidths price the step the bound is chosen by")
+        if self.imbalance_tol == "auto":  # a float from here on, as num_stages
+            object.__setattr__(self, "imbalance_tol", self._auto_imbalance_tol())
+            object.__setattr__(self, "auto_mu", True)
+        if isinstance(self.imbalance_tol, bool) or not isinstance(self.imbalance_tol, (int, float)):
+            raise ValueError(f"imbalance_tol must be a number >= 1.0 or 'auto', got {self.imbalance_tol!r}")
         if not self.imbalance_tol >= 1.0:
             raise ValueError(f"imbalance_tol must be >= 1.0, got {self.imbalance_tol}")
         for name, (limit_name, limit) in CONFIG_LIMITS.items():
@@ -246,10 +266,20 @@ class SolverConfig:
         return self if n == self.chunk_tiles else self.replaced(chunk_tiles=n)
 
     def replaced(self, **changes) -> "SolverConfig":
-        """``dataclasses.replace`` that keeps ``num_stages="auto"`` unless ``changes`` name it."""
+        """``dataclasses.replace`` that keeps ``num_stages="auto"`` and ``imbalance_tol="auto"`` unless
+        ``changes`` name them."""
         if self.auto_stages and "num_stages" not in changes:
             changes["num_stages"] = "auto"
+        if self.auto_mu and "imbalance_tol" not in changes:
+            changes["imbalance_tol"] = "auto"
         return replace(self, **changes)
+
+    def _auto_imbalance_tol(self) -> float:
+        """mu of ``imbalance_tol="auto"``: ``CLUSTER_IMBALANCE_TOL`` where the group spans nodes (and
+        the bound is not searched, ``imbalance_auto``), else ``DEFAULT_IMBALANCE_TOL``."""
+        if self.link_weights is not None and not self.imbalance_auto:
+            return CLUSTER_IMBALANCE_TOL
+        return DEFAULT_IMBALANCE_TOL
 
     def for_sparse(self) -> "SolverConfig":
         """This config for a sparse selection's plan: with ``auto_stages``, one remote stage

@@ -53,4 +53,10 @@ def load_plan_config(path: str | os.PathLike):
     # "auto" meant another S keeps that S, explicit, as its plan was cut into it
     if d.get("auto_stages") and d.get("num_stages") == AUTO_STAGES:
         d["num_stages"] = "auto"
-    return SolverConfig(**{k: v for k, v in d.items() if k in CONFIG_ARGS})
+    config = SolverConfig(**{k: v for k, v in d.items() if k in CONFIG_ARGS})
+    # auto_mu likewise: "auto" again where it resolves to the saved mu, else the saved mu, explicit
+    if d.get("auto_mu") and not config.auto_mu:
+        auto = config.replaced(imbalance_tol="auto")
+        if auto.imbalance_tol == config.imbalance_tol:
+            return auto
+    return config

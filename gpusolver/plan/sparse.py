@@ -56,7 +56,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from gpusolver.config import CONFIG_ARGS, SolverConfig
+from gpusolver.config import CONFIG_ARGS, DEFAULT_IMBALANCE_TOL, SolverConfig
 from gpusolver.masks.constructors import sliding_window_mask
 from gpusolver.masks.slices import AttnSlices
 from gpusolver.masks.sparse import BlockSparseMask, NSALayerMask, TokenTopKMask
@@ -115,6 +115,10 @@ class SparseSolverConfig(SolverConfig):
 
     selection_bytes: int = 0
     branches: int = 1
+
+    def _auto_imbalance_tol(self) -> float:
+        """``DEFAULT_IMBALANCE_TOL`` on clusters too: the tighter bound was measured on slice masks only."""
+        return DEFAULT_IMBALANCE_TOL
 
     @property
     def relays(self) -> bool:

@@ -86,8 +86,8 @@ def test_relay_bench_balance_small(tmp_path):
         torch.set_num_threads(saved_threads)
     rows = out["balance"]
     assert [(r["case"], r["config"]) for r in rows] == [
-        ("(b)", "default"), ("(d)", "imbalance_auto=True"), ("(e)", "imbalance_tol=1.03"), ("(f)", "relay"),
-        ("(g)", "relay imbalance_tol=1.03")]
+        ("(b)", "imbalance_tol=1.10"), ("(d)", "imbalance_auto=True"), ("(e)", "imbalance_tol=1.03"),
+        ("(f)", "relay imbalance_tol=1.10"), ("(g)", "relay imbalance_tol=1.03")]
     b, d, e, f, g = rows
     assert b["mu"] == 1.10 and e["mu"] == 1.03 and d["mu"] in (1.10, 1.06, 1.04, 1.02)
     assert f["mu"] == 1.10 and g["mu"] == 1.03

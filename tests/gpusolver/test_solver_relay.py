@@ -8,6 +8,8 @@ class equal a per-hop count made here cell by cell; the Triton state equals the 
 (``SolverConfig.relays`` is ``plan.build.relay_transport``'s answer): relay with one remote stage or
 ``ib_relay=True``, direct with the default sub-stages.
 """
+import dataclasses
+
 import pytest
 import torch
 
@@ -198,13 +200,19 @@ def test_solver_prices_the_transport_that_runs(per_node, P):
 
 def test_state_bytes_equal_the_transports_pair_bytes():
     """The relay transport's own per-hop bytes (``plan.pair_bytes(phase, hop=)``, what its
-    groups count) equal the solver's per-class pairs of the same assignment: InfiniBand = hop 1
-    plus the direct rows across nodes, NVLink = hop 2 plus the direct rows inside a node; and
-    every rank's link-weighted bytes are the state's."""
+    groups count) against the solver's per-class pairs of the same assignment. Routed from each
+    host (``build_relay_meta(egress=False)``) they are equal pair by pair: InfiniBand = hop 1 plus
+    the direct rows across nodes, NVLink = hop 2 plus the direct rows inside a node, and every rank's
+    link-weighted bytes are the state's. The default routes (crossings leave by an egress on a rail
+    matched to spread the node's NICs) move the same InfiniBand bytes per pair of nodes and add
+    NVLink only inside a node (the pre-hop, hop 3, and fan-outs from the matched relay), which the
+    solve prices at the host: it prices InfiniBand by node exactly and NVLink approximately."""
     from gpusolver.areas import block_areas
     from gpusolver.config import SolverConfig
     from gpusolver.masks import packed_documents
     from gpusolver.solve import solve
+    from gpusolver.capacity import relay_rows
+    from gpusolver.plan.relay import build_relay_meta
     from gpusolver.solver.state.relay import relay_hops
 
     P, per_node, G = 8, 4, 2
@@ -213,9 +221,12 @@ def test_state_bytes_equal_the_transports_pair_bytes():
     config = SolverConfig(cp_size=P, num_heads_q=8, num_heads_kv=G, head_dim=8, dtype=torch.float16, chunk_tiles=1,
                           topology=_nodes(per_node), num_stages=1, memory_budget=None)
     mask = packed_documents(256 * P, seed=3, causal=False)
-    plan = solve(mask, config, impl="torch")
-    assert plan.relay is not None
-    tasks = core.Tasks(block_areas(mask, P, G, impl="torch"), config)
+    default = solve(mask, config, impl="torch")
+    assert default.relay is not None and default.relay.egress
+    areas = block_areas(mask, P, G, impl="torch")
+    plan = dataclasses.replace(default, relay=build_relay_meta(
+        default.comm, per_node, relay_rows(config, areas.rank_tokens, per_node), default.cost, egress=False))
+    tasks = core.Tasks(areas, config)
     a = plan.assignment.long().reshape(-1)
     A = torch.cat((torch.where(a >= 0, a, P), torch.tensor([P]))).view(1, -1)
     st = state_ref.state(tasks, A)
@@ -231,6 +242,10 @@ def test_state_bytes_equal_the_transports_pair_bytes():
         nv = plan.pair_bytes(phase, hop=2) + torch.where(cross, 0, direct)
         assert torch.equal(ours[1], ib) and torch.equal(ours[0], nv), phase
         assert ib.sum() > 0 and plan.pair_bytes(phase, hop=2).sum() > 0  # both legs carry bytes
+        by_node = lambda x: x.view(P // per_node, per_node, P // per_node, per_node).sum((1, 3))  # noqa: E731
+        d_ib = default.pair_bytes(phase, hop=1) + torch.where(cross, default.pair_bytes(phase, hop=0), 0)
+        assert torch.equal(by_node(d_ib), by_node(ib)), phase
+        assert not torch.where(cross, default.pair_bytes(phase, hop=3), 0).any(), phase  # the pre-hop stays home
         weighted = ours[0] + 9 * ours[1]
         send, recv = (st.send, st.recv) if phase == "fwd" else (st.bsend, st.brecv)
         assert torch.equal(weighted.sum(1), send[0]) and torch.equal(weighted.sum(0), recv[0]), phase
