@@ -107,12 +107,14 @@ def solved_assignment(kind: str, P: int, seed: int, tokens: int, cache, topology
     ``relay_priced``, for the relay transport (``ib_relay=True``; the prices the default gave every
     S before the solve priced the transport that runs)) and its CPU solve seconds (None when read
     from the cache)."""
+    config = SolverConfig(cp_size=P, topology=topology,
+                          ib_relay=None if topology is None else bool(relay_priced))
     tag = "" if topology is None else f"_{topology.name}" + ("_relay" if relay_priced else "")
+    if config.imbalance_tol != 1.10:  # the default across nodes (1.05): not the plans cached at 1.10
+        tag += f"_mu{config.imbalance_tol:.2f}"
     path = None if not cache else Path(cache) / f"{kind}_P{P}_s{seed}_c{tokens}{tag}.pt"
     if path is not None and path.exists():
         return Plan.load(path).assignment, None
-    config = SolverConfig(cp_size=P, topology=topology,
-                          ib_relay=None if topology is None else bool(relay_priced))
     assert topology is None or config.relays == relay_priced
     mask = make_mask(kind, P, seed, tokens_per_rank=tokens)
     areas = block_areas(mask, P, config.head_groups, impl="torch")

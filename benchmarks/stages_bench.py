@@ -239,7 +239,8 @@ def main(argv=None):
     side_S = args.side_stages if args.side_stages else best_stages(rows).get("p2p", max(r["S"] for r in rows))
     cmd = "python benchmarks/stages_bench.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     solved = ("Every mask is solved on the topology (`SolverConfig(topology=...)`: bytes priced by link class, "
-              "relay transport at S = 1, direct with sub-stages)" if args.solve_topology else
+              f"mu = {SolverConfig(cp_size=16, topology=PRESETS[args.topology]).imbalance_tol:.2f} across nodes "
+              "(the default), relay transport at S = 1, direct with sub-stages)" if args.solve_topology else
               "Every mask is solved without a topology (the topology orders the sub-stages only)")
     text = (f"# Sub-stages: SIMULATED training step ({args.topology})\n\nCommand: `{cmd}`\n\n{solved}.\n\n"
             "All times are simulated by `gpusolver.sim` (not measured). `/ S=1` is against the same plan's "
