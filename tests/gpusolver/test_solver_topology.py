@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from gpusolver.areas import block_areas
-from gpusolver.config import SolverConfig
+from gpusolver.config import CLUSTER_IMBALANCE_TOL, DEFAULT_IMBALANCE_TOL, SolverConfig
 from gpusolver.masks import packed_documents
 from gpusolver.solver import core
 from gpusolver.limits import balanced_load_cap
@@ -159,14 +159,40 @@ def test_topology_meta_device():
 
 
 def test_saved_config_keeps_its_topology(tmp_path):
+    """The topology, and the default mu across nodes ("auto", 1.05) or an explicit 1.05, come back."""
     from gpusolver.plan.io import load_plan_config, save_plan
     from gpusolver.solve import solve
 
     config = SolverConfig(cp_size=4, num_heads_q=8, num_heads_kv=2, head_dim=8, dtype=torch.float16,
                           chunk_tiles=1, topology=_nodes(2))
     plan = solve(packed_documents(4 * 64, seed=0, causal=True), config, impl="torch")
-    save_plan(plan, tmp_path / "plan.pt", config=config)
-    assert load_plan_config(tmp_path / "plan.pt") == config
+    for saved in (config, config.replaced(imbalance_tol=CLUSTER_IMBALANCE_TOL)):
+        save_plan(plan, tmp_path / "plan.pt", config=saved)
+        loaded = load_plan_config(tmp_path / "plan.pt")
+        assert loaded == saved and loaded.imbalance_tol == CLUSTER_IMBALANCE_TOL
+        assert loaded.auto_mu is saved.auto_mu and loaded.replaced(cp_size=2).imbalance_tol == (
+            DEFAULT_IMBALANCE_TOL if saved.auto_mu else CLUSTER_IMBALANCE_TOL)
+
+
+def test_default_mu_is_tighter_across_nodes():
+    """imbalance_tol="auto": 1.05 for a slice-mask group spanning nodes, 1.10 inside one node, without a
+    topology, with ``imbalance_auto`` (its upper bound) and for sparse selections; explicit values stay."""
+    from gpusolver.plan.sparse import SparseSolverConfig
+
+    across = SolverConfig(cp_size=16, topology=h200_hgx)
+    assert across.imbalance_tol == CLUSTER_IMBALANCE_TOL == 1.05 and across.auto_mu
+    for config in (SolverConfig(cp_size=16), SolverConfig(cp_size=8, topology=h200_hgx),
+                   SolverConfig(cp_size=16, topology=h200_hgx, imbalance_auto=True),
+                   SparseSolverConfig(cp_size=16, topology=h200_hgx)):
+        assert config.imbalance_tol == DEFAULT_IMBALANCE_TOL == 1.10 and config.auto_mu, config
+    explicit = SolverConfig(cp_size=16, topology=h200_hgx, imbalance_tol=1.10)
+    assert explicit.imbalance_tol == 1.10 and not explicit.auto_mu
+    # replaced() keeps "auto" (a group inside one node is back at 1.10); an explicit mu stays
+    assert across.replaced(cp_size=8).imbalance_tol == 1.10 and across.replaced(cp_size=32).imbalance_tol == 1.05
+    assert explicit.replaced(cp_size=32).imbalance_tol == 1.10
+    for bad in ("x", True, None, 0.9):
+        with pytest.raises(ValueError, match="imbalance_tol"):
+            SolverConfig(cp_size=16, imbalance_tol=bad)
 
 
 def test_node_start_balances_the_nodes():
