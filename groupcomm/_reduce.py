@@ -213,8 +213,8 @@ def reduce_rows(acc: list[torch.Tensor], ret: list[torch.Tensor], send_index: to
     The fused merge (``_merge``: fp32 in registers, only the outputs written; deterministic in
     either mode, in the deterministic order) where ``fused_reduce`` allows it (by default on
     CUDA), else the torch path of this module. Both read an accumulator given as a broadcast
-    view (``neutral_rows``) as it is: the torch path copies it into its fp32 sums, the fused
-    path makes its rows contiguous (``_merge_kernel._rows``) only when the result is made."""
+    view (``neutral_rows``) as it is: the torch path copies it into the fp32 sums it makes
+    anyway, the fused kernels load its one value per row (``O_BCAST`` / ``A_BCAST``)."""
     if use_fused(acc, ret):
         return fused_reduce_rows(acc, ret, send_index, dest, op, P)
     fn = reduce_sum if op == "sum" else reduce_lse
