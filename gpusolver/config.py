@@ -283,8 +283,15 @@ class SolverConfig:
 
     def for_sparse(self) -> "SolverConfig":
         """This config for a sparse selection's plan: with ``auto_stages``, one remote stage
-        (sub-stages measured 0.90-1.08x of S = 1 there); otherwise itself."""
-        return replace(self, num_stages=1) if self.auto_stages and self.num_stages != 1 else self
+        (sub-stages measured 0.90-1.08x of S = 1 there), and with ``auto_mu``, mu
+        ``DEFAULT_IMBALANCE_TOL`` (the tighter bound across nodes was measured on slice masks
+        only); otherwise itself."""
+        changes = {}
+        if self.auto_stages and self.num_stages != 1:
+            changes["num_stages"] = 1
+        if self.auto_mu and self.imbalance_tol != DEFAULT_IMBALANCE_TOL:
+            changes["imbalance_tol"] = DEFAULT_IMBALANCE_TOL
+        return replace(self, **changes) if changes else self
 
     @property
     def link_weights(self) -> tuple[int, int, int] | None:

@@ -170,6 +170,8 @@ class SelectionSpec:
 def sparse_config(config: SolverConfig, spec: SelectionSpec) -> SparseSolverConfig:
     """``config`` priced for a sparse mask of this ``spec`` (selection bytes, branches)."""
     fields = {name: getattr(config, name) for name in CONFIG_ARGS}
+    if config.auto_mu:  # the sparse default, not the dense one the field resolved to
+        fields["imbalance_tol"] = "auto"
     return SparseSolverConfig(**fields, selection_bytes=spec.row_bytes, branches=2 if spec.window_size else 1)
 
 
@@ -504,9 +506,10 @@ def step_bytes(areas: BlockAreas, assignment: torch.Tensor, config: SolverConfig
                used_blocks: torch.Tensor | None = None, kv_block: int | None = None):
     """(balanced [] bool, forward + backward bottleneck bytes [] int64) of an assignment, priced by
     what moves: hulls, or key blocks with ``kv_block``. Sync-free."""
-    cost = sparse_config(config, spec).cost()
+    priced = sparse_config(config, spec)
+    cost = priced.cost()
     m = evaluate(areas, assignment, cost)
-    balanced = m.imbalance <= config.imbalance_tol
+    balanced = m.imbalance <= priced.imbalance_tol  # the sparse mu (``sparse_config``), as the solve's
     if kv_block is None:
         return balanced, m.fwd_bottleneck + m.bwd_bottleneck
     from gpusolver.transfers import transfer_ranges

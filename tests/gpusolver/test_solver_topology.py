@@ -177,7 +177,7 @@ def test_saved_config_keeps_its_topology(tmp_path):
 def test_default_mu_is_tighter_across_nodes():
     """imbalance_tol="auto": 1.05 for a slice-mask group spanning nodes, 1.10 inside one node, without a
     topology, with ``imbalance_auto`` (its upper bound) and for sparse selections; explicit values stay."""
-    from gpusolver.plan.sparse import SparseSolverConfig
+    from gpusolver.plan.sparse import SelectionSpec, SparseSolverConfig, sparse_config
 
     across = SolverConfig(cp_size=16, topology=h200_hgx)
     assert across.imbalance_tol == CLUSTER_IMBALANCE_TOL == 1.05 and across.auto_mu
@@ -185,6 +185,12 @@ def test_default_mu_is_tighter_across_nodes():
                    SolverConfig(cp_size=16, topology=h200_hgx, imbalance_auto=True),
                    SparseSolverConfig(cp_size=16, topology=h200_hgx)):
         assert config.imbalance_tol == DEFAULT_IMBALANCE_TOL == 1.10 and config.auto_mu, config
+    # a sparse layer's config made from the dense one: the sparse default, unless mu was explicit
+    spec = SelectionSpec(block_size=64, heads=1, width=4, window_size=0)
+    assert sparse_config(across, spec).imbalance_tol == DEFAULT_IMBALANCE_TOL
+    assert across.for_sparse().imbalance_tol == DEFAULT_IMBALANCE_TOL  # what sparse plans are judged at
+    assert sparse_config(across.for_sparse(), spec).imbalance_tol == DEFAULT_IMBALANCE_TOL
+    assert sparse_config(across.replaced(imbalance_tol=1.07), spec).imbalance_tol == 1.07
     explicit = SolverConfig(cp_size=16, topology=h200_hgx, imbalance_tol=1.10)
     assert explicit.imbalance_tol == 1.10 and not explicit.auto_mu
     # replaced() keeps "auto" (a group inside one node is back at 1.10); an explicit mu stays
