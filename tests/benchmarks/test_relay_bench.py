@@ -66,9 +66,9 @@ def test_relay_bench_pricing_small(tmp_path):
 
 
 def test_relay_bench_balance_small(tmp_path):
-    """``--balance --balance-relay`` at S = 4: the default config (b), imbalance_auto (d), a fixed tighter
-    bound (e), and relay transport at the default bound (f) and at the tighter one (g) per cell, each plan
-    within its bound, the solve seconds kept with the cached plan."""
+    """``--balance --balance-relay`` at S = 4: mu = 1.10 (b), imbalance_auto (d), a fixed tighter bound
+    (e), and relay transport at mu = 1.10 (f) and at the tighter one (g) per cell, each plan within its
+    bound, the solve seconds kept with the cached plan."""
     saved_path, saved_threads = list(sys.path), torch.get_num_threads()
     spec = importlib.util.spec_from_file_location("_bench_relay_balance", _BENCH / "relay_bench.py")
     mod = importlib.util.module_from_spec(spec)

@@ -223,6 +223,7 @@ def test_state_bytes_equal_the_transports_pair_bytes():
     mask = packed_documents(256 * P, seed=3, causal=False)
     default = solve(mask, config, impl="torch")
     assert default.relay is not None and default.relay.egress
+    assert default.pair_bytes("fwd", hop=3).sum() > 0  # some crossings here leave by an egress: not a vacuous check
     areas = block_areas(mask, P, G, impl="torch")
     plan = dataclasses.replace(default, relay=build_relay_meta(
         default.comm, per_node, relay_rows(config, areas.rank_tokens, per_node), default.cost, egress=False))
