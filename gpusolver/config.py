@@ -318,8 +318,9 @@ class SolverConfig:
         builder builds (``plan.build.relay_transport``), so the objective is what runs. Only where the
         group spans nodes (``link_weights`` is not None). ``ib_relay=None`` (default): relay with one
         remote stage (``num_stages=1``), direct with sub-stages (the default ``"auto"`` resolves to S = 4
-        for slice masks; relayed sub-stages are simulated at 0.96-1.03x direct's step there, median
-        1.00x, worse by more than 2 % in two of 12 cells, ``benchmarks/results/relay_pricing.md``); ``ib_relay=True``:
+        for slice masks; relayed sub-stages are simulated at 0.94-1.03x direct's step there at the
+        default mu 1.05 across nodes, median 0.99x, for a median 0.96x USP's forward IB bytes instead
+        of 1.50x and about 1.4x the CPU solve, ``benchmarks/results/relay_balance.md``); ``ib_relay=True``:
         relay at every S;
         ``ib_relay=False``: direct. Sparse plans always travel direct (``SparseSolverConfig.relays``)."""
         if self.link_weights is None or self.ib_relay is False:
