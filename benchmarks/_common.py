@@ -109,9 +109,13 @@ def plan_cache_path(cache, kind: str, P: int, seed: int, tokens: int, config) ->
     if not cache:
         return None
     tag = "_topo" if config.topology is not None else ""
-    if config.imbalance_tol != 1.10:
-        tag += f"_mu{config.imbalance_tol:.2f}"
-    return Path(cache) / f"{kind}_P{P}_s{seed}_c{tokens}{tag}.pt"
+    return Path(cache) / f"{kind}_P{P}_s{seed}_c{tokens}{tag}{mu_tag(config)}.pt"
+
+
+def mu_tag(config) -> str:
+    """The part of a cached plan's file name that names its bound: none at 1.10 (the plans cached
+    before the default across nodes became 1.05), else ``_mu1.05`` and so on."""
+    return "" if config.imbalance_tol == 1.10 else f"_mu{config.imbalance_tol:.2f}"
 
 
 def cached_assignment(mask, areas, config, path: Path | None):

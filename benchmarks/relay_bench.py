@@ -80,7 +80,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, run as a sc
 
 from _common import (  # noqa: E402
     RESULTS_DIR, add_cluster_sweep_args, cached_assignment, cluster_sweep, compute_floor_ms, environment, make_mask,
-    markdown_table, median, parse_list, ratio, write_results,
+    markdown_table, median, mu_tag, parse_list, ratio, write_results,
 )
 from topology_solve import link_bottlenecks, usp_ib_fwd  # noqa: E402
 from gpusolver.areas import block_areas  # noqa: E402
@@ -109,9 +109,7 @@ def solved_assignment(kind: str, P: int, seed: int, tokens: int, cache, topology
     from the cache)."""
     config = SolverConfig(cp_size=P, topology=topology,
                           ib_relay=None if topology is None else bool(relay_priced))
-    tag = "" if topology is None else f"_{topology.name}" + ("_relay" if relay_priced else "")
-    if config.imbalance_tol != 1.10:  # the default across nodes (1.05): not the plans cached at 1.10
-        tag += f"_mu{config.imbalance_tol:.2f}"
+    tag = ("" if topology is None else f"_{topology.name}" + ("_relay" if relay_priced else "")) + mu_tag(config)
     path = None if not cache else Path(cache) / f"{kind}_P{P}_s{seed}_c{tokens}{tag}.pt"
     if path is not None and path.exists():
         return Plan.load(path).assignment, None
