@@ -2,7 +2,10 @@
 
 Masks: the quality benchmark's (packed causal / full documents drawn from the
 length histogram, ``--tokens-per-rank`` 8K), GQA Hq:Hkv = 64:8, D = 128, bf16,
-G = 8 head groups, mu = 1.10 (``SolverConfig`` defaults). Per (kind, P, seed):
+G = 8 head groups, ``SolverConfig``'s defaults as a cluster user runs them: solved on
+``--topology`` (``SolverConfig(topology=...)``: bytes priced by link class, mu = 1.05 where the
+group spans nodes, 1.10 inside one), S = 4 sub-stages, run over ``TorchGroup``'s default
+point-to-point transport (``--comm``). Per (kind, P, seed):
 
     solve ms     block areas + device solve + plan build (``gpusolver.solve``'s
                  path without validation), torch path on CPU, one thread
@@ -12,7 +15,7 @@ G = 8 head groups, mu = 1.10 (``SolverConfig`` defaults). Per (kind, P, seed):
                  USP and of ring attention for the same mask (10^6 B)
     sim ms       SIMULATED layer time (``gpusolver.sim``, not measured):
                  forward, backward and training step (their sum) of the plan
-                 run by the runtime's own schedule, of USP and of a
+                 run by the runtime's own schedule (over ``--comm``), of USP and of a
                  load-balanced USP on the same sequential shards, and the
                  plan's ideal bound; hidden %: the share of the plan's
                  communication time that runs under compute
@@ -35,7 +38,7 @@ backward). See ``gpusolver.sim`` for what it models.
 
     python benchmarks/layer_bench.py                           # P = 8,16,32,64, 3 seeds
     python benchmarks/layer_bench.py --P 8 --seeds 1 --tokens-per-rank 1024
-    python benchmarks/layer_bench.py --seeds 1 --plan-cache build/sim_plans \
+    python benchmarks/layer_bench.py --plan-cache build/sim_plans \
         --md benchmarks/results/layer_bench.md                 # the committed results
 """
 from __future__ import annotations
@@ -55,17 +58,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, run as a script or loaded by path
 
 from _common import (  # noqa: E402
-    KINDS, PACKED_KINDS, RESULTS_DIR, TOKENS_PER_RANK, cuda_time, environment, make_mask, markdown_table, median,
-    parse_list, write_results,
+    KINDS, PACKED_KINDS, RESULTS_DIR, TOKENS_PER_RANK, cached_assignment, cuda_time, environment, make_mask,
+    markdown_table, median, parse_list, plan_cache_path, write_results,
 )
 from gpusolver.areas import block_areas  # noqa: E402
 from gpusolver.baselines import baseline_table  # noqa: E402
 from gpusolver.config import SolverConfig  # noqa: E402
 from gpusolver.capacity import BufferRows  # noqa: E402
-from gpusolver.plan import BUFFER_OVERFLOW, Plan, build_plan, plan_capacities  # noqa: E402
+from gpusolver.plan import BUFFER_OVERFLOW, build_plan, plan_capacities  # noqa: E402
 from gpusolver.plan.comm_meta import build_comm_meta  # noqa: E402
 from gpusolver.plan.schedule import PHASES, stage_area  # noqa: E402
 from gpusolver.sim import simulate, simulate_baseline  # noqa: E402
+from gpusolver.sim.engine import COMM_MODES  # noqa: E402
 from gpusolver.solve import solve, solve_assignment  # noqa: E402
 from gpusolver.topology import PRESETS, Topology  # noqa: E402
 
@@ -134,10 +138,10 @@ def ib_bytes(pass_times, topo: Topology) -> int:
     return max(load.values(), default=0)
 
 
-def simulated(plan, mask, config: SolverConfig, topo: Topology) -> dict:
-    """The row's simulated figures (ms): ours, USP, balanced USP, the ideal bound, and ratios."""
+def simulated(plan, mask, config: SolverConfig, topo: Topology, comm: str = "p2p") -> dict:
+    """The row's simulated figures (ms): ours (over ``comm``), USP, balanced USP, the ideal bound, and ratios."""
     areas = block_areas(mask, config.cp_size, 1, impl="torch")
-    ours = simulate(plan, topo)
+    ours = simulate(plan, topo, comm=comm)
     usp = simulate_baseline("usp", mask, config, topo, areas=areas)
     bal = simulate_baseline("usp_balanced", mask, config, topo, areas=areas)
     sa = stage_area(plan)
@@ -225,32 +229,21 @@ def fill_summary(fills: list[dict], tokens_per_rank: int) -> list[dict]:
 
 # -- one mask at real shapes -----------------------------------------------------------------------
 
-def _cached_plan(cache, kind: str, P: int, seed: int, tokens_per_rank: int):
-    """The plan saved in ``cache`` for this mask (``Plan.save``), or None."""
-    if not cache:
-        return None
-    path = Path(cache) / f"{kind}_P{P}_s{seed}_c{tokens_per_rank}.pt"
-    return Plan.load(path) if path.exists() else None
-
-
 def run_instance(kind: str, P: int, seed: int, tokens_per_rank: int, tiles=(1,), *, topology: Topology,
-                 plan_cache=None) -> tuple[dict, list[dict], tuple]:
-    """(row, fills, (mask, config, plan)) for one benchmark mask, whole-chunk plan at the default capacity."""
-    config = SolverConfig(cp_size=P)
+                 plan_cache=None, comm: str = "p2p") -> tuple[dict, list[dict], tuple]:
+    """(row, fills, (mask, config, plan)) for one benchmark mask: the default config solved on
+    ``topology`` (as the README tells a cluster user), whole chunks, the default capacities; its
+    layer simulated over ``comm``. A plan cached under ``plan_cache`` (``_common.plan_cache_path``,
+    shared with the other cluster benchmarks) is reused: its assignment, the plan rebuilt."""
+    config = SolverConfig(cp_size=P, topology=topology)
     mask = make_mask(kind, P, seed, tokens_per_rank)
-    plan = _cached_plan(plan_cache, kind, P, seed, tokens_per_rank)
     t0 = time.perf_counter()
     areas = block_areas(mask, P, config.head_groups, impl="torch")
     t1 = time.perf_counter()
-    solve_ms = None
-    if plan is None:
-        asg = solve_assignment(areas, config, impl="torch")
-        t2 = time.perf_counter()
-        plan = build_plan(mask, areas, asg, config)
-        solve_ms = 1e3 * (time.perf_counter() - t0)
-        if plan_cache:
-            Path(plan_cache).mkdir(parents=True, exist_ok=True)
-            plan.save(Path(plan_cache) / f"{kind}_P{P}_s{seed}_c{tokens_per_rank}.pt", config=config)
+    asg, solve_s = cached_assignment(mask, areas, config, plan_cache_path(plan_cache, kind, P, seed,
+                                                                          tokens_per_rank, config))
+    plan = build_plan(mask, areas, asg, config)
+    solve_ms = None if solve_s is None else 1e3 * (time.perf_counter() - t0)
     if int(plan.status) & BUFFER_OVERFLOW:
         print(f"# {kind} P={P} seed={seed}: BUFFER_OVERFLOW at the default capacity", file=sys.stderr)
     m = plan.metrics
@@ -265,7 +258,7 @@ def run_instance(kind: str, P: int, seed: int, tokens_per_rank: int, tiles=(1,),
         "fwd_mb": int(m.fwd_bottleneck) / MB, "bwd_mb": int(m.bwd_bottleneck) / MB,
         **{f"{n}_{p}_mb": base[key][f"{p}_bottleneck"] / MB
            for n, key in (("usp", "usp"), ("ring", "ring")) for p in ("fwd", "bwd")},
-        **simulated(plan, mask, config, topology),
+        **simulated(plan, mask, config, topology, comm),
     }
     fills = [{"kind": kind, "P": P, "seed": seed, "tiles": 1, **comm_fill(plan.comm, config.head_groups)}]
     for n in tiles:
@@ -418,6 +411,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="extra mask kinds whose fill (only) is measured, seed 0 (e.g. causal-seq,full-seq)")
     p.add_argument("--topology", choices=sorted(PRESETS), default=TOPOLOGY,
                    help=f"the simulated cluster (default {TOPOLOGY})")
+    p.add_argument("--comm", choices=COMM_MODES, default="p2p",
+                   help="our layer's transport as simulated: p2p (TorchGroup's default), a2a (all-to-all-v), p2p-batch")
     p.add_argument("--plan-cache", default=None,
                    help="folder of saved plans (kind_P<P>_s<seed>_c<tokens>.pt): load them instead of solving, "
                         "save the plans solved here (solve ms is then blank for a loaded plan)")
@@ -453,7 +448,8 @@ def main(argv=None) -> dict:
         for P in args.P:
             for seed in range(args.seeds):
                 row, fill, (mask, config, plan) = run_instance(
-                    kind, P, seed, args.tokens_per_rank, args.tiles, topology=topology, plan_cache=args.plan_cache)
+                    kind, P, seed, args.tokens_per_rank, args.tiles, topology=topology, plan_cache=args.plan_cache,
+                    comm=args.comm)
                 rows.append(row)
                 fills += fill
                 if seed == 0 and torch.cuda.is_available():
@@ -477,7 +473,11 @@ def main(argv=None) -> dict:
         "Not measured: no CUDA device in this run (the stage times need a GPU)."
     text = "\n\n".join([
         f"## Layer: {', '.join(KINDS[k][1] for k in args.kinds)}, {args.tokens_per_rank} tokens per rank, "
-        "Hq:Hkv = 64:8, D = 128, bf16, G = 8, mu = 1.10",
+        "Hq:Hkv = 64:8, D = 128, bf16, G = 8; the default config solved on the topology "
+        f"(`SolverConfig(cp_size=P, topology={topology.name})`: mu = "
+        + ", ".join(f"{SolverConfig(cp_size=P, topology=topology).imbalance_tol:.2f} at P = {P}" for P in args.P)
+        + f", S = {SolverConfig(cp_size=max(args.P), topology=topology).num_stages} sub-stages), "
+        f"run over `{args.comm}`",
         f"commit {prov['commit']}; `{prov['command']}`; {prov['machine']}; {prov['seconds']:.0f} s",
         "### Layer time on a cluster, SIMULATED (medians over seeds)",
         f"**Every time in this table is simulated (`gpusolver.sim`), not measured.** Topology `{topology.name}`: "
@@ -486,9 +486,10 @@ def main(argv=None) -> dict:
         f"{topology.attn_tflops:g} TFLOP/s forward (4·D FLOPs per (q, k) entry per query head) and "
         f"{topology.bwd_flops_ratio:g}× the FLOPs backward, {topology.nvlink_latency_us:g} / "
         f"{topology.ib_latency_us:g} µs per collective inside / across nodes. Ours: the plan run by the runtime's "
-        "own schedule (`gpusolver.plan.schedule`: both casts, then stage 0 while they fly, the remote stage, the "
-        "reduce of partial O; backward: the dO cast awaited before stage 0, both stages, the dQ and the dK, dV "
-        "reduces), every collective an all-to-all-v. USP: Ulysses of degree 8 inside a node, ring across nodes, "
+        "own schedule (`gpusolver.plan.schedule`: every cast of the S sub-stages issued up front, stage 0 while "
+        "they fly, each sub-stage after its own casts, its partial O reduced while the next computes; backward: "
+        "the dO casts, the sub-stages with their dQ and dK, dV reduces, the local stage last), every collective "
+        f"{'point-to-point (a rank waits for its own rows only)' if args.comm == 'p2p' else args.comm}. USP: Ulysses of degree 8 inside a node, ring across nodes, "
         "each hop overlapped with the block in hand, on the same sequential shards; bal. USP: every ring step's "
         "compute at the mean (what any token permutation could reach). ideal: max(busiest rank's compute, per "
         "link class the busiest GPU's or NIC's bytes / bandwidth), per pass. hidden %: share of our communication "
