@@ -45,6 +45,7 @@ from gpusolver import nvtx  # noqa: E402
 from gpusolver.capacity import keep_for_budget  # noqa: E402
 from gpusolver.plan import build_plan  # noqa: E402
 from gpusolver.runtime import dist_attn  # noqa: E402
+from gpusolver.topology import Topology  # noqa: E402
 import groupcomm._sim  # noqa: E402
 from groupcomm import LocalGroup  # noqa: E402
 from groupcomm._merge import fused_reduce  # noqa: E402
@@ -199,13 +200,16 @@ def shape_plan(mask, config: SolverConfig):
     return build_plan(mask, areas, owner.expand(config.head_groups, U, U).to(torch.int32), config)
 
 
-def make_config(P: int, shapes: dict, keep=True, budget=None, qo_chunks=None, stages=1) -> SolverConfig:
+def make_config(P: int, shapes: dict, keep=True, budget=None, qo_chunks=None, stages=1, relay=None) -> SolverConfig:
     """The benchmark's config; ``qo_chunks``: the QO receive buffer in multiples of G * c (the budget
     runs': a smaller buffer the solve keeps its plans within, so that Q fits the budget whole);
-    ``stages``: ``num_stages`` (an int or "auto")."""
+    ``stages``: ``num_stages`` (an int or "auto"); ``relay``: a topology preset name, whose nodes the
+    plan's relay transport crosses (``ib_relay=True``: relay at every S), or None (no topology)."""
+    topology = None if relay is None else Topology.preset(relay)
     config = SolverConfig(cp_size=P, num_heads_q=shapes["num_heads_q"], num_heads_kv=shapes["num_heads_kv"],
                           head_dim=shapes["head_dim"], dtype=shapes["dtype"], keep_forward_buffers=keep,
-                          memory_budget=budget, num_stages=stages)
+                          memory_budget=budget, num_stages=stages, topology=topology,
+                          ib_relay=None if relay is None else True)
     if qo_chunks is None:
         return config
     return replace(config, max_qo_recv_rows=int(round(qo_chunks * config.head_groups * shapes["tokens_per_rank"])))
@@ -213,7 +217,7 @@ def make_config(P: int, shapes: dict, keep=True, budget=None, qo_chunks=None, st
 
 def measure(kind: str, P: int, shapes: dict, device: str, *, seed: int = 0, keep=True, budget=None,
             checkpoint: bool = False, qo_chunks=None, top: int = 0, fused: bool = False, stages=1,
-            breakdown: bool = False) -> dict:
+            breakdown: bool = False, relay=None) -> dict:
     """Kept and peak bytes per rank of one layer (forward and backward) for one mask; ``checkpoint``:
     the layer under full activation checkpointing (non-reentrant: nothing saved, the forward run
     again inside the backward, whose peak is then counted); ``top``: also the biggest storages
@@ -223,12 +227,13 @@ def measure(kind: str, P: int, shapes: dict, device: str, *, seed: int = 0, keep
     off CUDA); ``breakdown``: also every storage live at each pass's peak grouped by what made it
     (``fwd_breakdown``, ``bwd_breakdown``: (bytes, count, op, shape, dtype, site)), the runtime op
     (its NVTX range) running at the peak (``fwd_at``, ``bwd_at``) and the peak inside each op
-    (``fwd_ops``, ``bwd_ops``: {range: bytes}, in the order they ran)."""
+    (``fwd_ops``, ``bwd_ops``: {range: bytes}, in the order they ran); ``relay``: ``make_config``'s."""
     prev = nvtx.set_enabled(True)  # the ranges' push / pop ops tell LiveBytes which op runs (no-ops off CUDA)
     try:
         with fused_reduce(True if fused else None), _reduce_spans() as current:
             row = _measure(current, kind, P, shapes, device, seed=seed, keep=keep, budget=budget,
-                           checkpoint=checkpoint, qo_chunks=qo_chunks, top=top, stages=stages, breakdown=breakdown)
+                           checkpoint=checkpoint, qo_chunks=qo_chunks, top=top, stages=stages, breakdown=breakdown,
+                           relay=relay)
     finally:
         nvtx.set_enabled(prev)
     row["fused"] = "yes" if fused else "no"
@@ -255,10 +260,10 @@ def _reduce_spans():
 
 
 def _measure(current: list, kind: str, P: int, shapes: dict, device: str, *, seed: int, keep, budget, checkpoint: bool,
-             qo_chunks, top: int, stages=1, breakdown: bool = False) -> dict:
+             qo_chunks, top: int, stages=1, breakdown: bool = False, relay=None) -> dict:
     c, D, dtype = shapes["tokens_per_rank"], shapes["head_dim"], shapes["dtype"]
     Hq, Hkv = shapes["num_heads_q"], shapes["num_heads_kv"]
-    config = keep_for_budget(make_config(P, shapes, keep, budget, qo_chunks, stages), c)  # what the budget keeps
+    config = keep_for_budget(make_config(P, shapes, keep, budget, qo_chunks, stages, relay), c)  # what the budget keeps
     keep, kv_rows = config.keep_forward_buffers, config.kept_kv_rows
     mask = make_mask(kind, P, seed, c, device=device)
     t0 = time.perf_counter()
@@ -289,7 +294,8 @@ def _measure(current: list, kind: str, P: int, shapes: dict, device: str, *, see
         torch.autograd.backward(out, d_out)
     current[0] = None
     ref = layer_shapes(shapes, P)
-    row = {"kind": kind, "P": P, "S": config.num_stages, "budget": budget,
+    row = {"kind": kind, "P": P, "S": config.num_stages, "transport": "relay" if plan.relay is not None else "direct",
+           "budget": budget,
            "qo_recv": "default" if qo_chunks is None else f"{qo_chunks:g} Gc",
            "keep": keep, "kv_rows": _chunks(kv_rows, config, c),
            "ckpt": "yes" if checkpoint else "no", "device": device, "solve_s": solve_s,
@@ -313,7 +319,8 @@ def _chunks(rows, config: SolverConfig, c: int) -> str:
     return "all" if rows is None else f"{rows / (config.head_groups * c):.2f} Gc"
 
 
-COLUMNS = [("kind", "kind", ""), ("P", "P", "d"), ("S", "S", "d"), ("budget", "budget", ""), ("QO recv", "qo_recv", ""),
+COLUMNS = [("kind", "kind", ""), ("P", "P", "d"), ("S", "S", "d"), ("transport", "transport", ""),
+           ("budget", "budget", ""), ("QO recv", "qo_recv", ""),
            ("keep", "keep", ""), ("fused reduce", "fused", ""),
            ("kept KV rows", "kv_rows", ""), ("checkpointed", "ckpt", ""),
            ("kept MB", "kept", ".1f"), ("plan.memory kept MB", "plan_kept", ".1f"),
@@ -345,7 +352,6 @@ def step_cost(kind: str, P: int, budget: float, seed: int, topology: str, qo_chu
     solver's plan at real shapes on CPU, all three with ``stages`` sub-stages: everything kept, within
     ``budget`` (what is not kept cast again, the solve pricing it), and nothing kept."""
     from gpusolver.sim import simulate
-    from gpusolver.topology import Topology
 
     topo = Topology.preset(topology)
     c = REAL["tokens_per_rank"]
@@ -393,6 +399,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--stages", default="1", help="num_stages of every run: an int, or auto")
     p.add_argument("--comm", default="a2a", help="the simulated transport of the step cost runs: a2a, p2p, "
                    "p2p-batch")
+    p.add_argument("--relay", action="store_true", help="every config solved on --topology with relay transport "
+                   "(ib_relay=True): inter-node rows cross InfiniBand once per node (the P must span its nodes)")
     p.add_argument("--breakdown", action="store_true", help="every storage live at each pass's peak, grouped by "
                    "what made it, the op running then and each op's own peak (real shapes, first kind, default "
                    "config)")
@@ -405,6 +413,7 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     kinds = parse_list(args.kinds, str, name="--kinds")
     stages = args.stages if args.stages == "auto" else int(args.stages)
+    relay = args.topology if args.relay else None
     rows, steps = [], []
     fused_modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.fused_reduce]
     for keep, budget, ckpt in ((True, None, False), (False, None, False), (True, args.budget, False),
@@ -414,14 +423,15 @@ def main(argv=None) -> list[dict]:
             for P in [] if args.no_small else parse_list(args.small_cp_sizes, name="--small-cp-sizes"):
                 for fused in fused_modes:  # on CPU the fused merge runs its kernels: TRITON_INTERPRET=1
                     rows.append(measure(kind, P, SMALL, "cpu", seed=args.seed, keep=keep, budget=budget,
-                                        checkpoint=ckpt, qo_chunks=qo, fused=fused, stages=stages))
+                                        checkpoint=ckpt, qo_chunks=qo, fused=fused, stages=stages, relay=relay))
             if not args.no_real:
                 for P in parse_list(args.cp_sizes, name="--cp-sizes"):
                     first = keep is True and budget is None and not ckpt and kind == kinds[0]
                     for fused in fused_modes:
                         rows.append(measure(kind, P, REAL, "meta", seed=args.seed, keep=keep, budget=budget,
                                             checkpoint=ckpt, qo_chunks=qo, top=args.top if first else 0,
-                                            fused=fused, stages=stages, breakdown=args.breakdown and first))
+                                            fused=fused, stages=stages, breakdown=args.breakdown and first,
+                                            relay=relay))
     for kind in kinds:
         for P in parse_list(args.step_cp_sizes, name="--step-cp-sizes") if args.step_cp_sizes else []:
             steps.append(step_cost(kind, P, args.budget, args.seed, args.topology, args.budget_qo_chunks, stages,

@@ -155,8 +155,15 @@ def keep_for_budget(config: SolverConfig, chunk: int) -> SolverConfig:
 # InfiniBand for its node) and of its fan-out send list (what it forwards over NVLink), per kind,
 # in multiples of G * c, capped at the worst case, and of each egress buffer (what a rank's NIC
 # sends for its node's other hosts, brought to it over NVLink). Candidates past them go direct (past
-# an egress buffer: from the host's own NIC), so these bound memory, never correctness.
-RELAY_CHUNKS = {"qo_relay": 4, "kv_relay": 8, "qo_fan": 8, "kv_fan": 24, "qo_egress": 4, "kv_egress": 8}
+# an egress buffer: from the host's own NIC), so these bound memory, never correctness. Sized from
+# what relay plans fill (``benchmarks/relay_fill.py``, ``benchmarks/results/relay_fill.md``: packed
+# causal and full documents, seeds 0-2, and one causal or full sequence, P = 16-64, nodes of 8, the
+# relay-priced solve): the largest QO fills are 0.62 (relay), 0.68 (fan) and 0.88 (egress) G * c,
+# so 1, 2 and 2 hold at least 1.6x; KV fan-out fills up to 7.38 (one causal sequence at P = 64),
+# so 12; one sequence fills the KV relay buffer to its worst case (N - 1 chunks), so KV relay and
+# egress stay at 8. With 64:8 heads a Q row is 4x a K plus V row, so the QO buffers are the ones
+# that cost memory (the egress's also in the fp32 sums of its reduce).
+RELAY_CHUNKS = {"qo_relay": 1, "kv_relay": 8, "qo_fan": 2, "kv_fan": 12, "qo_egress": 2, "kv_egress": 8}
 
 
 @dataclass(frozen=True)
