@@ -166,6 +166,9 @@ def _check(out_a, lse_a, out_b, lse_b, names, any_b_dtype: bool = False) -> None
     """any_b_dtype: out_b may be any floating dtype (an accumulator merging a part in its own
     dtype: every load is cast to fp32 in both paths)."""
     na, la, nb, lb = names
+    for name, t in zip(names, (out_a, lse_a, out_b, lse_b)):
+        if not isinstance(t, torch.Tensor):  # before .dim() below: an AttributeError would name nothing
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if out_a.dim() != 3:
         raise ValueError(f"{na} must be [T, H, D], got {tuple(out_a.shape)}")
     if out_b.shape != out_a.shape:

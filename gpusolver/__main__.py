@@ -109,7 +109,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     p.add_argument("--mask", choices=a.MASK_KINDS, default="docs", help=a.MASK_HELP)
     p.add_argument("--tiles", type=a.positive_int, default=1, help="sub-chunk tiles per chunk (default 1)")
     p.add_argument("--solver", choices=("device", "reference"), default="device")
-    p.add_argument("--stages", default="auto",
+    p.add_argument("--stages", type=a.stages, default="auto",
                    help="remote sub-stages, SolverConfig.num_stages: an int, or auto (default, the library's: 4 "
                         "for these masks, the simulated best); 1 for the two-stage layer")
     p.add_argument("--comm", choices=("a2a", "p2p", "p2p-batch"), default="p2p",
@@ -141,7 +141,7 @@ def _check(args, subs) -> None:
     P = args.cp_size if args.cp_size is not None else 1
     try:
         config = SolverConfig(cp_size=P, num_heads_q=hq, num_heads_kv=hkv, head_dim=args.head_dim,
-                              chunk_tiles=getattr(args, "tiles", 1))
+                              chunk_tiles=getattr(args, "tiles", 1), num_stages=getattr(args, "stages", "auto"))
         if args.cp_size is not None:
             config.check_seqlen(args.tokens_per_rank * P)
     except ValueError as e:

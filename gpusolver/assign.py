@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import torch
 
-from gpusolver.config import SolverConfig
+from gpusolver.config import SolverConfig, check_config
 from gpusolver.problem import BlockAreas
 
 SOLVERS = ("device", "reference")
@@ -24,6 +24,9 @@ def solve_assignment(areas: BlockAreas, config: SolverConfig, *, solver: str = "
     the CPU yardstick (numpy, reads the areas; it places whole chunks, so with
     tiles every tile pair of a chunk pair goes where the chunk pair goes).
     """
+    if not isinstance(areas, BlockAreas):
+        raise TypeError(f"areas must be a BlockAreas (gpusolver.block_areas(mask, P, G)), got {type(areas).__name__}")
+    check_config(config)
     if solver == "device":
         from gpusolver.solver.device import solve_device
 

@@ -1,12 +1,14 @@
 """Solver configuration: the static facts that size every output."""
 from __future__ import annotations
 
+import reprlib
 from dataclasses import dataclass, field, fields, replace
 
 import torch
 
 from gpusolver.limits import CONFIG_LIMITS, MAX_IMBALANCE_TOL, MAX_LINK_WEIGHT, check_seqlen_limit
 from gpusolver.problem import CommCost, kept_kinds
+from gpusolver.support import DTYPES
 from gpusolver.topology import Topology
 
 
@@ -35,6 +37,40 @@ DEFAULT_IMBALANCE_TOL = 1.10
 CLUSTER_IMBALANCE_TOL = 1.05
 
 
+# short names configs carry besides torch's own (accelerate's mixed_precision="bf16"); a name torch itself
+# has ("bfloat16", "half", "float") needs no entry
+_DTYPE_ALIASES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def resolve_dtype(value, name: str = "dtype") -> torch.dtype:
+    """``value`` as one of the activation dtypes the layer runs (``support.DTYPES``).
+
+    Takes a ``torch.dtype`` or a string naming one ("bfloat16", "torch.bfloat16", "bf16"): Hugging
+    Face configs carry ``torch_dtype="bfloat16"``. Anything else raises, naming ``name`` and the
+    value, here rather than as a TypeError from ``torch.empty`` deep in a solve's byte counts."""
+    names = ", ".join(str(d).removeprefix("torch.") for d in DTYPES)
+    dtype = value
+    if isinstance(value, str):
+        key = value.strip().lower().removeprefix("torch.")
+        dtype = _DTYPE_ALIASES.get(key, getattr(torch, key, None))
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"{name}={value!r} does not name a torch dtype; use one of "
+                             f"{names} (or a torch.dtype)")
+    elif not isinstance(value, torch.dtype):
+        raise TypeError(f"{name} must be a torch.dtype or a string naming one, got {type(value).__name__} {value!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"{name}={value!r} is not an activation dtype the attention kernels run: use one of "
+                         f"{names} (gpusolver.support.DTYPES)")
+    return dtype
+
+
+def check_config(config, name: str = "config") -> None:
+    """Raise TypeError unless ``config`` is a ``SolverConfig`` (an entry point's first read of it
+    would otherwise be an AttributeError)."""
+    if not isinstance(config, SolverConfig):
+        raise TypeError(f"{name} must be a gpusolver.SolverConfig, got {type(config).__name__} {reprlib.repr(config)}")
+
+
 def auto_tile_cap(head_groups: int) -> int:
     """The most tiles per chunk ``chunk_tiles="auto"`` may use with ``head_groups`` groups."""
     n = 1
@@ -50,7 +86,10 @@ class SolverConfig:
     cp_size:            P, ranks in the context-parallel group.
     num_heads_q/kv:     Hq, Hkv (Hq a multiple of Hkv).
     head_dim:           D.
-    dtype:              activation dtype, for byte counts.
+    dtype:              activation dtype, for byte counts: float32, float16 or bfloat16
+                        (``support.DTYPES``, what the kernels run), as a torch.dtype or a
+                        string naming one ("bfloat16", "torch.bfloat16", "bf16"); the
+                        field reads the torch.dtype.
     imbalance_tol:      mu; a plan is balanced when max load <= mu * mean load. "auto"
                         (default): 1.10 (``DEFAULT_IMBALANCE_TOL``), or 1.05
                         (``CLUSTER_IMBALANCE_TOL``) for a slice-mask config whose group
@@ -169,7 +208,7 @@ class SolverConfig:
     num_heads_q: int = 64
     num_heads_kv: int = 8
     head_dim: int = 128
-    dtype: torch.dtype = torch.bfloat16
+    dtype: torch.dtype | str = torch.bfloat16
     imbalance_tol: float | str = "auto"
     head_group_flatten: bool = True
     chunk_tiles: int | str = "auto"
@@ -208,9 +247,19 @@ class SolverConfig:
         for name in ("auto_tiles", "auto_stages"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        # a truthy string or None would pick G silently (None: G = 1), as imbalance_auto's check says
+        if not isinstance(self.head_group_flatten, bool):
+            raise TypeError(f"head_group_flatten must be a bool, got {type(self.head_group_flatten).__name__} "
+                            f"{self.head_group_flatten!r}")
+        object.__setattr__(self, "dtype", resolve_dtype(self.dtype))
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
         kept_kinds(self.keep_forward_buffers)  # True, False, "qo" or "kv", else ValueError
+        # checked here, not first in build_plan (where True passed as 1 and ended in CALC_OVERFLOW)
+        if self.max_stage_slices is not None and (isinstance(self.max_stage_slices, bool)
+                                                  or not isinstance(self.max_stage_slices, int)
+                                                  or self.max_stage_slices < 1):
+            raise ValueError(f"max_stage_slices must be a positive int or None, got {self.max_stage_slices!r}")
         for name in ("max_recv_rows", "max_qo_recv_rows", "max_kv_recv_rows", "max_qo_send_rows",
                      "max_kv_send_rows", "kept_kv_rows"):
             v = getattr(self, name)

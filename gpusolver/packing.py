@@ -26,7 +26,7 @@ with a leading ``[P]``.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -87,6 +87,9 @@ def doc_lengths_from(doc_lengths=None, cu_seqlens=None) -> list[int]:
             raise ValueError(f"doc_lengths must be a 1-D integer tensor, got {doc_lengths.dtype} "
                              f"{tuple(doc_lengths.shape)}")
         doc_lengths = doc_lengths.tolist()
+    if isinstance(doc_lengths, (str, bytes)) or not isinstance(doc_lengths, Iterable):  # a bare int
+        raise TypeError(f"doc_lengths must be a sequence of positive ints or a 1-D integer tensor, got "
+                        f"{type(doc_lengths).__name__} {doc_lengths!r}")
     out = list(doc_lengths)
     if not out:
         raise ValueError("doc_lengths must hold at least one length")
@@ -126,7 +129,8 @@ def document_mask(doc_lengths: Sequence[int], *, sliding_window: int | None = No
     max_documents: pad the mask to this many documents (``2 * max_documents`` slices with a
     window), so R stays fixed across batches under ``torch.compile``.
     """
-    mask = varlen_causal_mask(list(doc_lengths), device=device, pad_to=max_documents)
+    # as given: varlen_causal_mask names a bad one (list() of None, or of a tensor's 0-dim items, did not)
+    mask = varlen_causal_mask(doc_lengths, device=device, pad_to=max_documents)
     return mask if sliding_window is None else windowed(mask, sliding_window)
 
 

@@ -11,7 +11,7 @@ import torch
 from gpusolver.areas import block_areas
 from gpusolver.assign import SOLVERS, solve_assignment  # noqa: F401  (part of this module's API)
 from gpusolver.capacity import buffer_ints, keep_for_budget
-from gpusolver.config import SolverConfig
+from gpusolver.config import SolverConfig, check_config
 from gpusolver.masks.slices import AttnSlices
 from gpusolver.masks.sparse import BlockSparseMask, NSALayerMask, TokenTopKMask
 from gpusolver.nvtx import nvtx_range
@@ -61,6 +61,7 @@ def solve(mask, config: SolverConfig, *, solver: str = "device", areas_impl: str
     not apply). ``plan.status`` flags imbalance (mu not reached: the plan
     keeps the best balance found) and capacity overflows.
     """
+    check_config(config)
     if isinstance(mask, SPARSE_MASKS):
         return solve_sparse(mask, config, solver=solver, impl=impl, validate=validate)
     if not isinstance(mask, AttnSlices):

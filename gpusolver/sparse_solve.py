@@ -22,7 +22,7 @@ import torch
 
 from gpusolver.capacity import buffer_fields, buffer_ints
 from gpusolver.assign import solve_assignment
-from gpusolver.config import SolverConfig
+from gpusolver.config import SolverConfig, check_config
 from gpusolver.plan.meta import IMBALANCED
 from gpusolver.plan.sparse import (SelectionSpec, SparsePlan, SparseSolverConfig, build_sparse_plan,
                                    default_kv_block, no_worse_than_owner, sparse_config)
@@ -90,6 +90,7 @@ def solve_sparse(mask, config: SolverConfig, *, areas: BlockAreas | None = None,
     """
     from gpusolver.areas.sparse import sparse_areas, used_block_rows
 
+    check_config(config)
     config = config.for_sparse()
     spec = SelectionSpec.of(mask, config.head_groups)
     S = mask.total_seqlen_k

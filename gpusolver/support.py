@@ -3,14 +3,19 @@
 ``check_supported(q, k, v, group)`` is called by ``dist_attn`` before any work:
 it reads host metadata only (device types, dtypes, shapes, the group's
 backend), so it is free on the hot path and traces under ``torch.compile``.
+``check_tensors`` and ``softmax_scale_of`` are the layer entry points' other
+call-time checks (argument kinds, the scale), host-only as well.
 ``support_matrix_markdown()`` renders the same data as the tables of
 ``docs/support_matrix.md`` (a test keeps the page equal to it).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
-__all__ = ["MASKS", "EXECUTION", "DTYPES", "HEAD_DIMS", "check_supported", "support_matrix_markdown"]
+__all__ = ["MASKS", "EXECUTION", "DTYPES", "HEAD_DIMS", "check_supported", "check_tensors", "softmax_scale_of",
+           "support_matrix_markdown"]
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 HEAD_DIMS = (16, 32, 64, 128)  # the attention kernels' head dims
@@ -57,6 +62,29 @@ def _group_backend(group) -> str | None:
         return str(dist.get_backend(getattr(group, "process_group", None))).lower()
     except (RuntimeError, ValueError):
         return None
+
+
+def check_tensors(**tensors) -> None:
+    """Raise TypeError naming the first argument that is not a ``torch.Tensor`` (the shape checks
+    after it would read ``.dim()`` of a list or None: an AttributeError naming nothing)."""
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def softmax_scale_of(softmax_scale, head_dim: int) -> float:
+    """The layer's softmax scale as a float: ``head_dim ** -0.5`` for None. Raises ValueError naming
+    ``softmax_scale`` unless it is a positive finite number, before any collective is issued (the
+    kernels would refuse it only at the first attention launch, and ``float("x")`` names nothing)."""
+    if softmax_scale is None:
+        return head_dim ** -0.5
+    try:
+        scale = float(softmax_scale)
+    except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor of more than one element
+        scale = math.nan
+    if not (scale > 0 and math.isfinite(scale)):
+        raise ValueError(f"softmax_scale must be > 0 and finite (or None: D^-0.5), got {softmax_scale!r}")
+    return scale
 
 
 def check_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group) -> None:

@@ -138,6 +138,10 @@ flex_attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 def _check(q, k, v, q_ranges, k_ranges, attn_type, softcap, backend) -> None:
     """Shape / dtype / device checks (host metadata only)."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("q_ranges", q_ranges), ("k_ranges", k_ranges),
+                    ("attn_type", attn_type)):
+        if not isinstance(t, torch.Tensor):  # before .dim() below: an AttributeError would name nothing
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 3:
             raise ValueError(f"{name} must be [T, H, D], got shape {tuple(t.shape)}")
@@ -241,9 +245,12 @@ def _validating(q: torch.Tensor, validate: bool | None) -> bool:
 
 
 def _scale(q: torch.Tensor, softmax_scale: float | None) -> float:
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    try:  # a string or a list would fail in float() with a message that names no argument
+        scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    except (TypeError, ValueError, RuntimeError):
+        scale = math.nan
     if not (scale > 0 and math.isfinite(scale)):  # the kernels take the running max before scaling
-        raise ValueError(f"softmax_scale must be > 0, got {softmax_scale}")
+        raise ValueError(f"softmax_scale must be > 0 and finite (or None: D^-0.5), got {softmax_scale!r}")
     return scale
 
 

@@ -187,9 +187,12 @@ def validate_selection(sel: torch.Tensor, name: str = "sel") -> None:
 
 
 def _scale(q: torch.Tensor, softmax_scale: float | None) -> float:
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    try:  # a string or a list would fail in float() with a message that names no argument
+        scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    except (TypeError, ValueError, RuntimeError):
+        scale = float("nan")
     if not scale > 0:
-        raise ValueError(f"softmax_scale must be > 0, got {softmax_scale}")
+        raise ValueError(f"softmax_scale must be > 0 (or None: D^-0.5), got {softmax_scale!r}")
     return scale
 
 

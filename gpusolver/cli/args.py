@@ -35,6 +35,19 @@ def non_negative_int(text: str) -> int:
     return v
 
 
+def stages(text: str) -> int | str:
+    """``auto`` or a positive int (``SolverConfig.num_stages``; its upper limit is checked with the config)."""
+    if text == "auto":
+        return text
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 or 'auto', got {v}")
+    return v
+
+
 def heads(text: str) -> tuple[int, int]:
     """``"Hq:Hkv"`` (e.g. ``8:2``), or one number for MHA."""
     parts = text.split(":")

@@ -32,15 +32,6 @@ def table(results) -> str:
     return "\n".join(lines)
 
 
-def _stages(text: str) -> int | str:
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise SystemExit(f"gpusolver simulate: error: --stages must be an int or 'auto', got {text!r}") from None
-
-
 def run(args) -> int:
     from gpusolver.cli.args import build_mask
     from gpusolver.config import SolverConfig
@@ -57,7 +48,7 @@ def run(args) -> int:
     torch.set_num_threads(1)
     hq, hkv = args.heads
     config = SolverConfig(cp_size=P, num_heads_q=hq, num_heads_kv=hkv, head_dim=args.head_dim, dtype=args.dtype,
-                          chunk_tiles=args.tiles, num_stages=_stages(args.stages),
+                          chunk_tiles=args.tiles, num_stages=args.stages,
                           topology=topology)  # as README advises on a cluster: bytes priced by link
     mask = build_mask(args.mask, args.tokens_per_rank * P, args.seed)
     with warnings.catch_warnings():

@@ -9,7 +9,7 @@ Lengths are checked on the host; a bad one raises ValueError naming it.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -32,6 +32,9 @@ def _lengths(name: str, lengths) -> list[int]:
         if lengths.dim() != 1 or lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
             raise ValueError(f"{name} must be a 1-D integer tensor, got {lengths.dtype} {tuple(lengths.shape)}")
         lengths = lengths.tolist()
+    if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Iterable):  # None, a bare int
+        raise TypeError(f"{name} must be a sequence of positive ints or a 1-D integer tensor, got "
+                        f"{type(lengths).__name__} {lengths!r}")
     out = [int(v) if isinstance(v, np.integer) else v for v in lengths]
     if not out:
         raise ValueError(f"{name} must hold at least one length")

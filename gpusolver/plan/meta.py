@@ -19,6 +19,7 @@ except ``validate()`` and ``summary()``, which are host-side by design.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -347,6 +348,10 @@ class Plan:
     def for_rank(self, rank: int) -> RankPlan:
         """Rank ``rank``'s CalcMeta stages and send/receive lists (views)."""
         P = self.comm.cp_size
+        try:  # numpy and 0-dim integer tensors too; a str would fail the compare below with no name
+            rank = operator.index(rank)
+        except TypeError:
+            raise TypeError(f"rank must be an int, got {type(rank).__name__} {rank!r}") from None
         if not 0 <= rank < P:
             raise ValueError(f"rank must be in [0, {P}), got {rank}")
         c, m = self.calc, self.comm
@@ -362,6 +367,9 @@ class Plan:
 
         Host-side: reads the status and the counts behind it. Returns self.
         """
+        if isinstance(ignore, bool) or not isinstance(ignore, int):
+            raise TypeError(f"ignore must be an int of status bits (e.g. IMBALANCED), got {type(ignore).__name__} "
+                            f"{ignore!r}")
         problems = _explain_status(self, ignore)
         if problems:
             raise ValueError("plan is not usable:\n  " + "\n  ".join(problems))
@@ -389,8 +397,10 @@ class Plan:
         and dtype. ``keep_forward_buffers``: what helpers keep (True, False, "qo", "kv"; default
         the config's, within its ``memory_budget``, with the KV rows it keeps, ``kept_kv_rows``). Host ints from static shapes: no device read."""
         from gpusolver.capacity import keep_for_budget
+        from gpusolver.config import check_config
         from gpusolver.plan.memory import buffer_memory
 
+        check_config(config)
         keep, kv_rows = keep_forward_buffers, config.kept_kv_rows
         if keep is None:
             resolved = keep_for_budget(config, self.comm.chunk)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import reprlib
 
 import torch
 
@@ -59,6 +60,9 @@ def config_dict(config) -> dict:
 
 def write(record, path: str | os.PathLike, config=None) -> None:
     """Write ``record`` (a dataclass) and ``config`` (a ``SolverConfig`` or None) to ``path``."""
+    if config is not None and not (dataclasses.is_dataclass(config) and not isinstance(config, type)):
+        # this module names no config class; dataclasses.asdict below would say only "dataclass instances"
+        raise TypeError(f"config must be a SolverConfig or None, got {type(config).__name__} {reprlib.repr(config)}")
     payload = {"format": FORMAT, "version": VERSION, "plan": to_plain(record),
                "config": None if config is None else config_dict(config)}
     torch.save(payload, path)
@@ -66,7 +70,21 @@ def write(record, path: str | os.PathLike, config=None) -> None:
 
 def read(path: str | os.PathLike, map_location) -> dict:
     """The payload at ``path`` after its header is checked: ``{"plan": ..., "config": ...}``."""
-    payload = torch.load(path, map_location=map_location, weights_only=True)
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__} {path!r}")
+    if isinstance(map_location, str):  # checked apart: torch.load's failure on it would read as a bad file
+        try:
+            torch.device(map_location)
+        except RuntimeError:
+            raise ValueError(f"map_location={map_location!r} is not a torch device") from None
+    try:
+        payload = torch.load(path, map_location=map_location, weights_only=True)
+    except OSError:  # a missing file, a folder, no permission: the OS's own error names the path
+        raise
+    except Exception as e:  # any other file: the unpickler fails in many ways (KeyError, EOFError, ...)
+        why = str(e).splitlines()[0] if str(e) else ""
+        raise ValueError(f"{path} is not a saved gpusolver plan (torch.load failed: {type(e).__name__}: {why})") \
+            from e
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise ValueError(f"{path} is not a saved gpusolver plan (no '{FORMAT}' header)")
     if payload.get("version") != VERSION:

@@ -116,6 +116,16 @@ class SparseSolverConfig(SolverConfig):
     selection_bytes: int = 0
     branches: int = 1
 
+    def __post_init__(self):
+        super().__post_init__()
+        # both price every query row: a negative or fractional one would skew the solve without an error
+        if isinstance(self.selection_bytes, bool) or not isinstance(self.selection_bytes, int) \
+                or self.selection_bytes < 0:
+            raise ValueError(f"selection_bytes must be a non-negative int, got {self.selection_bytes!r}")
+        if type(self.branches) is not int or self.branches not in (1, 2):
+            raise ValueError(f"branches must be 1 (a selection) or 2 (an NSA layer's selection and window), "
+                             f"got {self.branches!r}")
+
     def _auto_imbalance_tol(self) -> float:
         """``DEFAULT_IMBALANCE_TOL`` on clusters too: the tighter bound was measured on slice masks only."""
         return DEFAULT_IMBALANCE_TOL

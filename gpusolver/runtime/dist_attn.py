@@ -58,7 +58,7 @@ from gpusolver.runtime.pipelined import StageRoutes, backward_stages, forward_st
 from gpusolver.runtime.relay_stages import (StageRelayRoutes, relay_stages_backward, relay_stages_forward,
                                             stage_relay_routes)
 from gpusolver.runtime.relayed import RelayRoutes, relay_backward, relay_forward, relay_routes
-from gpusolver.support import check_supported
+from gpusolver.support import check_supported, check_tensors, softmax_scale_of
 from groupcomm import CollectiveError, TorchGroup, as_group, group_cast, group_reduce, host_splits, retain
 
 # The stages run the plan's own tables, checked once per layer through the plan's status
@@ -393,6 +393,7 @@ class _DistAttn(torch.autograd.Function):
 
 def _check_inputs(q, k, v, plan: Plan, group) -> None:
     """Shapes against the plan (host metadata only)."""
+    check_tensors(q=q, k=k, v=v)
     batched = bool(getattr(group, "batched", False))
     lead = 1 if batched else 0
     P, c, G = plan.comm.cp_size, plan.comm.chunk, plan.comm.head_groups
@@ -537,6 +538,7 @@ def dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, gro
         raise TypeError(f"plan must be a Plan (gpusolver.solve), got {type(plan).__name__}{hint}")
     _check_inputs(q, k, v, plan, group)
     check_supported(q, k, v, group)  # the support matrix (docs/support_matrix.md), host metadata only
+    scale = softmax_scale_of(softmax_scale, q.shape[-1])
     if validate is None:
         validate = q.device.type == "cpu" and not torch.compiler.is_compiling()  # a host read breaks the graph
     if validate:
@@ -549,7 +551,6 @@ def dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, gro
             config_key = config_digest(m.cp_size, m.chunk, m.head_groups, m.tiles, m.buffers.as_tuple(),
                                        plan.calc.capacity, plan.imbalance_tol)
         check_plan_digest(plan, group, config_key, validate=validate)
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     with nvtx_range("solve/routes"):
         routes = layer_routes(plan, group)
     if keep_forward_buffers is None:  # run what the solve priced

@@ -14,6 +14,8 @@ permutation.
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.distributed as dist
 
@@ -49,6 +51,21 @@ def _rank_and_size(group) -> tuple[int | None, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def _check_dim(op: str, x, dim, lead: int = 0) -> None:
+    """x a tensor and dim an int indexing its dims after the first ``lead`` (a ``LocalGroup``'s rank
+    dim), before ``x.shape[dim]`` reads it (an IndexError or an AttributeError there names neither)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op}: x must be a torch.Tensor, got {type(x).__name__}")
+    ndim = x.dim() - lead
+    try:
+        ok = not isinstance(dim, bool) and -ndim <= operator.index(dim) < ndim
+    except TypeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"{op}: dim={dim!r} must be an int in [{-ndim}, {ndim}) for x of shape {tuple(x.shape)}"
+                         + (" (dim indexes the chunk, after the rank dim)" if lead else ""))
+
+
 def shard(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     """This rank's contiguous chunk of ``x`` along ``dim`` (tokens keep their order).
 
@@ -56,6 +73,7 @@ def shard(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     ``LocalGroup`` the result stacks every rank's chunk: ``[P, ..., c, ...]``
     (rank dim first).
     """
+    _check_dim("shard", x, dim)
     rank, P = _rank_and_size(group)
     S = x.shape[dim]
     if S % P:
@@ -72,6 +90,7 @@ def unshard(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     chunk without the rank dim); a process group all-gathers (not differentiable).
     """
     rank, P = _rank_and_size(group)
+    _check_dim("unshard", x, dim, lead=int(rank is None))
     if rank is None:
         if x.shape[0] != P:
             raise ValueError(f"unshard: x must have a leading rank dim of P = {P}, got {tuple(x.shape)}")

@@ -32,7 +32,7 @@ from torch import nn
 
 from gpusolver import errors
 from gpusolver.capacity import keep_for_budget
-from gpusolver.config import SolverConfig
+from gpusolver.config import SolverConfig, check_config
 from gpusolver.masks.slices import AttnSlices
 from gpusolver.masks.sparse import NSALayerMask
 from gpusolver.nvtx import nvtx_range
@@ -40,8 +40,8 @@ from gpusolver.plan import Plan
 from gpusolver.runtime.dist_attn import config_digest, dist_attn
 from gpusolver.runtime.sparse_attn import (SPARSE_MASKS, local_selection, mask_on_device, solve_sparse_sharded,
                                            sparse_dist_attn)
-from gpusolver.solve import solve
-from gpusolver.support import HEAD_DIMS
+from gpusolver.solve import SOLVERS, solve
+from gpusolver.support import HEAD_DIMS, check_tensors, softmax_scale_of
 from groupcomm import as_group
 
 
@@ -160,6 +160,7 @@ class DynamicCPAttention(nn.Module):
                  check_every: int | None = None, debug_digest: bool = False):
         super().__init__()
         group = as_group(group)
+        check_config(config)
         if config.head_dim not in HEAD_DIMS:  # the kernels' list: fail here, not after the first solve
             raise ValueError(f"config.head_dim={config.head_dim} is not a head dim of the attention kernels "
                              f"{HEAD_DIMS}")
@@ -168,6 +169,16 @@ class DynamicCPAttention(nn.Module):
         if check_every is not None and (isinstance(check_every, bool) or not isinstance(check_every, int)
                                         or check_every < 1):
             raise ValueError(f"check_every must be a positive int (forward calls) or None, got {check_every!r}")
+        # refused here rather than at the first forward, where they fail inside the solve or the layer
+        from gpusolver.solver.device import IMPLS
+
+        if solver not in SOLVERS:
+            raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}")
+        if impl not in IMPLS:
+            raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+        softmax_scale_of(softmax_scale, config.head_dim)
+        if plan_cache is not None and not isinstance(plan_cache, PlanCache):
+            raise TypeError(f"plan_cache must be a PlanCache or None, got {type(plan_cache).__name__}")
         self.check_every, self.debug_digest = check_every, bool(debug_digest)
         self._calls = 0
         self.group = group
@@ -210,6 +221,12 @@ class DynamicCPAttention(nn.Module):
         ``(out_sel, out_win)`` (with lse: ``((out, lse), (out, lse))``)."""
         if (mask is None) == (plan is None):
             raise ValueError("pass exactly one of mask= and plan=")
+        if mask is not None and not isinstance(mask, (AttnSlices, *SPARSE_MASKS)):
+            raise TypeError(f"mask must be an AttnSlices, BlockSparseMask, TokenTopKMask or NSALayerMask, got "
+                            f"{type(mask).__name__} (gpusolver.masks builds them, e.g. varlen_causal_mask(lengths))")
+        if plan is not None and not isinstance(plan, Plan):
+            raise TypeError(f"plan must be a Plan (gpusolver.solve or layer.plan_for), got {type(plan).__name__}; "
+                            "a sparse mask's plan is solved per call: pass the mask")
         self._check_heads(q, k, v)
         if not torch.compiler.is_compiling():
             errors.arm(q.device)  # the flag table exists before a compiled call records into it
@@ -224,9 +241,13 @@ class DynamicCPAttention(nn.Module):
     def _check_heads(self, q, k, v) -> None:
         """q, k, v heads and head dim against the config the plans are solved for (host metadata)."""
         c = self.config
+        check_tensors(q=q, k=k, v=v)
+        # the rank first: a [P, c, H] tensor (D dropped) would otherwise read as "c heads"
+        rank, want = (4, "[P, c, H, D]") if getattr(self.group, "batched", False) else (3, "[c, H, D]")
         for name, t, heads in (("q", q, c.num_heads_q), ("k", k, c.num_heads_kv), ("v", v, c.num_heads_kv)):
-            if t.dim() < 2:
-                raise ValueError(f"{name} must be [c, H, D] (or [P, c, H, D]), got shape {tuple(t.shape)}")
+            if t.dim() != rank:
+                raise ValueError(f"{name} must be {want} (the {type(self.group).__name__}'s layout), got shape "
+                                 f"{tuple(t.shape)}")
             if t.shape[-2] != heads:
                 field = "num_heads_q" if name == "q" else "num_heads_kv"
                 raise ValueError(f"{name} has {t.shape[-2]} heads but config.{field}={heads}")

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from attn_kernels import flex_attn, flex_attn_backward, merge_out_lse, row_delta, sparse_attn, sparse_attn_backward
 from gpusolver import errors
 from gpusolver.areas.sparse import AreaRows, areas_from_rows, sparse_area_rows, used_block_rows
-from gpusolver.config import SolverConfig
+from gpusolver.config import SolverConfig, check_config
 from gpusolver.masks.sparse import BlockSparseMask, NSALayerMask, TokenTopKMask
 from gpusolver.nvtx import nvtx_range
 from gpusolver.plan.meta import IMBALANCED
@@ -52,6 +52,7 @@ from gpusolver.plan.sparse import (SelectionSpec, SparsePlan, build_sparse_plan,
                                    default_kv_block, no_worse_than_owner, sparse_config)
 from gpusolver.plan.schedule import ATTN, CAST, DELTA, MERGE, REDUCE, WAIT, backward_ops, forward_ops
 from gpusolver.sparse_solve import sparse_assignment
+from gpusolver.support import check_tensors, softmax_scale_of
 from gpusolver.runtime.dist_attn import LayerRoutes, issue, layer_routes
 from gpusolver.runtime.layout import from_group_major, to_group_major
 from gpusolver.runtime.per_rank import per_rank
@@ -140,6 +141,7 @@ def solve_sparse_sharded(mask, config: SolverConfig, group, *, solver: str = "de
     """
     if not isinstance(mask, SPARSE_MASKS):
         raise TypeError(f"mask must be a BlockSparseMask, TokenTopKMask or NSALayerMask, got {type(mask).__name__}")
+    check_config(config)
     group = as_group(group)
     if config.cp_size != group.size:
         raise ValueError(f"config.cp_size={config.cp_size} but the group has {group.size} ranks")
@@ -442,6 +444,7 @@ def _check_inputs(q, k, v, sel, plan: SparsePlan, group) -> None:
     """Shapes against the plan (host metadata only)."""
     if not isinstance(plan, SparsePlan):
         raise TypeError(f"plan must be a SparsePlan (gpusolver.plan.sparse), got {type(plan).__name__}")
+    check_tensors(q=q, k=k, v=v, sel=sel)
     batched = bool(getattr(group, "batched", False))
     lead = 1 if batched else 0
     P, c, G = plan.comm.cp_size, plan.comm.chunk, plan.comm.head_groups
@@ -496,7 +499,7 @@ def sparse_dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sel: tor
         plan.validate(ignore=IMBALANCED)
     else:
         errors.record_plan(plan, "sparse_dist_attn")
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = softmax_scale_of(softmax_scale, q.shape[-1])
     with nvtx_range("solve/routes"):
         routes = sparse_routes(plan, group)
         stages = {r: tuple(plan.stage(r, s) for s in range(plan.comm.num_stages + 1)) for r in routes.ranks}

@@ -434,6 +434,10 @@ def test_merge_and_delta_arguments():
     (["show", "--plan", "/nonexistent-folder/p.pt"], "--plan /nonexistent-folder/p.pt: no such file"),
     (["quality", "--head-dim", "5000"], "head_dim=5000 is past the supported MAX_HEAD_DIM"),
     (["bench", "--timeout", "0"], "argument --timeout: must be >= 1, got 0"),
+    # 0 and 40 were a traceback from SolverConfig; abc a one-line error with exit status 1, not argparse's 2
+    (["simulate", "--stages", "0"], "argument --stages: must be >= 1 or 'auto', got 0"),
+    (["simulate", "--stages", "abc"], "argument --stages: expected a positive integer or 'auto', got 'abc'"),
+    (["simulate", "--stages", "40"], "num_stages=40 is past the supported MAX_NUM_STAGES = 32"),
 ], ids=lambda x: " ".join(x) if isinstance(x, list) else "")
 def test_cli_arguments_out_of_range(argv, match, capsys):
     with pytest.raises(SystemExit) as info:
