@@ -187,11 +187,15 @@ def test_relay_egress_fallback_and_shared_slots():
     leaves from the host's own NIC): still exact, bytes still the plan's, and every IB sender is
     the egress or, past the room, the host."""
     P, per_node = 10, 2
-    _, full, _, _ = _plans("docs-full", P, per_node, keep=False)
+    # QO relay buffers at their worst case (every other node's same-rail chunk): every QO (unit, node)
+    # is relayed, so that a QO egress slot serves two nodes below
+    qo_room = dict(qo_relay=2 * 16 * (P // per_node - 1))  # G = 2 head groups of c = 16 tokens
+    _, full, _, _ = _plans("docs-full", P, per_node, keep=False, **qo_room)
     assert full.relay.egress
     half = int(full.relay.kv.egress_split.sum(0).max()) // 2
     assert half > 0
-    _, plan, mask, config = _plans("docs-full", P, per_node, keep=False, kv_egress=half)
+    _, plan, mask, config = _plans("docs-full", P, per_node, keep=False, kv_egress=half, **qo_room)
+    assert config.head_groups == 2
     host = plan.comm.unit_host()
     rails = plan.relay.rails
 
