@@ -409,6 +409,13 @@ def write_text(path: str | Path, text: str) -> Path:
     return path
 
 
+def print_and_write(text: str, md_path: str | Path | None) -> None:
+    """A benchmark's printed tables, also written to ``md_path`` when given."""
+    print(text)
+    if md_path:
+        write_text(md_path, text)
+
+
 def write_results(json_path: str | Path, payload: dict, md_path: str | Path | None, text: str) -> None:
     """A benchmark's outputs: the JSON payload, and the printed tables when ``md_path`` is given."""
     write_json(json_path, payload)

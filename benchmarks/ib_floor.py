@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
     add_cluster_sweep_args, cached_assignment, cluster_sweep, make_mask, markdown_table, median, plan_cache_path,
-    write_text,
+    print_and_write,
 )
 from topology_solve import link_bottlenecks, usp_ib_fwd  # noqa: E402
 
@@ -176,9 +176,7 @@ def main(argv=None) -> list[dict]:
             "the default sub-stages (its returns cross once per sub-stage) and at S = 1. Bytes are counted, "
             "not simulated.\n\n"
             + markdown_table(rows, COLUMNS) + "\n\n" + summary(rows))
-    print(text)
-    if args.md:
-        write_text(args.md, text)
+    print_and_write(text, args.md)
     return rows
 
 

@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
-    PACKED_KINDS, cached_assignment, make_mask, markdown_table, parse_list, plan_cache_path, write_text,
+    PACKED_KINDS, cached_assignment, make_mask, markdown_table, parse_list, plan_cache_path, print_and_write,
 )
 
 from gpusolver import SolverConfig, block_areas  # noqa: E402
@@ -113,9 +113,7 @@ def main(argv=None) -> list[dict]:
             + markdown_table(rows, COLUMNS)
             + f"\n\nLargest peak / own at fill: {worst['fill_own']:.2f} ({worst['kind']} P = {worst['P']} seed "
             f"{worst['seed']}); smallest: {min(r['fill_own'] for r in rows):.2f}.\n")
-    print(text)
-    if args.md:
-        write_text(args.md, text)
+    print_and_write(text, args.md)
     return rows
 
 

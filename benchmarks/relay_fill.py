@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import KINDS, cached_assignment, make_mask, markdown_table, parse_list, plan_cache_path, write_text  # noqa: E402,E501
+from _common import KINDS, cached_assignment, make_mask, markdown_table, parse_list, plan_cache_path, print_and_write  # noqa: E402,E501
 
 from gpusolver import SolverConfig, block_areas  # noqa: E402
 from gpusolver.capacity import RELAY_CHUNKS  # noqa: E402
@@ -122,9 +122,7 @@ def main(argv=None) -> list[dict]:
             f"`capacity.RELAY_CHUNKS` = {RELAY_CHUNKS}, each capped at its worst case. A row past a capacity "
             "travels direct instead.\n\n## Largest fill / capacity per P\n\n"
             + markdown_table(summary(rows), SUMMARY) + "\n\n## Every mask\n\n" + markdown_table(rows, COLUMNS) + "\n")
-    print(text)
-    if args.md:
-        write_text(args.md, text)
+    print_and_write(text, args.md)
     return rows
 
 

@@ -40,12 +40,9 @@ def stages(text: str) -> int | str:
     if text == "auto":
         return text
     try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 or 'auto', got {v}")
-    return v
+        return positive_int(text)
+    except argparse.ArgumentTypeError as e:  # its message, naming 'auto' too
+        raise argparse.ArgumentTypeError(str(e).replace(", got", " or 'auto', got", 1)) from None
 
 
 def heads(text: str) -> tuple[int, int]:
