@@ -9,6 +9,7 @@ K plus V row: the kinds are sized apart.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from gpusolver.config import SolverConfig
@@ -24,6 +25,22 @@ KINDS = ("qo", "kv")
 # more KV at P = 64 (14.75 received): the solve keeps its plan within these, moving other tasks,
 # or reports BUFFER_OVERFLOW when no start fits.
 DEFAULT_CHUNKS = {"qo_recv": 2, "kv_recv": 13, "qo_send": 3, "kv_send": 16}
+# Smaller defaults where they were measured to cost nothing: a slice-mask group that spans nodes of
+# a topology with direct transport (the default S = 4; the solve does not read S), per range of P.
+# Measured (``benchmarks/capacity_sweep.py``, ``benchmarks/results/capacity_sweep.md``: h200_hgx,
+# the default config, packed causal / full documents seeds 0-2 and one causal and one bidirectional
+# sequence, 8K tokens per rank, 64:8) against plans at DEFAULT_CHUNKS, SIMULATED steps:
+#   1.5 / 8 / 2 / 8 at P = 16, 24, 32: median 1.000x, max 1.000x, 1.007x, 1.006x, none overflowing,
+#     ``plan.memory()`` peak 36-37 % lower (4.0x the layer's own q, k, v, out instead of 6.3x);
+#     at P = 48 1.000x too, but at P = 64 up to 2.57x (full documents seed 2: the solve no
+#     longer reached mu).
+#   1.5 / 10 / 2 / 12 at P = 48, 64: median 1.000x, max 1.000x, none overflowing, peak 26 % lower
+#     (4.7x own).
+# Everywhere else DEFAULT_CHUNKS stays: inside one node (P <= 8: the pinned plans), without a
+# topology, with relay transport, for sparse selections (``SparseSolverConfig.cluster_buffers``) and
+# past P = 64, none of them measured at the smaller sizes. (lowest P, highest P, chunks):
+CLUSTER_CHUNKS = ((16, 32, {"qo_recv": 1.5, "kv_recv": 8, "qo_send": 2, "kv_send": 8}),
+                  (33, 64, {"qo_recv": 1.5, "kv_recv": 10, "qo_send": 2, "kv_send": 12}))
 # The one shared default before the kinds were sized apart (``max_recv_rows`` set to
 # ``LEGACY_CHUNKS * G * c`` gives those plans back).
 LEGACY_CHUNKS = 16
@@ -66,21 +83,34 @@ class BufferRows:
         return max(self.qo_recv, self.kv_recv)
 
 
+def default_chunks(config: SolverConfig) -> dict:
+    """Each buffer's default rows in multiples of G * c for ``config``: the ``CLUSTER_CHUNKS`` row of
+    its P for a slice-mask group across nodes (``link_weights``) with direct transport, where they
+    were measured; ``DEFAULT_CHUNKS`` everywhere else. Host values of the config only, so the solve
+    (op or not) and the plan builder size the same buffers."""
+    if config.cluster_buffers and config.link_weights is not None and not config.relays:
+        for lo, hi, chunks in CLUSTER_CHUNKS:
+            if lo <= config.cp_size <= hi:
+                return chunks
+    return DEFAULT_CHUNKS
+
+
 def buffer_rows(config: SolverConfig, chunk: int) -> BufferRows:
     """The buffers of a plan of ``config`` with ``chunk`` = c tokens per rank.
 
     Per buffer: its ``SolverConfig.max_<kind>_<dir>_rows`` when set, else ``max_recv_rows``
-    when set (one value for all four), else ``min(G * c * (P - 1), DEFAULT_CHUNKS[...] * G * c)``.
+    when set (one value for all four), else ``min(G * c * (P - 1), ceil(k * G * c))`` with k
+    from ``default_chunks(config)`` (``DEFAULT_CHUNKS``, or ``CLUSTER_CHUNKS`` across nodes).
     """
     G, P = config.head_groups, config.cp_size
     worst = G * chunk * (P - 1)
     rows = {}
-    for name, chunks in DEFAULT_CHUNKS.items():
+    for name, chunks in default_chunks(config).items():
         v = getattr(config, f"max_{name}_rows")
         if v is None:
             v = config.max_recv_rows
         if v is None:
-            v = min(worst, chunks * G * chunk)
+            v = min(worst, math.ceil(chunks * G * chunk))  # 1.5 chunks: a whole row more at an odd G * c
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ValueError(f"max_{name}_rows must be a non-negative int, got {v!r}")
         rows[name] = v

@@ -56,7 +56,7 @@ def plan_capacities(config: SolverConfig, num_slices: int, chunk: int, *, recv_c
              = ``3 * G * n * max(R, 2 * P)``.
     buffers: ``buffers`` when given, else ``capacity.buffer_rows(config, chunk)`` (per kind:
              its ``max_*_rows`` field, else ``max_recv_rows``, else ``min(G * c * (P - 1),
-             k * G * c)`` with k from ``capacity.DEFAULT_CHUNKS``, sized from the benchmark
+             k * G * c)`` with k from ``capacity.default_chunks(config)``, sized from the benchmark
              masks' fills); ``recv_capacity`` / ``send_capacity`` then set both kinds' receive /
              send rows. ``G * c * (P - 1)`` is the worst case (every other rank's whole chunk, or
              the whole local chunk to every other rank).

@@ -53,6 +53,7 @@ Nothing here reads device values except ``validate()`` and ``summary()``.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 
@@ -115,6 +116,9 @@ class SparseSolverConfig(SolverConfig):
 
     selection_bytes: int = 0
     branches: int = 1
+
+    # ``capacity.DEFAULT_CHUNKS`` on clusters too: the smaller buffers were measured on slice masks only
+    cluster_buffers: ClassVar[bool] = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -583,10 +587,12 @@ def build_sparse_plan(areas: BlockAreas, assignment: torch.Tensor, config: Solve
     U = areas.num_units
     if tuple(assignment.shape) != (G, U, U):
         raise ValueError(f"assignment must be [G, U, U] = {(G, U, U)}, got {tuple(assignment.shape)}")
-    stage_cap, rows = plan_capacities(config, 2, c, recv_capacity=recv_capacity, send_capacity=send_capacity)
+    priced = sparse_config(config, spec)
+    # the priced config's buffers: the ones its solve kept the plan within (``SparseSolverConfig.cluster_buffers``)
+    stage_cap, rows = plan_capacities(priced, 2, c, recv_capacity=recv_capacity, send_capacity=send_capacity)
     mu = config.imbalance_tol if imbalance_tol is None else float(imbalance_tol)
     assignment = assignment.to(torch.int32)
-    cost = sparse_config(config, spec).cost()
+    cost = priced.cost()
     metrics = evaluate(areas, assignment, cost)
     # sub-stages (``plan.stages``): by when each task's bytes land, priced with the selection bytes
     task_stage = assign_stages(areas, assignment, S, cost=cost, topology=getattr(config, "topology", None))

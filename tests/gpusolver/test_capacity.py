@@ -3,9 +3,11 @@ from dataclasses import replace
 
 import pytest
 
-from gpusolver.capacity import buffer_rows, keep_for_budget, kept_bytes, plain_kept_bytes
+from gpusolver.capacity import (CLUSTER_CHUNKS, DEFAULT_CHUNKS, buffer_rows, keep_for_budget, kept_bytes,
+                                plain_kept_bytes)
 from gpusolver.config import AUTO_STAGES, SolverConfig
 from gpusolver.problem import CommCost
+from gpusolver.topology import h200_hgx
 
 
 def test_buffer_rows_precedence():
@@ -14,6 +16,60 @@ def test_buffer_rows_precedence():
     assert buffer_rows(SolverConfig(cp_size=8), c).as_tuple() == (2 * G * c, 7 * G * c, 3 * G * c, 7 * G * c)
     cfg = SolverConfig(cp_size=64, max_recv_rows=500, max_qo_send_rows=7)
     assert buffer_rows(cfg, c).as_tuple() == (500, 500, 7, 500)
+
+
+def _chunks(config, c):
+    """A config's buffers in G * c (floats)."""
+    return tuple(v / (config.head_groups * c) for v in buffer_rows(config, c).as_tuple())
+
+
+def test_cluster_defaults_per_P():
+    """Across nodes (slice masks, direct transport) the smaller buffers measured there
+    (benchmarks/results/capacity_sweep.md); elsewhere the defaults of before, so the plans of one node
+    (P <= 8, pinned digests), of no topology, of relays and of sparse selections do not change."""
+    c = 8192
+    small, mid, old = (1.5, 8, 2, 8), (1.5, 10, 2, 12), (2, 13, 3, 16)
+    for P, want in ((16, small), (24, small), (32, small), (40, mid), (48, mid), (64, mid), (72, old)):
+        assert _chunks(SolverConfig(cp_size=P, topology=h200_hgx), c) == want, P
+    assert [(lo, hi) for lo, hi, _ in CLUSTER_CHUNKS] == [(16, 32), (33, 64)]
+    assert _chunks(SolverConfig(cp_size=8, topology=h200_hgx), c) == (2, 7, 3, 7)  # one node: capped at P - 1
+    assert _chunks(SolverConfig(cp_size=16), c) == (2, 13, 3, 15)  # no topology
+    assert _chunks(SolverConfig(cp_size=64), c) == old
+    assert _chunks(SolverConfig(cp_size=16, topology=h200_hgx, num_stages=1), c) == (2, 13, 3, 15)  # relays
+    assert _chunks(SolverConfig(cp_size=16, topology=h200_hgx, ib_relay=True), c) == (2, 13, 3, 15)
+    # direct at S = 1 too: the solve does not read S, so its buffers are those of S = 4
+    assert _chunks(SolverConfig(cp_size=16, topology=h200_hgx, num_stages=1, ib_relay=False), c) == small
+    from gpusolver.plan.sparse import SparseSolverConfig
+    assert _chunks(SparseSolverConfig(cp_size=16, topology=h200_hgx), c) == (2, 13, 3, 15)
+    assert DEFAULT_CHUNKS == dict(zip(("qo_recv", "kv_recv", "qo_send", "kv_send"), old))
+    # explicit settings still win over the per-P defaults
+    cfg = SolverConfig(cp_size=16, topology=h200_hgx, max_kv_recv_rows=5, max_qo_send_rows=0)
+    assert buffer_rows(cfg, c).as_tuple() == (int(1.5 * 8 * c), 5, 0, 8 * 8 * c)
+    assert buffer_rows(SolverConfig(cp_size=32, topology=h200_hgx, max_recv_rows=77), c).as_tuple() == (77,) * 4
+    # 1.5 chunks of an odd G * c round up to a whole row: QO recv holds at least 1.5 G * c
+    odd = SolverConfig(cp_size=16, topology=h200_hgx, num_heads_q=8, num_heads_kv=1)  # G = 1
+    assert buffer_rows(odd, 63).qo_recv == 95
+
+
+def test_cluster_defaults_reach_the_plan():
+    """A slice-mask plan solved across nodes is built with the smaller buffers its solve kept it
+    within (the runtime allocates ``plan.comm.buffers``); a sparse selection's keeps the old ones."""
+    import torch
+
+    from gpusolver.masks import dsa_topk_indices, packed_documents
+    from gpusolver.masks.sparse import TokenTopKMask
+    from gpusolver.plan.meta import BUFFER_OVERFLOW
+    from gpusolver.solve import solve
+
+    P, c = 16, 32
+    kw = dict(cp_size=P, topology=h200_hgx, num_heads_q=8, num_heads_kv=2, head_dim=16, dtype=torch.float32)
+    config = SolverConfig(**kw)
+    plan = solve(packed_documents(P * c, seed=0, causal=True), config, impl="torch")
+    assert plan.comm.buffers == buffer_rows(config, c) and _chunks(config, c) == (1.5, 8, 2, 8)
+    assert not int(plan.status) & BUFFER_OVERFLOW
+    sparse = solve(TokenTopKMask(dsa_topk_indices(P * c, 12, seed=0), P * c), config, impl="torch")
+    assert tuple(sparse.comm.buffers.as_tuple()) == tuple(
+        min(P - 1, k) * config.head_groups * c for k in (2, 13, 3, 16))
 
 
 @pytest.mark.parametrize("field", ["max_recv_rows", "max_qo_recv_rows", "max_kv_recv_rows", "max_qo_send_rows",
