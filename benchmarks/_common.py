@@ -109,7 +109,21 @@ def plan_cache_path(cache, kind: str, P: int, seed: int, tokens: int, config) ->
     if not cache:
         return None
     tag = "_topo" if config.topology is not None else ""
-    return Path(cache) / f"{kind}_P{P}_s{seed}_c{tokens}{tag}{mu_tag(config)}.pt"
+    return Path(cache) / f"{kind}_P{P}_s{seed}_c{tokens}{tag}{mu_tag(config)}{caps_tag(config, tokens)}.pt"
+
+
+def caps_tag(config, tokens: int) -> str:
+    """The part of a cached plan's file name that names its buffer capacities: none at
+    ``capacity.DEFAULT_CHUNKS`` (the plans cached before the defaults across nodes were sized per
+    P), else ``_caps`` and each buffer's rows in G·c (``_caps1.5-8-2-8``): the solve keeps a plan
+    within its capacities, so an assignment solved at others is another plan."""
+    from gpusolver.capacity import DEFAULT_CHUNKS, buffer_rows
+
+    unit = config.head_groups * tokens
+    worst = unit * (config.cp_size - 1)
+    rows = buffer_rows(config, tokens).as_tuple()
+    legacy = tuple(min(worst, k * unit) for k in DEFAULT_CHUNKS.values())
+    return "" if rows == legacy else "_caps" + "-".join(f"{r / unit:g}" for r in rows)
 
 
 def mu_tag(config) -> str:

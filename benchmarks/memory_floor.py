@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -72,7 +71,7 @@ def run(kind: str, P: int, seed: int, tokens: int, cache, topology) -> dict:
     mask = make_mask(kind, P, seed, tokens)
     areas = block_areas(mask, P, config.head_groups, impl="torch")
     asg, _ = cached_assignment(mask, areas, config, plan_cache_path(cache, kind, P, seed, tokens, config))
-    plan = build_plan(mask, areas, asg, replace(config, num_stages=1))  # the buffers do not depend on S
+    plan = build_plan(mask, areas, asg, config)  # the default S: its transport sizes the buffers (capacity.default_chunks)
     return {"kind": kind, "P": P, "seed": seed, **floor_row(plan, config, tokens)}
 
 
