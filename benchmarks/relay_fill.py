@@ -28,7 +28,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import KINDS, cached_assignment, make_mask, markdown_table, parse_list, plan_cache_path, print_and_write  # noqa: E402,E501
+from _common import (  # noqa: E402
+    KINDS, cached_assignment, make_mask, markdown_table, parse_list, plan_cache_path, print_and_write,
+)
 
 from gpusolver import SolverConfig, block_areas  # noqa: E402
 from gpusolver.capacity import RELAY_CHUNKS  # noqa: E402

@@ -28,19 +28,21 @@ def test_stages_bench_quick(tmp_path, capsys):
 def test_stages_bench_solves_on_the_topology(tmp_path, capsys):
     """--solve-topology solves with SolverConfig(topology=...) and caches that assignment apart from
     the topology-free one (the two solves give different plans, so they must not share a file); its
-    file names the default mu across nodes (1.05), so plans cached at 1.10 are not read for it."""
+    file names the default mu across nodes (1.05) and the buffer capacities sized for P = 16 across
+    nodes (1.5 / 8 / 2 / 8 G·c), so plans cached at 1.10 or at other capacities are not read for it."""
     mod = _load()
     cache = tmp_path / "plans"
     args = ["--P", "16", "--kinds", "causal", "--tokens-per-rank", "64", "--stages", "1,4", "--comm", "a2a,p2p",
             "--plan-cache", str(cache)]
     rows = mod.main(args + ["--solve-topology", "--json", str(tmp_path / "t.json")])
     assert "solved on the topology" in capsys.readouterr().out
-    assert sorted(p.name for p in cache.iterdir()) == ["causal_P16_s0_c64_topo_mu1.05.pt"]
+    assert sorted(p.name for p in cache.iterdir()) == ["causal_P16_s0_c64_topo_mu1.05_caps1.5-8-2-8.pt"]
     mod.main(args + ["--json", str(tmp_path / "n.json")])
     assert "solved without a topology" in capsys.readouterr().out
-    assert sorted(p.name for p in cache.iterdir()) == ["causal_P16_s0_c64.pt", "causal_P16_s0_c64_topo_mu1.05.pt"]
+    assert sorted(p.name for p in cache.iterdir()) == ["causal_P16_s0_c64.pt",
+                                                       "causal_P16_s0_c64_topo_mu1.05_caps1.5-8-2-8.pt"]
     from gpusolver.plan.io import load_plan_config
-    topo = load_plan_config(cache / "causal_P16_s0_c64_topo_mu1.05.pt")
+    topo = load_plan_config(cache / "causal_P16_s0_c64_topo_mu1.05_caps1.5-8-2-8.pt")
     assert topo.topology is not None and topo.imbalance_tol == 1.05 and topo.auto_mu
     assert load_plan_config(cache / "causal_P16_s0_c64.pt").topology is None
     for r in rows:
