@@ -20,7 +20,7 @@ Masks: packed causal / full documents (seeds), one causal and one bidirectional 
 P · c tokens; 8K tokens per rank, 64:8, D = 128, bf16, G = 8. Configs are the default one on the
 topology (mu "auto": 1.05 across nodes, S = 4, memory_budget 1.5), resolved as ``solve()`` does
 (``keep_for_budget``: smaller KV buffers may let the budget keep more of them) and solved with the
-CPU torch path. Plans are cached per caps (``--plan-cache``, a ``_caps...`` suffix).
+CPU torch path. Plans are cached per caps (``--plan-cache``; ``_common.caps_tag`` names them).
 
     PYTHONPATH=. python benchmarks/capacity_sweep.py --P 16,24,32,48,64 --seeds 3 --plan-cache build/cap_plans \\
         --md benchmarks/results/capacity_sweep.md --json benchmarks/results/capacity_sweep.json
@@ -105,9 +105,7 @@ def run_mask(kind: str, P: int, seed: int, tokens: int, sets: dict, topo, cache)
     for name, chunks in sets.items():
         config = capped_config(P, chunks, topo, tokens)
         areas = block_areas(mask, P, config.head_groups, impl="torch")
-        path = plan_cache_path(cache, kind, P, seed, tokens, config)
-        if path is not None:
-            path = path.with_name(f"{path.stem}_caps{caps_label(chunks).replace('/', '-')}{path.suffix}")
+        path = plan_cache_path(cache, kind, P, seed, tokens, config)  # its name carries the caps
         asg, solve_s = cached_assignment(mask, areas, config, path)
         plan = build_plan(mask, areas, asg, config, topology=topo)
         t = simulate(plan, topo, comm="p2p")
