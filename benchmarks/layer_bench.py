@@ -100,8 +100,8 @@ SUMMARY_COLUMNS = [("kind", "kind", ""), ("P", "P", "d"), ("runs", "runs", "d")]
 FILL_COLUMNS = [
     ("kind", "kind", ""), ("P", "P", "d"), ("tiles", "tiles", "d"), ("runs", "runs", "d"),
     ("QO recv", "qo_recv", ".2f"), ("KV recv", "kv_recv", ".2f"), ("QO send", "qo_send", ".2f"),
-    ("KV send", "kv_send", ".2f"), ("QO recv cap", "qo_recv_cap", ".0f"), ("KV recv cap", "kv_recv_cap", ".0f"),
-    ("QO send cap", "qo_send_cap", ".0f"), ("KV send cap", "kv_send_cap", ".0f"),
+    ("KV send", "kv_send", ".2f"), ("QO recv cap", "qo_recv_cap", ".1f"), ("KV recv cap", "kv_recv_cap", ".1f"),
+    ("QO send cap", "qo_send_cap", ".1f"), ("KV send cap", "kv_send_cap", ".1f"),
     ("worst", "worst", ".0f"), ("fits", "fits", ""),
 ]
 CAP_KEYS = ("qo_recv", "kv_recv", "qo_send", "kv_send")  # BufferRows order
@@ -195,11 +195,11 @@ def buffer_memory(config: SolverConfig, chunk: int, rows: BufferRows) -> dict:
     return {"fwd": fwd, "bwd": bwd, "held": held, "peak": max(fwd, bwd)}
 
 
-def memory_rows(cp_sizes, tokens_per_rank: int) -> list[dict]:
+def memory_rows(cp_sizes, tokens_per_rank: int, topology=None) -> list[dict]:
     rows = []
     for P in cp_sizes:
         for keep in (True, False):
-            config = SolverConfig(cp_size=P, keep_forward_buffers=keep)
+            config = SolverConfig(cp_size=P, keep_forward_buffers=keep, topology=topology)
             G, c = config.head_groups, tokens_per_rank
             _, default = plan_capacities(config, 1, c)
             worst = G * c * (P - 1)
@@ -211,12 +211,12 @@ def memory_rows(cp_sizes, tokens_per_rank: int) -> list[dict]:
     return rows
 
 
-def fill_summary(fills: list[dict], tokens_per_rank: int) -> list[dict]:
-    """Max fill per (kind, P, tiles) next to the default capacities (multiples of G * c)."""
+def fill_summary(fills: list[dict], tokens_per_rank: int, topology=None) -> list[dict]:
+    """Max fill per (kind, P, tiles) next to the default capacities on ``topology`` (multiples of G * c)."""
     out = []
     for key in dict.fromkeys((f["kind"], f["P"], f["tiles"]) for f in fills):
         fs = [f for f in fills if (f["kind"], f["P"], f["tiles"]) == key]
-        config = SolverConfig(cp_size=key[1])
+        config = SolverConfig(cp_size=key[1], topology=topology)
         unit = config.head_groups * tokens_per_rank
         _, caps = plan_capacities(config, 1, tokens_per_rank)
         row = {"kind": key[0], "P": key[1], "tiles": key[2], "runs": len(fs),
@@ -264,13 +264,14 @@ def run_instance(kind: str, P: int, seed: int, tokens_per_rank: int, tiles=(1,),
     for n in tiles:
         if n == 1:
             continue
-        fills.append(fill_only(kind, P, seed, tokens_per_rank, n, mask=mask))
+        fills.append(fill_only(kind, P, seed, tokens_per_rank, n, mask=mask, topology=topology))
     return row, fills, (mask, config, plan)
 
 
-def fill_only(kind: str, P: int, seed: int, tokens_per_rank: int, tiles: int = 1, mask=None) -> dict:
-    """The fill of the device solver's plan of one mask (solve and CommMeta only)."""
-    config = SolverConfig(cp_size=P, chunk_tiles=tiles)
+def fill_only(kind: str, P: int, seed: int, tokens_per_rank: int, tiles: int = 1, mask=None, topology=None) -> dict:
+    """The fill of the device solver's plan of one mask (solve and CommMeta only), solved on ``topology``
+    as the layer's rows are."""
+    config = SolverConfig(cp_size=P, chunk_tiles=tiles, topology=topology)
     mask = make_mask(kind, P, seed, tokens_per_rank) if mask is None else mask
     units = block_areas(mask, P, config.head_groups, impl="torch", tiles=tiles)
     asg = solve_assignment(units, config, impl="torch")
@@ -459,14 +460,14 @@ def main(argv=None) -> dict:
                                      **gpu_stage_times(config, cplan, topology=topology)})
                 print(f"# done {kind} P={P} seed={seed}", file=sys.stderr, flush=True)
             for seed in range(args.seeds, args.fill_seeds):
-                fills.append(fill_only(kind, P, seed, args.tokens_per_rank))
+                fills.append(fill_only(kind, P, seed, args.tokens_per_rank, topology=topology))
     for kind in args.fill_kinds:
         for P in args.P:
-            fills.append(fill_only(kind, P, 0, args.tokens_per_rank))
+            fills.append(fill_only(kind, P, 0, args.tokens_per_rank, topology=topology))
     real = [] if args.no_real else [real_run(kind, keep, cp_size=args.real_P, tokens_per_rank=args.real_tokens_per_rank)
                                     for kind in args.kinds for keep in (True, False)]
-    summary, fill_rows = summarize(rows), fill_summary(fills, args.tokens_per_rank)
-    memory = memory_rows(args.P, args.tokens_per_rank)
+    summary, fill_rows = summarize(rows), fill_summary(fills, args.tokens_per_rank, topology)
+    memory = memory_rows(args.P, args.tokens_per_rank, topology)
     prov = provenance(argv)
     prov["seconds"] = time.perf_counter() - t_start
     gpu_text = markdown_table(gpu_rows, GPU_COLUMNS) if gpu_rows else \
@@ -503,7 +504,7 @@ def main(argv=None) -> dict:
         markdown_table(summary, SUMMARY_COLUMNS),
         "### Receive capacity: largest fill as a multiple of G·c (max over the runs)",
         "QO / KV recv: rows a rank receives; QO / KV send: rows a rank sends. caps: each buffer's default "
-        "(`plan_capacities`, `gpusolver.capacity.DEFAULT_CHUNKS`); worst: P − 1.",
+        "(`plan_capacities`, `gpusolver.capacity.default_chunks`: sized per P across nodes); worst: P − 1.",
         markdown_table(fill_rows, FILL_COLUMNS),
         "### Receive-buffer memory per rank and layer",
         "fwd: Q, K, V receive buffers plus the buffer partial O and lse return into (send capacity); bwd: dO, lse, "
