@@ -271,7 +271,9 @@ class TorchGroup:
             return list(out)
         return Work(finish)
 
-    def _reduce(self, partials, send_index, split, acc, op, phase, host_split, deterministic):
+    def _reduce(self, partials, send_index, split, acc, op, phase, host_split, deterministic, inplace=False):
+        """Starts the exchange; the first ``wait()`` merges the rows that came back (``inplace``:
+        into acc's tensors, then: they must not be written in between)."""
         rows = self._host_matrix(split, host_split)
         capacity = partials[0].shape[0]
         send, recv = self._sizes(rows, send_index.shape[0], capacity, "the partials' rows")
@@ -296,10 +298,12 @@ class TorchGroup:
             # the positions past the rows sent are padding (dest -1, summed into scratch rows only): the
             # reduce reads the first n_send, so the return buffer is never padded to a second copy
             ret = [t[None] for t in unpack(back, layout, views=True)]
-            mine = [a[None] for a in acc]
+            targets = list(acc)
+            mine = [a[None] for a in acc]  # in place: views of acc's tensors, written through
             acc.clear()
-            out = reduce_rows(mine, ret, send_index[None, :n_send], dest[:, :n_send], op, self.size, deterministic)
-            return [t[0] for t in out]
+            out = reduce_rows(mine, ret, send_index[None, :n_send], dest[:, :n_send], op, self.size, deterministic,
+                              inplace)
+            return targets if inplace else [t[0] for t in out]
         return Work(finish)
 
     def traffic(self, phase: str) -> tuple[int, int]:

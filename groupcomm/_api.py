@@ -10,8 +10,9 @@ import logging
 import torch
 
 from ._base import flag_routing
-from ._checks import (check_capacity, check_out, check_phase, check_recv_offset, check_reduce, check_send_index,
-                      check_split, check_tensors)
+from ._checks import (check_capacity, check_inplace, check_out, check_phase, check_recv_offset, check_reduce,
+                      check_send_index, check_split, check_tensors)
+from ._reduce import sum_dtype
 
 log = logging.getLogger("groupcomm")
 
@@ -96,7 +97,7 @@ def group_cast(tensors, send_index: torch.Tensor, split: torch.Tensor, recv_capa
 
 def group_reduce(partials, send_index: torch.Tensor, split: torch.Tensor, acc, group, *, op: str,
                  phase: str = "reduce", host_split=None, deterministic: bool = True, async_op: bool = False,
-                 flag_errors: bool = True, consume: bool = False):
+                 flag_errors: bool = True, consume: bool = False, inplace: bool = False):
     """Send partial results back to the rows' hosts and reduce them there (reverse of ``group_cast``).
 
     Args:
@@ -121,14 +122,28 @@ def group_reduce(partials, send_index: torch.Tensor, split: torch.Tensor, acc, g
         consume: hand ``partials`` and ``acc`` over (two lists, emptied here): the group then
             drops each tensor as soon as it has read it, so a caller that keeps no other
             reference has the partials freed once their rows have left (before the sums are
-            made) and each acc once its copy in the sum dtype is made.
+            made) and each acc once its copy in the sum dtype is made. With ``inplace`` only
+            ``partials`` is handed over (emptied); ``acc`` is left as given, its tensors being
+            the result.
+        inplace: reduce straight into ``acc``: each acc tensor is updated in place and the
+            result is those same tensors, so no host-sized result is made (nor merged again by
+            the caller). Each acc must be a tensor of its own (no broadcast view such as
+            ``neutral_rows``, no overlapping strides, no two overlapping) in the dtype the reduce
+            accumulates in: fp32 out and lse for ``"lse"``, fp32 / fp64 for ``"sum"`` (a bf16 /
+            fp16 acc is refused: its sums run in fp32). The bits are those of ``inplace=False``
+            with the same acc (the same terms added in the same order). When the write happens:
+            ``LocalGroup`` and ``SymmMemGroup`` reduce when the call is made, ``TorchGroup`` in
+            the first ``wait()`` of an asynchronous call; acc must not be written by anything
+            else in between (program order decides what the reduce adds to).
 
-    Returns new tensors shaped and typed like ``acc`` (``acc`` is not modified).
+    Returns new tensors shaped and typed like ``acc`` (``acc`` is not modified), or with
+    ``inplace`` the ``acc`` tensors themselves, updated.
     """
     lead = _lead(group)
     P = group.size
     phase = check_phase(phase)
-    given = (partials, acc)
+    inplace = bool(inplace)
+    given = (partials,) if inplace else (partials, acc)  # in place, acc's tensors are the result: kept
     if consume and not all(isinstance(x, list) for x in given):
         raise ValueError(f"group_reduce(consume=True) takes partials and acc as lists (it empties them), got "
                          f"{type(partials).__name__} and {type(acc).__name__}")
@@ -138,11 +153,13 @@ def group_reduce(partials, send_index: torch.Tensor, split: torch.Tensor, acc, g
         for x in given:
             x.clear()
     check_reduce(partials, acc, op, lead)
+    if inplace:
+        check_inplace(partials, acc, op, sum_dtype)
     split = check_split(split, P, acc[0].device)
     send_index = check_send_index(send_index, lead, P, acc[0].device)
     if flag_errors:
         _flag("group_reduce", group, phase, split, send_index, acc[0].shape[lead], partials[0].shape[lead])
-    work = group._reduce(partials, send_index, split, acc, op, phase, host_split, bool(deterministic))
+    work = group._reduce(partials, send_index, split, acc, op, phase, host_split, bool(deterministic), inplace)
     return work if async_op else work.wait()
 
 

@@ -120,3 +120,65 @@ def check_phase(phase) -> str:
     if not isinstance(phase, str) or not phase:
         raise ValueError(f"phase must be a non-empty str, got {phase!r}")
     return phase
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Elements from ``t``'s first to its last one in its storage, plus 1 (0 when empty)."""
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+
+
+def _self_overlapping(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` may share memory: with its dims sorted by stride, each stride
+    must pass the last element the smaller dims reach (a sufficient test: a broadcast dim, stride 0,
+    always fails it; exotic interleaved layouts that do not overlap may fail it too)."""
+    reach = 0
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz > 1):
+        if stride <= reach:
+            return True
+        reach += stride * (size - 1)
+    return False
+
+
+def check_inplace(partials: list[torch.Tensor], acc: list[torch.Tensor], op: str, sum_dtype) -> None:
+    """``group_reduce(inplace=True)``: every acc a real tensor the sums can be written into.
+
+    Each acc must have one memory location per element (no broadcast view such as ``neutral_rows``,
+    no overlapping strides), no two may overlap, and each must already be the dtype the reduce
+    accumulates in, so writing the result back rounds nothing: fp32 out and lse for ``op="lse"``,
+    the sum dtype of (acc, partial) for ``op="sum"`` (``sum_dtype(acc, partial)``)."""
+    for i, a in enumerate(acc):
+        if _self_overlapping(a):
+            raise ValueError(f"acc[{i}] cannot be reduced into in place (group_reduce(inplace=True)): shape "
+                             f"{_shape(a)} with strides {tuple(a.stride())} has elements that share memory (a "
+                             f"broadcast view such as neutral_rows, or expand); pass a tensor of its own or "
+                             f"inplace=False")
+    if op == "lse":
+        for i, name in ((0, "out"), (1, "lse")):
+            if acc[i].dtype != torch.float32:
+                raise ValueError(f"acc[{i}] ({name}) must be fp32 to be merged into in place, got {acc[i].dtype}: "
+                                 f"the merge runs in fp32, and an in-place accumulator is the running one, so a "
+                                 f"lower precision would round it at every reduce (pass fp32, or inplace=False for "
+                                 f"a new result in acc's dtype)")
+    else:
+        for i, (p, a) in enumerate(zip(partials, acc)):
+            want = sum_dtype(a.dtype, p.dtype)
+            if not a.dtype.is_floating_point or want != a.dtype:
+                raise ValueError(f"acc[{i}] must be a floating dtype that is its own sum dtype (fp32, fp64) to be "
+                                 f"summed into in place, got {a.dtype} with partials[{i}] {p.dtype}: the sums "
+                                 f"accumulate in {want}, so a {a.dtype} accumulator would be rounded at every reduce "
+                                 f"(pass a {want} accumulator, or inplace=False)")
+    if torch.compiler.is_compiling():
+        return  # storages are not traced; the graph's functionalization keeps the writes apart anyway
+    spans = []
+    for i, a in enumerate(acc):
+        start = a.storage_offset() * a.element_size()
+        end = start + _extent(a) * a.element_size()
+        key = a.untyped_storage()._cdata  # the storage itself (meta and fake tensors have one, no address)
+        for j, (k, s, e) in enumerate(spans):
+            if k == key and start < e and s < end:
+                raise ValueError(f"acc[{i}] and acc[{j}] may overlap in memory (one storage, bytes [{start}, {end}) "
+                                 f"and [{s}, {e})): group_reduce(inplace=True) writes each, so they must be "
+                                 f"distinct tensors")
+        spans.append((key, start, end))

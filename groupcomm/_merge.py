@@ -19,10 +19,17 @@ on meta and under ``torch.compile``):
 - ``groupcomm::merge_lse(out [B, N, h, D], lse [B, N, h], out_p [B, C, h, D], lse_p [B, C, h],
   slots, use_triton) -> (out in out's dtype, lse in lse's dtype)``;
 - ``groupcomm::merge_sum(acc [B, N, *f], ret [B, C, *f], slots, use_triton) -> [B, N, *f]`` in
-  acc's dtype (fp32 inside).
+  acc's dtype (fp32 inside);
+- in place (``group_reduce(inplace=True)``), the same merges written into the accumulator
+  itself, which is the kernels' output (``mutates_args``; the fakes return None and allocate
+  nothing): ``groupcomm::merge_lse_(out, lse, out_p, lse_p, slots, use_triton) -> None`` (out
+  and lse fp32) and ``groupcomm::merge_sum_(acc, ret, slots, use_triton) -> None``. Why that is
+  safe with the output aliasing the input: ``_merge_kernel``'s docstring. The partials must not
+  share memory with the accumulator (in a group_reduce they come back in buffers of their own).
 
-``use_triton`` False runs the torch twins ``merge_lse_ref`` / ``merge_sum_ref`` (P gathers of
-N rows: a reference, not a memory saver). Inputs are never modified.
+``use_triton`` False runs the torch twins ``merge_lse_ref`` / ``merge_sum_ref`` (and
+``merge_lse_ref_`` / ``merge_sum_ref_`` in place: the twin's result copied over; P gathers of
+N rows: a reference, not a memory saver). The out-of-place ops never modify their inputs.
 
 ``fused_reduce(mode)`` chooses where ``reduce_rows`` uses the ops: ``None`` (the default) on
 CUDA tensors only; True everywhere (meta: the fakes; CPU: the kernels under
@@ -121,6 +128,19 @@ def merge_sum_ref(acc: torch.Tensor, ret: torch.Tensor, slots: torch.Tensor) -> 
     return total.to(acc.dtype)
 
 
+def merge_lse_ref_(out: torch.Tensor, lse: torch.Tensor, out_p: torch.Tensor, lse_p: torch.Tensor,
+                   slots: torch.Tensor) -> None:
+    """Torch twin of the in-place lse merge: ``merge_lse_ref``'s result written over (out, lse)."""
+    o, l_ = merge_lse_ref(out, lse, out_p, lse_p, slots)
+    out.copy_(o)
+    lse.copy_(l_)
+
+
+def merge_sum_ref_(acc: torch.Tensor, ret: torch.Tensor, slots: torch.Tensor) -> None:
+    """Torch twin of the in-place sum: ``merge_sum_ref``'s result written over acc."""
+    acc.copy_(merge_sum_ref(acc, ret, slots))
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -170,10 +190,55 @@ def merge_sum_fake(acc: torch.Tensor, ret: torch.Tensor, slots: torch.Tensor, us
     return torch.empty_like(acc, memory_format=torch.contiguous_format)
 
 
+@torch.library.custom_op("groupcomm::merge_lse_", mutates_args=("out", "lse"))
+def merge_lse_inplace_op(out: torch.Tensor, lse: torch.Tensor, out_p: torch.Tensor, lse_p: torch.Tensor,
+                         slots: torch.Tensor, use_triton: bool) -> None:
+    """``merge_lse`` written into out [B, N, h, D] fp32 and lse [B, N, h] fp32 (any strides): the
+    kernel's outputs are its accumulator inputs. A D dim that is not contiguous is merged in a
+    contiguous copy and copied back."""
+    if not use_triton:
+        merge_lse_ref_(out, lse, out_p, lse_p, slots)
+        return
+    _check_triton(out, "merge_lse_")
+    from ._merge_kernel import merge_lse_into
+    dst = out if out.shape[-1] == 1 or out.stride(-1) == 1 else out.contiguous()
+    merge_lse_into(dst, lse, out_p, lse_p, slots, dst, lse, gpu=not _interpreting(), inplace=True)
+    if dst is not out:
+        out.copy_(dst)
+
+
+@merge_lse_inplace_op.register_fake
+def merge_lse_inplace_fake(out: torch.Tensor, lse: torch.Tensor, out_p: torch.Tensor, lse_p: torch.Tensor,
+                           slots: torch.Tensor, use_triton: bool) -> None:
+    return None
+
+
+@torch.library.custom_op("groupcomm::merge_sum_", mutates_args=("acc",))
+def merge_sum_inplace_op(acc: torch.Tensor, ret: torch.Tensor, slots: torch.Tensor, use_triton: bool) -> None:
+    """``merge_sum`` written into acc [B, N, *f] (any strides): the kernel's output is its accumulator
+    input. Rows whose ``*f`` values are not one contiguous run are merged in a contiguous copy and
+    copied back."""
+    if not use_triton:
+        merge_sum_ref_(acc, ret, slots)
+        return
+    _check_triton(acc, "merge_sum_")
+    from ._merge_kernel import merge_sum_into, rows_are_flat
+    dst = acc if rows_are_flat(acc) else acc.contiguous()
+    merge_sum_into(dst, ret, slots, dst, gpu=not _interpreting(), inplace=True)
+    if dst is not acc:
+        acc.copy_(dst)
+
+
+@merge_sum_inplace_op.register_fake
+def merge_sum_inplace_fake(acc: torch.Tensor, ret: torch.Tensor, slots: torch.Tensor, use_triton: bool) -> None:
+    return None
+
+
 def fused_reduce_rows(acc: list, ret: list, send_index: torch.Tensor, dest: torch.Tensor, op: str,
-                      P: int) -> list[torch.Tensor]:
+                      P: int, inplace: bool = False) -> list[torch.Tensor]:
     """``reduce_rows`` through the fused ops; ``acc`` and ``ret`` are emptied as there (each pair
-    dropped once merged, so a consumed tensor is freed before the next one's output is made)."""
+    dropped once merged, so a consumed tensor is freed before the next one's output is made).
+    ``inplace``: the in-place ops, into acc's tensors, which are returned."""
     B, N = acc[0].shape[:2]
     slots = slot_table(send_index, dest, N, P)
     use_triton = acc[0].device.type != "meta"  # meta: the fake; the flag only picks the real impl
@@ -181,11 +246,18 @@ def fused_reduce_rows(acc: list, ret: list, send_index: torch.Tensor, dest: torc
         (out, lse), (out_p, lse_p) = acc, ret
         acc.clear()
         ret.clear()
+        if inplace:
+            merge_lse_inplace_op(out, lse, out_p, lse_p, slots, use_triton)
+            return [out, lse]
         return list(merge_lse_op(out, lse, out_p, lse_p, slots, use_triton))
     outs = []
     for i in range(len(acc)):
         a, r = acc[i], ret[i]
         acc[i] = ret[i] = None
-        outs.append(merge_sum_op(a, r, slots, use_triton))
+        if inplace:
+            merge_sum_inplace_op(a, r, slots, use_triton)
+            outs.append(a)
+        else:
+            outs.append(merge_sum_op(a, r, slots, use_triton))
         del a, r
     return outs

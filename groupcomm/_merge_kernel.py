@@ -19,6 +19,20 @@ in memory (the accumulators live in registers, one tile of rows at a time).
 
 Every load and store is masked (an out-of-bounds access under the interpreter corrupts the
 process); a slot of -1 masks its loads, so its address is never read.
+
+In place (``IN_PLACE``, ``group_reduce(inplace=True)``): the outputs are the host's rows
+themselves (out / lse, acc), written through their own strides. That is safe because
+1. each output element is owned by one program: the grid partitions the (rank, row, head) items
+   (lse) and the (rank, row, column) elements (sum), and a program reads the host's values of
+   its own elements only (the partials and slots it reads are other tensors, never written);
+2. within a program every host value it stores is loaded first: the value stored at an address
+   is computed from the value loaded there (a data dependence), and a CTA barrier
+   (``tl.debug_barrier``) sits between the last load and the first store, because a block's
+   layout may hold one element in several threads or warps (a [BLOCK_M] lse replicated across
+   the threads of a row's D columns): without it, one warp could store a merged lse before
+   another warp had loaded the old one for its columns.
+The interpreter runs a program's ops in order, so the CPU tests check (1) and the arithmetic;
+(2) on a GPU rests on the barrier, which the sm_90 compile test finds in the compiled kernel.
 """
 from __future__ import annotations
 
@@ -30,7 +44,8 @@ import triton.language as tl
 @triton.jit
 def _merge_lse_kernel(p_o, p_l, p_po, p_pl, p_slot, p_out, p_lse, N, H, D, P,
                       s_ob, s_on, s_oh, s_lb, s_ln, s_lh, s_pob, s_poc, s_poh, s_plb, s_plc, s_plh,
-                      BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, O_BCAST: tl.constexpr):
+                      s_xb, s_xn, s_xh, s_yb, s_yn, s_yh,
+                      BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, O_BCAST: tl.constexpr, IN_PLACE: tl.constexpr):
     i_m = tl.program_id(0)
     i_b = tl.program_id(1).to(tl.int64)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
@@ -73,15 +88,17 @@ def _merge_lse_kernel(p_o, p_l, p_po, p_pl, p_slot, p_out, p_lse, N, H, D, P,
         b_ok = tl.load(p_po + (i_b * s_pob + b_p * s_poc + o_h * s_poh)[:, None] + o_d[None, :],
                        mask=m_k[:, None] & m_d[None, :], other=0.0)
         b_acc += b_w[:, None] * b_ok.to(tl.float32)
-    # outputs are contiguous [B, N, H, D] and [B, N, H]
-    o_item = i_b * N * H + o_m
-    tl.store(p_out + o_item[:, None] * D + o_d[None, :], b_acc.to(p_out.dtype.element_ty), mask=m_md)
-    tl.store(p_lse + o_item, b_lse.to(p_lse.dtype.element_ty), mask=m_m)
+    if IN_PLACE:  # every thread has loaded the host's values it merges before any is overwritten
+        tl.debug_barrier()
+    # outputs [B, N, H, D] (strides s_x*, D contiguous) and [B, N, H] (strides s_y*)
+    tl.store(p_out + (i_b * s_xb + o_n * s_xn + o_h * s_xh)[:, None] + o_d[None, :],
+             b_acc.to(p_out.dtype.element_ty), mask=m_md)
+    tl.store(p_lse + i_b * s_yb + o_n * s_yn + o_h * s_yh, b_lse.to(p_lse.dtype.element_ty), mask=m_m)
 
 
 @triton.jit
-def _merge_sum_kernel(p_a, p_r, p_slot, p_out, N, F, P, s_ab, s_an, s_rb, s_rc,
-                      BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr, A_BCAST: tl.constexpr):
+def _merge_sum_kernel(p_a, p_r, p_slot, p_out, N, F, P, s_ab, s_an, s_rb, s_rc, s_xb, s_xn,
+                      BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr, A_BCAST: tl.constexpr, IN_PLACE: tl.constexpr):
     i_r = tl.program_id(0)
     i_f = tl.program_id(1)
     i_b = tl.program_id(2).to(tl.int64)
@@ -103,7 +120,11 @@ def _merge_sum_kernel(p_a, p_r, p_slot, p_out, N, F, P, s_ab, s_an, s_rb, s_rc,
         b_x = tl.load(p_r + (i_b * s_rb + b_p * s_rc)[:, None] + o_f[None, :], mask=m_k[:, None] & m_f[None, :],
                       other=0.0)
         b_acc += b_x.to(tl.float32)
-    tl.store(p_out + (i_b * N + o_n)[:, None] * F + o_f[None, :], b_acc.to(p_out.dtype.element_ty), mask=m_nf)
+    if IN_PLACE:  # every thread has loaded the host's values it sums before any is overwritten
+        tl.debug_barrier()
+    # output [B, N, F] (strides s_xb, s_xn, F contiguous)
+    tl.store(p_out + (i_b * s_xb + o_n * s_xn)[:, None] + o_f[None, :], b_acc.to(p_out.dtype.element_ty),
+             mask=m_nf)
 
 
 def _broadcast(t: torch.Tensor, inner: int) -> bool:
@@ -112,15 +133,26 @@ def _broadcast(t: torch.Tensor, inner: int) -> bool:
     return t.numel() > 0 and all(st == 0 for st in t.stride()[t.dim() - inner:])
 
 
-def _rows(t: torch.Tensor, inner: int) -> torch.Tensor:
-    """``t`` whose last ``inner`` dims are contiguous (a view when they are: the returned rows
-    are strided views of the packed return buffer), else a contiguous copy."""
+def _flat(t: torch.Tensor, inner: int) -> bool:
+    """Whether ``t``'s last ``inner`` dims are one contiguous run of values."""
     expect = 1
     for size, stride in zip(reversed(t.shape[t.dim() - inner:]), reversed(t.stride()[t.dim() - inner:])):
         if size != 1 and stride != expect:
-            return t.contiguous()
+            return False
         expect *= size
-    return t
+    return True
+
+
+def rows_are_flat(t: torch.Tensor) -> bool:
+    """Whether each row of ``t [B, N, *f]`` is one contiguous run of values (what the sum kernel
+    writes in place)."""
+    return _flat(t, t.dim() - 2)
+
+
+def _rows(t: torch.Tensor, inner: int) -> torch.Tensor:
+    """``t`` whose last ``inner`` dims are contiguous (a view when they are: the returned rows
+    are strided views of the packed return buffer), else a contiguous copy."""
+    return t if _flat(t, inner) else t.contiguous()
 
 
 def lse_blocks(D: int, items: int, gpu: bool) -> dict:
@@ -139,16 +171,22 @@ def sum_blocks(F: int, N: int, gpu: bool) -> dict:
 
 
 def merge_lse_into(out: torch.Tensor, lse: torch.Tensor, out_p: torch.Tensor, lse_p: torch.Tensor,
-                   slots: torch.Tensor, out_new: torch.Tensor, lse_new: torch.Tensor, gpu: bool) -> None:
+                   slots: torch.Tensor, out_new: torch.Tensor, lse_new: torch.Tensor, gpu: bool,
+                   inplace: bool = False) -> None:
     """Launch ``_merge_lse_kernel``: out ``[B, N, h, D]``, lse ``[B, N, h]``, out_p ``[B, C, h, D]``,
-    lse_p ``[B, C, h]``, slots ``[B, N, P]`` int32 -> out_new, lse_new (contiguous, written);
-    ``gpu``: the GPU's block sizes (else the interpreter's)."""
+    lse_p ``[B, C, h]``, slots ``[B, N, P]`` int32 -> out_new, lse_new (written through their
+    strides; out_new's D contiguous); ``gpu``: the GPU's block sizes (else the interpreter's).
+    ``inplace``: out_new is out and lse_new is lse (out's D contiguous), see the module docstring."""
     B, N, H, D = out.shape
     P = slots.shape[2]
     if B * N * H * D == 0:
         return
+    if out_new.shape[-1] != 1 and out_new.stride(-1) != 1:
+        raise ValueError(f"merge_lse_into: out_new's D must be contiguous, got strides {tuple(out_new.stride())}")
+    if inplace and (out_new is not out or lse_new is not lse):
+        raise ValueError("merge_lse_into(inplace=True) writes out and lse themselves: pass them as out_new, lse_new")
     bcast = _broadcast(out, 1)
-    out = out if bcast else _rows(out, 1)
+    out = out if bcast or inplace else _rows(out, 1)
     out_p = _rows(out_p, 1)
     slots = slots.contiguous()
     blocks = lse_blocks(D, N * H, gpu)
@@ -157,23 +195,33 @@ def merge_lse_into(out: torch.Tensor, lse: torch.Tensor, out_p: torch.Tensor, ls
                             out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
                             out_p.stride(0), out_p.stride(1), out_p.stride(2),
                             lse_p.stride(0), lse_p.stride(1), lse_p.stride(2),
-                            **blocks, O_BCAST=bcast, num_warps=4)
+                            out_new.stride(0), out_new.stride(1), out_new.stride(2),
+                            lse_new.stride(0), lse_new.stride(1), lse_new.stride(2),
+                            **blocks, O_BCAST=bcast, IN_PLACE=inplace, num_warps=4)
 
 
 def merge_sum_into(acc: torch.Tensor, ret: torch.Tensor, slots: torch.Tensor, out: torch.Tensor,
-                   gpu: bool) -> None:
+                   gpu: bool, inplace: bool = False) -> None:
     """Launch ``_merge_sum_kernel``: acc ``[B, N, *f]``, ret ``[B, C, *f]``, slots ``[B, N, P]`` int32
-    -> out ``[B, N, *f]`` (contiguous, written); ``gpu`` as in ``merge_lse_into``."""
+    -> out ``[B, N, *f]`` (written through its first two strides, each row one contiguous run);
+    ``gpu`` as in ``merge_lse_into``. ``inplace``: out is acc, see the module docstring."""
     B, N = acc.shape[:2]
     C, P = ret.shape[1], slots.shape[2]
     F = out[0, 0].numel() if B and N else 0
     if B * N * F == 0:
         return
+    if not rows_are_flat(out):
+        raise ValueError(f"merge_sum_into: out's rows must each be contiguous, got strides {tuple(out.stride())}")
+    if inplace and out is not acc:
+        raise ValueError("merge_sum_into(inplace=True) writes acc itself: pass it as out")
     bcast = _broadcast(acc, acc.dim() - 2)
-    a = acc.as_strided((B, N, F), (*acc.stride()[:2], 0)) if bcast else _rows(acc, acc.dim() - 2).reshape(B, N, F)
+    if bcast:
+        a = acc.as_strided((B, N, F), (*acc.stride()[:2], 0))
+    else:  # in place a view of acc itself (its rows are flat: checked above), never a copy
+        a = acc.view(B, N, F) if inplace else _rows(acc, acc.dim() - 2).reshape(B, N, F)
     r = _rows(ret, ret.dim() - 2).reshape(B, C, F)
     slots = slots.contiguous()
     blocks = sum_blocks(F, N, gpu)
     grid = (triton.cdiv(N, blocks["BLOCK_R"]), triton.cdiv(F, blocks["BLOCK_F"]), B)
     _merge_sum_kernel[grid](a, r, slots, out, N, F, P, a.stride(0), a.stride(1), r.stride(0), r.stride(1),
-                            **blocks, A_BCAST=bcast, num_warps=4)
+                            out.stride(0), out.stride(1), **blocks, A_BCAST=bcast, IN_PLACE=inplace, num_warps=4)

@@ -23,6 +23,12 @@ no fp32 copy at the send capacity C is ever made, and each window in
 ``_PIECES`` pieces (a quarter of ``min(N, C)`` rows gathered and converted at a
 time). The fused merge (``_merge``, by default on CUDA) makes neither.
 
+In place (``group_reduce(inplace=True)``: acc already in the sum dtype) the sums are acc
+itself, addressed by (rank, row) pairs: no ``[B * (N + 1), *f]`` copy is made. With no scratch
+row to absorb the skipped positions, they add -0.0 to row 0 of their rank: ``x + (-0.0) == x``
+for every x (-0.0, NaN and inf included), in any order, so each real row gets the same adds
+as the out-of-place sums, in the same order, and the same bits.
+
 The lse merge (``op="lse"``): for partials k of one row, with the host's own
 (out_0, lse_0) among them,
 
@@ -127,6 +133,55 @@ def scatter_add_(flat: torch.Tensor, vals: torch.Tensor, send_index: torch.Tenso
     return flat
 
 
+def _add_rows_into(acc: torch.Tensor, vals: torch.Tensor, pos: torch.Tensor, rows_n: torch.Tensor,
+                   ok: torch.Tensor, weight: torch.Tensor | None) -> None:
+    """``acc[b, rows_n[b, w]] += vals[b, pos[b, w]] (* weight[b, pos[b, w]])`` where ``ok``, in place;
+    pos, rows_n, ok ``[B, W]``. A position not ``ok`` adds -0.0 to row 0 of its rank (nothing, see
+    the module docstring). In ``_PIECES`` pieces of columns, as ``_add_rows``."""
+    B, W = pos.shape
+    b = torch.arange(B, device=pos.device)[:, None]
+    step = -(-W // _PIECES)
+    for c0 in range(0, W, step):
+        p, m = pos[:, c0:c0 + step], ok[:, c0:c0 + step]
+        n = torch.where(m, rows_n[:, c0:c0 + step], torch.zeros_like(p))
+        rows = vals[b, p].to(acc.dtype)                                 # [B, step, *f]
+        if weight is not None:
+            w = weight[b, p]
+            rows.mul_(w.reshape(*w.shape, *([1] * (rows.dim() - w.dim()))))
+        rows.masked_fill_(~m.reshape(*m.shape, *([1] * (rows.dim() - 2))), -0.0)
+        acc.index_put_((b.expand_as(n), n), rows, accumulate=True)
+        del rows
+
+
+def scatter_add_into_(acc: torch.Tensor, vals: torch.Tensor, send_index: torch.Tensor, dest: torch.Tensor,
+                      P: int, deterministic: bool, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """``scatter_add_`` straight into ``acc [B, N, *f]`` (any strides, its own memory per element):
+    the same windows and the same order, so the same bits as ``scatter_add_`` into acc's copy;
+    returns acc. The other mode adds each window with ``index_put_(accumulate=True)``."""
+    B, C = send_index.shape
+    N = acc.shape[1]
+    W = min(N, C)
+    if W == 0:
+        return acc
+    window = torch.arange(W, device=dest.device, dtype=torch.int64)
+    if not deterministic:
+        for c0 in range(0, C, W):
+            w = min(W, C - c0)
+            pos = (c0 + window[:w]).expand(B, -1)
+            si, d = send_index[:, c0:c0 + w], dest[:, c0:c0 + w]
+            _add_rows_into(acc, vals, pos, si, (d >= 0) & (si >= 0) & (si < N), weight)
+        return acc
+    starts = _window_starts(dest, P)                                    # [B, P]
+    for k in range(P):
+        pos = starts[:, k:k + 1] + window                               # [B, W]
+        inside = pos < C
+        pos = pos.clamp(max=C - 1)
+        si = send_index.gather(1, pos)
+        ok = inside & (dest.gather(1, pos) == k) & (si >= 0) & (si < N)
+        _add_rows_into(acc, vals, pos, si, ok, weight)
+    return acc
+
+
 def scatter_sum(base: torch.Tensor, vals: torch.Tensor, send_index: torch.Tensor, dest: torch.Tensor,
                 P: int, deterministic: bool) -> torch.Tensor:
     """``base [B, N, *f] + sum of vals [B, C, *f]`` at rows ``send_index``; new tensor, base's dtype."""
@@ -135,7 +190,8 @@ def scatter_sum(base: torch.Tensor, vals: torch.Tensor, send_index: torch.Tensor
     return _drop_scratch(flat, B, N)
 
 
-def _sum_dtype(acc: torch.dtype, part: torch.dtype) -> torch.dtype:
+def sum_dtype(acc: torch.dtype, part: torch.dtype) -> torch.dtype:
+    """The dtype a sum of ``acc`` and ``part`` rows runs in: their promotion, fp32 at least for floats."""
     dtype = torch.promote_types(acc, part)
     if dtype.is_floating_point and torch.finfo(dtype).bits < 32:
         return torch.float32
@@ -143,8 +199,9 @@ def _sum_dtype(acc: torch.dtype, part: torch.dtype) -> torch.dtype:
 
 
 def reduce_sum(acc: list, ret: list, send_index: torch.Tensor, dest: torch.Tensor, P: int,
-               deterministic: bool) -> list[torch.Tensor]:
-    """``acc[i] [B, N, *f]`` plus the returned rows ``ret[i] [B, C, *f]``, in acc's dtype (fp32 inside).
+               deterministic: bool, inplace: bool = False) -> list[torch.Tensor]:
+    """``acc[i] [B, N, *f]`` plus the returned rows ``ret[i] [B, C, *f]``, in acc's dtype (fp32 inside);
+    ``inplace``: added into acc itself (already its sum dtype), which is returned.
 
     Each entry of ``acc`` and ``ret`` is dropped from its list once read (``None``): a caller that
     hands its tensors over (``group_reduce(consume=True)``) has tensor i's rows freed before the
@@ -153,9 +210,13 @@ def reduce_sum(acc: list, ret: list, send_index: torch.Tensor, dest: torch.Tenso
     for i in range(len(acc)):
         a, r = acc[i], ret[i]
         acc[i] = ret[i] = None
+        if inplace:
+            out.append(scatter_add_into_(a, r, send_index, dest, P, deterministic))
+            del a, r
+            continue
         B, N = a.shape[:2]
         dtype = a.dtype
-        flat = _sums(a, _sum_dtype(dtype, r.dtype))
+        flat = _sums(a, sum_dtype(dtype, r.dtype))
         del a
         flat = scatter_add_(flat, r, send_index, dest, P, deterministic)
         del r
@@ -165,11 +226,13 @@ def reduce_sum(acc: list, ret: list, send_index: torch.Tensor, dest: torch.Tenso
 
 
 def reduce_lse(acc: list, ret: list, send_index: torch.Tensor, dest: torch.Tensor, P: int,
-               deterministic: bool) -> list[torch.Tensor]:
+               deterministic: bool, inplace: bool = False) -> list[torch.Tensor]:
     """Merge partial (out ``[B, C, h, D]``, lse ``[B, C, h]``) into acc (out ``[B, N, h, D]``, lse ``[B, N, h]``).
 
     ``acc`` and ``ret`` are emptied (as in ``reduce_sum``): the host's out goes once its weighted
-    fp32 copy is made, the returned rows once they are summed."""
+    fp32 copy is made, the returned rows once they are summed. ``inplace`` (out and lse fp32): the
+    host's out is weighted and summed into where it is and the new lse copied over acc's, which are
+    returned; only lse-sized temporaries are made."""
     out_acc, lse_acc = acc
     out_p, lse_p = ret
     acc.clear()
@@ -188,6 +251,11 @@ def reduce_lse(acc: list, ret: list, send_index: torch.Tensor, dest: torch.Tenso
     w_acc = torch.exp(la - lse_safe)                                    # [B, N, h]
     flat_lse = _sums(lse_safe, torch.float32)
     w_p = torch.exp(lp - flat_lse.index_select(0, t)).reshape(B, -1, h)  # [B, C, h]
+    if inplace:  # the bits of the copy below: an fp32 copy is exact, then the same mul_ and adds
+        out_acc.mul_(w_acc[..., None])
+        scatter_add_into_(out_acc, out_p, send_index, dest, P, deterministic, weight=w_p)
+        lse_acc.copy_(lse)
+        return [out_acc, lse_acc]
     # the fp32 sums of the weighted outputs: the host's own rows first, then the partials window by window
     sums = out_acc.new_empty((B, N + 1, *out_acc.shape[2:]), dtype=torch.float32)
     sums[:, :N].copy_(out_acc).mul_(w_acc[..., None])
@@ -207,15 +275,17 @@ def neutral_rows(like: torch.Tensor, value: float = 0.0, dtype: torch.dtype | No
 
 
 def reduce_rows(acc: list[torch.Tensor], ret: list[torch.Tensor], send_index: torch.Tensor,
-                dest: torch.Tensor, op: str, P: int, deterministic: bool) -> list[torch.Tensor]:
+                dest: torch.Tensor, op: str, P: int, deterministic: bool, inplace: bool = False) -> list[torch.Tensor]:
     """Dispatch on ``op`` ("sum" or "lse"); all tensors carry the leading batch dim.
 
     The fused merge (``_merge``: fp32 in registers, only the outputs written; deterministic in
     either mode, in the deterministic order) where ``fused_reduce`` allows it (by default on
     CUDA), else the torch path of this module. Both read an accumulator given as a broadcast
     view (``neutral_rows``) as it is: the torch path copies it into the fp32 sums it makes
-    anyway, the fused kernels load its one value per row (``O_BCAST`` / ``A_BCAST``)."""
+    anyway, the fused kernels load its one value per row (``O_BCAST`` / ``A_BCAST``).
+    ``inplace``: the result is written into acc (checked by ``group_reduce``: real tensors in
+    their sum dtype), and the returned list holds acc's tensors."""
     if use_fused(acc, ret):
-        return fused_reduce_rows(acc, ret, send_index, dest, op, P)
+        return fused_reduce_rows(acc, ret, send_index, dest, op, P, inplace)
     fn = reduce_sum if op == "sum" else reduce_lse
-    return fn(acc, ret, send_index, dest, P, deterministic)
+    return fn(acc, ret, send_index, dest, P, deterministic, inplace)

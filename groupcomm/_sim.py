@@ -106,7 +106,9 @@ class LocalGroup:
         self._count(phase, split, row_layout(tensors, 1).row_bytes, back=False)
         return Work.done(list(out))
 
-    def _reduce(self, partials, send_index, split, acc, op, phase, host_split, deterministic):
+    def _reduce(self, partials, send_index, split, acc, op, phase, host_split, deterministic, inplace=False):
+        """Moves and merges when called (``inplace``: into acc's tensors, now); ``wait()`` only hands
+        the result over."""
         P = self.size
         capacity = partials[0].shape[1]
         layout = row_layout(partials, 1)
@@ -123,7 +125,7 @@ class LocalGroup:
             del t
         partials.clear()
         dest, _ = put_targets(split, send_index, ranks, capacity)
-        out = reduce_rows(acc, ret, send_index, dest, op, P, deterministic)
+        out = reduce_rows(acc, ret, send_index, dest, op, P, deterministic, inplace)
         self._count(phase, split, layout.row_bytes, back=True)
         return Work.done(out)
 

@@ -195,7 +195,8 @@ class SymmMemGroup:
             return list(out)
         return _on_side_stream(move, list(tensors) + list(out) + [send_index, split, recv_offset])
 
-    def _reduce(self, partials, send_index, split, acc, op, phase, host_split, deterministic):
+    def _reduce(self, partials, send_index, split, acc, op, phase, host_split, deterministic, inplace=False):
+        """Moves and merges when called (``inplace``: into acc's tensors, on the caller's stream)."""
         capacity = partials[0].shape[0]
         layout = row_layout(partials, 0)
         ranks = torch.full((1,), self.rank, dtype=torch.int64, device=split.device)
@@ -205,11 +206,12 @@ class SymmMemGroup:
         del rows
         dest, _ = put_targets(split, send_index[None], ranks, capacity)
         ret = [t[None] for t in unpack(back, layout, views=True)]
-        mine = [a[None] for a in acc]
+        targets = list(acc)
+        mine = [a[None] for a in acc]  # in place: views of acc's tensors, written through
         acc.clear()
-        out = reduce_rows(mine, ret, send_index[None], dest, op, self.size, deterministic)
+        out = reduce_rows(mine, ret, send_index[None], dest, op, self.size, deterministic, inplace)
         self._count(phase, split, layout.row_bytes, back=True)
-        return Work.done([t[0] for t in out])
+        return Work.done(targets if inplace else [t[0] for t in out])
 
     def traffic(self, phase: str) -> tuple[int, int]:
         """(sent, recv) bytes this rank moved to / from other ranks in ``phase`` (reads the device counter)."""
