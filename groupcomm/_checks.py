@@ -141,6 +141,32 @@ def _self_overlapping(t: torch.Tensor) -> bool:
     return False
 
 
+def _lattice_hit(d: int, dims: list[tuple[int, int]]) -> bool:
+    """Whether ``d = sum k_i * stride_i`` with ``|k_i| < size_i`` over ``dims`` [(stride, size)], strides
+    descending and each above what the smaller ones reach: then k_i is d / stride_i rounded down or up."""
+    if not dims:
+        return d == 0
+    (stride, size), rest = dims[0], dims[1:]
+    reach = sum(st * (sz - 1) for st, sz in rest)
+    for k in {d // stride, -(-d // stride)}:
+        if abs(k) < size and abs(d - k * stride) <= reach and _lattice_hit(d - k * stride, rest):
+            return True
+    return False
+
+
+def _may_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a and b (views of one storage) may share an element: exactly for two views of one
+    layout (shape, strides, dtype: each a translate of the other, as two row ranges of one batched
+    buffer are), else whether their byte ranges meet."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    if a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype and not _self_overlapping(a):
+        dims = sorted(((st, sz) for sz, st in zip(a.shape, a.stride()) if sz > 1), reverse=True)
+        return _lattice_hit(b.storage_offset() - a.storage_offset(), dims)
+    start_a, start_b = a.storage_offset() * a.element_size(), b.storage_offset() * b.element_size()
+    return start_a < start_b + _extent(b) * b.element_size() and start_b < start_a + _extent(a) * a.element_size()
+
+
 def check_inplace(partials: list[torch.Tensor], acc: list[torch.Tensor], op: str, sum_dtype) -> None:
     """``group_reduce(inplace=True)``: every acc a real tensor the sums can be written into.
 
@@ -171,14 +197,11 @@ def check_inplace(partials: list[torch.Tensor], acc: list[torch.Tensor], op: str
                                  f"(pass a {want} accumulator, or inplace=False)")
     if torch.compiler.is_compiling():
         return  # storages are not traced; the graph's functionalization keeps the writes apart anyway
-    spans = []
+    keys = [a.untyped_storage()._cdata for a in acc]  # the storage itself (meta and fake tensors have one)
     for i, a in enumerate(acc):
-        start = a.storage_offset() * a.element_size()
-        end = start + _extent(a) * a.element_size()
-        key = a.untyped_storage()._cdata  # the storage itself (meta and fake tensors have one, no address)
-        for j, (k, s, e) in enumerate(spans):
-            if k == key and start < e and s < end:
-                raise ValueError(f"acc[{i}] and acc[{j}] may overlap in memory (one storage, bytes [{start}, {end}) "
-                                 f"and [{s}, {e})): group_reduce(inplace=True) writes each, so they must be "
-                                 f"distinct tensors")
-        spans.append((key, start, end))
+        for j in range(i):
+            if keys[j] == keys[i] and _may_overlap(acc[j], a):
+                raise ValueError(f"acc[{i}] and acc[{j}] may overlap in memory (one storage, offsets "
+                                 f"{a.storage_offset()} and {acc[j].storage_offset()}, strides {tuple(a.stride())} "
+                                 f"and {tuple(acc[j].stride())}): group_reduce(inplace=True) writes each, so they "
+                                 f"must not share elements")

@@ -32,7 +32,10 @@ themselves (out / lse, acc), written through their own strides. That is safe bec
    the threads of a row's D columns): without it, one warp could store a merged lse before
    another warp had loaded the old one for its columns.
 The interpreter runs a program's ops in order, so the CPU tests check (1) and the arithmetic;
-(2) on a GPU rests on the barrier, which the sm_90 compile test finds in the compiled kernel.
+(2) on a GPU rests on the barrier, which the sm_90 compile test finds between the last global
+load and the first global store of the PTX (at the GPU's blocks the layout changes before the
+stores put barriers there too; the explicit one keeps it so whatever layouts a compiler picks).
+No GPU run has checked the in-place kernels yet.
 """
 from __future__ import annotations
 

@@ -7,6 +7,10 @@ constexpr values, compile options) while the interpreter runs; ``compile_sm90``
 then compiles each recorded signature to a cubin in a fresh process without
 ``TRITON_INTERPRET``, with the ``ptxas`` that ships in the Triton wheel.
 
+A record may carry ``expect_ptx`` (strings: whether each is in the PTX) and ``ptx_between``
+(``[before, middle, after]``: whether ``middle`` appears in the PTX text after the last
+``before`` and before the first ``after``, e.g. a barrier between a kernel's loads and stores).
+
 A record may carry ``attrs`` (argument name -> Triton attributes, e.g. the
 16-byte divisibility hint a real launch puts on aligned pointers and on ints
 that are multiples of 16), so the compile describes the kernel that really
@@ -135,6 +139,11 @@ for rec in payload["records"]:
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=rec["options"])
         assert compiled.asm["cubin"], "no cubin"
         result["ptx"] = {text: text in compiled.asm["ptx"] for text in rec.get("expect_ptx", [])}
+        if "ptx_between" in rec:  # [before, middle, after]: a middle past the last before, ahead of the first after
+            before, middle, after = rec["ptx_between"]
+            ptx = compiled.asm["ptx"]
+            last, first = ptx.rfind(before), ptx.find(after)
+            result["ptx_between"] = 0 <= last < ptx.find(middle, last) < first
         if payload["stats"]:
             result.update(cubin_stats(compiled.asm["cubin"]))
     except Exception as e:

@@ -19,17 +19,23 @@ Both passes execute ``gpusolver.plan.schedule``'s ``forward_ops(S + 1)`` /
 Forward: casts 1..S of Q (``fwd.qo.s``) and of K, V (``fwd.kv.s``) are issued
 up front; stage 0 (local tasks) runs; sub-stage s waits for cast s only, runs,
 merges its partial (out, lse) into the rows of ``X`` it covers, and sends back
-the rows whose last task was in s (reduce ``fwd.o.s``, into a neutral
-accumulator, in flight while s + 1 computes); last, the host merges its own
-rows with reduces 1..S in that order (the log-sum-exp merge is associative:
-exact up to rounding, and the fixed order makes it deterministic).
+the rows whose last task was in s (reduce ``fwd.o.s``, in flight while s + 1
+computes). Each reduce merges straight into the host rows of the running (out
+fp32, lse) (``group_reduce(inplace=True)``): no host-sized result is made and
+merged a second time. When it merges depends on the group, never on timing:
+``LocalGroup`` and ``SymmMemGroup`` at the REDUCE op (issue), ``TorchGroup`` at
+its WAIT; later sub-stages merge into the same host rows in program order, so
+the result is deterministic for each group (the log-sum-exp merge is
+associative: the groups agree up to rounding).
 
 Backward: dO, lse and delta (and Q, K, V again without kept buffers) are cast
 per sub-stage (``bwd.qo.s``, ``bwd.kv.s``; each kind kept or cast again on its own,
 ``keep_forward_buffers``; with ``kept_kv_rows`` only the first rows of the shared KV buffer are
 kept and each ``bwd.kv.s`` moves its cast's rows past them, ``kept_rows``); after sub-stage s
 the dQ rows (``bwd.dq.s``) and dK, dV rows (``bwd.dkv.s``) whose last task was in s are summed back to their hosts, and
-the local stage runs last, while those reduces fly.
+the local stage runs last, while those reduces fly. Each reduce adds into the host rows of the
+fp32 gradient sums in place, at issue or at its WAIT as in the forward (no bf16 sum of the
+returned rows is made and added again).
 
 Host reads: none with ``LocalGroup``; with ``TorchGroup`` the 4 S ``[P, P]``
 split matrices, stacked and copied once without blocking (``host_splits``); each
@@ -48,7 +54,7 @@ from gpusolver.plan.schedule import ATTN, CAST, DELTA, MERGE, REDUCE, WAIT, Op, 
 from gpusolver.runtime.kept_rows import tail_cast, whole_operands
 from gpusolver.runtime.operands import Operands, rows
 from gpusolver.runtime.per_rank import per_rank
-from groupcomm import TorchGroup, group_cast, group_reduce, host_splits, neutral_rows
+from groupcomm import TorchGroup, group_cast, group_reduce, host_splits
 
 _INTERNAL = dict(validate=False, flag_errors=False)
 KINDS = ("qo", "kv")
@@ -190,8 +196,8 @@ def merge_rows_into(a_o, a_l, o_s, l_s, lead: int) -> None:
 def merge_gradients(host, returned, lead: int, n: int):
     """dQ, dK, dV on their host: the host's own rows (``host``: its dQ, dK, dV operands) plus what
     came back, ``returned`` as (phase, results), summed in that order in place into the host's fp32
-    rows; the pipelined backward adds each reduce as it arrives (the op order fixes the summation
-    order), so no returned gradient outlives its wait."""
+    rows (the relay's hops). The pipelined backward's reduces sum into those rows themselves
+    (``group_reduce(inplace=True)``): it passes nothing and takes the host rows' views."""
     dq, dk, dv = (rows(t, lead, 0, n) for t in host)
     for phase, parts in returned:
         if phase == "bwd.dq":
@@ -231,12 +237,14 @@ def _gather_remote(x: torch.Tensor, gather: torch.Tensor, n: int, lead: int, dty
     return out
 
 
-def _issue(op: Op, sr: StageRoutes, group, caps: dict, tensors, acc=None, deterministic: bool = True):
+def _issue(op: Op, sr: StageRoutes, group, caps: dict, tensors, acc=None, deterministic: bool = True,
+           inplace: bool = False):
     """Start collective ``op`` of sub-stage ``op.stages[0]``: its Work. ``caps[kind]``: receive rows.
     A cast writes into ``acc`` (the kind's shared receive buffers) at its own rows. A reduce takes
-    its partials and accumulators as two lists and empties them (``group_reduce(consume=True)``): a
-    caller that keeps no other reference has the partials freed once their rows have left and the
-    accumulators once read, not when the next reduce replaces them."""
+    its partials as a list and empties it (``group_reduce(consume=True)``): a caller that keeps no
+    other reference has the partials freed once their rows have left, not when the next reduce
+    replaces them. ``inplace``: the reduce writes into ``acc`` (the host rows of the running
+    accumulators), which is left as given; else acc is emptied too and freed once read."""
     (s,) = op.stages
     which = "return" if op.back else "cast"
     key, i = (op.route, which), s - 1
@@ -247,7 +255,8 @@ def _issue(op: Op, sr: StageRoutes, group, caps: dict, tensors, acc=None, determ
                           recv_offset=sr.start[op.route][i], host_recv_offset=sr.host_start[op.route][i])
     return group_reduce(tensors, sr.index[key][i], sr.split[key][i], acc, group,
                         op="lse" if op.phase == "fwd.o" else "sum", phase=phase, host_split=sr.host[key][i],
-                        deterministic=deterministic, async_op=True, flag_errors=False, consume=True)
+                        deterministic=deterministic, async_op=True, flag_errors=False, consume=True,
+                        inplace=inplace)
 
 
 def _flex(plan: Plan, scale: float):
@@ -289,10 +298,8 @@ def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql,
         with nvtx_range(op_range(op, sub_stages=True)):
             if op.kind == CAST:
                 works[op.name] = _issue(op, sr, group, caps, sent[op.route], X[op.route].remote())
-            elif op.kind == WAIT and op.back:  # merged into the host's rows on arrival, in op order
-                r_o, r_l = works.pop(op.deps[0]).wait()
-                merge_rows_into(*(rows(t, lead, 0, n) for t in acc[op.branch].x), r_o, r_l, lead)
-                del r_o, r_l
+            elif op.kind == WAIT and op.back:  # the reduce merges into the host's rows (in place): by now
+                works.pop(op.deps[0]).wait()
             elif op.kind == WAIT:
                 works[op.deps[0]].wait()  # cast s's rows are in X now
             elif op.kind == ATTN and op.stages == (0,):
@@ -312,14 +319,12 @@ def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql,
                 del parts
             elif op.kind == REDUCE:
                 (s,), b = op.stages, op.branch
-                o_b, l_b = (rows(t, lead, 0, n) for t in acc[b].x)
-                # handed over (no name keeps them): freed once sent and read, not held through s + 1
+                # the partials handed over (no name keeps them): freed once sent, not held through s + 1;
+                # merged into the host rows of the running (out fp32, lse) themselves
                 works[op.name] = _issue(op, sr, group, caps,
                                         [_gather_remote(t, sr.gather["qo"][s - 1], n, lead, d)
                                          for t, d in zip(acc[b].x, dtypes[b])],
-                                        [neutral_rows(o_b, 0.0, dtypes[b][0]),
-                                         neutral_rows(l_b, float("-inf"))], deterministic)
-                del o_b, l_b
+                                        [rows(t, lead, 0, n) for t in acc[b].x], deterministic, inplace=True)
             elif op.kind == MERGE:  # every return is merged in: the host's rows are the output
                 for b in range(branches):
                     h_o, h_l = (rows(t, lead, 0, n) for t in acc[b].x)
@@ -399,8 +404,8 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
                                                host_base=sr.host_start["kv"][s - 1])
                 else:
                     works[op.name] = _issue(op, sr, group, caps, (kl, vl), Xkv.remote())
-            elif op.kind == WAIT and op.back:  # summed into the host's rows on arrival, in op order
-                merge_gradients(grads_q.x + grads_kv.x, [(op.phase, works.pop(op.deps[0]).wait())], lead, n)
+            elif op.kind == WAIT and op.back:  # the reduce sums into the host's rows (in place): by now
+                works.pop(op.deps[0]).wait()
             elif op.kind == WAIT:
                 works[op.deps[0]].wait()  # cast s's rows are in the operands now
             elif op.kind == ATTN and op.stages == (0,):  # local rows only: its grads never travel
@@ -421,11 +426,11 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
                 kind = "qo" if op.phase == "bwd.dq" else "kv"
                 pick = grads_q.x if kind == "qo" else grads_kv.x
                 dtype = ql.dtype if kind == "qo" else kl.dtype
-                # handed over (no name keeps them): freed once sent and read, not held through s + 1
+                # the partials handed over (no name keeps them): freed once sent, not held through s + 1;
+                # summed into the host rows of the fp32 sums themselves
                 works[op.name] = _issue(op, sr, group, caps,
                                         [_gather_remote(t, sr.gather[kind][s - 1], n, lead, dtype) for t in pick],
-                                        [neutral_rows(ql)] if kind == "qo" else
-                                        [neutral_rows(kl), neutral_rows(vl)], deterministic)
+                                        [rows(t, lead, 0, n) for t in pick], deterministic, inplace=True)
             elif op.kind == MERGE:  # every reduce is summed in: the host's rows are the gradients
                 dq, dk, dv = merge_gradients(grads_q.x + grads_kv.x, [], lead, n)
             else:

@@ -12,8 +12,8 @@ import torch
 
 from groupcomm import LocalGroup, group_reduce, neutral_rows
 from groupcomm import _merge
-from groupcomm._merge import (fused_reduce, merge_lse_op, merge_lse_ref, merge_sum_op, merge_sum_ref, slot_table,
-                              use_fused)
+from groupcomm._merge import (fused_reduce, merge_lse_inplace_op, merge_lse_op, merge_lse_ref, merge_lse_ref_,
+                              merge_sum_inplace_op, merge_sum_op, merge_sum_ref, merge_sum_ref_, slot_table, use_fused)
 from groupcomm._reduce import reduce_lse, reduce_sum
 from groupcomm._routing import put_targets
 from tests._testing import assert_close
@@ -123,6 +123,88 @@ def test_merge_sum_kernel_matches_twin_and_torch_path(P, N, seed, dtype):
     assert_close("sum torch path", torch_path.float(), tri.float(), **tol)
 
 
+_INTS = {2: torch.int16, 4: torch.int32}
+
+
+def _bits(t):
+    return t.view(_INTS[t.element_size()])
+
+
+def _strided(t, extra, last_strided=False):
+    """t's values as rows of a larger buffer (batch-strided, ``extra`` rows more per rank), as the
+    layer's running accumulators are; ``last_strided``: the last dim not contiguous either."""
+    shape = (t.shape[0], t.shape[1] + extra, *t.shape[2:])
+    if last_strided:
+        buf = torch.full((*shape[:-1], 2 * shape[-1]), 7.0, dtype=t.dtype)[..., ::2]
+    else:
+        buf = torch.full(shape, 7.0, dtype=t.dtype)
+    view = buf.narrow(1, 0, t.shape[1])
+    view.copy_(t)
+    return buf, view
+
+
+@pytest.mark.parametrize("part_dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("layout", ["contiguous", "rows", "rows-last-strided"])
+@pytest.mark.parametrize("P,N,seed", CASES, ids=IDS)
+def test_merge_lse_inplace_kernel_matches_twin(P, N, seed, layout, part_dtype):
+    """``merge_lse_`` (the kernel writing its accumulator) against its twin ``merge_lse_ref_`` and with
+    the bits of the out-of-place kernel, into fp32 (out, lse) contiguous or as strided rows of a larger
+    buffer (a non-contiguous D is merged in a copy): only acc's rows change."""
+    send_index, dest, out, lse, out_p, lse_p = _lse_inputs(P, N, seed)
+    out_p = out_p.to(part_dtype)
+    slots = slot_table(send_index, dest, N, P)
+    want = merge_lse_op(out, lse, out_p, lse_p, slots, True)
+    if layout == "contiguous":
+        bufs, acc = None, [out.clone(), lse.clone()]
+    else:
+        (b_o, v_o), (b_l, v_l) = _strided(out, 2, layout == "rows-last-strided"), _strided(lse, 3)
+        bufs, acc = (b_o, b_l), [v_o, v_l]
+    twin = [out.clone(), lse.clone()]
+    assert merge_lse_inplace_op(*acc, out_p, lse_p, slots, True) is None
+    merge_lse_ref_(*twin, out_p, lse_p, slots)
+    for name, w, a, t in zip(("out", "lse"), want, acc, twin):
+        assert torch.equal(_bits(w), _bits(a)), f"{name}: in place differs from the out-of-place kernel"
+        assert_close(f"{name} twin", t, a, atol=1e-6, rtol=1e-6)
+    if bufs is not None:  # the rows past acc's are untouched
+        assert (bufs[0].narrow(1, N, 2) == 7).all() and (bufs[1].narrow(1, N, 3) == 7).all()
+    assert (acc[1][:, 0] == NEG_INF).all() and (acc[0][:, 0] == 0).all()
+
+
+@pytest.mark.parametrize("part_dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("layout", ["contiguous", "rows", "rows-last-strided"])
+@pytest.mark.parametrize("P,N,seed", CASES, ids=IDS)
+def test_merge_sum_inplace_kernel_matches_twin(P, N, seed, layout, part_dtype):
+    """``merge_sum_`` against its twin ``merge_sum_ref_`` and the out-of-place kernel's bits."""
+    send_index, dest = _routing(P, N, seed)
+    C = send_index.shape[1]
+    g = torch.Generator().manual_seed(seed + 300)
+    acc0 = torch.randn(P, N, 3, 5, generator=g)
+    ret = torch.randn(P, C, 3, 5, generator=g).to(part_dtype)
+    slots = slot_table(send_index, dest, N, P)
+    want = merge_sum_op(acc0, ret, slots, True)
+    buf, acc = (None, acc0.clone()) if layout == "contiguous" else _strided(acc0, 2, layout == "rows-last-strided")
+    twin = acc0.clone()
+    assert merge_sum_inplace_op(acc, ret, slots, True) is None
+    merge_sum_ref_(twin, ret, slots)
+    assert torch.equal(_bits(want), _bits(acc)), "in place differs from the out-of-place kernel"
+    assert_close("sum twin", twin, acc, atol=1e-6, rtol=1e-6)
+    if buf is not None:
+        assert (buf.narrow(1, N, 2) == 7).all()
+
+
+def test_inplace_ops_torch_impl_is_the_twin():
+    """``use_triton=False`` runs the twins: the same bits as the out-of-place twins."""
+    send_index, dest, out, lse, out_p, lse_p = _lse_inputs(4, 6, 2)
+    slots = slot_table(send_index, dest, 6, 4)
+    acc = [out.clone(), lse.clone()]
+    merge_lse_inplace_op(*acc, out_p, lse_p, slots, False)
+    for w, a in zip(merge_lse_ref(out, lse, out_p, lse_p, slots), acc):
+        assert torch.equal(_bits(w), _bits(a))
+    a = out.clone()
+    merge_sum_inplace_op(a, out_p, slots, False)
+    assert torch.equal(_bits(merge_sum_ref(out, out_p, slots)), _bits(a))
+
+
 def test_cases_have_rows_with_no_partials():
     """The cases above cover host rows no partial comes back to (the kernel then copies the host's row)."""
     assert any(_no_partials(*_routing(P, N, seed), N, P) for P, N, seed in CASES)
@@ -209,20 +291,32 @@ def test_forced_on_cpu_without_interpreter_raises(monkeypatch):
         merge_sum_op(out, out_p, slots, True)
 
 
-@pytest.mark.parametrize("opname,fake", [("merge_lse", _merge.merge_lse_fake), ("merge_sum", _merge.merge_sum_fake)])
+@pytest.mark.parametrize("opname,fake", [("merge_lse", _merge.merge_lse_fake), ("merge_sum", _merge.merge_sum_fake),
+                                         ("merge_lse_", _merge.merge_lse_inplace_fake),
+                                         ("merge_sum_", _merge.merge_sum_inplace_fake)])
 def test_fake_signature_matches_op(opname, fake):
     schema = getattr(torch.ops.groupcomm, opname).default._schema
     assert list(inspect.signature(fake).parameters) == [a.name for a in schema.arguments]
 
 
+def test_inplace_ops_declare_what_they_mutate():
+    """The in-place ops' schemas mark exactly their accumulators as written and return nothing."""
+    for opname, written in (("merge_lse_", {"out", "lse"}), ("merge_sum_", {"acc"})):
+        schema = getattr(torch.ops.groupcomm, opname).default._schema
+        assert {a.name for a in schema.arguments if a.alias_info and a.alias_info.is_write} == written
+        assert not schema.returns
+
+
 @pytest.mark.parametrize("use_triton", [True, False], ids=["triton", "torch"])
 def test_opcheck(use_triton):
-    """torch.library's checks of both ops: schema, fake against real (shapes, dtypes, strides), no
-    alias of an input in the outputs."""
+    """torch.library's checks of the four ops: schema (the in-place ones mutate what they declare),
+    fake against real (shapes, dtypes, strides), no alias of an input in the outputs."""
     send_index, dest, out, lse, out_p, lse_p = _lse_inputs(3, 5, 1)
     slots = slot_table(send_index, dest, 5, 3)
     torch.library.opcheck(merge_lse_op, (out, lse, out_p, lse_p, slots, use_triton))
     torch.library.opcheck(merge_sum_op, (out, out_p, slots, use_triton))
+    torch.library.opcheck(merge_lse_inplace_op, (out.clone(), lse.clone(), out_p, lse_p, slots, use_triton))
+    torch.library.opcheck(merge_sum_inplace_op, (out.clone(), out_p, slots, use_triton))
 
 
 def test_meta_bf16_allocates_outputs_only():
@@ -267,7 +361,11 @@ def test_compiles_fullgraph():
 def test_kernels_compile_for_sm90_without_spills():
     """Both kernels as a GPU launches them at real shapes (h = 8, D = 128 and rows of 1024 values, bf16
     and fp16, the GPU's block sizes and divisibility hints) compile for sm_90 with no spills, with the
-    host's rows given and as a neutral accumulator (``neutral_rows``, the sub-stage reduces')."""
+    host's rows given, as a neutral accumulator (``neutral_rows``) and in place into fp32 rows of a
+    larger buffer (``IN_PLACE``, the sub-stage reduces'). In place, a CTA barrier (``bar.sync``) lies
+    between the last global load and the first global store in the PTX: every thread has read the
+    host's values before any is overwritten (the kernel's ``tl.debug_barrier``; the layout changes
+    before the stores make barriers there too, which is why the count alone would say nothing)."""
     from groupcomm._merge_kernel import lse_blocks, sum_blocks
     from tests._sm90 import capture_launches, compile_sm90
 
@@ -282,16 +380,26 @@ def test_kernels_compile_for_sm90_without_spills():
             merge_lse_op(neutral_rows(out, 0.0, dtype), neutral_rows(lse, NEG_INF), out_p.to(dtype), lse_p, slots,
                          True)
             merge_sum_op(neutral_rows(out, 0.0, dtype), out_p.to(dtype), slots, True)
+            merge_lse_op(out, lse, out_p.to(dtype), lse_p, slots, True)  # fp32 host rows: the in-place twins
+            merge_sum_op(out, out_p.to(dtype), slots, True)
+            acc = [_strided(out, 3)[1], _strided(lse, 3)[1]]
+            merge_lse_inplace_op(*acc, out_p.to(dtype), lse_p, slots, True)
+            merge_sum_inplace_op(acc[0], out_p.to(dtype), slots, True)
         records += got
-    assert sorted(r["name"] for r in records) == ["_merge_lse_kernel"] * 4 + ["_merge_sum_kernel"] * 4
-    assert sorted(r["constexprs"].get("O_BCAST", r["constexprs"].get("A_BCAST")) for r in records) == [False] * 4 + [True] * 4
+    assert sorted(r["name"] for r in records) == ["_merge_lse_kernel"] * 8 + ["_merge_sum_kernel"] * 8
+    assert sorted(r["constexprs"].get("O_BCAST", r["constexprs"].get("A_BCAST")) for r in records) == [False] * 12 + [True] * 4
+    assert sum(r["constexprs"]["IN_PLACE"] for r in records) == 4
     for rec in records:  # the interpreter's launches use bigger blocks: the GPU's, at 65536 rows per rank
         lse_kernel = rec["name"] == "_merge_lse_kernel"
         blocks = lse_blocks(D, 65536 * h, gpu=True) if lse_kernel else sum_blocks(h * D, 65536, gpu=True)
         rec["constexprs"].update(blocks)
+        if rec["constexprs"]["IN_PLACE"]:
+            rec["ptx_between"] = ["ld.global", "bar.sync", "st.global"]
     results = compile_sm90(records, stats=True)
     if any(r["error"] and "ptxas" in r["error"] and "not found" in r["error"].lower() for r in results):
         pytest.skip("no ptxas in this Triton install")
     for rec, res in zip(records, results):
         assert res["error"] is None, f"{rec['name']}: {res['error']}"
         assert res["spill_stores"] == res["spill_loads"] == res["stack"] == 0, f"{rec['name']} spills: {res}"
+        if rec["constexprs"]["IN_PLACE"]:
+            assert res["ptx_between"], f"{rec['name']}: no barrier between its loads and its stores"

@@ -93,6 +93,10 @@ def test_symm_mem_group_equals_local_group(P, seed, monkeypatch):
         out = {"cast": group_cast([t[rank] for t in x], idx, r.split, r.recv_capacity, grp, phase="fwd")}
         out["cast2"] = group_cast([t[rank] for t in x], idx, r.split, r.recv_capacity, grp, phase="fwd")
         out["lse"] = group_reduce([t[rank] for t in parts], idx, r.split, [t[rank] for t in acc], grp, op="lse")
+        mine = [t[rank].clone() for t in acc]  # in place: merged into these when the call is made
+        out["lse_in"] = group_reduce([t[rank] for t in parts], idx, r.split, mine, grp, op="lse", phase="in",
+                                     inplace=True)
+        out["same"] = all(a is b for a, b in zip(out["lse_in"], mine))
         out["traffic"] = (grp.traffic("fwd"), grp.traffic("reduce"))
         return out
 
@@ -105,8 +109,10 @@ def test_symm_mem_group_equals_local_group(P, seed, monkeypatch):
         for key in ("cast", "cast2"):
             for a, b in zip(ref_cast, res[key]):
                 assert torch.equal(a[rank], b), (rank, key)
-        for a, b in zip(ref_lse, res["lse"]):
+        for a, b, c in zip(ref_lse, res["lse"], res["lse_in"]):
             assert torch.equal(a[rank], b), (rank, "lse")
+            assert torch.equal(a[rank], c), (rank, "lse in place")
+        assert res["same"], (rank, "in place: the result is acc's tensors")
         fwd, red = res["traffic"]
         assert fwd == tuple(int(t[rank]) for t in local.traffic("fwd"))
         assert red == tuple(int(t[rank]) for t in local.traffic("reduce"))
