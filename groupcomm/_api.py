@@ -130,8 +130,9 @@ def group_reduce(partials, send_index: torch.Tensor, split: torch.Tensor, acc, g
             the caller). Each acc must be a tensor of its own (no broadcast view such as
             ``neutral_rows``, no overlapping strides, no two overlapping) in the dtype the reduce
             accumulates in: fp32 out and lse for ``"lse"``, fp32 / fp64 for ``"sum"`` (a bf16 /
-            fp16 acc is refused: its sums run in fp32). The bits are those of ``inplace=False``
-            with the same acc (the same terms added in the same order). When the write happens:
+            fp16 acc is refused: its sums run in fp32). In deterministic mode (and always on the
+            fused path) the bits are those of ``inplace=False`` with the same acc (the same terms
+            added in the same order). When the write happens:
             ``LocalGroup`` and ``SymmMemGroup`` reduce when the call is made, ``TorchGroup`` in
             the first ``wait()`` of an asynchronous call; acc must not be written by anything
             else in between (program order decides what the reduce adds to).
@@ -145,8 +146,9 @@ def group_reduce(partials, send_index: torch.Tensor, split: torch.Tensor, acc, g
     inplace = bool(inplace)
     given = (partials,) if inplace else (partials, acc)  # in place, acc's tensors are the result: kept
     if consume and not all(isinstance(x, list) for x in given):
-        raise ValueError(f"group_reduce(consume=True) takes partials and acc as lists (it empties them), got "
-                         f"{type(partials).__name__} and {type(acc).__name__}")
+        what = "partials as a list (it empties it)" if inplace else "partials and acc as lists (it empties them)"
+        raise ValueError(f"group_reduce(consume=True) takes {what}, got {type(partials).__name__} and "
+                         f"{type(acc).__name__}")
     partials = check_tensors(partials, "partials", lead, P)  # the call's own lists: the backends empty them
     acc = check_tensors(acc, "acc", lead, P)
     if consume:

@@ -33,7 +33,8 @@ def test_sub_stage_merges_run_in_place(monkeypatch):
     """With S > 1 sub-stages the forward merges each stage's out into its fp32 running out in place
     (``merge_out_lse_``, its fake on meta allocates nothing): the forward peak does not depend on the
     merge windows, and a copying merge (an fp32 copy of the stage's out and a merged result, one
-    rank's rows at a time under LocalGroup) would raise it by at least one such result per rank."""
+    rank's rows at a time under LocalGroup) would raise it by at least one such result per rank.
+    (The peak inside the remote stages, that is: the forward's own peak is in a reduce.)"""
     import gpusolver.runtime.pipelined as pipelined
     from attn_kernels import merge_out_lse
 
@@ -58,5 +59,8 @@ def test_sub_stage_merges_run_in_place(monkeypatch):
     G = config.head_groups
     rows = G * c + buffer_rows(config, c).recv("qo")       # local and received Q rows of a rank
     assert in_place["kept"] == copied["kept"] and in_place["plan_fwd"] == copied["plan_fwd"]
-    assert in_place["fwd_peak"] == one_window["fwd_peak"] and merging(in_place) == merging(one_window)
+    assert merging(in_place) == merging(one_window)
+    # the forward's peak is in a reduce since the reduces merge in place, where MERGE_PIECES also windows
+    # the gather of the partials (``_gather_remote``): one window can only raise it
+    assert in_place["fwd_peak"] <= one_window["fwd_peak"]
     assert merging(copied) - merging(in_place) >= rows * (Hq // G) * D * 4

@@ -57,17 +57,21 @@ def test_sub_stages_make_no_group_major_copy(monkeypatch):
 
 
 def test_sub_stage_reduces_free_their_inputs(monkeypatch):
-    """Each sub-stage reduce's partials and accumulators are handed over: none is alive once the
-    reduce has been issued (LocalGroup moves them at once), so no reduce's inputs are held through
-    the next sub-stage (issue 29)."""
+    """Each sub-stage reduce's partials are handed over: none is alive once the reduce has been issued
+    (LocalGroup moves them at once), so no reduce's partials are held through the next sub-stage; its
+    accumulators are the host rows of the running ones, merged into in place (issue 29)."""
     P, c, Hq, Hkv, S = 4, 32, 4, 2, 4
     plan, _ = tight_plan(make_mask("docs-causal", P * c, seed=3), make_config(P, Hq, Hkv, num_stages=S))
     pipelined = importlib.import_module("gpusolver.runtime.pipelined")
     real, alive, calls = pipelined.group_reduce, [], []
 
     def spy(partials, *args, **kw):
-        refs = [weakref.ref(t) for t in (*partials, *args[2])]  # args[2]: acc (lists: emptied if consumed)
+        refs = [weakref.ref(t) for t in partials]
+        acc = args[2]
+        # args[2]: acc, views of the running accumulators' host rows (their base: n rows more after them)
+        assert kw.get("inplace") is True and all(a._base is not None and a.dtype == torch.float32 for a in acc)
         work = real(partials, *args, **kw)
+        assert all(r is a for r, a in zip(work.wait(), acc))  # the result is acc itself
         calls.append(kw.get("phase"))
         alive.extend(kw.get("phase") for r in refs if r() is not None)
         return work
