@@ -134,8 +134,11 @@ def group_reduce(partials, send_index: torch.Tensor, split: torch.Tensor, acc, g
             fused path) the bits are those of ``inplace=False`` with the same acc (the same terms
             added in the same order). When the write happens:
             ``LocalGroup`` and ``SymmMemGroup`` reduce when the call is made, ``TorchGroup`` in
-            the first ``wait()`` of an asynchronous call; acc must not be written by anything
-            else in between (program order decides what the reduce adds to).
+            the first ``wait()`` of an asynchronous call. The reduce adds to acc as it stands
+            then: what is written into acc in between (a later sub-stage merging into the same
+            rows) is kept, and the returned rows are merged on top of it. That is exact for an
+            associative reduce (a sum, the log-sum-exp merge) up to rounding, and the bits follow
+            the program order, so each group is deterministic on its own.
 
     Returns new tensors shaped and typed like ``acc`` (``acc`` is not modified), or with
     ``inplace`` the ``acc`` tensors themselves, updated.
