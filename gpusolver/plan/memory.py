@@ -21,12 +21,40 @@ S reduces in flight at once hold no more than one send list between them (``Torc
 returns into buffers of the rows each reduce really returns; ``LocalGroup`` and
 ``SymmMemGroup`` finish each reduce before the next starts).
 
+Relay transport (``plan.relay``, ``relay_hop_rows``) adds each hop's buffers. Every cast of a
+kind receives into one buffer per hop besides the buffer above (the rows in the plan's layout,
+gathered out of them): the direct (hop 0) and fan-out (hop 2) buffers at the receive rows, the
+relay buffer (hop 1) at ``relay_capacity`` and the egress buffer (hop 3) at ``egress_capacity``;
+they live until the pass ends, the reduce included (``runtime.relayed`` keeps each cast's result,
+``runtime.relay_stages`` one buffer per (pass, kind, hop) that its S casts share). A reduce of a
+kind returns by its hops, each into a buffer of its send list's rows: hop 2 to the relays
+(``fan_capacity``), hop 0 home (the send rows), hop 1 to the egresses or the hosts
+(``hop1_capacity``) and hop 3 home (the send rows, with an egress); one reduce's four are
+counted together, where the direct formula counts one send list:
+
+    R(kind) = 2 * recv + relay_capacity + egress_capacity      [hop buffers, per cast row]
+    T(kind) = fan_capacity + send + hop1_capacity (+ send)      [one reduce's return rows]
+    forward   direct's receive buffers + R(QO) * Q + R(KV) * (K, V) + T(QO) * (partial O, lse)
+    backward  direct's receive buffers (kept included) + R(QO) * (dO, lse, delta)
+              + R(QO) * Q unless Q is kept + R(KV) * (K, V) unless K and V are kept
+              + T(QO) * dQ + T(KV) * (dK, dV)
+    kept      as direct (whole kinds only: relay transport keeps no part of a buffer)
+
+On ``LocalGroup`` each hop of a reduce finishes before the next starts, and ``TorchGroup`` returns
+into buffers of the rows each hop really returns, so T is an upper bound on the return rows in
+flight at once there (hops 2 and 0 of one reduce fly together, and with sub-stages one sub-stage's
+hop 1 with the next one's hops 2 and 0).
+
 Not counted: the layer's own activations (its q, k, v, out and lse, which plain attention
 keeps too) and the runtime's work around the buffers (the local rows that share stage 1's
 operand tensor with each buffer, stage 1's outputs over those rows, the reduce's merge: its
 outputs, and on the torch path its fp32 sums over the host's rows and a piece of a window of
 returned rows), which ``benchmarks/layer_memory.py`` measures (``--fused-reduce``: the fused
-merge of a GPU).
+merge of a GPU). With relay transport also: the copies the hops are assembled through (the
+concatenation of the direct, fan-out and relay buffers each gather reads, and the local rows
+hop 1 reads beside the egress rows: a copy per cast with one remote stage, rows of the egress
+buffer with sub-stages), a relay's merged partials (the relay buffer's rows) and an egress's
+identity rows, and on ``LocalGroup`` the packed staging of each out-of-place cast.
 """
 from __future__ import annotations
 
@@ -40,8 +68,9 @@ from gpusolver.problem import kept_kinds
 class BufferMemory:
     """Bytes per rank of one layer's collective buffers (host ints).
 
-    fwd_peak: receive buffers plus the buffer partial O and lse come back into.
-    bwd_peak: the backward's receive and return buffers, the kept ones included.
+    fwd_peak: receive buffers plus the buffer partial O and lse come back into (with relay
+              transport every hop's receive buffers and one reduce's return buffers of every hop).
+    bwd_peak: the backward's receive and return buffers, the kept ones included (relay: likewise).
     kept:     held from the layer's forward to its backward.
     """
 
@@ -51,9 +80,10 @@ class BufferMemory:
 
 
 def buffer_memory(comm, num_heads_q: int, num_heads_kv: int, head_dim: int, dtype: torch.dtype,
-                  keep=True, kept_kv_rows: int | None = None) -> BufferMemory:
+                  keep=True, kept_kv_rows: int | None = None, relay=None) -> BufferMemory:
     """``BufferMemory`` of a ``CommMeta``'s buffers for the given heads, head dim and dtype;
-    ``kept_kv_rows``: of a kept KV buffer only its first rows (the rest is cast again)."""
+    ``kept_kv_rows``: of a kept KV buffer only its first rows (the rest is cast again);
+    ``relay``: the plan's ``RelayMeta`` (``plan.relay``), whose hops' buffers are added."""
     G = comm.head_groups
     if num_heads_q % G or num_heads_kv % G:
         raise ValueError(f"num_heads_q={num_heads_q} and num_heads_kv={num_heads_kv} must be multiples of the "
@@ -68,4 +98,28 @@ def buffer_memory(comm, num_heads_q: int, num_heads_kv: int, head_dim: int, dtyp
     kinds = kept_kinds(keep)
     kv_kept = kv_buf if kept_kv_rows is None else min(kept_kv_rows, rows.kv_recv) * kv_row
     kept = (q_buf if "qo" in kinds else 0) + (kv_kept if "kv" in kinds else 0)
+    if relay is None:
+        return BufferMemory(fwd_peak=fwd, bwd_peak=bwd, kept=kept)
+    if "kv" in kinds and kept_kv_rows is not None and kept_kv_rows < rows.kv_recv:
+        raise ValueError(f"kept_kv_rows={kept_kv_rows} keeps part of the KV buffer, which relay transport "
+                         f"does not run (relay is set): keep whole kinds")
+    recv, ret = zip(relay_hop_rows(comm, relay, "qo"), relay_hop_rows(comm, relay, "kv"))
+    # the direct formula's return rows are one send list per kind: a relay reduce's are its hops'
+    fwd += recv[0] * q_row + recv[1] * kv_row + (ret[0] - rows.qo_send) * (q_row + 4 * hq)
+    bwd += (recv[0] * (q_row + 8 * hq) + (0 if "qo" in kinds else recv[0] * q_row)
+            + (0 if "kv" in kinds else recv[1] * kv_row)
+            + (ret[0] - rows.qo_send) * q_row + (ret[1] - rows.kv_send) * kv_row)
     return BufferMemory(fwd_peak=fwd, bwd_peak=bwd, kept=kept)
+
+
+def relay_hop_rows(comm, relay, kind: str) -> tuple[int, int]:
+    """(R, T) of one kind of a relay plan (host ints): the rows of the buffers each of its casts
+    receives into besides the plan-layout one (direct and fan-out at the receive rows, relay,
+    egress), and the rows of the buffers one of its reduces returns into, over its hops (hop 2's
+    fan-out list, hop 0's send list, hop 1's list, hop 3's send list with an egress). With S > 1
+    sub-stages every cast and every reduce has the same capacities (``plan.relay.stage_relay_routes``)."""
+    cast, back = relay.stage(kind, 1, "cast"), relay.stage(kind, 1, "return")
+    recv, send = comm.buffers.recv(kind), comm.buffers.send(kind)
+    received = 2 * recv + cast.relay_capacity + cast.egress_capacity
+    returned = back.fan_capacity + send + back.hop1_capacity + (send if relay.egress else 0)
+    return received, returned
