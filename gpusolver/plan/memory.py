@@ -24,26 +24,32 @@ returns into buffers of the rows each reduce really returns; ``LocalGroup`` and
 Relay transport (``plan.relay``, ``relay_hop_rows``) adds each hop's buffers. Every cast of a
 kind receives into one buffer per hop besides the buffer above (the rows in the plan's layout,
 gathered out of them): the direct (hop 0) and fan-out (hop 2) buffers at the receive rows, the
-relay buffer (hop 1) at ``relay_capacity`` and the egress buffer (hop 3) at ``egress_capacity``;
-they live until the pass ends, the reduce included (``runtime.relayed`` keeps each cast's result,
-``runtime.relay_stages`` one buffer per (pass, kind, hop) that its S casts share). A reduce of a
-kind returns by its hops, each into a buffer of its send list's rows: hop 2 to the relays
-(``fan_capacity``), hop 0 home (the send rows), hop 1 to the egresses or the hosts
+relay buffer (hop 1) at ``relay_capacity`` and the egress buffer (hop 3) at ``egress_capacity``.
+A reduce of a kind returns by its hops, each into a buffer of its send list's rows: hop 2 to the
+relays (``fan_capacity``), hop 0 home (the send rows), hop 1 to the egresses or the hosts
 (``hop1_capacity``) and hop 3 home (the send rows, with an egress); one reduce's four are
 counted together, where the direct formula counts one send list:
 
     R(kind) = 2 * recv + relay_capacity + egress_capacity      [hop buffers, per cast row]
     T(kind) = fan_capacity + send + hop1_capacity (+ send)      [one reduce's return rows]
-    forward   direct's receive buffers + R(QO) * Q + R(KV) * (K, V) + T(QO) * (partial O, lse)
-    backward  direct's receive buffers (kept included) + R(QO) * (dO, lse, delta)
-              + R(QO) * Q unless Q is kept + R(KV) * (K, V) unless K and V are kept
-              + T(QO) * dQ + T(KV) * (dK, dV)
+    hops      forward R(QO) * Q + R(KV) * (K, V); backward R(QO) * (dO, lse, delta), and
+              R(QO) * Q unless Q is kept, R(KV) * (K, V) unless K and V are kept
+    returns   forward T(QO) * (partial O, lse); backward T(QO) * dQ + T(KV) * (dK, dV)
+    peak      the receive buffers in the plan's layout (the direct formula's, kept included)
+              + the larger of hops and returns with one remote stage (``runtime.relayed`` lets
+              a kind's hop buffers go once its layout buffer is gathered: every cast lands
+              before stage 1 and the reduce run), their sum with S > 1 sub-stages
+              (``runtime.relay_stages``: one buffer per (pass, kind, hop) that the S casts share,
+              live to the pass's end, while earlier sub-stages reduce)
     kept      as direct (whole kinds only: relay transport keeps no part of a buffer)
 
-On ``LocalGroup`` each hop of a reduce finishes before the next starts, and ``TorchGroup`` returns
-into buffers of the rows each hop really returns, so T is an upper bound on the return rows in
-flight at once there (hops 2 and 0 of one reduce fly together, and with sub-stages one sub-stage's
-hop 1 with the next one's hops 2 and 0).
+With one remote stage the larger of the two is an upper bound at the casts: the layout buffers
+are counted whole there, though each kind's is gathered only once its hops have landed.
+
+T, a reduce's four return buffers together, is an upper bound too: ``LocalGroup`` finishes each
+hop before the next starts, and ``TorchGroup`` returns into buffers of the rows each hop really
+returns, with hops 2 and 0 of a reduce in flight together (and with sub-stages one sub-stage's
+hop 1 beside the next one's hops 2 and 0).
 
 Not counted: the layer's own activations (its q, k, v, out and lse, which plain attention
 keeps too) and the runtime's work around the buffers (the local rows that share stage 1's
@@ -68,8 +74,9 @@ from gpusolver.problem import kept_kinds
 class BufferMemory:
     """Bytes per rank of one layer's collective buffers (host ints).
 
-    fwd_peak: receive buffers plus the buffer partial O and lse come back into (with relay
-              transport every hop's receive buffers and one reduce's return buffers of every hop).
+    fwd_peak: receive buffers plus the buffer partial O and lse come back into (relay transport:
+              plus every hop's receive buffers and return buffers, the larger of the two with
+              one remote stage; the module docstring says which).
     bwd_peak: the backward's receive and return buffers, the kept ones included (relay: likewise).
     kept:     held from the layer's forward to its backward.
     """
@@ -93,23 +100,26 @@ def buffer_memory(comm, num_heads_q: int, num_heads_kv: int, head_dim: int, dtyp
     q_row, kv_row = hq * head_dim * b, 2 * hkv * head_dim * b
     rows = comm.buffers
     q_buf, kv_buf = rows.qo_recv * q_row, rows.kv_recv * kv_row  # shared by the sub-stages
-    fwd = q_buf + kv_buf + rows.qo_send * (q_row + 4 * hq)
-    bwd = rows.qo_recv * (q_row + 8 * hq) + q_buf + kv_buf + rows.qo_send * q_row + rows.kv_send * kv_row
+    # the receive buffers in the plan's layout (the backward's: kept, or cast again)
+    layout_fwd, layout_bwd = q_buf + kv_buf, rows.qo_recv * (q_row + 8 * hq) + q_buf + kv_buf
     kinds = kept_kinds(keep)
     kv_kept = kv_buf if kept_kv_rows is None else min(kept_kv_rows, rows.kv_recv) * kv_row
     kept = (q_buf if "qo" in kinds else 0) + (kv_kept if "kv" in kinds else 0)
     if relay is None:
-        return BufferMemory(fwd_peak=fwd, bwd_peak=bwd, kept=kept)
+        return BufferMemory(fwd_peak=layout_fwd + rows.qo_send * (q_row + 4 * hq),
+                            bwd_peak=layout_bwd + rows.qo_send * q_row + rows.kv_send * kv_row, kept=kept)
     if "kv" in kinds and kept_kv_rows is not None and kept_kv_rows < rows.kv_recv:
         raise ValueError(f"kept_kv_rows={kept_kv_rows} keeps part of the KV buffer, which relay transport "
                          f"does not run (relay is set): keep whole kinds")
-    recv, ret = zip(relay_hop_rows(comm, relay, "qo"), relay_hop_rows(comm, relay, "kv"))
-    # the direct formula's return rows are one send list per kind: a relay reduce's are its hops'
-    fwd += recv[0] * q_row + recv[1] * kv_row + (ret[0] - rows.qo_send) * (q_row + 4 * hq)
-    bwd += (recv[0] * (q_row + 8 * hq) + (0 if "qo" in kinds else recv[0] * q_row)
-            + (0 if "kv" in kinds else recv[1] * kv_row)
-            + (ret[0] - rows.qo_send) * q_row + (ret[1] - rows.kv_send) * kv_row)
-    return BufferMemory(fwd_peak=fwd, bwd_peak=bwd, kept=kept)
+    (r_q, t_q), (r_kv, t_kv) = relay_hop_rows(comm, relay, "qo"), relay_hop_rows(comm, relay, "kv")
+    hops_fwd, back_fwd = r_q * q_row + r_kv * kv_row, t_q * (q_row + 4 * hq)
+    hops_bwd = (r_q * (q_row + 8 * hq) + (0 if "qo" in kinds else r_q * q_row)
+                + (0 if "kv" in kinds else r_kv * kv_row))
+    back_bwd = t_q * q_row + t_kv * kv_row
+    # one remote stage: the hops' buffers go before the reduce starts; sub-stages: they live to the end
+    both = max if relay.num_stages == 1 else (lambda a, b: a + b)
+    return BufferMemory(fwd_peak=layout_fwd + both(hops_fwd, back_fwd),
+                        bwd_peak=layout_bwd + both(hops_bwd, back_bwd), kept=kept)
 
 
 def relay_hop_rows(comm, relay, kind: str) -> tuple[int, int]:

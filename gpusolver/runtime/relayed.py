@@ -141,6 +141,7 @@ class _Hops:
         self.routes, self.group, self.batched, self.det = routes, group, batched, deterministic
         self.works, self.relay_buf, self.parts, self.recv, self.merged, self.result = {}, {}, {}, {}, {}, {}
         self.egress_res = {}
+        self.cast_names = {}  # per kind, its casts' works: let go once its receive buffer is assembled
         self.lead = 1 if batched else 0
 
     def cast(self, op, tensors) -> None:
@@ -152,6 +153,7 @@ class _Hops:
             self.relay_buf[op.route] = self.works[op.deps[0]].wait()
             tensors = self.relay_buf[op.route]
         self.works[op.name] = _cast(kr, op.hop, self.group, tensors, op.phase)
+        self.cast_names.setdefault(op.route, []).append(op.name)
 
     def wait_cast(self, op) -> None:
         self.parts[(op.route, op.hop)] = self.works[op.deps[0]].wait()
@@ -160,7 +162,11 @@ class _Hops:
             direct, fan = self.parts.pop((op.route, 0)), self.parts.pop((op.route, 2))
             lead = 1 if self.batched else 0
             self.recv[op.route] = [_take(torch.cat((d, f, r), dim=lead), kr.assemble, 0.0, self.batched)
-                                   for d, f, r in zip(direct, fan, self.relay_buf[op.route])]
+                                   for d, f, r in zip(direct, fan, self.relay_buf.pop(op.route))]
+            # nothing reads the hops' buffers again: they go before stage 1 and the reduce run (with
+            # one remote stage every cast lands first, so they never live beside a reduce's buffers)
+            for name in self.cast_names.pop(op.route):
+                del self.works[name]
 
     def reduce(self, op, full, acc, red: str, fills) -> None:
         """``full``: partials in the receive buffer's layout; ``acc``: the host's accumulators."""

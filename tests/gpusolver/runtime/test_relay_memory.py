@@ -7,6 +7,7 @@ returns into, forward and backward apart; saved-tensor hooks count what the laye
 capacity differs from every other (and a Q row from a K+V row), so a term with the wrong rows
 or the wrong row width fails. Per-rank figures are the batched totals over P.
 """
+import weakref
 from dataclasses import replace
 
 import pytest
@@ -38,24 +39,29 @@ class _Buffers:
     cast:   one entry per out-of-place cast (``_cast``: its fresh buffer, all tensors);
     into:   the distinct ``out=`` buffers (``_cast_into``), by storage, offset and shape;
     ret:    one entry per buffer ``_move`` makes inside a reduce (one per returned tensor).
+    alive:  per reduce, how many of the pass's receive buffers (the tensors the casts returned or
+            wrote into) were still alive when it started.
     """
 
     def __init__(self, group):
-        self.cast, self.into, self.ret = [], {}, []
+        self.cast, self.into, self.ret, self.alive, self._refs = [], {}, [], [], []
         self._reducing = False
         cast, into, reduce, move = group._cast, group._cast_into, group._reduce, group._move
 
         def cast_(*args):
             work = cast(*args)
             self.cast.append(_nbytes(work.wait()))
+            self._refs += [weakref.ref(t) for t in work.wait()]
             return work
 
         def into_(tensors, send_index, split, out, *args):
             for o in out:
                 self.into[(o.untyped_storage().data_ptr(), o.storage_offset(), tuple(o.shape))] = _nbytes([o])
+                self._refs.append(weakref.ref(o))
             return into(tensors, send_index, split, out, *args)
 
         def reduce_(*args):
+            self.alive.append(sum(r() is not None for r in self._refs))
             self._reducing = True
             try:
                 return reduce(*args)
@@ -70,10 +76,10 @@ class _Buffers:
 
         group._cast, group._cast_into, group._reduce, group._move = cast_, into_, reduce_, move_
 
-    def take(self) -> tuple[list[int], list[int]]:
-        """(receive buffers, return buffers) recorded since the last call."""
-        got = (self.cast + list(self.into.values()), self.ret)
-        self.cast, self.into, self.ret = [], {}, []
+    def take(self) -> tuple[list[int], list[int], list[int]]:
+        """(receive buffers, return buffers, alive) recorded since the last call."""
+        got = (self.cast + list(self.into.values()), self.ret, self.alive)
+        self.cast, self.into, self.ret, self.alive, self._refs = [], {}, [], [], []
         return got
 
 
@@ -114,9 +120,12 @@ def test_relay_plan_memory_equals_the_runtime(S, egress, keep):
     layout = 90 * q + 130 * kv                                        # Q, K, V in the plan's layout
     kept = layout if keep else 0
     assert m.kept == kept
-    assert m.fwd_peak == layout + hops_q * q + hops_kv * kv + back_q * (q + lse)
-    cast_again = 0 if keep else (90 + hops_q) * q + (130 + hops_kv) * kv
-    assert m.bwd_peak == (90 + hops_q) * (q + 2 * lse) + kept + cast_again + back_q * q + back_kv * kv
+    # one remote stage: the hop buffers are gone before the reduce; sub-stages: they live beside it
+    both = max if S == 1 else (lambda a, b: a + b)
+    assert m.fwd_peak == layout + both(hops_q * q + hops_kv * kv, back_q * (q + lse))
+    cast_again = 0 if keep else hops_q * q + hops_kv * kv
+    assert m.bwd_peak == (90 * (q + 2 * lse) + layout
+                          + both(hops_q * (q + 2 * lse) + cast_again, back_q * q + back_kv * kv))
 
     # the runtime: every hop's receive buffers, S reduces each returning into its hops' buffers
     g = torch.Generator().manual_seed(0)
@@ -126,9 +135,15 @@ def test_relay_plan_memory_equals_the_runtime(S, egress, keep):
     group = LocalGroup(P)
     bufs = _Buffers(group)
     (out, lse_), sizes, held = _saved(lambda: dist_attn(qs, ks, vs, plan, group, keep_forward_buffers=keep))
-    fwd_recv, fwd_ret = bufs.take()
+    fwd_recv, fwd_ret, fwd_alive = bufs.take()
     (out.sum() + lse_.sum()).backward()
-    bwd_recv, bwd_ret = bufs.take()
+    bwd_recv, bwd_ret, bwd_alive = bufs.take()
+    # one remote stage: no receive buffer of a hop outlives its cast's gather into the plan's layout;
+    # sub-stages: the shared ones live beside every reduce
+    hops = 4 if egress else 3
+    assert len(fwd_alive) == S * hops and len(bwd_alive) == S * 2 * hops  # one reduce per hop
+    for alive in (fwd_alive, bwd_alive):
+        assert max(alive) == 0 if S == 1 else min(alive) > 0
     assert torch.isfinite(qs.grad).all() and torch.isfinite(ks.grad).all()
     # what the layer holds for its backward: its own activations (group-major q, k, v, and out, lse)
     # and the kept buffers in the plan's layout (with sub-stages the operands [local | buffer], whose
@@ -136,15 +151,14 @@ def test_relay_plan_memory_equals_the_runtime(S, egress, keep):
     # reduce's merge gives out (groupcomm._reduce: one per rank, dropped by a view)
     own = P * c * (2 * Hq * D + 2 * Hkv * D + Hq) * 4
     assert 0 <= held - own - P * m.kept <= P * (q + lse)
-    hops = 4 if egress else 3
     # forward: Q over each hop (one buffer, 1 tensor), K and V (one packed buffer at S = 1, two at S > 1);
     # O and lse back over each hop of each sub-stage's reduce
     assert len(fwd_recv) == hops * (2 if S == 1 else 3) and len(fwd_ret) == S * 2 * hops
     assert sum(fwd_recv) == P * (hops_q * q + hops_kv * kv)
     assert sum(fwd_ret) == S * P * back_q * (q + lse)
-    assert sum(fwd_recv) + P * layout + sum(fwd_ret) // S == P * m.fwd_peak
+    assert P * layout + both(sum(fwd_recv), sum(fwd_ret) // S) == P * m.fwd_peak
     # backward: dO, lse, delta (and Q, K, V unless kept) over each hop; dQ, dK, dV back
     assert sum(bwd_recv) == P * (hops_q * (q + 2 * lse) + (0 if keep else hops_q * q + hops_kv * kv))
     assert sum(bwd_ret) == S * P * (back_q * q + back_kv * kv)
     assert len(bwd_ret) == S * 3 * hops
-    assert sum(bwd_recv) + P * (90 * (q + 2 * lse) + layout) + sum(bwd_ret) // S == P * m.bwd_peak
+    assert P * (90 * (q + 2 * lse) + layout) + both(sum(bwd_recv), sum(bwd_ret) // S) == P * m.bwd_peak
