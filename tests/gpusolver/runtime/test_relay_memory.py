@@ -38,14 +38,15 @@ class _Buffers:
 
     cast:   one entry per out-of-place cast (``_cast``: its fresh buffer, all tensors);
     into:   the distinct ``out=`` buffers (``_cast_into``), by storage, offset and shape;
-    ret:    one entry per buffer ``_move`` makes inside a reduce (one per returned tensor).
+    ret:    per reduce's byte counter (``"fwd.o:hop2"``, ``"bwd.dkv.3"``: phase, sub-stage, hop), the
+            bytes of the buffers ``_move`` makes inside it (one per returned tensor).
     alive:  per reduce, how many of the pass's receive buffers (the tensors the casts returned or
             wrote into) were still alive when it started.
     """
 
     def __init__(self, group):
-        self.cast, self.into, self.ret, self.alive, self._refs = [], {}, [], [], []
-        self._reducing = False
+        self.cast, self.into, self.ret, self.alive, self._refs = [], {}, {}, [], []
+        self._reducing = None
         cast, into, reduce, move = group._cast, group._cast_into, group._reduce, group._move
 
         def cast_(*args):
@@ -60,26 +61,26 @@ class _Buffers:
                 self._refs.append(weakref.ref(o))
             return into(tensors, send_index, split, out, *args)
 
-        def reduce_(*args):
+        def reduce_(*args, **kwargs):  # (partials, send_index, split, acc, op, phase, ...)
             self.alive.append(sum(r() is not None for r in self._refs))
-            self._reducing = True
+            self._reducing = kwargs.get("phase", args[5] if len(args) > 5 else None)
             try:
-                return reduce(*args)
+                return reduce(*args, **kwargs)
             finally:
-                self._reducing = False
+                self._reducing = None
 
         def move_(*args):
             out = move(*args)
-            if self._reducing:
-                self.ret.append(_nbytes([out]))
+            if self._reducing is not None:
+                self.ret.setdefault(self._reducing, []).append(_nbytes([out]))
             return out
 
         group._cast, group._cast_into, group._reduce, group._move = cast_, into_, reduce_, move_
 
-    def take(self) -> tuple[list[int], list[int], list[int]]:
+    def take(self) -> tuple[list[int], dict, list[int]]:
         """(receive buffers, return buffers, alive) recorded since the last call."""
         got = (self.cast + list(self.into.values()), self.ret, self.alive)
-        self.cast, self.into, self.ret, self.alive, self._refs = [], {}, [], [], []
+        self.cast, self.into, self.ret, self.alive, self._refs = [], {}, {}, [], []
         return got
 
 
@@ -120,12 +121,16 @@ def test_relay_plan_memory_equals_the_runtime(S, egress, keep):
     layout = 90 * q + 130 * kv                                        # Q, K, V in the plan's layout
     kept = layout if keep else 0
     assert m.kept == kept
-    # one remote stage: the hop buffers are gone before the reduce; sub-stages: they live beside it
-    both = max if S == 1 else (lambda a, b: a + b)
-    assert m.fwd_peak == layout + both(hops_q * q + hops_kv * kv, back_q * (q + lse))
     cast_again = 0 if keep else hops_q * q + hops_kv * kv
-    assert m.bwd_peak == (90 * (q + 2 * lse) + layout
-                          + both(hops_q * (q + 2 * lse) + cast_again, back_q * q + back_kv * kv))
+    hops_fwd, hops_bwd = hops_q * q + hops_kv * kv, hops_q * (q + 2 * lse) + cast_again
+    layout_bwd = 90 * (q + 2 * lse) + layout
+    if S == 1:  # the hop buffers go before the reduces, whose hops return one at a time
+        one_q, one_kv = max(48, 110, h1_q), max(88, 150, h1_kv)
+        assert m.fwd_peak == layout + max(hops_fwd, one_q * (q + lse))
+        assert m.bwd_peak == layout_bwd + max(hops_bwd, one_q * q, one_kv * kv)
+    else:  # the shared hop buffers live beside the reduces, each reduce's four hops counted together
+        assert m.fwd_peak == layout + hops_fwd + back_q * (q + lse)
+        assert m.bwd_peak == layout_bwd + hops_bwd + back_q * q + back_kv * kv
 
     # the runtime: every hop's receive buffers, S reduces each returning into its hops' buffers
     g = torch.Generator().manual_seed(0)
@@ -144,6 +149,16 @@ def test_relay_plan_memory_equals_the_runtime(S, egress, keep):
     assert len(fwd_alive) == S * hops and len(bwd_alive) == S * 2 * hops  # one reduce per hop
     for alive in (fwd_alive, bwd_alive):
         assert max(alive) == 0 if S == 1 else min(alive) > 0
+    # each hop's return buffers: its send list's rows (hop 2's on the relays, hop 1's on the egresses),
+    # one buffer per returned tensor, in every sub-stage alike
+    rows = {"": (110, 150), ":hop1": (h1_q, h1_kv), ":hop2": (48, 88), ":hop3": (110, 150)}
+    tags = list(rows)[:hops]
+    for phase, ret, kind, width in (("fwd.o", fwd_ret, 0, (q, lse)), ("bwd.dq", bwd_ret, 0, (q,)),
+                                    ("bwd.dkv", bwd_ret, 1, (kv // 2, kv // 2))):
+        for s in range(1, S + 1):
+            for tag in tags:
+                label = (phase if S == 1 else f"{phase}.{s}") + tag
+                assert ret[label] == [P * rows[tag][kind] * w for w in width], label
     assert torch.isfinite(qs.grad).all() and torch.isfinite(ks.grad).all()
     # what the layer holds for its backward: its own activations (group-major q, k, v, and out, lse)
     # and the kept buffers in the plan's layout (with sub-stages the operands [local | buffer], whose
@@ -153,12 +168,16 @@ def test_relay_plan_memory_equals_the_runtime(S, egress, keep):
     assert 0 <= held - own - P * m.kept <= P * (q + lse)
     # forward: Q over each hop (one buffer, 1 tensor), K and V (one packed buffer at S = 1, two at S > 1);
     # O and lse back over each hop of each sub-stage's reduce
-    assert len(fwd_recv) == hops * (2 if S == 1 else 3) and len(fwd_ret) == S * 2 * hops
-    assert sum(fwd_recv) == P * (hops_q * q + hops_kv * kv)
-    assert sum(fwd_ret) == S * P * back_q * (q + lse)
-    assert P * layout + both(sum(fwd_recv), sum(fwd_ret) // S) == P * m.fwd_peak
+    assert len(fwd_recv) == hops * (2 if S == 1 else 3) and len(fwd_ret) == S * hops
+    assert sum(fwd_recv) == P * hops_fwd
+    # one remote stage: the largest hop's return buffers; sub-stages: one reduce's, all its hops
+    if S == 1:
+        assert P * layout + max(sum(fwd_recv), max(map(sum, fwd_ret.values()))) == P * m.fwd_peak
+    else:
+        assert P * layout + sum(fwd_recv) + sum(map(sum, fwd_ret.values())) // S == P * m.fwd_peak
     # backward: dO, lse, delta (and Q, K, V unless kept) over each hop; dQ, dK, dV back
-    assert sum(bwd_recv) == P * (hops_q * (q + 2 * lse) + (0 if keep else hops_q * q + hops_kv * kv))
-    assert sum(bwd_ret) == S * P * (back_q * q + back_kv * kv)
-    assert len(bwd_ret) == S * 3 * hops
-    assert P * (90 * (q + 2 * lse) + layout) + both(sum(bwd_recv), sum(bwd_ret) // S) == P * m.bwd_peak
+    assert sum(bwd_recv) == P * hops_bwd and len(bwd_ret) == S * 2 * hops
+    if S == 1:
+        assert P * layout_bwd + max(sum(bwd_recv), max(map(sum, bwd_ret.values()))) == P * m.bwd_peak
+    else:
+        assert P * layout_bwd + sum(bwd_recv) + sum(map(sum, bwd_ret.values())) // S == P * m.bwd_peak
