@@ -18,7 +18,10 @@ Plain attention of the same shard keeps q, k, v, out and lse (``plain_kept``); t
 activations are q, k, v and out (``own``). The merge columns are the most one reduce's merge of
 the returned rows (``reduce_rows``) allocates above what was live when it began, its outputs
 included; ``--fused-reduce`` runs the merges through groupcomm's fused kernels (the GPU default;
-on meta their fakes, which make the kernels' outputs, all the kernels allocate).
+on meta their fakes, which make the kernels' outputs, all the kernels allocate). The plan.memory
+columns are what ``plan.memory()`` prices for the same plan's collective buffers, next to what
+was measured (with ``--relay`` every hop's buffers too; ``gpusolver.plan.memory`` says what it
+leaves out).
 
     python benchmarks/layer_memory.py --cp-sizes 8,16,32,64 --md benchmarks/results/layer_memory.md
 """

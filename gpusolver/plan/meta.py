@@ -395,7 +395,9 @@ class Plan:
         """Bytes per rank of this plan's collective buffers (``plan.memory.BufferMemory``:
         forward peak, backward peak, kept for the backward), for ``config``'s heads, head dim
         and dtype. ``keep_forward_buffers``: what helpers keep (True, False, "qo", "kv"; default
-        the config's, within its ``memory_budget``, with the KV rows it keeps, ``kept_kv_rows``). Host ints from static shapes: no device read."""
+        the config's, within its ``memory_budget``, with the KV rows it keeps, ``kept_kv_rows``).
+        A relay plan's (``self.relay``) counts every hop's buffers too (``gpusolver.plan.memory``
+        says which). Host ints from static shapes: no device read."""
         from gpusolver.capacity import keep_for_budget
         from gpusolver.config import check_config
         from gpusolver.plan.memory import buffer_memory
@@ -406,7 +408,7 @@ class Plan:
             resolved = keep_for_budget(config, self.comm.chunk)
             keep, kv_rows = resolved.keep_forward_buffers, resolved.kept_kv_rows
         return buffer_memory(self.comm, config.num_heads_q, config.num_heads_kv, config.head_dim, config.dtype, keep,
-                             kv_rows)
+                             kv_rows, relay=self.relay)
 
     def save(self, path, *, config=None) -> None:
         """Write the plan (and its ``SolverConfig``, if given) to ``path`` (the ``plan.records`` format)."""

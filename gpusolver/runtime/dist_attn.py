@@ -214,12 +214,12 @@ class _DistAttn(torch.autograd.Function):
                 x_k, x_v = keep_prefix([x_k, x_v], lead, n, kv_rows)
                 operands = None  # the whole KV operands go with the forward
             ctx.kv_rows = kv_rows if part else -1
-            if routes.relay is None or routes.relay.sub_stages:
-                # a sub-stage operand's first n rows are the local rows: keep them once, as views of it
-                if "qo" in keep:
-                    ql = x_q.narrow(lead, 0, n)
-                if "kv" in keep:
-                    kl, vl = x_k.narrow(lead, 0, n), x_v.narrow(lead, 0, n)
+            # every executor here returns X = [local rows | receive buffer], whose first n rows are the
+            # local rows: a kept kind keeps them once, as views of it
+            if "qo" in keep:
+                ql = x_q.narrow(lead, 0, n)
+            if "kv" in keep:
+                kl, vl = x_k.narrow(lead, 0, n), x_v.narrow(lead, 0, n)
             ctx.save_for_backward(ql, kl, vl, o, lse, *((x_q,) if "qo" in keep else ()),
                                   *((x_k, x_v) if "kv" in keep else ()))
             group.wait_sends()  # p2p sends may outlive their wait(): none past the pass

@@ -12,7 +12,9 @@ It runs ``schedule.forward_ops(..., relay=True, egress=...)`` / ``backward_ops``
   concat(local rows, egress buffer), into the relay buffer), hop 0
   (the direct rows) and hop 2 (relay -> consumers, read from the relay buffer);
   each consumer then gathers its receive buffer, in the plan's own layout, out of
-  ``concat(direct, fan-out, relay buffer)``: CalcMeta and the kernels are unchanged;
+  ``concat(direct, fan-out, relay buffer)``: CalcMeta and the kernels are unchanged. The hops'
+  buffers go once it is gathered, and it once stage 1's operands ``[local rows | receive
+  buffer]`` hold it (what the layer keeps of a kept kind), so neither lives beside a reduce;
 - a reduce is hop 2 back (consumers' partials into the relay buffer's layout,
   merged onto the relay's own partial), hop 0 back (the direct rows, merged on
   the host), hop 1 back (the relays' merged rows, merged on the host after the
@@ -141,6 +143,7 @@ class _Hops:
         self.routes, self.group, self.batched, self.det = routes, group, batched, deterministic
         self.works, self.relay_buf, self.parts, self.recv, self.merged, self.result = {}, {}, {}, {}, {}, {}
         self.egress_res = {}
+        self.cast_names = {}  # per kind, its casts' works: let go once its receive buffer is assembled
         self.lead = 1 if batched else 0
 
     def cast(self, op, tensors) -> None:
@@ -152,6 +155,7 @@ class _Hops:
             self.relay_buf[op.route] = self.works[op.deps[0]].wait()
             tensors = self.relay_buf[op.route]
         self.works[op.name] = _cast(kr, op.hop, self.group, tensors, op.phase)
+        self.cast_names.setdefault(op.route, []).append(op.name)
 
     def wait_cast(self, op) -> None:
         self.parts[(op.route, op.hop)] = self.works[op.deps[0]].wait()
@@ -160,7 +164,11 @@ class _Hops:
             direct, fan = self.parts.pop((op.route, 0)), self.parts.pop((op.route, 2))
             lead = 1 if self.batched else 0
             self.recv[op.route] = [_take(torch.cat((d, f, r), dim=lead), kr.assemble, 0.0, self.batched)
-                                   for d, f, r in zip(direct, fan, self.relay_buf[op.route])]
+                                   for d, f, r in zip(direct, fan, self.relay_buf.pop(op.route))]
+            # nothing reads the hops' buffers again: they go before stage 1 and the reduce run (with
+            # one remote stage every cast lands first, so they never live beside a reduce's buffers)
+            for name in self.cast_names.pop(op.route):
+                del self.works[name]
 
     def reduce(self, op, full, acc, red: str, fills) -> None:
         """``full``: partials in the receive buffer's layout; ``acc``: the host's accumulators."""
@@ -206,13 +214,14 @@ def _slices(plan, rank: int, stage: int):
 
 
 def relay_forward(plan, group, ranks, batched, routes: RelayRoutes, ql, kl, vl, scale: float, deterministic: bool):
-    """(o, lse, (q_buf, k_buf, v_buf)) in group-major rows: the forward of a relay plan."""
+    """(o, lse, (Xq, Xk, Xv)) in group-major rows: the forward of a relay plan; X = [local rows |
+    receive buffer], stage 1's operands (a kept kind's are what the layer keeps, its local rows too)."""
     lead = 1 if batched else 0
     n, cap = ql.shape[lead], routes.qo.recv_cap
     hops = _Hops(routes, group, batched, deterministic)
     sent = {"qo": (ql,), "kv": (kl, vl)}
     parts = {}
-    o = lse = None
+    o = lse = operands = None
     for op in forward_ops(plan.calc.q_ranges.shape[1], 1, relay=True, egress=plan.relay.egress):
         with nvtx_range(op_range(op)):
             if op.kind == CAST:
@@ -223,8 +232,10 @@ def relay_forward(plan, group, ranks, batched, routes: RelayRoutes, ql, kl, vl, 
                 hops.wait_cast(op)
             elif op.kind == ATTN:
                 (s,) = op.stages
-                args = (ql, kl, vl) if s == 0 else tuple(
-                    torch.cat((a, b), dim=lead) for a, b in zip((ql, kl, vl), (*hops.recv["qo"], *hops.recv["kv"])))
+                if s:  # the gathered buffers live on in the operands only (the layer keeps those)
+                    operands = tuple(torch.cat((a, b), dim=lead)
+                                     for a, b in zip((ql, kl, vl), (*hops.recv.pop("qo"), *hops.recv.pop("kv"))))
+                args = operands if s else (ql, kl, vl)
 
                 def run(r, q_, k_, v_, s=s):
                     return flex_attn(q_, k_, v_, *_slices(plan, r, s), scale, **_INTERNAL)
@@ -240,19 +251,18 @@ def relay_forward(plan, group, ranks, batched, routes: RelayRoutes, ql, kl, vl, 
             else:
                 raise AssertionError(f"relay forward cannot run op {op}")
     o, lse = hops.result["fwd.o"]
-    return o, lse, (hops.recv["qo"][0], *hops.recv["kv"])
+    return o, lse, operands
 
 
 def relay_backward(plan, group, ranks, batched, routes: RelayRoutes, ql, kl, vl, o, lse, kept_q, kept_kv,
                    d_o, d_l, scale: float, deterministic: bool):
-    """(dq, dk, dv) in group-major rows: the backward of a relay plan (kept buffers or cast again)."""
+    """(dq, dk, dv) in group-major rows: the backward of a relay plan. ``kept_q`` / ``kept_kv``: the
+    forward's Xq / [Xk, Xv] (``ql``, ``kl``, ``vl`` their local rows), or None (cast again)."""
     lead = 1 if batched else 0
     n = ql.shape[lead]
     qcap, kcap = routes.qo.recv_cap, routes.kv.recv_cap
     keep_q, keep_kv = kept_q is not None, kept_kv is not None
     hops = _Hops(routes, group, batched, deterministic)
-    if keep_kv:
-        hops.recv["kv"] = list(kept_kv)
     delta = None
     parts = {}
     for op in backward_ops(plan.calc.q_ranges.shape[1], keep_kv, relay=True, egress=plan.relay.egress):
@@ -270,12 +280,13 @@ def relay_backward(plan, group, ranks, batched, routes: RelayRoutes, ql, kl, vl,
             elif op.kind == ATTN:
                 (s,) = op.stages
                 args = (d_o, ql, kl, vl, lse, delta)
-                if s:
-                    d_o_b, lse_b, delta_b = hops.recv["qo"][:3]
-                    q_b = kept_q if keep_q else hops.recv["qo"][3]
-                    k_b, v_b = hops.recv["kv"]
-                    args = tuple(torch.cat((a, b), dim=lead)
-                                 for a, b in zip(args, (d_o_b, q_b, k_b, v_b, lse_b, delta_b)))
+                if s:  # [local rows | receive buffer]; the gathered buffers go once they are in
+                    qo, kv = hops.recv.pop("qo"), hops.recv.pop("kv", None)
+                    whole = lambda a, b: torch.cat((a, b), dim=lead)  # noqa: E731
+                    x_q = kept_q if keep_q else whole(ql, qo[3])
+                    x_k, x_v = kept_kv if keep_kv else (whole(kl, kv[0]), whole(vl, kv[1]))
+                    args = (whole(d_o, qo[0]), x_q, x_k, x_v, whole(lse, qo[1]), whole(delta, qo[2]))
+                    del qo, kv
 
                 def run(r, *t, s=s):
                     return flex_attn_backward(*t, *_slices(plan, r, s), scale, **_INTERNAL)

@@ -64,3 +64,25 @@ def test_sub_stage_merges_run_in_place(monkeypatch):
     # the gather of the partials (``_gather_remote``): one window can only raise it
     assert in_place["fwd_peak"] <= one_window["fwd_peak"]
     assert merging(copied) - merging(in_place) >= rows * (Hq // G) * D * 4
+
+
+def test_relay_rows_price_the_relay_buffers():
+    """``--relay``: the plan.memory columns are ``plan.memory()``'s of the relay plan, which counts the
+    hops' buffers (the direct formula of the same plan's buffers counts less), and the layer measured
+    allocates at least that much at its forward peak."""
+    from gpusolver.capacity import keep_for_budget
+    from gpusolver.plan.memory import buffer_memory
+
+    lm = _load()
+    P, c, Hq, Hkv, D = 16, 256, 16, 4, 64
+    shapes = {"tokens_per_rank": c, "num_heads_q": Hq, "num_heads_kv": Hkv, "head_dim": D, "dtype": torch.bfloat16}
+    topology = lm.parse_args([]).topology
+    row = lm.measure("causal", P, shapes, "meta", relay=topology)
+    config = keep_for_budget(lm.make_config(P, shapes, relay=topology), c)
+    plan = lm.shape_plan(lm.make_mask("causal", P, 0, c), config)
+    assert row["transport"] == "relay" and plan.relay is not None
+    m = plan.memory(config)
+    assert (row["plan_kept"], row["plan_fwd"], row["plan_bwd"]) == (m.kept, m.fwd_peak, m.bwd_peak)
+    direct = buffer_memory(plan.comm, Hq, Hkv, D, torch.bfloat16, config.keep_forward_buffers)
+    assert m.fwd_peak > direct.fwd_peak and m.bwd_peak > direct.bwd_peak and m.kept == direct.kept
+    assert row["fwd_peak"] >= m.fwd_peak
