@@ -203,12 +203,18 @@ def shape_plan(mask, config: SolverConfig):
     return build_plan(mask, areas, owner.expand(config.head_groups, U, U).to(torch.int32), config)
 
 
-def make_config(P: int, shapes: dict, keep=True, budget=None, qo_chunks=None, stages=1, relay=None) -> SolverConfig:
+def make_config(P: int, shapes: dict, keep=True, budget=None, qo_chunks=None, stages=1, relay=None,
+                cluster=None) -> SolverConfig:
     """The benchmark's config; ``qo_chunks``: the QO receive buffer in multiples of G * c (the budget
     runs': a smaller buffer the solve keeps its plans within, so that Q fits the budget whole);
     ``stages``: ``num_stages`` (an int or "auto"); ``relay``: a topology preset name, whose nodes the
-    plan's relay transport crosses (``ib_relay=True``: relay at every S), or None (no topology)."""
-    topology = None if relay is None else Topology.preset(relay)
+    plan's relay transport crosses (``ib_relay=True``: relay at every S), or None (no topology);
+    ``cluster``: a topology preset name whose transport and buffers are the default's there (direct
+    with sub-stages, capacities sized per P across nodes: what a cluster user runs), or None."""
+    if relay is not None and cluster is not None:
+        raise ValueError(f"relay={relay!r} and cluster={cluster!r}: one topology at a time")
+    name = relay if relay is not None else cluster
+    topology = None if name is None else Topology.preset(name)
     config = SolverConfig(cp_size=P, num_heads_q=shapes["num_heads_q"], num_heads_kv=shapes["num_heads_kv"],
                           head_dim=shapes["head_dim"], dtype=shapes["dtype"], keep_forward_buffers=keep,
                           memory_budget=budget, num_stages=stages, topology=topology,
@@ -220,7 +226,7 @@ def make_config(P: int, shapes: dict, keep=True, budget=None, qo_chunks=None, st
 
 def measure(kind: str, P: int, shapes: dict, device: str, *, seed: int = 0, keep=True, budget=None,
             checkpoint: bool = False, qo_chunks=None, top: int = 0, fused: bool = False, stages=1,
-            breakdown: bool = False, relay=None) -> dict:
+            breakdown: bool = False, relay=None, cluster=None) -> dict:
     """Kept and peak bytes per rank of one layer (forward and backward) for one mask; ``checkpoint``:
     the layer under full activation checkpointing (non-reentrant: nothing saved, the forward run
     again inside the backward, whose peak is then counted); ``top``: also the biggest storages
@@ -230,13 +236,13 @@ def measure(kind: str, P: int, shapes: dict, device: str, *, seed: int = 0, keep
     off CUDA); ``breakdown``: also every storage live at each pass's peak grouped by what made it
     (``fwd_breakdown``, ``bwd_breakdown``: (bytes, count, op, shape, dtype, site)), the runtime op
     (its NVTX range) running at the peak (``fwd_at``, ``bwd_at``) and the peak inside each op
-    (``fwd_ops``, ``bwd_ops``: {range: bytes}, in the order they ran); ``relay``: ``make_config``'s."""
+    (``fwd_ops``, ``bwd_ops``: {range: bytes}, in the order they ran); ``relay``, ``cluster``: ``make_config``'s."""
     prev = nvtx.set_enabled(True)  # the ranges' push / pop ops tell LiveBytes which op runs (no-ops off CUDA)
     try:
         with fused_reduce(True if fused else None), _reduce_spans() as current:
             row = _measure(current, kind, P, shapes, device, seed=seed, keep=keep, budget=budget,
                            checkpoint=checkpoint, qo_chunks=qo_chunks, top=top, stages=stages, breakdown=breakdown,
-                           relay=relay)
+                           relay=relay, cluster=cluster)
     finally:
         nvtx.set_enabled(prev)
     row["fused"] = "yes" if fused else "no"
@@ -263,10 +269,10 @@ def _reduce_spans():
 
 
 def _measure(current: list, kind: str, P: int, shapes: dict, device: str, *, seed: int, keep, budget, checkpoint: bool,
-             qo_chunks, top: int, stages=1, breakdown: bool = False, relay=None) -> dict:
+             qo_chunks, top: int, stages=1, breakdown: bool = False, relay=None, cluster=None) -> dict:
     c, D, dtype = shapes["tokens_per_rank"], shapes["head_dim"], shapes["dtype"]
     Hq, Hkv = shapes["num_heads_q"], shapes["num_heads_kv"]
-    config = keep_for_budget(make_config(P, shapes, keep, budget, qo_chunks, stages, relay), c)  # what the budget keeps
+    config = keep_for_budget(make_config(P, shapes, keep, budget, qo_chunks, stages, relay, cluster), c)  # what the budget keeps
     keep, kv_rows = config.keep_forward_buffers, config.kept_kv_rows
     mask = make_mask(kind, P, seed, c, device=device)
     t0 = time.perf_counter()
@@ -298,6 +304,7 @@ def _measure(current: list, kind: str, P: int, shapes: dict, device: str, *, see
     current[0] = None
     ref = layer_shapes(shapes, P)
     row = {"kind": kind, "P": P, "S": config.num_stages, "transport": "relay" if plan.relay is not None else "direct",
+           "topology": "—" if config.topology is None else config.topology.name,
            "budget": budget,
            "qo_recv": "default" if qo_chunks is None else f"{qo_chunks:g} Gc",
            "keep": keep, "kv_rows": _chunks(kv_rows, config, c),
@@ -322,7 +329,7 @@ def _chunks(rows, config: SolverConfig, c: int) -> str:
     return "all" if rows is None else f"{rows / (config.head_groups * c):.2f} Gc"
 
 
-COLUMNS = [("kind", "kind", ""), ("P", "P", "d"), ("S", "S", "d"), ("transport", "transport", ""),
+COLUMNS = [("kind", "kind", ""), ("P", "P", "d"), ("S", "S", "d"), ("topology", "topology", ""), ("transport", "transport", ""),
            ("budget", "budget", ""), ("QO recv", "qo_recv", ""),
            ("keep", "keep", ""), ("fused reduce", "fused", ""),
            ("kept KV rows", "kv_rows", ""), ("checkpointed", "ckpt", ""),
@@ -402,6 +409,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--stages", default="1", help="num_stages of every run: an int, or auto")
     p.add_argument("--comm", default="a2a", help="the simulated transport of the step cost runs: a2a, p2p, "
                    "p2p-batch")
+    p.add_argument("--cluster", action="store_true", help="every config solved on --topology with the default's "
+                   "transport and buffers there (direct with sub-stages, capacities sized per P across nodes)")
     p.add_argument("--relay", action="store_true", help="every config solved on --topology with relay transport "
                    "(ib_relay=True): inter-node rows cross InfiniBand once per node (the P must span its nodes)")
     p.add_argument("--breakdown", action="store_true", help="every storage live at each pass's peak, grouped by "
@@ -416,7 +425,10 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     kinds = parse_list(args.kinds, str, name="--kinds")
     stages = args.stages if args.stages == "auto" else int(args.stages)
+    if args.relay and args.cluster:
+        raise SystemExit("layer_memory.py: --relay and --cluster pick two transports; give one")
     relay = args.topology if args.relay else None
+    cluster = args.topology if args.cluster else None
     rows, steps = [], []
     fused_modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.fused_reduce]
     for keep, budget, ckpt in ((True, None, False), (False, None, False), (True, args.budget, False),
@@ -426,7 +438,7 @@ def main(argv=None) -> list[dict]:
             for P in [] if args.no_small else parse_list(args.small_cp_sizes, name="--small-cp-sizes"):
                 for fused in fused_modes:  # on CPU the fused merge runs its kernels: TRITON_INTERPRET=1
                     rows.append(measure(kind, P, SMALL, "cpu", seed=args.seed, keep=keep, budget=budget,
-                                        checkpoint=ckpt, qo_chunks=qo, fused=fused, stages=stages, relay=relay))
+                                        checkpoint=ckpt, qo_chunks=qo, fused=fused, stages=stages, relay=relay, cluster=cluster))
             if not args.no_real:
                 for P in parse_list(args.cp_sizes, name="--cp-sizes"):
                     first = keep is True and budget is None and not ckpt and kind == kinds[0]
@@ -434,7 +446,7 @@ def main(argv=None) -> list[dict]:
                         rows.append(measure(kind, P, REAL, "meta", seed=args.seed, keep=keep, budget=budget,
                                             checkpoint=ckpt, qo_chunks=qo, top=args.top if first else 0,
                                             fused=fused, stages=stages, breakdown=args.breakdown and first,
-                                            relay=relay))
+                                            relay=relay, cluster=cluster))
     for kind in kinds:
         for P in parse_list(args.step_cp_sizes, name="--step-cp-sizes") if args.step_cp_sizes else []:
             steps.append(step_cost(kind, P, args.budget, args.seed, args.topology, args.budget_qo_chunks, stages,

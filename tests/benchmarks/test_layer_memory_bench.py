@@ -1,5 +1,6 @@
 """benchmarks/layer_memory.py on meta: the fused merge's own peak is its outputs (and the slot table),
 the torch path's is more; the rest of the layer's figures do not depend on the merge."""
+import pytest
 import torch
 
 from gpusolver.capacity import buffer_rows
@@ -86,3 +87,28 @@ def test_relay_rows_price_the_relay_buffers():
     direct = buffer_memory(plan.comm, Hq, Hkv, D, torch.bfloat16, config.keep_forward_buffers)
     assert m.fwd_peak > direct.fwd_peak and m.bwd_peak > direct.bwd_peak and m.kept == direct.kept
     assert row["fwd_peak"] >= m.fwd_peak
+
+
+def test_cluster_rows_run_the_cluster_defaults():
+    """``--cluster``: the layer is built on the topology with the transport and buffers a cluster user
+    gets there (direct with sub-stages, capacities sized per P across nodes, smaller than without a
+    topology), and the plan.memory columns are that plan's."""
+    lm = _load()
+    P, c, Hq, Hkv, D = 16, 256, 16, 4, 64
+    shapes = {"tokens_per_rank": c, "num_heads_q": Hq, "num_heads_kv": Hkv, "head_dim": D, "dtype": torch.bfloat16}
+    topology = lm.parse_args([]).topology
+    row = lm.measure("causal", P, shapes, "meta", stages="auto", cluster=topology)
+    plain = lm.measure("causal", P, shapes, "meta", stages="auto")
+    cfg, cfg_plain = lm.make_config(P, shapes, stages="auto", cluster=topology), lm.make_config(P, shapes, stages="auto")
+    assert cfg.topology is not None and not cfg.relays and cfg_plain.topology is None
+    assert buffer_rows(cfg, c).as_tuple() != buffer_rows(cfg_plain, c).as_tuple()
+    assert row["transport"] == "direct" and row["S"] == plain["S"] > 1
+    assert row["plan_fwd"] < plain["plan_fwd"] and row["fwd_peak"] < plain["fwd_peak"]
+    assert row["fwd_peak"] >= row["plan_fwd"] and row["bwd_peak"] >= row["plan_bwd"]
+
+
+def test_one_topology_at_a_time():
+    lm = _load()
+    shapes = {"tokens_per_rank": 64, "num_heads_q": 4, "num_heads_kv": 2, "head_dim": 16, "dtype": torch.float32}
+    with pytest.raises(ValueError, match="one topology at a time"):
+        lm.make_config(16, shapes, relay="h200_hgx", cluster="h200_hgx")
