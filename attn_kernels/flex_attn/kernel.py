@@ -745,7 +745,8 @@ def flex_attn_bwd_from_delta(
     *, block_q: int | None = None, block_k: int | None = None, counts: torch.Tensor | None = None,
     accumulate: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward launcher: dQ over query blocks, dK/dV over key blocks, each with its own config; no atomics.
+    """Backward launcher: dQ over query blocks, dK/dV over key blocks, each with its own config; no atomics
+    (but the accumulating dK/dV's add, which has one writer per element: exact and deterministic).
 
     dout: [Tq, Hq, D] in q's dtype; lse: [Tq, Hq] fp32, the FINAL lse of each
     row (over all its keys, wherever computed); delta: [Tq, Hq] fp32,
