@@ -248,7 +248,10 @@ def _flex_bwd_dq_kernel(
     HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, COUNT: tl.constexpr,
+    ACCUMULATE: tl.constexpr = False,
 ):
+    # ACCUMULATE: p_dq is the caller's fp32 sum, which this program's tile is added into (one program
+    # per tile, so a plain load and store is race-free)
     tl.static_assert(HQ % HKV == 0)
     i_h, i_p = tl.program_id(0), tl.program_id(1)
     i_m = tl.load(p_order + i_p).to(tl.int32)
@@ -300,7 +303,11 @@ def _flex_bwd_dq_kernel(
                 n_it += (k_hi - k_lo + BLOCK_K - 1) // BLOCK_K
         node0 += n_lev
         n_lev = (n_lev + 1) // 2
-    tl.store(p_dq + o_qd, (b_dq * sm_scale).to(p_dq.dtype.element_ty), mask=m_q[:, None])
+    if ACCUMULATE:
+        b_old = tl.load(p_dq + o_qd, mask=m_q[:, None], other=0.0)
+        tl.store(p_dq + o_qd, b_old + b_dq * sm_scale, mask=m_q[:, None])
+    else:
+        tl.store(p_dq + o_qd, (b_dq * sm_scale).to(p_dq.dtype.element_ty), mask=m_q[:, None])
     if COUNT:
         tl.store(p_cnt + 2 * (i_p * HQ + i_h), n_vis)
         tl.store(p_cnt + 2 * (i_p * HQ + i_h) + 1, n_it)
@@ -352,10 +359,16 @@ def _flex_bwd_dkdv_kernel(
     HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, COUNT: tl.constexpr,
+    ACCUMULATE: tl.constexpr = False,
 ):
     # SPLIT > 1: the group's query heads are shared among SPLIT programs, each
     # storing fp32 partial dK, dV at [i_s, Tk, HKV, D] (summed by the launcher)
+    # ACCUMULATE (SPLIT 1 only: the launcher adds the partials itself): p_dk, p_dv are the caller's
+    # fp32 sums, this program's tile added into them. One program per tile, so the add is old + new
+    # exactly, deterministic; it is an atomic add because a load of the old tiles next to both live
+    # accumulators spills at the sm_90 config (test_kernel_compiles), the atomic needs no registers.
     tl.static_assert(HQ % HKV == 0)
+    tl.static_assert(SPLIT == 1 or not ACCUMULATE)
     tl.static_assert((HQ // HKV) % SPLIT == 0)
     GS = HQ // HKV // SPLIT
     i_0, i_p = tl.program_id(0), tl.program_id(1)
@@ -413,8 +426,12 @@ def _flex_bwd_dkdv_kernel(
             n_lev = (n_lev + 1) // 2
     if SPLIT > 1:
         o_kd += tl.cast(i_s, tl.int64) * Tk * (HKV * HEAD_DIM)
-    tl.store(p_dk + o_kd, (b_dk * sm_scale).to(p_dk.dtype.element_ty), mask=m_k[:, None])
-    tl.store(p_dv + o_kd, b_dv.to(p_dv.dtype.element_ty), mask=m_k[:, None])
+    if ACCUMULATE:
+        tl.atomic_add(p_dk + o_kd, b_dk * sm_scale, mask=m_k[:, None], sem="relaxed")
+        tl.atomic_add(p_dv + o_kd, b_dv, mask=m_k[:, None], sem="relaxed")
+    else:
+        tl.store(p_dk + o_kd, (b_dk * sm_scale).to(p_dk.dtype.element_ty), mask=m_k[:, None])
+        tl.store(p_dv + o_kd, b_dv.to(p_dv.dtype.element_ty), mask=m_k[:, None])
     if COUNT:
         tl.store(p_cnt + 2 * (i_p * HKV * SPLIT + i_0), n_vis)
         tl.store(p_cnt + 2 * (i_p * HKV * SPLIT + i_0) + 1, n_it)
@@ -572,11 +589,14 @@ def _launch(kind: str, fn, grid, args: dict, consts: dict, cfg: KernelConfig, tu
     if tune is None:
         fn[grid](**args, **consts, **_consts(kind, cfg), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return
-    key = (kind, fn.fn.__name__, tuple(tune))
+    # an accumulating launch adds into its outputs: tuning runs it once per config, so the tuner must
+    # put their values back after each trial (it copies them while tuning, once per key)
+    restore = [name for name in ("p_dq", "p_dk", "p_dv") if name in args] if consts.get("ACCUMULATE") else []
+    key = (kind, fn.fn.__name__, tuple(tune), tuple(restore))
     if key not in _TUNED:
         _TUNED[key] = triton.autotune(
             [triton.Config(_consts(kind, c), num_warps=c.num_warps, num_stages=c.num_stages) for c in tune],
-            key=["NB", "HQ", "HKV", "HEAD_DIM", "USE_SOFTCAP"])(fn)
+            key=["NB", "HQ", "HKV", "HEAD_DIM", "USE_SOFTCAP"], restore_value=restore or None)(fn)
     _TUNED[key][grid](**args, **consts)
 
 
@@ -723,8 +743,10 @@ def flex_attn_bwd_from_delta(
     q_ranges: torch.Tensor, k_ranges: torch.Tensor, attn_type: torch.Tensor,
     softmax_scale: float, softcap: float,
     *, block_q: int | None = None, block_k: int | None = None, counts: torch.Tensor | None = None,
+    accumulate: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward launcher: dQ over query blocks, dK/dV over key blocks, each with its own config; no atomics.
+    """Backward launcher: dQ over query blocks, dK/dV over key blocks, each with its own config; no atomics
+    (but the accumulating dK/dV's add, which has one writer per element: exact and deterministic).
 
     dout: [Tq, Hq, D] in q's dtype; lse: [Tq, Hq] fp32, the FINAL lse of each
     row (over all its keys, wherever computed); delta: [Tq, Hq] fp32,
@@ -736,13 +758,15 @@ def flex_attn_bwd_from_delta(
     (dQ visits, dQ iterations, dK/dV visits, dK/dV iterations).
     Other inputs as in ``flex_attn_fwd``. Returns dq [Tq, Hq, D] (this call's
     share), dk/dv [Tk, Hkv, D], in the dtypes of q, k, v.
+    accumulate: (dq_acc, dk_acc, dv_acc), contiguous fp32 tensors shaped as q, k, v (the caller
+    checks): the gradients are added into them in fp32, in place, and they are returned; no
+    gradient tensor is allocated (the pipelined backward's per-stage sums).
     """
     _check_scale(softmax_scale)
     Tq, HQ, D = q.shape
     Tk, HKV, _ = k.shape
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
+    acc = accumulate is not None
+    dq, dk, dv = accumulate if acc else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     scalars, consts = _common(q, k, softmax_scale, softcap)
     scalars = dict(sm_scale=float(softmax_scale), **scalars)
     cfg_dq, cfg_dkdv = (_config(kind, q, block_q, block_k, softcap > 0) for kind in ("dq", "dkdv"))
@@ -753,7 +777,8 @@ def flex_attn_bwd_from_delta(
         cnt = _counter(counts, wl.num_blocks * HQ, q.device)
         args = dict(p_q=q, p_k=k, p_v=v, p_do=dout, p_lse=lse, p_delta=delta, p_dq=dq, p_rect=rect, p_ptr=wl.ptr,
                     p_idx=wl.idx, p_order=wl.order, p_cnt=cnt, Tq=Tq, NB=wl.num_blocks, L=wl.levels, **scalars)
-        _launch("dq", _flex_bwd_dq_kernel, (HQ, wl.num_blocks), args, dict(consts, COUNT=cnt is not None), cfg,
+        _launch("dq", _flex_bwd_dq_kernel, (HQ, wl.num_blocks), args,
+                dict(consts, COUNT=cnt is not None, ACCUMULATE=acc), cfg,
                 _autotune_set("dq", q, block_q, block_k, softcap > 0))
         _add_counts(counts, 0, cnt)
     if Tk > 0:
@@ -767,21 +792,26 @@ def flex_attn_bwd_from_delta(
                     p_ptr=wl.ptr, p_idx=wl.idx, p_order=wl.order, p_cnt=cnt, Tk=Tk, NB=wl.num_blocks,
                     L=wl.levels, **scalars)
         _launch("dkdv", _flex_bwd_dkdv_kernel, (HKV * split, wl.num_blocks), args,
-                dict(consts, SPLIT=split, COUNT=cnt is not None), cfg,
+                dict(consts, SPLIT=split, COUNT=cnt is not None, ACCUMULATE=acc and split == 1), cfg,
                 _autotune_set("dkdv", q, block_q, block_k, softcap > 0))
         _add_counts(counts, 2, cnt)
-        if split > 1:
+        if split > 1 and acc:  # partial by partial, in order: deterministic, no [Tk, Hkv, D] temporary
+            for i in range(split):
+                dk.add_(dk_p[i])
+                dv.add_(dv_p[i])
+        elif split > 1:
             dk.copy_(dk_p.sum(0))
             dv.copy_(dv_p.sum(0))
     return dq, dk, dv
 
 
 def gpu_launch_records(seqlen: int, hq: int, hkv: int, head_dim: int, dtype: torch.dtype = torch.bfloat16,
-                       softcap: float = 0.0) -> list[dict]:
+                       softcap: float = 0.0, accumulate: bool = False) -> list[dict]:
     """What one causal forward and backward launch on sm_90 (``record_launches`` records, meta tensors).
 
     Four records: the forward, dQ and dK/dV kernels at their launch configs
-    (each with its autotune set) and the row-delta kernel.
+    (each with its autotune set) and the row-delta kernel. accumulate: the
+    backward adds into fp32 sums (``flex_attn_bwd_from_delta(accumulate=...)``).
     """
     q = torch.empty(seqlen, hq, head_dim, dtype=dtype, device="meta")
     k = torch.empty(seqlen, hkv, head_dim, dtype=dtype, device="meta")
@@ -790,7 +820,8 @@ def gpu_launch_records(seqlen: int, hq: int, hkv: int, head_dim: int, dtype: tor
     lse = torch.empty(seqlen, hq, dtype=torch.float32, device="meta")
     with record_launches() as records:
         flex_attn_fwd(q, k, k, rng, rng, typ, head_dim ** -0.5, softcap)
-        flex_attn_bwd_from_delta(q, q, k, k, lse, lse, rng, rng, typ, head_dim ** -0.5, softcap)
+        acc = tuple(torch.empty_like(t, dtype=torch.float32) for t in (q, k, k)) if accumulate else None
+        flex_attn_bwd_from_delta(q, q, k, k, lse, lse, rng, rng, typ, head_dim ** -0.5, softcap, accumulate=acc)
     ptr = {"p_do": "*" + _spec(q)[0][1:], "p_o": "*" + _spec(q)[0][1:], "p_dlse": "*fp32", "p_delta": "*fp32"}
     n = seqlen * hq
     block_d = triton.next_power_of_2(head_dim)

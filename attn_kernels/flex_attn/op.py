@@ -105,6 +105,32 @@ def flex_attn_bwd_delta_fake(
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+@torch.library.custom_op("attn_kernels::flex_attn_bwd_delta_acc", mutates_args=("dq_acc", "dk_acc", "dv_acc"))
+def flex_attn_bwd_delta_acc_op(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    lse: torch.Tensor, delta: torch.Tensor,
+    q_ranges: torch.Tensor, k_ranges: torch.Tensor, attn_type: torch.Tensor,
+    softmax_scale: float, softcap: float, backend: str,
+    dq_acc: torch.Tensor, dk_acc: torch.Tensor, dv_acc: torch.Tensor,
+) -> None:
+    """As ``flex_attn_bwd_delta``, the gradients added in fp32 into dq_acc [Tq, Hq, D] and
+    dk_acc, dv_acc [Tk, Hkv, D] (fp32, contiguous) in place: no gradient tensor is made."""
+    bwd = kernel.flex_attn_bwd_from_delta if backend == "triton" else ref.flex_attn_bwd_from_delta_ref
+    bwd(dout, q, k, v, lse, delta, q_ranges, k_ranges, attn_type, softmax_scale, softcap,
+        accumulate=(dq_acc, dk_acc, dv_acc))
+
+
+@flex_attn_bwd_delta_acc_op.register_fake
+def flex_attn_bwd_delta_acc_fake(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    lse: torch.Tensor, delta: torch.Tensor,
+    q_ranges: torch.Tensor, k_ranges: torch.Tensor, attn_type: torch.Tensor,
+    softmax_scale: float, softcap: float, backend: str,
+    dq_acc: torch.Tensor, dk_acc: torch.Tensor, dv_acc: torch.Tensor,
+) -> None:
+    return None  # writes into its arguments: allocates nothing
+
+
 @torch.library.custom_op("attn_kernels::row_delta", mutates_args=())
 def row_delta_op(dout: torch.Tensor, out: torch.Tensor, dlse: torch.Tensor | None, backend: str) -> torch.Tensor:
     """dout/out: [Tq, Hq, D], dlse: [Tq, Hq] fp32 or None -> delta [Tq, Hq] fp32."""
@@ -328,6 +354,7 @@ def flex_attn_backward(
     q_ranges: torch.Tensor, k_ranges: torch.Tensor, attn_type: torch.Tensor,
     softmax_scale: float | None = None, softcap: float = 0.0, *, backend: str = "auto",
     validate: bool | None = None, flag_errors: bool = True,
+    accumulate: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of ``flex_attn`` over these slices, from each row's final lse and delta.
 
@@ -345,10 +372,16 @@ def flex_attn_backward(
             rows with no valid key anywhere).
         delta: [Tq, Hq] fp32 ``row_delta(dout, out, dlse)`` of the final
             output out and the gradient dlse reaching the final lse.
+        accumulate: (dq_acc, dk_acc, dv_acc), contiguous fp32 tensors shaped as
+            q, k, v on q's device, or None. Given, the call adds its gradients
+            (its exact share, in fp32: never rounded to q's dtype) into them in
+            place and returns them; no gradient tensor is allocated (what a
+            caller summing many calls' shares wants).
 
     Returns:
         dq: [Tq, Hq, D] in q's dtype (this call's share).
         dk, dv: [Tk, Hkv, D] in k's dtype (summed over each KV head's query heads).
+        With ``accumulate``: its three tensors, the gradients added in.
     """
     _check(q, k, v, q_ranges, k_ranges, attn_type, softcap, backend)
     if tuple(dout.shape) != tuple(q.shape) or dout.dtype != q.dtype or dout.device != q.device:
@@ -360,13 +393,34 @@ def flex_attn_backward(
         validate_slice_values(q_ranges, k_ranges, attn_type, q.shape[0], k.shape[0])
     elif flag_errors:
         _flag_slice_values("flex_attn_backward", q_ranges, k_ranges, attn_type, q.shape[0], k.shape[0])
+    if accumulate is not None:
+        _check_accumulate(accumulate, q, k, v)
     backend = _resolve_backend(q, backend)
     scale = _scale(q, softmax_scale)
-    return flex_attn_bwd_delta_op(
-        dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
-        lse.contiguous(), delta.contiguous(),
-        q_ranges.to(torch.int32).contiguous(), k_ranges.to(torch.int32).contiguous(),
-        attn_type.to(torch.int32).contiguous(), scale, float(softcap), backend)
+    args = (dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), lse.contiguous(), delta.contiguous(),
+            q_ranges.to(torch.int32).contiguous(), k_ranges.to(torch.int32).contiguous(),
+            attn_type.to(torch.int32).contiguous(), scale, float(softcap), backend)
+    if accumulate is None:
+        return flex_attn_bwd_delta_op(*args)
+    flex_attn_bwd_delta_acc_op(*args, *accumulate)
+    return tuple(accumulate)
+
+
+def _check_accumulate(accumulate, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """The sums ``accumulate`` takes: fp32, shaped as q, k, v, on q's device, contiguous (the kernels
+    address them densely and write them in place: a copy would drop the writes)."""
+    if not isinstance(accumulate, (tuple, list)) or len(accumulate) != 3:
+        raise ValueError(f"accumulate must be (dq_acc, dk_acc, dv_acc), got {type(accumulate).__name__}"
+                         + (f" of length {len(accumulate)}" if isinstance(accumulate, (tuple, list)) else ""))
+    for name, t, like in (("dq_acc", accumulate[0], q), ("dk_acc", accumulate[1], k), ("dv_acc", accumulate[2], v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"accumulate {name} must be a torch.Tensor, got {type(t).__name__}")
+        if tuple(t.shape) != tuple(like.shape) or t.dtype != torch.float32 or t.device != q.device:
+            raise ValueError(f"accumulate {name} must be fp32 {list(like.shape)} on {q.device}, "
+                             f"got {t.dtype} {list(t.shape)} on {t.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"accumulate {name} must be contiguous (it is written in place), "
+                             f"got strides {t.stride()}")
 
 
 def row_delta(dout: torch.Tensor, out: torch.Tensor, dlse: torch.Tensor | None = None,

@@ -146,8 +146,12 @@ def flex_attn_bwd_from_delta_ref(
     q_ranges: torch.Tensor, k_ranges: torch.Tensor, attn_type: torch.Tensor,
     softmax_scale: float, softcap: float,
     *, block_q: int | None = None, block_k: int | None = None, counts: torch.Tensor | None = None,
+    accumulate: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Twin of ``kernel.flex_attn_bwd_from_delta``: returns dq [Tq, Hq, D], dk/dv [Tk, Hkv, D].
+
+    accumulate: (dq_acc, dk_acc, dv_acc) fp32, shaped as q, k, v: the fp32 gradients (never
+    rounded to q's dtype) are added into them in place and they are returned.
 
     counts: optional [4] int64 (dQ visits, iterations, dK/dV visits, iterations), as in the forward twin.
 
@@ -172,4 +176,8 @@ def flex_attn_bwd_from_delta_ref(
         ds = ds * (1.0 - th * th)
     dq = torch.einsum("hgqk,khd->qhgd", ds, k.float()).reshape(Tq, HQ, D) * softmax_scale
     dk = torch.einsum("hgqk,qhgd->khd", ds, q.float().reshape(Tq, HKV, G, D)) * softmax_scale
+    if accumulate is not None:
+        for acc, g in zip(accumulate, (dq, dk, dv)):
+            acc.add_(g)
+        return accumulate
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -269,6 +269,17 @@ def _flex_backward(plan: Plan, scale: float):
     return lambda r, s, *t: flex_attn_backward(*t, *_slices(plan, r, s), scale, **_INTERNAL)
 
 
+def _flex_backward_into(plan: Plan, scale: float, ranks, batched: bool, s: int, into, *tensors) -> None:
+    """The slice kernel's backward of stage ``s`` per rank, its (dq, dk, dv) added in fp32 straight
+    into ``into`` (the fp32 sums' rows, in place): no per-stage gradient tensor is made, where
+    ``per_rank`` would stack every rank's dq, dk, dv over the stage's rows. Batched, a rank's rows
+    of a ``[P, rows, ...]`` sum are one contiguous block, as the kernel writes them."""
+    for r in ranks if batched else ranks[:1]:
+        pick = (lambda t: t[r]) if batched else (lambda t: t)
+        flex_attn_backward(*(pick(t) for t in tensors), *_slices(plan, r, s), scale,
+                           accumulate=tuple(pick(t) for t in into), **_INTERNAL)
+
+
 def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql, kl, vl, scale: float,
                    deterministic: bool, *, extra=(), attend=None, branches: int = 1, groups: int = 1):
     """Run ``forward_ops(S + 1, branches)``: (outs, the operand tensors [Xq, *X extra, Xk, Xv] for the
@@ -356,6 +367,9 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
     cap_q, cap_k = caps["qo"], caps["kv"]
     n = ql.shape[lead]
     works = {}
+    # the slice kernel sums each stage's share into the fp32 sums itself (``_flex_backward_into``);
+    # a custom kernel (a sparse layer's) returns its gradients, added here
+    fused = attend_bwd is None
     attend_bwd = _flex_backward(plan, scale) if attend_bwd is None else attend_bwd
     Xq = Operands([ql, *extra], cap_q, lead, zero=True) if kept_q is None else None
     part = kept_kv is not None and kept_kv_rows >= 0
@@ -408,7 +422,10 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
                 works.pop(op.deps[0]).wait()
             elif op.kind == WAIT:
                 works[op.deps[0]].wait()  # cast s's rows are in the operands now
-            elif op.kind == ATTN and op.stages == (0,):  # local rows only: its grads never travel
+            elif op.kind == ATTN and op.stages == (0,) and fused:  # local rows only: its grads never travel
+                host = [rows(t, lead, 0, n) for t in grads_q.x + grads_kv.x]
+                _flex_backward_into(plan, scale, ranks, batched, 0, host, grads[0], ql, kl, vl, grads[1], grads[2])
+            elif op.kind == ATTN and op.stages == (0,):
                 parts = per_rank(ranks, batched, run(0), grads[0], ql, kl, vl, grads[1], grads[2], *extra,
                                   *grads[3:])
                 for acc_, part in zip(grads_q.x + grads_kv.x, parts):
@@ -417,6 +434,10 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
             elif op.kind == ATTN:
                 (s,) = op.stages
                 g_do, g_lse, g_delta, *g_more = Xg.x
+                if fused:
+                    _flex_backward_into(plan, scale, ranks, batched, s, grads_q.x + grads_kv.x,
+                                        g_do, xq[0], xk, xv, g_lse, g_delta)
+                    continue
                 parts = per_rank(ranks, batched, run(s), g_do, xq[0], xk, xv, g_lse, g_delta, *xq[1:], *g_more)
                 for acc_, part in zip(grads_q.x + grads_kv.x, parts):
                     acc_.add_(part)

@@ -24,6 +24,7 @@ def _schema_names(opname):
 @pytest.mark.parametrize("opname,fake", [
     ("flex_attn_fwd", op.flex_attn_fwd_fake), ("flex_attn_bwd", op.flex_attn_bwd_fake),
     ("flex_attn_bwd_delta", op.flex_attn_bwd_delta_fake), ("row_delta", op.row_delta_fake),
+    ("flex_attn_bwd_delta_acc", op.flex_attn_bwd_delta_acc_fake),
     ("merge_out_lse", attn_kernels.merge.merge_out_lse_fake),
     ("merge_out_lse_", attn_kernels.merge.merge_out_lse_inplace_fake),
 ])

@@ -167,6 +167,35 @@ def test_stages_deterministic_bit_identical():
     _assert_all_close(first, _run(plan, P, *inputs, deterministic=False), "deterministic=False ")
 
 
+def test_stages_backward_sums_in_place(monkeypatch):
+    """The slice kernel's backward adds each stage's share straight into the fp32 sums, and gives
+    what each stage's gradients added afterwards (the path a custom stage kernel takes) give."""
+    from gpusolver.runtime import pipelined
+    from gpusolver.runtime.per_rank import per_rank
+
+    P, c, Hq, Hkv, S = 4, 16, 4, 2, 4
+    T = P * c
+    mask = make_mask("random", T, seed=5)
+    plan, _ = tight_plan(mask, make_config(P, Hq, Hkv, num_stages=S))
+    inputs = make_inputs(T, Hq, Hkv, seed=5)
+    real, stages = pipelined._flex_backward_into, []
+
+    def counting(plan_, scale, ranks, batched, s, into, *t):
+        stages.append(s)
+        real(plan_, scale, ranks, batched, s, into, *t)
+
+    def apart(plan_, scale, ranks, batched, s, into, *t):
+        parts = per_rank(ranks, batched, lambda r, *x: pipelined._flex_backward(plan_, scale)(r, s, *x), *t)
+        for acc, part in zip(into, parts):
+            acc.add_(part)
+
+    monkeypatch.setattr(pipelined, "_flex_backward_into", counting)
+    fused = _run(plan, P, *inputs)
+    assert set(stages) == set(range(S + 1))
+    monkeypatch.setattr(pipelined, "_flex_backward_into", apart)
+    _assert_all_close(fused, _run(plan, P, *inputs), "per-stage gradients ")
+
+
 def test_stages_merge_windows_same_bits(monkeypatch):
     """The running (out, lse) merges and the host's final merge a window of rows at a time
     (``pipelined.MERGE_PIECES``): elementwise, so any number of windows gives the same bits."""
