@@ -105,31 +105,38 @@ def _add_rows(flat: torch.Tensor, vals: torch.Tensor, pos: torch.Tensor, targets
         del rows
 
 
-def scatter_add_(flat: torch.Tensor, vals: torch.Tensor, send_index: torch.Tensor, dest: torch.Tensor,
-                 P: int, deterministic: bool, weight: torch.Tensor | None = None) -> torch.Tensor:
-    """Add ``vals [B, C, *f]`` (times ``weight [B, C, *w]`` broadcast over the rest) into ``flat``
-    (``_sums`` layout, N = rows per rank) at rows ``send_index``, window by window; returns flat."""
+def _steps(send_index: torch.Tensor, dest: torch.Tensor, P: int, N: int, deterministic: bool):
+    """The windows a reduce adds, in order: ``(pos [B, w], mine)`` per step. Deterministic: step k
+    reads ``min(N, C)`` positions from destination k's run, ``mine [B, w]`` the ones that are its;
+    else one step per ``min(N, C)`` consecutive positions, ``mine`` None (every position counts)."""
     B, C = send_index.shape
-    N = flat.shape[0] // B - 1
     W = min(N, C)
     if W == 0:
-        return flat
+        return
     window = torch.arange(W, device=dest.device, dtype=torch.int64)
     if not deterministic:
         for c0 in range(0, C, W):
-            pos = (c0 + window[:min(W, C - c0)]).expand(B, -1)
-            t = _targets(send_index[:, c0:c0 + W], dest[:, c0:c0 + W], N)
-            _add_rows(flat, vals, pos, t, weight, accumulate=False)
-        return flat
+            yield (c0 + window[:min(W, C - c0)]).expand(B, -1), None
+        return
     starts = _window_starts(dest, P)                                    # [B, P]
     for k in range(P):
         pos = starts[:, k:k + 1] + window                               # [B, W]
         inside = pos < C
         pos = pos.clamp(max=C - 1)
+        yield pos, inside & (dest.gather(1, pos) == k)
+
+
+def scatter_add_(flat: torch.Tensor, vals: torch.Tensor, send_index: torch.Tensor, dest: torch.Tensor,
+                 P: int, deterministic: bool, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Add ``vals [B, C, *f]`` (times ``weight [B, C, *w]`` broadcast over the rest) into ``flat``
+    (``_sums`` layout, N = rows per rank) at rows ``send_index``, window by window; returns flat."""
+    N = flat.shape[0] // send_index.shape[0] - 1
+    for pos, mine in _steps(send_index, dest, P, N, deterministic):
         d = dest.gather(1, pos)
-        mine = inside & (d == k)
-        t = _targets(send_index.gather(1, pos), torch.where(mine, d, torch.full_like(d, -1)), N)
-        _add_rows(flat, vals, pos, t, weight, accumulate=True)
+        if mine is not None:
+            d = torch.where(mine, d, torch.full_like(d, -1))
+        t = _targets(send_index.gather(1, pos), d, N)
+        _add_rows(flat, vals, pos, t, weight, accumulate=mine is not None)
     return flat
 
 
@@ -158,26 +165,10 @@ def scatter_add_into_(acc: torch.Tensor, vals: torch.Tensor, send_index: torch.T
     """``scatter_add_`` straight into ``acc [B, N, *f]`` (any strides, its own memory per element):
     the same windows and the same order, so the same bits as ``scatter_add_`` into acc's copy;
     returns acc. The other mode adds each window with ``index_put_(accumulate=True)``."""
-    B, C = send_index.shape
     N = acc.shape[1]
-    W = min(N, C)
-    if W == 0:
-        return acc
-    window = torch.arange(W, device=dest.device, dtype=torch.int64)
-    if not deterministic:
-        for c0 in range(0, C, W):
-            w = min(W, C - c0)
-            pos = (c0 + window[:w]).expand(B, -1)
-            si, d = send_index[:, c0:c0 + w], dest[:, c0:c0 + w]
-            _add_rows_into(acc, vals, pos, si, (d >= 0) & (si >= 0) & (si < N), weight)
-        return acc
-    starts = _window_starts(dest, P)                                    # [B, P]
-    for k in range(P):
-        pos = starts[:, k:k + 1] + window                               # [B, W]
-        inside = pos < C
-        pos = pos.clamp(max=C - 1)
+    for pos, mine in _steps(send_index, dest, P, N, deterministic):
         si = send_index.gather(1, pos)
-        ok = inside & (dest.gather(1, pos) == k) & (si >= 0) & (si < N)
+        ok = (si >= 0) & (si < N) & ((dest.gather(1, pos) >= 0) if mine is None else mine)
         _add_rows_into(acc, vals, pos, si, ok, weight)
     return acc
 
