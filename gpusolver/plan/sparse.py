@@ -458,7 +458,7 @@ def sparse_stage(assignment: torch.Tensor, comm: CommMeta, rank: int, stage: int
     else:
         mine = (assignment.long() == rank) & (task_stage.long() == stage)
     if kv_blocks is not None:
-        win = _block_windows(kv_blocks, mine, rank, G, c, cu)
+        win = _block_windows(kv_blocks, mine, rank, G, c, cu, stage)
         return SparseStage(q_pos=q_pos.to(torch.int32), q_class=q_class.to(torch.int32), kv_windows=win,
                            window=kv_blocks.block)
     j_local = (host == rank).view(1, 1, U)
@@ -477,8 +477,14 @@ def sparse_stage(assignment: torch.Tensor, comm: CommMeta, rank: int, stage: int
                        kv_windows=win.to(torch.int32).contiguous(), window=cu)
 
 
-def _block_windows(kb: KVBlocks, mine: torch.Tensor, rank: int, G: int, c: int, cu: int) -> torch.Tensor:
-    """[G * U, NB, 3] int32 windows, one per (query unit, key block)."""
+def _block_windows(kb: KVBlocks, mine: torch.Tensor, rank: int, G: int, c: int, cu: int,
+                   stage: int = 1) -> torch.Tensor:
+    """[G * U, NB, 3] int32 windows, one per (query unit, key block).
+
+    With sub-stages (``kb.staged``) remote sub-stage s windows only the blocks that have landed by
+    then (first read in a sub-stage <= s): a block first read later is used by none of this stage's
+    query units (its first stage is the lowest over the tasks that read it), and its rows may still
+    be in flight."""
     U = mine.shape[1]
     NB, nb, block = kb.need.shape[1], kb.blocks_per_rank, kb.block
     dev = mine.device
@@ -486,7 +492,10 @@ def _block_windows(kb: KVBlocks, mine: torch.Tensor, rank: int, G: int, c: int, 
     unit, host = b * block // cu, b // nb
     lo = (b * block).view(1, 1, NB)
     local = (host == rank).view(1, 1, NB)
-    held = local | kb.need[:, :, rank].view(G, 1, NB)
+    need = kb.need[:, :, rank]                                          # [G, NB]
+    if kb.staged is not None and stage >= 1:
+        need = need & (kb.staged.kv_stage[:, :, rank, 0] <= stage)
+    held = local | need.view(G, 1, NB)
     task = mine[:, :, unit] & held  # [G, U(i), NB]
     off = torch.where(local, (torch.arange(G, device=dev) * c - rank * c).view(G, 1, 1),
                       (G * c + kb.kv_recv_offset[:, :, rank]).view(G, 1, NB) - lo)

@@ -13,7 +13,7 @@ import torch
 from gpusolver import SolverConfig, block_areas, solve
 from gpusolver.config import AUTO_STAGES
 from gpusolver.plan.build import build_plan
-from gpusolver.plan.stages import assign_stages, landing_time
+from gpusolver.plan.stages import assign_stages, landing_time, stage_shares
 from gpusolver.topology import Topology, h200_hgx
 from tests.gpusolver.runtime._cases import make_config, make_mask
 
@@ -70,12 +70,14 @@ def test_stages_cover_remote_work_in_order_and_balanced():
     local = live & (host.view(1, -1, 1) == a) & (host.view(1, 1, -1) == a)
     assert torch.equal(st == 0, local) and torch.equal(st < 0, ~live)
     assert bool(((st >= 1) & (st <= S) | ~live | local).all())
-    # balance: every stage's work is within one task of W / S
+    # shares: every stage's work is within one task of its share of W (1, 2, 2, 1 sixths)
+    shares = stage_shares(S)
+    assert shares == [1, 2, 2, 1]
     for r in range(P):
         mine = live & ~local & (a == r)
         w = torch.stack([areas.area[mine & (st == s)].sum() for s in range(1, S + 1)])
         total, biggest = int(w.sum()), int(areas.area[mine].max()) if mine.any() else 0
-        assert all(abs(int(x) - total / S) <= biggest for x in w), (r, w.tolist())
+        assert all(abs(int(x) - total * f / sum(shares)) <= biggest for x, f in zip(w, shares)), (r, w.tolist())
         assert int(w.sum()) == int(areas.area[mine].sum())
 
 
@@ -225,3 +227,28 @@ def test_simulated_sub_stages_respect_the_bound_and_the_bytes(comm):
         assert t.step_ms >= t.ideal_ms * (1 - 1e-9)
         for phase, pt in (("fwd", t.fwd), ("bwd", t.bwd)):
             assert pt.pair_bytes == plan.pair_bytes(phase).tolist(), (S, phase)
+
+
+def test_stage_shares_halve_the_first_and_last_sub_stage():
+    assert [stage_shares(S) for S in (1, 2, 3, 4, 8)] == [
+        [1], [1, 1], [1, 2, 1], [1, 2, 2, 1], [1, 2, 2, 2, 2, 2, 2, 1]]
+
+
+def test_stage_boundaries_by_hand():
+    """One rank helps with four equal tasks of another's queries (no topology, equal landing): at
+    S = 3 the shares 1, 2, 1 put the task with 0 / 4 of the work before it in stage 1, those with
+    1 / 4 and 2 / 4 in stage 2 (boundary at 1 / 4) and the one with 3 / 4 in stage 3 (boundary at 3 / 4)."""
+    from gpusolver.problem import BlockAreas
+    U, G, c = 2, 4, 4
+    area = torch.zeros(G, U, U, dtype=torch.int64)
+    area[:, 1, 1] = 10                                       # four head groups of unit (1, 1), hosted on 1
+    need = torch.zeros(G, U, U, 2, dtype=torch.int64)
+    need[:, 1, 1] = torch.tensor([0, c])
+    areas = BlockAreas(area=area, q_need=need, k_need=need.clone(), chunk=c)
+    asg = torch.full((G, U, U), -1, dtype=torch.int64)
+    asg[:, 1, 1] = 0                                         # all computed by rank 0: remote
+    st = assign_stages(areas, asg, 3)
+    assert st[:, 1, 1].tolist() == [1, 2, 2, 3]
+    assert st[:, 0].eq(-1).all() and st[:, :, 0].eq(-1).all()
+    # equal shares at S = 2: boundary at 2 / 4
+    assert assign_stages(areas, asg, 2)[:, 1, 1].tolist() == [1, 1, 2, 2]
