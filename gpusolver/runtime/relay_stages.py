@@ -43,8 +43,8 @@ from gpusolver.plan.schedule import (ATTN, CAST, COMM, DELTA, MERGE, REDUCE, WAI
                                      hop_phase)
 from gpusolver.runtime.operands import Operands, rows
 from gpusolver.runtime.per_rank import per_rank
-from gpusolver.runtime.pipelined import (KINDS, WHICH, _gather_remote, _HostStart, _merge, _merge_into,
-                                         _slices, merge_gradients, op_range, stage_phase)
+from gpusolver.runtime.pipelined import (KINDS, WHICH, _gather_remote, _HostStart, _merge_into, _slices,
+                                         merge_gradients, merge_rows_into, op_range, stage_phase)
 from gpusolver.runtime.relayed import _identity, _take
 from groupcomm import TorchGroup, group_cast, group_reduce, host_splits
 
@@ -185,7 +185,7 @@ class _StageHops:
         self.sr, self.group, self.batched, self.det = sr, group, batched, deterministic
         self.lead = 1 if batched else 0
         self.works, self.bufs, self.landed, self.merged, self.at_egress = {}, {}, {}, {}, {}
-        self.returned = []  # what reached the host, in op order: (phase, results)
+        self.in_place: set = set()  # the reduce hops issued into the host's rows (``home_in_place``)
         self.side = _CommSide(like)
         # the comm-stream waits, and the collectives whose inputs they merge: both on the side stream
         self.on_comm = {op.name for op in ops if op.kind == WAIT and op.stream == COMM}
@@ -251,27 +251,44 @@ class _StageHops:
             keep = (idx >= 0).view(*idx.shape, *([1] * (x.dim() - idx.dim())))
             x.copy_(torch.where(keep, got, x))
 
-    def reduce(self, op, full, neutral, red: str, fills) -> None:
-        """``full``: sub-stage s's partials in reduce s's layout; ``neutral``: the host's identity rows.
-        A hop fed by a comm-stream merge (1, 3) is taken and issued on the side stream."""
-        fed = op.name in self.fed
-        if fed:
-            self.side.keep(*neutral)
-        with self.side.on(fed):
-            self._reduce(op, full, neutral, red, fills)
+    def home_in_place(self, op) -> bool:
+        """Whether hop ``op`` reduces straight into the host's running rows (``group_reduce(inplace=
+        True)``), so no returned result is held until the home waits at the end of the pass: the direct
+        hop 0 always (issued on the compute stream, in its order), the relayed rows' hop 1 (no egress)
+        where its merge also runs in the compute stream's order: with no side stream, or on a
+        ``TorchGroup`` (which merges in ``wait()``, on the compute stream). Elsewhere hop 1 is issued
+        on the side stream and a merge at issue would race the sub-stages merging into the same rows:
+        it returns its rows, merged at their wait."""
+        if op.hop == 0:
+            return True
+        return op.hop == 1 and not self.sr.egress and (self.side.stream is None or isinstance(self.group, TorchGroup))
 
-    def _reduce(self, op, full, neutral, red: str, fills) -> None:
+    def reduce(self, op, full, neutral, red: str, fills, host) -> None:
+        """``full``: sub-stage s's partials in reduce s's layout; ``neutral``: the host's identity rows;
+        ``host``: the host's rows of the running accumulators (fp32), which a hop home reduces into in
+        place where ``home_in_place``. A hop fed by a comm-stream merge (1, 3) is taken and issued on
+        the side stream."""
+        fed = op.name in self.fed
+        if fed:  # read on the side stream: the identity rows it clones, or the host's rows it merges into
+            self.side.keep(*(host if self.home_in_place(op) else neutral))
+        with self.side.on(fed):
+            self._reduce(op, full, neutral, red, fills, host)
+
+    def _reduce(self, op, full, neutral, red: str, fills, host) -> None:
         (s,) = op.stages
         hr = self.sr.routes[op.route, "return"][s - 1]
         _, _, ecap = self.sr.caps[op.route]
         take = lambda which: [_take(p, hr.back[which], f, self.batched) for p, f in zip(full, fills)]  # noqa: E731
         key = (op.phase, s)
+        inplace = self.home_in_place(op)
+        if inplace:
+            self.in_place.add(op.name)
         if op.hop == 2:  # onto the relay's own partial of each relayed row, sources ascending
             partials, acc = take(1), take(2)
         elif op.hop == 0:
-            partials, acc = take(0), [t.clone() for t in neutral]
-        elif op.hop == 1:  # the relays' merged rows onto identity rows (an egress's slots too)
-            partials, acc = self.merged.pop(key), [t.clone() for t in neutral]
+            partials, acc = take(0), (list(host) if inplace else [t.clone() for t in neutral])
+        elif op.hop == 1:  # the relays' merged rows onto the host's rows or identity rows (an egress's slots too)
+            partials, acc = self.merged.pop(key), (list(host) if inplace else [t.clone() for t in neutral])
             if self.sr.egress:
                 acc = [torch.cat((a, _identity(a, ecap, f, self.lead)), dim=self.lead) for a, f in zip(acc, fills)]
         else:  # hop 3: an egress's merged slots home, onto the host's rows from its own NIC
@@ -284,9 +301,12 @@ class _StageHops:
             self.side.keep(*acc)
         self.works[op.name] = group_reduce(list(partials), hr.index[i], hr.split[i], list(acc), self.group, op=red,
                                            phase=_label(op), host_split=hr.host[i], deterministic=self.det,
-                                           async_op=True, flag_errors=False)
+                                           async_op=True, flag_errors=False, inplace=inplace)
 
-    def wait_reduce(self, op) -> None:
+    def wait_reduce(self, op):
+        """Wait for one hop of a reduce: its result when the hop ends at the host (hop 0, or the last
+        hop home) and was not reduced in place, which the caller merges into its running rows at once;
+        else None (in place, or kept here for the next hop)."""
         work = self.works.pop(op.deps[0])
         side = op.name in self.on_comm
         if side:
@@ -298,8 +318,31 @@ class _StageHops:
             self.merged[key] = res
         elif op.hop == 1 and self.sr.egress:
             self.at_egress[key] = res
-        else:  # hop 0, or the last hop home (1 without an egress, else 3)
-            self.returned.append((op.phase, res))
+        elif op.deps[0] not in self.in_place:  # hop 0, or the last hop home (1 without an egress, else 3)
+            return res
+        return None
+
+    @staticmethod
+    def partial_uses(ops) -> dict:
+        """(phase, s) -> how many reduce hops read sub-stage s's gathered partials (hop 2 and the direct
+        hop 0): the gathered rows are dropped once the last has taken its rows."""
+        uses: dict = {}
+        for op in ops:
+            if op.kind == REDUCE and op.hop in (0, 2):
+                key = (op.phase, op.stages[0])
+                uses[key] = uses.get(key, 0) + 1
+        return uses
+
+
+def _drop_after_last_use(full: dict, uses: dict, key, op) -> None:
+    """Count one read of the gathered partials ``full[key]`` (key: (phase, sub-stage)) by ``op``
+    (hops 2 and 0 read them, each taking its own copy of its rows); after the last, drop them: a
+    sub-stage's partials are not held through the later sub-stages."""
+    if op.hop not in (0, 2):
+        return
+    uses[key] -= 1
+    if uses[key] == 0:
+        del full[key]
 
 
 def relay_stages_forward(plan, group, ranks, batched: bool, sr: StageRelayRoutes, ql, kl, vl, scale: float,
@@ -313,6 +356,7 @@ def relay_stages_forward(plan, group, ranks, batched: bool, sr: StageRelayRoutes
     X = {"qo": Operands([ql], cap_q, lead, zero=True), "kv": Operands([kl, vl], cap_k, lead, zero=True)}
     ops = forward_ops(S + 1, relay=True, egress=sr.egress)
     hops = _StageHops(sr, group, batched, deterministic, ql, ops)
+    uses = hops.partial_uses(ops)
     acc = o0 = l0 = None
     full = {}
     for op in ops:
@@ -320,7 +364,10 @@ def relay_stages_forward(plan, group, ranks, batched: bool, sr: StageRelayRoutes
             if op.kind == CAST:
                 hops.cast(op, sent[op.route])
             elif op.kind == WAIT and op.back:
-                hops.wait_reduce(op)
+                home = hops.wait_reduce(op)
+                if home is not None:  # merged into the host's running rows now, not held to the end
+                    merge_rows_into(*(rows(t, lead, 0, n) for t in acc.x), *home, lead)
+                    del home
             elif op.kind == WAIT:
                 hops.wait_cast(op, X[op.route].remote())
             elif op.kind == ATTN and op.stages == (0,):
@@ -335,16 +382,17 @@ def relay_stages_forward(plan, group, ranks, batched: bool, sr: StageRelayRoutes
                 _merge_into(acc, o_s, l_s, lead)
             elif op.kind == REDUCE:
                 (s,) = op.stages
-                if s not in full:  # sub-stage s's partials in reduce s's layout, once
-                    full[s] = [_gather_remote(t, sr.gather["qo"][s - 1], n, lead, d)
-                               for t, d in zip(acc.x, (o0.dtype, l0.dtype))]
+                key = (op.phase, s)
+                if op.hop in (0, 2) and key not in full:  # sub-stage s's partials in reduce s's layout, once
+                    full[key] = [_gather_remote(t, sr.gather["qo"][s - 1], n, lead, d)
+                                 for t, d in zip(acc.x, (o0.dtype, l0.dtype))]
                 neutral = (torch.zeros_like(o0), torch.full_like(l0, float("-inf")))
-                hops.reduce(op, full[s], neutral, "lse", (0.0, float("-inf")))
-            elif op.kind == MERGE:  # the host's rows, then per sub-stage direct and relayed rows
+                hops.reduce(op, full.get(key), neutral, "lse", (0.0, float("-inf")),
+                            [rows(t, lead, 0, n) for t in acc.x])
+                _drop_after_last_use(full, uses, key, op)
+            elif op.kind == MERGE:  # every return is merged into the host's rows: they are the output
                 hops.side.join()
                 o, lse = (rows(t, lead, 0, n) for t in acc.x)
-                for _, (r_o, r_l) in hops.returned:
-                    o, lse = _merge(o, lse, r_o, r_l, lead)
             else:
                 raise AssertionError(f"relay sub-stages cannot run forward op {op}")
     return o.to(o0.dtype).contiguous(), lse.contiguous(), X["qo"].x + X["kv"].x
@@ -367,6 +415,7 @@ def relay_stages_backward(plan, group, ranks, batched: bool, sr: StageRelayRoute
                          torch.zeros(vl.shape, dtype=torch.float32, device=vl.device)], cap_k, lead, zero=True)
     ops = backward_ops(S + 1, kept_kv is not None, relay=True, egress=sr.egress)
     hops = _StageHops(sr, group, batched, deterministic, ql, ops)
+    uses = hops.partial_uses(ops)
     delta = Xg = None
     full = {}
 
@@ -387,7 +436,10 @@ def relay_stages_backward(plan, group, ranks, batched: bool, sr: StageRelayRoute
                 else:
                     hops.cast(op, (kl, vl))
             elif op.kind == WAIT and op.back:
-                hops.wait_reduce(op)
+                home = hops.wait_reduce(op)
+                if home is not None:  # summed into the host's fp32 rows now, not held to the end
+                    merge_gradients(grads_q.x + grads_kv.x, [(op.phase, home)], lead, n)
+                    del home
             elif op.kind == WAIT:
                 into = (Xg.remote() + ([] if kept_q is not None else Xq.remote())) if op.route == "qo" \
                     else Xkv.remote()
@@ -406,14 +458,17 @@ def relay_stages_backward(plan, group, ranks, batched: bool, sr: StageRelayRoute
                 (s,) = op.stages
                 kind = op.route
                 local = (ql,) if kind == "qo" else (kl, vl)
-                if (op.phase, s) not in full:
+                if op.hop in (0, 2) and (op.phase, s) not in full:  # the hops that read them (see _drop_after_last_use)
                     pick = grads_q.x if kind == "qo" else grads_kv.x
                     full[op.phase, s] = [_gather_remote(t, sr.gather[kind][s - 1], n, lead, x.dtype)
                                          for t, x in zip(pick, local)]
-                hops.reduce(op, full[op.phase, s], [torch.zeros_like(x) for x in local], "sum", (0.0,) * len(local))
-            elif op.kind == MERGE:  # the host's rows plus per sub-stage direct and relayed rows, in order
+                host = [rows(t, lead, 0, n) for t in (grads_q.x if kind == "qo" else grads_kv.x)]
+                hops.reduce(op, full.get((op.phase, s)), [torch.zeros_like(x) for x in local], "sum", (0.0,) * len(local),
+                            host)
+                _drop_after_last_use(full, uses, (op.phase, s), op)
+            elif op.kind == MERGE:  # every return is summed into the host's rows: they are the result
                 hops.side.join()
-                dq, dk, dv = merge_gradients(grads_q.x + grads_kv.x, hops.returned, lead, n)
+                dq, dk, dv = merge_gradients(grads_q.x + grads_kv.x, [], lead, n)
             else:
                 raise AssertionError(f"relay sub-stages cannot run backward op {op}")
     return dq.to(ql.dtype), dk.to(kl.dtype), dv.to(vl.dtype)

@@ -6,6 +6,8 @@ Plans: the CPU reference solver's assignment (``test_relay._plans``) with ``num_
 The fast tier runs one two-node and one four-node case on ``LocalGroup`` and one gloo case; the
 sweep over masks, node counts and S is in the slow tier.
 """
+import weakref
+
 import pytest
 import torch
 
@@ -261,3 +263,44 @@ def test_relay_stages_gloo_two_nodes_of_two():
         for key in KEYS:
             assert_close(f"rank {rank} {key}", ref[key][rows], res["got"][key], atol=ATOL, rtol=RTOL)
         assert res["counted"] == res["want"], f"rank {rank}"
+
+
+def test_relay_stages_hold_one_sub_stage_of_partials(monkeypatch):
+    """A sub-stage's partials, gathered for its reduce, are dropped once its relay hop (2) and its
+    direct hop (0) have taken their rows: when the next ones are gathered, none of an earlier
+    sub-stage's are alive (they were held to the end of the pass). The direct hop home reduces
+    straight into the host's running rows (``group_reduce(inplace=True)``), so no returned result
+    waits for the end of the pass either; the relay hop merges onto the relay's own rows, out of place."""
+    import gpusolver.runtime.relay_stages as relay_stages
+    from tests.gpusolver.runtime._cases import make_inputs
+    from tests.gpusolver.runtime.test_relay import _run
+
+    _, plan, mask, _ = _stage_plans("docs-full", 16, 4, 4)
+    alive, at_gather = [], []
+    gather = relay_stages._gather_remote
+
+    def tracked(*a, **k):
+        out = gather(*a, **k)
+        at_gather.append(sum(alive))
+        alive.append(1)
+        weakref.finalize(out, alive.__setitem__, len(alive) - 1, 0)
+        return out
+
+    issued = []
+    reduce = relay_stages.group_reduce
+
+    def recorded(*a, phase, inplace=False, **k):
+        issued.append((phase, inplace))
+        return reduce(*a, phase=phase, inplace=inplace, **k)
+
+    monkeypatch.setattr(relay_stages, "_gather_remote", tracked)
+    monkeypatch.setattr(relay_stages, "group_reduce", recorded)
+    _run(plan, LocalGroup(16), make_inputs(16 * 16, 4, 2, seed=3))
+    S = plan.num_stages
+    assert len(at_gather) == 2 * S + 3 * S  # fwd: out, lse per sub-stage; bwd: dq, and dk, dv
+    # the sub-stage's own tensors (out then lse; dq; dk then dv) may be alive, no earlier sub-stage's
+    assert at_gather == [0, 1] * S + [0, 0, 1] * S, at_gather
+    direct = [inplace for phase, inplace in issued if ":hop" not in phase]
+    relayed = [inplace for phase, inplace in issued if ":hop2" in phase]
+    assert len(direct) == 3 * S and all(direct)  # fwd.o, bwd.dq, bwd.dkv per sub-stage
+    assert len(relayed) == 3 * S and not any(relayed)
