@@ -166,10 +166,33 @@ class _CommSide:
         if self.stream is not None:
             self.kept.extend(objs)
 
+    def sync(self) -> None:
+        """The compute stream waits for what the side stream has queued so far."""
+        if self.stream is not None:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+
     def join(self) -> None:
         if self.stream is not None:
             torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
             self.kept.clear()
+
+
+def _assemble_into(x: torch.Tensor, parts, idx: torch.Tensor, lead: int) -> None:
+    """``x[.., i] = concat(parts)[.., idx[.., i]]`` where ``idx >= 0`` (the rows a cast's hops brought,
+    ``RelayStage.assemble``), in place: one part at a time, so no concatenation of the hop buffers
+    and no second copy of ``x`` is made, only one part's rows gathered at x's size."""
+    keep_dims = [1] * (x.dim() - idx.dim())
+    batch = torch.arange(x.shape[0], device=x.device)[:, None] if lead else None
+    start = 0
+    for part in parts:
+        n = part.shape[lead]
+        mine = (idx >= start) & (idx < start + n)
+        if n:
+            src = (idx - start).clamp(0, n - 1)
+            got = part[batch, src] if lead else part.index_select(0, src)
+            torch.where(mine.view(*idx.shape, *keep_dims), got, x, out=x)
+            del got
+        start += n
 
 
 def _label(op) -> str:
@@ -219,8 +242,10 @@ class _StageHops:
         bufs = self._buffers(op, tensors)
         forwards = op.hop == 2 or (op.hop == 1 and self.sr.egress)
         with self.side.on(forwards):
-            if forwards:
-                self.works[op.deps[0]].wait()
+            if forwards:  # the hop it forwards: waited once, here (kept for the side stream until join)
+                work = self.works.pop(op.deps[0])
+                self.side.keep(work)
+                work.wait()
                 # hop 1 reads the local rows, then the egress rows hop 3 brought; hop 2 the relay buffer
                 tensors = bufs[3].x if op.hop == 1 else bufs[1]
             self._cast(op, tensors, bufs)
@@ -237,8 +262,13 @@ class _StageHops:
                                          out=list(out), recv_offset=hr.start[i], host_recv_offset=hr.host_start[i])
 
     def wait_cast(self, op, into: list[torch.Tensor]) -> None:
-        """Wait for a direct or fan-out hop; once both of cast s are in, gather its rows into X."""
-        self.works[op.deps[0]].wait()
+        """Wait for a direct or fan-out hop; once both of cast s are in, gather its rows into X. The
+        fan-out hop (2) was issued on the side stream: a group whose work is done when issued (no
+        handle the compute stream can wait on, unlike ``TorchGroup``'s) has the compute stream wait
+        for the side stream here, before it reads the fan-out rows."""
+        self.works.pop(op.deps[0]).wait()  # waited once: its result (the hop buffers) is not held here
+        if op.hop == 2 and not isinstance(self.group, TorchGroup):
+            self.side.sync()
         (s,) = op.stages
         key = (op.phase, s)
         self.landed[key] = self.landed.get(key, 0) + 1
@@ -247,9 +277,9 @@ class _StageHops:
         idx = self.sr.routes[op.route, "cast"][s - 1].assemble
         bufs = self.bufs[op.phase]
         for x, d, f, r in zip(into, bufs[0], bufs[2], bufs[1]):
-            got = _take(torch.cat((d, f, r), dim=self.lead), idx, 0.0, self.batched)
-            keep = (idx >= 0).view(*idx.shape, *([1] * (x.dim() - idx.dim())))
-            x.copy_(torch.where(keep, got, x))
+            _assemble_into(x, (d, f, r), idx, self.lead)
+        if s == self.sr.num_stages:  # every cast of the kind is in X now: its hop buffers go (the
+            del self.bufs[op.phase]  # side stream's reads of them are behind this wait, see above)
 
     def home_in_place(self, op) -> bool:
         """Whether hop ``op`` reduces straight into the host's running rows (``group_reduce(inplace=
