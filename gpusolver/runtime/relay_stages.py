@@ -45,7 +45,7 @@ from gpusolver.runtime.operands import Operands, rows
 from gpusolver.runtime.per_rank import per_rank
 from gpusolver.runtime.pipelined import (KINDS, WHICH, _gather_remote, _HostStart, _merge_into, _slices,
                                          merge_gradients, merge_rows_into, op_range, stage_phase)
-from gpusolver.runtime.relayed import _identity, _take
+from gpusolver.runtime.relayed import _assemble_into, _identity, _take
 from groupcomm import TorchGroup, group_cast, group_reduce, host_splits
 
 _INTERNAL = dict(validate=False, flag_errors=False)
@@ -175,24 +175,6 @@ class _CommSide:
         if self.stream is not None:
             torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
             self.kept.clear()
-
-
-def _assemble_into(x: torch.Tensor, parts, idx: torch.Tensor, lead: int) -> None:
-    """``x[.., i] = concat(parts)[.., idx[.., i]]`` where ``idx >= 0`` (the rows a cast's hops brought,
-    ``RelayStage.assemble``), in place: one part at a time, so no concatenation of the hop buffers
-    and no second copy of ``x`` is made, only one part's rows gathered at x's size."""
-    keep_dims = [1] * (x.dim() - idx.dim())
-    batch = torch.arange(x.shape[0], device=x.device)[:, None] if lead else None
-    start = 0
-    for part in parts:
-        n = part.shape[lead]
-        mine = (idx >= start) & (idx < start + n)
-        if n:
-            src = (idx - start).clamp(0, n - 1)
-            got = part[batch, src] if lead else part.index_select(0, src)
-            torch.where(mine.view(*idx.shape, *keep_dims), got, x, out=x)
-            del got
-        start += n
 
 
 def _label(op) -> str:

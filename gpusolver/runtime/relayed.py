@@ -118,6 +118,24 @@ def _take(x: torch.Tensor, idx: torch.Tensor, fill: float, batched: bool) -> tor
     return torch.where(keep, out, torch.full((), fill, dtype=x.dtype, device=x.device))
 
 
+def _assemble_into(x: torch.Tensor, parts, idx: torch.Tensor, lead: int) -> None:
+    """``x[.., i] = concat(parts)[.., idx[.., i]]`` where ``idx >= 0`` (the rows a cast's hops brought,
+    ``RelayStage.assemble``), in place: one part at a time, so no concatenation of the hop buffers
+    is made, only one part's rows gathered at x's size and their merge with x."""
+    keep_dims = [1] * (x.dim() - idx.dim())
+    batch = torch.arange(x.shape[0], device=x.device)[:, None] if lead else None
+    start = 0
+    for part in parts:
+        n = part.shape[lead]
+        mine = (idx >= start) & (idx < start + n)
+        if n:
+            src = (idx - start).clamp(0, n - 1)
+            got = part[batch, src] if lead else part.index_select(0, src)
+            x.copy_(torch.where(mine.view(*idx.shape, *keep_dims), got, x))
+            del got
+        start += n
+
+
 def _cast(kr: KindRoutes, hop: int, group, tensors, phase: str):
     cap = {1: kr.relay_cap, 3: kr.egress_cap}.get(hop, kr.recv_cap)
     return group_cast(list(tensors), kr.index[hop], kr.split[hop], cap, group, phase=_label(phase, hop),
@@ -163,8 +181,13 @@ class _Hops:
             kr = self.routes.kind(op.route)
             direct, fan = self.parts.pop((op.route, 0)), self.parts.pop((op.route, 2))
             lead = 1 if self.batched else 0
-            self.recv[op.route] = [_take(torch.cat((d, f, r), dim=lead), kr.assemble, 0.0, self.batched)
-                                   for d, f, r in zip(direct, fan, self.relay_buf.pop(op.route))]
+            recv = []
+            for d, f, r in zip(direct, fan, self.relay_buf.pop(op.route)):
+                shape = list(d.shape)
+                shape[lead] = kr.assemble.shape[-1]
+                recv.append(d.new_zeros(shape))
+                _assemble_into(recv[-1], (d, f, r), kr.assemble, lead)
+            self.recv[op.route] = recv
             # nothing reads the hops' buffers again: they go before stage 1 and the reduce run (with
             # one remote stage every cast lands first, so they never live beside a reduce's buffers)
             for name in self.cast_names.pop(op.route):
