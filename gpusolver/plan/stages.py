@@ -4,8 +4,9 @@ Shape legend: G head groups, P ranks, n sub-chunk tiles per chunk, U = n * P uni
 
 Stage 0 of rank r holds its tasks whose query and key units are both hosted on
 r; they need nothing from the network. The rest of r's tasks are cut into S
-sub-stages 1..S so that (a) what can arrive first computes first, and (b) the
-sub-stages carry equal work, so no rank waits on a large last piece.
+sub-stages 1..S so that (a) what can arrive first computes first, and (b) each
+sub-stage carries a set share of the work (the first and the last a smaller
+one), so no rank waits on a large first or last piece.
 
 Arrival. Each (source, destination) pair moves ``bytes[src, dst]`` (Q, K and V of
 the forward, at the plan's byte sizes). A destination receives from all its
