@@ -92,6 +92,9 @@ class TorchGroup:
     """
 
     batched = False
+    # it sizes every move from the host copy of the split, so a reduce's partials may hold only the
+    # rows this rank received (``group_reduce(recv_capacity=)``)
+    sizes_from_host = True
 
     def __init__(self, process_group=None, timeout: timedelta | None = None, transport: str = "p2p"):
         if transport not in ("a2a", "p2p"):
@@ -271,13 +274,18 @@ class TorchGroup:
             return list(out)
         return Work(finish)
 
-    def _reduce(self, partials, send_index, split, acc, op, phase, host_split, deterministic, inplace=False):
+    def _reduce(self, partials, send_index, split, acc, op, phase, host_split, deterministic, inplace=False,
+                recv_capacity=None):
         """Starts the exchange; the first ``wait()`` merges the rows that came back (``inplace``:
-        into acc's tensors, then: they must not be written in between)."""
+        into acc's tensors, then: they must not be written in between). ``recv_capacity``: the
+        cast's receive capacity when the partials hold only the first rows of the buffer."""
         rows = self._host_matrix(split, host_split)
-        capacity = partials[0].shape[0]
+        capacity = partials[0].shape[0] if recv_capacity is None else recv_capacity
         send, recv = self._sizes(rows, send_index.shape[0], capacity, "the partials' rows")
         n_send, n_recv, self_rows = sum(send), sum(recv), rows[self.rank][self.rank]
+        if n_recv > partials[0].shape[0]:
+            raise ValueError(f"rank {self.rank}: {phase} returns the {n_recv} rows it received, but the "
+                             f"partials hold {partials[0].shape[0]}")
         layout = row_layout(partials, 0)
         # the way back: each filled receive row returns to its source, in buffer order. The buffer holds
         # the rows really returned (host-known here), not the send list's capacity: reduces in flight at

@@ -97,7 +97,8 @@ def group_cast(tensors, send_index: torch.Tensor, split: torch.Tensor, recv_capa
 
 def group_reduce(partials, send_index: torch.Tensor, split: torch.Tensor, acc, group, *, op: str,
                  phase: str = "reduce", host_split=None, deterministic: bool = True, async_op: bool = False,
-                 flag_errors: bool = True, consume: bool = False, inplace: bool = False):
+                 flag_errors: bool = True, consume: bool = False, inplace: bool = False,
+                 recv_capacity: int | None = None):
     """Send partial results back to the rows' hosts and reduce them there (reverse of ``group_cast``).
 
     Args:
@@ -139,6 +140,12 @@ def group_reduce(partials, send_index: torch.Tensor, split: torch.Tensor, acc, g
             rows) is kept, and the returned rows are merged on top of it. That is exact for an
             associative reduce (a sum, the log-sum-exp merge) up to rounding, and the bits follow
             the program order, so each group is deterministic on its own.
+        recv_capacity: the receive capacity of the cast whose rows return, when ``partials``
+            hold fewer rows (default: the partials' rows). Only a group that sizes its moves from
+            the host copy of the split (``TorchGroup``: it sends the rows this rank received,
+            the first of its receive buffer) takes partials of just those rows, at least this
+            rank's received rows; the others move whole buffers and refuse a ``recv_capacity``
+            other than the partials' rows.
 
     Returns new tensors shaped and typed like ``acc`` (``acc`` is not modified), or with
     ``inplace`` the ``acc`` tensors themselves, updated.
@@ -158,14 +165,31 @@ def group_reduce(partials, send_index: torch.Tensor, split: torch.Tensor, acc, g
         for x in given:
             x.clear()
     check_reduce(partials, acc, op, lead)
+    capacity = _recv_capacity(recv_capacity, partials[0].shape[lead], group)
     if inplace:
         check_inplace(partials, acc, op, sum_dtype)
     split = check_split(split, P, acc[0].device)
     send_index = check_send_index(send_index, lead, P, acc[0].device)
     if flag_errors:
-        _flag("group_reduce", group, phase, split, send_index, acc[0].shape[lead], partials[0].shape[lead])
-    work = group._reduce(partials, send_index, split, acc, op, phase, host_split, bool(deterministic), inplace)
+        _flag("group_reduce", group, phase, split, send_index, acc[0].shape[lead], capacity)
+    extra = {} if capacity == partials[0].shape[lead] else {"recv_capacity": capacity}
+    work = group._reduce(partials, send_index, split, acc, op, phase, host_split, bool(deterministic), inplace,
+                         **extra)
     return work if async_op else work.wait()
+
+
+def _recv_capacity(recv_capacity, rows: int, group) -> int:
+    """``group_reduce``'s receive capacity: the partials' rows, or ``recv_capacity`` where the group
+    takes partials of only the rows received."""
+    if recv_capacity is None:
+        return rows
+    if isinstance(recv_capacity, bool) or not isinstance(recv_capacity, int) or recv_capacity < rows:
+        raise ValueError(f"group_reduce: recv_capacity must be an int >= the partials' {rows} rows, "
+                         f"got {recv_capacity!r}")
+    if recv_capacity != rows and not getattr(group, "sizes_from_host", False):
+        raise ValueError(f"group_reduce: {type(group).__name__} moves whole receive buffers: partials must "
+                         f"hold recv_capacity={recv_capacity} rows, got {rows}")
+    return recv_capacity
 
 
 def default_group(process_group=None):

@@ -237,8 +237,32 @@ def _gather_remote(x: torch.Tensor, gather: torch.Tensor, n: int, lead: int, dty
     return out
 
 
+def _returned_rows(sr: StageRoutes, kind: str, stage: int, rank: int, batched: bool) -> int | None:
+    """The rows ``rank`` returns in reduce ``stage`` of ``kind`` (those it received in that routing),
+    from the host copy of the splits, where the group sizes its moves from it (``TorchGroup``);
+    else None (a static-shape group returns whole buffers)."""
+    host = None if batched else sr.host[kind, "return"][stage - 1]
+    if host is None:
+        return None
+    return sum(row[rank] for row in host.get())
+
+
+def _reduce_partials(x_parts, sr: StageRoutes, kind: str, stage: int, n: int, lead: int, dtypes, rank: int,
+                     batched: bool):
+    """Reduce ``stage``'s partials of ``kind`` out of the running rows ``x_parts`` and the receive
+    capacity to pass (None: the partials' rows). On ``TorchGroup`` only the rows this rank returns
+    are gathered (the first of the reduce's layout; the rest never leave): a reduce buffer of the
+    stage's fill, not of the receive capacity."""
+    gather = sr.gather[kind][stage - 1]
+    rows_ = _returned_rows(sr, kind, stage, rank, batched)
+    if rows_ is not None:
+        gather = gather.narrow(0, 0, min(rows_, gather.shape[0]))
+    parts = [_gather_remote(t, gather, n, lead, d) for t, d in zip(x_parts, dtypes)]
+    return parts, (None if rows_ is None else sr.gather[kind][stage - 1].shape[0])
+
+
 def _issue(op: Op, sr: StageRoutes, group, caps: dict, tensors, acc=None, deterministic: bool = True,
-           inplace: bool = False):
+           inplace: bool = False, recv_capacity: int | None = None):
     """Start collective ``op`` of sub-stage ``op.stages[0]``: its Work. ``caps[kind]``: receive rows.
     A cast writes into ``acc`` (the kind's shared receive buffers) at its own rows. A reduce takes
     its partials as a list and empties it (``group_reduce(consume=True)``): a caller that keeps no
@@ -256,7 +280,7 @@ def _issue(op: Op, sr: StageRoutes, group, caps: dict, tensors, acc=None, determ
     return group_reduce(tensors, sr.index[key][i], sr.split[key][i], acc, group,
                         op="lse" if op.phase == "fwd.o" else "sum", phase=phase, host_split=sr.host[key][i],
                         deterministic=deterministic, async_op=True, flag_errors=False, consume=True,
-                        inplace=inplace)
+                        inplace=inplace, recv_capacity=recv_capacity)
 
 
 def _flex(plan: Plan, scale: float):
@@ -332,10 +356,10 @@ def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql,
                 (s,), b = op.stages, op.branch
                 # the partials handed over (no name keeps them): freed once sent, not held through s + 1;
                 # merged into the host rows of the running (out fp32, lse) themselves
-                works[op.name] = _issue(op, sr, group, caps,
-                                        [_gather_remote(t, sr.gather["qo"][s - 1], n, lead, d)
-                                         for t, d in zip(acc[b].x, dtypes[b])],
-                                        [rows(t, lead, 0, n) for t in acc[b].x], deterministic, inplace=True)
+                parts, cap = _reduce_partials(acc[b].x, sr, "qo", s, n, lead, dtypes[b], ranks[0], batched)
+                works[op.name] = _issue(op, sr, group, caps, parts, [rows(t, lead, 0, n) for t in acc[b].x],
+                                        deterministic, inplace=True, recv_capacity=cap)
+                del parts
             elif op.kind == MERGE:  # every return is merged in: the host's rows are the output
                 for b in range(branches):
                     h_o, h_l = (rows(t, lead, 0, n) for t in acc[b].x)
@@ -449,9 +473,10 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
                 dtype = ql.dtype if kind == "qo" else kl.dtype
                 # the partials handed over (no name keeps them): freed once sent, not held through s + 1;
                 # summed into the host rows of the fp32 sums themselves
-                works[op.name] = _issue(op, sr, group, caps,
-                                        [_gather_remote(t, sr.gather[kind][s - 1], n, lead, dtype) for t in pick],
-                                        [rows(t, lead, 0, n) for t in pick], deterministic, inplace=True)
+                parts, cap = _reduce_partials(pick, sr, kind, s, n, lead, [dtype] * len(pick), ranks[0], batched)
+                works[op.name] = _issue(op, sr, group, caps, parts, [rows(t, lead, 0, n) for t in pick],
+                                        deterministic, inplace=True, recv_capacity=cap)
+                del parts
             elif op.kind == MERGE:  # every reduce is summed in: the host's rows are the gradients
                 dq, dk, dv = merge_gradients(grads_q.x + grads_kv.x, [], lead, n)
             else:

@@ -249,3 +249,73 @@ def test_inplace_accepts_disjoint_rows_of_one_storage():
                 [buf[:, :N], buf[:, 0:2 * N:2]]):                   # two layouts whose bytes meet
         with pytest.raises(ValueError, match=r"acc\[1\] and acc\[0\] may overlap"):
             group_reduce(parts, r.send_index, r.split, bad, LocalGroup(P), op="sum", inplace=True)
+
+
+def _rank_received_rows_only(rank, P, seed, transport):
+    """On a gloo rank: the reduce with partials of only the rows this rank received (``recv_capacity``
+    the cast's), in place and out of place, next to the whole receive buffer's."""
+    r = random_routing(P, 6, seed)
+    hs = host_splits(r.split)
+    group = TorchGroup(transport=transport)
+    n_recv = int(r.split[:, rank].sum())
+    res = {}
+    for op in ("lse", "sum"):
+        partials, big = (_lse_inputs if op == "lse" else _sum_inputs)(P, 6, seed, r.recv_capacity)
+        whole = [p[rank] for p in partials]
+        filled = [p[rank, :n_recv].clone() for p in partials]
+        acc = [b[rank].narrow(0, 0, 6) for b in big]
+        res[op, "whole"] = group_reduce(whole, r.send_index[rank], r.split, acc, group, op=op, host_split=hs,
+                                        phase=f"{op}.whole")
+        res[op, "filled"] = group_reduce(filled, r.send_index[rank], r.split, acc, group, op=op, host_split=hs,
+                                         phase=f"{op}.filled", recv_capacity=r.recv_capacity)
+        into = [a.clone() for a in acc]
+        group_reduce([p.clone() for p in filled], r.send_index[rank], r.split, into, group, op=op, host_split=hs,
+                     phase=f"{op}.into", recv_capacity=r.recv_capacity, inplace=True)
+        res[op, "into"] = into
+        if n_recv:  # one row short of what it received: refused by name
+            try:
+                group_reduce([p[:n_recv - 1] for p in filled], r.send_index[rank], r.split, acc, group, op=op,
+                             host_split=hs, phase=f"{op}.short", recv_capacity=r.recv_capacity)
+                res[op, "short"] = None
+            except ValueError as e:
+                res[op, "short"] = str(e)
+        res[op, "bytes"] = (group.traffic(f"{op}.whole"), group.traffic(f"{op}.filled"))
+    group.wait_sends()
+    return res
+
+
+@pytest.mark.parametrize("transport", ["p2p", "a2a"])
+def test_torch_group_reduces_partials_of_the_received_rows_only(transport):
+    """``group_reduce(recv_capacity=)`` on TorchGroup: partials holding only the rows a rank received
+    give the bits of the whole receive buffer's, in place too, and move the same bytes; fewer rows
+    than it received are refused, naming both counts."""
+    P, seed = 3, 4
+    got = run_ranks(_rank_received_rows_only, P, seed, transport, timeout=60)
+    r = random_routing(P, 6, seed)
+    for rank, res in enumerate(got):
+        n_recv = int(r.split[:, rank].sum())
+        assert 0 < n_recv < r.recv_capacity
+        for op in ("lse", "sum"):
+            for i, (w, f, x) in enumerate(zip(res[op, "whole"], res[op, "filled"], res[op, "into"])):
+                assert _same_bits(w, f), f"rank {rank} {op}[{i}]: received rows only differ from the whole buffer"
+                assert _same_bits(w, x), f"rank {rank} {op}[{i}]: in place differs"
+            assert res[op, "bytes"][0] == res[op, "bytes"][1]
+            assert res[op, "short"] is not None and f"returns the {n_recv} rows it received" in res[op, "short"] \
+                and f"partials hold {n_recv - 1}" in res[op, "short"], res[op, "short"]
+
+
+def test_recv_capacity_refused_where_whole_buffers_move():
+    """LocalGroup moves whole receive buffers: partials must hold recv_capacity rows; and recv_capacity
+    below the partials' rows, or not an int, is refused by name."""
+    P, N = 3, 5
+    r = random_routing(P, N, 1)
+    cap = r.recv_capacity
+    partials, x = [torch.randn(P, cap, 4)], torch.zeros(P, N, 4)
+    with pytest.raises(ValueError, match=rf"LocalGroup moves whole receive buffers.*recv_capacity={cap + 1}.*got {cap}"):
+        group_reduce(partials, r.send_index, r.split, [x], LocalGroup(P), op="sum", recv_capacity=cap + 1)
+    for bad in (cap - 1, 2.0, True):
+        with pytest.raises(ValueError, match=rf"recv_capacity must be an int >= the partials' {cap} rows, got {bad!r}"):
+            group_reduce(partials, r.send_index, r.split, [x], LocalGroup(P), op="sum", recv_capacity=bad)
+    same = group_reduce(partials, r.send_index, r.split, [x], LocalGroup(P), op="sum", recv_capacity=cap)
+    plain = group_reduce(partials, r.send_index, r.split, [x], LocalGroup(P), op="sum")
+    assert _same_bits(same[0], plain[0])

@@ -322,3 +322,45 @@ def test_stages_gloo_kept_rows(transport):
     the kept rows, cast 2 lands past them, at its own row of the rest. Each sub-stage's tail travels with
     host splits and host start rows; values, gradients and the ``bwd.kv.s`` counters as on LocalGroup."""
     _check_gloo(2, "docs-causal", 32, 4, 2, 1, 2, True, 0, transport, 0.25)
+
+
+def _rank_reduce_rows(rank, P, name, c, Hq, Hkv, S, seed):
+    """On a gloo rank: the rows of every reduce buffer the layer gathers, next to the receive capacity."""
+    import gpusolver.runtime.pipelined as pipelined
+
+    mask = make_mask(name, P * c, seed)
+    config = make_config(P, Hq, Hkv, True, 1, num_stages=S)
+    plan, _ = tight_plan(mask, config)
+    seen = []
+    gather = pipelined._gather_remote
+
+    def recorded(x, idx, n, lead, dtype):
+        seen.append((idx.shape[0], x.shape[0] - n))
+        return gather(x, idx, n, lead, dtype)
+
+    pipelined._gather_remote = recorded
+    group = TorchGroup(transport="p2p")
+    q, k, v, d_out, d_lse = make_inputs(P * c, Hq, Hkv, seed)
+    qs, ks, vs = (shard(x, group).clone().requires_grad_() for x in (q, k, v))
+    out, lse = dist_attn(qs, ks, vs, plan, group)
+    torch.autograd.backward((out, lse), (shard(d_out, group), shard(d_lse, group)))
+    group.wait_sends()
+    return seen
+
+
+def test_stages_gloo_reduce_buffers_hold_the_returned_rows():
+    """On TorchGroup each sub-stage's reduce buffer holds the rows the rank returns in it (the stage's
+    fill, from the host copy of the splits), not the receive capacity: forward O and lse per sub-stage,
+    backward dQ and dK, dV. (The layer's values on gloo: ``test_stages_gloo``.)"""
+    P, name, c, Hq, Hkv, S, seed = 4, "docs-causal", 16, 4, 2, 4, 0
+    got = run_ranks(_rank_reduce_rows, P, name, c, Hq, Hkv, S, seed, timeout=120)
+    plan, _ = tight_plan(make_mask(name, P * c, seed), make_config(P, Hq, Hkv, True, 1, num_stages=S))
+    comm = plan.comm
+    for rank, seen in enumerate(got):
+        returned = {kind: [int(x) for x in comm.stage_split(kind, "return")[:, :, rank].sum(1)] for kind in ("qo", "kv")}
+        cap = {"qo": comm.qo_recv_capacity, "kv": comm.kv_recv_capacity}
+        want = sorted([(n, cap["qo"]) for n in returned["qo"] for _ in range(2)]       # fwd: out, lse
+                      + [(n, cap["qo"]) for n in returned["qo"]]                       # bwd: dq
+                      + [(n, cap["kv"]) for n in returned["kv"] for _ in range(2)])    # bwd: dk, dv
+        assert sorted(seen) == want, f"rank {rank}"
+        assert sum(n for n, _ in seen) < sum(c_ for _, c_ in seen), f"rank {rank}: no buffer below capacity"
