@@ -478,7 +478,7 @@ def sparse_stage(assignment: torch.Tensor, comm: CommMeta, rank: int, stage: int
 
 
 def _block_windows(kb: KVBlocks, mine: torch.Tensor, rank: int, G: int, c: int, cu: int,
-                   stage: int = 1) -> torch.Tensor:
+                   stage: int) -> torch.Tensor:
     """[G * U, NB, 3] int32 windows, one per (query unit, key block).
 
     With sub-stages (``kb.staged``) remote sub-stage s windows only the blocks that have landed by

@@ -172,9 +172,8 @@ class _CommSide:
             torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
 
     def join(self) -> None:
-        if self.stream is not None:
-            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
-            self.kept.clear()
+        self.sync()
+        self.kept.clear()
 
 
 def _label(op) -> str:
@@ -470,11 +469,11 @@ def relay_stages_backward(plan, group, ranks, batched: bool, sr: StageRelayRoute
                 (s,) = op.stages
                 kind = op.route
                 local = (ql,) if kind == "qo" else (kl, vl)
+                pick = grads_q.x if kind == "qo" else grads_kv.x
                 if op.hop in (0, 2) and (op.phase, s) not in full:  # the hops that read them (see _drop_after_last_use)
-                    pick = grads_q.x if kind == "qo" else grads_kv.x
                     full[op.phase, s] = [_gather_remote(t, sr.gather[kind][s - 1], n, lead, x.dtype)
                                          for t, x in zip(pick, local)]
-                host = [rows(t, lead, 0, n) for t in (grads_q.x if kind == "qo" else grads_kv.x)]
+                host = [rows(t, lead, 0, n) for t in pick]
                 hops.reduce(op, full.get((op.phase, s)), [torch.zeros_like(x) for x in local], "sum", (0.0,) * len(local),
                             host)
                 _drop_after_last_use(full, uses, (op.phase, s), op)
