@@ -11,6 +11,12 @@ layer's own q, k, v and out per rank (the ``own`` of ``layer_memory.py``), per b
 (packed causal / full documents, 8K tokens per rank, 64:8, D = 128, bf16). Host arithmetic on
 static sizes and the plans' row counts: no layer runs.
 
+A second table prices the pipelined layer's operands over the received rows (``runtime.pipelined``:
+X's receive rows of Q, K, V and the forward's running (out fp32, lse); in the backward Q, K, V again,
+dO, lse and delta, and the fp32 sums of dQ, dK, dV) at the plan's capacity, what a static-shape
+group allocates (``LocalGroup``, ``SymmMemGroup``), and at each rank's own fill, what ``TorchGroup``
+allocates (``pipelined.receive_rows``), the larger over the ranks.
+
     PYTHONPATH=. python benchmarks/memory_floor.py --P 16,32,64 --seeds 3 --plan-cache build/sim_plans \\
         --solve-topology --md benchmarks/results/memory_floor.md
 """
@@ -66,13 +72,33 @@ def floor_row(plan, config: SolverConfig, chunk: int) -> dict:
             "cap_own": max(cap.fwd_peak, cap.bwd_peak) / own, "fill_own": max(fill.fwd_peak, fill.bwd_peak) / own}
 
 
+def operand_bytes(config: SolverConfig, G: int, q_rows, kv_rows) -> tuple:
+    """(forward, backward) bytes of the pipelined layer's operands over ``q_rows`` received Q rows and
+    ``kv_rows`` received K, V rows (ints or tensors of them per rank)."""
+    hq, hkv, D, b = config.num_heads_q // G, config.num_heads_kv // G, config.head_dim, config.dtype_bytes
+    fwd = q_rows * (hq * D * b + hq * D * 4 + hq * 4) + kv_rows * 2 * hkv * D * b
+    bwd = q_rows * (2 * hq * D * b + 8 * hq + hq * D * 4) + kv_rows * 2 * hkv * D * (b + 4)
+    return fwd, bwd
+
+
+def operand_row(plan, config: SolverConfig) -> dict:
+    """The operands' bytes at the receive capacity and at the largest rank's fill, per pass."""
+    comm = plan.comm
+    G = comm.head_groups
+    cap = operand_bytes(config, G, comm.buffers.qo_recv, comm.buffers.kv_recv)
+    fill = operand_bytes(config, G, comm.qo_recv_rows.long(), comm.kv_recv_rows.long())
+    fill = tuple(int(t.max()) for t in fill)
+    return {"op_cap_fwd_mb": cap[0] / MB, "op_cap_bwd_mb": cap[1] / MB, "op_fill_fwd_mb": fill[0] / MB,
+            "op_fill_bwd_mb": fill[1] / MB, "op_saved_mb": (max(cap) - max(fill)) / MB}
+
+
 def run(kind: str, P: int, seed: int, tokens: int, cache, topology) -> dict:
     config = SolverConfig(cp_size=P, topology=topology)
     mask = make_mask(kind, P, seed, tokens)
     areas = block_areas(mask, P, config.head_groups, impl="torch")
     asg, _ = cached_assignment(mask, areas, config, plan_cache_path(cache, kind, P, seed, tokens, config))
     plan = build_plan(mask, areas, asg, config)  # the default S: its transport sizes the buffers (capacity.default_chunks)
-    return {"kind": kind, "P": P, "seed": seed, **floor_row(plan, config, tokens)}
+    return {"kind": kind, "P": P, "seed": seed, **floor_row(plan, config, tokens), **operand_row(plan, config)}
 
 
 COLUMNS = [("kind", "kind", "s"), ("P", "P", "d"), ("seed", "seed", "d"),
@@ -81,6 +107,11 @@ COLUMNS = [("kind", "kind", "s"), ("P", "P", "d"), ("seed", "seed", "d"),
            ("fwd MB at capacity", "cap_fwd_mb", ".1f"), ("bwd MB at capacity", "cap_bwd_mb", ".1f"),
            ("peak / own at capacity", "cap_own", ".2f"), ("fwd MB at fill", "fill_fwd_mb", ".1f"),
            ("bwd MB at fill", "fill_bwd_mb", ".1f"), ("peak / own at fill", "fill_own", ".2f")]
+OPERAND_COLUMNS = [("kind", "kind", "s"), ("P", "P", "d"), ("seed", "seed", "d"),
+                   ("fwd MB at capacity", "op_cap_fwd_mb", ".1f"), ("bwd MB at capacity", "op_cap_bwd_mb", ".1f"),
+                   ("fwd MB at fill (TorchGroup)", "op_fill_fwd_mb", ".1f"),
+                   ("bwd MB at fill (TorchGroup)", "op_fill_bwd_mb", ".1f"),
+                   ("larger pass saved MB", "op_saved_mb", ".1f")]
 
 
 def main(argv=None) -> list[dict]:
@@ -111,7 +142,16 @@ def main(argv=None) -> list[dict]:
             "buffers (operand copies, partial outputs, fp32 running sums), which `layer_memory.py` measures.\n\n"
             + markdown_table(rows, COLUMNS)
             + f"\n\nLargest peak / own at fill: {worst['fill_own']:.2f} ({worst['kind']} P = {worst['P']} seed "
-            f"{worst['seed']}); smallest: {min(r['fill_own'] for r in rows):.2f}.\n")
+            f"{worst['seed']}); smallest: {min(r['fill_own'] for r in rows):.2f}.\n"
+            "\n## The pipelined layer's operands over the received rows (per rank)\n\n"
+            "At capacity: what a static-shape group allocates (`LocalGroup`, `SymmMemGroup`, meta, "
+            "`torch.compile`); at fill: what `TorchGroup` allocates, each rank its own fill (the largest "
+            "rank shown). Host arithmetic on the plans' row counts, not measured; "
+            "`test_stages_gloo_operands_hold_the_rank_fill` checks on gloo that the runtime allocates these rows.\n\n"
+            + markdown_table(rows, OPERAND_COLUMNS)
+            + "\n\nLarger pass saved on TorchGroup: "
+            f"{min(r['op_saved_mb'] for r in rows):.0f}-{max(r['op_saved_mb'] for r in rows):.0f} MB per rank "
+            f"(own q, k, v, out: {rows[0]['own_mb']:.0f} MB).\n")
     print_and_write(text, args.md)
     return rows
 

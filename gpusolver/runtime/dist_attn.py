@@ -210,8 +210,9 @@ class _DistAttn(torch.autograd.Function):
                               for kind, x in zip(("qo", "kv", "kv"), operands))
             x_q, x_k, x_v = operands  # only the kept kinds' operands: the others are cast again
             part = routes.relay is None and "kv" in keep and kv_rows >= 0
-            if part:  # the local rows and the first kv_rows of the KV buffer (the rest is cast again)
-                x_k, x_v = keep_prefix([x_k, x_v], lead, n, kv_rows)
+            if part:  # the local rows and the first kv_rows of the KV buffer (the rest is cast again),
+                # of a buffer at this rank's fill (``pipelined.receive_rows``) at most its rows
+                x_k, x_v = keep_prefix([x_k, x_v], lead, n, min(kv_rows, x_k.shape[lead] - n))
                 operands = None  # the whole KV operands go with the forward
             ctx.kv_rows = kv_rows if part else -1
             # every executor here returns X = [local rows | receive buffer], whose first n rows are the

@@ -11,7 +11,10 @@ rows (CalcMeta's coordinates). The S casts of a kind share that one buffer: cast
 its rows in place from row ``CommMeta.stage_base[s - 1]`` of each rank's buffer on
 (``group_cast(out=..., recv_offset=...)``), after casts 1..s-1's rows. A unit travels
 once, in the cast of the first sub-stage that uses it, so sub-stage s reads only rows of
-casts 1..s, and S sub-stages take the receive memory of one.
+casts 1..s, and S sub-stages take the receive memory of one. ``cap`` is the plan's capacity on a
+static-shape group; on ``TorchGroup`` it is this rank's fill, all S casts' rows, from the host
+copy of the splits (``receive_rows``): X, the running out and the fp32 sums hold what this layer
+moves here.
 
 Both passes execute ``gpusolver.plan.schedule``'s ``forward_ops(S + 1)`` /
 ``backward_ops(S + 1)`` op by op (the lists the simulator prices):
@@ -87,6 +90,9 @@ class StageRoutes:
                            cast s's rows start (``CommMeta.stage_base``).
     host_start[kind]:      S ``_HostStart`` (``TorchGroup``: this rank's start, from the host
                            copy of the splits), else S Nones.
+    recv_rows[kind]:       ``TorchGroup`` (``at_fill``): a ``_HostStart`` past the last cast, the rows
+                           this rank receives in all S casts (its buffer's fill); else None (the
+                           buffer is the plan's capacity, ``receive_rows``).
     """
 
     num_stages: int
@@ -96,6 +102,7 @@ class StageRoutes:
     gather: dict
     start: dict
     host_start: dict
+    recv_rows: dict
 
 
 class _HostStart:
@@ -109,9 +116,11 @@ class _HostStart:
         return sum(row[self.rank] for part in self.parts[:self.stage - 1] for row in part.get())
 
 
-def stage_routes(plan: Plan, group, ranks: tuple[int, ...], batched: bool, kv_comm=None) -> StageRoutes:
+def stage_routes(plan: Plan, group, ranks: tuple[int, ...], batched: bool, kv_comm=None,
+                 at_fill: bool = True) -> StageRoutes:
     """kv_comm: the KV route's CommMeta when it is not ``plan.comm`` (a sparse plan's key blocks,
-    ``KVBlocks.staged``)."""
+    ``KVBlocks.staged``). at_fill: on ``TorchGroup``, receive buffers at this rank's fill
+    (``receive_rows``); False keeps the capacity (a sparse layer, whose kernels' row tables span it)."""
     comms = {"qo": plan.comm, "kv": plan.comm if kv_comm is None else kv_comm}
     S = plan.comm.num_stages
 
@@ -132,14 +141,29 @@ def stage_routes(plan: Plan, group, ranks: tuple[int, ...], batched: bool, kv_co
             host[key] = parts[b * S:(b + 1) * S]
         host_start = {kind: [_HostStart(host[kind, "cast"], s, ranks[0]) for s in range(1, S + 1)]
                       for kind in KINDS}
+        recv_rows = {kind: _HostStart(host[kind, "cast"], S + 1, ranks[0]) if at_fill else None
+                     for kind in KINDS}
     else:
         host = {key: [None] * S for key in index}
         host_start = {kind: [None] * S for kind in KINDS}
+        recv_rows = {kind: None for kind in KINDS}
     gather = {kind: list(per_rank(lambda r: comms[kind].return_gather(kind, r)).unbind(1 if batched else 0))
               for kind in KINDS}
     start = {kind: list(comms[kind].stage_base(kind).unbind(0)) for kind in KINDS}
     return StageRoutes(num_stages=S, index=index, split=split, host=host, gather=gather, start=start,
-                       host_start=host_start)
+                       host_start=host_start, recv_rows=recv_rows)
+
+
+def receive_rows(plan: Plan, sr: StageRoutes, kind: str) -> int:
+    """Rows of ``kind``'s receive buffer here, the remote rows of its operands ``X`` and of every sum
+    over them: the plan's capacity on a static-shape group; on ``TorchGroup`` (slice plans) the rows
+    this rank receives in all S casts, read from the host copy of the splits that its first cast
+    reads anyway (no other wait), at most the capacity (a plan past it is refused by the cast, as at
+    the capacity). Every row a stage reads or a reduce gathers is one a cast brought, so the buffer
+    holds what this layer moves here, not what the worst plan could."""
+    cap = plan.comm.buffers.recv(kind)
+    fill = sr.recv_rows[kind]
+    return cap if fill is None else min(cap, fill.get())
 
 
 def op_range(op: Op, sub_stages: bool = False) -> str:
@@ -316,8 +340,8 @@ def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql,
     per branch (default: the slice kernel, one branch). Each branch keeps its own running (out,
     lse) and is reduced and merged on its own (an NSA layer's selection and window branches)."""
     lead = 1 if batched else 0
-    S, buffers = sr.num_stages, plan.comm.buffers
-    caps = {kind: buffers.recv(kind) for kind in KINDS}
+    S = sr.num_stages
+    caps = {kind: receive_rows(plan, sr, kind) for kind in KINDS}
     attend = _flex(plan, scale) if attend is None else attend
     # the operands, allocated before the casts that fill their receive rows; the local rows are
     # read from them (the casts send them, stage 0 attends them)
@@ -386,9 +410,11 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
     G > 1 the upstream grad in its natural layout ``[*, c, Hq, D]``; either way it is written
     group-major straight into its operand, whose local rows are the dO every later step reads."""
     lead = 1 if batched else 0
-    S, buffers = sr.num_stages, plan.comm.buffers
-    caps = {kind: buffers.recv(kind) for kind in KINDS}
+    S = sr.num_stages
+    caps = {kind: receive_rows(plan, sr, kind) for kind in KINDS}
     cap_q, cap_k = caps["qo"], caps["kv"]
+    # the kept KV rows here: the plan's (which route the casts again), at most the buffer's
+    kept_here = min(kept_kv_rows, cap_k)
     n = ql.shape[lead]
     works = {}
     # the slice kernel sums each stage's share into the fp32 sums itself (``_flex_backward_into``);
@@ -398,7 +424,7 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
     Xq = Operands([ql, *extra], cap_q, lead, zero=True) if kept_q is None else None
     part = kept_kv is not None and kept_kv_rows >= 0
     if part:  # the local and kept rows, the rest cast again
-        Xkv = whole_operands(kept_kv, cap_k, lead, n, kept_kv_rows)
+        Xkv = whole_operands(kept_kv, cap_k, lead, n, kept_here)
         kept_kv = None
     else:
         Xkv = Operands([kl, vl], cap_k, lead, zero=True) if kept_kv is None else None
@@ -435,7 +461,7 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
                 elif part:  # sub-stage s's rows past the kept ones, into the buffer rows past them
                     (s,) = op.stages
                     key = ("kv", "cast")
-                    into = [rows(x, lead, n + kept_kv_rows, cap_k - kept_kv_rows) for x in Xkv.x]
+                    into = [rows(x, lead, n + kept_here, cap_k - kept_here) for x in Xkv.x]
                     works[op.name] = tail_cast((kl, vl), sr.index[key][s - 1], sr.split[key][s - 1], kept_kv_rows,
                                                into, group, phase=stage_phase(op.phase, s), ranks=ranks,
                                                batched=batched, base=sr.start["kv"][s - 1],

@@ -180,7 +180,8 @@ def sparse_routes(plan: SparsePlan, group) -> LayerRoutes:
             raise ValueError(f"the plan is for P = {plan.comm.cp_size} ranks but the group has {group.size}")
         return LayerRoutes(plan=plan, ranks=ranks, batched=batched, qo_index=None, kv_index=None, qo_split=None,
                            kv_split=None, qo_host=None, kv_host=None,
-                           stages=stage_routes(plan, group, ranks, batched, None if kb is None else kb.staged))
+                           stages=stage_routes(plan, group, ranks, batched, None if kb is None else kb.staged,
+                                               at_fill=False))
     routes = layer_routes(plan, group)
     if kb is None:
         return routes

@@ -358,9 +358,68 @@ def test_stages_gloo_reduce_buffers_hold_the_returned_rows():
     comm = plan.comm
     for rank, seen in enumerate(got):
         returned = {kind: [int(x) for x in comm.stage_split(kind, "return")[:, :, rank].sum(1)] for kind in ("qo", "kv")}
-        cap = {"qo": comm.qo_recv_capacity, "kv": comm.kv_recv_capacity}
-        want = sorted([(n, cap["qo"]) for n in returned["qo"] for _ in range(2)]       # fwd: out, lse
-                      + [(n, cap["qo"]) for n in returned["qo"]]                       # bwd: dq
-                      + [(n, cap["kv"]) for n in returned["kv"] for _ in range(2)])    # bwd: dk, dv
+        # the operands gathered from hold this rank's fill (``pipelined.receive_rows``), not the capacity
+        fill = {"qo": int(comm.qo_recv_rows[rank]), "kv": int(comm.kv_recv_rows[rank])}
+        want = sorted([(n, fill["qo"]) for n in returned["qo"] for _ in range(2)]       # fwd: out, lse
+                      + [(n, fill["qo"]) for n in returned["qo"]]                       # bwd: dq
+                      + [(n, fill["kv"]) for n in returned["kv"] for _ in range(2)])    # bwd: dk, dv
         assert sorted(seen) == want, f"rank {rank}"
-        assert sum(n for n, _ in seen) < sum(c_ for _, c_ in seen), f"rank {rank}: no buffer below capacity"
+        assert sum(returned["qo"]) <= fill["qo"] and sum(returned["kv"]) <= fill["kv"], f"rank {rank}"
+
+
+def _rank_operand_rows(rank, P, name, c, Hq, Hkv, S, seed, keep, kept_share):
+    """On a gloo rank: the rows of every operand and sum the pipelined layer allocates (``Operands``),
+    with its values and gradients."""
+    from gpusolver.runtime import operands
+
+    mask = make_mask(name, P * c, seed)
+    config = make_config(P, Hq, Hkv, True, 1, num_stages=S, keep_forward_buffers=keep)
+    plan, _ = tight_plan(mask, config)
+    kept_rows = None if kept_share is None else int(int(plan.comm.kv_recv_rows.max()) * kept_share)
+    seen = []
+    init, zeros = operands.Operands.__init__, operands.Operands.zeros.__func__
+
+    def recorded_init(self, local, cap, *a, **kw):
+        seen.append(cap)
+        init(self, local, cap, *a, **kw)
+
+    def recorded_zeros(cls, like, cap, *a, **kw):
+        seen.append(cap)
+        return zeros(cls, like, cap, *a, **kw)
+
+    operands.Operands.__init__ = recorded_init
+    operands.Operands.zeros = classmethod(recorded_zeros)
+    group = TorchGroup(transport="p2p")
+    q, k, v, d_out, d_lse = make_inputs(P * c, Hq, Hkv, seed)
+    qs, ks, vs = (shard(x, group).clone().requires_grad_() for x in (q, k, v))
+    out, lse = dist_attn(qs, ks, vs, plan, group, keep_forward_buffers=keep, kept_kv_rows=kept_rows)
+    torch.autograd.backward((out, lse), (shard(d_out, group), shard(d_lse, group)))
+    group.wait_sends()
+    return {"rows": seen, "got": dict(zip(KEYS, (out.detach(), lse.detach(), qs.grad, ks.grad, vs.grad)))}
+
+
+@pytest.mark.parametrize("keep,kept_share", [(True, None), (False, None), (True, 0.5)],
+                         ids=["kept", "cast-again", "kept-rows"])
+def test_stages_gloo_operands_hold_the_rank_fill(keep, kept_share):
+    """On TorchGroup every operand and sum over received rows (forward Q, K, V and the running out;
+    backward dO, the sums, what is cast again) holds the rows this rank receives, not the receive
+    capacity; values and gradients equal dense attention. With half the largest KV fill kept
+    (``kept_kv_rows``) a rank whose own fill is below the kept rows keeps its whole buffer and its
+    tails move nothing."""
+    P, name, c, Hq, Hkv, S, seed = 4, "docs-causal", 16, 4, 2, 4, 0
+    got = run_ranks(_rank_operand_rows, P, name, c, Hq, Hkv, S, seed, keep, kept_share, timeout=120)
+    plan, _ = tight_plan(make_mask(name, P * c, seed), make_config(P, Hq, Hkv, True, 1, num_stages=S))
+    comm = plan.comm
+    ref = reference(make_mask(name, P * c, seed), *make_inputs(P * c, Hq, Hkv, seed))
+    fills = [(int(comm.qo_recv_rows[r]), int(comm.kv_recv_rows[r])) for r in range(P)]
+    assert any(f < cap for f, cap in zip(fills[0], (comm.qo_recv_capacity, comm.kv_recv_capacity))), \
+        "the case must have a buffer below its capacity"
+    if kept_share is not None:  # kept rows between the ranks' KV fills: some keep all, some cast a tail again
+        kept = int(max(f for _, f in fills) * kept_share)
+        assert min(f for _, f in fills) < kept < max(f for _, f in fills)
+    for rank, res in enumerate(got):
+        assert set(res["rows"]) <= set(fills[rank]) and set(fills[rank]) <= set(res["rows"]), \
+            f"rank {rank}: operand rows {sorted(set(res['rows']))}, fills {fills[rank]}"
+        rows = slice(rank * c, (rank + 1) * c)
+        for key in KEYS:
+            assert_close(f"rank {rank} {key}", ref[key][rows], res["got"][key], atol=ATOL, rtol=RTOL)
