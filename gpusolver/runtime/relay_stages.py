@@ -36,15 +36,15 @@ from dataclasses import dataclass
 
 import torch
 
-from attn_kernels import flex_attn, flex_attn_backward, row_delta
+from attn_kernels import flex_attn, row_delta
 from gpusolver.nvtx import nvtx_range
 from gpusolver.plan.relay import assemble_index, hop_send_index, inverse_index, shifted
 from gpusolver.plan.schedule import (ATTN, CAST, COMM, DELTA, MERGE, REDUCE, WAIT, backward_ops, forward_ops,
                                      hop_phase)
 from gpusolver.runtime.operands import Operands, rows
 from gpusolver.runtime.per_rank import per_rank
-from gpusolver.runtime.pipelined import (KINDS, WHICH, _gather_remote, _HostStart, _merge_into, _slices,
-                                         merge_gradients, merge_rows_into, op_range, stage_phase)
+from gpusolver.runtime.pipelined import (KINDS, WHICH, _flex_backward_into, _gather_remote, _HostStart, _merge_into,
+                                         _slices, merge_gradients, merge_rows_into, op_range, stage_phase)
 from gpusolver.runtime.relayed import _assemble_into, _identity, _take
 from groupcomm import TorchGroup, group_cast, group_reduce, host_splits
 
@@ -368,7 +368,7 @@ def relay_stages_forward(plan, group, ranks, batched: bool, sr: StageRelayRoutes
     ops = forward_ops(S + 1, relay=True, egress=sr.egress)
     hops = _StageHops(sr, group, batched, deterministic, ql, ops)
     uses = hops.partial_uses(ops)
-    acc = o0 = l0 = None
+    acc = dtypes = None
     full = {}
     for op in ops:
         with nvtx_range(op_range(op, sub_stages=True)):
@@ -384,20 +384,26 @@ def relay_stages_forward(plan, group, ranks, batched: bool, sr: StageRelayRoutes
             elif op.kind == ATTN and op.stages == (0,):
                 o0, l0 = per_rank(ranks, batched, lambda r, q_, k_, v_: flex_attn(
                     q_, k_, v_, *_slices(plan, r, 0), scale, **_INTERNAL), ql, kl, vl)
-                acc = Operands([o0.float(), l0], cap_q, lead, zero=True)  # running (out fp32, lse) of X's rows
+                dtypes = (o0.dtype, l0.dtype)
+                # running (out fp32, lse) of X's rows, converted as copied in: stage 0's out goes now
+                acc = Operands([o0, l0], cap_q, lead, zero=True, dtype=torch.float32)
                 acc.remote()[1].fill_(float("-inf"))
+                del o0, l0
             elif op.kind == ATTN:
                 (s,) = op.stages
                 o_s, l_s = per_rank(ranks, batched, lambda r, q_, k_, v_: flex_attn(
                     q_, k_, v_, *_slices(plan, r, s), scale, **_INTERNAL), *X["qo"].x, *X["kv"].x)
                 _merge_into(acc, o_s, l_s, lead)
+                del o_s, l_s  # merged: a stage's out is as large as X, never held through the next
             elif op.kind == REDUCE:
                 (s,) = op.stages
                 key = (op.phase, s)
                 if op.hop in (0, 2) and key not in full:  # sub-stage s's partials in reduce s's layout, once
                     full[key] = [_gather_remote(t, sr.gather["qo"][s - 1], n, lead, d)
-                                 for t, d in zip(acc.x, (o0.dtype, l0.dtype))]
-                neutral = (torch.zeros_like(o0), torch.full_like(l0, float("-inf")))
+                                 for t, d in zip(acc.x, dtypes)]
+                h_o, h_l = (rows(t, lead, 0, n) for t in acc.x)
+                neutral = (torch.zeros(h_o.shape, dtype=dtypes[0], device=h_o.device),
+                           torch.full(h_l.shape, float("-inf"), dtype=dtypes[1], device=h_l.device))
                 hops.reduce(op, full.get(key), neutral, "lse", (0.0, float("-inf")),
                             [rows(t, lead, 0, n) for t in acc.x])
                 _drop_after_last_use(full, uses, key, op)
@@ -406,7 +412,7 @@ def relay_stages_forward(plan, group, ranks, batched: bool, sr: StageRelayRoutes
                 o, lse = (rows(t, lead, 0, n) for t in acc.x)
             else:
                 raise AssertionError(f"relay sub-stages cannot run forward op {op}")
-    return o.to(o0.dtype).contiguous(), lse.contiguous(), X["qo"].x + X["kv"].x
+    return o.to(dtypes[0]).contiguous(), lse.contiguous(), X["qo"].x + X["kv"].x
 
 
 def relay_stages_backward(plan, group, ranks, batched: bool, sr: StageRelayRoutes, ql, kl, vl, o, lse, kept_q,
@@ -421,19 +427,14 @@ def relay_stages_backward(plan, group, ranks, batched: bool, sr: StageRelayRoute
     Xkv = Operands([kl, vl], cap_k, lead, zero=True) if kept_kv is None else None
     xq = [kept_q] if kept_q is not None else Xq.x
     xk, xv = kept_kv if kept_kv is not None else Xkv.x
-    grads_q = Operands([torch.zeros(ql.shape, dtype=torch.float32, device=ql.device)], cap_q, lead, zero=True)
-    grads_kv = Operands([torch.zeros(kl.shape, dtype=torch.float32, device=kl.device),
-                         torch.zeros(vl.shape, dtype=torch.float32, device=vl.device)], cap_k, lead, zero=True)
+    # fp32 sums over X's rows; each stage's kernel adds its share into them itself (``_flex_backward_into``)
+    grads_q = Operands.zeros([ql], cap_q, lead, torch.float32)
+    grads_kv = Operands.zeros([kl, vl], cap_k, lead, torch.float32)
     ops = backward_ops(S + 1, kept_kv is not None, relay=True, egress=sr.egress)
     hops = _StageHops(sr, group, batched, deterministic, ql, ops)
     uses = hops.partial_uses(ops)
     delta = Xg = None
     full = {}
-
-    def run(s):
-        def fn(r, *t):
-            return flex_attn_backward(*t, *_slices(plan, r, s), scale, **_INTERNAL)
-        return fn
 
     for op in ops:
         with nvtx_range(op_range(op, sub_stages=True)):
@@ -456,15 +457,13 @@ def relay_stages_backward(plan, group, ranks, batched: bool, sr: StageRelayRoute
                     else Xkv.remote()
                 hops.wait_cast(op, into)
             elif op.kind == ATTN and op.stages == (0,):  # local rows only: its grads never travel
-                parts = per_rank(ranks, batched, run(0), d_o, ql, kl, vl, lse, delta)
-                for acc_, part in zip(grads_q.x + grads_kv.x, parts):
-                    rows(acc_, lead, 0, n).add_(part)
-            elif op.kind == ATTN:
+                host = [rows(t, lead, 0, n) for t in grads_q.x + grads_kv.x]
+                _flex_backward_into(plan, scale, ranks, batched, 0, host, d_o, ql, kl, vl, lse, delta)
+            elif op.kind == ATTN:  # no stage gradient tensor: the kernel adds into the fp32 sums
                 (s,) = op.stages
                 g_do, g_lse, g_delta = Xg.x
-                parts = per_rank(ranks, batched, run(s), g_do, xq[0], xk, xv, g_lse, g_delta)
-                for acc_, part in zip(grads_q.x + grads_kv.x, parts):
-                    acc_.add_(part)
+                _flex_backward_into(plan, scale, ranks, batched, s, grads_q.x + grads_kv.x,
+                                    g_do, xq[0], xk, xv, g_lse, g_delta)
             elif op.kind == REDUCE:
                 (s,) = op.stages
                 kind = op.route
