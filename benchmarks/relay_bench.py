@@ -602,7 +602,8 @@ def main(argv=None) -> dict:
                 print(markdown_table(got, STEP_COLUMNS), flush=True)
         text = (f"# Relay transport with sub-stages: the training step ({topology.name}, SIMULATED)\n\n"
                 f"Packed causal and full documents, seed {args.seed}, {args.tokens} tokens per rank, GQA 64:8, "
-                "D = 128, bf16, mu = 1.10, nodes of 8. One assignment per cell: the relay-priced solve's "
+                f"D = 128, bf16, mu = {SolverConfig(cp_size=16, topology=topology).imbalance_tol:.2f} (the default "
+                "across nodes), nodes of 8. One assignment per cell: the relay-priced solve's "
                 "(`SolverConfig(topology=..., ib_relay=True)`), built with one remote stage (S = 1) and with S sub-stages, "
                 "direct (`ib_relay=False`) or relay transport. Every time is simulated by `gpusolver.sim` "
                 "(the runtime's own op lists, priced), not measured. comm: a2a, every collective an "
