@@ -31,7 +31,7 @@ AUTO_STAGES = 4
 # imbalance_tol="auto" (the default): mu for a group inside one node (or without a topology), and for a
 # slice-mask group that spans nodes. On the benchmark masks across nodes (h200_hgx, packed causal and
 # full documents, P = 16-64, seeds 0-1, S = 4 over p2p, benchmarks/results/relay_balance.md) mu = 1.05
-# gave 0.966x mu = 1.10's simulated step at the median (0.935-1.024, faster in 10 of 12 cells) at the
+# gave 0.969x mu = 1.10's simulated step at the median (0.937-1.011, faster in 11 of 12 cells) at the
 # same CPU solve time; with one remote stage and relay, 1.04-1.06 gave 0.978x at the median (seeds
 # 0-2, balance_sweep_seeds.md). Inside one node the plans stay those of mu = 1.10 (pinned digests).
 DEFAULT_IMBALANCE_TOL = 1.10
@@ -375,8 +375,8 @@ class SolverConfig:
         builder builds (``plan.build.relay_transport``), so the objective is what runs. Only where the
         group spans nodes (``link_weights`` is not None). ``ib_relay=None`` (default): relay with one
         remote stage (``num_stages=1``), direct with sub-stages (the default ``"auto"`` resolves to S = 4
-        for slice masks; relayed sub-stages are simulated at 0.94-1.03x direct's step there at the
-        default mu 1.05 across nodes, median 0.99x, for a median 0.96x USP's forward IB bytes instead
+        for slice masks; relayed sub-stages are simulated at 0.94-1.02x direct's step there at the
+        default mu 1.05 across nodes, median 1.00x, for a median 0.96x USP's forward IB bytes instead
         of 1.50x and about 1.4x the CPU solve, ``benchmarks/results/relay_balance.md``); ``ib_relay=True``:
         relay at every S;
         ``ib_relay=False``: direct. Sparse plans always travel direct (``SparseSolverConfig.relays``)."""

@@ -90,7 +90,7 @@ class StageRoutes:
                            cast s's rows start (``CommMeta.stage_base``).
     host_start[kind]:      S ``_HostStart`` (``TorchGroup``: this rank's start, from the host
                            copy of the splits), else S Nones.
-    recv_rows[kind]:       ``TorchGroup`` (``at_fill``): a ``_HostStart`` past the last cast, the rows
+    recv_rows[kind]:       ``TorchGroup``: a ``_HostStart`` past the last cast, the rows
                            this rank receives in all S casts (its buffer's fill); else None (the
                            buffer is the plan's capacity, ``receive_rows``).
     """
@@ -116,11 +116,9 @@ class _HostStart:
         return sum(row[self.rank] for part in self.parts[:self.stage - 1] for row in part.get())
 
 
-def stage_routes(plan: Plan, group, ranks: tuple[int, ...], batched: bool, kv_comm=None,
-                 at_fill: bool = True) -> StageRoutes:
+def stage_routes(plan: Plan, group, ranks: tuple[int, ...], batched: bool, kv_comm=None) -> StageRoutes:
     """kv_comm: the KV route's CommMeta when it is not ``plan.comm`` (a sparse plan's key blocks,
-    ``KVBlocks.staged``). at_fill: on ``TorchGroup``, receive buffers at this rank's fill
-    (``receive_rows``); False keeps the capacity (a sparse layer, whose kernels' row tables span it)."""
+    ``KVBlocks.staged``)."""
     comms = {"qo": plan.comm, "kv": plan.comm if kv_comm is None else kv_comm}
     S = plan.comm.num_stages
 
@@ -141,8 +139,7 @@ def stage_routes(plan: Plan, group, ranks: tuple[int, ...], batched: bool, kv_co
             host[key] = parts[b * S:(b + 1) * S]
         host_start = {kind: [_HostStart(host[kind, "cast"], s, ranks[0]) for s in range(1, S + 1)]
                       for kind in KINDS}
-        recv_rows = {kind: _HostStart(host[kind, "cast"], S + 1, ranks[0]) if at_fill else None
-                     for kind in KINDS}
+        recv_rows = {kind: _HostStart(host[kind, "cast"], S + 1, ranks[0]) for kind in KINDS}
     else:
         host = {key: [None] * S for key in index}
         host_start = {kind: [None] * S for kind in KINDS}
@@ -156,7 +153,7 @@ def stage_routes(plan: Plan, group, ranks: tuple[int, ...], batched: bool, kv_co
 
 def receive_rows(plan: Plan, sr: StageRoutes, kind: str) -> int:
     """Rows of ``kind``'s receive buffer here, the remote rows of its operands ``X`` and of every sum
-    over them: the plan's capacity on a static-shape group; on ``TorchGroup`` (slice plans) the rows
+    over them: the plan's capacity on a static-shape group; on ``TorchGroup`` the rows
     this rank receives in all S casts, read from the host copy of the splits that its first cast
     reads anyway (no other wait), at most the capacity (a plan past it is refused by the cast, as at
     the capacity). Every row a stage reads or a reduce gathers is one a cast brought, so the buffer

@@ -180,8 +180,7 @@ def sparse_routes(plan: SparsePlan, group) -> LayerRoutes:
             raise ValueError(f"the plan is for P = {plan.comm.cp_size} ranks but the group has {group.size}")
         return LayerRoutes(plan=plan, ranks=ranks, batched=batched, qo_index=None, kv_index=None, qo_split=None,
                            kv_split=None, qo_host=None, kv_host=None,
-                           stages=stage_routes(plan, group, ranks, batched, None if kb is None else kb.staged,
-                                               at_fill=False))
+                           stages=stage_routes(plan, group, ranks, batched, None if kb is None else kb.staged))
     routes = layer_routes(plan, group)
     if kb is None:
         return routes
@@ -216,9 +215,12 @@ def _sparse_kernels(plan: SparsePlan, stages, scale: float, backend: str, determ
     gradients summed with the selection's)."""
     block, wc = plan.spec.block_size, plan.window_calc if plan.spec.window_size else None
 
+    # a stage's row tables span X at the plan's capacity; X may hold fewer rows (on TorchGroup, the
+    # rank's fill: ``pipelined.receive_rows``), every row past them unused
     def attend(r, s, q_, k_, v_, s_):
         st = stages[r][s]
-        out = sparse_attn(q_, k_, v_, s_, block, scale, q_pos=st.q_pos, q_class=st.q_class,
+        T = q_.shape[0]
+        out = sparse_attn(q_, k_, v_, s_, block, scale, q_pos=st.q_pos[:T], q_class=st.q_class[:T],
                           kv_windows=st.kv_windows, window=st.window, backend=backend)
         if wc is not None:
             out = tuple(out) + tuple(flex_attn(q_, k_, v_, wc.q_ranges[r, s], wc.k_ranges[r, s],
@@ -227,8 +229,9 @@ def _sparse_kernels(plan: SparsePlan, stages, scale: float, backend: str, determ
 
     def attend_bwd(r, s, d_o, q_, k_, v_, lse, delta, s_, *win):
         st = stages[r][s]
-        dq, dk, dv = sparse_attn_backward(d_o, q_, k_, v_, lse, delta, s_, block, scale, q_pos=st.q_pos,
-                                          q_class=st.q_class, kv_windows=st.kv_windows, window=st.window,
+        T = q_.shape[0]
+        dq, dk, dv = sparse_attn_backward(d_o, q_, k_, v_, lse, delta, s_, block, scale, q_pos=st.q_pos[:T],
+                                          q_class=st.q_class[:T], kv_windows=st.kv_windows, window=st.window,
                                           backend=backend, deterministic=deterministic)
         if wc is not None:
             d_w, lse_w, delta_w = win

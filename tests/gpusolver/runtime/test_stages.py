@@ -21,6 +21,7 @@ from gpusolver.runtime import DynamicCPAttention, PlanCache, dist_attn, shard
 from gpusolver.runtime.pipelined import counter_phases, stage_phase
 from groupcomm import LocalGroup, TorchGroup
 from tests._dist import run_ranks
+from tests._operand_rows import record_operand_rows
 from tests._testing import assert_close
 from tests.gpusolver.runtime._cases import (ATOL, D, RTOL, doc_lengths, make_config, make_inputs, make_mask,
                                             reference, tight_plan)
@@ -370,25 +371,11 @@ def test_stages_gloo_reduce_buffers_hold_the_returned_rows():
 def _rank_operand_rows(rank, P, name, c, Hq, Hkv, S, seed, keep, kept_share):
     """On a gloo rank: the rows of every operand and sum the pipelined layer allocates (``Operands``),
     with its values and gradients."""
-    from gpusolver.runtime import operands
-
     mask = make_mask(name, P * c, seed)
     config = make_config(P, Hq, Hkv, True, 1, num_stages=S, keep_forward_buffers=keep)
     plan, _ = tight_plan(mask, config)
     kept_rows = None if kept_share is None else int(int(plan.comm.kv_recv_rows.max()) * kept_share)
-    seen = []
-    init, zeros = operands.Operands.__init__, operands.Operands.zeros.__func__
-
-    def recorded_init(self, local, cap, *a, **kw):
-        seen.append(cap)
-        init(self, local, cap, *a, **kw)
-
-    def recorded_zeros(cls, like, cap, *a, **kw):
-        seen.append(cap)
-        return zeros(cls, like, cap, *a, **kw)
-
-    operands.Operands.__init__ = recorded_init
-    operands.Operands.zeros = classmethod(recorded_zeros)
+    seen = record_operand_rows()
     group = TorchGroup(transport="p2p")
     q, k, v, d_out, d_lse = make_inputs(P * c, Hq, Hkv, seed)
     qs, ks, vs = (shard(x, group).clone().requires_grad_() for x in (q, k, v))
