@@ -26,8 +26,11 @@ sub-stage) with every cast and reduce as the hops of ``runtime.relayed``:
   (``_CommSide``), so the compute stream never waits for a hop it does not read.
 
 Host reads: none with ``LocalGroup``; with ``TorchGroup`` every hop's ``[P, P]`` split of every
-sub-stage, stacked and copied once without blocking (``host_splits``), and each shared buffer's
-start row on this rank summed from that copy (``pipelined._HostStart``).
+sub-stage and the layout's cast splits, stacked and copied once without blocking (``host_splits``),
+and each shared buffer's start row on this rank summed from that copy (``pipelined._HostStart``).
+There every buffer a cast lands in (each hop's, the egress rows) and X's receive rows, with the
+running out and the fp32 sums over them, hold the rows this rank receives (its fill), not the
+capacity (``StageRelayRoutes.rows``, ``hop_buffer_rows``), as ``pipelined.receive_rows`` does.
 """
 from __future__ import annotations
 
@@ -82,7 +85,24 @@ class StageRelayRoutes:
     routes: dict
     gather: dict
     caps: dict
+    recv_rows: dict = None  # kind -> this rank's rows of X's receive part (``TorchGroup``), else None
+    hop_rows: dict = None   # (kind, hop) -> this rank's rows of a cast hop's buffer (``TorchGroup``), else None
     sub_stages: bool = True  # ``dist_attn``: X-shaped operands, as ``pipelined``
+
+    def rows(self, kind: str) -> int:
+        """Rows of ``kind``'s receive part of X here (``pipelined.receive_rows``): the plan's capacity,
+        or on ``TorchGroup`` this rank's fill, at most the capacity."""
+        cap = self.caps[kind][0]
+        fill = self.recv_rows[kind] if self.recv_rows else None
+        return cap if fill is None else min(cap, fill.get())
+
+    def hop_buffer_rows(self, kind: str, hop: int) -> int:
+        """Rows of the buffer cast hop ``hop`` of ``kind`` lands in here (hop 3: its egress rows):
+        its capacity, or on ``TorchGroup`` the rows all S casts bring this rank, at most it."""
+        cap, rcap, ecap = self.caps[kind]
+        cap = {1: rcap, 3: ecap}.get(hop, cap)
+        fill = self.hop_rows.get((kind, hop)) if self.hop_rows else None
+        return cap if fill is None else min(cap, fill.get())
 
 
 def stage_relay_routes(plan, group, ranks: tuple[int, ...], batched: bool) -> StageRelayRoutes:
@@ -93,10 +113,17 @@ def stage_relay_routes(plan, group, ranks: tuple[int, ...], batched: bool) -> St
     hops = (0, 1, 2, 3) if egress else (0, 1, 2)
     keys = [(k, w) for k in KINDS for w in WHICH]
     splits = {(k, w): [[relay.stage(k, s, w).split(h) for h in hops] for s in range(1, S + 1)] for k, w in keys}
+    recv_rows = hop_rows = None
     if isinstance(group, TorchGroup):
-        parts = host_splits(torch.stack([m for key in keys for per in splits[key] for m in per])).parts()
+        # one non-blocking copy: every hop's splits, then the layout's cast splits (X's rows per kind)
+        layout = [comm.stage_split(k, "cast")[s] for k in KINDS for s in range(S)]
+        parts = host_splits(torch.stack([m for key in keys for per in splits[key] for m in per] + layout)).parts()
         H = len(hops)
         hosts = {key: [parts[(b * S + i) * H:(b * S + i + 1) * H] for i in range(S)] for b, key in enumerate(keys)}
+        base = len(keys) * S * H
+        recv_rows = {k: _HostStart(parts[base + j * S:base + (j + 1) * S], S + 1, ranks[0]) for j, k in enumerate(KINDS)}
+        hop_rows = {(k, h): _HostStart([hosts[k, "cast"][i][j] for i in range(S)], S + 1, ranks[0])
+                    for k in KINDS for j, h in enumerate(hops)}
     else:
         hosts = {key: [[None] * len(hops) for _ in range(S)] for key in keys}
 
@@ -128,7 +155,8 @@ def stage_relay_routes(plan, group, ranks: tuple[int, ...], batched: bool) -> St
         routes[k, w] = per
     for k in KINDS:
         gather[k] = list(stack(lambda r: comm.return_gather(k, r)).unbind(1 if batched else 0))
-    return StageRelayRoutes(num_stages=S, egress=egress, routes=routes, gather=gather, caps=caps)
+    return StageRelayRoutes(num_stages=S, egress=egress, routes=routes, gather=gather, caps=caps,
+                            recv_rows=recv_rows, hop_rows=hop_rows)
 
 
 _SIDE_STREAMS: dict = {}
@@ -201,7 +229,7 @@ class _StageHops:
         buffer per tensor; hop 3's is ``[local rows | egress rows]`` (hop 1 reads both)."""
         key = op.phase
         if key not in self.bufs:
-            cap, rcap, ecap = self.sr.caps[op.route]
+            rows_of = lambda hop: self.sr.hop_buffer_rows(op.route, hop)  # noqa: E731
 
             def empty(rows_):
                 out = []
@@ -211,9 +239,9 @@ class _StageHops:
                     out.append(t.new_zeros(shape))
                 return out
 
-            self.bufs[key] = {0: empty(cap), 2: empty(cap), 1: empty(rcap)}
+            self.bufs[key] = {0: empty(rows_of(0)), 2: empty(rows_of(2)), 1: empty(rows_of(1))}
             if self.sr.egress:
-                self.bufs[key][3] = Operands(list(tensors), ecap, self.lead, zero=True)
+                self.bufs[key][3] = Operands(list(tensors), rows_of(3), self.lead, zero=True)
         return self.bufs[key]
 
     def cast(self, op, tensors) -> None:
@@ -236,9 +264,7 @@ class _StageHops:
         hr = self.sr.routes[op.route, "cast"][s - 1]
         i = op.hop
         out = bufs[3].remote() if op.hop == 3 else bufs[op.hop]
-        cap, rcap, ecap = self.sr.caps[op.route]
-        hop_cap = {1: rcap, 3: ecap}.get(op.hop, cap)
-        self.works[op.name] = group_cast(list(tensors), hr.index[i], hr.split[i], hop_cap, self.group,
+        self.works[op.name] = group_cast(list(tensors), hr.index[i], hr.split[i], out[0].shape[self.lead], self.group,
                                          phase=_label(op), host_split=hr.host[i], async_op=True, flag_errors=False,
                                          out=list(out), recv_offset=hr.start[i], host_recv_offset=hr.host_start[i])
 
@@ -256,9 +282,11 @@ class _StageHops:
         if self.landed[key] < 2:
             return
         idx = self.sr.routes[op.route, "cast"][s - 1].assemble
+        idx = idx.narrow(self.lead, 0, into[0].shape[self.lead])  # X's rows (past them: -1, the fill's end)
         bufs = self.bufs[op.phase]
+        cap, rcap, _ = self.sr.caps[op.route]
         for x, d, f, r in zip(into, bufs[0], bufs[2], bufs[1]):
-            _assemble_into(x, (d, f, r), idx, self.lead)
+            _assemble_into(x, (d, f, r), idx, self.lead, sizes=(cap, cap, rcap))
         if s == self.sr.num_stages:  # every cast of the kind is in X now: its hop buffers go (the
             del self.bufs[op.phase]  # side stream's reads of them are behind this wait, see above)
 
@@ -361,7 +389,7 @@ def relay_stages_forward(plan, group, ranks, batched: bool, sr: StageRelayRoutes
     """Run ``forward_ops(S + 1, relay=True)``: (o, lse, [Xq, Xk, Xv]) group-major, as ``pipelined``."""
     lead = 1 if batched else 0
     S = sr.num_stages
-    cap_q, cap_k = sr.caps["qo"][0], sr.caps["kv"][0]
+    cap_q, cap_k = sr.rows("qo"), sr.rows("kv")
     n = ql.shape[lead]
     sent = {"qo": (ql,), "kv": (kl, vl)}
     X = {"qo": Operands([ql], cap_q, lead, zero=True), "kv": Operands([kl, vl], cap_k, lead, zero=True)}
@@ -421,7 +449,7 @@ def relay_stages_backward(plan, group, ranks, batched: bool, sr: StageRelayRoute
     the forward's Xq / [Xk, Xv], or None (cast again), as ``pipelined.backward_stages``."""
     lead = 1 if batched else 0
     S = sr.num_stages
-    cap_q, cap_k = sr.caps["qo"][0], sr.caps["kv"][0]
+    cap_q, cap_k = sr.rows("qo"), sr.rows("kv")
     n = ql.shape[lead]
     Xq = Operands([ql], cap_q, lead, zero=True) if kept_q is None else None
     Xkv = Operands([kl, vl], cap_k, lead, zero=True) if kept_kv is None else None

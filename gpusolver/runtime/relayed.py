@@ -118,14 +118,16 @@ def _take(x: torch.Tensor, idx: torch.Tensor, fill: float, batched: bool) -> tor
     return torch.where(keep, out, torch.full((), fill, dtype=x.dtype, device=x.device))
 
 
-def _assemble_into(x: torch.Tensor, parts, idx: torch.Tensor, lead: int) -> None:
+def _assemble_into(x: torch.Tensor, parts, idx: torch.Tensor, lead: int, sizes=None) -> None:
     """``x[.., i] = concat(parts)[.., idx[.., i]]`` where ``idx >= 0`` (the rows a cast's hops brought,
     ``RelayStage.assemble``), in place: one part at a time, so no concatenation of the hop buffers
-    is made, only one part's rows gathered at x's size and their merge with x."""
+    is made, only one part's rows gathered at x's size and their merge with x. sizes: each part's
+    rows in ``idx``'s coordinates (its capacity) where a part holds only its first rows (a buffer at
+    the rank's fill); default the parts' own rows."""
     keep_dims = [1] * (x.dim() - idx.dim())
     batch = torch.arange(x.shape[0], device=x.device)[:, None] if lead else None
     start = 0
-    for part in parts:
+    for part, span in zip(parts, sizes or [p.shape[lead] for p in parts]):
         n = part.shape[lead]
         mine = (idx >= start) & (idx < start + n)
         if n:
@@ -133,7 +135,7 @@ def _assemble_into(x: torch.Tensor, parts, idx: torch.Tensor, lead: int) -> None
             got = part[batch, src] if lead else part.index_select(0, src)
             x.copy_(torch.where(mine.view(*idx.shape, *keep_dims), got, x))
             del got
-        start += n
+        start += span
 
 
 def _cast(kr: KindRoutes, hop: int, group, tensors, phase: str):

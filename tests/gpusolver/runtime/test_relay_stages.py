@@ -20,6 +20,7 @@ from gpusolver.runtime.pipelined import stage_phase
 from gpusolver.sim import simulate
 from groupcomm import LocalGroup, TorchGroup
 from tests._dist import run_ranks
+from tests._operand_rows import record_operand_rows
 from tests._testing import assert_close
 from tests.gpusolver.runtime._cases import ATOL, RTOL, make_config, make_inputs, make_mask, reference
 from tests.gpusolver.runtime.test_relay import KEYS, _plans, _run, _topology, check_layer_on_meta
@@ -239,6 +240,7 @@ def _gloo_rank(rank, P, transport):
     c, Hq, Hkv, S = 16, 4, 2, 2
     _, plan, mask, _ = _stage_plans("docs-full", P, 2, S, c=c, Hq=Hq, Hkv=Hkv, seed=8)
     group = TorchGroup(transport=transport)
+    seen = record_operand_rows()  # X's receive rows, the running out and sums, the egress buffers
     q, k, v, d_out, d_lse = make_inputs(P * c, Hq, Hkv, seed=8)
     qs, ks, vs = (shard(x, group).clone().requires_grad_() for x in (q, k, v))
     out, lse = dist_attn(qs, ks, vs, plan, group)
@@ -249,8 +251,15 @@ def _gloo_rank(rank, P, transport):
     for ph, s, h in keys:
         pb = plan.pair_bytes(ph, stage=s, hop=h)
         want[ph, s, h] = (int(pb[rank].sum()), int(pb[:, rank].sum()))
+    # this rank's fills: X's receive rows per kind and each egress buffer's (hop 3), from the plan
+    relay = plan.relay
+    egress = {int(sum(relay.stage(kind, s, "cast").split(3)[:, rank].sum() for s in range(1, S + 1)))
+              for kind in ("qo", "kv")}
+    fills = {int(plan.comm.qo_recv_rows[rank]), int(plan.comm.kv_recv_rows[rank])} | egress
+    caps = (plan.comm.qo_recv_capacity, plan.comm.kv_recv_capacity)
     return {"got": dict(zip(KEYS, (out.detach(), lse.detach(), qs.grad, ks.grad, vs.grad))),
-            "counted": counted, "want": want, "ib": int(plan.pair_bytes("fwd", hop=1).sum())}
+            "counted": counted, "want": want, "ib": int(plan.pair_bytes("fwd", hop=1).sum()),
+            "rows": (set(seen), fills, caps)}
 
 
 def test_relay_stages_gloo_two_nodes_of_two():
@@ -263,6 +272,10 @@ def test_relay_stages_gloo_two_nodes_of_two():
         for key in KEYS:
             assert_close(f"rank {rank} {key}", ref[key][rows], res["got"][key], atol=ATOL, rtol=RTOL)
         assert res["counted"] == res["want"], f"rank {rank}"
+        # on TorchGroup every operand, sum and egress buffer holds this rank's fill, not a capacity
+        seen, fills, _ = res["rows"]
+        assert seen <= fills, f"rank {rank}: operand rows {sorted(seen)}, fills {sorted(fills)}"
+    assert any(max(r["rows"][0]) < min(r["rows"][2]) for r in results), "no rank below the capacity"
 
 
 def test_relay_stages_hold_one_sub_stage_of_partials(monkeypatch):
