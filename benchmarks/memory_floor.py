@@ -15,7 +15,10 @@ A second table prices the pipelined layer's operands over the received rows (``r
 X's receive rows of Q, K, V and the forward's running (out fp32, lse); in the backward Q, K, V again,
 dO, lse and delta, and the fp32 sums of dQ, dK, dV) at the plan's capacity, what a static-shape
 group allocates (``LocalGroup``, ``SymmMemGroup``), and at each rank's own fill, what ``TorchGroup``
-allocates (``pipelined.receive_rows``), the larger over the ranks.
+allocates (``pipelined.receive_rows``), the larger over the ranks. With ``--relay`` a third table
+does the same for the relay layer with sub-stages (``ib_relay=True``, the relay-priced solve):
+X's receive rows and running out, and every cast hop's buffer (direct, fan-out, relay, egress) of
+the forward, at their capacities and at each rank's fill (``relay_stages``).
 
     PYTHONPATH=. python benchmarks/memory_floor.py --P 16,32,64 --seeds 3 --plan-cache build/sim_plans \\
         --solve-topology --md benchmarks/results/memory_floor.md
@@ -92,6 +95,42 @@ def operand_row(plan, config: SolverConfig) -> dict:
             "op_fill_bwd_mb": fill[1] / MB, "op_saved_mb": (max(cap) - max(fill)) / MB}
 
 
+def relay_cast_bytes(plan, config: SolverConfig, at_fill: bool) -> int:
+    """The relay forward's cast-side bytes on the largest rank: X's receive rows of Q, K, V and the
+    running (out fp32, lse), and each cast hop's buffer of Q and of K, V (hop 3: the egress rows)."""
+    comm, relay = plan.comm, plan.relay
+    G, P, S = comm.head_groups, comm.cp_size, relay.num_stages
+    fwd, _ = operand_bytes(config, G, *((comm.qo_recv_rows.long(), comm.kv_recv_rows.long()) if at_fill else
+                                        (torch.full((P,), comm.buffers.qo_recv), torch.full((P,), comm.buffers.kv_recv))))
+    hq, hkv, D, b = config.num_heads_q // G, config.num_heads_kv // G, config.head_dim, config.dtype_bytes
+    row = {"qo": hq * D * b, "kv": 2 * hkv * D * b}
+    hops = (0, 1, 2, 3) if relay.egress else (0, 1, 2)
+    for kind in ("qo", "kv"):
+        first = relay.stage(kind, 1, "cast")
+        for h in hops:
+            if at_fill:
+                rows = sum(relay.stage(kind, s, "cast").split(h).sum(0) for s in range(1, S + 1))
+            else:
+                rows = torch.full((P,), {1: first.relay_capacity, 3: first.egress_capacity}.get(h, comm.buffers.recv(kind)))
+            fwd = fwd + rows.long() * row[kind]
+    return int(fwd.max())
+
+
+def relay_row(kind: str, P: int, seed: int, tokens: int, cache, topology) -> dict:
+    """The relay layer's forward cast-side bytes at capacity and at fill (relay-priced solve, the
+    default S)."""
+    from relay_bench import solved_assignment  # its cache names the relay-priced solves apart
+
+    config = SolverConfig(cp_size=P, topology=topology, ib_relay=True)
+    mask = make_mask(kind, P, seed, tokens)
+    areas = block_areas(mask, P, config.head_groups, impl="torch")
+    asg, _ = solved_assignment(kind, P, seed, tokens, cache, topology, relay_priced=True)
+    plan = build_plan(mask, areas, asg, config)
+    cap, fill = relay_cast_bytes(plan, config, False), relay_cast_bytes(plan, config, True)
+    return {"kind": kind, "P": P, "seed": seed, "relay_cap_mb": cap / MB, "relay_fill_mb": fill / MB,
+            "relay_saved_mb": (cap - fill) / MB}
+
+
 def run(kind: str, P: int, seed: int, tokens: int, cache, topology) -> dict:
     config = SolverConfig(cp_size=P, topology=topology)
     mask = make_mask(kind, P, seed, tokens)
@@ -112,6 +151,9 @@ OPERAND_COLUMNS = [("kind", "kind", "s"), ("P", "P", "d"), ("seed", "seed", "d")
                    ("fwd MB at fill (TorchGroup)", "op_fill_fwd_mb", ".1f"),
                    ("bwd MB at fill (TorchGroup)", "op_fill_bwd_mb", ".1f"),
                    ("larger pass saved MB", "op_saved_mb", ".1f")]
+RELAY_COLUMNS = [("kind", "kind", "s"), ("P", "P", "d"), ("seed", "seed", "d"),
+                 ("fwd cast side MB at capacity", "relay_cap_mb", ".1f"),
+                 ("at fill (TorchGroup)", "relay_fill_mb", ".1f"), ("saved MB", "relay_saved_mb", ".1f")]
 
 
 def main(argv=None) -> list[dict]:
@@ -123,6 +165,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--topology", default="h200_hgx", choices=sorted(PRESETS))
     ap.add_argument("--solve-topology", action="store_true", help="solve on the topology, as a cluster user does")
     ap.add_argument("--plan-cache", default=None)
+    ap.add_argument("--relay", action="store_true", help="add the relay layer's table (solves ib_relay=True plans)")
+    ap.add_argument("--relay-plan-cache", default=None, help="the relay solves' cache (relay_bench.py's)")
     ap.add_argument("--md", default=None)
     args = ap.parse_args(argv)
     if args.seeds < 1:
@@ -152,6 +196,15 @@ def main(argv=None) -> list[dict]:
             + "\n\nLarger pass saved on TorchGroup: "
             f"{min(r['op_saved_mb'] for r in rows):.0f}-{max(r['op_saved_mb'] for r in rows):.0f} MB per rank "
             f"(own q, k, v, out: {rows[0]['own_mb']:.0f} MB).\n")
+    if args.relay:
+        relay = [relay_row(kind, P, seed, args.tokens_per_rank, args.relay_plan_cache, PRESETS[args.topology])
+                 for kind in parse_list(args.kinds, str, PACKED_KINDS, "kind") for P in parse_list(args.P)
+                 for seed in range(args.seeds)]
+        text += ("\n## The relay layer's forward cast side (per rank, `ib_relay=True`)\n\n"
+                 "X's receive rows and running (out fp32, lse) and every cast hop's buffer (direct, fan-out, "
+                 "relay, egress) of Q and of K, V, at the capacities (static-shape groups) and at each rank's "
+                 "fill (`TorchGroup`, `relay_stages`), the largest rank. Host arithmetic on the plans' splits, "
+                 "not measured.\n\n" + markdown_table(relay, RELAY_COLUMNS) + "\n")
     print_and_write(text, args.md)
     return rows
 
