@@ -100,8 +100,10 @@ def relay_cast_bytes(plan, config: SolverConfig, at_fill: bool) -> int:
     running (out fp32, lse), and each cast hop's buffer of Q and of K, V (hop 3: the egress rows)."""
     comm, relay = plan.comm, plan.relay
     G, P, S = comm.head_groups, comm.cp_size, relay.num_stages
-    fwd, _ = operand_bytes(config, G, *((comm.qo_recv_rows.long(), comm.kv_recv_rows.long()) if at_fill else
-                                        (torch.full((P,), comm.buffers.qo_recv), torch.full((P,), comm.buffers.kv_recv))))
+    every = lambda rows: torch.full((P,), rows)  # noqa: E731  (each rank at a capacity)
+    recv = ((comm.qo_recv_rows.long(), comm.kv_recv_rows.long()) if at_fill
+            else (every(comm.buffers.qo_recv), every(comm.buffers.kv_recv)))
+    fwd, _ = operand_bytes(config, G, *recv)
     hq, hkv, D, b = config.num_heads_q // G, config.num_heads_kv // G, config.head_dim, config.dtype_bytes
     row = {"qo": hq * D * b, "kv": 2 * hkv * D * b}
     hops = (0, 1, 2, 3) if relay.egress else (0, 1, 2)
@@ -111,7 +113,7 @@ def relay_cast_bytes(plan, config: SolverConfig, at_fill: bool) -> int:
             if at_fill:
                 rows = sum(relay.stage(kind, s, "cast").split(h).sum(0) for s in range(1, S + 1))
             else:
-                rows = torch.full((P,), {1: first.relay_capacity, 3: first.egress_capacity}.get(h, comm.buffers.recv(kind)))
+                rows = every({1: first.relay_capacity, 3: first.egress_capacity}.get(h, comm.buffers.recv(kind)))
             fwd = fwd + rows.long() * row[kind]
     return int(fwd.max())
 

@@ -121,7 +121,8 @@ def stage_relay_routes(plan, group, ranks: tuple[int, ...], batched: bool) -> St
         H = len(hops)
         hosts = {key: [parts[(b * S + i) * H:(b * S + i + 1) * H] for i in range(S)] for b, key in enumerate(keys)}
         base = len(keys) * S * H
-        recv_rows = {k: _HostStart(parts[base + j * S:base + (j + 1) * S], S + 1, ranks[0]) for j, k in enumerate(KINDS)}
+        recv_rows = {k: _HostStart(parts[base + j * S:base + (j + 1) * S], S + 1, ranks[0])
+                     for j, k in enumerate(KINDS)}
         hop_rows = {(k, h): _HostStart([hosts[k, "cast"][i][j] for i in range(S)], S + 1, ranks[0])
                     for k in KINDS for j, h in enumerate(hops)}
     else:
