@@ -30,7 +30,9 @@ sub-stage and the layout's cast splits, stacked and copied once without blocking
 and each shared buffer's start row on this rank summed from that copy (``pipelined._HostStart``).
 There every buffer a cast lands in (each hop's, the egress rows) and X's receive rows, with the
 running out and the fp32 sums over them, hold the rows this rank receives (its fill), not the
-capacity (``StageRelayRoutes.rows``, ``hop_buffer_rows``), as ``pipelined.receive_rows`` does.
+capacity (``StageRelayRoutes.rows``, ``hop_buffer_rows``), as ``pipelined.receive_rows`` does; and
+each reduce's gathered partials, and each reduce hop's, the rows this rank returns in it
+(``StageRelayRoutes.gather``, ``_StageHops._received``).
 """
 from __future__ import annotations
 
@@ -76,17 +78,19 @@ class HopRoutes:
 
 @dataclass(frozen=True)
 class StageRelayRoutes:
-    """Every sub-stage's hops: ``routes[(kind, which)][s - 1]`` a ``HopRoutes``; ``gather[kind][s - 1]``
-    the rows of X's receive part that make reduce s's buffer; ``caps[kind]`` = (receive, relay,
+    """Every sub-stage's hops: ``routes[(kind, which)][s - 1]`` a ``HopRoutes``; ``gather_rows[kind][s - 1]``
+    the rows of X's receive part that make reduce s's buffer (all; ``gather(kind, s)``: what this rank
+    returns); ``caps[kind]`` = (receive, relay,
     egress) rows."""
 
     num_stages: int
     egress: bool
     routes: dict
-    gather: dict
+    gather_rows: dict
     caps: dict
     recv_rows: dict = None  # kind -> this rank's rows of X's receive part (``TorchGroup``), else None
     hop_rows: dict = None   # (kind, hop) -> this rank's rows of a cast hop's buffer (``TorchGroup``), else None
+    back_rows: dict = None  # kind -> S: the rows this rank returns in each reduce (``TorchGroup``), else None
     sub_stages: bool = True  # ``dist_attn``: X-shaped operands, as ``pipelined``
 
     def rows(self, kind: str) -> int:
@@ -104,6 +108,14 @@ class StageRelayRoutes:
         fill = self.hop_rows.get((kind, hop)) if self.hop_rows else None
         return cap if fill is None else min(cap, fill.get())
 
+    def gather(self, kind: str, stage: int) -> torch.Tensor:
+        """The rows of X's receive part that make reduce ``stage``'s buffer (``CommMeta.return_gather``):
+        on ``TorchGroup`` only those this rank returns in it (the first), else all, -1 past the fill."""
+        g = self.gather_rows[kind][stage - 1]
+        if not self.back_rows:
+            return g
+        return g.narrow(0, 0, min(self.back_rows[kind][stage - 1].get(), g.shape[0]))
+
 
 def stage_relay_routes(plan, group, ranks: tuple[int, ...], batched: bool) -> StageRelayRoutes:
     """The hops of every sub-stage of ``plan`` for the ranks run here (sync-free; on ``TorchGroup``
@@ -113,16 +125,18 @@ def stage_relay_routes(plan, group, ranks: tuple[int, ...], batched: bool) -> St
     hops = (0, 1, 2, 3) if egress else (0, 1, 2)
     keys = [(k, w) for k in KINDS for w in WHICH]
     splits = {(k, w): [[relay.stage(k, s, w).split(h) for h in hops] for s in range(1, S + 1)] for k, w in keys}
-    recv_rows = hop_rows = None
+    recv_rows = hop_rows = back_rows = None
     if isinstance(group, TorchGroup):
-        # one non-blocking copy: every hop's splits, then the layout's cast splits (X's rows per kind)
-        layout = [comm.stage_split(k, "cast")[s] for k in KINDS for s in range(S)]
+        # one non-blocking copy: every hop's splits, then the layout's cast and return splits (the rows
+        # of X's receive part per kind, and of each reduce's buffer)
+        layout = [comm.stage_split(k, w)[s] for k in KINDS for w in WHICH for s in range(S)]
         parts = host_splits(torch.stack([m for key in keys for per in splits[key] for m in per] + layout)).parts()
         H = len(hops)
         hosts = {key: [parts[(b * S + i) * H:(b * S + i + 1) * H] for i in range(S)] for b, key in enumerate(keys)}
         base = len(keys) * S * H
-        recv_rows = {k: _HostStart(parts[base + j * S:base + (j + 1) * S], S + 1, ranks[0])
-                     for j, k in enumerate(KINDS)}
+        lay = {key: parts[base + b * S:base + (b + 1) * S] for b, key in enumerate(keys)}
+        recv_rows = {k: _HostStart(lay[k, "cast"], S + 1, ranks[0]) for k in KINDS}
+        back_rows = {k: [_HostStart(lay[k, "return"][s - 1:s], 2, ranks[0]) for s in range(1, S + 1)] for k in KINDS}
         hop_rows = {(k, h): _HostStart([hosts[k, "cast"][i][j] for i in range(S)], S + 1, ranks[0])
                     for k in KINDS for j, h in enumerate(hops)}
     else:
@@ -156,8 +170,8 @@ def stage_relay_routes(plan, group, ranks: tuple[int, ...], batched: bool) -> St
         routes[k, w] = per
     for k in KINDS:
         gather[k] = list(stack(lambda r: comm.return_gather(k, r)).unbind(1 if batched else 0))
-    return StageRelayRoutes(num_stages=S, egress=egress, routes=routes, gather=gather, caps=caps,
-                            recv_rows=recv_rows, hop_rows=hop_rows)
+    return StageRelayRoutes(num_stages=S, egress=egress, routes=routes, gather_rows=gather, caps=caps,
+                            recv_rows=recv_rows, hop_rows=hop_rows, back_rows=back_rows)
 
 
 _SIDE_STREAMS: dict = {}
@@ -317,16 +331,22 @@ class _StageHops:
     def _reduce(self, op, full, neutral, red: str, fills, host) -> None:
         (s,) = op.stages
         hr = self.sr.routes[op.route, "return"][s - 1]
-        _, _, ecap = self.sr.caps[op.route]
-        take = lambda which: [_take(p, hr.back[which], f, self.batched) for p, f in zip(full, fills)]  # noqa: E731
+        cap, rcap, ecap = self.sr.caps[op.route]
+
+        def take(which: int, hop: int):  # rows of the hop's buffer layout; on TorchGroup those it returns
+            back, got = hr.back[which], self._received(hr, hop)
+            if got is not None:
+                back = back.narrow(-1, 0, min(got, back.shape[-1]))
+            return [_take(p, back, f, self.batched) for p, f in zip(full, fills)]
+
         key = (op.phase, s)
         inplace = self.home_in_place(op)
         if inplace:
             self.in_place.add(op.name)
-        if op.hop == 2:  # onto the relay's own partial of each relayed row, sources ascending
-            partials, acc = take(1), take(2)
+        if op.hop == 2:  # onto the relay's own partial of each relayed row (those it fanned out), sources ascending
+            partials, acc = take(1, 2), take(2, 1)
         elif op.hop == 0:
-            partials, acc = take(0), (list(host) if inplace else [t.clone() for t in neutral])
+            partials, acc = take(0, 0), (list(host) if inplace else [t.clone() for t in neutral])
         elif op.hop == 1:  # the relays' merged rows onto the host's rows or identity rows (an egress's slots too)
             partials, acc = self.merged.pop(key), (list(host) if inplace else [t.clone() for t in neutral])
             if self.sr.egress:
@@ -334,14 +354,26 @@ class _StageHops:
         else:  # hop 3: an egress's merged slots home, onto the host's rows from its own NIC
             res = self.at_egress.pop(key)
             n = res[0].shape[self.lead] - ecap
+            got = self._received(hr, 3)
             acc = [x.narrow(self.lead, 0, n) for x in res]
-            partials = [x.narrow(self.lead, n, ecap).contiguous() for x in res]
+            partials = [x.narrow(self.lead, n, ecap if got is None else min(got, ecap)).contiguous() for x in res]
         i = op.hop
         if op.name in self.merged_on_side:  # its accumulator is merged into on the side stream
             self.side.keep(*acc)
+        # on TorchGroup the partials hold the rows this rank returns, below the hop's capacity
+        hop_cap = {1: rcap, 3: ecap}.get(i, cap)
+        extra = {} if partials[0].shape[self.lead] == hop_cap else {"recv_capacity": hop_cap}
         self.works[op.name] = group_reduce(list(partials), hr.index[i], hr.split[i], list(acc), self.group, op=red,
                                            phase=_label(op), host_split=hr.host[i], deterministic=self.det,
-                                           async_op=True, flag_errors=False, inplace=inplace)
+                                           async_op=True, flag_errors=False, inplace=inplace, **extra)
+
+    def _received(self, hr: HopRoutes, hop: int) -> int | None:
+        """The rows this rank received in cast hop ``hop`` of route ``hr``, what the reduce reversing it
+        returns, from the host copy of the splits (``TorchGroup``); None elsewhere (whole buffers)."""
+        host = hr.host[hop]
+        if host is None:
+            return None
+        return sum(row[self.group.rank] for row in host.get())
 
     def wait_reduce(self, op):
         """Wait for one hop of a reduce: its result when the hop ends at the host (hop 0, or the last
@@ -428,7 +460,7 @@ def relay_stages_forward(plan, group, ranks, batched: bool, sr: StageRelayRoutes
                 (s,) = op.stages
                 key = (op.phase, s)
                 if op.hop in (0, 2) and key not in full:  # sub-stage s's partials in reduce s's layout, once
-                    full[key] = [_gather_remote(t, sr.gather["qo"][s - 1], n, lead, d)
+                    full[key] = [_gather_remote(t, sr.gather("qo", s), n, lead, d)
                                  for t, d in zip(acc.x, dtypes)]
                 h_o, h_l = (rows(t, lead, 0, n) for t in acc.x)
                 neutral = (torch.zeros(h_o.shape, dtype=dtypes[0], device=h_o.device),
@@ -499,7 +531,7 @@ def relay_stages_backward(plan, group, ranks, batched: bool, sr: StageRelayRoute
                 local = (ql,) if kind == "qo" else (kl, vl)
                 pick = grads_q.x if kind == "qo" else grads_kv.x
                 if op.hop in (0, 2) and (op.phase, s) not in full:  # the hops that read them (see _drop_after_last_use)
-                    full[op.phase, s] = [_gather_remote(t, sr.gather[kind][s - 1], n, lead, x.dtype)
+                    full[op.phase, s] = [_gather_remote(t, sr.gather(kind, s), n, lead, x.dtype)
                                          for t, x in zip(pick, local)]
                 host = [rows(t, lead, 0, n) for t in pick]
                 hops.reduce(op, full.get((op.phase, s)), [torch.zeros_like(x) for x in local], "sum", (0.0,) * len(local),

@@ -108,7 +108,11 @@ def relay_routes(plan, group, ranks: tuple[int, ...], batched: bool) -> RelayRou
 
 
 def _take(x: torch.Tensor, idx: torch.Tensor, fill: float, batched: bool) -> torch.Tensor:
-    """Rows ``idx`` of ``x`` (``[.., N, *f]``), ``fill`` where ``idx`` is -1."""
+    """Rows ``idx`` of ``x`` (``[.., N, *f]``), ``fill`` where ``idx`` is -1 (all of them when x has no
+    rows: a rank that returns nothing in a reduce, on ``TorchGroup``, gathers none)."""
+    lead = 1 if batched else 0
+    if x.shape[lead] == 0:
+        return torch.full((*idx.shape, *x.shape[lead + 1:]), fill, dtype=x.dtype, device=x.device)
     safe = idx.clamp(min=0)
     if batched:
         out = x[torch.arange(x.shape[0], device=x.device)[:, None], safe]

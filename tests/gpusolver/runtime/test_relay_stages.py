@@ -239,8 +239,17 @@ def test_relay_stages_layer_on_meta():
 def _gloo_rank(rank, P, transport):
     c, Hq, Hkv, S = 16, 4, 2, 2
     _, plan, mask, _ = _stage_plans("docs-full", P, 2, S, c=c, Hq=Hq, Hkv=Hkv, seed=8)
+    import gpusolver.runtime.relay_stages as relay_stages
+
     group = TorchGroup(transport=transport)
     seen = record_operand_rows()  # X's receive rows, the running out and sums, the egress buffers
+    gathered, gather = [], relay_stages._gather_remote  # the rows of each reduce's buffer
+
+    def recorded(x, idx, n, lead, dtype):
+        gathered.append(idx.shape[0])
+        return gather(x, idx, n, lead, dtype)
+
+    relay_stages._gather_remote = recorded
     q, k, v, d_out, d_lse = make_inputs(P * c, Hq, Hkv, seed=8)
     qs, ks, vs = (shard(x, group).clone().requires_grad_() for x in (q, k, v))
     out, lse = dist_attn(qs, ks, vs, plan, group)
@@ -257,9 +266,11 @@ def _gloo_rank(rank, P, transport):
               for kind in ("qo", "kv")}
     fills = {int(plan.comm.qo_recv_rows[rank]), int(plan.comm.kv_recv_rows[rank])} | egress
     caps = (plan.comm.qo_recv_capacity, plan.comm.kv_recv_capacity)
+    back = {kind: [int(x) for x in plan.comm.stage_split(kind, "return")[:, :, rank].sum(1)] for kind in ("qo", "kv")}
+    returned = sorted([n for n in back["qo"] for _ in range(3)] + [n for n in back["kv"] for _ in range(2)])
     return {"got": dict(zip(KEYS, (out.detach(), lse.detach(), qs.grad, ks.grad, vs.grad))),
             "counted": counted, "want": want, "ib": int(plan.pair_bytes("fwd", hop=1).sum()),
-            "rows": (set(seen), fills, caps)}
+            "rows": (set(seen), fills, caps), "gathered": (sorted(gathered), returned)}
 
 
 def test_relay_stages_gloo_two_nodes_of_two():
@@ -275,6 +286,8 @@ def test_relay_stages_gloo_two_nodes_of_two():
         # on TorchGroup every operand, sum and egress buffer holds this rank's fill, not a capacity
         seen, fills, _ = res["rows"]
         assert seen <= fills, f"rank {rank}: operand rows {sorted(seen)}, fills {sorted(fills)}"
+        # and each reduce's partials (forward O and lse, backward dQ, dK and dV) the rows it returns
+        assert res["gathered"][0] == res["gathered"][1], f"rank {rank}: gathered {res['gathered']}"
     assert any(max(r["rows"][0]) < min(r["rows"][2]) for r in results), "no rank below the capacity"
 
 
