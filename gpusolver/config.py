@@ -26,7 +26,7 @@ AUTO_TILE_PIECES = 4
 # simulated training step over the benchmark masks at every P measured (h200_hgx; P = 16-64: 0.75x
 # the two-stage all-to-all-v step over point-to-point, 0.90x over all-to-all-v,
 # benchmarks/results/stages_bench.md; P = 2-8: 0.97x, stages_bench_small.md). Sparse selections
-# keep one remote stage: there S = 2-4 gave 0.90-1.08x of S = 1 (sparse_stages*.md).
+# keep one remote stage: there S = 2-4 gave 0.90-1.07x of S = 1 over p2p (sparse_stages*.md).
 AUTO_STAGES = 4
 # imbalance_tol="auto" (the default): mu for a group inside one node (or without a topology), and for a
 # slice-mask group that spans nodes. On the benchmark masks across nodes (h200_hgx, packed causal and
