@@ -105,6 +105,18 @@ class StageRoutes:
     recv_rows: dict
 
 
+def received_rows(host, rank: int) -> int:
+    """The rows ``rank`` receives in a routing, from the host copy of its split (``host_splits``'
+    part): the sum of the rank's column."""
+    return sum(row[rank] for row in host.get())
+
+
+def at_fill(cap: int, fill) -> int:
+    """A buffer's rows: ``cap`` where ``fill`` is None (a static-shape group), else the rows
+    ``fill.get()`` counts from the host copy of the splits, at most ``cap``."""
+    return cap if fill is None else min(cap, fill.get())
+
+
 class _HostStart:
     """This rank's first row of cast ``stage`` in its shared buffer: the rows casts 1..stage-1
     bring it, summed from the host copy of their splits when the exchange starts."""
@@ -113,7 +125,7 @@ class _HostStart:
         self.parts, self.stage, self.rank = parts, stage, rank
 
     def get(self) -> int:
-        return sum(row[self.rank] for part in self.parts[:self.stage - 1] for row in part.get())
+        return sum(received_rows(part, self.rank) for part in self.parts[:self.stage - 1])
 
 
 def stage_routes(plan: Plan, group, ranks: tuple[int, ...], batched: bool, kv_comm=None) -> StageRoutes:
@@ -158,9 +170,7 @@ def receive_rows(plan: Plan, sr: StageRoutes, kind: str) -> int:
     reads anyway (no other wait), at most the capacity (a plan past it is refused by the cast, as at
     the capacity). Every row a stage reads or a reduce gathers is one a cast brought, so the buffer
     holds what this layer moves here, not what the worst plan could."""
-    cap = plan.comm.buffers.recv(kind)
-    fill = sr.recv_rows[kind]
-    return cap if fill is None else min(cap, fill.get())
+    return at_fill(plan.comm.buffers.recv(kind), sr.recv_rows[kind])
 
 
 def op_range(op: Op, sub_stages: bool = False) -> str:
@@ -263,9 +273,7 @@ def _returned_rows(sr: StageRoutes, kind: str, stage: int, rank: int, batched: b
     from the host copy of the splits, where the group sizes its moves from it (``TorchGroup``);
     else None (a static-shape group returns whole buffers)."""
     host = None if batched else sr.host[kind, "return"][stage - 1]
-    if host is None:
-        return None
-    return sum(row[rank] for row in host.get())
+    return None if host is None else received_rows(host, rank)
 
 
 def _reduce_partials(x_parts, sr: StageRoutes, kind: str, stage: int, n: int, lead: int, dtypes, rank: int,

@@ -49,7 +49,8 @@ from gpusolver.plan.schedule import (ATTN, CAST, COMM, DELTA, MERGE, REDUCE, WAI
 from gpusolver.runtime.operands import Operands, rows
 from gpusolver.runtime.per_rank import per_rank
 from gpusolver.runtime.pipelined import (KINDS, WHICH, _flex_backward_into, _gather_remote, _HostStart, _merge_into,
-                                         _slices, merge_gradients, merge_rows_into, op_range, stage_phase)
+                                         _slices, at_fill, merge_gradients, merge_rows_into, op_range,
+                                         received_rows, stage_phase)
 from gpusolver.runtime.relayed import _assemble_into, _identity, _take
 from groupcomm import TorchGroup, group_cast, group_reduce, host_splits
 
@@ -96,17 +97,13 @@ class StageRelayRoutes:
     def rows(self, kind: str) -> int:
         """Rows of ``kind``'s receive part of X here (``pipelined.receive_rows``): the plan's capacity,
         or on ``TorchGroup`` this rank's fill, at most the capacity."""
-        cap = self.caps[kind][0]
-        fill = self.recv_rows[kind] if self.recv_rows else None
-        return cap if fill is None else min(cap, fill.get())
+        return at_fill(self.caps[kind][0], self.recv_rows[kind] if self.recv_rows else None)
 
     def hop_buffer_rows(self, kind: str, hop: int) -> int:
         """Rows of the buffer cast hop ``hop`` of ``kind`` lands in here (hop 3: its egress rows):
         its capacity, or on ``TorchGroup`` the rows all S casts bring this rank, at most it."""
         cap, rcap, ecap = self.caps[kind]
-        cap = {1: rcap, 3: ecap}.get(hop, cap)
-        fill = self.hop_rows.get((kind, hop)) if self.hop_rows else None
-        return cap if fill is None else min(cap, fill.get())
+        return at_fill({1: rcap, 3: ecap}.get(hop, cap), self.hop_rows.get((kind, hop)) if self.hop_rows else None)
 
     def gather(self, kind: str, stage: int) -> torch.Tensor:
         """The rows of X's receive part that make reduce ``stage``'s buffer (``CommMeta.return_gather``):
@@ -371,9 +368,7 @@ class _StageHops:
         """The rows this rank received in cast hop ``hop`` of route ``hr``, what the reduce reversing it
         returns, from the host copy of the splits (``TorchGroup``); None elsewhere (whole buffers)."""
         host = hr.host[hop]
-        if host is None:
-            return None
-        return sum(row[self.group.rank] for row in host.get())
+        return None if host is None else received_rows(host, self.group.rank)
 
     def wait_reduce(self, op):
         """Wait for one hop of a reduce: its result when the hop ends at the host (hop 0, or the last
