@@ -1,5 +1,6 @@
 """The receive rows of every ``Operands`` a layer allocates: X's remote rows, the running out and
-the fp32 sums of the pipelined executor (``gpusolver.runtime.operands``).
+the fp32 sums of the pipelined executor (``gpusolver.runtime.operands``); and of every cast the
+one-remote-stage executor starts (``record_cast_rows``).
 
 ``record_operand_rows()`` patches the class for good and returns the list it appends to: call it
 in a forked rank (``tests._dist.run_ranks``), whose process ends with the rank.
@@ -23,4 +24,22 @@ def record_operand_rows() -> list[int]:
 
     operands.Operands.__init__ = recorded_init
     operands.Operands.zeros = classmethod(recorded_zeros)
+    return seen
+
+
+def record_cast_rows() -> list[int]:
+    """The receive rows (``recv_capacity``) of every cast ``dist_attn``'s one-remote-stage executor
+    starts (``runtime.dist_attn.issue``: its buffers, or new ones the group makes). Patched for good,
+    as ``record_operand_rows``."""
+    import importlib
+
+    dist_attn = importlib.import_module("gpusolver.runtime.dist_attn")  # the module, not the function
+    seen: list[int] = []
+    cast = dist_attn.group_cast
+
+    def recorded(tensors, send_index, split, recv_capacity, *args, **kwargs):
+        seen.append(recv_capacity)
+        return cast(tensors, send_index, split, recv_capacity, *args, **kwargs)
+
+    dist_attn.group_cast = recorded
     return seen

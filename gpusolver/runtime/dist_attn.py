@@ -2,7 +2,8 @@
 
 Shape legend: P ranks, c tokens per rank, G head groups, Hq / Hkv query / KV
 heads (hq = Hq / G, hkv = Hkv / G per group), D head dim, qcap / kcap = the
-plan's QO / KV receive capacities in group-major rows.
+QO / KV receive buffers' group-major rows: the plan's capacities on a static-shape
+group, this rank's fill on ``TorchGroup`` (``LayerRoutes.recv_rows``).
 
 Forward, per rank (docs/design/layers.md, "Data flow of one layer"):
 
@@ -54,7 +55,8 @@ from gpusolver.runtime.kept_rows import keep_prefix, tail_cast, whole_operands
 from gpusolver.runtime.layout import from_group_major, to_group_major
 from gpusolver.runtime.operands import Operands, rows
 from gpusolver.runtime.per_rank import per_rank
-from gpusolver.runtime.pipelined import StageRoutes, backward_stages, forward_stages, op_range, stage_routes
+from gpusolver.runtime.pipelined import (RankFill, StageRoutes, at_fill, backward_stages, forward_stages, op_range,
+                                         stage_routes)
 from gpusolver.runtime.relay_stages import (StageRelayRoutes, relay_stages_backward, relay_stages_forward,
                                             stage_relay_routes)
 from gpusolver.runtime.relayed import RelayRoutes, relay_backward, relay_forward, relay_routes
@@ -79,6 +81,8 @@ class LayerRoutes:
                   the fields above are then None), else None.
     relay:        the hops of a relay plan (``Plan.relay``; ``relayed.RelayRoutes``; the fields
                   above are then None), else None.
+    fill:         ``TorchGroup`` with one remote stage: route -> this rank's ``pipelined.RankFill``
+                  (the rows its cast brings, from the host copy of the split), else None.
     """
 
     plan: Plan
@@ -92,6 +96,7 @@ class LayerRoutes:
     kv_host: object
     stages: StageRoutes | None = None
     relay: RelayRoutes | StageRelayRoutes | None = None
+    fill: dict | None = None
 
     @property
     def groups(self) -> int:
@@ -110,6 +115,14 @@ class LayerRoutes:
     def kv_capacity(self) -> int:
         """Rows of the KV receive buffer."""
         return self.plan.comm.kv_recv_capacity
+
+    def recv_rows(self, route: str) -> int:
+        """Rows of ``route``'s receive buffer here, and of every operand and partial over it: the
+        plan's capacity on a static-shape group; on ``TorchGroup`` the rows this rank's cast
+        brings, read from the host copy of the split that the cast reads anyway (no other
+        wait). Every row a stage reads or a reduce returns is one the cast brought."""
+        cap = self.qo_capacity if route == "qo" else self.kv_capacity
+        return at_fill(cap, None if self.fill is None else self.fill[route])
 
 
 def layer_routes(plan: Plan, group) -> LayerRoutes:
@@ -138,13 +151,14 @@ def layer_routes(plan: Plan, group) -> LayerRoutes:
             return torch.stack([comm.send_index(kind, r) for r in ranks])
         return comm.send_index(kind, ranks[0])
 
-    qo_host = kv_host = None
+    qo_host = kv_host = fill = None
     if isinstance(group, TorchGroup):
         # the only host read of the layer: two [P, P] matrices, copied without blocking now
         # and awaited when the first collective starts (groupcomm.host_splits)
         qo_host, kv_host = host_splits(comm.qo_split), host_splits(comm.kv_split)
+        fill = {"qo": RankFill([qo_host], ranks[0]), "kv": RankFill([kv_host], ranks[0])}
     return LayerRoutes(plan=plan, ranks=ranks, batched=batched, qo_index=index("qo"), kv_index=index("kv"),
-                       qo_split=comm.qo_split, kv_split=comm.kv_split, qo_host=qo_host, kv_host=kv_host)
+                       qo_split=comm.qo_split, kv_split=comm.kv_split, qo_host=qo_host, kv_host=kv_host, fill=fill)
 
 
 def _stage_slices(plan: Plan, rank: int, stage: int):
@@ -168,13 +182,16 @@ def issue(op: Op, routes: LayerRoutes, group, tensors, acc=None, deterministic: 
     split = routes.qo_split if op.route == "qo" else routes.kv_split
     host = routes.qo_host if op.route == "qo" else routes.kv_host
     if op.kind == CAST:
-        cap = routes.qo_capacity if op.route == "qo" else routes.kv_capacity
+        cap = routes.recv_rows(op.route)
         return group_cast(list(tensors), index, split, cap, group, phase=op.phase, host_split=host,
                           async_op=True, flag_errors=False, out=None if acc is None else list(acc))
     consume = isinstance(tensors, list) and isinstance(acc, list)
+    # partials at this rank's fill (``LayerRoutes.recv_rows``) return into buffers laid out at the capacity
+    cap = routes.qo_capacity if op.route == "qo" else routes.kv_capacity
     return group_reduce(tensors if consume else list(tensors), index, split, acc if consume else list(acc), group,
                         op="lse" if op.phase == "fwd.o" else "sum", phase=op.phase, host_split=host,
-                        deterministic=deterministic, async_op=True, flag_errors=False, consume=consume)
+                        deterministic=deterministic, async_op=True, flag_errors=False, consume=consume,
+                        recv_capacity=cap)
 
 
 def issue_tail(op: Op, routes: LayerRoutes, group, tensors, first_row: int, out):
@@ -193,7 +210,7 @@ class _DistAttn(torch.autograd.Function):
     def forward(ctx, q, k, v, routes: LayerRoutes, group, scale: float, keep: tuple, kv_rows: int,
                 deterministic: bool):
         lead = 1 if routes.batched else 0
-        G, cap = routes.groups, routes.qo_capacity  # remote rows here are QO rows (partial O, lse)
+        G = routes.groups
         n = G * q.shape[lead]  # G * c local group-major rows
         if routes.stages is not None or routes.relay is not None:  # their own executors of the same op lists
             ctx.routes, ctx.group, ctx.scale, ctx.keep, ctx.deterministic = routes, group, scale, keep, deterministic
@@ -225,13 +242,15 @@ class _DistAttn(torch.autograd.Function):
                                   *((x_k, x_v) if "kv" in keep else ()))
             group.wait_sends()  # p2p sends may outlive their wait(): none past the pass
             return from_group_major(o, G, lead), from_group_major(lse, G, lead)
-        # a remote stage's rows are X = [local rows | receive buffer]
+        # a remote stage's rows are X = [local rows | receive buffer], the buffer at the plan's capacity
+        # or (TorchGroup) at this rank's fill (``LayerRoutes.recv_rows``); remote rows here are QO rows
+        cap, kcap = routes.recv_rows("qo"), routes.recv_rows("kv")
         local = lambda x: rows(x, lead, 0, n)  # noqa: E731
         remote = lambda x: rows(x, lead, n, cap)  # noqa: E731
         # the operands of stage 1, allocated once: each cast writes its rows into their slot (zero past
         # the fill, as a new buffer), so the local rows and buffers never exist a second time
         X = {"qo": Operands([q], cap, lead, zero=True, groups=G),
-             "kv": Operands([k, v], routes.kv_capacity, lead, zero=True, groups=G)}
+             "kv": Operands([k, v], kcap, lead, zero=True, groups=G)}
         # X holds the local rows, written group-major straight from q, k, v (no group-major copy):
         # ql, kl, vl are views of it, and a kind not kept saves a copy of its local rows at the end,
         # once the reduce's work is freed
@@ -274,8 +293,9 @@ class _DistAttn(torch.autograd.Function):
         # only what the backward reads: a kept kind's whole X (local rows and buffer), else its local rows
         if "kv" not in keep:
             kv_saved = (kl.clone(), vl.clone())
-        else:  # all of X, or its local rows and the first kv_rows of the buffer (the rest is cast again)
-            kv_saved = tuple(X["kv"].x) if kv_rows < 0 else keep_prefix(X["kv"].x, lead, n, kv_rows)
+        else:  # all of X, or its local rows and the first kv_rows of the buffer (the rest is cast again),
+            # of a buffer at this rank's fill at most its rows
+            kv_saved = tuple(X["kv"].x) if kv_rows < 0 else keep_prefix(X["kv"].x, lead, n, min(kv_rows, kcap))
         saved = (X["qo"].x[0] if "qo" in keep else ql.clone(),) + kv_saved
         del X, sent, ql, kl, vl
         ctx.save_for_backward(*saved, o, lse)
@@ -288,7 +308,7 @@ class _DistAttn(torch.autograd.Function):
     def backward(ctx, d_out, d_lse):
         routes, group, scale = ctx.routes, ctx.group, ctx.scale
         lead = 1 if routes.batched else 0
-        G, qcap, kcap = routes.groups, routes.qo_capacity, routes.kv_capacity
+        G = routes.groups
         # read once: non-reentrant checkpointing unpacks each saved tensor a single time
         saved = ctx.saved_tensors
         keep_q, keep_kv = "qo" in ctx.keep, "kv" in ctx.keep
@@ -313,6 +333,7 @@ class _DistAttn(torch.autograd.Function):
             return (from_group_major(dq, G, lead), from_group_major(dk, G, lead), from_group_major(dv, G, lead),
                     None, None, None, None, None, None)
         o, lse = saved[3:5]
+        qcap, kcap = routes.recv_rows("qo"), routes.recv_rows("kv")  # as the forward's buffers
         d_o = torch.zeros_like(o) if d_out is None else to_group_major(d_out, G, lead).contiguous()
         d_l = None if d_lse is None else to_group_major(d_lse, G, lead).contiguous()
         n = o.shape[lead]
@@ -321,9 +342,10 @@ class _DistAttn(torch.autograd.Function):
         # stage 1's operands X = [local rows | buffer]: the forward's X of a kept kind, else built here
         xq, xk, xv = saved[:3]
         part = keep_kv and ctx.kv_rows >= 0  # the first kv_rows of the KV buffer kept, the rest cast again
+        kept_here = min(ctx.kv_rows, kcap)  # of a buffer at this rank's fill, at most its rows
         Xq = None if keep_q else Operands([xq], qcap, lead, zero=True)
         if part:  # the local and kept rows copied into whole operands, the rest cast again below
-            Xkv = whole_operands((xk, xv), kcap, lead, n, ctx.kv_rows)
+            Xkv = whole_operands((xk, xv), kcap, lead, n, kept_here)
         else:
             Xkv = None if keep_kv else Operands([local(xk), local(xv)], kcap, lead, zero=True)
         if Xq is not None:
@@ -345,9 +367,9 @@ class _DistAttn(torch.autograd.Function):
                     if op.route == "qo":
                         sent = tuple(local(x) for x in Xg.x) + (() if keep_q else (ql,))
                         works[op.name] = issue(op, routes, group, sent, Xg.remote() + ([] if keep_q else Xq.remote()))
-                    elif part:  # the rows past the kept ones
+                    elif part:  # the rows past the kept ones (every rank keeps its first kv_rows)
                         works[op.name] = issue_tail(op, routes, group, (kl, vl), ctx.kv_rows,
-                                                    [rows(x, lead, n + ctx.kv_rows, kcap - ctx.kv_rows) for x in Xkv.x])
+                                                    [rows(x, lead, n + kept_here, kcap - kept_here) for x in Xkv.x])
                     else:
                         works[op.name] = issue(op, routes, group, (kl, vl), Xkv.remote())
                     sent = None  # views of Xg: they must not keep it past the stages

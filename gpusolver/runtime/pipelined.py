@@ -90,7 +90,7 @@ class StageRoutes:
                            cast s's rows start (``CommMeta.stage_base``).
     host_start[kind]:      S ``_HostStart`` (``TorchGroup``: this rank's start, from the host
                            copy of the splits), else S Nones.
-    recv_rows[kind]:       ``TorchGroup``: a ``_HostStart`` past the last cast, the rows
+    recv_rows[kind]:       ``TorchGroup``: a ``RankFill`` of the S casts, the rows
                            this rank receives in all S casts (its buffer's fill); else None (the
                            buffer is the plan's capacity, ``receive_rows``).
     """
@@ -115,6 +115,17 @@ def at_fill(cap: int, fill) -> int:
     """A buffer's rows: ``cap`` where ``fill`` is None (a static-shape group), else the rows
     ``fill.get()`` counts from the host copy of the splits, at most ``cap``."""
     return cap if fill is None else min(cap, fill.get())
+
+
+class RankFill:
+    """The rows ``rank`` receives in the casts whose host splits are ``parts`` (``host_splits``'
+    parts), summed when ``get()`` is first called: a ``TorchGroup`` buffer's fill (``at_fill``)."""
+
+    def __init__(self, parts: list, rank: int):
+        self.parts, self.rank = parts, rank
+
+    def get(self) -> int:
+        return sum(received_rows(part, self.rank) for part in self.parts)
 
 
 class _HostStart:
@@ -151,7 +162,7 @@ def stage_routes(plan: Plan, group, ranks: tuple[int, ...], batched: bool, kv_co
             host[key] = parts[b * S:(b + 1) * S]
         host_start = {kind: [_HostStart(host[kind, "cast"], s, ranks[0]) for s in range(1, S + 1)]
                       for kind in KINDS}
-        recv_rows = {kind: _HostStart(host[kind, "cast"], S + 1, ranks[0]) for kind in KINDS}
+        recv_rows = {kind: RankFill(host[kind, "cast"], ranks[0]) for kind in KINDS}
     else:
         host = {key: [None] * S for key in index}
         host_start = {kind: [None] * S for kind in KINDS}

@@ -48,8 +48,8 @@ from gpusolver.plan.schedule import (ATTN, CAST, COMM, DELTA, MERGE, REDUCE, WAI
                                      hop_phase)
 from gpusolver.runtime.operands import Operands, rows
 from gpusolver.runtime.per_rank import per_rank
-from gpusolver.runtime.pipelined import (KINDS, WHICH, _flex_backward_into, _gather_remote, _HostStart, _merge_into,
-                                         _slices, at_fill, merge_gradients, merge_rows_into, op_range,
+from gpusolver.runtime.pipelined import (KINDS, WHICH, RankFill, _flex_backward_into, _gather_remote, _HostStart,
+                                         _merge_into, _slices, at_fill, merge_gradients, merge_rows_into, op_range,
                                          received_rows, stage_phase)
 from gpusolver.runtime.relayed import _assemble_into, _identity, _take
 from groupcomm import TorchGroup, group_cast, group_reduce, host_splits
@@ -132,9 +132,9 @@ def stage_relay_routes(plan, group, ranks: tuple[int, ...], batched: bool) -> St
         hosts = {key: [parts[(b * S + i) * H:(b * S + i + 1) * H] for i in range(S)] for b, key in enumerate(keys)}
         base = len(keys) * S * H
         lay = {key: parts[base + b * S:base + (b + 1) * S] for b, key in enumerate(keys)}
-        recv_rows = {k: _HostStart(lay[k, "cast"], S + 1, ranks[0]) for k in KINDS}
-        back_rows = {k: [_HostStart(lay[k, "return"][s - 1:s], 2, ranks[0]) for s in range(1, S + 1)] for k in KINDS}
-        hop_rows = {(k, h): _HostStart([hosts[k, "cast"][i][j] for i in range(S)], S + 1, ranks[0])
+        recv_rows = {k: RankFill(lay[k, "cast"], ranks[0]) for k in KINDS}
+        back_rows = {k: [RankFill(lay[k, "return"][s - 1:s], ranks[0]) for s in range(1, S + 1)] for k in KINDS}
+        hop_rows = {(k, h): RankFill([hosts[k, "cast"][i][j] for i in range(S)], ranks[0])
                     for k in KINDS for j, h in enumerate(hops)}
     else:
         hosts = {key: [[None] * len(hops) for _ in range(S)] for key in keys}

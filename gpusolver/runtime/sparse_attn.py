@@ -56,7 +56,7 @@ from gpusolver.support import check_tensors, softmax_scale_of
 from gpusolver.runtime.dist_attn import LayerRoutes, issue, layer_routes
 from gpusolver.runtime.layout import from_group_major, to_group_major
 from gpusolver.runtime.per_rank import per_rank
-from gpusolver.runtime.pipelined import backward_stages, forward_stages, op_range, stage_routes
+from gpusolver.runtime.pipelined import RankFill, backward_stages, forward_stages, op_range, stage_routes
 from groupcomm import TorchGroup, as_group, host_splits, retain
 
 SPARSE_MASKS = (BlockSparseMask, TokenTopKMask, NSALayerMask)
@@ -189,8 +189,11 @@ def sparse_routes(plan: SparsePlan, group) -> LayerRoutes:
         index = torch.stack([kb.send_index(r, c, cap) for r in routes.ranks])
     else:
         index = kb.send_index(routes.ranks[0], c, cap)
-    kv_host = host_splits(kb.kv_split) if isinstance(group, TorchGroup) else None
-    return replace(routes, kv_index=index, kv_split=kb.kv_split, kv_host=kv_host)
+    kv_host, fill = None, None
+    if isinstance(group, TorchGroup):
+        kv_host = host_splits(kb.kv_split)
+        fill = {"qo": routes.fill["qo"], "kv": RankFill([kv_host], routes.ranks[0])}
+    return replace(routes, kv_index=index, kv_split=kb.kv_split, kv_host=kv_host, fill=fill)
 
 
 def _per_rank(routes: LayerRoutes, fn, *tensors):
@@ -302,28 +305,21 @@ class _SparseDistAttn(torch.autograd.Function):
         plan: SparsePlan = routes.plan
         spec = plan.spec
         lead = 1 if routes.batched else 0
-        G, cap = routes.groups, routes.qo_capacity  # remote rows here are QO rows (partial O, lse)
+        G = routes.groups
         ql, kl, vl = (to_group_major(x, G, lead).contiguous() for x in (q, k, v))
         sl = _selection_rows(sel, G, lead)
         if routes.stages is not None:
             return _forward_sub_stages(ctx, ql, kl, vl, sl, routes, stages, group, scale, keep, deterministic,
                                        backend)
+        attend, _ = _sparse_kernels(plan, stages, scale, backend, deterministic)
+        cap = routes.recv_rows("qo")  # remote rows here are QO rows (partial O, lse), as the cast brings them
         n = ql.shape[lead]
         local = lambda x: x.narrow(lead, 0, n)  # noqa: E731
         remote = lambda x: x.narrow(lead, n, cap).contiguous()  # noqa: E731
         cat = lambda a, b: torch.cat((a, b), dim=lead)  # noqa: E731
 
         def stage(s):
-            def run(r, q_, k_, v_, s_):
-                st = stages[r][s]
-                out = sparse_attn(q_, k_, v_, s_, spec.block_size, scale, q_pos=st.q_pos, q_class=st.q_class,
-                                  kv_windows=st.kv_windows, window=st.window, backend=backend)
-                if spec.window_size:
-                    wc = plan.window_calc
-                    out = out + flex_attn(q_, k_, v_, wc.q_ranges[r, s], wc.k_ranges[r, s], wc.attn_type[r, s],
-                                          scale, **_INTERNAL)
-                return out
-            return run
+            return lambda r, q_, k_, v_, s_: attend(r, s, q_, k_, v_, s_)
 
         nb = 2 if spec.window_size else 1  # one (out, lse) per branch
         sent = {"qo": (ql, sl), "kv": (kl, vl)}
@@ -371,7 +367,8 @@ class _SparseDistAttn(torch.autograd.Function):
         plan: SparsePlan = routes.plan
         spec = plan.spec
         lead = 1 if routes.batched else 0
-        G, qcap, kcap, nb = routes.groups, routes.qo_capacity, routes.kv_capacity, ctx.branches
+        G, nb = routes.groups, ctx.branches
+        qcap, kcap = routes.recv_rows("qo"), routes.recv_rows("kv")  # as the forward's buffers
         saved = ctx.saved_tensors
         ql, kl, vl, sl = saved[:4]
         outs = saved[4:4 + 2 * nb]
@@ -380,22 +377,11 @@ class _SparseDistAttn(torch.autograd.Function):
         remote = lambda x, cap: x.narrow(lead, n, cap).contiguous()  # noqa: E731
         cat = lambda a, b: torch.cat((a, b), dim=lead)  # noqa: E731
 
-        def stage(s):
-            def run(r, q_, k_, v_, s_, *per_branch):
-                st = stages[r][s]
-                d_o, lse, delta = per_branch[:3]
-                dq, dk, dv = sparse_attn_backward(d_o, q_, k_, v_, lse, delta, s_, spec.block_size, scale,
-                                                  q_pos=st.q_pos, q_class=st.q_class, kv_windows=st.kv_windows,
-                                                  window=st.window, backend=ctx.backend,
-                                                  deterministic=ctx.deterministic)
-                if nb > 1:
-                    wc = plan.window_calc
-                    d_o, lse, delta = per_branch[3:6]
-                    g = flex_attn_backward(d_o, q_, k_, v_, lse, delta, wc.q_ranges[r, s], wc.k_ranges[r, s],
-                                           wc.attn_type[r, s], scale, **_INTERNAL)
-                    dq, dk, dv = dq + g[0], dk + g[1], dv + g[2]
-                return dq, dk, dv
-            return run
+        _, attend_bwd = _sparse_kernels(plan, stages, scale, ctx.backend, ctx.deterministic)
+
+        def stage(s):  # per_branch: (dO, lse, delta) of the selection branch, then the window branch's
+            return lambda r, q_, k_, v_, s_, d_o, lse, delta, *win: attend_bwd(r, s, d_o, q_, k_, v_, lse, delta,
+                                                                                s_, *win)
 
         sent, works, recv, parts, out = [], {}, {}, {}, {}
         if ctx.keep:

@@ -21,7 +21,7 @@ from gpusolver.runtime import DynamicCPAttention, PlanCache, dist_attn, shard
 from gpusolver.runtime.pipelined import counter_phases, stage_phase
 from groupcomm import LocalGroup, TorchGroup
 from tests._dist import run_ranks
-from tests._operand_rows import record_operand_rows
+from tests._operand_rows import record_cast_rows, record_operand_rows
 from tests._testing import assert_close
 from tests.gpusolver.runtime._cases import (ATOL, D, RTOL, doc_lengths, make_config, make_inputs, make_mask,
                                             reference, tight_plan)
@@ -375,25 +375,26 @@ def _rank_operand_rows(rank, P, name, c, Hq, Hkv, S, seed, keep, kept_share):
     config = make_config(P, Hq, Hkv, True, 1, num_stages=S, keep_forward_buffers=keep)
     plan, _ = tight_plan(mask, config)
     kept_rows = None if kept_share is None else int(int(plan.comm.kv_recv_rows.max()) * kept_share)
-    seen = record_operand_rows()
+    seen, casts = record_operand_rows(), record_cast_rows()
     group = TorchGroup(transport="p2p")
     q, k, v, d_out, d_lse = make_inputs(P * c, Hq, Hkv, seed)
     qs, ks, vs = (shard(x, group).clone().requires_grad_() for x in (q, k, v))
     out, lse = dist_attn(qs, ks, vs, plan, group, keep_forward_buffers=keep, kept_kv_rows=kept_rows)
     torch.autograd.backward((out, lse), (shard(d_out, group), shard(d_lse, group)))
     group.wait_sends()
-    return {"rows": seen, "got": dict(zip(KEYS, (out.detach(), lse.detach(), qs.grad, ks.grad, vs.grad)))}
+    return {"rows": seen + casts, "got": dict(zip(KEYS, (out.detach(), lse.detach(), qs.grad, ks.grad, vs.grad)))}
 
 
+@pytest.mark.parametrize("S", [1, 4])
 @pytest.mark.parametrize("keep,kept_share", [(True, None), (False, None), (True, 0.5)],
                          ids=["kept", "cast-again", "kept-rows"])
-def test_stages_gloo_operands_hold_the_rank_fill(keep, kept_share):
+def test_stages_gloo_operands_hold_the_rank_fill(keep, kept_share, S):
     """On TorchGroup every operand and sum over received rows (forward Q, K, V and the running out;
-    backward dO, the sums, what is cast again) holds the rows this rank receives, not the receive
-    capacity; values and gradients equal dense attention. With half the largest KV fill kept
-    (``kept_kv_rows``) a rank whose own fill is below the kept rows keeps its whole buffer and its
-    tails move nothing."""
-    P, name, c, Hq, Hkv, S, seed = 4, "docs-causal", 16, 4, 2, 4, 0
+    backward dO, the sums, what is cast again) and, with one remote stage, every cast's receive
+    buffer holds the rows this rank receives, not the receive capacity; values and gradients equal
+    dense attention. With half the largest KV fill kept (``kept_kv_rows``) a rank whose own fill is
+    below the kept rows keeps its whole buffer and its tails move nothing."""
+    P, name, c, Hq, Hkv, seed = 4, "docs-causal", 16, 4, 2, 0
     got = run_ranks(_rank_operand_rows, P, name, c, Hq, Hkv, S, seed, keep, kept_share, timeout=120)
     plan, _ = tight_plan(make_mask(name, P * c, seed), make_config(P, Hq, Hkv, True, 1, num_stages=S))
     comm = plan.comm

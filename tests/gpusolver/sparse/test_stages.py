@@ -23,7 +23,7 @@ from gpusolver.runtime.pipelined import stage_phase
 from gpusolver.runtime.sparse_attn import gather_sparse_areas, local_selection, sparse_dist_attn
 from groupcomm import LocalGroup, TorchGroup
 from tests._dist import run_ranks
-from tests._operand_rows import record_operand_rows
+from tests._operand_rows import record_cast_rows, record_operand_rows
 from tests._testing import assert_close
 from tests.gpusolver.sparse._cases import (D, PHASES_BWD, PHASES_FWD, loss, make_config, make_inputs, make_mask,
                                            reference, scatter_plan)
@@ -265,8 +265,9 @@ def _gloo_rank(rank, P, kind, S, kv_block, transport):
     mine = whole.rows(rank * c, (rank + 1) * c)  # this rank holds only its own rows
     group = TorchGroup(transport=transport)
     plan = scatter_plan(mine, _config(P, Hq, Hkv, S), group, kv_block)  # area rows all-gathered over gloo
-    # the receive rows of every operand and sum the layer allocates (on TorchGroup: this rank's fill)
-    seen = record_operand_rows()
+    # the receive rows of every operand and sum the layer allocates, and with one remote stage of every
+    # cast's buffer (on TorchGroup: this rank's fill)
+    seen, casts = record_operand_rows(), record_cast_rows()
     kv_rows = plan.comm.kv_recv_rows if plan.kv_blocks is None else plan.kv_blocks.kv_recv_rows
     fills = {int(plan.comm.qo_recv_rows[rank]), int(kv_rows[rank])}
     caps = (plan.comm.qo_recv_capacity, plan.comm.kv_recv_capacity)
@@ -283,7 +284,7 @@ def _gloo_rank(rank, P, kind, S, kv_block, transport):
             pb = plan.pair_bytes(ph, stage=s)
             planned[lab] = [int(pb[rank].sum()), int(pb[:, rank].sum())]
     return ([o.detach() for o in outs], [x.detach() for x in lses], [x.grad for x in leaves], counted, planned,
-            int((plan.task_stage > 1).sum()), (set(seen), fills, caps))
+            int((plan.task_stage > 1).sum()), (set(seen + casts), fills, caps))
 
 
 def _check_gloo(P, kind, S, kv_block, transport):
@@ -300,13 +301,21 @@ def _check_gloo(P, kind, S, kv_block, transport):
         assert r[3] == r[4], f"rank {rank}"
         seen, fills, caps = r[6]
         assert seen == fills, f"rank {rank}: operand receive rows {sorted(seen)}, the rank's fills {sorted(fills)}"
-    assert results[0][5] > 0  # some task in a later sub-stage
+    assert S == 1 or results[0][5] > 0  # some task in a later sub-stage
     assert any(max(r[6][0]) < min(r[6][2]) for r in results), "no rank below the capacity: the case checks nothing"
 
 
 @pytest.mark.parametrize("transport", ["a2a"])
 def test_sub_stages_gloo(transport):
     _check_gloo(4, "nsa", 2, 8, transport)
+
+
+@pytest.mark.parametrize("kind,kv_block", [("nsa", 8), ("dsa", None)])
+def test_one_stage_gloo_buffers_hold_the_rank_fill(kind, kv_block):
+    """With one remote stage (the sparse default) on TorchGroup every cast's receive buffer, forward
+    and backward, holds this rank's fill (by key block with ``kv_block``), not the capacity; values,
+    gradients and byte counters as at the capacity."""
+    _check_gloo(4, kind, 1, kv_block, "a2a")
 
 
 @pytest.mark.slow
