@@ -36,7 +36,7 @@ from gpusolver.nvtx import nvtx_range
 from gpusolver.plan.relay import assemble_index, hop_send_index, inverse_index
 from gpusolver.plan.schedule import ATTN, CAST, DELTA, MERGE, REDUCE, WAIT, backward_ops, forward_ops
 from gpusolver.runtime.per_rank import per_rank
-from gpusolver.runtime.pipelined import op_range
+from gpusolver.runtime.pipelined import RankFill, at_fill, op_range
 from groupcomm import TorchGroup, group_cast, group_reduce, host_splits
 
 _INTERNAL = dict(validate=False, flag_errors=False)
@@ -53,6 +53,8 @@ class KindRoutes:
     assemble: ``[.., recv_cap]`` rows of ``concat(direct, fan-out, relay)`` that make the receive buffer.
     back:     (direct, fan-out, relay) ``[.., rows]`` rows of the receive buffer that each of those
               buffers holds (-1: none), the way back.
+    fill:     ``TorchGroup``: "recv" and each hop -> this rank's ``pipelined.RankFill`` (the rows the
+              plan's layout, or that hop's cast, brings it), else None (every buffer at its capacity).
     """
 
     index: tuple
@@ -64,6 +66,17 @@ class KindRoutes:
     relay_cap: int
     egress_cap: int = 0
     egress: bool = False
+    fill: dict | None = None
+
+    def capacity(self, which) -> int:
+        """Rows of the receive buffer in the plan's layout ("recv") or of hop ``which``'s at capacity."""
+        return {1: self.relay_cap, 3: self.egress_cap}.get(which, self.recv_cap)
+
+    def rows(self, which) -> int:
+        """Rows of that buffer here, and of every partial returned from it: its capacity on a
+        static-shape group; on ``TorchGroup`` the rows its cast brings this rank, read from the
+        host copy of the splits the casts read anyway (no other wait)."""
+        return at_fill(self.capacity(which), None if self.fill is None else self.fill[which])
 
 
 @dataclass(frozen=True)
@@ -83,13 +96,15 @@ def relay_routes(plan, group, ranks: tuple[int, ...], batched: bool) -> RelayRou
     egress = bool(relay.egress)
     hops = (0, 1, 2, 3) if egress else (0, 1, 2)
     H = len(hops)
-    splits = torch.stack([relay.route(k).split(h) for k in ("qo", "kv") for h in hops])
-    hosts = host_splits(splits).parts() if isinstance(group, TorchGroup) else [None] * (2 * H)
+    # with the hops' splits, the plan's own layout ones: what each rank's receive buffer holds
+    splits = torch.stack([relay.route(k).split(h) for k in ("qo", "kv") for h in hops]
+                         + [comm.qo_split, comm.kv_split])
+    hosts = host_splits(splits).parts() if isinstance(group, TorchGroup) else [None] * (2 * H + 2)
 
     def stack(fn):
         return torch.stack([fn(r) for r in ranks]) if batched else fn(ranks[0])
 
-    def kind(k: str, hosts_k) -> KindRoutes:
+    def kind(k: str, hosts_k, layout) -> KindRoutes:
         route = relay.route(k)
         cap, rcap = comm.buffers.recv(k), route.relay_capacity
         index = tuple(stack(lambda r, h=h: hop_send_index(comm, route, k, h, r)) for h in hops)
@@ -100,11 +115,15 @@ def relay_routes(plan, group, ranks: tuple[int, ...], batched: bool) -> RelayRou
 
         inv = stack(inverse)
         back = (inv[..., :cap], inv[..., cap:2 * cap], inv[..., 2 * cap:])
+        fill = None
+        if layout is not None:
+            fill = {"recv": RankFill([layout], ranks[0]), **{h: RankFill([hosts_k[i]], ranks[0])
+                                                             for i, h in enumerate(hops)}}
         return KindRoutes(index=index, split=tuple(route.split(h) for h in hops), host=tuple(hosts_k),
                           assemble=assemble, back=back, recv_cap=cap, relay_cap=rcap,
-                          egress_cap=route.egress_capacity, egress=egress)
+                          egress_cap=route.egress_capacity, egress=egress, fill=fill)
 
-    return RelayRoutes(qo=kind("qo", hosts[:H]), kv=kind("kv", hosts[H:]))
+    return RelayRoutes(qo=kind("qo", hosts[:H], hosts[2 * H]), kv=kind("kv", hosts[H:2 * H], hosts[2 * H + 1]))
 
 
 def _take(x: torch.Tensor, idx: torch.Tensor, fill: float, batched: bool) -> torch.Tensor:
@@ -143,15 +162,16 @@ def _assemble_into(x: torch.Tensor, parts, idx: torch.Tensor, lead: int, sizes=N
 
 
 def _cast(kr: KindRoutes, hop: int, group, tensors, phase: str):
-    cap = {1: kr.relay_cap, 3: kr.egress_cap}.get(hop, kr.recv_cap)
-    return group_cast(list(tensors), kr.index[hop], kr.split[hop], cap, group, phase=_label(phase, hop),
+    return group_cast(list(tensors), kr.index[hop], kr.split[hop], kr.rows(hop), group, phase=_label(phase, hop),
                       host_split=kr.host[hop], async_op=True, flag_errors=False)
 
 
 def _reduce(kr: KindRoutes, hop: int, group, partials, acc, op: str, phase: str, deterministic: bool):
+    """The way back of hop ``hop``'s cast: partials of the rows it brought (``kr.rows(hop)``) return
+    into buffers laid out at its capacity."""
     return group_reduce(list(partials), kr.index[hop], kr.split[hop], list(acc), group, op=op,
                         phase=_label(phase, hop), host_split=kr.host[hop], deterministic=deterministic,
-                        async_op=True, flag_errors=False)
+                        async_op=True, flag_errors=False, recv_capacity=kr.capacity(hop))
 
 
 def _label(phase: str, hop: int) -> str:
@@ -188,11 +208,13 @@ class _Hops:
             direct, fan = self.parts.pop((op.route, 0)), self.parts.pop((op.route, 2))
             lead = 1 if self.batched else 0
             recv = []
+            rows = kr.rows("recv")  # the layout's rows this rank receives; the hops' buffers at theirs
             for d, f, r in zip(direct, fan, self.relay_buf.pop(op.route)):
                 shape = list(d.shape)
-                shape[lead] = kr.assemble.shape[-1]
+                shape[lead] = rows
                 recv.append(d.new_zeros(shape))
-                _assemble_into(recv[-1], (d, f, r), kr.assemble, lead)
+                _assemble_into(recv[-1], (d, f, r), kr.assemble[..., :rows], lead,
+                               sizes=(kr.recv_cap, kr.recv_cap, kr.relay_cap))
             self.recv[op.route] = recv
             # nothing reads the hops' buffers again: they go before stage 1 and the reduce run (with
             # one remote stage every cast lands first, so they never live beside a reduce's buffers)
@@ -202,7 +224,11 @@ class _Hops:
     def reduce(self, op, full, acc, red: str, fills) -> None:
         """``full``: partials in the receive buffer's layout; ``acc``: the host's accumulators."""
         kr = self.routes.kind(op.route)
-        take = lambda which: [_take(p, kr.back[which], f, self.batched) for p, f in zip(full, fills)]  # noqa: E731
+        held = (kr.rows(0), kr.rows(2), kr.rows(1))  # rows of the direct, fan-out and relay buffers here
+
+        def take(which):  # each of those buffers' rows, from the partials in the layout's
+            return [_take(p, kr.back[which][..., :held[which]], f, self.batched) for p, f in zip(full, fills)]
+
         if op.hop == 2:  # onto the relay's own partial of each relayed row, sources ascending
             self.works[op.name] = _reduce(kr, 2, self.group, take(1), take(2), red, op.phase, self.det)
         elif op.hop == 0:
@@ -210,14 +236,14 @@ class _Hops:
         elif op.hop == 1:  # the host merges the relays' rows after its direct ones
             acc = self.works[op.name.replace(":hop1", "")].wait()
             if kr.egress:  # an egress merges its slots' rows onto identity rows, sources ascending
-                acc = [torch.cat((a, _identity(a, kr.egress_cap, f, self.lead)), dim=self.lead)
+                acc = [torch.cat((a, _identity(a, kr.rows(3), f, self.lead)), dim=self.lead)
                        for a, f in zip(acc, fills)]
             self.works[op.name] = _reduce(kr, 1, self.group, self.merged[op.phase], acc, red, op.phase, self.det)
         else:  # hop 3: the host merges its egresses' rows last
-            res = self.egress_res[op.phase]
-            rows = res[0].shape[self.lead] - kr.egress_cap
+            res, slots_here = self.egress_res[op.phase], kr.rows(3)
+            rows = res[0].shape[self.lead] - slots_here
             local = [x.narrow(self.lead, 0, rows) for x in res]
-            slots = [x.narrow(self.lead, rows, kr.egress_cap).contiguous() for x in res]
+            slots = [x.narrow(self.lead, rows, slots_here).contiguous() for x in res]
             self.works[op.name] = _reduce(kr, 3, self.group, slots, local, red, op.phase, self.det)
 
     def wait_reduce(self, op) -> None:
@@ -246,7 +272,7 @@ def relay_forward(plan, group, ranks, batched, routes: RelayRoutes, ql, kl, vl, 
     """(o, lse, (Xq, Xk, Xv)) in group-major rows: the forward of a relay plan; X = [local rows |
     receive buffer], stage 1's operands (a kept kind's are what the layer keeps, its local rows too)."""
     lead = 1 if batched else 0
-    n, cap = ql.shape[lead], routes.qo.recv_cap
+    n, cap = ql.shape[lead], routes.qo.rows("recv")
     hops = _Hops(routes, group, batched, deterministic)
     sent = {"qo": (ql,), "kv": (kl, vl)}
     parts = {}
@@ -289,7 +315,7 @@ def relay_backward(plan, group, ranks, batched, routes: RelayRoutes, ql, kl, vl,
     forward's Xq / [Xk, Xv] (``ql``, ``kl``, ``vl`` their local rows), or None (cast again)."""
     lead = 1 if batched else 0
     n = ql.shape[lead]
-    qcap, kcap = routes.qo.recv_cap, routes.kv.recv_cap
+    qcap, kcap = routes.qo.rows("recv"), routes.kv.rows("recv")  # as the forward's buffers
     keep_q, keep_kv = kept_q is not None, kept_kv is not None
     hops = _Hops(routes, group, batched, deterministic)
     delta = None

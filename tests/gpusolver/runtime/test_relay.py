@@ -353,9 +353,25 @@ def test_relay_layer_on_meta():
 
 
 def _gloo_rank(rank, P, transport):
+    import gpusolver.runtime.relayed as relayed
+
     c, Hq, Hkv = 16, 4, 2
     _, plan, mask, _ = _plans("docs-full", P, 2, c=c, Hq=Hq, Hkv=Hkv, seed=8)
     group = TorchGroup(transport=transport)
+    # the rows of every hop's receive buffer (each cast's recv_capacity) and of each receive buffer
+    # in the plan's layout (what the hops' rows are gathered into)
+    casts, laid = [], []
+    cast, assemble = relayed.group_cast, relayed._assemble_into
+
+    def recorded_cast(tensors, index, split, rows, *args, **kwargs):
+        casts.append(rows)
+        return cast(tensors, index, split, rows, *args, **kwargs)
+
+    def recorded_assemble(x, *args, **kwargs):
+        laid.append(x.shape[0])
+        return assemble(x, *args, **kwargs)
+
+    relayed.group_cast, relayed._assemble_into = recorded_cast, recorded_assemble
     q, k, v, d_out, d_lse = make_inputs(P * c, Hq, Hkv, seed=8)
     qs, ks, vs = (shard(x, group).clone().requires_grad_() for x in (q, k, v))
     out, lse = dist_attn(qs, ks, vs, plan, group)
@@ -363,12 +379,21 @@ def _gloo_rank(rank, P, transport):
     counted = {(ph, h): group.traffic(hop_phase(ph, h)) for ph in PHASES for h in (0, 1, 2, 3)}
     want = {(ph, h): (int(plan.pair_bytes(ph, hop=h)[rank].sum()), int(plan.pair_bytes(ph, hop=h)[:, rank].sum()))
             for ph in PHASES for h in (0, 1, 2, 3)}
+    # this rank's fills: each hop's received rows, and the layout's
+    route = plan.relay.route
+    hop_fills = {int(route(kind).split(h)[:, rank].sum()) for kind in ("qo", "kv") for h in (0, 1, 2, 3)}
+    layout_fills = (int(plan.comm.qo_recv_rows[rank]), int(plan.comm.kv_recv_rows[rank]))
+    caps = (plan.comm.qo_recv_capacity, plan.comm.kv_recv_capacity)
     return {"got": dict(zip(KEYS, (out.detach(), lse.detach(), qs.grad, ks.grad, vs.grad))),
-            "counted": counted, "want": want, "ib": int(plan.pair_bytes("fwd", hop=1).sum())}
+            "counted": counted, "want": want, "ib": int(plan.pair_bytes("fwd", hop=1).sum()),
+            "rows": (set(casts), hop_fills, set(laid), layout_fills, caps)}
 
 
 @pytest.mark.parametrize("transport", ["a2a", "p2p"])
 def test_relay_gloo_two_nodes_of_two(transport):
+    """The relay layer with one remote stage on gloo (two nodes of two) equals dense attention, counts
+    the plan's bytes per hop, and on TorchGroup receives at each rank's fill: every hop's buffer at
+    the rows that hop brings, each receive buffer in the plan's layout at the rows it holds."""
     P, c = 4, 16
     results = run_ranks(_gloo_rank, P, transport, timeout=120)
     ref = reference(make_mask("docs-full", P * c, seed=8), *make_inputs(P * c, 4, 2, seed=8))
@@ -378,6 +403,10 @@ def test_relay_gloo_two_nodes_of_two(transport):
         for key in KEYS:
             assert_close(f"rank {rank} {key}", ref[key][rows], res["got"][key], atol=ATOL, rtol=RTOL)
         assert res["counted"] == res["want"], f"rank {rank}"
+        casts, hop_fills, laid, layout_fills, _ = res["rows"]
+        assert casts <= hop_fills and laid == set(layout_fills), f"rank {rank}: {res['rows']}"
+    assert any(f < cap for r in results for f, cap in zip(r["rows"][3], r["rows"][4])), \
+        "no receive buffer below its capacity: the case checks nothing"
 
 
 def test_relay_layer_equals_reference():
