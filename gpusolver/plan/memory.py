@@ -21,8 +21,9 @@ S reduces in flight at once hold no more than one send list between them (``Torc
 returns into buffers of the rows each reduce really returns; ``LocalGroup`` and
 ``SymmMemGroup`` finish each reduce before the next starts). ``TorchGroup`` also receives into
 buffers of this rank's fill rather than the capacity (``runtime.pipelined.receive_rows`` with
-sub-stages, ``runtime.dist_attn.LayerRoutes.recv_rows`` with one direct remote stage): there these
-figures are an upper bound.
+sub-stages, ``runtime.dist_attn.LayerRoutes.recv_rows`` with one direct remote stage, and
+``runtime.relayed.KindRoutes.rows`` for relay transport's hops): there these figures are an
+upper bound.
 
 Relay transport (``plan.relay``, ``relay_hop_rows``) adds each hop's buffers. Every cast of a
 kind receives into one buffer per hop besides the buffer above (the rows in the plan's layout,
