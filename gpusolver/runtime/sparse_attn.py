@@ -55,6 +55,7 @@ from gpusolver.sparse_solve import sparse_assignment
 from gpusolver.support import check_tensors, softmax_scale_of
 from gpusolver.runtime.dist_attn import LayerRoutes, issue, layer_routes
 from gpusolver.runtime.layout import from_group_major, to_group_major
+from gpusolver.runtime.operands import Operands
 from gpusolver.runtime.per_rank import per_rank
 from gpusolver.runtime.pipelined import RankFill, backward_stages, forward_stages, op_range, stage_routes
 from groupcomm import TorchGroup, as_group, host_splits, retain
@@ -306,37 +307,37 @@ class _SparseDistAttn(torch.autograd.Function):
         spec = plan.spec
         lead = 1 if routes.batched else 0
         G = routes.groups
-        ql, kl, vl = (to_group_major(x, G, lead).contiguous() for x in (q, k, v))
         sl = _selection_rows(sel, G, lead)
         if routes.stages is not None:
+            ql, kl, vl = (to_group_major(x, G, lead).contiguous() for x in (q, k, v))
             return _forward_sub_stages(ctx, ql, kl, vl, sl, routes, stages, group, scale, keep, deterministic,
                                        backend)
         attend, _ = _sparse_kernels(plan, stages, scale, backend, deterministic)
-        cap = routes.recv_rows("qo")  # remote rows here are QO rows (partial O, lse), as the cast brings them
-        n = ql.shape[lead]
+        cap, kcap = routes.recv_rows("qo"), routes.recv_rows("kv")  # as the casts bring them (QO: partial O too)
+        n = sl.shape[lead]  # G * c local group-major rows
         local = lambda x: x.narrow(lead, 0, n)  # noqa: E731
-        remote = lambda x: x.narrow(lead, n, cap).contiguous()  # noqa: E731
-        cat = lambda a, b: torch.cat((a, b), dim=lead)  # noqa: E731
-
-        def stage(s):
-            return lambda r, q_, k_, v_, s_: attend(r, s, q_, k_, v_, s_)
-
+        remote = lambda x: x.narrow(lead, n, cap)  # noqa: E731
+        # stage 1's operands X = [local rows | receive buffer], allocated once, the shards written
+        # group-major straight into their local rows: the casts write their rows into them, so neither
+        # the local rows nor the buffers exist a second time (as dist_attn's)
+        X = {"qo": Operands([q, sl], cap, lead, zero=True, groups=(G, 1)),
+             "kv": Operands([k, v], kcap, lead, zero=True, groups=G)}
+        del sl  # its rows are X's first n
+        sent = {"qo": X["qo"].local(), "kv": X["kv"].local()}
         nb = 2 if spec.window_size else 1  # one (out, lse) per branch
-        sent = {"qo": (ql, sl), "kv": (kl, vl)}
-        works, recv, parts, merged, results = {}, {}, {}, [], [None] * nb
+        works, parts, merged, results = {}, {}, [], [None] * nb
         for op in forward_ops(2, nb):
             with nvtx_range(op_range(op)):
                 if op.kind == CAST:
-                    works[op.name] = issue(op, routes, group, sent[op.route])
+                    works[op.name] = issue(op, routes, group, sent[op.route], X[op.route].remote())
                 elif op.kind == WAIT and op.back:
-                    results[op.branch] = works[op.deps[0]].wait()
+                    results[op.branch] = works.pop(op.deps[0]).wait()
                 elif op.kind == WAIT:
-                    recv[op.route] = works[op.deps[0]].wait()
+                    works.pop(op.deps[0]).wait()  # its rows are in X now
                 elif op.kind == ATTN:
                     (s,) = op.stages
-                    args = (ql, kl, vl, sl) if s == 0 else (cat(ql, recv["qo"][0]), cat(kl, recv["kv"][0]),
-                                                            cat(vl, recv["kv"][1]), cat(sl, recv["qo"][1]))
-                    parts[s] = _per_rank(routes, stage(s), *args)
+                    (xq, xs), (xk, xv) = (sent["qo"], sent["kv"]) if s == 0 else (X["qo"].x, X["kv"].x)
+                    parts[s] = _per_rank(routes, lambda r, *t, s=s: attend(r, s, *t), xq, xk, xv, xs)
                 elif op.kind == MERGE:
                     for b in range(nb):
                         o, lse = parts[0][2 * b], parts[0][2 * b + 1]
@@ -351,12 +352,23 @@ class _SparseDistAttn(torch.autograd.Function):
                 else:
                     raise AssertionError(f"sparse_dist_attn cannot run forward op {op}")
         results = [x for pair in results for x in pair]
-        q_buf, s_buf = recv["qo"]
-        k_buf, v_buf = recv["kv"]
-        saved = (ql, kl, vl, sl, *results) + ((q_buf, s_buf, k_buf, v_buf) if keep else ())
-        ctx.save_for_backward(*saved)
+        # what the backward reads: the whole X when kept (its local rows are views of it), else copies of
+        # the local rows, so X goes now; the selection then as given (one row per token, not one per head
+        # group: G times less with a selection shared by every head, DSA's), its group rows made again
+        if keep:
+            kept = tuple(X["qo"].x + X["kv"].x)
+            xq, xs, xk, xv = kept
+            local_sel = local(xs)
+        else:
+            kept = ()
+            (xq, _), (xk, xv) = sent["qo"], sent["kv"]
+            xq, xk, xv = xq.clone(), xk.clone(), xv.clone()
+            local_sel = sel
+        del X, sent, parts, merged
+        ctx.save_for_backward(local(xq), local(xk), local(xv), local_sel, *results, *kept)
         ctx.routes, ctx.stages, ctx.group, ctx.scale = routes, stages, group, scale
         ctx.keep, ctx.deterministic, ctx.backend, ctx.branches = keep, deterministic, backend, len(results) // 2
+        group.wait_sends()  # p2p sends may outlive their wait(): none past the pass
         return tuple(from_group_major(x, G, lead) for x in results)
 
     @staticmethod
@@ -365,31 +377,32 @@ class _SparseDistAttn(torch.autograd.Function):
             return _backward_sub_stages(ctx, *grads)
         routes, stages, group, scale = ctx.routes, ctx.stages, ctx.group, ctx.scale
         plan: SparsePlan = routes.plan
-        spec = plan.spec
         lead = 1 if routes.batched else 0
         G, nb = routes.groups, ctx.branches
         qcap, kcap = routes.recv_rows("qo"), routes.recv_rows("kv")  # as the forward's buffers
         saved = ctx.saved_tensors
         ql, kl, vl, sl = saved[:4]
+        if not ctx.keep:  # saved as given: its rows per head group, as the forward made them
+            sl = _selection_rows(sl, G, lead)
         outs = saved[4:4 + 2 * nb]
         n = ql.shape[lead]
         local = lambda x: x.narrow(lead, 0, n)  # noqa: E731
-        remote = lambda x, cap: x.narrow(lead, n, cap).contiguous()  # noqa: E731
-        cat = lambda a, b: torch.cat((a, b), dim=lead)  # noqa: E731
-
+        remote = lambda x, cap: x.narrow(lead, n, cap)  # noqa: E731
         _, attend_bwd = _sparse_kernels(plan, stages, scale, ctx.backend, ctx.deterministic)
-
-        def stage(s):  # per_branch: (dO, lse, delta) of the selection branch, then the window branch's
-            return lambda r, q_, k_, v_, s_, d_o, lse, delta, *win: attend_bwd(r, s, d_o, q_, k_, v_, lse, delta,
-                                                                                s_, *win)
-
-        sent, works, recv, parts, out = [], {}, {}, {}, {}
+        # stage 1's operands: the forward's X when kept, else built here for the casts to write into
         if ctx.keep:
-            q_buf, s_buf, k_buf, v_buf = saved[4 + 2 * nb:]
-            recv["kv"] = (k_buf, v_buf)
+            xq, xs, xk, xv = saved[4 + 2 * nb:]
+            Xq = Xkv = None
+        else:
+            Xq, Xkv = Operands([ql, sl], qcap, lead, zero=True), Operands([kl, vl], kcap, lead, zero=True)
+            (xq, xs), (xk, xv) = Xq.x, Xkv.x
+        ql, kl, vl, sl = local(xq), local(xk), local(xv), local(xs)
+        works, parts, out = {}, {}, {}
+        Xg = None  # dO, lse, delta of every branch over X's QO rows
         for op in backward_ops(2, ctx.keep):
             with nvtx_range(op_range(op)):
-                if op.kind == DELTA:
+                if op.kind == DELTA:  # each branch's host computes its delta from its final O
+                    per_branch = []
                     for b in range(nb):
                         o, lse = outs[2 * b], outs[2 * b + 1]
                         d_out, d_lse = grads[2 * b], grads[2 * b + 1]
@@ -397,28 +410,35 @@ class _SparseDistAttn(torch.autograd.Function):
                         d_l = None if d_lse is None else to_group_major(d_lse, G, lead).contiguous()
                         delta = _per_rank(routes, lambda r, a, b_, *c_: (row_delta(a, b_, c_[0] if c_ else None),),
                                           d_o, o, *(() if d_l is None else (d_l,)))[0]
-                        sent += [d_o, lse, delta]
-                elif op.kind == CAST:
-                    tensors = sent + ([] if ctx.keep else [ql, sl]) if op.route == "qo" else [kl, vl]
-                    works[op.name] = issue(op, routes, group, tensors)
+                        per_branch += [d_o, lse, delta]
+                    Xg = Operands(per_branch, qcap, lead, zero=True)
+                    del per_branch, d_o, delta
+                elif op.kind == CAST:  # into the receive rows of stage 1's operands
+                    if op.route == "qo":
+                        tensors = Xg.local() + ([] if ctx.keep else Xq.local())
+                        into = Xg.remote() + ([] if ctx.keep else Xq.remote())
+                    else:
+                        tensors, into = Xkv.local(), Xkv.remote()
+                    works[op.name] = issue(op, routes, group, tensors, into)
+                    del tensors, into
                 elif op.kind == WAIT and op.back:
-                    out[op.phase] = works[op.deps[0]].wait()
+                    out[op.phase] = works.pop(op.deps[0]).wait()
                 elif op.kind == WAIT:
-                    recv[op.route] = works[op.deps[0]].wait()
-                    if op.route == "qo" and not ctx.keep:
-                        q_buf, s_buf = recv["qo"][3 * nb:]
+                    works.pop(op.deps[0]).wait()  # its rows are in the operands now
                 elif op.kind == ATTN:
                     (s,) = op.stages
-                    if s == 0:
-                        args = (ql, kl, vl, sl, *sent)
-                    else:
-                        k_buf, v_buf = recv["kv"]
-                        args = (cat(ql, q_buf), cat(kl, k_buf), cat(vl, v_buf), cat(sl, s_buf),
-                                *(cat(a, b) for a, b in zip(sent, recv["qo"][:3 * nb])))
-                    parts[s] = _per_rank(routes, stage(s), *args)
+                    args = (xq, xk, xv, xs, *Xg.x) if s else (ql, kl, vl, sl, *Xg.local())
+
+                    def run(r, q_, k_, v_, s_, d_o, lse, delta, *win, s=s):
+                        return attend_bwd(r, s, d_o, q_, k_, v_, lse, delta, s_, *win)
+
+                    parts[s] = list(_per_rank(routes, run, *args))
+                    del args
+                    if s == 1:  # the stages are done: the operands go before the reduces
+                        Xg = Xq = Xkv = xq = xk = xv = xs = ql = kl = vl = sl = None
                 elif op.kind == REDUCE:
                     (s,) = op.stages
-                    pick = (0,) if op.phase == "bwd.dq" else (1, 2)
+                    pick = (0,) if op.phase == "bwd.dq" else (1, 2)  # dQ to the QO host, dK and dV to the KV host
                     acc = [parts[0][i] + local(parts[s][i]) for i in pick]
                     cap = qcap if op.phase == "bwd.dq" else kcap
                     works[op.name] = issue(op, routes, group, tuple(remote(parts[s][i], cap) for i in pick), acc,
@@ -426,6 +446,7 @@ class _SparseDistAttn(torch.autograd.Function):
                 else:
                     raise AssertionError(f"sparse_dist_attn cannot run backward op {op}")
         (dq,), (dk, dv) = out["bwd.dq"], out["bwd.dkv"]
+        group.wait_sends()  # p2p sends may outlive their wait(): none past the pass
         return (from_group_major(dq, G, lead), from_group_major(dk, G, lead), from_group_major(dv, G, lead),
                 None, None, None, None, None, None, None, None)
 

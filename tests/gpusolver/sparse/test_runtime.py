@@ -36,6 +36,7 @@ def _check(mask, ref, outs, lses, grads, where=""):
 CASES = [
     ("dsa", 8, 16, 4, 2, True, 1, True, None),
     ("dsa", 8, 16, 2, 1, False, 2, False, None),
+    ("dsa", 8, 16, 4, 2, True, 1, False, None),  # one selection for G = 2 head groups, cast again
     ("dsa", 8, 16, 4, 2, True, 1, True, 4),
     ("nsa", 8, 16, 4, 2, True, 1, False, None),
     ("nsa", 8, 16, 4, 2, False, 1, True, None),
