@@ -37,14 +37,15 @@ MB = 1e6
 NSA_BLOCK, NSA_TOPN, DSA_TOPK = 64, 16, 2048  # the selections of sparse_bench.py
 
 
-def make_mask(kind: str, P: int, c: int, num_kv_heads: int, seed: int):
+def make_mask(kind: str, P: int, c: int, num_kv_heads: int, seed: int, topk: int = DSA_TOPK,
+              top_n: int = NSA_TOPN):
     """The layer's selection over ``P * c`` tokens, on meta (its indices drawn on the CPU)."""
     S = P * c
     if kind == "nsa":
-        return BlockSparseMask(nsa_block_indices(S, num_kv_heads, NSA_BLOCK, NSA_TOPN, seed=seed).to("meta"),
+        return BlockSparseMask(nsa_block_indices(S, num_kv_heads, NSA_BLOCK, top_n, seed=seed).to("meta"),
                                NSA_BLOCK, S)
     if kind == "dsa":
-        return TokenTopKMask(dsa_topk_indices(S, DSA_TOPK, seed=seed).to("meta"), S)
+        return TokenTopKMask(dsa_topk_indices(S, topk, seed=seed).to("meta"), S)
     raise ValueError(f"--kinds: {kind!r} is not 'nsa' or 'dsa'")
 
 
@@ -61,15 +62,15 @@ def owner_plan(mask, config: SolverConfig, group):
                              used_blocks=used, kv_block=kv_block)
 
 
-def measure(kind: str, P: int, keep: bool, seed: int = 0) -> dict:
-    """Kept and transient bytes per rank of one sparse layer, forward and backward, on meta."""
-    shapes = REAL
+def measure(kind: str, P: int, keep: bool, seed: int = 0, shapes: dict = REAL, **selection) -> dict:
+    """Kept and transient bytes per rank of one sparse layer, forward and backward, on meta;
+    ``selection``: ``make_mask``'s ``topk`` / ``top_n`` (default the benchmark's)."""
     c, Hq, Hkv, D, dtype = (shapes[k] for k in ("tokens_per_rank", "num_heads_q", "num_heads_kv", "head_dim",
                                                   "dtype"))
     config = SolverConfig(cp_size=P, num_heads_q=Hq, num_heads_kv=Hkv, head_dim=D, dtype=dtype,
                           keep_forward_buffers=keep)
     group = LocalGroup(P)
-    mask = make_mask(kind, P, c, Hkv, seed)
+    mask = make_mask(kind, P, c, Hkv, seed, **selection)
     plan = owner_plan(mask, config, group)
     q, k, v = (torch.empty(P, c, h, D, dtype=dtype, device="meta", requires_grad=True) for h in (Hq, Hkv, Hkv))
     sel = local_selection(mask, group)
