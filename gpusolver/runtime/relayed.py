@@ -12,9 +12,10 @@ It runs ``schedule.forward_ops(..., relay=True, egress=...)`` / ``backward_ops``
   concat(local rows, egress buffer), into the relay buffer), hop 0
   (the direct rows) and hop 2 (relay -> consumers, read from the relay buffer);
   each consumer then gathers its receive buffer, in the plan's own layout, out of
-  ``concat(direct, fan-out, relay buffer)``: CalcMeta and the kernels are unchanged. The hops'
-  buffers go once it is gathered, and it once stage 1's operands ``[local rows | receive
-  buffer]`` hold it (what the layer keeps of a kept kind), so neither lives beside a reduce;
+  ``concat(direct, fan-out, relay buffer)``, straight into the receive rows of stage 1's
+  operands ``[local rows | receive buffer]`` (``Operands``, allocated once; what the layer keeps
+  of a kept kind): CalcMeta and the kernels are unchanged. The hops' buffers go once it is
+  gathered, so they never live beside a reduce;
 - a reduce is hop 2 back (consumers' partials into the relay buffer's layout,
   merged onto the relay's own partial), hop 0 back (the direct rows, merged on
   the host), hop 1 back (the relays' merged rows, merged on the host after the
@@ -35,8 +36,9 @@ from attn_kernels import flex_attn, flex_attn_backward, merge_out_lse, row_delta
 from gpusolver.nvtx import nvtx_range
 from gpusolver.plan.relay import assemble_index, hop_send_index, inverse_index
 from gpusolver.plan.schedule import ATTN, CAST, DELTA, MERGE, REDUCE, WAIT, backward_ops, forward_ops
+from gpusolver.runtime.operands import Operands
 from gpusolver.runtime.per_rank import per_rank
-from gpusolver.runtime.pipelined import RankFill, at_fill, op_range
+from gpusolver.runtime.pipelined import RankFill, _windows, at_fill, op_range
 from groupcomm import TorchGroup, group_cast, group_reduce, host_splits
 
 _INTERNAL = dict(validate=False, flag_errors=False)
@@ -144,19 +146,22 @@ def _take(x: torch.Tensor, idx: torch.Tensor, fill: float, batched: bool) -> tor
 def _assemble_into(x: torch.Tensor, parts, idx: torch.Tensor, lead: int, sizes=None) -> None:
     """``x[.., i] = concat(parts)[.., idx[.., i]]`` where ``idx >= 0`` (the rows a cast's hops brought,
     ``RelayStage.assemble``), in place: one part at a time, so no concatenation of the hop buffers
-    is made, only one part's rows gathered at x's size and their merge with x. sizes: each part's
-    rows in ``idx``'s coordinates (its capacity) where a part holds only its first rows (a buffer at
-    the rank's fill); default the parts' own rows."""
+    is made, and x's rows in windows (``pipelined._windows``), so a part's rows gathered and merged
+    with x take one window's size at a time, not x's. sizes: each part's rows in ``idx``'s
+    coordinates (its capacity) where a part holds only its first rows (a buffer at the rank's
+    fill); default the parts' own rows."""
     keep_dims = [1] * (x.dim() - idx.dim())
     batch = torch.arange(x.shape[0], device=x.device)[:, None] if lead else None
     start = 0
     for part, span in zip(parts, sizes or [p.shape[lead] for p in parts]):
         n = part.shape[lead]
-        mine = (idx >= start) & (idx < start + n)
-        if n:
-            src = (idx - start).clamp(0, n - 1)
+        for a, w in _windows(x.shape[lead]) if n else ():
+            i = idx[..., a:a + w]
+            mine = (i >= start) & (i < start + n)
+            src = (i - start).clamp(0, n - 1)
             got = part[batch, src] if lead else part.index_select(0, src)
-            x.copy_(torch.where(mine.view(*idx.shape, *keep_dims), got, x))
+            xw = x.narrow(lead, a, w)
+            xw.copy_(torch.where(mine.view(*i.shape, *keep_dims), got, xw))
             del got
         start += span
 
@@ -181,11 +186,14 @@ def _label(phase: str, hop: int) -> str:
 
 
 class _Hops:
-    """The state of one pass's relayed collectives: works, relay buffers, assembled receive buffers."""
+    """The state of one pass's relayed collectives: works, relay buffers, assembled receive buffers.
+    ``into[route]``: the receive rows of stage 1's operands (``Operands.remote()``, zero) that a
+    kind's hops are gathered into, set before its casts."""
 
     def __init__(self, routes: RelayRoutes, group, batched: bool, deterministic: bool):
         self.routes, self.group, self.batched, self.det = routes, group, batched, deterministic
-        self.works, self.relay_buf, self.parts, self.recv, self.merged, self.result = {}, {}, {}, {}, {}, {}
+        self.works, self.relay_buf, self.parts, self.merged, self.result = {}, {}, {}, {}, {}
+        self.into = {}
         self.egress_res = {}
         self.cast_names = {}  # per kind, its casts' works: let go once its receive buffer is assembled
         self.lead = 1 if batched else 0
@@ -207,15 +215,11 @@ class _Hops:
             kr = self.routes.kind(op.route)
             direct, fan = self.parts.pop((op.route, 0)), self.parts.pop((op.route, 2))
             lead = 1 if self.batched else 0
-            recv = []
             rows = kr.rows("recv")  # the layout's rows this rank receives; the hops' buffers at theirs
-            for d, f, r in zip(direct, fan, self.relay_buf.pop(op.route)):
-                shape = list(d.shape)
-                shape[lead] = rows
-                recv.append(d.new_zeros(shape))
-                _assemble_into(recv[-1], (d, f, r), kr.assemble[..., :rows], lead,
+            recv = self.into.pop(op.route)
+            for x, d, f, r in zip(recv, direct, fan, self.relay_buf.pop(op.route)):
+                _assemble_into(x, (d, f, r), kr.assemble[..., :rows], lead,
                                sizes=(kr.recv_cap, kr.recv_cap, kr.relay_cap))
-            self.recv[op.route] = recv
             # nothing reads the hops' buffers again: they go before stage 1 and the reduce run (with
             # one remote stage every cast lands first, so they never live beside a reduce's buffers)
             for name in self.cast_names.pop(op.route):
@@ -273,10 +277,15 @@ def relay_forward(plan, group, ranks, batched, routes: RelayRoutes, ql, kl, vl, 
     receive buffer], stage 1's operands (a kept kind's are what the layer keeps, its local rows too)."""
     lead = 1 if batched else 0
     n, cap = ql.shape[lead], routes.qo.rows("recv")
+    # stage 1's operands X = [local rows | receive buffer], allocated once: each kind's hops are gathered
+    # straight into its receive rows, so no receive buffer lives beside them and nothing is concatenated
+    X = {"qo": Operands([ql], cap, lead, zero=True), "kv": Operands([kl, vl], routes.kv.rows("recv"), lead, zero=True)}
     hops = _Hops(routes, group, batched, deterministic)
+    hops.into = {"qo": X["qo"].remote(), "kv": X["kv"].remote()}
     sent = {"qo": (ql,), "kv": (kl, vl)}
     parts = {}
-    o = lse = operands = None
+    o = lse = None
+    operands = tuple(X["qo"].x + X["kv"].x)
     for op in forward_ops(plan.calc.q_ranges.shape[1], 1, relay=True, egress=plan.relay.egress):
         with nvtx_range(op_range(op)):
             if op.kind == CAST:
@@ -287,9 +296,6 @@ def relay_forward(plan, group, ranks, batched, routes: RelayRoutes, ql, kl, vl, 
                 hops.wait_cast(op)
             elif op.kind == ATTN:
                 (s,) = op.stages
-                if s:  # the gathered buffers live on in the operands only (the layer keeps those)
-                    operands = tuple(torch.cat((a, b), dim=lead)
-                                     for a, b in zip((ql, kl, vl), (*hops.recv.pop("qo"), *hops.recv.pop("kv"))))
                 args = operands if s else (ql, kl, vl)
 
                 def run(r, q_, k_, v_, s=s):
@@ -318,16 +324,22 @@ def relay_backward(plan, group, ranks, batched, routes: RelayRoutes, ql, kl, vl,
     qcap, kcap = routes.qo.rows("recv"), routes.kv.rows("recv")  # as the forward's buffers
     keep_q, keep_kv = kept_q is not None, kept_kv is not None
     hops = _Hops(routes, group, batched, deterministic)
-    delta = None
+    # stage 1's operands, built here for what is cast again (the hops gathered straight into their
+    # receive rows); dO, lse and delta over X's QO rows once delta is made
+    Xkv = None if keep_kv else Operands([kl, vl], kcap, lead, zero=True)
+    if Xkv is not None:
+        hops.into["kv"] = Xkv.remote()
+    Xg = delta = None
     parts = {}
     for op in backward_ops(plan.calc.q_ranges.shape[1], keep_kv, relay=True, egress=plan.relay.egress):
         with nvtx_range(op_range(op)):
             if op.kind == DELTA:
                 delta = per_rank(ranks, batched, lambda r, a, b, *c_: (row_delta(a, b, c_[0] if c_ else None),),
                                   d_o, o, *(() if d_l is None else (d_l,)))[0]
+                Xg = Operands([d_o, lse, delta] + ([] if keep_q else [ql]), qcap, lead, zero=True)
+                hops.into["qo"] = Xg.remote()
             elif op.kind == CAST:
-                sent = (d_o, lse, delta) + (() if keep_q else (ql,)) if op.route == "qo" else (kl, vl)
-                hops.cast(op, sent)
+                hops.cast(op, Xg.local() if op.route == "qo" else (kl, vl))
             elif op.kind == WAIT and op.back:
                 hops.wait_reduce(op)
             elif op.kind == WAIT:
@@ -335,18 +347,17 @@ def relay_backward(plan, group, ranks, batched, routes: RelayRoutes, ql, kl, vl,
             elif op.kind == ATTN:
                 (s,) = op.stages
                 args = (d_o, ql, kl, vl, lse, delta)
-                if s:  # [local rows | receive buffer]; the gathered buffers go once they are in
-                    qo, kv = hops.recv.pop("qo"), hops.recv.pop("kv", None)
-                    whole = lambda a, b: torch.cat((a, b), dim=lead)  # noqa: E731
-                    x_q = kept_q if keep_q else whole(ql, qo[3])
-                    x_k, x_v = kept_kv if keep_kv else (whole(kl, kv[0]), whole(vl, kv[1]))
-                    args = (whole(d_o, qo[0]), x_q, x_k, x_v, whole(lse, qo[1]), whole(delta, qo[2]))
-                    del qo, kv
+                if s:  # [local rows | receive buffer]: the kept operands, or those built here
+                    x_q = kept_q if keep_q else Xg.x[3]
+                    x_k, x_v = kept_kv if keep_kv else Xkv.x
+                    args = (Xg.x[0], x_q, x_k, x_v, Xg.x[1], Xg.x[2])
+                    Xg = Xkv = None  # the operands go with args, once stage 1 has run
 
                 def run(r, *t, s=s):
                     return flex_attn_backward(*t, *_slices(plan, r, s), scale, **_INTERNAL)
 
                 parts[s] = per_rank(ranks, batched, run, *args)
+                del args  # stage 1's operands built here go before the reduces
             elif op.kind == REDUCE:
                 pick = (0,) if op.phase == "bwd.dq" else (1, 2)  # dQ to the QO host, dK and dV to the KV host
                 cap = qcap if op.phase == "bwd.dq" else kcap
