@@ -42,7 +42,7 @@ def whole_operands(kept, cap: int, lead: int, n: int, kept_rows: int) -> Operand
 
 class _HostTailOffset:
     """``TorchGroup``: this rank's first row of a sub-stage's tail in the rows past the kept ones,
-    ``max(base - kept_rows, 0)``, from the host ``base`` (``pipelined._HostStart``) when the
+    ``max(base - kept_rows, 0)``, from the host ``base`` (``pipelined.RankFill`` of the casts before it) when the
     exchange starts."""
 
     def __init__(self, base, kept_rows: int):

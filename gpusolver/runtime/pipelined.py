@@ -42,7 +42,7 @@ returned rows is made and added again).
 
 Host reads: none with ``LocalGroup``; with ``TorchGroup`` the 4 S ``[P, P]``
 split matrices, stacked and copied once without blocking (``host_splits``); each
-cast's start row on this rank is summed from that copy (``_HostStart``).
+cast's start row on this rank is summed from that copy (a ``RankFill`` of the casts before it).
 """
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ class StageRoutes:
                            make each reduce's buffer (-1 past the fill).
     start[kind]:           S ``[P]`` int64: the row of each rank's shared receive buffer where
                            cast s's rows start (``CommMeta.stage_base``).
-    host_start[kind]:      S ``_HostStart`` (``TorchGroup``: this rank's start, from the host
+    host_start[kind]:      S ``RankFill`` of the casts before each (``TorchGroup``: this rank's start, from the host
                            copy of the splits), else S Nones.
     recv_rows[kind]:       ``TorchGroup``: a ``RankFill`` of the S casts, the rows
                            this rank receives in all S casts (its buffer's fill); else None (the
@@ -128,17 +128,6 @@ class RankFill:
         return sum(received_rows(part, self.rank) for part in self.parts)
 
 
-class _HostStart:
-    """This rank's first row of cast ``stage`` in its shared buffer: the rows casts 1..stage-1
-    bring it, summed from the host copy of their splits when the exchange starts."""
-
-    def __init__(self, parts: list, stage: int, rank: int):
-        self.parts, self.stage, self.rank = parts, stage, rank
-
-    def get(self) -> int:
-        return sum(received_rows(part, self.rank) for part in self.parts[:self.stage - 1])
-
-
 def stage_routes(plan: Plan, group, ranks: tuple[int, ...], batched: bool, kv_comm=None) -> StageRoutes:
     """kv_comm: the KV route's CommMeta when it is not ``plan.comm`` (a sparse plan's key blocks,
     ``KVBlocks.staged``)."""
@@ -160,7 +149,7 @@ def stage_routes(plan: Plan, group, ranks: tuple[int, ...], batched: bool, kv_co
         parts = host_splits(stacked).parts()
         for b, key in enumerate((kind, which) for kind in KINDS for which in WHICH):
             host[key] = parts[b * S:(b + 1) * S]
-        host_start = {kind: [_HostStart(host[kind, "cast"], s, ranks[0]) for s in range(1, S + 1)]
+        host_start = {kind: [RankFill(host[kind, "cast"][:s - 1], ranks[0]) for s in range(1, S + 1)]
                       for kind in KINDS}
         recv_rows = {kind: RankFill(host[kind, "cast"], ranks[0]) for kind in KINDS}
     else:

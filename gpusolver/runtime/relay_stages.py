@@ -27,7 +27,7 @@ sub-stage) with every cast and reduce as the hops of ``runtime.relayed``:
 
 Host reads: none with ``LocalGroup``; with ``TorchGroup`` every hop's ``[P, P]`` split of every
 sub-stage and the layout's cast splits, stacked and copied once without blocking (``host_splits``),
-and each shared buffer's start row on this rank summed from that copy (``pipelined._HostStart``).
+and each shared buffer's start row on this rank summed from that copy (``pipelined.RankFill`` of the casts before it).
 There every buffer a cast lands in (each hop's, the egress rows) and X's receive rows, with the
 running out and the fp32 sums over them, hold the rows this rank receives (its fill), not the
 capacity (``StageRelayRoutes.rows``, ``hop_buffer_rows``), as ``pipelined.receive_rows`` does; and
@@ -48,7 +48,7 @@ from gpusolver.plan.schedule import (ATTN, CAST, COMM, DELTA, MERGE, REDUCE, WAI
                                      hop_phase)
 from gpusolver.runtime.operands import Operands, rows
 from gpusolver.runtime.per_rank import per_rank
-from gpusolver.runtime.pipelined import (KINDS, WHICH, RankFill, _flex_backward_into, _gather_remote, _HostStart,
+from gpusolver.runtime.pipelined import (KINDS, WHICH, RankFill, _flex_backward_into, _gather_remote,
                                          _merge_into, _slices, at_fill, merge_gradients, merge_rows_into, op_range,
                                          received_rows, stage_phase)
 from gpusolver.runtime.relayed import _assemble_into, _identity, _take
@@ -63,7 +63,7 @@ class HopRoutes:
 
     index / split / host: per hop (0, 1, 2[, 3]) the send list, the ``[P, P]`` split and its host
     copy (``TorchGroup``) or None. start / host_start (casts): per hop the ``[P]`` first row of the
-    shared receiving buffer (and this rank's, as a ``_HostStart``). assemble (casts): ``[.., cap]``
+    shared receiving buffer (and this rank's, as a ``RankFill`` of the casts before it). assemble (casts): ``[.., cap]``
     rows of ``concat(direct, fan-out, relay)`` that make X's receive rows of this cast (-1 elsewhere).
     back (reduces): (direct, fan-out, relay) ``[.., rows]`` rows of the reduce's buffer each holds.
     """
@@ -156,7 +156,7 @@ def stage_relay_routes(plan, group, ranks: tuple[int, ...], batched: bool) -> St
                 kw["start"] = tuple(sum((e[i].sum(0) for e in earlier), torch.zeros_like(comm.qo_recv_rows))
                                     for i in range(len(hops)))
                 kw["host_start"] = tuple(
-                    _HostStart([hosts[k, w][j][i] for j in range(S)], s, ranks[0]) if hosts[k, w][0][i] is not None
+                    RankFill([hosts[k, w][j][i] for j in range(s - 1)], ranks[0]) if hosts[k, w][0][i] is not None
                     else None for i in range(len(hops)))
                 base = comm.stage_base(k)[s - 1]
                 kw["assemble"] = stack(lambda r: shifted(assemble_index(comm, route, k, r), base[r]))
