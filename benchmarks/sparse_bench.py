@@ -20,8 +20,9 @@ bytes (max over ranks of max(send, recv)):
 
     solver          the plan the library returns: the device solver's (``solve_assignment`` on
                     the sparse-priced config: the selection indices travel with Q and are
-                    counted), or owner-computes where that is balanced and moves fewer bytes
-                    per step (``no_worse_than_owner``; column ``plan``); its imbalance and the
+                    counted), or owner-computes where that is balanced and its modelled step
+                    (busiest attention plus bytes, ``no_worse_than_owner``) is shorter; column
+                    ``plan``); its imbalance and the
                     solve time (one solve, wall, CPU)
     owner           owner-computes: each rank computes its own queries and fetches the KV
                     they select (no Q travels)
@@ -54,7 +55,8 @@ Sub-stages (``--stages 1,2,4``): the returned plan is built with each ``num_stag
 work in S sub-stages, ``plan.stages``, ordered on ``--topology``) and its layer is simulated
 (``gpusolver.sim.simulate``, every figure "simulated", not measured) with ``TorchGroup``'s a2a and p2p
 transports: forward, backward and step in ms, the step over the same plan's at S = 1 (two stages),
-the step over the ideal bound, and the exposed communication's share of the step. The table goes to
+the step over the ideal bound, the exposed communication's share of the step, and the step over
+owner-computes' two-stage step with the same transport. The table goes to
 ``--stages-md`` / ``--stages-json``:
 
     python benchmarks/sparse_bench.py --dsa-P 16 --nsa-P 16,32 --big '' --seeds 0 --stages 1,2,4
@@ -236,9 +238,10 @@ def usp_with_selection(S: int, config: SolverConfig, spec: SelectionSpec, hkv_se
 
 
 def simulate_stages(areas, assignment, config: SolverConfig, spec, used, kv_block, stages, topology,
-                    base: dict) -> list[dict]:
+                    base: dict, owner=None) -> list[dict]:
     """The returned plan built at each S of ``stages`` and its layer simulated (a2a and p2p): rows of
-    the sub-stage table. Capacities: the worst case, so that no plan overflows (sizes only)."""
+    the sub-stage table, each also over owner-computes' two-stage step (``owner``: its assignment)
+    with the same transport. Capacities: the worst case, so that no plan overflows (sizes only)."""
     from dataclasses import replace
 
     from gpusolver.sim import simulate
@@ -246,10 +249,17 @@ def simulate_stages(areas, assignment, config: SolverConfig, spec, used, kv_bloc
     G, P, c = config.head_groups, config.cp_size, areas.rank_tokens
     worst = G * c * (P - 1)
     rows, first = [], {}
-    for S in stages:
+
+    def built(asg, S):
         cfg = replace(config, num_stages=S, topology=topology)
-        plan = build_sparse_plan(areas, assignment, cfg, spec, P * c, used_blocks=used, kv_block=kv_block,
+        return build_sparse_plan(areas, asg, cfg, spec, P * c, used_blocks=used, kv_block=kv_block,
                                  recv_capacity=worst, send_capacity=worst)
+
+    owner_plan = None if owner is None else built(owner, 1)
+    owner_ms = {comm: simulate(owner_plan, topology, comm=comm).step_ms for comm in ("a2a", "p2p")} \
+        if owner_plan is not None else {}
+    for S in stages:
+        plan = built(assignment, S)
         row = dict(base, S=S)
         for comm in ("a2a", "p2p"):
             t = simulate(plan, topology, comm=comm)
@@ -257,7 +267,8 @@ def simulate_stages(areas, assignment, config: SolverConfig, spec, used, kv_bloc
             row.update({f"{comm}_fwd": t.fwd_ms, f"{comm}_bwd": t.bwd_ms, f"{comm}_step": t.step_ms,
                         f"{comm}_vs_S1": ratio(t.step_ms, first[comm]),
                         f"{comm}_vs_ideal": ratio(t.step_ms, t.ideal_ms),
-                        f"{comm}_exposed": ratio(t.exposed_comm_ms, t.step_ms)})
+                        f"{comm}_exposed": ratio(t.exposed_comm_ms, t.step_ms),
+                        f"{comm}_vs_owner": ratio(t.step_ms, owner_ms[comm]) if owner_ms else None})
         rows.append(row)
     return rows
 
@@ -277,7 +288,7 @@ def run_case(kind: str, P: int, c: int, seed: int, areas, key_used, spec, t_inde
     kv_block = NSA_BLOCK if kind == "nsa" else None  # what the runtime moves by default (default_kv_block)
     used = None if kv_block is None else \
         key_used.view(-1, P, S // kv_block, kv_block).any(-1).expand(G, P, S // kv_block)
-    # the plan the library returns: the solver's, or owner-computes when balanced and cheaper per step
+    # the plan the library returns: the solver's, or owner-computes when balanced and modelled faster
     assignment = no_worse_than_owner(areas, raw, config, spec, used, kv_block)
     owner_asg = owner_computes_assignment(areas)
     pick = "owner" if torch.equal(assignment, owner_asg) and not torch.equal(raw, owner_asg) else "solver"
@@ -307,7 +318,8 @@ def run_case(kind: str, P: int, c: int, seed: int, areas, key_used, spec, t_inde
     row["step_vs_owner"] = ratio(moved, owner_moved)
     if stages:
         base = {k: row[k] for k in ("mask", "heads", "G", "P", "c", "seed", "plan")}
-        row["stages"] = simulate_stages(areas, assignment, config, spec, used, kv_block, stages, topology, base)
+        row["stages"] = simulate_stages(areas, assignment, config, spec, used, kv_block, stages, topology, base,
+                                        owner=owner_asg)
     return row
 
 
@@ -333,6 +345,7 @@ STAGE_COLUMNS = [
     ("p2p step ms", "p2p_step", ".3f"), ("p2p step ÷ S=1", "p2p_vs_S1", ".3f"),
     ("p2p ÷ ideal", "p2p_vs_ideal", ".3f"),
     ("p2p exposed", "p2p_exposed", ".3f"),
+    ("a2a ÷ owner S=1", "a2a_vs_owner", ".3f"), ("p2p ÷ owner S=1", "p2p_vs_owner", ".3f"),
 ]
 
 
@@ -350,7 +363,9 @@ def render_stages(rows: list[dict], provenance: dict | None, topology: str) -> s
         "`gpusolver.sim.simulate` with `TorchGroup`'s transports: a2a (one all-to-all-v per sub-stage) and "
         "p2p (each rank starts when its own rows have landed). `step ÷ S=1`: the step over the same "
         "plan's two-stage step (S = 1); `÷ ideal`: over the step's ideal bound; `exposed`: exposed "
-        "communication's share of the step. NSA moves key blocks, DSA hulls.", "",
+        "communication's share of the step; `÷ owner S=1`: over owner-computes' two-stage step with the "
+        "same transport (the returned plan is owner-computes where that is modelled faster, "
+        "`plan.sparse.no_worse_than_owner`). NSA moves key blocks, DSA hulls.", "",
         markdown_table(rows, STAGE_COLUMNS), ""])
 
 

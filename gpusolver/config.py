@@ -203,7 +203,7 @@ class SolverConfig:
                         0.4, 0.2) and keeps, on the device, the plan of the lowest
                         modelled step: the busiest rank's attention FLOPs over the
                         topology's rate plus its link-weighted bytes over NVLink, in
-                        integer weights (``solver.balance.time_weights``). It costs one
+                        integer weights (``step_model.time_weights``). It costs one
                         solve per candidate. On the benchmark masks (seeds 0-2, P = 16-64)
                         the simulated step was 0.928-1.042x mu = 1.10's, median 0.97
                         (benchmarks/results/balance_sweep_seeds.md).

@@ -24,7 +24,7 @@ PACKAGES = ("attn_kernels", "groupcomm", "gpusolver")
 # gpusolver's layers, lowest first: a module of layer i imports only layers <= i. A module is
 # placed by its longest listed prefix ("gpusolver" itself is the package's __init__ only).
 LAYERS = (
-    ("gpusolver.limits", "gpusolver.problem", "gpusolver.nvtx", "gpusolver.support",
+    ("gpusolver.limits", "gpusolver.problem", "gpusolver.nvtx", "gpusolver.support", "gpusolver.step_model",
      "gpusolver._flag_kernel", "gpusolver.transfers", "gpusolver.config", "gpusolver.topology",
      "gpusolver.capacity"),
     ("gpusolver.masks", "gpusolver.metrics"),

@@ -72,7 +72,7 @@ from gpusolver.config import SolverConfig
 from gpusolver.limits import MAX_CHUNK_TILES, balanced_load_cap
 from gpusolver.problem import BlockAreas
 from gpusolver.solver.accept.ref import accept_apply
-from gpusolver.solver.balance import candidate_tols, choose, time_weights
+from gpusolver.solver.balance import candidate_tols, choose
 from gpusolver.solver.bundle.ref import bundle_proposals
 from gpusolver.solver.core import _BIG, _MU_SCALE, DeviceSolveResult, Tasks, objective, over_buffers, step_vol
 from gpusolver.solver.start.ref import restart, variant_starts
@@ -82,6 +82,7 @@ from gpusolver.solver.strategies import (
     SINGLES_P, STARTS,
     TASK_ORDERS, Strategy, default_local_search, default_strategies, variant_scales, variant_tables, variants)
 from gpusolver.solver.track.ref import track
+from gpusolver.step_model import time_weights
 
 __all__ = ["DEFAULT_ROUNDS", "DEFAULT_STRATEGIES", "DeviceSolveResult", "IMPLS", "LARGE_P", "LARGE_P_STRATEGIES",
            "RESTART_EVERY", "SINGLES_P", "STARTS", "TASK_ORDERS", "Strategy", "coarser_tiles", "default_local_search",

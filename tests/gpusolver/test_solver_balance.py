@@ -15,6 +15,7 @@ from gpusolver.masks import packed_documents
 from gpusolver.solver import balance
 from gpusolver.solver.core import _BIG
 from gpusolver.solver.device import Strategy, solve_device
+from gpusolver.step_model import time_weights
 from gpusolver.topology import Topology, h200_hgx
 from tests._threads import one_torch_thread  # noqa: F401 - autouse, module scope
 
@@ -43,13 +44,15 @@ def test_time_weights():
     training objective, in 1/16 NVLink byte-times; an objective byte weighs 16."""
     config = SolverConfig(cp_size=16, topology=h200_hgx)
     fwd_entry_s = 4 * 128 * 8 / 400e12
-    assert balance.time_weights(config, 16 * 8192) == (round(3.5 * fwd_entry_s * 450e9 * 16), 16, 0)
+    assert time_weights(config, 16 * 8192) == (round(3.5 * fwd_entry_s * 450e9 * 16), 16, 0)
     forward = dataclasses.replace(config, objective="forward")
-    assert balance.time_weights(forward, 16 * 8192) == (round(fwd_entry_s * 450e9 * 16), 16, 0)
-    w_area, w_byte, shift = balance.time_weights(config, 1 << 26)  # past int64 unshifted: both terms shift
+    assert time_weights(forward, 16 * 8192) == (round(fwd_entry_s * 450e9 * 16), 16, 0)
+    w_area, w_byte, shift = time_weights(config, 1 << 26)  # past int64 unshifted: both terms shift
     assert shift > 0 and w_area * config.head_groups * (1 << 52) >> shift < 1 << 62
     with pytest.raises(ValueError, match="topology"):
-        balance.time_weights(SolverConfig(cp_size=16), 16 * 8192)
+        time_weights(SolverConfig(cp_size=16), 16 * 8192)
+    # the rates of a topology given apart: the same weights as the config's own
+    assert time_weights(SolverConfig(cp_size=16), 16 * 8192, h200_hgx) == time_weights(config, 16 * 8192)
 
 
 def test_config_errors():
@@ -67,7 +70,7 @@ def test_choice_is_the_lowest_modelled_step(attn_tflops):
     areas, config = _case(_nodes(attn_tflops))
     auto = solve_device(areas, config, impl="torch", **_KW)
     tols = balance.candidate_tols(config.imbalance_tol)
-    weights = balance.time_weights(config, areas.chunk * areas.num_units)
+    weights = time_weights(config, areas.chunk * areas.num_units)
     singles = [solve_device(areas, dataclasses.replace(config, imbalance_tol=mu, imbalance_auto=False),
                             impl="torch", **_KW) for mu in tols]
     keys = [int(balance.modelled_step(r, areas.area, weights, 4)) for r in singles]
@@ -87,7 +90,7 @@ def test_no_usable_candidate_keeps_the_bound_itself():
     fixed = solve_device(areas, dataclasses.replace(config, imbalance_auto=False), impl="torch", **_KW)
     unbalanced = dataclasses.replace(fixed, balanced=torch.tensor(False))
     other = dataclasses.replace(unbalanced, assignment=torch.zeros_like(fixed.assignment))
-    weights = balance.time_weights(config, areas.chunk * areas.num_units)
+    weights = time_weights(config, areas.chunk * areas.num_units)
     got = balance.choose([unbalanced, other], (1.1, 1.05), areas.area, weights, 4)
     assert torch.equal(got.assignment, fixed.assignment) and float(got.imbalance_tol) == 1.1
 

@@ -54,6 +54,9 @@ def test_tiny_grid_writes_tables(tmp_path, monkeypatch):
             assert r[f"{comm}_step"] == pytest.approx(r[f"{comm}_fwd"] + r[f"{comm}_bwd"]) and r[f"{comm}_step"] > 0
             assert r[f"{comm}_vs_ideal"] >= 1.0 - 1e-9 and 0.0 <= r[f"{comm}_exposed"] <= 1.0
             assert r["S"] > 1 or r[f"{comm}_vs_S1"] == 1.0
+            # over owner-computes' two-stage step: the same plan where owner-computes is returned
+            assert r[f"{comm}_vs_owner"] > 0
+            assert r["plan"] != "owner" or r["S"] > 1 or r[f"{comm}_vs_owner"] == pytest.approx(1.0)
     assert "simulated on `h200_hgx` (not measured)" in (tmp_path / "st.md").read_text()
     assert json.loads((tmp_path / "st.json").read_text())["rows"] == json.loads(json.dumps(stage_rows))
     again = bench.main(["--from-json", str(tmp_path / "s.json"), "--md", str(tmp_path / "again.md")])["text"]

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from attn_kernels.sparse_attn.ref import selected_rows
+from gpusolver.metrics import evaluate
 from gpusolver.plan import BUFFER_OVERFLOW, UNASSIGNED
 from gpusolver.plan.sparse import SelectionSpec, SparseCommCost, build_sparse_plan, sparse_config
 from gpusolver.runtime.sparse_attn import gather_sparse_areas, solve_sparse_sharded
@@ -168,6 +169,79 @@ def test_owner_computes_wins_when_balanced_and_cheaper(kv_block):
     tight = replace(loose, imbalance_tol=1.0)  # owner-computes is not balanced: the solver's plan stays
     assert not bool(step_bytes(areas, owner, tight, spec, used, kv_block)[0])
     assert torch.equal(no_worse_than_owner(areas, scattered, tight, spec, used, kv_block), scattered)
+
+
+def _rates(P, attn_tflops, ranks_per_node=None):
+    from gpusolver.topology import Topology
+
+    return Topology(ranks_per_node=ranks_per_node or P, nvlink_gbps=450.0, ib_gbps=50.0, attn_tflops=attn_tflops)
+
+
+@pytest.mark.parametrize("kind,kv_block,per_node", [("dsa", None, None), ("nsa", 8, None), ("nsa", 8, 2)])
+def test_modelled_step_is_busiest_attention_plus_class_bottlenecks(kind, kv_block, per_node):
+    """The key is the step model's weights times the busiest rank's entries and the forward plus
+    backward bottleneck bytes, each phase the larger link class times its weight; the bytes are the
+    built plan's own per (source, destination), summed per rank here."""
+    from dataclasses import replace
+
+    from gpusolver.plan.sparse import modelled_step
+    from gpusolver.solve import solve_assignment
+    from gpusolver.step_model import time_weights
+
+    P, c = 4, 32
+    mask = make_mask(kind, P * c, 2, seed=0)
+    config = replace(make_config(P, 8, 2), imbalance_tol=1.5, topology=_rates(P, 400.0, per_node))
+    areas, _, used = gather_sparse_areas(mask, config, LocalGroup(P), kv_block)
+    spec = SelectionSpec.of(mask, config.head_groups)
+    priced = sparse_config(config, spec)
+    asg = solve_assignment(areas, priced)
+    plan = build_sparse_plan(areas, asg, config, spec, P * c, used_blocks=used, kv_block=kv_block)
+    node = torch.arange(P) // (per_node or P)
+    inter = node[:, None] != node[None, :]
+    weights = (1, 1) if per_node is None else priced.link_weights[1:]
+    phases = 0
+    for phase in ("fwd", "bwd"):
+        pair = plan.pair_bytes(phase)
+        worst = 0
+        for cls, w in ((~inter, weights[0]), (inter, weights[1])):
+            b = torch.where(cls, pair, 0)
+            worst = max(worst, int(torch.maximum(b.sum(1), b.sum(0)).max()) * w)
+        phases += worst
+    load = int(torch.zeros(P, dtype=torch.int64).scatter_add_(
+        0, asg.long().clamp(min=0).reshape(-1), torch.where(asg >= 0, areas.area, 0).reshape(-1)).max())
+    w_area, w_byte, shift = time_weights(priced, P * c)
+    assert shift == 0
+    balanced, key = modelled_step(areas, asg, config, spec, used, kv_block)
+    assert bool(balanced) and int(key) == w_area * load + w_byte * phases
+
+
+def test_owner_computes_wins_on_time_not_bytes():
+    """The solver's DSA plan moves fewer bytes than owner-computes but loads its busiest rank more:
+    with attention dear owner-computes is the plan, with attention free the solver's stays."""
+    from dataclasses import replace
+
+    from gpusolver.metrics import owner_computes_assignment
+    from gpusolver.plan.sparse import RATES_WITHOUT_TOPOLOGY, modelled_step, no_worse_than_owner, step_bytes
+    from gpusolver.solve import solve_assignment
+
+    P, c = 4, 32
+    mask = make_mask("dsa", P * c, 2, seed=0)
+    config = replace(make_config(P, 8, 2), imbalance_tol=1.5)
+    areas, _, _ = gather_sparse_areas(mask, config, LocalGroup(P), None)
+    spec = SelectionSpec.of(mask, config.head_groups)
+    solver = solve_assignment(areas, sparse_config(config, spec))
+    owner = owner_computes_assignment(areas)
+    busiest = lambda a: int(evaluate(areas, a, config.cost()).load.max())  # noqa: E731
+    # the case: fewer bytes, more attention on the busiest rank, both balanced within mu
+    assert int(step_bytes(areas, solver, config, spec)[1]) < int(step_bytes(areas, owner, config, spec)[1])
+    assert busiest(solver) > busiest(owner)
+    dear, free = (replace(config, topology=_rates(P, t)) for t in (1e-3, 1e9))
+    assert torch.equal(no_worse_than_owner(areas, solver, dear, spec), owner)
+    assert torch.equal(no_worse_than_owner(areas, solver, free, spec), solver)
+    # no topology: the rates of RATES_WITHOUT_TOPOLOGY, the same keys as that topology named
+    named = replace(config, topology=RATES_WITHOUT_TOPOLOGY)
+    for a in (solver, owner):
+        assert torch.equal(modelled_step(areas, a, config, spec)[1], modelled_step(areas, a, named, spec)[1])
 
 
 @pytest.mark.parametrize("kind", ["dsa", "nsa", "nsa-layer"])
