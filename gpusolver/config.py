@@ -25,9 +25,13 @@ AUTO_TILE_PIECES = 4
 # num_stages="auto" (the default) gives slice (dense) masks this many remote sub-stages: the lowest median
 # simulated training step over the benchmark masks at every P measured (h200_hgx; P = 16-64: 0.75x
 # the two-stage all-to-all-v step over point-to-point, 0.90x over all-to-all-v,
-# benchmarks/results/stages_bench.md; P = 2-8: 0.97x, stages_bench_small.md). Sparse selections
-# keep one remote stage: there S = 2-4 gave 0.90-1.07x of S = 1 over p2p (sparse_stages*.md).
+# benchmarks/results/stages_bench.md; P = 2-8: 0.97x, stages_bench_small.md). Sparse selections take
+# them inside one node only (``SolverConfig.for_sparse``): over p2p, S = 4 gave 0.77-0.99x of S = 1 at
+# P = 8 and 0.92-1.10x across nodes at P = 16-64 (benchmarks/results/sparse_stages.md).
 AUTO_STAGES = 4
+# Without a topology, a sparse group of at most this many ranks counts as inside one node (an HGX
+# node of 8 GPUs, the preset ``h200_hgx``) for its sub-stages.
+SPARSE_NODE_RANKS = 8
 # imbalance_tol="auto" (the default): mu for a group inside one node (or without a topology), and for a
 # slice-mask group that spans nodes. On the benchmark masks across nodes (h200_hgx, packed causal and
 # full documents, P = 16-64, seeds 0-1, S = 4 over p2p, benchmarks/results/relay_balance.md) mu = 1.05
@@ -172,8 +176,9 @@ class SolverConfig:
                         (each at its own rows): S costs no receive memory, but
                         S times the collectives and S + 1 attention launches per
                         pass. "auto" (default): ``AUTO_STAGES`` (4) for slice masks,
-                        the measured best (simulated), ``kept_kv_rows`` or not; 1 for
-                        sparse selections (``for_sparse``). 1 is the two-stage layer
+                        the measured best (simulated), ``kept_kv_rows`` or not; for
+                        sparse selections the same inside one node and 1 across
+                        nodes (``for_sparse``). 1 is the two-stage layer
                         (one cast, one remote stage, one reduce; the pinned digests).
     auto_stages:        set by num_stages="auto" (the field then reads the resolved S);
                         not an argument: ``dataclasses.replace`` of a config makes its
@@ -339,12 +344,15 @@ class SolverConfig:
         return DEFAULT_IMBALANCE_TOL
 
     def for_sparse(self) -> "SolverConfig":
-        """This config for a sparse selection's plan: with ``auto_stages``, one remote stage
-        (sub-stages measured 0.90-1.08x of S = 1 there), and with ``auto_mu``, mu
+        """This config for a sparse selection's plan: with ``auto_stages``, one remote stage where
+        the group spans nodes (``topology.ranks_per_node < cp_size``; without a topology, more than
+        ``SPARSE_NODE_RANKS`` ranks), where sub-stages measured 0.92-1.10x of S = 1, and
+        ``AUTO_STAGES`` inside one node (0.77-0.99x); with ``auto_mu``, mu
         ``DEFAULT_IMBALANCE_TOL`` (the tighter bound across nodes was measured on slice masks
         only); otherwise itself."""
         changes = {}
-        if self.auto_stages and self.num_stages != 1:
+        per_node = SPARSE_NODE_RANKS if self.topology is None else self.topology.ranks_per_node
+        if self.auto_stages and self.num_stages != 1 and self.cp_size > per_node:
             changes["num_stages"] = 1
         if self.auto_mu and self.imbalance_tol != DEFAULT_IMBALANCE_TOL:
             changes["imbalance_tol"] = DEFAULT_IMBALANCE_TOL

@@ -247,11 +247,12 @@ def _sparse_kernels(plan: SparsePlan, stages, scale: float, backend: str, determ
     return attend, attend_bwd
 
 
-def _forward_sub_stages(ctx, ql, kl, vl, sl, routes: LayerRoutes, stages, group, scale, keep, deterministic,
+def _forward_sub_stages(ctx, ql, kl, vl, sl, sel, routes: LayerRoutes, stages, group, scale, keep, deterministic,
                         backend):
     """S > 1 remote sub-stages: ``pipelined.forward_stages`` with the sparse kernel (and the window
     branch's slice kernel: one (out, lse) per branch), the selection rows travelling with Q. Saves
-    for the backward what it reads: the local rows, every branch's (out, lse) and, kept, the operands."""
+    for the backward what it reads: the local rows, every branch's (out, lse) and, kept, the operands;
+    cast again, the selection as given (``sel``: one row per token, its group rows ``sl`` made again)."""
     attend, _ = _sparse_kernels(routes.plan, stages, scale, backend, deterministic)
     lead = 1 if routes.batched else 0
     nb = 2 if routes.plan.spec.window_size else 1
@@ -261,7 +262,7 @@ def _forward_sub_stages(ctx, ql, kl, vl, sl, routes: LayerRoutes, stages, group,
     if keep:  # the local rows are the operands' first rows: kept once, as views
         n = ql.shape[lead]
         ql, sl, kl, vl = (x.narrow(lead, 0, n) for x in (xq, xs, xk, xv))
-    ctx.save_for_backward(ql, kl, vl, sl, *outs, *((xq, xs, xk, xv) if keep else ()))
+    ctx.save_for_backward(ql, kl, vl, sl if keep else sel, *outs, *((xq, xs, xk, xv) if keep else ()))
     ctx.routes, ctx.stages, ctx.group, ctx.scale = routes, stages, group, scale
     ctx.keep, ctx.deterministic, ctx.backend, ctx.branches = keep, deterministic, backend, nb
     group.wait_sends()  # p2p sends may outlive their wait(): none past the pass
@@ -276,6 +277,8 @@ def _backward_sub_stages(ctx, *grads):
     G, nb = routes.groups, ctx.branches
     saved = ctx.saved_tensors
     ql, kl, vl, sl = saved[:4]
+    if not ctx.keep:  # saved as given: its rows per head group, as the forward made them
+        sl = _selection_rows(sl, G, lead)
     outs, kept = saved[4:4 + 2 * nb], saved[4 + 2 * nb:]
     _, attend_bwd = _sparse_kernels(routes.plan, ctx.stages, ctx.scale, ctx.backend, ctx.deterministic)
     branches = []  # (o, lse, dO, dlse or None) per branch
@@ -310,7 +313,7 @@ class _SparseDistAttn(torch.autograd.Function):
         sl = _selection_rows(sel, G, lead)
         if routes.stages is not None:
             ql, kl, vl = (to_group_major(x, G, lead).contiguous() for x in (q, k, v))
-            return _forward_sub_stages(ctx, ql, kl, vl, sl, routes, stages, group, scale, keep, deterministic,
+            return _forward_sub_stages(ctx, ql, kl, vl, sl, sel, routes, stages, group, scale, keep, deterministic,
                                        backend)
         attend, _ = _sparse_kernels(plan, stages, scale, backend, deterministic)
         cap, kcap = routes.recv_rows("qo"), routes.recv_rows("kv")  # as the casts bring them (QO: partial O too)

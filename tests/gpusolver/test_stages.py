@@ -37,7 +37,15 @@ def test_config_num_stages_is_checked():
     assert one.num_stages == 1 and not one.auto_stages and one.for_sparse() is one
     auto = SolverConfig(cp_size=4, num_stages="auto")
     assert auto.num_stages == AUTO_STAGES == 4 and auto.auto_stages  # the measured best
-    assert auto.for_sparse().num_stages == 1 and auto.replaced(imbalance_tol=1.2).auto_stages
+    assert auto.replaced(imbalance_tol=1.2).auto_stages
+    # sparse selections: sub-stages inside one node, one remote stage across nodes
+    assert auto.for_sparse().num_stages == AUTO_STAGES  # P = 4: one node without a topology
+    assert SolverConfig(cp_size=16).for_sparse().num_stages == 1  # more ranks than SPARSE_NODE_RANKS
+    assert SolverConfig(cp_size=8).for_sparse().num_stages == AUTO_STAGES
+    assert SolverConfig(cp_size=16, topology=h200_hgx).for_sparse().num_stages == 1  # two nodes of 8
+    wide = replace(h200_hgx, ranks_per_node=16)
+    assert SolverConfig(cp_size=16, topology=wide).for_sparse().num_stages == AUTO_STAGES  # one node of 16
+    assert SolverConfig(cp_size=16, num_stages=4).for_sparse().num_stages == 4  # the caller's S stays
     assert SolverConfig(cp_size=4, num_stages="auto", kept_kv_rows=8).num_stages == AUTO_STAGES  # one shared buffer
     explicit = replace(auto, num_stages=2)  # dataclasses.replace names S: it is the caller's
     assert explicit.num_stages == 2 and not explicit.auto_stages and explicit.for_sparse() is explicit
@@ -154,7 +162,7 @@ def test_stage_pass_deterministic_and_on_meta():
 def test_sparse_plans_take_sub_stages_nsa_layer_masks_too():
     """A top-k plan and an NSA layer mask (two output branches) solve into S = 2 sub-stages (the layers:
     tests/gpusolver/sparse/test_stages.py); the window branch's slices get the same sub-stages, and
-    ``num_stages="auto"`` keeps sparse masks at one remote stage."""
+    ``num_stages="auto"`` gives sparse masks sub-stages inside one node, one remote stage across nodes."""
     from gpusolver.masks.sparse import BlockSparseMask, NSALayerMask, TokenTopKMask
 
     P, c = 4, 16
@@ -165,7 +173,10 @@ def test_sparse_plans_take_sub_stages_nsa_layer_masks_too():
     layer = NSALayerMask(BlockSparseMask(blocks.to(torch.int32).contiguous(), 8, P * c), 4)
     plan = solve(layer, make_config(P, 4, 2, num_stages=2))
     assert plan.num_stages == 2 and plan.window_calc.q_ranges.shape[:2] == (P, 3)  # stage 0 and sub-stages 1, 2
-    assert solve(layer, make_config(P, 4, 2, num_stages="auto")).num_stages == 1
+    assert solve(layer, make_config(P, 4, 2, num_stages="auto")).num_stages == AUTO_STAGES  # one node
+    two_nodes = Topology(ranks_per_node=2, nvlink_gbps=450.0, ib_gbps=50.0, attn_tflops=400.0)
+    across = make_config(P, 4, 2, num_stages="auto", topology=two_nodes)
+    assert solve(layer, across).num_stages == 1
 
 
 @pytest.mark.parametrize("tiles", [1, 2])

@@ -22,9 +22,12 @@ def make_mask(kind: str, S: int, Hkv: int, seed: int = 0):
     return sel if kind == "nsa" else NSALayerMask(sel, 10)
 
 
-def make_config(P, Hq, Hkv, flatten=True, tiles=1, keep=True) -> SolverConfig:
+def make_config(P, Hq, Hkv, flatten=True, tiles=1, keep=True, num_stages=1) -> SolverConfig:
+    """One remote stage unless told (the sparse layout across nodes); ``num_stages="auto"`` gives a group
+    this small sub-stages (``SolverConfig.for_sparse``), which tests/gpusolver/sparse/test_stages.py covers."""
     return SolverConfig(cp_size=P, num_heads_q=Hq, num_heads_kv=Hkv, head_dim=D, dtype=torch.float32,
-                        head_group_flatten=flatten, chunk_tiles=tiles, keep_forward_buffers=keep)
+                        head_group_flatten=flatten, chunk_tiles=tiles, keep_forward_buffers=keep,
+                        num_stages=num_stages)
 
 
 def make_inputs(S, Hq, Hkv, seed=0):
