@@ -53,9 +53,24 @@ def solve_assignment_op(area: torch.Tensor, q_need: torch.Tensor, k_need: torch.
                         bwd_flops_ratio: float = 2.5, bwd_attn_tflops: float = 1.0,
                         relays: bool = False) -> torch.Tensor:
     from gpusolver.solver.device import solve_device
+
+    config = op_config(SolverConfig, area, cp_size, tiles, num_heads_q, num_heads_kv, head_dim, dtype, imbalance_tol,
+                       objective, keep_forward_buffers, max_recv_rows, auto_tiles, max_qo_recv_rows,
+                       max_kv_recv_rows, max_qo_send_rows, max_kv_send_rows, keep_only, ranks_per_node,
+                       nvlink_gbps, ib_gbps, nics_per_node, imbalance_auto, attn_tflops, bwd_flops_ratio,
+                       bwd_attn_tflops, relays)
+    return solve_device(BlockAreas(area, q_need, k_need, chunk, tiles), config, impl=impl).assignment
+
+
+def op_config(cls, area, cp_size, tiles, num_heads_q, num_heads_kv, head_dim, dtype, imbalance_tol, objective,
+              keep_forward_buffers, max_recv_rows, auto_tiles, max_qo_recv_rows, max_kv_recv_rows,
+              max_qo_send_rows, max_kv_send_rows, keep_only, ranks_per_node, nvlink_gbps, ib_gbps, nics_per_node,
+              imbalance_auto, attn_tflops, bwd_flops_ratio, bwd_attn_tflops, relays, **extra) -> SolverConfig:
+    """The ``cls`` config a solve op's arguments describe (``solve_op_options`` in reverse): what
+    decides a plan must be an op argument, or a compiled solve would price by what it was traced
+    with. ``extra``: ``cls``'s own fields (the sparse prices)."""
     from gpusolver.topology import Topology
 
-    G = area.shape[0]
     rows = buffer_fields(max_recv_rows, max_qo_recv_rows, max_kv_recv_rows, max_qo_send_rows, max_kv_send_rows)
     # the solver reads the links of a topology (ranks_per_node 0: none), and with imbalance_auto its
     # attention rates (the step model of ``solver.balance``); ``relays`` is the caller's resolved
@@ -65,12 +80,11 @@ def solve_assignment_op(area: torch.Tensor, q_need: torch.Tensor, k_need: torch.
                                                          bwd_flops_ratio=bwd_flops_ratio,
                                                          bwd_attn_tflops=bwd_attn_tflops,
                                                          nics_per_node=nics_per_node)
-    config = SolverConfig(cp_size=cp_size, num_heads_q=num_heads_q, num_heads_kv=num_heads_kv, head_dim=head_dim,
-                          dtype=dtype, imbalance_tol=imbalance_tol, head_group_flatten=G != 1, chunk_tiles=tiles,
-                          objective=objective, keep_forward_buffers=keep_only or keep_forward_buffers,
-                          auto_tiles=auto_tiles, topology=topology, imbalance_auto=imbalance_auto,
-                          ib_relay=bool(relays), **rows)
-    return solve_device(BlockAreas(area, q_need, k_need, chunk, tiles), config, impl=impl).assignment
+    return cls(cp_size=cp_size, num_heads_q=num_heads_q, num_heads_kv=num_heads_kv, head_dim=head_dim,
+               dtype=dtype, imbalance_tol=imbalance_tol, head_group_flatten=area.shape[0] != 1, chunk_tiles=tiles,
+               objective=objective, keep_forward_buffers=keep_only or keep_forward_buffers,
+               auto_tiles=auto_tiles, topology=topology, imbalance_auto=imbalance_auto,
+               ib_relay=bool(relays), **rows, **extra)
 
 
 @solve_assignment_op.register_fake

@@ -6,13 +6,13 @@ is one custom op:
 
     gpusolver::solve_sparse_assignment(area, q_need, k_need, chunk, cp_size, tiles, num_heads_q,
                                        num_heads_kv, head_dim, dtype, imbalance_tol, impl,
-                                       objective, keep_forward_buffers, max_recv_rows, auto_tiles,
-                                       selection_bytes, branches)
+                                       selection_bytes, branches, *options)
         -> assignment [G, U, U] int32 (-1 for empty tasks)
 
 ``gpusolver::solve_assignment`` (``gpusolver.ops``) with the sparse prices
-(``SparseSolverConfig``: selection bytes with Q, one O per branch;
-``max_recv_rows`` -1 for the default). Traced op
+(``SparseSolverConfig``: selection bytes with Q, one O per branch); ``options``
+are that op's trailing arguments (``ops.solve_op_options``: objective, buffers,
+the topology's links and rates, the time-aware bound). Traced op
 by op, the device solver's rounds take locks Dynamo cannot enter; as one
 opaque node with a static shape the compiled sparse layer keeps one graph.
 """
@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from gpusolver.capacity import buffer_fields, buffer_ints
 from gpusolver.assign import solve_assignment
 from gpusolver.config import SolverConfig, check_config
+from gpusolver.ops import op_config, solve_op_options
 from gpusolver.plan.meta import IMBALANCED
 from gpusolver.plan.sparse import (SelectionSpec, SparsePlan, SparseSolverConfig, build_sparse_plan,
                                    default_kv_block, no_worse_than_owner, sparse_config)
@@ -32,38 +32,35 @@ from gpusolver.problem import BlockAreas
 @torch.library.custom_op("gpusolver::solve_sparse_assignment", mutates_args=())
 def solve_sparse_assignment_op(area: torch.Tensor, q_need: torch.Tensor, k_need: torch.Tensor, chunk: int,
                                cp_size: int, tiles: int, num_heads_q: int, num_heads_kv: int, head_dim: int,
-                               dtype: torch.dtype, imbalance_tol: float, impl: str, objective: str,
-                               keep_forward_buffers: bool, max_recv_rows: int, auto_tiles: bool, selection_bytes: int,
-                               branches: int, max_qo_recv_rows: int = -1, max_kv_recv_rows: int = -1,
-                               max_qo_send_rows: int = -1, max_kv_send_rows: int = -1) -> torch.Tensor:
+                               dtype: torch.dtype, imbalance_tol: float, impl: str, selection_bytes: int,
+                               branches: int, objective: str, keep_forward_buffers: bool, max_recv_rows: int,
+                               auto_tiles: bool, max_qo_recv_rows: int, max_kv_recv_rows: int, max_qo_send_rows: int,
+                               max_kv_send_rows: int, keep_only: str, ranks_per_node: int, nvlink_gbps: float,
+                               ib_gbps: float, nics_per_node: int, imbalance_auto: bool, attn_tflops: float,
+                               bwd_flops_ratio: float, bwd_attn_tflops: float, relays: bool) -> torch.Tensor:
     from gpusolver.solver.device import solve_device
 
-    config = SparseSolverConfig(cp_size=cp_size, num_heads_q=num_heads_q, num_heads_kv=num_heads_kv,
-                                head_dim=head_dim, dtype=dtype, imbalance_tol=imbalance_tol,
-                                head_group_flatten=area.shape[0] != 1, chunk_tiles=tiles, objective=objective,
-                                keep_forward_buffers=keep_forward_buffers,
-                                auto_tiles=auto_tiles, selection_bytes=selection_bytes, branches=branches,
-                                **buffer_fields(max_recv_rows, max_qo_recv_rows, max_kv_recv_rows, max_qo_send_rows,
-                                                max_kv_send_rows))
+    config = op_config(SparseSolverConfig, area, cp_size, tiles, num_heads_q, num_heads_kv, head_dim, dtype,
+                       imbalance_tol, objective, keep_forward_buffers, max_recv_rows, auto_tiles, max_qo_recv_rows,
+                       max_kv_recv_rows, max_qo_send_rows, max_kv_send_rows, keep_only, ranks_per_node,
+                       nvlink_gbps, ib_gbps, nics_per_node, imbalance_auto, attn_tflops, bwd_flops_ratio,
+                       bwd_attn_tflops, relays, selection_bytes=selection_bytes, branches=branches)
     return solve_device(BlockAreas(area, q_need, k_need, chunk, tiles), config, impl=impl).assignment
 
 
 @solve_sparse_assignment_op.register_fake
-def _solve_sparse_assignment_fake(area, q_need, k_need, chunk, cp_size, tiles, num_heads_q, num_heads_kv, head_dim,
-                                  dtype, imbalance_tol, impl, objective, keep_forward_buffers, max_recv_rows,
-                                  auto_tiles, selection_bytes, branches, max_qo_recv_rows=-1, max_kv_recv_rows=-1,
-                                  max_qo_send_rows=-1, max_kv_send_rows=-1):
+def _solve_sparse_assignment_fake(area, q_need, k_need, chunk, cp_size, tiles, *options):
     return area.new_empty(area.shape, dtype=torch.int32)
 
 
 def solve_sparse_assignment(areas: BlockAreas, config: SparseSolverConfig, impl: str = "auto") -> torch.Tensor:
-    """The device solver's assignment of sparse ``areas`` through the op: [G, U, U] int32."""
-    shared, *kinds = buffer_ints(config)
+    """The device solver's assignment of sparse ``areas`` through the op: [G, U, U] int32. The op
+    carries everything the eager solve reads (``solve_op_options``: the topology's links and
+    rates, the time-aware bound, the buffers), so a compiled sparse layer gets the eager plan."""
     return solve_sparse_assignment_op(areas.area, areas.q_need, areas.k_need, areas.chunk, config.cp_size,
                                       config.chunk_tiles, config.num_heads_q, config.num_heads_kv, config.head_dim,
-                                      config.dtype, config.imbalance_tol, impl, config.objective,
-                                      config.keep_forward_buffers, shared, config.auto_tiles,
-                                      config.selection_bytes, config.branches, *kinds)
+                                      config.dtype, config.imbalance_tol, impl, config.selection_bytes,
+                                      config.branches, *solve_op_options(config))
 
 
 def sparse_assignment(areas: BlockAreas, config: SparseSolverConfig, *, solver: str = "device",

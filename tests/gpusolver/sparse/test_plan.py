@@ -100,6 +100,31 @@ def test_sharded_solve_equals_whole_solve():
     assert torch.equal(whole.metrics.fwd_send, sharded.metrics.fwd_send)
 
 
+@pytest.mark.parametrize("kind", ["dsa", "nsa"])
+def test_compiled_solve_prices_the_topology(kind):
+    """Under ``torch.compile`` the sparse device solve is one op: it must carry the topology (and every
+    option the eager solve reads), or a compiled layer on a cluster gets a plan priced for one node."""
+    from dataclasses import replace
+
+    from gpusolver.areas.sparse import sparse_areas
+    from gpusolver.sparse_solve import sparse_assignment
+    from gpusolver.topology import Topology
+
+    P, c, Hq, Hkv = 8, 32, 8, 2
+    mask = make_mask(kind, P * c, Hkv, seed=0)
+    topo = Topology(ranks_per_node=2, nvlink_gbps=450.0, ib_gbps=50.0, attn_tflops=400.0, name="nodes of 2")
+    config = replace(make_config(P, Hq, Hkv), topology=topo).for_sparse()
+    priced = sparse_config(config, SelectionSpec.of(mask, config.head_groups))
+    areas = sparse_areas(mask, P, config.head_groups, tiles=config.chunk_tiles)
+    eager = sparse_assignment(areas, priced, impl="torch")
+    one_node = sparse_assignment(areas, replace(priced, topology=None), impl="torch")
+    assert not torch.equal(eager, one_node)  # the case is one where the topology decides the plan
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda: sparse_assignment(areas, priced, impl="torch"), fullgraph=True,
+                             backend="eager")()
+    assert torch.equal(compiled.to(eager.dtype), eager)
+
+
 def test_status_names_the_problem():
     P, c, Hkv = 4, 8, 2
     mask = make_mask("dsa", P * c, Hkv)
