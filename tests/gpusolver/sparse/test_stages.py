@@ -319,6 +319,14 @@ def test_one_stage_gloo_buffers_hold_the_rank_fill(kind, kv_block):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kind,kv_block", [("nsa", 8), ("dsa", None)])
+def test_one_stage_gloo_p2p(kind, kv_block):
+    """One remote stage (the sparse default across nodes) over point-to-point transport: values,
+    gradients, byte counters and the buffers at each rank's fill, as over all-to-all-v."""
+    _check_gloo(4, kind, 1, kv_block, "p2p")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,kv_block,transport", [("nsa", 8, "p2p"), ("dsa", None, "p2p"), ("dsa", None, "a2a"),
                                                      ("nsa-layer", None, "a2a"), ("nsa-layer", None, "p2p")])
 def test_sub_stages_gloo_matrix(kind, kv_block, transport):
