@@ -41,12 +41,23 @@ The max is exact in any order; the two sums go through the ordered sum above.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ._merge import fused_reduce_rows, use_fused
 
 _NEG_INF = float("-inf")
 _PIECES = 4  # pieces of each window the returned rows are converted in (a bounded number of ops)
+# a piece of fewer elements saves less memory than its ops cost (launches, graph nodes under compile)
+PIECE_MIN_ELEMENTS = 1 << 18
+
+
+def _piece_step(W: int, vals: torch.Tensor) -> int:
+    """Columns per piece of a ``W``-column window of ``vals [B, C, *f]``'s rows: ``_PIECES`` pieces,
+    fewer (down to one) where a piece would hold under ``PIECE_MIN_ELEMENTS`` elements."""
+    per_column = vals.shape[0] * math.prod(vals.shape[2:])
+    return max(1, -(-W // _PIECES), -(-PIECE_MIN_ELEMENTS // max(1, per_column)))
 
 
 def _targets(send_index: torch.Tensor, dest: torch.Tensor, N: int) -> torch.Tensor:
@@ -91,7 +102,7 @@ def _add_rows(flat: torch.Tensor, vals: torch.Tensor, pos: torch.Tensor, targets
     B, W = pos.shape
     b = torch.arange(B, device=pos.device)[:, None]
     targets = targets.view(B, W)
-    step = -(-W // _PIECES)
+    step = _piece_step(W, vals)
     for c0 in range(0, W, step):
         p, t = pos[:, c0:c0 + step], targets[:, c0:c0 + step].reshape(-1)
         rows = vals[b, p].reshape(-1, *vals.shape[2:]).to(flat.dtype)   # [B * step, *f]
@@ -147,7 +158,7 @@ def _add_rows_into(acc: torch.Tensor, vals: torch.Tensor, pos: torch.Tensor, row
     the module docstring). In ``_PIECES`` pieces of columns, as ``_add_rows``."""
     B, W = pos.shape
     b = torch.arange(B, device=pos.device)[:, None]
-    step = -(-W // _PIECES)
+    step = _piece_step(W, vals)
     for c0 in range(0, W, step):
         p, m = pos[:, c0:c0 + step], ok[:, c0:c0 + step]
         n = torch.where(m, rows_n[:, c0:c0 + step], torch.zeros_like(p))

@@ -12,24 +12,28 @@ import torch
 def send_index(rng: torch.Tensor, chunk: int, send_capacity: int) -> torch.Tensor:
     """Gather indices into one source's group-major rows, in send order.
 
-    rng: [G, n, P(dst), 2] int64 chunk-local ranges of the source's n tiles
-         (or [G, P(dst), 2] without tiling).
-    Returns [send_capacity] int64: segments ordered by (dst, g, tile), rows of
+    rng: [..., G, n, P(dst), 2] int64 chunk-local ranges of the source's n tiles
+         (or [G, P(dst), 2] without tiling); leading dims are independent send lists
+         (sources, stages), all built by the same few ops.
+    Returns [..., send_capacity] int64: segments ordered by (dst, g, tile), rows of
     segment (dst, g, tile) are ``g * c + lo + t``; -1 after the last row sent.
     """
     if rng.dim() == 3:
         rng = rng[:, None]
-    G, n, P = rng.shape[0], rng.shape[1], rng.shape[2]
+    lead = rng.shape[:-4]
+    G, n, P = rng.shape[-4], rng.shape[-3], rng.shape[-2]
     S = P * G * n
-    lo = rng[..., 0].permute(2, 0, 1).reshape(S)  # [(dst, g, tile)]
-    length = (rng[..., 1] - rng[..., 0]).permute(2, 0, 1).reshape(S)
-    ends = length.cumsum(dim=0)
+    rng = rng.reshape(-1, G, n, P, 2)
+    B = rng.shape[0]
+    lo = rng[..., 0].permute(0, 3, 1, 2).reshape(B, S)  # [b, (dst, g, tile)]
+    length = (rng[..., 1] - rng[..., 0]).permute(0, 3, 1, 2).reshape(B, S)
+    ends = length.cumsum(dim=1)
     starts = ends - length
-    pos = torch.arange(send_capacity, device=rng.device)
+    pos = torch.arange(send_capacity, device=rng.device).expand(B, send_capacity).contiguous()
     seg = torch.searchsorted(ends, pos, right=True).clamp_(max=S - 1)  # segment holding pos
     g = seg // n % G
-    idx = g * chunk + lo[seg] + pos - starts[seg]
-    return torch.where(pos < ends[-1:], idx, -1)
+    idx = g * chunk + lo.gather(1, seg) + pos - starts.gather(1, seg)
+    return torch.where(pos < ends[:, -1:], idx, -1).reshape(*lead, send_capacity)
 
 
 def return_gather(comm, kind: str, rank: int) -> torch.Tensor:

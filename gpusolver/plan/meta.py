@@ -166,6 +166,30 @@ class CommMeta:
             rng = torch.where((st[..., 0 if which == "cast" else 1] == stage)[..., None], rng, 0)
         return send_index(rng, self.chunk, self.buffers.send(kind))
 
+    def stage_send_index(self, kind: str, ranks, which: str = "cast") -> torch.Tensor:
+        """[len(ranks), S, send_cap(kind)] int64: ``send_index(kind, r, s, which)`` of every rank
+        ``r`` of ``ranks`` and sub-stage s in 1..S (S = 1: every row), built in one batch (a
+        handful of ops, however many ranks and sub-stages, as per-call lists would take each)."""
+        self._kind(kind)
+        self._stage_arg(None, which)
+        ranks = tuple(ranks)
+        if not ranks or not all(isinstance(r, int) and 0 <= r < self.cp_size for r in ranks):
+            raise ValueError(f"ranks must be a non-empty tuple of ints in [0, {self.cp_size}), got {ranks!r}")
+        rng = self.qo_range if kind == "qo" else self.kv_range                  # [G, P * n, P, 2]
+        G, n, P, S = rng.shape[0], self.tiles, self.cp_size, self.num_stages
+        pick = torch.tensor(ranks, device=rng.device)
+
+        def per_source(t):  # [G, P * n, ...] -> [R, G, n, ...]
+            t = t.reshape(G, P, n, *t.shape[2:]).index_select(1, pick)
+            return t.transpose(0, 1)
+
+        rng = per_source(rng)[:, None]                                          # [R, 1, G, n, P, 2]
+        if S > 1:
+            st = per_source(self.qo_stage if kind == "qo" else self.kv_stage)[..., 0 if which == "cast" else 1]
+            s = torch.arange(1, S + 1, device=st.device).view(1, S, 1, 1, 1)
+            rng = torch.where((st[:, None] == s)[..., None], rng, 0)           # [R, S, G, n, P, 2]
+        return send_index(rng, self.chunk, self.buffers.send(kind))
+
     def stage_split(self, kind: str, which: str = "cast") -> torch.Tensor:
         """[S, P(src), P(dst)] int64 split sizes of each cast (``"cast"``) or reduce (``"return"``)."""
         self._kind(kind)

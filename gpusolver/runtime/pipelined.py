@@ -46,6 +46,8 @@ cast's start row on this rank is summed from that copy (a ``RankFill`` of the ca
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import torch
@@ -140,8 +142,8 @@ def stage_routes(plan: Plan, group, ranks: tuple[int, ...], batched: bool, kv_co
     index, split, host = {}, {}, {}
     for kind in KINDS:
         for which in WHICH:
-            index[kind, which] = [per_rank(lambda r: comms[kind].send_index(kind, r, s, which))
-                                  for s in range(1, S + 1)]
+            lists = comms[kind].stage_send_index(kind, ranks if batched else ranks[:1], which)  # [R, S, cap]
+            index[kind, which] = list(lists.unbind(1) if batched else lists[0].unbind(0))
             split[kind, which] = list(comms[kind].stage_split(kind, which).unbind(0))
     if isinstance(group, TorchGroup):
         # the only host read: all 4 S matrices in one non-blocking copy, awaited by the first collective
@@ -197,12 +199,22 @@ def _merge(o_a, l_a, o_b, l_b, lead: int):
 
 
 MERGE_PIECES = 8
+# A window of fewer elements saves less memory than its ops cost (launches on a GPU, graph nodes
+# under torch.compile): smaller row sets go in fewer windows, down to one.
+WINDOW_MIN_ELEMENTS = 1 << 18
 _CPU_MERGE_WHOLE = 1 << 22  # elements of a CPU accumulator merged in one call (larger: in windows)
 
 
-def _windows(total: int):
-    """(start, width) of ``MERGE_PIECES`` row windows covering ``total`` rows."""
-    step = max(1, -(-total // MERGE_PIECES))
+def row_elements(x: torch.Tensor, lead: int) -> int:
+    """Elements of one row of ``x``'s row dim ``lead`` (0, or 1 under a batch of ranks), all ranks'."""
+    return math.prod(x.shape[:lead]) * math.prod(x.shape[lead + 1:])
+
+
+def _windows(total: int, row_elements: int):
+    """(start, width) of at most ``MERGE_PIECES`` row windows covering ``total`` rows of
+    ``row_elements`` elements each, each window at least ``WINDOW_MIN_ELEMENTS`` (but one row)."""
+    least = -(-WINDOW_MIN_ELEMENTS // max(1, row_elements))
+    step = max(1, least, -(-total // MERGE_PIECES))
     for start in range(0, total, step):
         yield start, min(step, total - start)
 
@@ -220,7 +232,7 @@ def merge_rows_into(a_o, a_l, o_s, l_s, lead: int) -> None:
     contiguous, a window of every rank's is not."""
     for x_o, x_l, y_o, y_l in [(a_o, a_l, o_s, l_s)] if lead == 0 else zip(a_o, a_l, o_s, l_s):
         big = x_o.device.type == "cpu" and x_o.numel() > _CPU_MERGE_WHOLE
-        for start, width in _windows(x_o.shape[0]) if big else [(0, x_o.shape[0])]:
+        for start, width in _windows(x_o.shape[0], row_elements(x_o, 0)) if big else [(0, x_o.shape[0])]:
             merge_out_lse_(*(t.narrow(0, start, width) for t in (x_o, x_l, y_o, y_l)))
 
 
@@ -262,7 +274,7 @@ def _gather_remote(x: torch.Tensor, gather: torch.Tensor, n: int, lead: int, dty
     # a window of rows at a time: the gathered rows in x's dtype (fp32 sums) exist for one window,
     # never for the whole buffer (twice the size of ``out`` in bf16)
     b = torch.arange(remote.shape[0], device=idx.device)[:, None] if lead else None
-    for start, width in _windows(idx.shape[lead]):
+    for start, width in _windows(idx.shape[lead], row_elements(out, lead)):
         w = idx.narrow(lead, start, width)
         rows(out, lead, start, width).copy_(remote.index_select(0, w) if lead == 0 else remote[b, w])
     return out

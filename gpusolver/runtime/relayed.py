@@ -38,7 +38,7 @@ from gpusolver.plan.relay import assemble_index, hop_send_index, inverse_index
 from gpusolver.plan.schedule import ATTN, CAST, DELTA, MERGE, REDUCE, WAIT, backward_ops, forward_ops
 from gpusolver.runtime.operands import Operands
 from gpusolver.runtime.per_rank import per_rank
-from gpusolver.runtime.pipelined import RankFill, _windows, at_fill, op_range
+from gpusolver.runtime.pipelined import RankFill, _windows, at_fill, op_range, row_elements
 from groupcomm import TorchGroup, group_cast, group_reduce, host_splits
 
 _INTERNAL = dict(validate=False, flag_errors=False)
@@ -155,7 +155,7 @@ def _assemble_into(x: torch.Tensor, parts, idx: torch.Tensor, lead: int, sizes=N
     start = 0
     for part, span in zip(parts, sizes or [p.shape[lead] for p in parts]):
         n = part.shape[lead]
-        for a, w in _windows(x.shape[lead]) if n else ():
+        for a, w in _windows(x.shape[lead], row_elements(x, lead)) if n else ():
             i = idx[..., a:a + w]
             mine = (i >= start) & (i < start + n)
             src = (i - start).clamp(0, n - 1)

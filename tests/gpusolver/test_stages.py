@@ -149,6 +149,26 @@ def test_per_stage_routing_adds_up(tiles):
         assert torch.equal(whole, one.pair_bytes(phase))
 
 
+@pytest.mark.parametrize("S,tiles", [(1, 1), (4, 1), (3, 2)])
+def test_batched_send_lists_are_the_per_stage_ones(S, tiles):
+    """``CommMeta.stage_send_index`` (every rank and sub-stage in one batch, what the runtime builds)
+    equals ``send_index`` called per (rank, sub-stage), element for element, -1 padding included."""
+    _, _, plan, _ = _solved(S=S, tiles=tiles)
+    comm = plan.comm
+    assert int(comm.qo_split.sum()) > 0 and int(comm.kv_split.sum()) > 0
+    for kind in ("qo", "kv"):
+        for which in ("cast", "return"):
+            for ranks in ((0, 1, 2, 3, 4, 5, 6, 7), (5,), (6, 2)):
+                got = comm.stage_send_index(kind, ranks, which)
+                assert got.shape == (len(ranks), S, comm.buffers.send(kind)) and got.dtype == torch.int64
+                for i, r in enumerate(ranks):
+                    for s in range(1, S + 1):
+                        assert torch.equal(got[i, s - 1], comm.send_index(kind, r, s, which)), (kind, which, r, s)
+    for bad in ((), (8,), (-1,), (0.5,)):
+        with pytest.raises(ValueError, match="ranks must be"):
+            comm.stage_send_index("qo", bad)
+
+
 def test_stage_pass_deterministic_and_on_meta():
     _, areas, plan, config = _solved(S=8)
     again = assign_stages(areas, plan.assignment, 8, cost=config.cost())

@@ -75,6 +75,35 @@ def test_inplace_equals_out_of_place(P, N, seed, op, fused, det):
     assert not torch.equal(got[0], _host_rows(big, N)[0])  # the partials arrived
 
 
+@pytest.mark.parametrize("inplace", [False, True], ids=["out-of-place", "inplace"])
+@pytest.mark.parametrize("det", [True, False], ids=["det", "nondet"])
+@pytest.mark.parametrize("op", ["lse", "sum"])
+def test_pieces_give_the_same_bits(monkeypatch, op, det, inplace):
+    """The torch path adds each window's rows in pieces (``_reduce._PIECES``), fewer where a piece
+    would be small (``PIECE_MIN_ELEMENTS``): every real row is in one piece, so the bits do not
+    depend on the pieces. These rows are small enough to go in one piece by default."""
+    import groupcomm._reduce as reduce
+
+    P, N, seed = 8, 9, 3
+    r = random_routing(P, N, seed)
+    partials, big = (_lse_inputs if op == "lse" else _sum_inputs)(P, N, seed, r.recv_capacity)
+    got = []
+    for least in (reduce.PIECE_MIN_ELEMENTS, 1):
+        monkeypatch.setattr(reduce, "PIECE_MIN_ELEMENTS", least)
+        steps = []
+        monkeypatch.setattr(reduce, "_piece_step", lambda W, vals, f=reduce._piece_step: steps.append(
+            (W, f(W, vals))) or steps[-1][1])
+        into = [b.clone() for b in big]
+        with fused_reduce(False):
+            got.append(group_reduce(partials, r.send_index, r.split, _host_rows(into, N), LocalGroup(P), op=op,
+                                    deterministic=det, inplace=inplace))
+        assert steps, "the torch path took no pieces"
+        pieces = max(-(-W // step) for W, step in steps)
+        assert (pieces == 1) == (least > 1), (least, steps)
+    for i, (a, b) in enumerate(zip(*got)):
+        assert _same_bits(a, b), f"{op} tensor {i}: pieces changed the bits"
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["torch", "fused"])
 def test_inplace_reduces_in_sequence(fused):
     """Reduces one after another into one accumulator (what the layer's sub-stages do) give the

@@ -202,6 +202,8 @@ def test_stages_merge_windows_same_bits(monkeypatch):
     (``pipelined.MERGE_PIECES``): elementwise, so any number of windows gives the same bits."""
     import gpusolver.runtime.pipelined as pipelined
 
+    monkeypatch.setattr(pipelined, "WINDOW_MIN_ELEMENTS", 1)  # these rows are small: window them anyway
+
     P, c, Hq, Hkv, S = 4, 16, 4, 2, 4
     T = P * c
     mask = make_mask("docs-causal", T, seed=3)
