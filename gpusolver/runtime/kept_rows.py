@@ -27,8 +27,10 @@ __all__ = ["keep_prefix", "whole_operands", "tail_cast"]
 
 def keep_prefix(x: list[torch.Tensor], lead: int, n: int, kept_rows: int) -> tuple[torch.Tensor, ...]:
     """Copies of rows ``[0, n + kept_rows)`` of each operand in ``x`` (K, V: ``[B?, n + cap, h, D]``):
-    what the forward keeps, so the operands themselves can go."""
-    return tuple(rows(t, lead, 0, n + kept_rows).clone() for t in x)
+    what the forward keeps, so the operands themselves can go. An operand whose rows are all kept
+    (a ``TorchGroup`` buffer at a fill within ``kept_rows``) is kept itself: a copy would hold the
+    same rows twice until the operand goes."""
+    return tuple(t if n + kept_rows >= t.shape[lead] else rows(t, lead, 0, n + kept_rows).clone() for t in x)
 
 
 def whole_operands(kept, cap: int, lead: int, n: int, kept_rows: int) -> Operands:

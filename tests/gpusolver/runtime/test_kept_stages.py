@@ -133,3 +133,23 @@ def test_sub_stages_bf16_on_meta():
         assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
         (out.sum() + lse.sum()).backward()
         assert all(x.grad.dtype == torch.bfloat16 for x in (q, k, v))
+
+
+@pytest.mark.parametrize("lead", [0, 1], ids=["one-rank", "batched"])
+def test_keep_prefix_copies_a_part_and_keeps_a_whole_operand_itself(lead):
+    """The forward keeps rows ``[0, n + R)`` of K and V: a copy when rows past them go (cast again in
+    the backward), the operand itself when R covers all its rows (a ``TorchGroup`` buffer at a fill
+    within R), which a copy would hold twice."""
+    from gpusolver.runtime.kept_rows import keep_prefix
+
+    g = torch.Generator().manual_seed(0)
+    shape = (10, 2, 4) if lead == 0 else (3, 10, 2, 4)
+    x = [torch.randn(shape, generator=g), torch.randn(shape, generator=g)]
+    n = 4
+    part = keep_prefix(x, lead, n, 3)
+    for t, p in zip(x, part):
+        assert p.shape[lead] == n + 3 and p.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+        assert torch.equal(p, t.narrow(lead, 0, n + 3))
+    for kept in (6, 9):  # exactly the buffer's rows, and more than it holds
+        whole = keep_prefix(x, lead, n, kept)
+        assert all(w is t for w, t in zip(whole, x))

@@ -1,0 +1,41 @@
+"""benchmarks/rank_memory.py: one rank of a cluster layer on ``TorchGroup`` through a fake process group.
+
+The kept bytes are checked exactly against the plan: a rank keeps its out and lse, its local Q rows
+(Q is cast again at the default budget) and K, V over its local rows and the received rows its
+budget keeps, the received ones at this rank's fill (what it received), not at the capacity."""
+import torch
+import torch.distributed as dist
+
+from dataclasses import replace
+
+from gpusolver.topology import h200_hgx
+from tests.benchmarks._load import load_bench
+
+SHAPES = {"tokens_per_rank": 256, "num_heads_q": 16, "num_heads_kv": 4, "head_dim": 64, "dtype": torch.bfloat16}
+
+
+def test_a_rank_keeps_its_fill_and_the_fakes_are_undone():
+    rm = load_bench("rank_memory.py")
+    import gpusolver.runtime.pipelined as pipelined
+
+    P = 8  # two nodes of 4: the layer a cluster user runs, at a solve this test can afford
+    plan, config = rm.solved_plan("causal", P, 0, SHAPES, replace(h200_hgx, ranks_per_node=4, nics_per_node=4, name="nodes of 4"))
+    assert config.topology is not None and plan.relay is None and config.num_stages > 1  # the cluster default
+    assert config.keep_forward_buffers == "kv" and config.kept_kv_rows is not None  # the default budget's
+    ranks = rm.busiest_ranks(plan, 2)
+    received = plan.pair_bytes("fwd").sum(0)
+    assert received[ranks[0]] == received.max() and len(set(ranks)) == 2
+    c, Hq, Hkv, D, b = 256, 16, 4, 64, 2
+    G = config.head_groups
+    n = G * c
+    cap = plan.comm.buffers.recv("kv")
+    for rank in ranks:
+        fill = int(plan.comm.kv_split[:, rank].sum())           # KV rows this rank receives, all casts
+        assert 0 < fill <= cap
+        row = rm.measure_rank(plan, config, SHAPES, rank)
+        kv = (n + min(config.kept_kv_rows, fill)) * 2 * (Hkv // G) * D * b
+        own = c * Hq * D * b + c * Hq * 4 + n * (Hq // G) * D * b   # out, lse, the local Q rows
+        assert row["kept"] == own + kv, (rank, row["kept"], own + kv)
+        assert row["fwd_peak"] > 0 and row["bwd_peak"] > 0
+    assert not dist.is_initialized()
+    assert pipelined.flex_attn.__name__ == "flex_attn"  # the fakes are gone
