@@ -47,7 +47,6 @@ cast's start row on this rank is summed from that copy (a ``RankFill`` of the ca
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 
 import torch
