@@ -116,6 +116,11 @@ def measure_rank(plan, config: SolverConfig, shapes: dict, rank: int, seed: int 
     (``LiveBytes.breakdown``) and the runtime op (NVTX range) running there."""
     from gpusolver.runtime import dist_attn
 
+    if plan.relay is not None or plan.comm.num_stages == 1:
+        # the fakes stand in for the sub-stage executor's kernels only (runtime.pipelined): the other
+        # executors would run the real kernels at real shapes on CPU, for hours
+        raise ValueError(f"rank_memory measures direct sub-stage plans, got num_stages = "
+                         f"{plan.comm.num_stages}, relay = {plan.relay is not None}")
     c, D, dtype = shapes["tokens_per_rank"], shapes["head_dim"], shapes["dtype"]
     g = torch.Generator().manual_seed(seed + rank)
     q, k, v = (torch.randn(c, h, D, generator=g).to(dtype).requires_grad_()

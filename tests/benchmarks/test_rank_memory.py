@@ -39,3 +39,19 @@ def test_a_rank_keeps_its_fill_and_the_fakes_are_undone():
         assert row["fwd_peak"] > 0 and row["bwd_peak"] > 0
     assert not dist.is_initialized()
     assert pipelined.flex_attn.__name__ == "flex_attn"  # the fakes are gone
+
+
+def test_other_executors_are_refused_by_name():
+    """The fakes stand in for the sub-stage executor's kernels: a one-stage plan would run the real
+    kernels at real shapes, so it is refused with the offending value."""
+    import pytest
+
+    from gpusolver import SolverConfig, solve
+    from gpusolver.masks import causal_mask
+
+    rm = load_bench("rank_memory.py")
+    config = SolverConfig(cp_size=4, num_heads_q=8, num_heads_kv=2, head_dim=32, dtype=torch.bfloat16, num_stages=1)
+    plan = solve(causal_mask(4 * 32), config)
+    with pytest.raises(ValueError, match="num_stages = 1"):
+        rm.measure_rank(plan, config, dict(SHAPES, tokens_per_rank=32, num_heads_q=8, num_heads_kv=2, head_dim=32), 0)
+    assert not dist.is_initialized()
