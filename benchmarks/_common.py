@@ -57,8 +57,10 @@ def make_mask(kind: str, cp_size: int, seed: int, tokens_per_rank: int = TOKENS_
     return packed_documents(tokens_per_rank * cp_size, seed=seed, causal=causal, device=device)
 
 
-def parse_list(text: str, kind: type = int, allowed: Sequence | None = None, name: str = "value") -> list:
-    """``"8,16"`` -> ``[8, 16]``; raises ValueError naming ``name`` and the bad item."""
+def parse_list(text: str, kind: type = int, allowed: Sequence | None = None, name: str = "value",
+               minimum: int = 1) -> list:
+    """``"8,16"`` -> ``[8, 16]``; raises ValueError naming ``name`` and the bad item. Ints below
+    ``minimum`` are refused (``minimum=0`` for seeds)."""
     out = []
     for item in text.split(","):
         item = item.strip()
@@ -70,8 +72,8 @@ def parse_list(text: str, kind: type = int, allowed: Sequence | None = None, nam
             raise ValueError(f"{name}: {item!r} is not a {kind.__name__}") from None
         if allowed is not None and v not in allowed:
             raise ValueError(f"{name}: {item!r} is not one of {list(allowed)}")
-        if kind is int and v <= 0:
-            raise ValueError(f"{name}: {item!r} must be positive")
+        if kind is int and v < minimum:
+            raise ValueError(f"{name}: {item!r} must be " + ("positive" if minimum == 1 else f">= {minimum}"))
         out.append(v)
     if not out:
         raise ValueError(f"{name}: empty list {text!r}")
@@ -105,11 +107,43 @@ def cluster_sweep(p, args):
 def plan_cache_path(cache, kind: str, P: int, seed: int, tokens: int, config) -> Path | None:
     """Where a benchmark mask's solved plan is cached under ``cache`` (None: no cache). A solve on a
     topology (``config.topology``) gives another assignment, so it gets a file of its own, and so does
-    one at another bound than 1.10 (the default across nodes is 1.05: ``_mu1.05``)."""
+    one at another bound than 1.10 (the default across nodes is 1.05: ``_mu1.05``), at other buffer
+    capacities, or pricing another backward (``keep_tag``)."""
     if not cache:
         return None
     tag = "_topo" if config.topology is not None else ""
-    return Path(cache) / f"{kind}_P{P}_s{seed}_c{tokens}{tag}{mu_tag(config)}{caps_tag(config, tokens)}.pt"
+    return Path(cache) / (f"{kind}_P{P}_s{seed}_c{tokens}{tag}{mu_tag(config)}{caps_tag(config, tokens)}"
+                          f"{keep_tag(config, tokens)}.pt")
+
+
+def as_solved(config, tokens: int):
+    """``config`` as ``gpusolver.solve`` runs it with ``tokens`` per rank: the memory budget resolved
+    to the receive buffers kept for the backward (``capacity.keep_for_budget``). The solve prices what
+    is cast again, and a plan built with it simulates that backward: a benchmark measures the plan a
+    user's default config gives, not one that keeps everything."""
+    from gpusolver.capacity import keep_for_budget
+
+    return keep_for_budget(config, tokens)
+
+
+def keep_tag(config, tokens: int) -> str:
+    """The part of a cached plan's file name that names the backward its solve priced: none when the
+    budget keeps everything (the plans cached before benchmarks resolved the budget), else ``_keep``,
+    the kinds kept and the KV rows kept in G·c (``_keepkv-kv4.53``: K and V, their first 4.53 G·c)."""
+    resolved = as_solved(config, tokens)
+    keep, rows = resolved.keep_forward_buffers, resolved.kept_kv_rows
+    if keep is True and rows is None:
+        return ""
+    kinds = {False: "none", True: "qokv"}.get(keep, keep)
+    return f"_keep{kinds}" + ("" if rows is None else f"-kv{rows / (resolved.head_groups * tokens):.3g}")
+
+
+def build_as_solved(mask, areas, assignment, config, **kwargs):
+    """``build_plan`` with ``config`` as ``solve()`` runs it (``as_solved``): the plan's cost, and so
+    its metrics and simulated backward, price what the memory budget keeps."""
+    from gpusolver.plan.build import build_plan
+
+    return build_plan(mask, areas, assignment, as_solved(config, areas.rank_tokens), **kwargs)
 
 
 def caps_tag(config, tokens: int) -> str:
@@ -133,14 +167,16 @@ def mu_tag(config) -> str:
 
 
 def cached_assignment(mask, areas, config, path: Path | None):
-    """The solver's assignment for (mask, areas, config) and its CPU solve seconds, or the one a
-    plan saved at ``path`` holds (seconds None); a fresh solve is saved there as a plan."""
+    """The solver's assignment for (mask, areas, config) as ``solve()`` gives it (the memory budget
+    resolved: ``as_solved``) and its CPU solve seconds, or the one a plan saved at ``path`` holds
+    (seconds None); a fresh solve is saved there as a plan."""
     from gpusolver.plan import Plan
     from gpusolver.plan.build import build_plan
     from gpusolver.solve import solve_assignment
 
     if path is not None and path.exists():
         return Plan.load(path).assignment, None
+    config = as_solved(config, areas.rank_tokens)  # priced as solve() prices it
     t0 = time.perf_counter()
     asg = solve_assignment(areas, config, impl="torch")
     seconds = time.perf_counter() - t0

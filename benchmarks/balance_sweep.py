@@ -43,14 +43,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, run as a script or loaded by path
 
 from _common import (  # noqa: E402
-    RESULTS_DIR, add_cluster_sweep_args, cached_assignment, cluster_sweep, environment, make_mask, markdown_table, parse_list,
-    write_results,
+    RESULTS_DIR, add_cluster_sweep_args, as_solved, build_as_solved, cached_assignment, cluster_sweep, environment,
+    keep_tag, make_mask, markdown_table, parse_list, write_results,
 )
 from topology_solve import link_bottlenecks  # noqa: E402
 from gpusolver.areas import block_areas  # noqa: E402
 from gpusolver.config import SolverConfig  # noqa: E402
 from gpusolver.plan import Plan  # noqa: E402
-from gpusolver.plan.build import build_plan  # noqa: E402
 from gpusolver.sim import simulate, simulate_baseline  # noqa: E402
 from gpusolver.solver.device import solve_device  # noqa: E402
 
@@ -74,7 +73,7 @@ def auto_assignment(areas, config: SolverConfig, path: Path | None):
         saved = torch.load(path)
         return saved["assignment"], saved["imbalance_tol"], None
     t0 = time.perf_counter()
-    res = solve_device(areas, config, impl="torch")
+    res = solve_device(areas, as_solved(config, areas.rank_tokens), impl="torch")  # priced as solve() prices it
     seconds = time.perf_counter() - t0
     asg, mu = res.assignment, float(res.imbalance_tol)
     if path is not None:
@@ -97,7 +96,7 @@ def measure(kind: str, P: int, seed: int, tokens: int, topology, mus, solves, ca
         for mu in [max(mus)] if auto else mus:
             config = solve_config(P, mu, topology, topo_solve)
             tag = f"_{topology.name}_relay" if topo_solve else ""
-            name = f"{kind}_P{P}_s{seed}_c{tokens}{tag}_{'auto' if auto else 'mu'}{mu:.2f}.pt"
+            name = f"{kind}_P{P}_s{seed}_c{tokens}{tag}_{'auto' if auto else 'mu'}{mu:.2f}{keep_tag(config, tokens)}.pt"
             path = None if not cache else Path(cache) / name
             if auto:
                 asg, mu, solve_s = auto_assignment(areas, replace(config, imbalance_auto=True), path)
@@ -109,7 +108,7 @@ def measure(kind: str, P: int, seed: int, tokens: int, topology, mus, solves, ca
             # transport, the sub-stages ordered on the cluster (stages_bench)
             build = replace(config, topology=topology, ib_relay=None if topo_solve else False)
             for S, comm in VARIANTS:
-                plan = build_plan(mask, areas, asg, replace(build, num_stages=S))
+                plan = build_as_solved(mask, areas, asg, replace(build, num_stages=S))
                 t = simulate(plan, topology, comm=comm)
                 row[f"s{S}_ms"] = t.step_ms
                 if S == VARIANTS[-1][0]:

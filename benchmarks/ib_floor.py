@@ -26,15 +26,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
-    add_cluster_sweep_args, cached_assignment, cluster_sweep, make_mask, markdown_table, median, plan_cache_path,
-    print_and_write,
+    add_cluster_sweep_args, build_as_solved, cached_assignment, cluster_sweep, keep_tag, make_mask, markdown_table,
+    median, plan_cache_path, print_and_write,
 )
 from topology_solve import link_bottlenecks, usp_ib_fwd  # noqa: E402
 
 from gpusolver import SolverConfig, block_areas  # noqa: E402
 from gpusolver.bounds import ib_lower_bound  # noqa: E402
 from gpusolver.capacity import keep_for_budget  # noqa: E402
-from gpusolver.plan.build import build_plan  # noqa: E402
 
 MB = 1e6
 
@@ -78,7 +77,7 @@ def run(kind: str, P: int, seed: int, tokens: int, cache, topology) -> dict:
             ("today", base, plan_cache_path(cache, kind, P, seed, tokens, base)),
             ("topo", topo, plan_cache_path(cache, kind, P, seed, tokens, topo)),
             # the relay-priced solve's assignment is another one: a file of its own
-            ("relay", relay, cache and Path(cache) / f"{kind}_P{P}_s{seed}_c{tokens}_topo_relay.pt")):
+            ("relay", relay, cache and Path(cache) / f"{kind}_P{P}_s{seed}_c{tokens}_topo_relay{keep_tag(relay, tokens)}.pt")):
         asg, _ = cached_assignment(mask, areas, config, path)
         # today and topo built direct, as the default runs at S > 1; relay with relay transport at the
         # default S (its returns cross once per sub-stage) and at one remote stage ("relay1")
@@ -86,7 +85,7 @@ def run(kind: str, P: int, seed: int, tokens: int, cache, topology) -> dict:
         if name == "relay":
             builds.append(("relay1", replace(builds[0][1], num_stages=1)))
         for label, built in builds:
-            plan = build_plan(mask, areas, asg, built)
+            plan = build_as_solved(mask, areas, asg, built)
             fwd, bwd = (link_bottlenecks(plan.pair_bytes(phase), L)[0] for phase in ("fwd", "bwd"))
             row[f"{label}_fwd_mb"], row[f"{label}_ib_ms"] = fwd / MB, (fwd + bwd) / nic_bps * 1e3
             row[f"{label}_even_mb"] = node_spread(plan.pair_bytes("fwd"), L) / MB

@@ -58,14 +58,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, run as a script or loaded by path
 
 from _common import (  # noqa: E402
-    KINDS, PACKED_KINDS, RESULTS_DIR, TOKENS_PER_RANK, cached_assignment, cuda_time, environment, make_mask,
-    markdown_table, median, parse_list, plan_cache_path, write_results,
+    KINDS, PACKED_KINDS, RESULTS_DIR, TOKENS_PER_RANK, build_as_solved, cached_assignment, cuda_time, environment,
+    make_mask, markdown_table, median, parse_list, plan_cache_path, write_results,
 )
 from gpusolver.areas import block_areas  # noqa: E402
 from gpusolver.baselines import baseline_table  # noqa: E402
 from gpusolver.config import SolverConfig  # noqa: E402
 from gpusolver.capacity import BufferRows  # noqa: E402
-from gpusolver.plan import BUFFER_OVERFLOW, build_plan, plan_capacities  # noqa: E402
+from gpusolver.plan import BUFFER_OVERFLOW, plan_capacities  # noqa: E402
 from gpusolver.plan.comm_meta import build_comm_meta  # noqa: E402
 from gpusolver.plan.schedule import PHASES, stage_area  # noqa: E402
 from gpusolver.sim import simulate, simulate_baseline  # noqa: E402
@@ -242,7 +242,7 @@ def run_instance(kind: str, P: int, seed: int, tokens_per_rank: int, tiles=(1,),
     t1 = time.perf_counter()
     asg, solve_s = cached_assignment(mask, areas, config, plan_cache_path(plan_cache, kind, P, seed,
                                                                           tokens_per_rank, config))
-    plan = build_plan(mask, areas, asg, config)
+    plan = build_as_solved(mask, areas, asg, config)
     solve_ms = None if solve_s is None else 1e3 * (time.perf_counter() - t0)
     if int(plan.status) & BUFFER_OVERFLOW:
         print(f"# {kind} P={P} seed={seed}: BUFFER_OVERFLOW at the default capacity", file=sys.stderr)

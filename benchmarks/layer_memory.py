@@ -42,7 +42,7 @@ from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import PACKED_KINDS, TOKENS_PER_RANK, make_mask, markdown_table, parse_list  # noqa: E402
+from benchmarks._common import PACKED_KINDS, TOKENS_PER_RANK, make_mask, markdown_table, median, parse_list  # noqa: E402
 from gpusolver import SolverConfig, block_areas, solve  # noqa: E402
 from gpusolver import nvtx  # noqa: E402
 from gpusolver.capacity import keep_for_budget  # noqa: E402
@@ -339,7 +339,8 @@ COLUMNS = [("kind", "kind", ""), ("P", "P", "d"), ("S", "S", "d"), ("topology", 
            ("fwd merge MB", "fwd_reduce", ".1f"), ("bwd merge MB", "bwd_reduce", ".1f"),
            ("plan.memory fwd MB", "plan_fwd", ".1f"), ("plan.memory bwd MB", "plan_bwd", ".1f"),
            ("own q,k,v,out MB", "own", ".1f"), ("peak / own", "peak_ratio", ".2f")]
-STEP_COLUMNS = [("kind", "kind", ""), ("P", "P", "d"), ("S", "S", "d"), ("comm", "comm", ""),
+STEP_COLUMNS = [("kind", "kind", ""), ("P", "P", "d"), ("seed", "seed", "d"), ("S", "S", "d"),
+                ("solved on", "solved_on", ""), ("comm", "comm", ""),
                 ("budget", "budget", ""), ("QO recv", "qo_recv", ""),
                 ("status", "status", "d"), ("kept kinds", "budget_keep", ""),
                 ("kept KV rows", "kv_rows", ""),
@@ -357,10 +358,12 @@ TOP_COLUMNS = [("pass", "pass_", ""), ("P", "P", "d"), ("fused reduce", "fused",
 
 
 def step_cost(kind: str, P: int, budget: float, seed: int, topology: str, qo_chunks=None, stages=1,
-              comm: str = "a2a") -> dict:
+              comm: str = "a2a", cluster: bool = False) -> dict:
     """Simulated training step (forward + backward, ``gpusolver.sim``, transport ``comm``) of the device
     solver's plan at real shapes on CPU, all three with ``stages`` sub-stages: everything kept, within
-    ``budget`` (what is not kept cast again, the solve pricing it), and nothing kept."""
+    ``budget`` (what is not kept cast again, the solve pricing it), and nothing kept. ``cluster``: each
+    plan solved on ``topology`` as a cluster user's ``solve`` does (bytes priced by link class, the
+    default's transport and buffers there); otherwise solved with no topology and only simulated on it."""
     from gpusolver.sim import simulate
 
     topo = Topology.preset(topology)
@@ -368,12 +371,14 @@ def step_cost(kind: str, P: int, budget: float, seed: int, topology: str, qo_chu
     mask = make_mask(kind, P, seed, c)
     times, resolved = {}, None
     for name, keep, b in (("keep", True, None), ("budget", True, budget), ("none", False, None)):
-        config = make_config(P, REAL, keep, b, qo_chunks if b is not None else None, stages)
+        config = make_config(P, REAL, keep, b, qo_chunks if b is not None else None, stages,
+                             cluster=topology if cluster else None)
         plan = solve(mask, config)
         times[name] = simulate(plan, topo, comm=comm).step_ms
         if name == "budget":
             resolved, plan_status = keep_for_budget(config, c), plan.status
-    return {"kind": kind, "P": P, "S": resolved.num_stages, "comm": comm, "budget": budget,
+    return {"kind": kind, "P": P, "seed": seed, "S": resolved.num_stages,
+            "solved_on": topology if cluster else "no topology", "comm": comm, "budget": budget,
             "status": int(plan_status),
             "qo_recv": "default" if qo_chunks is None else f"{qo_chunks:g} Gc",
             "budget_keep": resolved.keep_forward_buffers,
@@ -402,6 +407,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--md", default=None, help="write the tables to this markdown file")
     p.add_argument("--step-cp-sizes", default="", help="P of the simulated step cost runs (device solver on CPU at "
                    "real shapes: minutes each at P >= 32); empty: none")
+    p.add_argument("--step-seeds", default=None, help="mask seeds of the step cost runs (default: --seed)")
     p.add_argument("--topology", default="h200_hgx", help="the simulated cluster of the step cost runs")
     p.add_argument("--fused-reduce", choices=("off", "on", "both"), default="off",
                    help="reduce through groupcomm's fused merge (the GPU default; on meta its fakes): off (the "
@@ -447,15 +453,16 @@ def main(argv=None) -> list[dict]:
                                             checkpoint=ckpt, qo_chunks=qo, top=args.top if first else 0,
                                             fused=fused, stages=stages, breakdown=args.breakdown and first,
                                             relay=relay, cluster=cluster))
-    for kind in kinds:
-        for P in parse_list(args.step_cp_sizes, name="--step-cp-sizes") if args.step_cp_sizes else []:
-            steps.append(step_cost(kind, P, args.budget, args.seed, args.topology, args.budget_qo_chunks, stages,
-                                   args.comm))
-            r = steps[-1]
-            print(f"step {kind:6} P={P:3} S={r['S']} {args.comm} budget {args.budget} keeps {r['budget_keep']} "
-                  f"({r['kv_rows']} KV): "
-                  f"{r['budget_ms']:.2f} ms vs {r['keep_ms']:.2f} all kept = {r['step_ratio']:.3f} "
-                  f"(nothing kept {r['none_ratio']:.3f}; simulated)", flush=True)
+    step_ps = parse_list(args.step_cp_sizes, name="--step-cp-sizes") if args.step_cp_sizes else []
+    step_seeds = parse_list(args.step_seeds, name="--step-seeds", minimum=0) if args.step_seeds else [args.seed]
+    for kind, P, seed in ((k, P, s) for k in kinds for P in step_ps for s in step_seeds):
+        steps.append(step_cost(kind, P, args.budget, seed, args.topology, args.budget_qo_chunks, stages,
+                               args.comm, cluster=args.cluster))
+        r = steps[-1]
+        print(f"step {kind:6} P={P:3} seed {seed} S={r['S']} {args.comm} budget {args.budget} keeps "
+              f"{r['budget_keep']} ({r['kv_rows']} KV): "
+              f"{r['budget_ms']:.2f} ms vs {r['keep_ms']:.2f} all kept = {r['step_ratio']:.3f} "
+              f"(nothing kept {r['none_ratio']:.3f}; simulated)", flush=True)
     for r in rows:
         print(f"{r['device']:4} {r['kind']:6} P={r['P']:3} S={r['S']} budget={r['budget']} keep={r['keep']!s:5} "
               f"fused {r['fused']:3} "
@@ -524,6 +531,9 @@ def render(rows, steps, argv) -> str:
     if steps:
         parts += ["\n### Simulated step cost of the budget (real shapes, device solver on CPU, `gpusolver.sim`: "
                   "modelled, not measured)\n", markdown_table(steps, STEP_COLUMNS)]
+        ratios = [r["step_ratio"] for r in steps]
+        parts.append(f"\nBudget / all kept (simulated): median {median(ratios):.3f}, max {max(ratios):.3f}; "
+                     f"{sum(x <= 1.03 for x in ratios)} of {len(ratios)} within 3 %.")
     return "\n".join(parts) + "\n"
 
 

@@ -36,12 +36,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
-    PACKED_KINDS, cached_assignment, make_mask, markdown_table, parse_list, plan_cache_path, print_and_write,
+    PACKED_KINDS, build_as_solved, cached_assignment, make_mask, markdown_table, parse_list, plan_cache_path,
+    print_and_write,
 )
 
 from gpusolver import SolverConfig, block_areas  # noqa: E402
 from gpusolver.capacity import BufferRows  # noqa: E402
-from gpusolver.plan.build import build_plan  # noqa: E402
 from gpusolver.plan.memory import buffer_memory  # noqa: E402
 from gpusolver.topology import PRESETS  # noqa: E402
 
@@ -127,7 +127,7 @@ def relay_row(kind: str, P: int, seed: int, tokens: int, cache, topology) -> dic
     mask = make_mask(kind, P, seed, tokens)
     areas = block_areas(mask, P, config.head_groups, impl="torch")
     asg, _ = solved_assignment(kind, P, seed, tokens, cache, topology, relay_priced=True)
-    plan = build_plan(mask, areas, asg, config)
+    plan = build_as_solved(mask, areas, asg, config)
     cap, fill = relay_cast_bytes(plan, config, False), relay_cast_bytes(plan, config, True)
     return {"kind": kind, "P": P, "seed": seed, "relay_cap_mb": cap / MB, "relay_fill_mb": fill / MB,
             "relay_saved_mb": (cap - fill) / MB}
@@ -138,7 +138,7 @@ def run(kind: str, P: int, seed: int, tokens: int, cache, topology) -> dict:
     mask = make_mask(kind, P, seed, tokens)
     areas = block_areas(mask, P, config.head_groups, impl="torch")
     asg, _ = cached_assignment(mask, areas, config, plan_cache_path(cache, kind, P, seed, tokens, config))
-    plan = build_plan(mask, areas, asg, config)  # the default S: its transport sizes the buffers (capacity.default_chunks)
+    plan = build_as_solved(mask, areas, asg, config)  # the default S: its transport sizes the buffers (capacity.default_chunks)
     return {"kind": kind, "P": P, "seed": seed, **floor_row(plan, config, tokens), **operand_row(plan, config)}
 
 

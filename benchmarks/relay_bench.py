@@ -79,14 +79,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, run as a script or loaded by path
 
 from _common import (  # noqa: E402
-    RESULTS_DIR, add_cluster_sweep_args, cached_assignment, cluster_sweep, compute_floor_ms, environment, make_mask,
-    markdown_table, median, mu_tag, parse_list, ratio, write_results,
+    RESULTS_DIR, add_cluster_sweep_args, as_solved, build_as_solved, cached_assignment, cluster_sweep,
+    compute_floor_ms, environment, keep_tag, make_mask, markdown_table, median, mu_tag, parse_list, ratio,
+    write_results,
 )
 from topology_solve import link_bottlenecks, usp_ib_fwd  # noqa: E402
 from gpusolver.areas import block_areas  # noqa: E402
 from gpusolver.config import SolverConfig  # noqa: E402
 from gpusolver.plan import Plan, status_names  # noqa: E402
-from gpusolver.plan.build import build_plan  # noqa: E402
 from gpusolver.plan.relay import DIRECT, FAN_OUT, SELF  # noqa: E402
 from gpusolver.sim import simulate, simulate_baseline  # noqa: E402
 
@@ -109,7 +109,8 @@ def solved_assignment(kind: str, P: int, seed: int, tokens: int, cache, topology
     from the cache)."""
     config = SolverConfig(cp_size=P, topology=topology,
                           ib_relay=None if topology is None else bool(relay_priced))
-    tag = ("" if topology is None else f"_{topology.name}" + ("_relay" if relay_priced else "")) + mu_tag(config)
+    tag = (("" if topology is None else f"_{topology.name}" + ("_relay" if relay_priced else "")) + mu_tag(config)
+           + keep_tag(config, tokens))
     path = None if not cache else Path(cache) / f"{kind}_P{P}_s{seed}_c{tokens}{tag}.pt"
     if path is not None and path.exists():
         return Plan.load(path).assignment, None
@@ -165,7 +166,7 @@ def measure(kind: str, P: int, seed: int, topology, tokens: int, cache, topo_sol
                       solved_assignment(kind, P, seed, tokens, cache, topology, relay_priced=True)[0]))
     for name, relay, asg in cases:
         config = replace(base, topology=topology, ib_relay=relay)
-        plan = build_plan(mask, areas, asg, config)
+        plan = build_as_solved(mask, areas, asg, config)
         assert (plan.relay is not None) == relay
         ib_fwd, nv_fwd = link_bottlenecks(plan.pair_bytes("fwd"), L)
         ib_bwd, _ = link_bottlenecks(plan.pair_bytes("bwd"), L)
@@ -211,7 +212,7 @@ def step_rows(kind: str, P: int, seed: int, topology, tokens: int, cache, stages
     for S, relay, comm in STEP_CASES:
         S = stages if S == "S" else S
         if (S, relay) not in plans:
-            plans[S, relay] = build_plan(mask, areas, asg, replace(base, topology=topology, ib_relay=relay,
+            plans[S, relay] = build_as_solved(mask, areas, asg, replace(base, topology=topology, ib_relay=relay,
                                                                    num_stages=S))
         plan = plans[S, relay]
         assert (plan.relay is not None) == relay and plan.num_stages == S
@@ -261,7 +262,7 @@ def pricing_rows(kind: str, P: int, seed: int, topology, tokens: int, cache, sta
     for case, relay_priced, relay_runs in PRICING_CASES:
         asg = solved_assignment(kind, P, seed, tokens, cache, topology, relay_priced=relay_priced)[0]
         config = replace(base, topology=topology, ib_relay=relay_runs, num_stages=stages)
-        plan = build_plan(mask, areas, asg, config)
+        plan = build_as_solved(mask, areas, asg, config)
         assert (plan.relay is not None) == relay_runs and plan.num_stages == stages
         t = simulate(plan, topology, comm="p2p")
         ib_fwd, _ = link_bottlenecks(plan.pair_bytes("fwd"), L)
@@ -336,7 +337,7 @@ def timed_solve(areas, config: SolverConfig, path: Path | None):
         saved = torch.load(path)
         return saved["assignment"], saved["imbalance_tol"], saved["solve_s"]
     t0 = time.perf_counter()
-    res = solve_device(areas, config, impl="torch")
+    res = solve_device(areas, as_solved(config, areas.rank_tokens), impl="torch")  # priced as solve() prices it
     seconds = time.perf_counter() - t0
     mu = config.imbalance_tol if res.imbalance_tol is None else float(res.imbalance_tol)
     if path is not None:
@@ -381,18 +382,19 @@ def balance_rows(kind: str, P: int, seed: int, topology, tokens: int, cache, sta
         return fwd, (fwd + bwd) / nic_bps * 1e3
 
     # today's plan (solved without topology, direct transport), built as the cases are: the IB and solve reference
-    today_path = None if not cache else Path(cache) / f"{kind}_P{P}_s{seed}_c{tokens}_today.pt"
+    today_path = None if not cache else Path(cache) / f"{kind}_P{P}_s{seed}_c{tokens}_today{keep_tag(base, tokens)}.pt"
     today_asg, _, today_s = timed_solve(areas, base, today_path)
-    today_ib = ib_ms(build_plan(mask, areas, today_asg, replace(base, topology=topology, ib_relay=False,
+    today_ib = ib_ms(build_as_solved(mask, areas, today_asg, replace(base, topology=topology, ib_relay=False,
                                                                 num_stages=stages)))[1]
     rows = []
     for case, label, overrides in balance_cases(tols, relay):
         config = SolverConfig(cp_size=P, topology=topology, **overrides)
         tag = ("relay_" if config.ib_relay else "") + ("auto" if config.imbalance_auto else "mu")
         path = None if not cache else Path(cache) / (
-            f"{kind}_P{P}_s{seed}_c{tokens}_{topology.name}_bal_{tag}{config.imbalance_tol:.2f}.pt")
+            f"{kind}_P{P}_s{seed}_c{tokens}_{topology.name}_bal_{tag}{config.imbalance_tol:.2f}"
+            f"{keep_tag(config, tokens)}.pt")
         asg, mu, solve_s = timed_solve(areas, config, path)
-        plan = build_plan(mask, areas, asg, replace(config, imbalance_tol=mu, imbalance_auto=False,
+        plan = build_as_solved(mask, areas, asg, replace(config, imbalance_tol=mu, imbalance_auto=False,
                                                     num_stages=stages))
         # the default's transport at S > 1: direct (no relay); the relay cases: relay
         assert (plan.relay is not None) == bool(config.ib_relay) and plan.num_stages == stages

@@ -29,12 +29,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
-    KINDS, cached_assignment, make_mask, markdown_table, parse_list, plan_cache_path, print_and_write,
+    KINDS, build_as_solved, cached_assignment, make_mask, markdown_table, parse_list, plan_cache_path,
+    print_and_write,
 )
 
 from gpusolver import SolverConfig, block_areas  # noqa: E402
 from gpusolver.capacity import RELAY_CHUNKS  # noqa: E402
-from gpusolver.plan.build import build_plan  # noqa: E402
 from gpusolver.topology import PRESETS  # noqa: E402
 
 BUFFERS = ("relay", "fan", "egress")
@@ -63,7 +63,7 @@ def run(kind: str, P: int, seed: int, tokens: int, stages: int, cache, topology)
     mask = make_mask(kind, P, seed, tokens)
     areas = block_areas(mask, P, config.head_groups, impl="torch")
     asg, _ = cached_assignment(mask, areas, config, plan_cache_path(cache, kind, P, seed, tokens, config))
-    plan = build_plan(mask, areas, asg, config)
+    plan = build_as_solved(mask, areas, asg, config)
     return {"kind": kind, "P": P, "seed": seed, "S": stages, **relay_fill(plan, config.head_groups * tokens)}
 
 

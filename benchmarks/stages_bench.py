@@ -51,12 +51,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
-    PACKED_KINDS, RESULTS_DIR, cached_assignment, environment, make_mask, markdown_table, parse_list,
-    plan_cache_path, write_results,
+    PACKED_KINDS, RESULTS_DIR, build_as_solved, cached_assignment, environment, make_mask, markdown_table,
+    parse_list, plan_cache_path, write_results,
 )
 
 from gpusolver import SolverConfig, block_areas  # noqa: E402
-from gpusolver.plan.build import build_plan  # noqa: E402
 from gpusolver.plan.schedule import plan_ops  # noqa: E402
 from gpusolver.sim import simulate  # noqa: E402
 from gpusolver.topology import PRESETS  # noqa: E402
@@ -101,7 +100,7 @@ def run(kind, P, seed, tokens, stages, comms, topo, cache, solve_topology: bool 
     for S in stages:
         t0 = time.perf_counter()
         at_s = dataclasses.replace(config, num_stages=S)  # S = 1 on a topology: relay transport
-        plan = build_plan(mask, areas, asg, at_s, topology=topo)
+        plan = build_as_solved(mask, areas, asg, at_s, topology=topo)
         build_ms = 1e3 * (time.perf_counter() - t0)
         extra = costs(plan, at_s, S)  # the plan's own config: its budget keeps what its transport runs
         for comm in comms:

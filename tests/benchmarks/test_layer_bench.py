@@ -83,7 +83,8 @@ def test_plan_cache_gives_the_same_figures(bench, tmp_path):
     topo = bench.Topology.preset("h200_hgx")
     kw = dict(topology=topo, plan_cache=tmp_path / "plans")
     first, _, _ = bench.run_instance("full", 2, 0, 64, **kw)
-    assert (tmp_path / "plans" / "full_P2_s0_c64_topo.pt").exists() and first["solve_ms"] > 0  # solved on the topology
+    # solved on the topology, priced as solve() prices it: the memory budget keeps 0.531 G·c of K, V at c = 64
+    assert (tmp_path / "plans" / "full_P2_s0_c64_topo_keepqokv-kv0.531.pt").exists() and first["solve_ms"] > 0
     again, _, _ = bench.run_instance("full", 2, 0, 64, **kw)
     assert again["solve_ms"] is None  # loaded, not solved
     for k in ("sim_fwd_ms", "sim_bwd_ms", "usp_step_ms", "fwd_bytes", "bwd_bytes", "ideal_step_ms"):
