@@ -25,7 +25,7 @@ def test_caps_reach_the_plan_and_the_summary(tmp_path, capsys):
     assert [(r["kind"], r["set"]) for r in rows] == [("full", "base"), ("full", "b"), ("causal-seq", "base"),
                                                       ("causal-seq", "b")]
     assert all(r["vs_base"] == 1.0 for r in rows if r["set"] == "base")
-    assert len(list((tmp_path / "plans").glob("*_caps1.5-8-2-8.pt"))) == 2  # one cached plan per (mask, caps)
+    assert len(list((tmp_path / "plans").glob("*_caps1.5-8-2-8*.pt"))) == 2  # one cached plan per (mask, caps)
     summary = {s["set"]: s for s in json.loads(js.read_text())["summary"]}
     b = rows[1]
     assert abs(summary["b"]["saving"] - (1 - b["peak_mb"] / rows[0]["peak_mb"])) < 1e-12

@@ -29,22 +29,25 @@ def test_stages_bench_solves_on_the_topology(tmp_path, capsys):
     """--solve-topology solves with SolverConfig(topology=...) and caches that assignment apart from
     the topology-free one (the two solves give different plans, so they must not share a file); its
     file names the default mu across nodes (1.05) and the buffer capacities sized for P = 16 across
-    nodes (1.5 / 8 / 2 / 8 G·c), so plans cached at 1.10 or at other capacities are not read for it."""
+    nodes (1.5 / 8 / 2 / 8 G·c) and the kept buffers its solve priced (the memory budget's), so plans
+    cached at 1.10, at other capacities or priced for another backward are not read for it."""
     mod = _load()
     cache = tmp_path / "plans"
+    # each solve priced the backward the memory budget gives at c = 64: 4.53 G·c of K and V kept
+    topo_file = "causal_P16_s0_c64_topo_mu1.05_caps1.5-8-2-8_keepkv-kv4.53.pt"
+    free_file = "causal_P16_s0_c64_keepkv-kv4.53.pt"
     args = ["--P", "16", "--kinds", "causal", "--tokens-per-rank", "64", "--stages", "1,4", "--comm", "a2a,p2p",
             "--plan-cache", str(cache)]
     rows = mod.main(args + ["--solve-topology", "--json", str(tmp_path / "t.json")])
     assert "solved on the topology" in capsys.readouterr().out
-    assert sorted(p.name for p in cache.iterdir()) == ["causal_P16_s0_c64_topo_mu1.05_caps1.5-8-2-8.pt"]
+    assert sorted(p.name for p in cache.iterdir()) == [topo_file]
     mod.main(args + ["--json", str(tmp_path / "n.json")])
     assert "solved without a topology" in capsys.readouterr().out
-    assert sorted(p.name for p in cache.iterdir()) == ["causal_P16_s0_c64.pt",
-                                                       "causal_P16_s0_c64_topo_mu1.05_caps1.5-8-2-8.pt"]
+    assert sorted(p.name for p in cache.iterdir()) == [free_file, topo_file]
     from gpusolver.plan.io import load_plan_config
-    topo = load_plan_config(cache / "causal_P16_s0_c64_topo_mu1.05_caps1.5-8-2-8.pt")
+    topo = load_plan_config(cache / topo_file)
     assert topo.topology is not None and topo.imbalance_tol == 1.05 and topo.auto_mu
-    assert load_plan_config(cache / "causal_P16_s0_c64.pt").topology is None
+    assert load_plan_config(cache / free_file).topology is None
     for r in rows:
         assert math.isfinite(r["step_ms"]) and r["step_ms"] >= r["ideal_ms"] * (1 - 1e-9)
 
