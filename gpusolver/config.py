@@ -149,8 +149,11 @@ class SolverConfig:
                         what plain attention of the rank's shard keeps (q, k, v,
                         out, lse). 1.5 (default): with the default S = 4 sub-stages
                         the step is 0.99-1.03x that of keeping everything at P = 8-64
-                        (simulated, benchmarks/results/layer_memory_budget_stages*.md),
-                        while keeping everything holds 2.7-3.3x. Slice-mask plans
+                        solved without a topology (simulated,
+                        benchmarks/results/layer_memory_budget_stages*.md); solved on a
+                        cluster (h200_hgx, P = 16-64) median 1.008x, up to 1.17x where the
+                        backward is communication-bound (layer_memory_budget_cluster.md).
+                        Keeping everything holds 2.7-3.3x. Slice-mask plans
                         only: sparse solves keep what ``keep_forward_buffers`` says.
                         None: helpers keep
                         what ``keep_forward_buffers`` says. Set: of the kinds it allows,
