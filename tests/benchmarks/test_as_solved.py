@@ -1,0 +1,32 @@
+"""The benchmarks measure the plan a user's default config gives: ``_common.cached_assignment`` and
+``build_as_solved`` solve and build as ``gpusolver.solve`` does, the memory budget resolved."""
+from gpusolver import SolverConfig, solve
+from gpusolver.areas import block_areas
+from gpusolver.plan.build import build_plan
+from gpusolver.topology import h200_hgx
+from tests.benchmarks._load import load_bench
+
+
+def test_cached_plans_are_the_ones_solve_gives(tmp_path):
+    common = load_bench("_common.py")
+    P, c = 16, 64
+    config = SolverConfig(cp_size=P, topology=h200_hgx)
+    mask = common.make_mask("causal", P, 0, c)
+    areas = block_areas(mask, P, config.head_groups, impl="torch")
+    resolved = common.as_solved(config, c)
+    # the default budget keeps part of K, V here, so a plan priced as keeping everything differs
+    assert resolved.keep_forward_buffers == "kv" and resolved.kept_kv_rows is not None
+    path = common.plan_cache_path(tmp_path, "causal", P, 0, c, config)
+    assert path.name.endswith("_keepkv-kv4.53.pt")
+
+    asg, seconds = common.cached_assignment(mask, areas, config, path)
+    plan = common.build_as_solved(mask, areas, asg, config)
+    user = solve(mask, config, impl="torch")
+    assert seconds is not None and path.exists()
+    assert (asg == user.assignment).all()
+    assert plan.cost == user.cost and plan.cost.keep_forward_buffers == "kv"
+    assert (plan.pair_bytes("bwd") == user.pair_bytes("bwd")).all()
+    again, seconds = common.cached_assignment(mask, areas, config, path)
+    assert seconds is None and (again == asg).all()
+    # built as given, the plan would price a backward that receives nothing again
+    assert build_plan(mask, areas, asg, config).cost.keep_forward_buffers is True
