@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from gpusolver.capacity import keep_for_budget
 from gpusolver.masks import AttnSlices, causal_mask, full_mask, packed_documents
 
 TOKENS_PER_RANK = 8192
@@ -116,21 +117,11 @@ def plan_cache_path(cache, kind: str, P: int, seed: int, tokens: int, config) ->
                           f"{keep_tag(config, tokens)}.pt")
 
 
-def as_solved(config, tokens: int):
-    """``config`` as ``gpusolver.solve`` runs it with ``tokens`` per rank: the memory budget resolved
-    to the receive buffers kept for the backward (``capacity.keep_for_budget``). The solve prices what
-    is cast again, and a plan built with it simulates that backward: a benchmark measures the plan a
-    user's default config gives, not one that keeps everything."""
-    from gpusolver.capacity import keep_for_budget
-
-    return keep_for_budget(config, tokens)
-
-
 def keep_tag(config, tokens: int) -> str:
     """The part of a cached plan's file name that names the backward its solve priced: none when the
     budget keeps everything (the plans cached before benchmarks resolved the budget), else ``_keep``,
     the kinds kept and the KV rows kept in G·c (``_keepkv-kv4.53``: K and V, their first 4.53 G·c)."""
-    resolved = as_solved(config, tokens)
+    resolved = keep_for_budget(config, tokens)
     keep, rows = resolved.keep_forward_buffers, resolved.kept_kv_rows
     if keep is True and rows is None:
         return ""
@@ -139,11 +130,13 @@ def keep_tag(config, tokens: int) -> str:
 
 
 def build_as_solved(mask, areas, assignment, config, **kwargs):
-    """``build_plan`` with ``config`` as ``solve()`` runs it (``as_solved``): the plan's cost, and so
-    its metrics and simulated backward, price what the memory budget keeps."""
+    """``build_plan`` with ``config`` as ``gpusolver.solve`` runs it: the memory budget resolved to
+    the receive buffers kept for the backward (``capacity.keep_for_budget``), so the plan's cost, its
+    metrics and its simulated backward are those of the layer a user's default config runs (what is
+    not kept is cast again), not of one that keeps everything."""
     from gpusolver.plan.build import build_plan
 
-    return build_plan(mask, areas, assignment, as_solved(config, areas.rank_tokens), **kwargs)
+    return build_plan(mask, areas, assignment, keep_for_budget(config, areas.rank_tokens), **kwargs)
 
 
 def caps_tag(config, tokens: int) -> str:
@@ -168,15 +161,16 @@ def mu_tag(config) -> str:
 
 def cached_assignment(mask, areas, config, path: Path | None):
     """The solver's assignment for (mask, areas, config) as ``solve()`` gives it (the memory budget
-    resolved: ``as_solved``) and its CPU solve seconds, or the one a plan saved at ``path`` holds
-    (seconds None); a fresh solve is saved there as a plan."""
+    resolved, ``capacity.keep_for_budget``: the solve prices what is cast again) and its CPU solve
+    seconds, or the one a plan saved at ``path`` holds (seconds None); a fresh solve is saved there
+    as a plan."""
     from gpusolver.plan import Plan
     from gpusolver.plan.build import build_plan
     from gpusolver.solve import solve_assignment
 
     if path is not None and path.exists():
         return Plan.load(path).assignment, None
-    config = as_solved(config, areas.rank_tokens)  # priced as solve() prices it
+    config = keep_for_budget(config, areas.rank_tokens)  # priced as solve() prices it
     t0 = time.perf_counter()
     asg = solve_assignment(areas, config, impl="torch")
     seconds = time.perf_counter() - t0

@@ -43,11 +43,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, run as a script or loaded by path
 
 from _common import (  # noqa: E402
-    RESULTS_DIR, add_cluster_sweep_args, as_solved, build_as_solved, cached_assignment, cluster_sweep, environment,
+    RESULTS_DIR, add_cluster_sweep_args, build_as_solved, cached_assignment, cluster_sweep, environment,
     keep_tag, make_mask, markdown_table, parse_list, write_results,
 )
 from topology_solve import link_bottlenecks  # noqa: E402
 from gpusolver.areas import block_areas  # noqa: E402
+from gpusolver.capacity import keep_for_budget  # noqa: E402
 from gpusolver.config import SolverConfig  # noqa: E402
 from gpusolver.plan import Plan  # noqa: E402
 from gpusolver.sim import simulate, simulate_baseline  # noqa: E402
@@ -73,7 +74,7 @@ def auto_assignment(areas, config: SolverConfig, path: Path | None):
         saved = torch.load(path)
         return saved["assignment"], saved["imbalance_tol"], None
     t0 = time.perf_counter()
-    res = solve_device(areas, as_solved(config, areas.rank_tokens), impl="torch")  # priced as solve() prices it
+    res = solve_device(areas, keep_for_budget(config, areas.rank_tokens), impl="torch")  # priced as solve() prices it
     seconds = time.perf_counter() - t0
     asg, mu = res.assignment, float(res.imbalance_tol)
     if path is not None:

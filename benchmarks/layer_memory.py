@@ -42,7 +42,9 @@ from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import PACKED_KINDS, TOKENS_PER_RANK, make_mask, markdown_table, median, parse_list  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    PACKED_KINDS, TOKENS_PER_RANK, make_mask, markdown_table, median, parse_list,
+)
 from gpusolver import SolverConfig, block_areas, solve  # noqa: E402
 from gpusolver import nvtx  # noqa: E402
 from gpusolver.capacity import keep_for_budget  # noqa: E402

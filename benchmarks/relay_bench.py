@@ -79,12 +79,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, run as a script or loaded by path
 
 from _common import (  # noqa: E402
-    RESULTS_DIR, add_cluster_sweep_args, as_solved, build_as_solved, cached_assignment, cluster_sweep,
+    RESULTS_DIR, add_cluster_sweep_args, build_as_solved, cached_assignment, cluster_sweep,
     compute_floor_ms, environment, keep_tag, make_mask, markdown_table, median, mu_tag, parse_list, ratio,
     write_results,
 )
 from topology_solve import link_bottlenecks, usp_ib_fwd  # noqa: E402
 from gpusolver.areas import block_areas  # noqa: E402
+from gpusolver.capacity import keep_for_budget  # noqa: E402
 from gpusolver.config import SolverConfig  # noqa: E402
 from gpusolver.plan import Plan, status_names  # noqa: E402
 from gpusolver.plan.relay import DIRECT, FAN_OUT, SELF  # noqa: E402
@@ -337,7 +338,7 @@ def timed_solve(areas, config: SolverConfig, path: Path | None):
         saved = torch.load(path)
         return saved["assignment"], saved["imbalance_tol"], saved["solve_s"]
     t0 = time.perf_counter()
-    res = solve_device(areas, as_solved(config, areas.rank_tokens), impl="torch")  # priced as solve() prices it
+    res = solve_device(areas, keep_for_budget(config, areas.rank_tokens), impl="torch")  # priced as solve() prices it
     seconds = time.perf_counter() - t0
     mu = config.imbalance_tol if res.imbalance_tol is None else float(res.imbalance_tol)
     if path is not None:

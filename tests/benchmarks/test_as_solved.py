@@ -1,7 +1,9 @@
 """The benchmarks measure the plan a user's default config gives: ``_common.cached_assignment`` and
-``build_as_solved`` solve and build as ``gpusolver.solve`` does, the memory budget resolved."""
+``build_as_solved`` solve and build as ``gpusolver.solve`` does, the memory budget resolved
+(``capacity.keep_for_budget``)."""
 from gpusolver import SolverConfig, solve
 from gpusolver.areas import block_areas
+from gpusolver.capacity import keep_for_budget
 from gpusolver.plan.build import build_plan
 from gpusolver.topology import h200_hgx
 from tests.benchmarks._load import load_bench
@@ -13,7 +15,7 @@ def test_cached_plans_are_the_ones_solve_gives(tmp_path):
     config = SolverConfig(cp_size=P, topology=h200_hgx)
     mask = common.make_mask("causal", P, 0, c)
     areas = block_areas(mask, P, config.head_groups, impl="torch")
-    resolved = common.as_solved(config, c)
+    resolved = keep_for_budget(config, c)
     # the default budget keeps part of K, V here, so a plan priced as keeping everything differs
     assert resolved.keep_forward_buffers == "kv" and resolved.kept_kv_rows is not None
     path = common.plan_cache_path(tmp_path, "causal", P, 0, c, config)
