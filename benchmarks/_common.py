@@ -150,7 +150,7 @@ def caps_tag(config, tokens: int) -> str:
     worst = unit * (config.cp_size - 1)
     rows = buffer_rows(config, tokens).as_tuple()
     legacy = tuple(min(worst, k * unit) for k in DEFAULT_CHUNKS.values())
-    return "" if rows == legacy else "_caps" + "-".join(f"{r / unit:.3g}" for r in rows)  # a row up: 1.1
+    return "" if rows == legacy else "_caps" + "-".join(f"{r / unit:.3g}" for r in rows)  # 1.1 G·c rounds up to a whole row: named 1.1
 
 
 def mu_tag(config) -> str:

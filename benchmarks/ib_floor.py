@@ -77,7 +77,8 @@ def run(kind: str, P: int, seed: int, tokens: int, cache, topology) -> dict:
             ("today", base, plan_cache_path(cache, kind, P, seed, tokens, base)),
             ("topo", topo, plan_cache_path(cache, kind, P, seed, tokens, topo)),
             # the relay-priced solve's assignment is another one: a file of its own
-            ("relay", relay, cache and Path(cache) / f"{kind}_P{P}_s{seed}_c{tokens}_topo_relay{keep_tag(relay, tokens)}.pt")):
+            ("relay", relay,
+             cache and Path(cache) / f"{kind}_P{P}_s{seed}_c{tokens}_topo_relay{keep_tag(relay, tokens)}.pt")):
         asg, _ = cached_assignment(mask, areas, config, path)
         # today and topo built direct, as the default runs at S > 1; relay with relay transport at the
         # default S (its returns cross once per sub-stage) and at one remote stage ("relay1")

@@ -138,7 +138,8 @@ def run(kind: str, P: int, seed: int, tokens: int, cache, topology) -> dict:
     mask = make_mask(kind, P, seed, tokens)
     areas = block_areas(mask, P, config.head_groups, impl="torch")
     asg, _ = cached_assignment(mask, areas, config, plan_cache_path(cache, kind, P, seed, tokens, config))
-    plan = build_as_solved(mask, areas, asg, config)  # the default S: its transport sizes the buffers (capacity.default_chunks)
+    # the default S: its transport sizes the buffers (capacity.default_chunks)
+    plan = build_as_solved(mask, areas, asg, config)
     return {"kind": kind, "P": P, "seed": seed, **floor_row(plan, config, tokens), **operand_row(plan, config)}
 
 
