@@ -275,7 +275,7 @@ def _measure(current: list, kind: str, P: int, shapes: dict, device: str, *, see
     c, D, dtype = shapes["tokens_per_rank"], shapes["head_dim"], shapes["dtype"]
     Hq, Hkv = shapes["num_heads_q"], shapes["num_heads_kv"]
     config = keep_for_budget(make_config(P, shapes, keep, budget, qo_chunks, stages, relay, cluster), c)  # what the budget keeps
-    keep, kv_rows = config.keep_forward_buffers, config.kept_kv_rows
+    keep, kv_rows, q_rows = config.keep_forward_buffers, config.kept_kv_rows, config.kept_q_rows
     mask = make_mask(kind, P, seed, c, device=device)
     t0 = time.perf_counter()
     plan = solve(mask, config) if device == "cpu" else shape_plan(mask, config)
@@ -291,7 +291,7 @@ def _measure(current: list, kind: str, P: int, shapes: dict, device: str, *, see
     group = LocalGroup(P)
     fwd_live, bwd_live = LiveBytes(track=top > 0 or breakdown), LiveBytes(track=top > 0 or breakdown)
     def layer(q, k, v):
-        return dist_attn(q, k, v, plan, group, keep_forward_buffers=keep, kept_kv_rows=kv_rows)
+        return dist_attn(q, k, v, plan, group, keep_forward_buffers=keep, kept_kv_rows=kv_rows, kept_q_rows=q_rows)
 
     current[0] = fwd_live
     with SavedBytes() as saved, fwd_live:
@@ -309,7 +309,7 @@ def _measure(current: list, kind: str, P: int, shapes: dict, device: str, *, see
            "topology": "—" if config.topology is None else config.topology.name,
            "budget": budget,
            "qo_recv": "default" if qo_chunks is None else f"{qo_chunks:g} Gc",
-           "keep": keep, "kv_rows": _chunks(kv_rows, config, c),
+           "keep": keep, "kv_rows": _chunks(kv_rows, config, c), "q_rows": _chunks(q_rows, config, c),
            "ckpt": "yes" if checkpoint else "no", "device": device, "solve_s": solve_s,
            "kept": saved.total / P, "fwd_peak": fwd_live.peak / P, "bwd_peak": bwd_live.peak / P,
            "fwd_reduce": fwd_live.span_peak / P, "bwd_reduce": bwd_live.span_peak / P, **ref}
@@ -327,14 +327,14 @@ def _measure(current: list, kind: str, P: int, shapes: dict, device: str, *, see
 
 
 def _chunks(rows, config: SolverConfig, c: int) -> str:
-    """Kept KV rows in multiples of G * c ("all" when the whole buffer is kept)."""
+    """Kept rows of a buffer in multiples of G * c ("all" when the whole buffer is kept)."""
     return "all" if rows is None else f"{rows / (config.head_groups * c):.2f} Gc"
 
 
 COLUMNS = [("kind", "kind", ""), ("P", "P", "d"), ("S", "S", "d"), ("topology", "topology", ""), ("transport", "transport", ""),
            ("budget", "budget", ""), ("QO recv", "qo_recv", ""),
            ("keep", "keep", ""), ("fused reduce", "fused", ""),
-           ("kept KV rows", "kv_rows", ""), ("checkpointed", "ckpt", ""),
+           ("kept Q rows", "q_rows", ""), ("kept KV rows", "kv_rows", ""), ("checkpointed", "ckpt", ""),
            ("kept MB", "kept", ".1f"), ("plan.memory kept MB", "plan_kept", ".1f"),
            ("plain attn MB", "plain_kept", ".1f"), ("kept / plain", "kept_ratio", ".2f"),
            ("fwd transient MB", "fwd_peak", ".1f"), ("bwd transient MB", "bwd_peak", ".1f"),
@@ -345,7 +345,7 @@ STEP_COLUMNS = [("kind", "kind", ""), ("P", "P", "d"), ("seed", "seed", "d"), ("
                 ("solved on", "solved_on", ""), ("comm", "comm", ""),
                 ("budget", "budget", ""), ("QO recv", "qo_recv", ""),
                 ("status", "status", "d"), ("kept kinds", "budget_keep", ""),
-                ("kept KV rows", "kv_rows", ""),
+                ("kept Q rows", "q_rows", ""), ("kept KV rows", "kv_rows", ""),
                 ("step ms, all kept (simulated)", "keep_ms", ".2f"), ("step ms, budget (simulated)", "budget_ms", ".2f"),
                 ("ratio", "step_ratio", ".3f"), ("step ms, nothing kept (simulated)", "none_ms", ".2f"),
                 ("ratio none", "none_ratio", ".3f")]
@@ -384,6 +384,7 @@ def step_cost(kind: str, P: int, budget: float, seed: int, topology: str, qo_chu
             "status": int(plan_status),
             "qo_recv": "default" if qo_chunks is None else f"{qo_chunks:g} Gc",
             "budget_keep": resolved.keep_forward_buffers,
+            "q_rows": _chunks(resolved.kept_q_rows, resolved, c),
             "kv_rows": _chunks(resolved.kept_kv_rows, resolved, c), "keep_ms": times["keep"],
             "budget_ms": times["budget"], "step_ratio": times["budget"] / times["keep"], "none_ms": times["none"],
             "none_ratio": times["none"] / times["keep"]}
@@ -462,7 +463,7 @@ def main(argv=None) -> list[dict]:
                                args.comm, cluster=args.cluster))
         r = steps[-1]
         print(f"step {kind:6} P={P:3} seed {seed} S={r['S']} {args.comm} budget {args.budget} keeps "
-              f"{r['budget_keep']} ({r['kv_rows']} KV): "
+              f"{r['budget_keep']} ({r['q_rows']} Q, {r['kv_rows']} KV): "
               f"{r['budget_ms']:.2f} ms vs {r['keep_ms']:.2f} all kept = {r['step_ratio']:.3f} "
               f"(nothing kept {r['none_ratio']:.3f}; simulated)", flush=True)
     for r in rows:

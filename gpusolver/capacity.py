@@ -124,44 +124,55 @@ def plain_kept_bytes(config: SolverConfig, chunk: int) -> int:
     return chunk * ((2 * Hq + 2 * Hkv) * D * b + 4 * Hq)
 
 
-def kept_bytes(config: SolverConfig, chunk: int, keep, kept_kv_rows: int | None = None) -> int:
+def kept_bytes(config: SolverConfig, chunk: int, keep, kept_kv_rows: int | None = None,
+               kept_q_rows: int | None = None) -> int:
     """Bytes per rank a layer keeps in its receive buffers with ``keep`` (True, False, "qo", "kv"):
     one buffer of each kept kind, whatever ``num_stages`` (the sub-stages share it); of the KV
-    buffer only its first ``kept_kv_rows`` rows when given."""
+    (QO) buffer only its first ``kept_kv_rows`` (``kept_q_rows``) rows when given."""
     rows = buffer_rows(config, chunk)
     cost = config.cost()
     kv_rows = rows.kv_recv if kept_kv_rows is None else min(rows.kv_recv, kept_kv_rows)
-    per_kind = {"qo": rows.qo_recv * cost.q_fwd, "kv": kv_rows * cost.kv_fwd}
+    q_rows = rows.qo_recv if kept_q_rows is None else min(rows.qo_recv, kept_q_rows)
+    per_kind = {"qo": q_rows * cost.q_fwd, "kv": kv_rows * cost.kv_fwd}
     return sum(per_kind[k] for k in kept_kinds(keep))
 
 
 # the sets of kinds a budget may choose, most kept first within each size (K, V before Q: a KV row
 # is sent again by every rank that needs it, a query row by one host)
 _KEEP_ORDER = (True, "kv", "qo", False)
+# the kind whose buffer a budget keeps in part first, in the room the whole kinds leave. Q: plans
+# fill fewer QO rows than the buffer holds and the fills are even across ranks (0.5-1.4 G * c of
+# 1.5 on the benchmark masks), so a prefix of the QO buffer holds all of most ranks' Q, where the
+# same bytes of the KV buffer hold about half of the busiest ranks' K, V (fills 1.9-8.6 G * c).
+# Measured (simulated, ``benchmarks/layer_memory.py``, ``docs/design/layers.md``): on a cluster
+# keeping Q first costs less step time than keeping K, V first.
+PREFIX_ORDER = ("qo", "kv")
 
 
-def _with_kv(keep) -> bool | str:
-    """``keep`` plus K and V."""
-    return True if "qo" in kept_kinds(keep) else "kv"
+def _with(keep, kind: str) -> bool | str:
+    """``keep`` plus ``kind``."""
+    kinds = set(kept_kinds(keep)) | {kind}
+    return True if kinds == {"qo", "kv"} else kind
 
 
 def keep_for_budget(config: SolverConfig, chunk: int) -> SolverConfig:
-    """``config`` with ``keep_forward_buffers`` (and ``kept_kv_rows``) the most kept within ``memory_budget``.
+    """``config`` with ``keep_forward_buffers`` (and ``kept_q_rows`` / ``kept_kv_rows``) the most
+    kept within ``memory_budget``.
 
     The layer keeps its own activations (as plain attention does, ``plain_kept_bytes``) plus
     the receive buffers of the kinds kept (``kept_bytes``). First the whole kinds: the allowed
     set (a subset of what ``keep_forward_buffers`` keeps) with the most kept bytes within
-    ``memory_budget * plain_kept_bytes``; then, when K and V are allowed but their whole buffer
-    does not fit, the first rows of it that fit in the room left (``kept_kv_rows``; the rest
-    is cast again in the backward, per sub-stage with S > 1: the S casts share the buffer, so the
-    kept bytes and the stages do not depend on each other; relay transport, whose backward has no
-    such tail cast, keeps whole kinds only). Without a budget, ``config`` itself; with
-    ``kept_kv_rows`` set, the caller's choice (the budget dropped).
-    Host ints only: every rank resolves the same choice.
+    ``memory_budget * plain_kept_bytes``; then, for each allowed kind whose whole buffer does not
+    fit, in ``PREFIX_ORDER``, the first rows of it that fit in the room left (``kept_q_rows``,
+    ``kept_kv_rows``; the rest is cast again in the backward, per sub-stage with S > 1: the S
+    casts share the buffer, so the kept bytes and the stages do not depend on each other; relay
+    transport, whose backward has no such tail cast, keeps whole kinds only). Without a budget,
+    ``config`` itself; with ``kept_q_rows`` or ``kept_kv_rows`` set, the caller's choice (the
+    budget dropped). Host ints only: every rank resolves the same choice.
     """
     if config.memory_budget is None:
         return config
-    if config.kept_kv_rows is not None:  # the caller chose the kept rows: theirs, not the budget's
+    if config.kept_kv_rows is not None or config.kept_q_rows is not None:  # the caller's rows, not the budget's
         return config.replaced(memory_budget=None)
     allowed = set(kept_kinds(config.keep_forward_buffers))
     room = config.memory_budget * plain_kept_bytes(config, chunk) - plain_kept_bytes(config, chunk)
@@ -172,13 +183,23 @@ def keep_for_budget(config: SolverConfig, chunk: int) -> SolverConfig:
         b = kept_bytes(config, chunk, k)
         if set(kept_kinds(k)) <= allowed and b <= room and b > best_bytes:  # first on ties
             best, best_bytes = k, b
-    kv_rows = None
+    part = {}
+    room -= best_bytes
     # relay transport keeps whole kinds only: its backward has no tail cast of a part-kept buffer
-    if "kv" in allowed and "kv" not in kept_kinds(best) and not config.relays:
-        rows = int((room - kept_bytes(config, chunk, best)) // config.cost().kv_fwd)
-        if rows > 0:  # fewer than the whole buffer: it did not fit
-            best, kv_rows = _with_kv(best), rows
-    return config.replaced(keep_forward_buffers=best, kept_kv_rows=kv_rows, memory_budget=None)
+    for kind in PREFIX_ORDER if not config.relays else ():
+        if kind not in allowed or kind in kept_kinds(best):
+            continue
+        row = config.cost().q_fwd if kind == "qo" else config.cost().kv_fwd
+        rows = max(int(room // row), 0)  # fewer than the whole buffer: it did not fit
+        # none at all too, once something is kept: a kind kept in part is priced as kept by the solve
+        # (``CommCost``), which steers it to faster plans than pricing every row as cast again
+        # (``benchmarks/results/layer_memory_budget_cluster.md``); with nothing kept, what is
+        # asked for is the fewest bytes held, and the solve prices every row cast again
+        if rows > 0 or best is not False:
+            best, part[kind] = _with(best, kind), rows
+            room -= rows * row
+    return config.replaced(keep_forward_buffers=best, kept_kv_rows=part.get("kv"), kept_q_rows=part.get("qo"),
+                           memory_budget=None)
 
 
 # Relay transport (``gpusolver.plan.relay``): rows of each relay's buffer (what it receives over

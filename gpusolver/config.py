@@ -169,6 +169,10 @@ class SolverConfig:
                         them. With S sub-stages the rows are those of the one buffer the
                         S casts share; each sub-stage's cast again moves its rows past
                         them (``gpusolver.runtime.kept_rows``).
+    kept_q_rows:        with Q kept, keep only the first this many rows of the QO
+                        receive buffer; the rows past them are cast again beside dO in
+                        the backward, as ``kept_kv_rows`` does for K and V. None
+                        (default): all of them.
     num_stages:         S, remote sub-stages of the layer (static). Stage 0 computes
                         the tasks whose units are all local; the remote tasks of
                         each rank are cut into S sub-stages by when their bytes
@@ -234,6 +238,7 @@ class SolverConfig:
     keep_forward_buffers: bool | str = True
     memory_budget: float | None = 1.5
     kept_kv_rows: int | None = None
+    kept_q_rows: int | None = None
     objective: str = "training"
     num_stages: int | str = "auto"
     auto_tiles: bool = False
@@ -277,7 +282,7 @@ class SolverConfig:
                                                   or self.max_stage_slices < 1):
             raise ValueError(f"max_stage_slices must be a positive int or None, got {self.max_stage_slices!r}")
         for name in ("max_recv_rows", "max_qo_recv_rows", "max_kv_recv_rows", "max_qo_send_rows",
-                     "max_kv_send_rows", "kept_kv_rows"):
+                     "max_kv_send_rows", "kept_kv_rows", "kept_q_rows"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
                 raise ValueError(f"{name} must be None or a non-negative int, got {v!r}")
@@ -406,7 +411,8 @@ class SolverConfig:
 
     def cost(self) -> CommCost:
         return CommCost(self.num_heads_q, self.num_heads_kv, self.head_dim,
-                        self.dtype_bytes, self.head_groups, self.keep_forward_buffers, self.kept_kv_rows)
+                        self.dtype_bytes, self.head_groups, self.keep_forward_buffers, self.kept_kv_rows,
+                        self.kept_q_rows)
 
     @property
     def num_units(self) -> int:

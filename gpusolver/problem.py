@@ -180,7 +180,8 @@ class CommCost:
     as kept (a lower bound: plans of the benchmark masks fill fewer KV rows than a budget of
     1.5x plain attention keeps, and pricing every row as sent again steers the solve to slower
     plans, ``benchmarks/results/layer_memory.md``); ``plan.pair_bytes`` and the simulator
-    count the exact tail.
+    count the exact tail. ``kept_q_rows``: likewise for a helper that keeps Q (the rows past
+    them travel again beside dO in ``bwd.qo``); a unit's ``q_bwd`` is priced as kept.
     """
 
     num_heads_q: int
@@ -190,12 +191,14 @@ class CommCost:
     head_groups: int
     keep_forward_buffers: bool | str = True
     kept_kv_rows: int | None = None
+    kept_q_rows: int | None = None
 
     def __post_init__(self):
         kept_kinds(self.keep_forward_buffers)  # raises on anything but True, False, "qo", "kv"
-        v = self.kept_kv_rows
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-            raise ValueError(f"kept_kv_rows must be None or a non-negative int, got {v!r}")
+        for name in ("kept_kv_rows", "kept_q_rows"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise ValueError(f"{name} must be None or a non-negative int, got {v!r}")
         if self.num_heads_q % self.num_heads_kv:
             raise ValueError(f"num_heads_q={self.num_heads_q} must be a multiple of num_heads_kv={self.num_heads_kv}")
         if self.num_heads_kv % self.head_groups:

@@ -92,9 +92,11 @@ class BufferMemory:
 
 
 def buffer_memory(comm, num_heads_q: int, num_heads_kv: int, head_dim: int, dtype: torch.dtype,
-                  keep=True, kept_kv_rows: int | None = None, relay=None) -> BufferMemory:
+                  keep=True, kept_kv_rows: int | None = None, relay=None,
+                  kept_q_rows: int | None = None) -> BufferMemory:
     """``BufferMemory`` of a ``CommMeta``'s buffers for the given heads, head dim and dtype;
-    ``kept_kv_rows``: of a kept KV buffer only its first rows (the rest is cast again);
+    ``kept_kv_rows`` (``kept_q_rows``): of a kept KV (QO) buffer only its first rows (the rest is
+    cast again);
     ``relay``: the plan's ``RelayMeta`` (``plan.relay``), whose hops' buffers are added."""
     G = comm.head_groups
     if num_heads_q % G or num_heads_kv % G:
@@ -109,13 +111,16 @@ def buffer_memory(comm, num_heads_q: int, num_heads_kv: int, head_dim: int, dtyp
     layout_fwd, layout_bwd = q_buf + kv_buf, rows.qo_recv * (q_row + 8 * hq) + q_buf + kv_buf
     kinds = kept_kinds(keep)
     kv_kept = kv_buf if kept_kv_rows is None else min(kept_kv_rows, rows.kv_recv) * kv_row
-    kept = (q_buf if "qo" in kinds else 0) + (kv_kept if "kv" in kinds else 0)
+    q_kept = q_buf if kept_q_rows is None else min(kept_q_rows, rows.qo_recv) * q_row
+    kept = (q_kept if "qo" in kinds else 0) + (kv_kept if "kv" in kinds else 0)
     if relay is None:
         return BufferMemory(fwd_peak=layout_fwd + rows.qo_send * (q_row + 4 * hq),
                             bwd_peak=layout_bwd + rows.qo_send * q_row + rows.kv_send * kv_row, kept=kept)
-    if "kv" in kinds and kept_kv_rows is not None and kept_kv_rows < rows.kv_recv:
-        raise ValueError(f"kept_kv_rows={kept_kv_rows} keeps part of the KV buffer, which relay transport "
-                         f"does not run (relay is set): keep whole kinds")
+    for kind, name, v, whole in (("kv", "kept_kv_rows", kept_kv_rows, rows.kv_recv),
+                                 ("qo", "kept_q_rows", kept_q_rows, rows.qo_recv)):
+        if kind in kinds and v is not None and v < whole:
+            raise ValueError(f"{name}={v} keeps part of the {kind.upper()} buffer, which relay transport "
+                             f"does not run (relay is set): keep whole kinds")
     (r_q, t_q), (r_kv, t_kv) = relay_hop_rows(comm, relay, "qo"), relay_hop_rows(comm, relay, "kv")
     hops_fwd = r_q * q_row + r_kv * kv_row
     hops_bwd = (r_q * (q_row + 8 * hq) + (0 if "qo" in kinds else r_q * q_row)

@@ -419,7 +419,8 @@ class Plan:
         """Bytes per rank of this plan's collective buffers (``plan.memory.BufferMemory``:
         forward peak, backward peak, kept for the backward), for ``config``'s heads, head dim
         and dtype. ``keep_forward_buffers``: what helpers keep (True, False, "qo", "kv"; default
-        the config's, within its ``memory_budget``, with the KV rows it keeps, ``kept_kv_rows``).
+        the config's, within its ``memory_budget``, with the rows it keeps, ``kept_q_rows`` and
+        ``kept_kv_rows``).
         A relay plan's (``self.relay``) counts every hop's buffers too (``gpusolver.plan.memory``
         says which). Host ints from static shapes: no device read."""
         from gpusolver.capacity import keep_for_budget
@@ -427,12 +428,12 @@ class Plan:
         from gpusolver.plan.memory import buffer_memory
 
         check_config(config)
-        keep, kv_rows = keep_forward_buffers, config.kept_kv_rows
+        keep, kv_rows, q_rows = keep_forward_buffers, config.kept_kv_rows, config.kept_q_rows
         if keep is None:
             resolved = keep_for_budget(config, self.comm.chunk)
-            keep, kv_rows = resolved.keep_forward_buffers, resolved.kept_kv_rows
+            keep, kv_rows, q_rows = resolved.keep_forward_buffers, resolved.kept_kv_rows, resolved.kept_q_rows
         return buffer_memory(self.comm, config.num_heads_q, config.num_heads_kv, config.head_dim, config.dtype, keep,
-                             kv_rows, relay=self.relay)
+                             kv_rows, relay=self.relay, kept_q_rows=q_rows)
 
     def save(self, path, *, config=None) -> None:
         """Write the plan (and its ``SolverConfig``, if given) to ``path`` (the ``plan.records`` format)."""

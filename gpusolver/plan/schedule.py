@@ -479,27 +479,40 @@ def op_split(plan, op: Op) -> torch.Tensor:
 
 
 def tail_first_row(plan, op: Op, kept_rows: int) -> int | torch.Tensor:
-    """The first row of ``op``'s own cast (a ``bwd.kv`` cast of a partly kept KV buffer) that lies
-    past the ``kept_rows`` kept rows of the receive buffer: ``kept_rows`` with one remote stage; with
-    S sub-stages ``[P]`` per destination, ``max(kept_rows - kv_stage_base[s], 0)``, as cast s's rows
-    start at ``kv_stage_base[s]`` of the buffer the casts share (``runtime.kept_rows``)."""
+    """The first row of ``op``'s own cast (a ``bwd.kv`` or ``bwd.qo`` cast of a partly kept
+    buffer of its route) that lies past the ``kept_rows`` kept rows of the receive buffer:
+    ``kept_rows`` with one remote stage; with S sub-stages ``[P]`` per destination,
+    ``max(kept_rows - stage_base(route)[s], 0)``, as cast s's rows start at that row of the buffer
+    the casts share (``runtime.kept_rows``)."""
     comm = plan.comm
     if getattr(plan, "relay", None) is not None or getattr(comm, "num_stages", 1) == 1:
         return kept_rows
     kb = getattr(plan, "kv_blocks", None)
-    comm = comm if kb is None else kb.staged  # a sparse plan's key blocks, routed per sub-stage
+    if op.route == "kv" and kb is not None:  # a sparse plan's key blocks, routed per sub-stage
+        comm = kb.staged
     (s,) = op.stages
-    return (kept_rows - comm.stage_base("kv")[s - 1]).clamp(min=0)
+    return (kept_rows - comm.stage_base(op.route)[s - 1]).clamp(min=0)
+
+
+def kept_rows_of(cost, route: str) -> int | None:
+    """The rows of ``route``'s receive buffer a ``cost`` keeps when it keeps that kind in part
+    (``kept_q_rows`` / ``kept_kv_rows``), else None (kept whole, or not at all)."""
+    if route not in kept_kinds(cost.keep_forward_buffers):
+        return None
+    return getattr(cost, "kept_q_rows" if route == "qo" else "kept_kv_rows", None)
 
 
 def op_pair_bytes(plan, op: Op, cost) -> torch.Tensor:
-    """[P(src), P(dst)] int64 bytes ``op`` moves from each source to each destination (a ``bwd.kv``
-    cast of a partly kept KV buffer moves only the rows past ``cost.kept_kv_rows``, per sub-stage
-    the rows of its cast past them, ``tail_first_row``)."""
+    """[P(src), P(dst)] int64 bytes ``op`` moves from each source to each destination. A ``bwd.kv``
+    cast of a partly kept KV buffer moves only the rows past ``cost.kept_kv_rows``; a ``bwd.qo``
+    cast with a partly kept QO buffer moves dO, lse and delta of every row and Q of the rows past
+    ``cost.kept_q_rows``; per sub-stage the rows of its cast past them (``tail_first_row``)."""
     split = op_split(plan, op)
-    kept_rows = getattr(cost, "kept_kv_rows", None)
-    if op.phase == "bwd.kv" and kept_rows is not None and "kv" in kept_kinds(cost.keep_forward_buffers):
-        split = tail_split(split, tail_first_row(plan, op, kept_rows))
+    kept_rows = kept_rows_of(cost, op.route) if op.phase in ("bwd.kv", "bwd.qo") else None
+    tail = None if kept_rows is None else tail_split(split, tail_first_row(plan, op, kept_rows))
+    if op.phase == "bwd.qo" and tail is not None:  # Q of the tail rows travels again beside dO
+        return split.to(torch.int64) * row_bytes(op, cost) + tail.to(torch.int64) * int(cost.q_fwd)
+    split = split if tail is None else tail
     split = split.t() if op.back else split
     return split.to(torch.int64) * row_bytes(op, cost)
 
@@ -543,7 +556,7 @@ def pair_bytes(plan, phase: str, cost, stage: int | None = None, hop: int | None
     if hop is not None and (isinstance(hop, bool) or hop not in (0, 1, 2, 3)):
         raise ValueError(f"hop must be None, 0 (direct), 1 (InfiniBand), 2 (NVLink fan-out) or 3 (NVLink "
                          f"pre-hop to the egress), got {hop!r}")
-    for op in plan_ops(plan, phase.split(".")[0], cost.keep_forward_buffers, getattr(cost, "kept_kv_rows", None)):
+    for op in plan_ops(plan, phase.split(".")[0], cost.keep_forward_buffers, kept_rows_of(cost, "kv")):
         if stage is not None and S > 1 and op.stages != (stage,):
             continue
         if hop is not None and op.hop != hop:

@@ -51,7 +51,7 @@ from gpusolver.plan import IMBALANCED, Plan
 from gpusolver.plan.schedule import ATTN, CAST, DELTA, MERGE, REDUCE, WAIT, Op, backward_ops, forward_ops
 from gpusolver.plan.sparse import SparsePlan
 from gpusolver.problem import kept_kinds
-from gpusolver.runtime.kept_rows import keep_prefix, tail_cast, whole_operands
+from gpusolver.runtime.kept_rows import keep_prefix, tail_cast, whole_operands, with_tail
 from gpusolver.runtime.layout import from_group_major, to_group_major
 from gpusolver.runtime.operands import Operands, rows
 from gpusolver.runtime.per_rank import per_rank
@@ -208,7 +208,7 @@ class _DistAttn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, routes: LayerRoutes, group, scale: float, keep: tuple, kv_rows: int,
-                deterministic: bool):
+                deterministic: bool, q_rows: int = -1):
         lead = 1 if routes.batched else 0
         G = routes.groups
         n = G * q.shape[lead]  # G * c local group-major rows
@@ -232,6 +232,11 @@ class _DistAttn(torch.autograd.Function):
                 x_k, x_v = keep_prefix([x_k, x_v], lead, n, min(kv_rows, x_k.shape[lead] - n))
                 operands = None  # the whole KV operands go with the forward
             ctx.kv_rows = kv_rows if part else -1
+            part_q = routes.relay is None and "qo" in keep and q_rows >= 0
+            if part_q:  # likewise the first q_rows of the QO buffer (the rest travels again with dO)
+                (x_q,) = keep_prefix([x_q], lead, n, min(q_rows, x_q.shape[lead] - n))
+                operands = None
+            ctx.q_rows = q_rows if part_q else -1
             # every executor here returns X = [local rows | receive buffer], whose first n rows are the
             # local rows: a kept kind keeps them once, as views of it
             if "qo" in keep:
@@ -296,11 +301,15 @@ class _DistAttn(torch.autograd.Function):
         else:  # all of X, or its local rows and the first kv_rows of the buffer (the rest is cast again),
             # of a buffer at this rank's fill at most its rows
             kv_saved = tuple(X["kv"].x) if kv_rows < 0 else keep_prefix(X["kv"].x, lead, n, min(kv_rows, kcap))
-        saved = (X["qo"].x[0] if "qo" in keep else ql.clone(),) + kv_saved
-        del X, sent, ql, kl, vl
+        if "qo" not in keep:
+            q_saved = ql.clone()
+        else:  # likewise for Q
+            q_saved = X["qo"].x[0] if q_rows < 0 else keep_prefix(X["qo"].x, lead, n, min(q_rows, cap))[0]
+        saved = (q_saved,) + kv_saved
+        del X, sent, ql, kl, vl, q_saved
         ctx.save_for_backward(*saved, o, lse)
         ctx.routes, ctx.group, ctx.scale, ctx.keep, ctx.deterministic = routes, group, scale, keep, deterministic
-        ctx.kv_rows = kv_rows
+        ctx.kv_rows, ctx.q_rows = kv_rows, q_rows
         group.wait_sends()  # p2p sends may outlive their wait(): none past the pass
         return from_group_major(o, G, lead), from_group_major(lse, G, lead)
 
@@ -326,12 +335,13 @@ class _DistAttn(torch.autograd.Function):
             kept_kv = kept if keep_kv else None
             run, how = (backward_stages, routes.stages) if routes.relay is None else (
                 relay_stages_backward if routes.relay.sub_stages else relay_backward, routes.relay)
-            more = {} if not staged else {"kept_kv_rows": ctx.kv_rows, "groups": 1 if d_out is None else G}
+            more = {} if not staged else {"kept_kv_rows": ctx.kv_rows, "kept_q_rows": ctx.q_rows,
+                                          "groups": 1 if d_out is None else G}
             dq, dk, dv = run(routes.plan, group, routes.ranks, routes.batched, how, ql, kl, vl, o, lse, kept_q,
                              kept_kv, d_o, d_l, scale, ctx.deterministic, **more)
             group.wait_sends()  # p2p sends may outlive their wait(): none past the pass
             return (from_group_major(dq, G, lead), from_group_major(dk, G, lead), from_group_major(dv, G, lead),
-                    None, None, None, None, None, None)
+                    None, None, None, None, None, None, None)
         o, lse = saved[3:5]
         qcap, kcap = routes.recv_rows("qo"), routes.recv_rows("kv")  # as the forward's buffers
         d_o = torch.zeros_like(o) if d_out is None else to_group_major(d_out, G, lead).contiguous()
@@ -343,7 +353,12 @@ class _DistAttn(torch.autograd.Function):
         xq, xk, xv = saved[:3]
         part = keep_kv and ctx.kv_rows >= 0  # the first kv_rows of the KV buffer kept, the rest cast again
         kept_here = min(ctx.kv_rows, kcap)  # of a buffer at this rank's fill, at most its rows
-        Xq = None if keep_q else Operands([xq], qcap, lead, zero=True)
+        part_q = keep_q and ctx.q_rows >= 0  # likewise the first q_rows of the QO buffer
+        q_here = min(ctx.q_rows, qcap)
+        if part_q:
+            Xq = whole_operands((xq,), qcap, lead, n, q_here)
+        else:
+            Xq = None if keep_q else Operands([xq], qcap, lead, zero=True)
         if part:  # the local and kept rows copied into whole operands, the rest cast again below
             Xkv = whole_operands((xk, xv), kcap, lead, n, kept_here)
         else:
@@ -367,6 +382,11 @@ class _DistAttn(torch.autograd.Function):
                     if op.route == "qo":
                         sent = tuple(local(x) for x in Xg.x) + (() if keep_q else (ql,))
                         works[op.name] = issue(op, routes, group, sent, Xg.remote() + ([] if keep_q else Xq.remote()))
+                        if part_q:  # Q of the rows past the kept ones travels again beside dO
+                            tail = tail_cast((ql,), routes.qo_index, routes.qo_split, ctx.q_rows,
+                                             [rows(Xq.x[0], lead, n + q_here, qcap - q_here)], group,
+                                             phase=op.phase, ranks=routes.ranks, batched=routes.batched)
+                            works[op.name] = with_tail(works[op.name], tail)
                     elif part:  # the rows past the kept ones (every rank keeps its first kv_rows)
                         works[op.name] = issue_tail(op, routes, group, (kl, vl), ctx.kv_rows,
                                                     [rows(x, lead, n + kept_here, kcap - kept_here) for x in Xkv.x])
@@ -411,7 +431,7 @@ class _DistAttn(torch.autograd.Function):
         (dq,), (dk, dv) = out["bwd.dq"], out["bwd.dkv"]
         group.wait_sends()  # p2p sends may outlive their wait(): none past the pass
         return (from_group_major(dq, G, lead), from_group_major(dk, G, lead), from_group_major(dv, G, lead),
-                None, None, None, None, None, None)
+                None, None, None, None, None, None, None)
 
 
 def _check_inputs(q, k, v, plan: Plan, group) -> None:
@@ -515,7 +535,8 @@ def check_plan_digest(plan: Plan, group, config_key: int, *, validate: bool) -> 
 def dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, group, *,
               softmax_scale: float | None = None, deterministic: bool = True,
               keep_forward_buffers: bool | str | None = None, validate: bool | None = None, debug_digest: bool = False,
-              config_key: int | None = None, kept_kv_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              config_key: int | None = None, kept_kv_rows: int | None = None,
+              kept_q_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of this rank's query shard over the whole sequence, as ``plan`` assigns the work.
 
     Args:
@@ -548,6 +569,9 @@ def dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, gro
             or with ``keep_forward_buffers=None`` the plan's.
             With S sub-stages the rows are those of the one buffer the S casts share: each
             sub-stage's cast again moves its rows past them (``runtime.kept_rows``).
+        kept_q_rows: with Q kept, keep only the first this many rows of the QO receive buffer
+            (``SolverConfig.kept_q_rows``); the rows past them are cast again beside dO in the
+            backward. None: all, or with ``keep_forward_buffers=None`` the plan's.
 
     Returns:
         out ``[c, Hq, D]`` in q's dtype and lse ``[c, Hq]`` fp32 (natural log; a row with
@@ -581,14 +605,23 @@ def dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, gro
         keep_forward_buffers = True if cost is None else cost.keep_forward_buffers
         if kept_kv_rows is None and cost is not None:
             kept_kv_rows = cost.kept_kv_rows
+        if kept_q_rows is None and cost is not None:
+            kept_q_rows = getattr(cost, "kept_q_rows", None)
     keep = kept_kinds(keep_forward_buffers)
-    if kept_kv_rows is not None:
-        if isinstance(kept_kv_rows, bool) or not isinstance(kept_kv_rows, int) or kept_kv_rows < 0:
-            raise ValueError(f"kept_kv_rows must be None or a non-negative int, got {kept_kv_rows!r}")
-        if plan.relay is not None and kept_kv_rows < plan.comm.kv_recv_capacity:
-            raise ValueError(f"kept_kv_rows={kept_kv_rows} keeps part of the KV buffer, which relay transport does "
-                             f"not run (plan.relay is set): keep whole kinds (keep_forward_buffers) or solve with "
-                             f"SolverConfig(ib_relay=False)")
-    # the whole buffer when it fits in kept_kv_rows (-1)
-    kv_rows = -1 if kept_kv_rows is None or kept_kv_rows >= plan.comm.kv_recv_capacity else kept_kv_rows
-    return _DistAttn.apply(q, k, v, routes, group, scale, keep, kv_rows, bool(deterministic))
+    kv_rows = _kept_rows("kept_kv_rows", kept_kv_rows, plan, plan.comm.kv_recv_capacity)
+    q_rows = _kept_rows("kept_q_rows", kept_q_rows, plan, plan.comm.qo_recv_capacity)
+    return _DistAttn.apply(q, k, v, routes, group, scale, keep, kv_rows, bool(deterministic), q_rows)
+
+
+def _kept_rows(name: str, value, plan: Plan, capacity: int) -> int:
+    """The rows of a receive buffer of ``capacity`` rows kept for the backward, checked: -1 for the
+    whole buffer (None, or at least its rows)."""
+    if value is None:
+        return -1
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be None or a non-negative int, got {value!r}")
+    if plan.relay is not None and value < capacity:
+        raise ValueError(f"{name}={value} keeps part of a receive buffer, which relay transport does not run "
+                         f"(plan.relay is set): keep whole kinds (keep_forward_buffers) or solve with "
+                         f"SolverConfig(ib_relay=False)")
+    return -1 if value >= capacity else value

@@ -1,7 +1,10 @@
-"""A KV receive buffer kept in part: its first R rows held from the forward, the rest cast again.
+"""A receive buffer kept in part: its first R rows held from the forward, the rest cast again.
 
-Shape legend: n = G * c local group-major rows, cap = the plan's KV receive rows, R = the kept
-rows (``SolverConfig.kept_kv_rows``, ``0 <= R < cap``), ``[B, ...]`` the leading rank dim of a
+The KV buffer (``SolverConfig.kept_kv_rows``: ``bwd.kv`` casts the rest) or the QO buffer
+(``kept_q_rows``: Q of the rest travels again beside dO in ``bwd.qo``); the rule is the same.
+
+Shape legend: n = G * c local group-major rows, cap = the plan's receive rows of the kind, R = the
+kept rows (``0 <= R < cap``), ``[B, ...]`` the leading rank dim of a
 ``LocalGroup`` (``lead = 1``; absent for one rank).
 
 The forward keeps rows ``[0, n + R)`` of the KV operands ``X = [local rows | receive buffer]``
@@ -20,9 +23,9 @@ from __future__ import annotations
 import torch
 
 from gpusolver.runtime.operands import Operands, rows
-from groupcomm import TorchGroup, group_cast, host_splits, tail_routing
+from groupcomm import TorchGroup, Work, group_cast, host_splits, tail_routing
 
-__all__ = ["keep_prefix", "whole_operands", "tail_cast"]
+__all__ = ["keep_prefix", "whole_operands", "tail_cast", "with_tail"]
 
 
 def keep_prefix(x: list[torch.Tensor], lead: int, n: int, kept_rows: int) -> tuple[torch.Tensor, ...]:
@@ -82,3 +85,9 @@ def tail_cast(tensors, send_index: torch.Tensor, split: torch.Tensor, kept_rows:
     return group_cast(list(tensors), index, split, out[0].shape[lead], group, phase=phase, host_split=host,
                       async_op=True, flag_errors=False, out=list(out), recv_offset=offset,
                       host_recv_offset=host_offset)
+
+
+def with_tail(work: Work, tail: Work) -> Work:
+    """One Work for a cast and the tail cast started beside it (dO and Q past the kept rows): its
+    ``wait()`` waits for both, so a stage that needs the cast's rows has the tail's too."""
+    return Work(lambda: work.wait() + tail.wait())

@@ -270,10 +270,11 @@ class DynamicCPAttention(nn.Module):
             if plan is None:
                 plan = self.plan_for(mask, q.device, mask_name)
             # what the plan's solve priced: the kinds the memory budget keeps (capacity.keep_for_budget)
-            kept = keep_for_budget(self.config, plan.comm.chunk)  # and the KV rows it keeps
+            kept = keep_for_budget(self.config, plan.comm.chunk)  # and the Q and KV rows it keeps
             out, lse = dist_attn(q, k, v, plan, self.group, softmax_scale=self.softmax_scale,
                                  deterministic=self.deterministic, keep_forward_buffers=kept.keep_forward_buffers,
-                                 kept_kv_rows=kept.kept_kv_rows, validate=self.validate,
+                                 kept_kv_rows=kept.kept_kv_rows, kept_q_rows=kept.kept_q_rows,
+                                 validate=self.validate,
                                  debug_digest=self.debug_digest,
                                  config_key=config_digest(self.config) if self.debug_digest else None)
         return (out, lse) if return_lse else out

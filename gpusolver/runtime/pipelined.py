@@ -55,7 +55,7 @@ from attn_kernels import flex_attn, flex_attn_backward, merge_out_lse, merge_out
 from gpusolver.nvtx import nvtx_range
 from gpusolver.plan import Plan
 from gpusolver.plan.schedule import ATTN, CAST, DELTA, MERGE, REDUCE, WAIT, Op, backward_ops, forward_ops
-from gpusolver.runtime.kept_rows import tail_cast, whole_operands
+from gpusolver.runtime.kept_rows import tail_cast, whole_operands, with_tail
 from gpusolver.runtime.operands import Operands, rows
 from gpusolver.runtime.per_rank import per_rank
 from groupcomm import TorchGroup, group_cast, group_reduce, host_splits
@@ -411,12 +411,15 @@ def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql,
 
 def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql, kl, vl, o, lse, kept_q,
                     kept_kv, d_o, d_l, scale: float, deterministic: bool, *, extra=(), kept_extra=(),
-                    attend_bwd=None, more_branches=(), kept_kv_rows: int = -1, groups: int = 1):
+                    attend_bwd=None, more_branches=(), kept_kv_rows: int = -1, kept_q_rows: int = -1,
+                    groups: int = 1):
     """Run ``backward_ops(S + 1)``: (dq, dk, dv) group-major. ``kept_q``: the forward's Xq or None
     (Q is cast again with dO); ``kept_kv``: its [Xk, Xv] or None (K, V are cast again).
     kept_kv_rows >= 0: ``kept_kv`` holds the local rows and only the first this many rows of the
     shared KV buffer; each sub-stage's KV cast runs again restricted to its rows past them
     (``kept_rows.tail_cast``, phases ``bwd.kv.s``) into whole operands (``kept_rows.whole_operands``).
+    kept_q_rows >= 0: likewise ``kept_q`` (and ``kept_extra``) hold only the first this many rows of
+    the QO buffer; the rows past them travel again beside dO in each sub-stage's ``bwd.qo.s``.
     extra / kept_extra: the rows travelling with Q (``forward_stages``) and, with ``kept_q``, their
     kept X; attend_bwd(rank, stage, dO, q, k, v, lse, delta, *extra, *more) -> (dq, dk, dv), the
     gradients of every branch summed. more_branches: the other output branches' (o, lse, dO, dlse
@@ -437,14 +440,19 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
     # a custom kernel (a sparse layer's) returns its gradients, added here
     fused = attend_bwd is None
     attend_bwd = _flex_backward(plan, scale) if attend_bwd is None else attend_bwd
-    Xq = Operands([ql, *extra], cap_q, lead, zero=True) if kept_q is None else None
+    part_q = kept_q is not None and kept_q_rows >= 0
+    kept_q_here = min(kept_q_rows, cap_q)
+    if part_q:  # the local and kept rows, the rest cast again beside dO
+        Xq = whole_operands([kept_q, *kept_extra], cap_q, lead, n, kept_q_here)
+    else:
+        Xq = Operands([ql, *extra], cap_q, lead, zero=True) if kept_q is None else None
     part = kept_kv is not None and kept_kv_rows >= 0
     if part:  # the local and kept rows, the rest cast again
         Xkv = whole_operands(kept_kv, cap_k, lead, n, kept_here)
         kept_kv = None
     else:
         Xkv = Operands([kl, vl], cap_k, lead, zero=True) if kept_kv is None else None
-    xq = [kept_q, *kept_extra] if kept_q is not None else Xq.x
+    xq = [kept_q, *kept_extra] if kept_q is not None and not part_q else Xq.x
     xk, xv = kept_kv if kept_kv is not None else Xkv.x
     grads = Xg = None
     # fp32 sums over the rows of each kind's operands (the local stage may run last: start from zero)
@@ -474,6 +482,14 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
                     tensors = tuple(grads) + (() if kept_q is not None else (ql, *extra))
                     into = Xg.remote() + ([] if kept_q is not None else Xq.remote())
                     works[op.name] = _issue(op, sr, group, caps, tensors, into)
+                    if part_q:  # Q of sub-stage s's rows past the kept ones travels again beside dO
+                        (s,) = op.stages
+                        key = ("qo", "cast")
+                        tail = tail_cast((ql, *extra), sr.index[key][s - 1], sr.split[key][s - 1], kept_q_rows,
+                                         [rows(x, lead, n + kept_q_here, cap_q - kept_q_here) for x in Xq.x], group,
+                                         phase=stage_phase(op.phase, s), ranks=ranks, batched=batched,
+                                         base=sr.start["qo"][s - 1], host_base=sr.host_start["qo"][s - 1])
+                        works[op.name] = with_tail(works[op.name], tail)
                 elif part:  # sub-stage s's rows past the kept ones, into the buffer rows past them
                     (s,) = op.stages
                     key = ("kv", "cast")

@@ -7,7 +7,7 @@ from gpusolver.capacity import (CLUSTER_CHUNKS, DEFAULT_CHUNKS, buffer_rows, kee
                                 plain_kept_bytes)
 from gpusolver.config import AUTO_STAGES, SolverConfig
 from gpusolver.problem import CommCost
-from gpusolver.topology import h200_hgx
+from gpusolver.topology import Topology, h200_hgx
 
 
 def test_buffer_rows_precedence():
@@ -100,45 +100,68 @@ def test_budget_keeps_the_most_that_fits():
     q, kv = kept_bytes(base, c, "qo"), kept_bytes(base, c, "kv")
     assert (q, kv) == (2 * 8 * c * 8 * 128 * 2, 7 * 8 * c * 2 * 128 * 2)  # QO 2 G*c rows, KV 7 G*c rows at P = 8
     eps = 1e-9  # a budget a hair above a boundary, past its float rounding
-    kv_row, kv_recv = 2 * 128 * 2, 7 * 8 * c  # K+V bytes of one group-major row; KV receive rows
-    # a budget short of the whole KV buffer keeps its first rows that fit (row granularity)
-    for budget, keep, rows in ((1.0, False, None), (1 + (kv - 1) / plain, "kv", kv_recv - 1),
-                               (1 + 1000 * kv_row / plain + eps, "kv", 1000), (1 + kv / plain + eps, "kv", None),
-                               (1 + q / plain + eps, "qo", None), (1 + (q + 10 * kv_row) / plain + eps, True, 10),
-                               (1 + (q + kv) / plain + eps, True, None)):
+    q_row, kv_row = 8 * 128 * 2, 2 * 128 * 2  # Q and K+V bytes of one group-major row
+    q_recv = 2 * 8 * c  # QO receive rows
+    # the whole kinds that fit first (the QO buffer is the larger at P = 8), then the first rows of
+    # Q that fit, then of K and V (row granularity); once anything is kept a kind that does not fit
+    # is kept in part, with no rows at all when no room is left
+    for budget, keep, q_rows, kv_rows in (
+            (1.0, False, None, None),
+            (1 + 1000 * q_row / plain + eps, True, 1000, 0),
+            (1 + (kv - 1) / plain, True, (kv - 1) // q_row, (kv - 1) % q_row // kv_row),
+            (1 + kv / plain + eps, True, 0, None),                      # K, V whole; no room for a Q row
+            (1 + (q - 1) / plain, True, (q - 1 - kv) // q_row, None),   # K, V whole, the first Q rows
+            (1 + q / plain + eps, True, None, 0),                       # Q whole
+            (1 + (q + 10 * kv_row) / plain + eps, True, None, 10),
+            (1 + (q + kv) / plain + eps, True, None, None)):
         resolved = keep_for_budget(SolverConfig(cp_size=8, memory_budget=budget), c)
         assert resolved.keep_forward_buffers == keep and resolved.memory_budget is None, budget
-        assert resolved.kept_kv_rows == rows, budget
-        assert kept_bytes(resolved, c, keep, rows) <= (budget - 1) * plain
+        assert (resolved.kept_q_rows, resolved.kept_kv_rows) == (q_rows, kv_rows), budget
+        assert kept_bytes(resolved, c, keep, kv_rows, q_rows) <= (budget - 1) * plain
     # the budget chooses only among what keep_forward_buffers allows
     assert keep_for_budget(SolverConfig(cp_size=8, keep_forward_buffers="qo", memory_budget=100.0), c) \
         .keep_forward_buffers == "qo"
+    only_kv = keep_for_budget(SolverConfig(cp_size=8, keep_forward_buffers="kv"), c)
+    assert only_kv.keep_forward_buffers == "kv" and only_kv.kept_q_rows is None and 0 < only_kv.kept_kv_rows
     unbounded = SolverConfig(cp_size=8, memory_budget=None)
     assert keep_for_budget(unbounded, c) is unbounded
-    # the default budget, 1.5: the first KV rows that fit, nothing of Q (its buffer alone is past it)
+    # the default budget, 1.5: the first Q rows that fit (the whole buffer is past it), K and V cast again
     assert base.memory_budget == 1.5
     default = keep_for_budget(base, c)
-    assert default.keep_forward_buffers == "kv" and 0 < default.kept_kv_rows < kv_recv
-    assert kept_bytes(default, c, "kv", default.kept_kv_rows) <= 0.5 * plain
+    assert default.keep_forward_buffers is True and 0 < default.kept_q_rows < q_recv and default.kept_kv_rows == 0
+    assert 0.5 * plain - q_row < kept_bytes(default, c, True, 0, default.kept_q_rows) <= 0.5 * plain
     # rows the caller chose are theirs, and the budget is dropped
-    chosen = keep_for_budget(SolverConfig(cp_size=8, kept_kv_rows=7), c)
-    assert chosen.kept_kv_rows == 7 and chosen.memory_budget is None
+    for field in ("kept_kv_rows", "kept_q_rows"):
+        chosen = keep_for_budget(SolverConfig(cp_size=8, **{field: 7}), c)
+        assert getattr(chosen, field) == 7 and chosen.memory_budget is None, field
 
 
-def test_budget_keeps_kv_rows_at_any_stage_count():
-    """A budget short of the whole KV buffer keeps its first rows with S sub-stages too: the same rows
-    as at S = 1 (the casts share the buffer), and the stage count the config asked for ("auto": 4)."""
+def test_budget_keeps_rows_at_any_stage_count():
+    """A budget short of the whole buffers keeps their first rows with S sub-stages too: the same rows
+    as at S = 1 (the casts share the buffers), and the stage count the config asked for ("auto": 4)."""
     c = 8192
     one = SolverConfig(cp_size=8, num_stages=1)
-    plain, kv_row = plain_kept_bytes(one, c), 2 * 128 * 2
-    budget = 1 + 1000 * kv_row / plain + 1e-9
+    plain, q_row = plain_kept_bytes(one, c), 8 * 128 * 2
+    budget = 1 + 1000 * q_row / plain + 1e-9
     want = keep_for_budget(replace(one, memory_budget=budget), c)
-    assert (want.keep_forward_buffers, want.kept_kv_rows, want.num_stages) == ("kv", 1000, 1)
+    assert (want.keep_forward_buffers, want.kept_q_rows, want.kept_kv_rows, want.num_stages) == (True, 1000, 0, 1)
     for stages, S in ((2, 2), (4, 4), ("auto", AUTO_STAGES)):
         resolved = keep_for_budget(SolverConfig(cp_size=8, num_stages=stages, memory_budget=budget), c)
-        assert (resolved.keep_forward_buffers, resolved.kept_kv_rows) == ("kv", 1000), stages
+        assert (resolved.keep_forward_buffers, resolved.kept_q_rows, resolved.kept_kv_rows) == (True, 1000, 0), stages
         assert resolved.num_stages == S and resolved.auto_stages == (stages == "auto"), stages
-        assert kept_bytes(resolved, c, "kv", 1000) == kept_bytes(want, c, "kv", 1000)
+        assert kept_bytes(resolved, c, True, 0, 1000) == kept_bytes(want, c, True, 0, 1000)
+
+
+def test_relay_keeps_whole_kinds_only():
+    """Relay transport has no tail casts: its budget keeps whole kinds, nothing in part."""
+    c = 8192
+    base = SolverConfig(cp_size=8)
+    plain, q_row = plain_kept_bytes(base, c), 8 * 128 * 2
+    topo = Topology(ranks_per_node=4, nvlink_gbps=1.0, ib_gbps=0.5, attn_tflops=1.0)
+    relay = SolverConfig(cp_size=8, topology=topo, ib_relay=True, memory_budget=1 + 1000 * q_row / plain)
+    resolved = keep_for_budget(relay, c)
+    assert resolved.keep_forward_buffers is False
+    assert (resolved.kept_q_rows, resolved.kept_kv_rows) == (None, None)
 
 
 def test_sub_stages_share_the_kept_buffers():
@@ -154,6 +177,14 @@ def test_sub_stages_share_the_kept_buffers():
 def test_kept_kv_rows_prices_and_checks():
     part = CommCost(8, 2, 16, 2, 2, True, kept_kv_rows=5)
     assert part.kv_bwd == 0 and part.q_bwd == CommCost(8, 2, 16, 2, 2, True).q_bwd
+    part_q = CommCost(8, 2, 16, 2, 2, True, kept_q_rows=5)  # priced as kept: the tail is the plan's count
+    assert part_q.q_bwd == CommCost(8, 2, 16, 2, 2, True).q_bwd and part_q.kv_bwd == 0
+    assert SolverConfig(cp_size=4, kept_q_rows=3).cost().kept_q_rows == 3
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="kept_q_rows"):
+            SolverConfig(cp_size=4, kept_q_rows=bad)
+        with pytest.raises(ValueError, match="kept_q_rows"):
+            CommCost(8, 2, 16, 2, 2, True, kept_q_rows=bad)
     assert SolverConfig(cp_size=4, kept_kv_rows=7).cost().kept_kv_rows == 7
     with pytest.raises(ValueError, match="kept_kv_rows"):
         SolverConfig(cp_size=4, kept_kv_rows=-1)

@@ -1,5 +1,6 @@
-"""``kept_kv_rows`` with S > 1 sub-stages: the first R rows of the shared KV receive buffer kept, each
-sub-stage's KV cast run again past them (``gpusolver.runtime.kept_rows``).
+"""``kept_kv_rows`` / ``kept_q_rows`` with S > 1 sub-stages: the first R rows of the shared KV (QO)
+receive buffer kept, each sub-stage's KV cast (Q beside dO) run again past them
+(``gpusolver.runtime.kept_rows``).
 
 LocalGroup, fp32, small shapes: values and gradients against dense attention and bit for bit against
 keeping the whole buffer, every sub-stage's ``bwd.kv.s`` counters against ``plan.pair_bytes``, the
@@ -69,6 +70,43 @@ def test_kept_rows_with_sub_stages(name, P, S, seed, which):
     assert all(int(group.traffic(b)[0].sum()) == 0 for b in PHASES_BWD)  # no unstaged phase ran
 
 
+@pytest.mark.parametrize("which", list(ROWS))
+@pytest.mark.parametrize("S,kv_share", [(1, None), (4, None), (2, 0.5)], ids=["S1", "S4", "S2-kv-part"])
+def test_kept_q_rows(S, kv_share, which):
+    """The first R rows of the QO buffer kept (with S = 2 half of the KV fill kept too): values and
+    gradients against dense attention and bit for bit against keeping everything; every sub-stage's
+    counters are the plan's, and over the sub-stages each rank receives Q again for exactly its rows
+    past R."""
+    P, seed = 4, 3
+    mask, plan, config = _plan("docs-causal", P, S, seed) if S > 1 else (None, None, None)
+    if S == 1:
+        mask = make_mask("docs-causal", P * 16, seed=seed)
+        plan, config = tight_plan(mask, make_config(P, 4, 2, num_stages=1))
+    comm = plan.comm
+    fill = comm.qo_recv_rows
+    R = ROWS[which](int(fill.max()))
+    assert R < comm.qo_recv_capacity
+    kv = None if kv_share is None else int(int(comm.kv_recv_rows.max()) * kv_share)
+    cost = replace(config, kept_q_rows=R, kept_kv_rows=kv).cost()
+    whole_q = replace(config, kept_kv_rows=kv).cost()
+    stages = range(1, S + 1) if S > 1 else (None,)
+    again = sum(plan.pair_bytes("bwd.qo", cost, stage=s) - plan.pair_bytes("bwd.qo", whole_q, stage=s)
+                for s in stages)
+    assert torch.equal(again.sum(0) // cost.q_fwd, (fill - R).clamp(min=0))
+    assert (which == "filled") == (int(again.sum()) == 0)
+    inputs = make_inputs(P * 16, 4, 2, seed=seed)
+    group = LocalGroup(P)
+    got = _run(plan, P, *inputs, group=group, kept_q_rows=R, kept_kv_rows=kv)
+    _assert_all_close(reference(mask, *inputs), got, f"S={S} R={R} ")
+    whole = _run(plan, P, *inputs)
+    for key in KEYS:
+        assert torch.equal(got[key], whole[key]), key
+    for base in PHASES_BWD:
+        for s in stages:
+            phase = base if s is None else f"{base}.{s}"
+            assert torch.equal(group.pair_traffic(phase), plan.pair_bytes(base, cost, stage=s)), phase
+
+
 def test_straddling_tails_by_hand():
     """A hand check of the per-stage first row: each sub-stage's tail is its rows at buffer rows >= R,
     counted from ``kv_stage_base`` and the stage's receive fill, rank by rank."""
@@ -88,17 +126,18 @@ def test_straddling_tails_by_hand():
 def test_simulator_prices_the_stage_tails():
     """The simulated backward moves ``plan.pair_bytes("bwd")``: the kept rows' tails per sub-stage."""
     _, plan, config = _plan("docs-causal", 4, 4, 3)
-    R = int(plan.comm.kv_recv_rows.max()) // 2
     topo = Topology(ranks_per_node=4, nvlink_gbps=1.0, ib_gbps=0.5, attn_tflops=1.0)
     bwd = {}
-    for rows in (None, R, 0):
-        cost = replace(config, kept_kv_rows=rows).cost()
-        want = plan.pair_bytes("bwd", cost)
-        want.fill_diagonal_(0)
-        lt = simulate(plan, topo, cost=cost)
-        assert torch.equal(torch.tensor(lt.bwd.pair_bytes), want), rows
-        bwd[rows] = int(want.sum())
-    assert bwd[None] < bwd[R] < bwd[0]
+    for field, fill in (("kept_kv_rows", plan.comm.kv_recv_rows), ("kept_q_rows", plan.comm.qo_recv_rows)):
+        R = int(fill.max()) // 2
+        for rows in (None, R, 0):
+            cost = replace(config, **{field: rows}).cost()
+            want = plan.pair_bytes("bwd", cost)
+            want.fill_diagonal_(0)
+            lt = simulate(plan, topo, cost=cost)
+            assert torch.equal(torch.tensor(lt.bwd.pair_bytes), want), (field, rows)
+            bwd[field, rows] = int(want.sum())
+        assert bwd[field, None] < bwd[field, R] < bwd[field, 0], field
 
 
 @pytest.mark.usefixtures("few_solve_rounds")
@@ -106,16 +145,17 @@ def test_kept_rows_sub_stages_on_meta():
     """The S = 3 layer keeping part of its KV buffer runs on ``device="meta"``: no host read."""
     P, c, Hq, Hkv = 4, 16, 4, 2
     mask = varlen_causal_mask(doc_lengths(P * c, 0), device="meta")
-    layer = DynamicCPAttention(LocalGroup(P), make_config(P, Hq, Hkv, num_stages=3, kept_kv_rows=9),
-                               plan_cache=PlanCache())
-    q = torch.empty(P, c, Hq, D, device="meta", requires_grad=True)
-    k = torch.empty(P, c, Hkv, D, device="meta", requires_grad=True)
-    v = torch.empty(P, c, Hkv, D, device="meta", requires_grad=True)
-    out, lse = layer(q, k, v, mask, return_lse=True)
-    assert out.shape == (P, c, Hq, D) and out.device.type == "meta"
-    (out.sum() + lse.sum()).backward()
-    for x in (q, k, v):
-        assert x.grad is not None and x.grad.shape == x.shape and x.grad.device.type == "meta"
+    for rows in ({"kept_kv_rows": 9}, {"kept_q_rows": 5, "kept_kv_rows": 9}):
+        layer = DynamicCPAttention(LocalGroup(P), make_config(P, Hq, Hkv, num_stages=3, **rows),
+                                   plan_cache=PlanCache())
+        q = torch.empty(P, c, Hq, D, device="meta", requires_grad=True)
+        k = torch.empty(P, c, Hkv, D, device="meta", requires_grad=True)
+        v = torch.empty(P, c, Hkv, D, device="meta", requires_grad=True)
+        out, lse = layer(q, k, v, mask, return_lse=True)
+        assert out.shape == (P, c, Hq, D) and out.device.type == "meta"
+        (out.sum() + lse.sum()).backward()
+        for x in (q, k, v):
+            assert x.grad is not None and x.grad.shape == x.shape and x.grad.device.type == "meta"
 
 
 @pytest.mark.usefixtures("few_solve_rounds")

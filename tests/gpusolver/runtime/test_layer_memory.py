@@ -6,6 +6,8 @@ into (the receive rows of stage 1's operands, written in place) and every return
 reduces allocate (one per returned tensor), forward and backward apart. Per-rank figures are
 the batched totals over P.
 """
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -191,6 +193,52 @@ def test_part_of_the_kv_buffer_kept():
         assert torch.equal(a, b)
 
 
+def test_part_of_the_q_buffer_kept():
+    """``kept_q_rows``: the first rows of the QO buffer are kept, Q of the rest travels again beside dO
+    (the tail of the forward's cast); the gradients are those of keeping everything, bit for bit, the
+    bytes kept and moved are ``plan.memory``'s and ``pair_bytes``'s."""
+    P, c, Hq, Hkv, rows = 4, 16, 4, 2, 10
+    S = P * c
+    config = make_config(P, Hq, Hkv, max_qo_recv_rows=40, max_kv_recv_rows=64, max_qo_send_rows=56,
+                         max_kv_send_rows=88, kept_q_rows=rows, num_stages=1)
+    plan = solve(varlen_causal_mask(doc_lengths(S, 0)), config)
+    assert int(plan.comm.qo_recv_rows.max()) > rows  # some rows past the kept ones travel again
+    m = plan.memory(config)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(P, c, Hq, D, generator=g, requires_grad=True)
+    k = torch.randn(P, c, Hkv, D, generator=g, requires_grad=True)
+    v = torch.randn(P, c, Hkv, D, generator=g, requires_grad=True)
+    grads = {}
+    for kept in (None, rows):
+        group = LocalGroup(P)
+        rec, into = _Recorder(group), _IntoRecorder(group)
+        (out, lse), sizes, _ = _saved(lambda: dist_attn(q, k, v, plan, group, kept_q_rows=kept))
+        rec.current, into.current = [], {}
+        q.grad = k.grad = v.grad = None
+        (out.sum() + lse.sum()).backward()
+        grads[kept] = (q.grad, k.grad, v.grad)
+        if kept is not None:
+            own = P * c * (2 * Hq * D + 2 * Hkv * D + Hq) * 4
+            assert m.kept == rows * (Hq // 2) * D * 4 + 64 * 2 * (Hkv // 2) * D * 4
+            assert sum(sizes) == own + P * m.kept
+            # dO, lse, delta; Q of the rows past the kept ones, written after them; dQ, dK, dV back.
+            # The backward's Q operand is whole again (its kept rows copied back): its buffer counts
+            # once, as the kept rows plus the tail
+            recv = list(into.current.values())
+            assert len(recv) == 4 and len(rec.current) == 3
+            assert sum(recv) + sum(rec.current) + P * m.kept == P * m.bwd_peak
+            sent, recv = group.traffic("bwd.qo")
+            planned = plan.pair_bytes("bwd.qo", config.cost())
+            assert torch.equal(recv, planned.sum(0)) and torch.equal(sent, planned.sum(1))
+            # Q again is the tail past the kept rows, rank by rank
+            again = planned - plan.pair_bytes("bwd.qo", replace(config, kept_q_rows=None).cost())
+            q_row = (Hq // 2) * D * 4
+            assert torch.equal(again.sum(0) // q_row, (plan.comm.qo_recv_rows - rows).clamp(min=0))
+            assert int(again.sum()) > 0
+    for a, b in zip(grads[None], grads[rows]):
+        assert torch.equal(a, b)
+
+
 def test_kept_kv_rows_must_be_a_row_count():
     P, c = 4, 16
     config = make_config(P, 4, 2)
@@ -200,6 +248,8 @@ def test_kept_kv_rows_must_be_a_row_count():
     for bad in (-1, 2.0, True):
         with pytest.raises(ValueError, match="kept_kv_rows"):
             dist_attn(q, k, v, plan, LocalGroup(P), kept_kv_rows=bad)
+        with pytest.raises(ValueError, match="kept_q_rows"):
+            dist_attn(q, k, v, plan, LocalGroup(P), kept_q_rows=bad)
 
 
 @pytest.mark.parametrize("stages", [1, "auto"])
