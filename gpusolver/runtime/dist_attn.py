@@ -621,7 +621,8 @@ def _kept_rows(name: str, value, plan: Plan, capacity: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name} must be None or a non-negative int, got {value!r}")
     if plan.relay is not None and value < capacity:
-        raise ValueError(f"{name}={value} keeps part of a receive buffer, which relay transport does not run "
+        kind = "QO" if name == "kept_q_rows" else "KV"
+        raise ValueError(f"{name}={value} keeps part of the {kind} buffer, which relay transport does not run "
                          f"(plan.relay is set): keep whole kinds (keep_forward_buffers) or solve with "
                          f"SolverConfig(ib_relay=False)")
     return -1 if value >= capacity else value

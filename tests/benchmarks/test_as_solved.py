@@ -16,19 +16,22 @@ def test_cached_plans_are_the_ones_solve_gives(tmp_path):
     mask = common.make_mask("causal", P, 0, c)
     areas = block_areas(mask, P, config.head_groups, impl="torch")
     resolved = keep_for_budget(config, c)
-    # the default budget keeps part of K, V here, so a plan priced as keeping everything differs
-    assert resolved.keep_forward_buffers == "kv" and resolved.kept_kv_rows is not None
+    # the default budget keeps part of Q here and none of K, V, so a plan built as keeping everything
+    # moves fewer backward bytes than the layer runs
+    assert resolved.keep_forward_buffers is True and resolved.kept_q_rows > 0 and resolved.kept_kv_rows == 0
     path = common.plan_cache_path(tmp_path, "causal", P, 0, c, config)
-    assert path.name.endswith("_keepkv-kv4.53.pt")
+    assert path.name.endswith("_keepqokv-q1.13-kv0.pt")
 
     asg, seconds = common.cached_assignment(mask, areas, config, path)
     plan = common.build_as_solved(mask, areas, asg, config)
     user = solve(mask, config, impl="torch")
     assert seconds is not None and path.exists()
     assert (asg == user.assignment).all()
-    assert plan.cost == user.cost and plan.cost.keep_forward_buffers == "kv"
+    assert plan.cost == user.cost and plan.cost.kept_q_rows == resolved.kept_q_rows
     assert (plan.pair_bytes("bwd") == user.pair_bytes("bwd")).all()
     again, seconds = common.cached_assignment(mask, areas, config, path)
     assert seconds is None and (again == asg).all()
     # built as given, the plan would price a backward that receives nothing again
-    assert build_plan(mask, areas, asg, config).cost.keep_forward_buffers is True
+    given = build_plan(mask, areas, asg, config)
+    assert given.cost.kept_q_rows is None and given.cost.kept_kv_rows is None
+    assert int(given.pair_bytes("bwd").sum()) < int(plan.pair_bytes("bwd").sum())

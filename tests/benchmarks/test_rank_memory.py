@@ -21,7 +21,7 @@ def test_a_rank_keeps_its_fill_and_the_fakes_are_undone():
     P = 8  # two nodes of 4: the layer a cluster user runs, at a solve this test can afford
     plan, config = rm.solved_plan("causal", P, 0, SHAPES, replace(h200_hgx, ranks_per_node=4, nics_per_node=4, name="nodes of 4"))
     assert config.topology is not None and plan.relay is None and config.num_stages > 1  # the cluster default
-    assert config.keep_forward_buffers == "kv" and config.kept_kv_rows is not None  # the default budget's
+    assert config.keep_forward_buffers is True and config.kept_q_rows > 0 and config.kept_kv_rows == 0  # the budget's
     ranks = rm.busiest_ranks(plan, 2)
     received = plan.pair_bytes("fwd").sum(0)
     assert received[ranks[0]] == received.max() and len(set(ranks)) == 2
@@ -31,11 +31,14 @@ def test_a_rank_keeps_its_fill_and_the_fakes_are_undone():
     cap = plan.comm.buffers.recv("kv")
     for rank in ranks:
         fill = int(plan.comm.kv_split[:, rank].sum())           # KV rows this rank receives, all casts
-        assert 0 < fill <= cap
+        fill_q = int(plan.comm.qo_split[:, rank].sum())         # and Q rows
+        assert 0 < fill <= cap and fill_q > 0
         row = rm.measure_rank(plan, config, SHAPES, rank)
+        # the local rows and the kept ones of each buffer, at most this rank's fill
         kv = (n + min(config.kept_kv_rows, fill)) * 2 * (Hkv // G) * D * b
-        own = c * Hq * D * b + c * Hq * 4 + n * (Hq // G) * D * b   # out, lse, the local Q rows
-        assert row["kept"] == own + kv, (rank, row["kept"], own + kv)
+        q = (n + min(config.kept_q_rows, fill_q)) * (Hq // G) * D * b
+        own = c * Hq * D * b + c * Hq * 4                       # out, lse
+        assert row["kept"] == own + q + kv, (rank, row["kept"], own + q + kv)
         assert row["fwd_peak"] > 0 and row["bwd_peak"] > 0
     assert not dist.is_initialized()
     assert pipelined.flex_attn.__name__ == "flex_attn"  # the fakes are gone

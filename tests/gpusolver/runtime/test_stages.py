@@ -263,33 +263,39 @@ def test_stages_compile_fullgraph():
         assert_close(f"d{name}", a.grad, b.grad, atol=ATOL, rtol=RTOL)
 
 
-def _rank_stages(rank, P, name, c, Hq, Hkv, tiles, S, keep, seed, transport="a2a", kept_share=None):
-    """kept_share: keep this share of the KV buffer's largest fill (``kept_kv_rows``), or all (None)."""
+def _rank_stages(rank, P, name, c, Hq, Hkv, tiles, S, keep, seed, transport="a2a", kept_share=None,
+                 kept_q_share=None):
+    """kept_share: keep this share of the KV buffer's largest fill (``kept_kv_rows``), or all (None);
+    kept_q_share: likewise of the QO buffer (``kept_q_rows``)."""
     T = P * c
     mask = make_mask(name, T, seed)
     config = make_config(P, Hq, Hkv, True, tiles, num_stages=S, keep_forward_buffers=keep)
     plan, _ = tight_plan(mask, config)
     kept_rows = None if kept_share is None else int(int(plan.comm.kv_recv_rows.max()) * kept_share)
+    q_rows = None if kept_q_share is None else int(int(plan.comm.qo_recv_rows.max()) * kept_q_share)
     group = TorchGroup(transport=transport)
     q, k, v, d_out, d_lse = make_inputs(T, Hq, Hkv, seed)
     qs, ks, vs = (shard(x, group).clone().requires_grad_() for x in (q, k, v))
-    out, lse = dist_attn(qs, ks, vs, plan, group, keep_forward_buffers=keep, kept_kv_rows=kept_rows)
+    out, lse = dist_attn(qs, ks, vs, plan, group, keep_forward_buffers=keep, kept_kv_rows=kept_rows,
+                         kept_q_rows=q_rows)
     torch.autograd.backward((out, lse), (shard(d_out, group), shard(d_lse, group)))
     want = _stage_bytes(plan, config.cost(), keep)
-    if kept_rows is not None:  # each sub-stage's KV cast again: its rows past the kept ones
-        cost = replace(config, kept_kv_rows=kept_rows).cost()
-        for s in range(1, S + 1):
-            pb = plan.pair_bytes("bwd.kv", cost, stage=s)
-            want[stage_phase("bwd.kv", s)] = (pb.sum(1), pb.sum(0))
+    cost = replace(config, kept_kv_rows=kept_rows, kept_q_rows=q_rows).cost()
+    for base, rows in (("bwd.kv", kept_rows), ("bwd.qo", q_rows)):
+        if rows is None:
+            continue
+        for s in range(1, S + 1):  # each sub-stage's cast again: its rows past the kept ones
+            pb = plan.pair_bytes(base, cost, stage=s)
+            want[stage_phase(base, s) if S > 1 else base] = (pb.sum(1), pb.sum(0))
     counted = {ph: group.traffic(ph) for ph in want}
     planned = {ph: (int(s_[rank]), int(r_[rank])) for ph, (s_, r_) in want.items()}
     return {"got": dict(zip(KEYS, (out.detach(), lse.detach(), qs.grad, ks.grad, vs.grad))),
             "counted": counted, "planned": planned}
 
 
-def _check_gloo(P, name, c, Hq, Hkv, tiles, S, keep, seed, transport="a2a", kept_share=None):
+def _check_gloo(P, name, c, Hq, Hkv, tiles, S, keep, seed, transport="a2a", kept_share=None, kept_q_share=None):
     results = run_ranks(_rank_stages, P, name, c, Hq, Hkv, tiles, S, keep, seed, transport, kept_share,
-                        timeout=120)
+                        kept_q_share, timeout=120)
     T = P * c
     ref = reference(make_mask(name, T, seed), *make_inputs(T, Hq, Hkv, seed))
     for rank, res in enumerate(results):
@@ -325,6 +331,14 @@ def test_stages_gloo_kept_rows(transport):
     the kept rows, cast 2 lands past them, at its own row of the rest. Each sub-stage's tail travels with
     host splits and host start rows; values, gradients and the ``bwd.kv.s`` counters as on LocalGroup."""
     _check_gloo(2, "docs-causal", 32, 4, 2, 1, 2, True, 0, transport, 0.25)
+
+
+@pytest.mark.parametrize("S,transport", [(1, "a2a"), (2, "p2p")])
+def test_stages_gloo_kept_q_rows(S, transport):
+    """Half the QO buffer's largest fill kept (``kept_q_rows``) on gloo ranks: Q of the rows past them
+    travels again beside dO, each sub-stage's tail with host splits and host start rows; values,
+    gradients and the ``bwd.qo.s`` counters as on LocalGroup."""
+    _check_gloo(2, "docs-causal", 32, 4, 2, 1, S, True, 0, transport, None, 0.5)
 
 
 def _rank_reduce_rows(rank, P, name, c, Hq, Hkv, S, seed):
