@@ -119,17 +119,13 @@ def plan_cache_path(cache, kind: str, P: int, seed: int, tokens: int, config) ->
 
 def keep_tag(config, tokens: int) -> str:
     """The part of a cached plan's file name that names the backward its solve priced: none when the
-    budget keeps everything (the plans cached before benchmarks resolved the budget), else ``_keep``,
-    the kinds kept and the Q and KV rows kept in G·c (``_keepkv-kv4.53``: K and V, their first
-    4.53 G·c; ``_keepqo-q1.13``: Q, its first 1.13 G·c)."""
-    resolved = keep_for_budget(config, tokens)
-    keep, q_rows, kv_rows = resolved.keep_forward_buffers, resolved.kept_q_rows, resolved.kept_kv_rows
-    if keep is True and q_rows is None and kv_rows is None:
+    budget's solve prices everything kept (kinds kept in part are priced as kept, ``CommCost``: the
+    same assignment as keeping everything), else ``_keep`` and the kinds kept (``_keepkv``: Q
+    priced as received again). The kept rows are the plan's (``build_as_solved``), not the solve's."""
+    keep = keep_for_budget(config, tokens).keep_forward_buffers
+    if keep is True:
         return ""
-    kinds = {False: "none", True: "qokv"}.get(keep, keep)
-    gc = resolved.head_groups * tokens
-    return (f"_keep{kinds}" + ("" if q_rows is None else f"-q{q_rows / gc:.3g}")
-            + ("" if kv_rows is None else f"-kv{kv_rows / gc:.3g}"))
+    return "_keep" + {False: "none"}.get(keep, keep)
 
 
 def build_as_solved(mask, areas, assignment, config, **kwargs):

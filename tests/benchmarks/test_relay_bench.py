@@ -30,8 +30,9 @@ def test_relay_bench_small(tmp_path, capsys):
     assert 0 < relay["relayed"] <= 1 and direct["relayed"] is None
     assert "simulated" in (tmp_path / "r.md").read_text()
     assert len(json.loads((tmp_path / "r.json").read_text())["rows"]) == 2
-    # today's plan cached for the next run, named by what its solve priced: the budget keeps 4.53 G·c of K, V
-    assert list((tmp_path / "plans").glob("full_P16_s0_c64_keepkv-kv4.53.pt"))
+    # today's plan cached for the next run, named by what its solve priced: the budget keeps part of Q,
+    # priced as kept (keeping everything's name)
+    assert list((tmp_path / "plans").glob("full_P16_s0_c64.pt"))
     assert "| full | 16 | relay |" in capsys.readouterr().out
     # the step table: S = 1 and S = 2, direct and relay, next to USP and load-balanced USP
     steps = out["steps"]
@@ -104,7 +105,7 @@ def test_relay_bench_balance_small(tmp_path):
     assert all(abs(r["compute_ms"] / r["floor_ms"] - r["imbalance"]) < 1e-6 for r in rows)
     assert all(abs(r["floor_vs_target"] - r["floor_ms"] / (0.85 * r["usp_step_ms"])) < 1e-12 for r in rows)
     assert all(r["ib_fwd_vs_usp"] > 0 and r["ib_vs_today"] > 0 and r["solve_vs_today"] > 0 for r in rows)
-    assert len(list((tmp_path / "plans").glob("full_P16_s0_c64_today_keepkv-kv4.53.pt"))) == 1
+    assert len(list((tmp_path / "plans").glob("full_P16_s0_c64_today.pt"))) == 1
     text = (tmp_path / "b.md").read_text()
     assert "SIMULATED" in text and "| step / bal. USP |" in text and "| solve / (b) |" in text
     assert "| compute floor ms |" in text and "| floor / (target x USP) |" in text and "no plan reaches it" in text

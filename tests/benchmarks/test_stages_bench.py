@@ -33,9 +33,9 @@ def test_stages_bench_solves_on_the_topology(tmp_path, capsys):
     cached at 1.10, at other capacities or priced for another backward are not read for it."""
     mod = _load()
     cache = tmp_path / "plans"
-    # each solve priced the backward the memory budget gives at c = 64: 4.53 G·c of K and V kept
-    topo_file = "causal_P16_s0_c64_topo_mu1.05_caps1.5-8-2-8_keepkv-kv4.53.pt"
-    free_file = "causal_P16_s0_c64_keepkv-kv4.53.pt"
+    # each solve priced the backward the memory budget gives at c = 64: part of Q kept, priced as kept
+    topo_file = "causal_P16_s0_c64_topo_mu1.05_caps1.5-8-2-8.pt"
+    free_file = "causal_P16_s0_c64.pt"
     args = ["--P", "16", "--kinds", "causal", "--tokens-per-rank", "64", "--stages", "1,4", "--comm", "a2a,p2p",
             "--plan-cache", str(cache)]
     rows = mod.main(args + ["--solve-topology", "--json", str(tmp_path / "t.json")])
