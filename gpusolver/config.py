@@ -147,22 +147,26 @@ class SolverConfig:
                         only K and V (the other kind is sent again).
     memory_budget:      what a layer keeps for its backward, at most this multiple of
                         what plain attention of the rank's shard keeps (q, k, v,
-                        out, lse). 1.5 (default): with the default S = 4 sub-stages
-                        the step is 0.99-1.03x that of keeping everything at P = 8-64
-                        solved without a topology (simulated,
-                        benchmarks/results/layer_memory_budget_stages*.md); solved on a
-                        cluster (h200_hgx, P = 16-64) median 1.008x, up to 1.17x where the
-                        backward is communication-bound (layer_memory_budget_cluster.md).
-                        Keeping everything holds 2.7-3.3x. Slice-mask plans
-                        only: sparse solves keep what ``keep_forward_buffers`` says.
-                        None: helpers keep
+                        out, lse). 1.5 (default): at 8K tokens per rank and 64:8
+                        helpers keep the first 1.13 G·c rows of the QO receive
+                        buffer (all the Q most plans receive) and receive K, V
+                        again; simulated on h200_hgx at the default S = 4, the step
+                        is a median 1.010x that of keeping everything solved on the
+                        cluster (P = 16-64, max 1.11x, 17 of 18 masks within 3 %,
+                        benchmarks/results/layer_memory_budget_cluster.md) and
+                        1.015x solved without a topology (P = 8-64, max 1.17x,
+                        layer_memory_budget_stages_seeds.md). Keeping everything
+                        holds 2.7-3.3x. Slice-mask plans only: sparse solves keep
+                        what ``keep_forward_buffers`` says. None: helpers keep
                         what ``keep_forward_buffers`` says. Set: of the kinds it allows,
                         they keep the largest set of receive buffers that fits
                         (``capacity.keep_for_budget``, a function of the config
-                        and c alone), at row granularity for K and V: the first
-                        rows of the KV receive buffer that fit (``kept_kv_rows``);
-                        what is not kept is sent again in the backward, and the
-                        solve prices those bytes.
+                        and c alone), then, at row granularity, the first rows of
+                        the buffers that do not fit whole, Q before K, V
+                        (``kept_q_rows``, ``kept_kv_rows``); what is not kept is sent
+                        again in the backward. The solve prices a kind kept in part
+                        as kept; ``plan.pair_bytes`` and the simulator count the
+                        rows sent again.
     kept_kv_rows:       with K and V kept, keep only the first this many rows of the
                         KV receive buffer; the rows past them are cast again in the
                         backward (``groupcomm.tail_routing``). None (default): all of
