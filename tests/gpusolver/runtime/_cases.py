@@ -132,3 +132,17 @@ def tight_plan(mask: AttnSlices, config: SolverConfig, solver: str = "reference"
     tight = replace(config, max_recv_rows=rows + 2, max_stage_slices=max(int(last), 1))
     areas = block_areas(mask, config.cp_size, config.head_groups, impl="torch", tiles=config.chunk_tiles)
     return build_plan(mask, areas, plan.assignment, tight).validate(ignore=IMBALANCED), tight
+
+
+def meta_layer_step(layer, P: int, c: int, Hq: int, Hkv: int, head_dim: int = D) -> None:
+    """``layer`` (a ``DynamicCPAttention`` on ``LocalGroup(P)``) forward and backward on ``device="meta"``
+    over causal packed documents: no host read anywhere, outputs and grads of the layer's shapes."""
+    mask = varlen_causal_mask(doc_lengths(P * c, 0), device="meta")
+    q = torch.empty(P, c, Hq, head_dim, device="meta", requires_grad=True)
+    k = torch.empty(P, c, Hkv, head_dim, device="meta", requires_grad=True)
+    v = torch.empty(P, c, Hkv, head_dim, device="meta", requires_grad=True)
+    out, lse = layer(q, k, v, mask, return_lse=True)
+    assert out.shape == (P, c, Hq, head_dim) and out.device.type == "meta"
+    (out.sum() + lse.sum()).backward()
+    for x in (q, k, v):
+        assert x.grad is not None and x.grad.shape == x.shape and x.grad.device.type == "meta"

@@ -18,7 +18,8 @@ from gpusolver.runtime import DynamicCPAttention, PlanCache
 from gpusolver.sim import simulate
 from gpusolver.topology import Topology
 from groupcomm import LocalGroup
-from tests.gpusolver.runtime._cases import D, doc_lengths, make_config, make_inputs, make_mask, reference, tight_plan
+from tests.gpusolver.runtime._cases import (D, doc_lengths, make_config, make_inputs, make_mask, meta_layer_step,
+                                            reference, tight_plan)
 from tests.gpusolver.runtime.test_dist_attn import KEYS, _assert_all_close, _run
 from tests.gpusolver.runtime._cases import few_solve_rounds  # noqa: F401 - fixture
 
@@ -144,18 +145,10 @@ def test_simulator_prices_the_stage_tails():
 def test_kept_rows_sub_stages_on_meta():
     """The S = 3 layer keeping part of its KV buffer runs on ``device="meta"``: no host read."""
     P, c, Hq, Hkv = 4, 16, 4, 2
-    mask = varlen_causal_mask(doc_lengths(P * c, 0), device="meta")
     for rows in ({"kept_kv_rows": 9}, {"kept_q_rows": 5, "kept_kv_rows": 9}):
         layer = DynamicCPAttention(LocalGroup(P), make_config(P, Hq, Hkv, num_stages=3, **rows),
                                    plan_cache=PlanCache())
-        q = torch.empty(P, c, Hq, D, device="meta", requires_grad=True)
-        k = torch.empty(P, c, Hkv, D, device="meta", requires_grad=True)
-        v = torch.empty(P, c, Hkv, D, device="meta", requires_grad=True)
-        out, lse = layer(q, k, v, mask, return_lse=True)
-        assert out.shape == (P, c, Hq, D) and out.device.type == "meta"
-        (out.sum() + lse.sum()).backward()
-        for x in (q, k, v):
-            assert x.grad is not None and x.grad.shape == x.shape and x.grad.device.type == "meta"
+        meta_layer_step(layer, P, c, Hq, Hkv)
 
 
 @pytest.mark.usefixtures("few_solve_rounds")

@@ -150,93 +150,79 @@ def test_sub_stages_share_the_receive_memory(keep):
     assert len(bwd_ret) == 3 * S and bwd_recv + sum(bwd_ret[:3]) + P * m.kept == P * m.bwd_peak
 
 
-def test_part_of_the_kv_buffer_kept():
-    """``kept_kv_rows``: the first rows of the KV buffer are kept, the rest cast again (the tail of
-    the forward's cast); the gradients are those of keeping everything, bit for bit, the bytes kept
-    and moved are ``plan.memory``'s and ``pair_bytes``'s."""
-    P, c, Hq, Hkv, rows = 4, 16, 4, 2, 20
-    S = P * c
-    # one remote stage: the saved tensors and buffers below are its layout (S = 3 sub-stages:
-    # test_kept_rows_with_sub_stages; the default S = 4: test_kept_stages.py)
+def _kept_part_runs(field: str, rows: int):
+    """The one-stage layer at P = 4 keeping all of each receive buffer and, with ``field``
+    (``kept_kv_rows`` or ``kept_q_rows``) = ``rows``, part of one: (plan, config, its plan.memory, the
+    group of the part-kept run, its saved bytes, its backward's receive buffers and return buffers).
+    The two runs' gradients are asserted equal bit for bit (the same kernels over the same rows)."""
+    P, c, Hq, Hkv = 4, 16, 4, 2
+    # one remote stage: the saved tensors and buffers are its layout (sub-stages: test_kept_stages.py)
     config = make_config(P, Hq, Hkv, max_qo_recv_rows=40, max_kv_recv_rows=64, max_qo_send_rows=56,
-                         max_kv_send_rows=88, kept_kv_rows=rows, num_stages=1)
-    plan = solve(varlen_causal_mask(doc_lengths(S, 0)), config)
-    assert int(plan.comm.kv_recv_rows.max()) > rows  # some rows past the kept ones are cast again
-    m = plan.memory(config)
+                         max_kv_send_rows=88, num_stages=1, **{field: rows})
+    plan = solve(varlen_causal_mask(doc_lengths(P * c, 0)), config)
+    fill = plan.comm.kv_recv_rows if field == "kept_kv_rows" else plan.comm.qo_recv_rows
+    assert int(fill.max()) > rows  # some rows past the kept ones travel again
     g = torch.Generator().manual_seed(0)
     q = torch.randn(P, c, Hq, D, generator=g, requires_grad=True)
     k = torch.randn(P, c, Hkv, D, generator=g, requires_grad=True)
     v = torch.randn(P, c, Hkv, D, generator=g, requires_grad=True)
-    grads = {}
+    grads, seen = {}, None
     for kept in (None, rows):
         group = LocalGroup(P)
         rec, into = _Recorder(group), _IntoRecorder(group)
-        (out, lse), sizes, _ = _saved(lambda: dist_attn(q, k, v, plan, group, kept_kv_rows=kept))
+        (out, lse), sizes, _ = _saved(lambda: dist_attn(q, k, v, plan, group, **{field: kept}))
         rec.current, into.current = [], {}
         q.grad = k.grad = v.grad = None
         (out.sum() + lse.sum()).backward()
         grads[kept] = (q.grad, k.grad, v.grad)
-        if kept is not None:
-            own = P * c * (2 * Hq * D + 2 * Hkv * D + Hq) * 4
-            assert m.kept == 40 * (Hq // 2) * D * 4 + rows * 2 * (Hkv // 2) * D * 4
-            assert sum(sizes) == own + P * m.kept
-            # dO, lse, delta; the KV rows past the kept ones, written after them (K, V); dQ, dK, dV back.
-            # The backward's KV operand is whole again (its kept rows copied back): its buffer counts
-            # once, as the kept rows plus the tail
-            recv = list(into.current.values())
-            assert len(recv) == 5 and len(rec.current) == 3
-            assert sum(recv) + sum(rec.current) + P * m.kept == P * m.bwd_peak
-            sent, recv = group.traffic("bwd.kv")
-            tail = plan.pair_bytes("bwd.kv", config.cost())
-            assert torch.equal(recv, tail.sum(0)) and int(tail.sum()) > 0
+        seen = (group, sizes, list(into.current.values()), list(rec.current))
     for a, b in zip(grads[None], grads[rows]):
         assert torch.equal(a, b)
+    return (plan, config, plan.memory(config)) + seen
+
+
+def _own_bytes(P=4, c=16, Hq=4, Hkv=2) -> int:
+    """q, k, v, out (fp32) and lse of the layer's shards: what plain attention keeps."""
+    return P * c * (2 * Hq * D + 2 * Hkv * D + Hq) * 4
+
+
+def test_part_of_the_kv_buffer_kept():
+    """``kept_kv_rows``: the first rows of the KV buffer are kept, the rest cast again (the tail of
+    the forward's cast); the gradients are those of keeping everything, bit for bit, the bytes kept
+    and moved are ``plan.memory``'s and ``pair_bytes``'s."""
+    P, Hq, Hkv, rows = 4, 4, 2, 20
+    plan, config, m, group, sizes, recv, ret = _kept_part_runs("kept_kv_rows", rows)
+    assert m.kept == 40 * (Hq // 2) * D * 4 + rows * 2 * (Hkv // 2) * D * 4
+    assert sum(sizes) == _own_bytes() + P * m.kept
+    # dO, lse, delta; the KV rows past the kept ones, written after them (K, V); dQ, dK, dV back.
+    # The backward's KV operand is whole again (its kept rows copied back): its buffer counts
+    # once, as the kept rows plus the tail
+    assert len(recv) == 5 and len(ret) == 3
+    assert sum(recv) + sum(ret) + P * m.kept == P * m.bwd_peak
+    sent, got = group.traffic("bwd.kv")
+    tail = plan.pair_bytes("bwd.kv", config.cost())
+    assert torch.equal(got, tail.sum(0)) and int(tail.sum()) > 0
 
 
 def test_part_of_the_q_buffer_kept():
     """``kept_q_rows``: the first rows of the QO buffer are kept, Q of the rest travels again beside dO
     (the tail of the forward's cast); the gradients are those of keeping everything, bit for bit, the
     bytes kept and moved are ``plan.memory``'s and ``pair_bytes``'s."""
-    P, c, Hq, Hkv, rows = 4, 16, 4, 2, 10
-    S = P * c
-    config = make_config(P, Hq, Hkv, max_qo_recv_rows=40, max_kv_recv_rows=64, max_qo_send_rows=56,
-                         max_kv_send_rows=88, kept_q_rows=rows, num_stages=1)
-    plan = solve(varlen_causal_mask(doc_lengths(S, 0)), config)
-    assert int(plan.comm.qo_recv_rows.max()) > rows  # some rows past the kept ones travel again
-    m = plan.memory(config)
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(P, c, Hq, D, generator=g, requires_grad=True)
-    k = torch.randn(P, c, Hkv, D, generator=g, requires_grad=True)
-    v = torch.randn(P, c, Hkv, D, generator=g, requires_grad=True)
-    grads = {}
-    for kept in (None, rows):
-        group = LocalGroup(P)
-        rec, into = _Recorder(group), _IntoRecorder(group)
-        (out, lse), sizes, _ = _saved(lambda: dist_attn(q, k, v, plan, group, kept_q_rows=kept))
-        rec.current, into.current = [], {}
-        q.grad = k.grad = v.grad = None
-        (out.sum() + lse.sum()).backward()
-        grads[kept] = (q.grad, k.grad, v.grad)
-        if kept is not None:
-            own = P * c * (2 * Hq * D + 2 * Hkv * D + Hq) * 4
-            assert m.kept == rows * (Hq // 2) * D * 4 + 64 * 2 * (Hkv // 2) * D * 4
-            assert sum(sizes) == own + P * m.kept
-            # dO, lse, delta; Q of the rows past the kept ones, written after them; dQ, dK, dV back.
-            # The backward's Q operand is whole again (its kept rows copied back): its buffer counts
-            # once, as the kept rows plus the tail
-            recv = list(into.current.values())
-            assert len(recv) == 4 and len(rec.current) == 3
-            assert sum(recv) + sum(rec.current) + P * m.kept == P * m.bwd_peak
-            sent, recv = group.traffic("bwd.qo")
-            planned = plan.pair_bytes("bwd.qo", config.cost())
-            assert torch.equal(recv, planned.sum(0)) and torch.equal(sent, planned.sum(1))
-            # Q again is the tail past the kept rows, rank by rank
-            again = planned - plan.pair_bytes("bwd.qo", replace(config, kept_q_rows=None).cost())
-            q_row = (Hq // 2) * D * 4
-            assert torch.equal(again.sum(0) // q_row, (plan.comm.qo_recv_rows - rows).clamp(min=0))
-            assert int(again.sum()) > 0
-    for a, b in zip(grads[None], grads[rows]):
-        assert torch.equal(a, b)
+    P, Hq, Hkv, rows = 4, 4, 2, 10
+    plan, config, m, group, sizes, recv, ret = _kept_part_runs("kept_q_rows", rows)
+    assert m.kept == rows * (Hq // 2) * D * 4 + 64 * 2 * (Hkv // 2) * D * 4
+    assert sum(sizes) == _own_bytes() + P * m.kept
+    # dO, lse, delta; Q of the rows past the kept ones, written after them; dQ, dK, dV back. The
+    # backward's Q operand is whole again (its kept rows copied back): its buffer counts once
+    assert len(recv) == 4 and len(ret) == 3
+    assert sum(recv) + sum(ret) + P * m.kept == P * m.bwd_peak
+    sent, got = group.traffic("bwd.qo")
+    planned = plan.pair_bytes("bwd.qo", config.cost())
+    assert torch.equal(got, planned.sum(0)) and torch.equal(sent, planned.sum(1))
+    # Q again is the tail past the kept rows, rank by rank
+    again = planned - plan.pair_bytes("bwd.qo", replace(config, kept_q_rows=None).cost())
+    assert torch.equal(again.sum(0) // ((Hq // 2) * D * 4), (plan.comm.qo_recv_rows - rows).clamp(min=0))
+    assert int(again.sum()) > 0
 
 
 def test_kept_kv_rows_must_be_a_row_count():

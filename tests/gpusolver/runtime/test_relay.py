@@ -329,20 +329,12 @@ def test_relay_bad_input():
 def check_layer_on_meta(**config_kw):
     """DynamicCPAttention (P = 4, two nodes of 2) solved, routed and run forward and backward on meta:
     no host read anywhere, outputs and grads of the config's shapes."""
-    from gpusolver.masks import varlen_causal_mask
-    from tests.gpusolver.runtime._cases import doc_lengths
+    from tests.gpusolver.runtime._cases import meta_layer_step
 
     P, c, Hq, Hkv = 4, 16, 4, 2
-    mask = varlen_causal_mask(doc_lengths(P * c, 0), device="meta")
     layer = DynamicCPAttention(LocalGroup(P), make_config(P, Hq, Hkv, topology=_topology(2), **config_kw),
                                plan_cache=PlanCache())
-    q = torch.empty(P, c, Hq, D, device="meta", requires_grad=True)
-    k = torch.empty(P, c, Hkv, D, device="meta", requires_grad=True)
-    v = torch.empty(P, c, Hkv, D, device="meta", requires_grad=True)
-    out, lse = layer(q, k, v, mask, return_lse=True)
-    assert out.shape == (P, c, Hq, D) and out.device.type == "meta"
-    (out.sum() + lse.sum()).backward()
-    assert all(x.grad is not None and x.grad.device.type == "meta" for x in (q, k, v))
+    meta_layer_step(layer, P, c, Hq, Hkv)
 
 
 @pytest.mark.usefixtures("few_solve_rounds")
