@@ -193,7 +193,7 @@ def _counted(run: Launch, phases) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _phases_match(run: Launch, phases, sent_want, recv_want) -> bool:
     """The bytes the group's counters saw in ``phases`` equal ``sent_want`` / ``recv_want`` (``[P]``
-    lists from the plans' metrics), on every rank."""
+    lists from the plans), on every rank."""
     sent, recv = _counted(run, phases)
     want_s, want_r = torch.tensor(sent_want), torch.tensor(recv_want)
     if run.rank is not None:
@@ -273,8 +273,12 @@ class _Passes:
                 m = plan.metrics.to_dict()
                 fwd_ok = _phases_match(run_, counter_phases(FWD_PHASES, plan.comm.num_stages), m["fwd_send"],
                                        m["fwd_recv"])
-                bwd_sent = m["bwd_send"] if bwd_sent is None else [a + b for a, b in zip(bwd_sent, m["bwd_send"])]
-                bwd_recv = m["bwd_recv"] if bwd_recv is None else [a + b for a, b in zip(bwd_recv, m["bwd_recv"])]
+                # the backward the layer runs: the metrics price a buffer kept in part (the memory
+                # budget's) as kept, the plan's pair bytes count the rows it casts again
+                bwd = plan.pair_bytes("bwd")
+                sent_, recv_ = bwd.sum(1).tolist(), bwd.sum(0).tolist()
+                bwd_sent = sent_ if bwd_sent is None else [a + b for a, b in zip(bwd_sent, sent_)]
+                bwd_recv = recv_ if bwd_recv is None else [a + b for a, b in zip(bwd_recv, recv_)]
             layers.append((plan, ms, note, tensors, fwd_ok))
         loss = (h * shard(self.target, run_.group)).float().sum()
         if checks:
