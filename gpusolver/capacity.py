@@ -141,11 +141,12 @@ def kept_bytes(config: SolverConfig, chunk: int, keep, kept_kv_rows: int | None 
 # is sent again by every rank that needs it, a query row by one host)
 _KEEP_ORDER = (True, "kv", "qo", False)
 # the kind whose buffer a budget keeps in part first, in the room the whole kinds leave. Q: plans
-# fill fewer QO rows than the buffer holds and the fills are even across ranks (0.5-1.4 G * c of
-# 1.5 on the benchmark masks), so a prefix of the QO buffer holds all of most ranks' Q, where the
-# same bytes of the KV buffer hold about half of the busiest ranks' K, V (fills 1.9-8.6 G * c).
-# Measured (simulated, ``benchmarks/layer_memory.py``, ``docs/design/layers.md``): on a cluster
-# keeping Q first costs less step time than keeping K, V first.
+# fill few QO rows (at most 0.38-0.75 G * c on the benchmark masks, 8K tokens per rank, 64:8), so
+# the default budget's 1.13 G * c of Q holds all of them, where the same bytes of the KV buffer
+# (4.53 G * c) hold part of the busiest ranks' K, V (fills up to 6.6 G * c). Measured (simulated,
+# ``benchmarks/budget_split.py``, docs/design/layers.md): step over keeping everything, Q first
+# median 1.010x / max 1.113x on the cluster and 1.015x / 1.174x without a topology, K, V first
+# 1.026x / 1.154x and 1.023x / 1.117x.
 PREFIX_ORDER = ("qo", "kv")
 
 

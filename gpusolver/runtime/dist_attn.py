@@ -26,7 +26,8 @@ Backward moves as little as it can: the host computes the row delta
 never O; the Q, K and V a helper received in the forward are kept
 (``keep_forward_buffers``; otherwise cast again, ``bwd.q`` / ``bwd.kv``; with
 ``kept_kv_rows`` only the first rows of the KV buffer are kept and ``bwd.kv`` casts
-the rest, ``runtime.kept_rows``, with S sub-stages each sub-stage's cast its rows past them);
+the rest, ``runtime.kept_rows``, with S sub-stages each sub-stage's cast its rows past them;
+with ``kept_q_rows`` likewise the QO buffer's, Q of the rest travelling beside dO in ``bwd.qo``);
 partial dQ is summed back to the QO host (``bwd.dq``), dK and dV to the KV
 host (``bwd.dkv``). These are the volumes ``PlanMetrics`` prices
 (``CommCost``), and the groups' byte counters equal them.

@@ -34,7 +34,8 @@ associative: the groups agree up to rounding).
 Backward: dO, lse and delta (and Q, K, V again without kept buffers) are cast
 per sub-stage (``bwd.qo.s``, ``bwd.kv.s``; each kind kept or cast again on its own,
 ``keep_forward_buffers``; with ``kept_kv_rows`` only the first rows of the shared KV buffer are
-kept and each ``bwd.kv.s`` moves its cast's rows past them, ``kept_rows``); after sub-stage s
+kept and each ``bwd.kv.s`` moves its cast's rows past them, ``kept_rows``; with ``kept_q_rows``
+likewise the QO buffer's, Q of the rest beside dO in ``bwd.qo.s``); after sub-stage s
 the dQ rows (``bwd.dq.s``) and dK, dV rows (``bwd.dkv.s``) whose last task was in s are summed back to their hosts, and
 the local stage runs last, while those reduces fly. Each reduce adds into the host rows of the
 fp32 gradient sums in place, at issue or at its WAIT as in the forward (no bf16 sum of the
