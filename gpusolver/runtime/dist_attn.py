@@ -196,11 +196,13 @@ def issue(op: Op, routes: LayerRoutes, group, tensors, acc=None, deterministic: 
 
 
 def issue_tail(op: Op, routes: LayerRoutes, group, tensors, first_row: int, out):
-    """Start the cast ``op`` of the KV rows that land past ``first_row`` of each receive buffer
-    (``kept_rows.tail_cast``) into ``out`` (those rows of stage 1's operands): what a rank that
-    kept the first rows needs again. Its Work."""
-    return tail_cast(tensors, routes.kv_index, routes.kv_split, first_row, out, group, phase=op.phase,
-                     ranks=routes.ranks, batched=routes.batched)
+    """Start the cast ``op`` (of its route, KV or QO) of the rows that land past ``first_row`` of each
+    receive buffer (``kept_rows.tail_cast``) into ``out`` (those rows of stage 1's operands): what a
+    rank that kept the first rows needs again. Its Work."""
+    index = routes.qo_index if op.route == "qo" else routes.kv_index
+    split = routes.qo_split if op.route == "qo" else routes.kv_split
+    return tail_cast(tensors, index, split, first_row, out, group, phase=op.phase, ranks=routes.ranks,
+                     batched=routes.batched)
 
 
 class _DistAttn(torch.autograd.Function):
@@ -384,9 +386,8 @@ class _DistAttn(torch.autograd.Function):
                         sent = tuple(local(x) for x in Xg.x) + (() if keep_q else (ql,))
                         works[op.name] = issue(op, routes, group, sent, Xg.remote() + ([] if keep_q else Xq.remote()))
                         if part_q:  # Q of the rows past the kept ones travels again beside dO
-                            tail = tail_cast((ql,), routes.qo_index, routes.qo_split, ctx.q_rows,
-                                             [rows(Xq.x[0], lead, n + q_here, qcap - q_here)], group,
-                                             phase=op.phase, ranks=routes.ranks, batched=routes.batched)
+                            tail = issue_tail(op, routes, group, (ql,), ctx.q_rows,
+                                              [rows(Xq.x[0], lead, n + q_here, qcap - q_here)])
                             works[op.name] = with_tail(works[op.name], tail)
                     elif part:  # the rows past the kept ones (every rank keeps its first kv_rows)
                         works[op.name] = issue_tail(op, routes, group, (kl, vl), ctx.kv_rows,
