@@ -199,6 +199,10 @@ def keep_for_budget(config: SolverConfig, chunk: int) -> SolverConfig:
         if rows > 0 or best is not False:
             best, part[kind] = _with(best, kind), rows
             room -= rows * row
+    if part and kept_kinds(best) == ("qo", "kv"):  # both kept, one of them in part: one room, split per rank
+        rows_ = buffer_rows(config, chunk)
+        return config.replaced(keep_forward_buffers=True, kept_q_rows=part.get("qo", rows_.qo_recv),
+                               kept_kv_rows=part.get("kv", rows_.kv_recv), kept_per_rank=True, memory_budget=None)
     return config.replaced(keep_forward_buffers=best, kept_kv_rows=part.get("kv"), kept_q_rows=part.get("qo"),
                            memory_budget=None)
 

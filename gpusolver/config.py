@@ -8,7 +8,7 @@ from typing import ClassVar
 import torch
 
 from gpusolver.limits import CONFIG_LIMITS, MAX_IMBALANCE_TOL, MAX_LINK_WEIGHT, check_seqlen_limit
-from gpusolver.problem import CommCost, kept_kinds
+from gpusolver.problem import CommCost, check_kept_per_rank, kept_kinds
 from gpusolver.support import DTYPES
 from gpusolver.topology import Topology
 
@@ -177,6 +177,15 @@ class SolverConfig:
                         receive buffer; the rows past them are cast again beside dO in
                         the backward, as ``kept_kv_rows`` does for K and V. None
                         (default): all of them.
+    kept_per_rank:      False (default): ``kept_q_rows`` and ``kept_kv_rows`` are
+                        the same first rows on every rank. True: they size one room
+                        (their bytes together) that each rank splits by its own
+                        fills, Q first: it keeps every Q row it received up to the
+                        room, then its K, V rows in what is left, so only a rank whose
+                        fills pass the room receives anything again. Needs
+                        ``keep_forward_buffers=True`` and both rows set;
+                        ``memory_budget`` chooses it when it keeps both kinds in part
+                        (direct transport).
     num_stages:         S, remote sub-stages of the layer (static). Stage 0 computes
                         the tasks whose units are all local; the remote tasks of
                         each rank are cut into S sub-stages by when their bytes
@@ -243,6 +252,7 @@ class SolverConfig:
     memory_budget: float | None = 1.5
     kept_kv_rows: int | None = None
     kept_q_rows: int | None = None
+    kept_per_rank: bool = False
     objective: str = "training"
     num_stages: int | str = "auto"
     auto_tiles: bool = False
@@ -290,6 +300,7 @@ class SolverConfig:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
                 raise ValueError(f"{name} must be None or a non-negative int, got {v!r}")
+        check_kept_per_rank(self.kept_per_rank, self.keep_forward_buffers, self.kept_q_rows, self.kept_kv_rows)
         if self.memory_budget is not None and (isinstance(self.memory_budget, bool)
                                                or not isinstance(self.memory_budget, (int, float))
                                                or not self.memory_budget >= 1.0):
@@ -416,7 +427,7 @@ class SolverConfig:
     def cost(self) -> CommCost:
         return CommCost(self.num_heads_q, self.num_heads_kv, self.head_dim,
                         self.dtype_bytes, self.head_groups, self.keep_forward_buffers, self.kept_kv_rows,
-                        self.kept_q_rows)
+                        self.kept_q_rows, self.kept_per_rank)
 
     @property
     def num_units(self) -> int:

@@ -182,6 +182,9 @@ class CommCost:
     plans, ``benchmarks/results/layer_memory.md``); ``plan.pair_bytes`` and the simulator
     count the exact tail. ``kept_q_rows``: likewise for a helper that keeps Q (the rows past
     them travel again beside dO in ``bwd.qo``); a unit's ``q_bwd`` is priced as kept.
+    ``kept_per_rank``: the two fields are one room of ``kept_room`` bytes instead, which each
+    rank splits by its own fills, Q first (``split_kept_room``): a rank keeps every Q row it
+    received up to the room, then K, V rows in the room left.
     """
 
     num_heads_q: int
@@ -192,6 +195,7 @@ class CommCost:
     keep_forward_buffers: bool | str = True
     kept_kv_rows: int | None = None
     kept_q_rows: int | None = None
+    kept_per_rank: bool = False
 
     def __post_init__(self):
         kept_kinds(self.keep_forward_buffers)  # raises on anything but True, False, "qo", "kv"
@@ -199,6 +203,7 @@ class CommCost:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
                 raise ValueError(f"{name} must be None or a non-negative int, got {v!r}")
+        check_kept_per_rank(self.kept_per_rank, self.keep_forward_buffers, self.kept_q_rows, self.kept_kv_rows)
         if self.num_heads_q % self.num_heads_kv:
             raise ValueError(f"num_heads_q={self.num_heads_q} must be a multiple of num_heads_kv={self.num_heads_kv}")
         if self.num_heads_kv % self.head_groups:
@@ -241,3 +246,30 @@ class CommCost:
     @property
     def dkv_bwd(self) -> int:
         return self.kv_fwd
+
+    @property
+    def kept_room(self) -> int:
+        """With ``kept_per_rank``: the bytes of the room each rank splits between its Q and K, V rows."""
+        return self.kept_q_rows * self.q_fwd + self.kept_kv_rows * self.kv_fwd
+
+
+def check_kept_per_rank(kept_per_rank, keep, kept_q_rows, kept_kv_rows) -> None:
+    """``kept_per_rank`` needs both kinds kept and both rows given (they size the room)."""
+    if not isinstance(kept_per_rank, bool):
+        raise ValueError(f"kept_per_rank must be a bool, got {kept_per_rank!r}")
+    if kept_per_rank and (set(kept_kinds(keep)) != {"qo", "kv"} or kept_q_rows is None or kept_kv_rows is None):
+        raise ValueError(f"kept_per_rank=True splits one room between Q and K, V: it needs keep_forward_buffers=True "
+                         f"and both kept_q_rows and kept_kv_rows set, got keep_forward_buffers={keep!r}, "
+                         f"kept_q_rows={kept_q_rows!r}, kept_kv_rows={kept_kv_rows!r}")
+
+
+def split_kept_room(fill_q, fill_kv, room: int, q_row: int, kv_row: int):
+    """(kept Q rows, kept K, V rows) of ranks that received ``fill_q`` QO and ``fill_kv`` KV rows
+    and keep ``room`` (in the same unit as ``q_row`` and ``kv_row``, the size of one row of each):
+    Q first, as many rows as fit, then K, V rows in what is left. Host ints, or ``[P]`` int64
+    tensors (every rank's, computed the same on every rank without a host read)."""
+    if isinstance(fill_q, torch.Tensor):
+        kept_q = fill_q.clamp(max=room // q_row)
+        return kept_q, torch.minimum(fill_kv, (room - kept_q * q_row) // kv_row)
+    kept_q = min(fill_q, room // q_row)
+    return kept_q, min(fill_kv, (room - kept_q * q_row) // kv_row)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpusolver.problem import kept_kinds
+from gpusolver.problem import kept_kinds, split_kept_room
 from groupcomm import tail_split
 
 __all__ = ["Op", "CAST", "REDUCE", "WAIT", "ATTN", "MERGE", "DELTA", "forward_ops", "backward_ops",
@@ -478,12 +478,12 @@ def op_split(plan, op: Op) -> torch.Tensor:
     return comm.qo_split if op.route == "qo" else kv_split_of(plan)
 
 
-def tail_first_row(plan, op: Op, kept_rows: int) -> int | torch.Tensor:
+def tail_first_row(plan, op: Op, kept_rows) -> int | torch.Tensor:
     """The first row of ``op``'s own cast (a ``bwd.kv`` or ``bwd.qo`` cast of a partly kept
-    buffer of its route) that lies past the ``kept_rows`` kept rows of the receive buffer:
-    ``kept_rows`` with one remote stage; with S sub-stages ``[P]`` per destination,
-    ``max(kept_rows - stage_base(route)[s], 0)``, as cast s's rows start at that row of the buffer
-    the casts share (``runtime.kept_rows``)."""
+    buffer of its route) that lies past the ``kept_rows`` kept rows of the receive buffer (an int,
+    or ``[P]`` per destination): ``kept_rows`` with one remote stage; with S sub-stages ``[P]``
+    per destination, ``max(kept_rows - stage_base(route)[s], 0)``, as cast s's rows start at that
+    row of the buffer the casts share (``runtime.kept_rows``)."""
     comm = plan.comm
     if getattr(plan, "relay", None) is not None or getattr(comm, "num_stages", 1) == 1:
         return kept_rows
@@ -494,11 +494,19 @@ def tail_first_row(plan, op: Op, kept_rows: int) -> int | torch.Tensor:
     return (kept_rows - comm.stage_base(op.route)[s - 1]).clamp(min=0)
 
 
-def kept_rows_of(cost, route: str) -> int | None:
+def kept_rows_of(cost, route: str, plan=None) -> int | torch.Tensor | None:
     """The rows of ``route``'s receive buffer a ``cost`` keeps when it keeps that kind in part
-    (``kept_q_rows`` / ``kept_kv_rows``), else None (kept whole, or not at all)."""
+    (``kept_q_rows`` / ``kept_kv_rows``), else None (kept whole, or not at all). With
+    ``cost.kept_per_rank`` each rank's own (``[P]``, from ``plan``'s fills, ``split_kept_room``)."""
     if route not in kept_kinds(cost.keep_forward_buffers):
         return None
+    if getattr(cost, "kept_per_rank", False):
+        if plan is None:
+            raise ValueError("kept_rows_of: a cost with kept_per_rank=True needs the plan (its fills)")
+        comm = plan.comm
+        kept_q, kept_kv = split_kept_room(comm.qo_recv_rows.long(), comm.kv_recv_rows.long(), cost.kept_room,
+                                          cost.q_fwd, cost.kv_fwd)
+        return kept_q if route == "qo" else kept_kv
     return getattr(cost, "kept_q_rows" if route == "qo" else "kept_kv_rows", None)
 
 
@@ -508,7 +516,7 @@ def op_pair_bytes(plan, op: Op, cost) -> torch.Tensor:
     cast with a partly kept QO buffer moves dO, lse and delta of every row and Q of the rows past
     ``cost.kept_q_rows``; per sub-stage the rows of its cast past them (``tail_first_row``)."""
     split = op_split(plan, op)
-    kept_rows = kept_rows_of(cost, op.route) if op.phase in ("bwd.kv", "bwd.qo") else None
+    kept_rows = kept_rows_of(cost, op.route, plan) if op.phase in ("bwd.kv", "bwd.qo") else None
     tail = None if kept_rows is None else tail_split(split, tail_first_row(plan, op, kept_rows))
     if op.phase == "bwd.qo" and tail is not None:  # Q of the tail rows travels again beside dO
         return split.to(torch.int64) * row_bytes(op, cost) + tail.to(torch.int64) * int(cost.q_fwd)
@@ -556,7 +564,7 @@ def pair_bytes(plan, phase: str, cost, stage: int | None = None, hop: int | None
     if hop is not None and (isinstance(hop, bool) or hop not in (0, 1, 2, 3)):
         raise ValueError(f"hop must be None, 0 (direct), 1 (InfiniBand), 2 (NVLink fan-out) or 3 (NVLink "
                          f"pre-hop to the egress), got {hop!r}")
-    for op in plan_ops(plan, phase.split(".")[0], cost.keep_forward_buffers, kept_rows_of(cost, "kv")):
+    for op in plan_ops(plan, phase.split(".")[0], cost.keep_forward_buffers, kept_rows_of(cost, "kv", plan)):
         if stage is not None and S > 1 and op.stages != (stage,):
             continue
         if hop is not None and op.hop != hop:

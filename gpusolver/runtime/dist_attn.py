@@ -51,8 +51,9 @@ from gpusolver.nvtx import nvtx_range
 from gpusolver.plan import IMBALANCED, Plan
 from gpusolver.plan.schedule import ATTN, CAST, DELTA, MERGE, REDUCE, WAIT, Op, backward_ops, forward_ops
 from gpusolver.plan.sparse import SparsePlan
-from gpusolver.problem import kept_kinds
-from gpusolver.runtime.kept_rows import keep_prefix, tail_cast, whole_operands, with_tail
+from gpusolver.problem import check_kept_per_rank, kept_kinds
+from gpusolver.runtime.kept_rows import KeptRoom, keep_prefix, kept_room, pack_room, tail_cast, unpack_room, \
+    whole_operands, with_tail
 from gpusolver.runtime.layout import from_group_major, to_group_major
 from gpusolver.runtime.operands import Operands, rows
 from gpusolver.runtime.per_rank import per_rank
@@ -195,14 +196,15 @@ def issue(op: Op, routes: LayerRoutes, group, tensors, acc=None, deterministic: 
                         recv_capacity=cap)
 
 
-def issue_tail(op: Op, routes: LayerRoutes, group, tensors, first_row: int, out):
-    """Start the cast ``op`` (of its route, KV or QO) of the rows that land past ``first_row`` of each
-    receive buffer (``kept_rows.tail_cast``) into ``out`` (those rows of stage 1's operands): what a
-    rank that kept the first rows needs again. Its Work."""
+def issue_tail(op: Op, routes: LayerRoutes, group, tensors, first_row, out, host_kept=None):
+    """Start the cast ``op`` (of its route, KV or QO) of the rows that land past ``first_row`` (an int,
+    or ``[P]`` per rank with ``host_kept``, ``kept_rows.KeptRoom``) of each receive buffer
+    (``kept_rows.tail_cast``) into ``out`` (stage 1's operands' receive rows): what a rank that kept
+    the first rows needs again. Its Work."""
     index = routes.qo_index if op.route == "qo" else routes.kv_index
     split = routes.qo_split if op.route == "qo" else routes.kv_split
     return tail_cast(tensors, index, split, first_row, out, group, phase=op.phase, ranks=routes.ranks,
-                     batched=routes.batched)
+                     batched=routes.batched, host_kept=host_kept)
 
 
 class _DistAttn(torch.autograd.Function):
@@ -211,7 +213,7 @@ class _DistAttn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, routes: LayerRoutes, group, scale: float, keep: tuple, kv_rows: int,
-                deterministic: bool, q_rows: int = -1):
+                deterministic: bool, q_rows: int = -1, room: KeptRoom | None = None):
         lead = 1 if routes.batched else 0
         G = routes.groups
         n = G * q.shape[lead]  # G * c local group-major rows
@@ -229,6 +231,15 @@ class _DistAttn(torch.autograd.Function):
                 ql, kl, vl = (None if kind in keep else x.narrow(lead, 0, n).clone()
                               for kind, x in zip(("qo", "kv", "kv"), operands))
             x_q, x_k, x_v = operands  # only the kept kinds' operands: the others are cast again
+            ctx.room = room
+            if room is not None:  # each rank's kept rows in the room; the local rows copied (X goes)
+                pool = pack_room(x_q, x_k, x_v, room, routes.ranks, n, lead)
+                ql, kl, vl = (x.narrow(lead, 0, n).clone() for x in (x_q, x_k, x_v))
+                del operands, x_q, x_k, x_v
+                ctx.kv_rows = ctx.q_rows = -1
+                ctx.save_for_backward(ql, kl, vl, o, lse, pool)
+                group.wait_sends()
+                return from_group_major(o, G, lead), from_group_major(lse, G, lead)
             part = routes.relay is None and "kv" in keep and kv_rows >= 0
             if part:  # the local rows and the first kv_rows of the KV buffer (the rest is cast again),
                 # of a buffer at this rank's fill (``pipelined.receive_rows``) at most its rows
@@ -299,6 +310,15 @@ class _DistAttn(torch.autograd.Function):
                 else:
                     raise AssertionError(f"dist_attn cannot run forward op {op}")
         # only what the backward reads: a kept kind's whole X (local rows and buffer), else its local rows
+        if room is not None:  # the local rows and each rank's kept rows in the room
+            saved = (ql.clone(), kl.clone(), vl.clone(), o, lse,
+                     pack_room(X["qo"].x[0], *X["kv"].x, room, routes.ranks, n, lead))
+            del X, sent, ql, kl, vl
+            ctx.save_for_backward(*saved)
+            ctx.routes, ctx.group, ctx.scale, ctx.keep = routes, group, scale, keep
+            ctx.deterministic, ctx.kv_rows, ctx.q_rows, ctx.room = deterministic, -1, -1, room
+            group.wait_sends()
+            return from_group_major(o, G, lead), from_group_major(lse, G, lead)
         if "kv" not in keep:
             kv_saved = (kl.clone(), vl.clone())
         else:  # all of X, or its local rows and the first kv_rows of the buffer (the rest is cast again),
@@ -312,7 +332,7 @@ class _DistAttn(torch.autograd.Function):
         del X, sent, ql, kl, vl, q_saved
         ctx.save_for_backward(*saved, o, lse)
         ctx.routes, ctx.group, ctx.scale, ctx.keep, ctx.deterministic = routes, group, scale, keep, deterministic
-        ctx.kv_rows, ctx.q_rows = kv_rows, q_rows
+        ctx.kv_rows, ctx.q_rows, ctx.room = kv_rows, q_rows, None
         group.wait_sends()  # p2p sends may outlive their wait(): none past the pass
         return from_group_major(o, G, lead), from_group_major(lse, G, lead)
 
@@ -333,18 +353,20 @@ class _DistAttn(torch.autograd.Function):
             else:
                 d_o = d_out if staged else to_group_major(d_out, G, lead).contiguous()
             d_l = None if d_lse is None else to_group_major(d_lse, G, lead).contiguous()
-            kept = list(saved[5:])  # the kept kinds' operands, Xq then Xk, Xv
-            kept_q = kept.pop(0) if keep_q else None
-            kept_kv = kept if keep_kv else None
+            kept = list(saved[5:])  # the kept kinds' operands, Xq then Xk, Xv (or the room)
+            room = None if ctx.room is None else (ctx.room, kept.pop(0))
+            kept_q = kept.pop(0) if keep_q and room is None else None
+            kept_kv = kept if keep_kv and room is None else None
             run, how = (backward_stages, routes.stages) if routes.relay is None else (
                 relay_stages_backward if routes.relay.sub_stages else relay_backward, routes.relay)
             more = {} if not staged else {"kept_kv_rows": ctx.kv_rows, "kept_q_rows": ctx.q_rows,
-                                          "groups": 1 if d_out is None else G}
+                                          "groups": 1 if d_out is None else G, "kept_room": room}
+            del kept, saved, room
             dq, dk, dv = run(routes.plan, group, routes.ranks, routes.batched, how, ql, kl, vl, o, lse, kept_q,
                              kept_kv, d_o, d_l, scale, ctx.deterministic, **more)
             group.wait_sends()  # p2p sends may outlive their wait(): none past the pass
             return (from_group_major(dq, G, lead), from_group_major(dk, G, lead), from_group_major(dv, G, lead),
-                    None, None, None, None, None, None, None)
+                    None, None, None, None, None, None, None, None)
         o, lse = saved[3:5]
         qcap, kcap = routes.recv_rows("qo"), routes.recv_rows("kv")  # as the forward's buffers
         d_o = torch.zeros_like(o) if d_out is None else to_group_major(d_out, G, lead).contiguous()
@@ -354,18 +376,24 @@ class _DistAttn(torch.autograd.Function):
         remote = lambda x, cap: rows(x, lead, n, cap)  # noqa: E731
         # stage 1's operands X = [local rows | buffer]: the forward's X of a kept kind, else built here
         xq, xk, xv = saved[:3]
-        part = keep_kv and ctx.kv_rows >= 0  # the first kv_rows of the KV buffer kept, the rest cast again
-        kept_here = min(ctx.kv_rows, kcap)  # of a buffer at this rank's fill, at most its rows
-        part_q = keep_q and ctx.q_rows >= 0  # likewise the first q_rows of the QO buffer
-        q_here = min(ctx.q_rows, qcap)
-        if part_q:
-            Xq = whole_operands((xq,), qcap, lead, n, q_here)
+        # the kept rows of a kind kept in part: an int (every rank's) or [P] (each rank's, the room)
+        tail_q, tail_kv, host_q, host_kv = ctx.q_rows, ctx.kv_rows, None, None
+        room = ctx.room
+        if room is not None:  # each rank's kept rows out of the room, the rest cast again below
+            Xq, Xkv = unpack_room(saved[5], xq, xk, xv, room, routes.ranks, qcap, kcap, lead)
+            part = part_q = True
+            tail_q, tail_kv, host_q, host_kv = room.kept_q, room.kept_kv, room.host_kept("qo"), room.host_kept("kv")
         else:
-            Xq = None if keep_q else Operands([xq], qcap, lead, zero=True)
-        if part:  # the local and kept rows copied into whole operands, the rest cast again below
-            Xkv = whole_operands((xk, xv), kcap, lead, n, kept_here)
-        else:
-            Xkv = None if keep_kv else Operands([local(xk), local(xv)], kcap, lead, zero=True)
+            part = keep_kv and ctx.kv_rows >= 0  # the first kv_rows of the KV buffer kept, the rest cast again
+            part_q = keep_q and ctx.q_rows >= 0  # likewise the first q_rows of the QO buffer
+            if part_q:  # of a buffer at this rank's fill, at most its rows
+                Xq = whole_operands((xq,), qcap, lead, n, min(ctx.q_rows, qcap))
+            else:
+                Xq = None if keep_q else Operands([xq], qcap, lead, zero=True)
+            if part:  # the local and kept rows copied into whole operands, the rest cast again below
+                Xkv = whole_operands((xk, xv), kcap, lead, n, min(ctx.kv_rows, kcap))
+            else:
+                Xkv = None if keep_kv else Operands([local(xk), local(xv)], kcap, lead, zero=True)
         if Xq is not None:
             xq = Xq.x[0]
         if Xkv is not None:
@@ -386,12 +414,10 @@ class _DistAttn(torch.autograd.Function):
                         sent = tuple(local(x) for x in Xg.x) + (() if keep_q else (ql,))
                         works[op.name] = issue(op, routes, group, sent, Xg.remote() + ([] if keep_q else Xq.remote()))
                         if part_q:  # Q of the rows past the kept ones travels again beside dO
-                            tail = issue_tail(op, routes, group, (ql,), ctx.q_rows,
-                                              [rows(Xq.x[0], lead, n + q_here, qcap - q_here)])
+                            tail = issue_tail(op, routes, group, (ql,), tail_q, Xq.remote(), host_q)
                             works[op.name] = with_tail(works[op.name], tail)
-                    elif part:  # the rows past the kept ones (every rank keeps its first kv_rows)
-                        works[op.name] = issue_tail(op, routes, group, (kl, vl), ctx.kv_rows,
-                                                    [rows(x, lead, n + kept_here, kcap - kept_here) for x in Xkv.x])
+                    elif part:  # the rows past the kept ones
+                        works[op.name] = issue_tail(op, routes, group, (kl, vl), tail_kv, Xkv.remote(), host_kv)
                     else:
                         works[op.name] = issue(op, routes, group, (kl, vl), Xkv.remote())
                     sent = None  # views of Xg: they must not keep it past the stages
@@ -433,7 +459,7 @@ class _DistAttn(torch.autograd.Function):
         (dq,), (dk, dv) = out["bwd.dq"], out["bwd.dkv"]
         group.wait_sends()  # p2p sends may outlive their wait(): none past the pass
         return (from_group_major(dq, G, lead), from_group_major(dk, G, lead), from_group_major(dv, G, lead),
-                None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None)
 
 
 def _check_inputs(q, k, v, plan: Plan, group) -> None:
@@ -538,7 +564,7 @@ def dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, gro
               softmax_scale: float | None = None, deterministic: bool = True,
               keep_forward_buffers: bool | str | None = None, validate: bool | None = None, debug_digest: bool = False,
               config_key: int | None = None, kept_kv_rows: int | None = None,
-              kept_q_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              kept_q_rows: int | None = None, kept_per_rank: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of this rank's query shard over the whole sequence, as ``plan`` assigns the work.
 
     Args:
@@ -574,6 +600,10 @@ def dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, gro
         kept_q_rows: with Q kept, keep only the first this many rows of the QO receive buffer
             (``SolverConfig.kept_q_rows``); the rows past them are cast again beside dO in the
             backward. None: all, or with ``keep_forward_buffers=None`` the plan's.
+        kept_per_rank: True: ``kept_q_rows`` and ``kept_kv_rows`` size one room that each rank
+            splits by its own fills, Q first (``SolverConfig.kept_per_rank``); only the rows past
+            a rank's kept ones are cast again. None: False, or with ``keep_forward_buffers=None``
+            the plan's.
 
     Returns:
         out ``[c, Hq, D]`` in q's dtype and lse ``[c, Hq]`` fp32 (natural log; a row with
@@ -609,10 +639,33 @@ def dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, gro
             kept_kv_rows = cost.kept_kv_rows
         if kept_q_rows is None and cost is not None:
             kept_q_rows = getattr(cost, "kept_q_rows", None)
+        if kept_per_rank is None and cost is not None:
+            kept_per_rank = getattr(cost, "kept_per_rank", False)
     keep = kept_kinds(keep_forward_buffers)
+    room = _kept_room(kept_per_rank, keep_forward_buffers, kept_q_rows, kept_kv_rows, plan, routes, group, q, k)
+    if room is not None:
+        kept_q_rows = kept_kv_rows = None  # the room says what each rank keeps
     kv_rows = _kept_rows("kept_kv_rows", kept_kv_rows, plan, plan.comm.kv_recv_capacity)
     q_rows = _kept_rows("kept_q_rows", kept_q_rows, plan, plan.comm.qo_recv_capacity)
-    return _DistAttn.apply(q, k, v, routes, group, scale, keep, kv_rows, bool(deterministic), q_rows)
+    return _DistAttn.apply(q, k, v, routes, group, scale, keep, kv_rows, bool(deterministic), q_rows, room)
+
+
+def _kept_room(per_rank, keep, q_rows, kv_rows, plan: Plan, routes: LayerRoutes, group, q, k) -> KeptRoom | None:
+    """The ``KeptRoom`` of ``kept_per_rank=True`` (checked), else None."""
+    if per_rank is None or per_rank is False:
+        return None
+    check_kept_per_rank(per_rank, keep, q_rows, kv_rows)
+    for name, value in (("kept_q_rows", q_rows), ("kept_kv_rows", kv_rows)):
+        _kept_rows(name, value, plan, 0)  # the type checks
+    if plan.relay is not None:
+        raise ValueError("kept_per_rank=True keeps each rank's rows in part, which relay transport does not run "
+                         "(plan.relay is set): keep whole kinds (keep_forward_buffers) or solve with "
+                         "SolverConfig(ib_relay=False)")
+    host_fill = None
+    if isinstance(group, TorchGroup):  # this rank's fills from the host splits its casts read (no sync)
+        fills = routes.fill if routes.stages is None else routes.stages.recv_rows
+        host_fill = (fills["qo"], fills["kv"])
+    return kept_room(plan.comm, q_rows, kv_rows, q.shape[-2] // k.shape[-2], host_fill)
 
 
 def _kept_rows(name: str, value, plan: Plan, capacity: int) -> int:

@@ -56,7 +56,7 @@ from attn_kernels import flex_attn, flex_attn_backward, merge_out_lse, merge_out
 from gpusolver.nvtx import nvtx_range
 from gpusolver.plan import Plan
 from gpusolver.plan.schedule import ATTN, CAST, DELTA, MERGE, REDUCE, WAIT, Op, backward_ops, forward_ops
-from gpusolver.runtime.kept_rows import tail_cast, whole_operands, with_tail
+from gpusolver.runtime.kept_rows import tail_cast, unpack_room, whole_operands, with_tail
 from gpusolver.runtime.operands import Operands, rows
 from gpusolver.runtime.per_rank import per_rank
 from groupcomm import TorchGroup, group_cast, group_reduce, host_splits
@@ -413,7 +413,7 @@ def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql,
 def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql, kl, vl, o, lse, kept_q,
                     kept_kv, d_o, d_l, scale: float, deterministic: bool, *, extra=(), kept_extra=(),
                     attend_bwd=None, more_branches=(), kept_kv_rows: int = -1, kept_q_rows: int = -1,
-                    groups: int = 1):
+                    groups: int = 1, kept_room=None):
     """Run ``backward_ops(S + 1)``: (dq, dk, dv) group-major. ``kept_q``: the forward's Xq or None
     (Q is cast again with dO); ``kept_kv``: its [Xk, Xv] or None (K, V are cast again).
     kept_kv_rows >= 0: ``kept_kv`` holds the local rows and only the first this many rows of the
@@ -421,6 +421,9 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
     (``kept_rows.tail_cast``, phases ``bwd.kv.s``) into whole operands (``kept_rows.whole_operands``).
     kept_q_rows >= 0: likewise ``kept_q`` (and ``kept_extra``) hold only the first this many rows of
     the QO buffer; the rows past them travel again beside dO in each sub-stage's ``bwd.qo.s``.
+    kept_room: ``(KeptRoom, room)`` with ``kept_per_rank`` (``kept_q``, ``kept_kv`` None): each rank's
+    kept Q and K, V rows in the room (``kept_rows.pack_room``), the rest cast again as above with
+    per-rank first rows.
     extra / kept_extra: the rows travelling with Q (``forward_stages``) and, with ``kept_q``, their
     kept X; attend_bwd(rank, stage, dO, q, k, v, lse, delta, *extra, *more) -> (dq, dk, dv), the
     gradients of every branch summed. more_branches: the other output branches' (o, lse, dO, dlse
@@ -434,25 +437,34 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
     caps = {kind: receive_rows(plan, sr, kind) for kind in KINDS}
     cap_q, cap_k = caps["qo"], caps["kv"]
     # the kept KV rows here: the plan's (which route the casts again), at most the buffer's
-    kept_here = min(kept_kv_rows, cap_k)
     n = ql.shape[lead]
     works = {}
     # the slice kernel sums each stage's share into the fp32 sums itself (``_flex_backward_into``);
     # a custom kernel (a sparse layer's) returns its gradients, added here
     fused = attend_bwd is None
     attend_bwd = _flex_backward(plan, scale) if attend_bwd is None else attend_bwd
-    part_q = kept_q is not None and kept_q_rows >= 0
-    kept_q_here = min(kept_q_rows, cap_q)
-    if part_q:  # the local and kept rows, the rest cast again beside dO
-        Xq = whole_operands([kept_q, *kept_extra], cap_q, lead, n, kept_q_here)
+    # the kept rows of a kind kept in part: an int (every rank's) or [P] (each rank's, kept_room)
+    tail_q, tail_kv, host_q, host_kv = kept_q_rows, kept_kv_rows, None, None
+    if kept_room is not None:  # each rank's kept rows out of the room, the rest cast again
+        room, pool = kept_room
+        Xq, Xkv = unpack_room(pool, ql, kl, vl, room, ranks, cap_q, cap_k, lead)
+        del pool, kept_room
+        tail_q, tail_kv, host_q, host_kv = room.kept_q, room.kept_kv, room.host_kept("qo"), room.host_kept("kv")
+        part_q = part = True
+        kept_q = Xq.x[0]
     else:
-        Xq = Operands([ql, *extra], cap_q, lead, zero=True) if kept_q is None else None
-    part = kept_kv is not None and kept_kv_rows >= 0
-    if part:  # the local and kept rows, the rest cast again
-        Xkv = whole_operands(kept_kv, cap_k, lead, n, kept_here)
+        part_q = kept_q is not None and kept_q_rows >= 0
+        if part_q:  # the local and kept rows, the rest cast again beside dO
+            Xq = whole_operands([kept_q, *kept_extra], cap_q, lead, n, min(kept_q_rows, cap_q))
+        else:
+            Xq = Operands([ql, *extra], cap_q, lead, zero=True) if kept_q is None else None
+        part = kept_kv is not None and kept_kv_rows >= 0
+        if part:  # the local and kept rows, the rest cast again
+            Xkv = whole_operands(kept_kv, cap_k, lead, n, min(kept_kv_rows, cap_k))
+        else:
+            Xkv = Operands([kl, vl], cap_k, lead, zero=True) if kept_kv is None else None
+    if part:
         kept_kv = None
-    else:
-        Xkv = Operands([kl, vl], cap_k, lead, zero=True) if kept_kv is None else None
     xq = [kept_q, *kept_extra] if kept_q is not None and not part_q else Xq.x
     xk, xv = kept_kv if kept_kv is not None else Xkv.x
     grads = Xg = None
@@ -486,19 +498,18 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
                     if part_q:  # Q of sub-stage s's rows past the kept ones travels again beside dO
                         (s,) = op.stages
                         key = ("qo", "cast")
-                        tail = tail_cast((ql, *extra), sr.index[key][s - 1], sr.split[key][s - 1], kept_q_rows,
-                                         [rows(x, lead, n + kept_q_here, cap_q - kept_q_here) for x in Xq.x], group,
-                                         phase=stage_phase(op.phase, s), ranks=ranks, batched=batched,
-                                         base=sr.start["qo"][s - 1], host_base=sr.host_start["qo"][s - 1])
+                        tail = tail_cast((ql, *extra), sr.index[key][s - 1], sr.split[key][s - 1], tail_q,
+                                         Xq.remote(), group, phase=stage_phase(op.phase, s), ranks=ranks,
+                                         batched=batched, base=sr.start["qo"][s - 1],
+                                         host_base=sr.host_start["qo"][s - 1], host_kept=host_q)
                         works[op.name] = with_tail(works[op.name], tail)
                 elif part:  # sub-stage s's rows past the kept ones, into the buffer rows past them
                     (s,) = op.stages
                     key = ("kv", "cast")
-                    into = [rows(x, lead, n + kept_here, cap_k - kept_here) for x in Xkv.x]
-                    works[op.name] = tail_cast((kl, vl), sr.index[key][s - 1], sr.split[key][s - 1], kept_kv_rows,
-                                               into, group, phase=stage_phase(op.phase, s), ranks=ranks,
+                    works[op.name] = tail_cast((kl, vl), sr.index[key][s - 1], sr.split[key][s - 1], tail_kv,
+                                               Xkv.remote(), group, phase=stage_phase(op.phase, s), ranks=ranks,
                                                batched=batched, base=sr.start["kv"][s - 1],
-                                               host_base=sr.host_start["kv"][s - 1])
+                                               host_base=sr.host_start["kv"][s - 1], host_kept=host_kv)
                 else:
                     works[op.name] = _issue(op, sr, group, caps, (kl, vl), Xkv.remote())
             elif op.kind == WAIT and op.back:  # the reduce sums into the host's rows (in place): by now

@@ -185,3 +185,51 @@ def test_keep_prefix_copies_a_part_and_keeps_a_whole_operand_itself(lead):
     for kept in (6, 9):  # exactly the buffer's rows, and more than it holds
         whole = keep_prefix(x, lead, n, kept)
         assert all(w is t for w, t in zip(whole, x))
+
+
+@pytest.mark.parametrize("S,room", [(1, "some"), (2, "some"), (4, "some"), (4, "none"), (2, "all")],
+                         ids=["S1", "S2", "S4", "S4-no-room", "S2-all-fit"])
+def test_kept_per_rank(S, room):
+    """``kept_per_rank``: each rank keeps its Q rows then its K, V rows in one room, the rest cast again
+    with per-rank first rows. Values and gradients against dense attention and bit for bit against
+    keeping everything; every sub-stage's counters are the plan's; over the sub-stages each rank
+    receives exactly its Q and K, V rows past what it kept (``split_kept_room`` of its own fills)."""
+    from gpusolver.problem import split_kept_room
+
+    P, seed = 4, 3
+    mask = make_mask("docs-causal", P * 16, seed=seed)
+    plan, config = tight_plan(mask, make_config(P, 4, 2, num_stages=S))
+    comm = plan.comm
+    fill_q, fill_kv = comm.qo_recv_rows.long(), comm.kv_recv_rows.long()
+    q_fwd, kv_fwd = config.cost().q_fwd, config.cost().kv_fwd
+    assert q_fwd % kv_fwd == 0  # so a room of a rank's fills' bytes is whole rows of each kind
+    # some: the second-smallest rank's fills' bytes, so some ranks keep everything and some do not
+    total = sorted((fill_q * q_fwd + fill_kv * kv_fwd).tolist())
+    q_rows = {"some": total[1] // q_fwd, "none": 0, "all": int(fill_q.max())}[room]
+    kv_rows = {"some": total[1] % q_fwd // kv_fwd, "none": 0, "all": int(fill_kv.max())}[room]
+    cost = replace(config, kept_q_rows=q_rows, kept_kv_rows=kv_rows, kept_per_rank=True).cost()
+    whole = replace(config, keep_forward_buffers=True).cost()
+    kq, kk = split_kept_room(fill_q, fill_kv, cost.kept_room, cost.q_fwd, cost.kv_fwd)
+    stages = range(1, S + 1) if S > 1 else (None,)
+    again_q = sum(plan.pair_bytes("bwd.qo", cost, stage=s) - plan.pair_bytes("bwd.qo", whole, stage=s)
+                  for s in stages)
+    again_kv = sum(plan.pair_bytes("bwd.kv", cost, stage=s) for s in stages)
+    assert torch.equal(again_q.sum(0) // cost.q_fwd, fill_q - kq)
+    assert torch.equal(again_kv.sum(0) // cost.kv_fwd, fill_kv - kk)
+    tails = int(again_q.sum() + again_kv.sum())
+    assert (tails == 0) == (room == "all")
+    if room == "some":  # the split follows the fills: some rank keeps all, some casts a tail
+        gone = (fill_q > kq) | (fill_kv > kk)
+        assert bool(gone.any()) and not bool(gone.all())
+    inputs = make_inputs(P * 16, 4, 2, seed=seed)
+    group = LocalGroup(P)
+    got = _run(plan, P, *inputs, group=group, keep_forward_buffers=True, kept_q_rows=q_rows, kept_kv_rows=kv_rows,
+               kept_per_rank=True)
+    _assert_all_close(reference(mask, *inputs), got, f"S={S} room={room} ")
+    ref = _run(plan, P, *inputs, keep_forward_buffers=True)
+    for key in KEYS:
+        assert torch.equal(got[key], ref[key]), key
+    for base in PHASES_BWD:
+        for s in stages:
+            phase = base if s is None else f"{base}.{s}"
+            assert torch.equal(group.pair_traffic(phase), plan.pair_bytes(base, cost, stage=s)), phase
