@@ -12,8 +12,10 @@ and ``hkv = Hkv / G`` KV heads, activations of ``b`` bytes:
               + QO recv * Q + KV recv * (K, V)                        [kept, or cast again]
               + QO send * dQ (hq D b) + KV send * (dK, dV) (2 hkv D b) [all live at the dK, dV reduce]
     kept      QO recv * Q if the helper keeps Q, + KV recv * (K, V) if it keeps K and V (of the
-              KV buffer its first ``kept_kv_rows`` rows only, when given: the rest is cast again
-              into a buffer of the remaining rows, so the backward peak is the same)
+              KV buffer its first ``kept_kv_rows`` rows only, when given, and likewise
+              ``kept_q_rows``; with ``kept_per_rank`` the one room of both: the rest is cast again
+              into the whole buffer, which the kept rows are copied back into, so the backward
+              peak counts a kind kept in part twice: its whole buffer and the kept copy beside it)
 
 With S remote sub-stages (``num_stages``) the terms are the same: the S casts of a kind land
 in one buffer at the plan's capacity, each at its own rows (``CommMeta.stage_base``), and the
@@ -93,10 +95,10 @@ class BufferMemory:
 
 def buffer_memory(comm, num_heads_q: int, num_heads_kv: int, head_dim: int, dtype: torch.dtype,
                   keep=True, kept_kv_rows: int | None = None, relay=None,
-                  kept_q_rows: int | None = None) -> BufferMemory:
+                  kept_q_rows: int | None = None, kept_per_rank: bool = False) -> BufferMemory:
     """``BufferMemory`` of a ``CommMeta``'s buffers for the given heads, head dim and dtype;
     ``kept_kv_rows`` (``kept_q_rows``): of a kept KV (QO) buffer only its first rows (the rest is
-    cast again);
+    cast again); ``kept_per_rank``: the two sized one room, each rank's rows in it (all a copy);
     ``relay``: the plan's ``RelayMeta`` (``plan.relay``), whose hops' buffers are added."""
     G = comm.head_groups
     if num_heads_q % G or num_heads_kv % G:
@@ -113,9 +115,13 @@ def buffer_memory(comm, num_heads_q: int, num_heads_kv: int, head_dim: int, dtyp
     kv_kept = kv_buf if kept_kv_rows is None else min(kept_kv_rows, rows.kv_recv) * kv_row
     q_kept = q_buf if kept_q_rows is None else min(kept_q_rows, rows.qo_recv) * q_row
     kept = (q_kept if "qo" in kinds else 0) + (kv_kept if "kv" in kinds else 0)
+    # a kind kept in part: its kept copy lives beside the whole buffer the backward builds from it
+    beside = kept if kept_per_rank else sum(b for kind, b, whole in (("qo", q_kept, q_buf), ("kv", kv_kept, kv_buf))
+                                            if kind in kinds and b < whole)
     if relay is None:
         return BufferMemory(fwd_peak=layout_fwd + rows.qo_send * (q_row + 4 * hq),
-                            bwd_peak=layout_bwd + rows.qo_send * q_row + rows.kv_send * kv_row, kept=kept)
+                            bwd_peak=layout_bwd + rows.qo_send * q_row + rows.kv_send * kv_row + beside,
+                            kept=kept)
     for kind, name, v, whole in (("kv", "kept_kv_rows", kept_kv_rows, rows.kv_recv),
                                  ("qo", "kept_q_rows", kept_q_rows, rows.qo_recv)):
         if kind in kinds and v is not None and v < whole:

@@ -429,11 +429,13 @@ class Plan:
 
         check_config(config)
         keep, kv_rows, q_rows = keep_forward_buffers, config.kept_kv_rows, config.kept_q_rows
+        per_rank = config.kept_per_rank
         if keep is None:
             resolved = keep_for_budget(config, self.comm.chunk)
             keep, kv_rows, q_rows = resolved.keep_forward_buffers, resolved.kept_kv_rows, resolved.kept_q_rows
+            per_rank = resolved.kept_per_rank
         return buffer_memory(self.comm, config.num_heads_q, config.num_heads_kv, config.head_dim, config.dtype, keep,
-                             kv_rows, relay=self.relay, kept_q_rows=q_rows)
+                             kv_rows, relay=self.relay, kept_q_rows=q_rows, kept_per_rank=per_rank)
 
     def save(self, path, *, config=None) -> None:
         """Write the plan (and its ``SolverConfig``, if given) to ``path`` (the ``plan.records`` format)."""

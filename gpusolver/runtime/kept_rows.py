@@ -60,14 +60,16 @@ def whole_operands(kept, cap: int, lead: int, n: int, kept_rows: int) -> Operand
 class _HostTailOffset:
     """``TorchGroup``: the buffer row where this rank's tail of a cast lands, ``max(base, kept)``,
     from the host ``base`` (``pipelined.RankFill`` of the casts before it, or None: row 0) and
-    ``kept`` (an int, or an object whose ``get()`` is this rank's kept rows) when the exchange starts."""
+    ``kept`` (an int, or an object whose ``get()`` is this rank's kept rows) when the exchange starts,
+    at most the buffer's ``rows`` (a buffer at this rank's fill may hold fewer rows than are kept:
+    then its tail is empty)."""
 
-    def __init__(self, base, kept):
-        self.base, self.kept = base, kept
+    def __init__(self, base, kept, rows: int):
+        self.base, self.kept, self.rows = base, kept, rows
 
     def get(self) -> int:
         kept = self.kept.get() if hasattr(self.kept, "get") else int(self.kept)
-        return max(0 if self.base is None else self.base.get(), kept)
+        return min(max(0 if self.base is None else self.base.get(), kept), self.rows)
 
 
 def tail_cast(tensors, send_index: torch.Tensor, split: torch.Tensor, kept_rows, out: list[torch.Tensor],
@@ -96,14 +98,14 @@ def tail_cast(tensors, send_index: torch.Tensor, split: torch.Tensor, kept_rows,
     split, index = tail_routing(split, index, ranks_t, first)
     index = index if batched else index[0]
     host_offset = None
+    lead = 1 if batched else 0
     if isinstance(group, TorchGroup):
         if isinstance(kept_rows, torch.Tensor) and host_kept is None:
             raise ValueError("tail_cast on TorchGroup with per-rank kept_rows needs host_kept (this rank's, "
                              "from the host splits): reading the device tensor would sync")
-        host_offset = _HostTailOffset(host_base, kept_rows if host_kept is None else host_kept)
+        host_offset = _HostTailOffset(host_base, kept_rows if host_kept is None else host_kept, out[0].shape[lead])
     # TorchGroup: the tail's split is another host copy, made here (the layer's first ones were made ahead)
     host = host_splits(split) if isinstance(group, TorchGroup) else None
-    lead = 1 if batched else 0
     return group_cast(list(tensors), index, split, out[0].shape[lead], group, phase=phase, host_split=host,
                       async_op=True, flag_errors=False, out=list(out), recv_offset=offset,
                       host_recv_offset=host_offset)

@@ -102,21 +102,25 @@ def test_budget_keeps_the_most_that_fits():
     eps = 1e-9  # a budget a hair above a boundary, past its float rounding
     q_row, kv_row = 8 * 128 * 2, 2 * 128 * 2  # Q and K+V bytes of one group-major row
     q_recv = 2 * 8 * c  # QO receive rows
+    kv_recv = 7 * 8 * c  # KV receive rows
     # the whole kinds that fit first (the QO buffer is the larger at P = 8), then the first rows of
     # Q that fit, then of K and V (row granularity); once anything is kept a kind that does not fit
-    # is kept in part, with no rows at all when no room is left
-    for budget, keep, q_rows, kv_rows in (
-            (1.0, False, None, None),
-            (1 + 1000 * q_row / plain + eps, True, 1000, 0),
-            (1 + (kv - 1) / plain, True, (kv - 1) // q_row, (kv - 1) % q_row // kv_row),
-            (1 + kv / plain + eps, True, 0, None),                      # K, V whole; no room for a Q row
-            (1 + (q - 1) / plain, True, (q - 1 - kv) // q_row, None),   # K, V whole, the first Q rows
-            (1 + q / plain + eps, True, None, 0),                       # Q whole
-            (1 + (q + 10 * kv_row) / plain + eps, True, None, 10),
-            (1 + (q + kv) / plain + eps, True, None, None)):
+    # is kept in part, with no rows at all when no room is left. Both kinds kept, one in part: the
+    # rows size one room each rank splits by its own fills (kept_per_rank), a whole kind at its
+    # buffer's rows
+    for budget, keep, q_rows, kv_rows, per_rank in (
+            (1.0, False, None, None, False),
+            (1 + 1000 * q_row / plain + eps, True, 1000, 0, True),
+            (1 + (kv - 1) / plain, True, (kv - 1) // q_row, (kv - 1) % q_row // kv_row, True),
+            (1 + kv / plain + eps, True, 0, kv_recv, True),               # K, V whole; no room for a Q row
+            (1 + (q - 1) / plain, True, (q - 1 - kv) // q_row, kv_recv, True),  # K, V whole, the first Q rows
+            (1 + q / plain + eps, True, q_recv, 0, True),                 # Q whole
+            (1 + (q + 10 * kv_row) / plain + eps, True, q_recv, 10, True),
+            (1 + (q + kv) / plain + eps, True, None, None, False)):
         resolved = keep_for_budget(SolverConfig(cp_size=8, memory_budget=budget), c)
         assert resolved.keep_forward_buffers == keep and resolved.memory_budget is None, budget
         assert (resolved.kept_q_rows, resolved.kept_kv_rows) == (q_rows, kv_rows), budget
+        assert resolved.kept_per_rank == per_rank, budget
         assert kept_bytes(resolved, c, keep, kv_rows, q_rows) <= (budget - 1) * plain
     # the budget chooses only among what keep_forward_buffers allows
     assert keep_for_budget(SolverConfig(cp_size=8, keep_forward_buffers="qo", memory_budget=100.0), c) \

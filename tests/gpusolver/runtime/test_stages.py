@@ -264,9 +264,10 @@ def test_stages_compile_fullgraph():
 
 
 def _rank_stages(rank, P, name, c, Hq, Hkv, tiles, S, keep, seed, transport="a2a", kept_share=None,
-                 kept_q_share=None):
+                 kept_q_share=None, per_rank=False):
     """kept_share: keep this share of the KV buffer's largest fill (``kept_kv_rows``), or all (None);
-    kept_q_share: likewise of the QO buffer (``kept_q_rows``)."""
+    kept_q_share: likewise of the QO buffer (``kept_q_rows``); per_rank: the two as one room each rank
+    splits by its own fills (``kept_per_rank``)."""
     T = P * c
     mask = make_mask(name, T, seed)
     config = make_config(P, Hq, Hkv, True, tiles, num_stages=S, keep_forward_buffers=keep)
@@ -277,10 +278,10 @@ def _rank_stages(rank, P, name, c, Hq, Hkv, tiles, S, keep, seed, transport="a2a
     q, k, v, d_out, d_lse = make_inputs(T, Hq, Hkv, seed)
     qs, ks, vs = (shard(x, group).clone().requires_grad_() for x in (q, k, v))
     out, lse = dist_attn(qs, ks, vs, plan, group, keep_forward_buffers=keep, kept_kv_rows=kept_rows,
-                         kept_q_rows=q_rows)
+                         kept_q_rows=q_rows, kept_per_rank=per_rank)
     torch.autograd.backward((out, lse), (shard(d_out, group), shard(d_lse, group)))
     want = _stage_bytes(plan, config.cost(), keep)
-    cost = replace(config, kept_kv_rows=kept_rows, kept_q_rows=q_rows).cost()
+    cost = replace(config, kept_kv_rows=kept_rows, kept_q_rows=q_rows, kept_per_rank=per_rank).cost()
     for base, rows in (("bwd.kv", kept_rows), ("bwd.qo", q_rows)):
         if rows is None:
             continue
@@ -293,9 +294,10 @@ def _rank_stages(rank, P, name, c, Hq, Hkv, tiles, S, keep, seed, transport="a2a
             "counted": counted, "planned": planned}
 
 
-def _check_gloo(P, name, c, Hq, Hkv, tiles, S, keep, seed, transport="a2a", kept_share=None, kept_q_share=None):
+def _check_gloo(P, name, c, Hq, Hkv, tiles, S, keep, seed, transport="a2a", kept_share=None, kept_q_share=None,
+                per_rank=False):
     results = run_ranks(_rank_stages, P, name, c, Hq, Hkv, tiles, S, keep, seed, transport, kept_share,
-                        kept_q_share, timeout=120)
+                        kept_q_share, per_rank, timeout=120)
     T = P * c
     ref = reference(make_mask(name, T, seed), *make_inputs(T, Hq, Hkv, seed))
     for rank, res in enumerate(results):
@@ -339,6 +341,15 @@ def test_stages_gloo_kept_q_rows(S, transport):
     travels again beside dO, each sub-stage's tail with host splits and host start rows; values,
     gradients and the ``bwd.qo.s`` counters as on LocalGroup."""
     _check_gloo(2, "docs-causal", 32, 4, 2, 1, S, True, 0, transport, None, 0.5)
+
+
+@pytest.mark.parametrize("P,S,transport", [(2, 1, "a2a"), (4, 2, "p2p")])
+def test_stages_gloo_kept_per_rank(P, S, transport):
+    """``kept_per_rank`` on gloo ranks: a room of half the largest QO fill and a quarter of the largest
+    KV fill, which each rank splits by its own fills from the host splits; each tail lands at the rank's
+    own first row past its kept ones. Values, gradients and the ``bwd.qo.s`` / ``bwd.kv.s`` counters as
+    on LocalGroup."""
+    _check_gloo(P, "docs-causal", 32 if P == 2 else 16, 4, 2, 1, S, True, 0, transport, 0.25, 0.5, True)
 
 
 def _rank_reduce_rows(rank, P, name, c, Hq, Hkv, S, seed):
