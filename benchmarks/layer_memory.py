@@ -276,6 +276,7 @@ def _measure(current: list, kind: str, P: int, shapes: dict, device: str, *, see
     Hq, Hkv = shapes["num_heads_q"], shapes["num_heads_kv"]
     config = keep_for_budget(make_config(P, shapes, keep, budget, qo_chunks, stages, relay, cluster), c)  # what the budget keeps
     keep, kv_rows, q_rows = config.keep_forward_buffers, config.kept_kv_rows, config.kept_q_rows
+    per_rank = config.kept_per_rank
     mask = make_mask(kind, P, seed, c, device=device)
     t0 = time.perf_counter()
     plan = solve(mask, config) if device == "cpu" else shape_plan(mask, config)
@@ -291,7 +292,8 @@ def _measure(current: list, kind: str, P: int, shapes: dict, device: str, *, see
     group = LocalGroup(P)
     fwd_live, bwd_live = LiveBytes(track=top > 0 or breakdown), LiveBytes(track=top > 0 or breakdown)
     def layer(q, k, v):
-        return dist_attn(q, k, v, plan, group, keep_forward_buffers=keep, kept_kv_rows=kv_rows, kept_q_rows=q_rows)
+        return dist_attn(q, k, v, plan, group, keep_forward_buffers=keep, kept_kv_rows=kv_rows, kept_q_rows=q_rows,
+                         kept_per_rank=per_rank)
 
     current[0] = fwd_live
     with SavedBytes() as saved, fwd_live:

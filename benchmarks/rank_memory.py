@@ -129,7 +129,8 @@ def measure_rank(plan, config: SolverConfig, shapes: dict, rank: int, seed: int 
         fwd, bwd = LiveBytes(track=breakdown), LiveBytes(track=breakdown)
         with SavedBytes() as saved, fwd:
             out, lse = dist_attn(q, k, v, plan, group, keep_forward_buffers=config.keep_forward_buffers,
-                                 kept_kv_rows=config.kept_kv_rows, kept_q_rows=config.kept_q_rows)
+                                 kept_kv_rows=config.kept_kv_rows, kept_q_rows=config.kept_q_rows,
+                                 kept_per_rank=config.kept_per_rank)
         d_out = torch.randn(out.shape, generator=g).to(dtype)
         with bwd:
             torch.autograd.backward(out, d_out)

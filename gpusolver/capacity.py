@@ -167,7 +167,10 @@ def keep_for_budget(config: SolverConfig, chunk: int) -> SolverConfig:
     fit, in ``PREFIX_ORDER``, the first rows of it that fit in the room left (``kept_q_rows``,
     ``kept_kv_rows``; the rest is cast again in the backward, per sub-stage with S > 1: the S
     casts share the buffer, so the kept bytes and the stages do not depend on each other; relay
-    transport, whose backward has no such tail cast, keeps whole kinds only). Without a budget,
+    transport, whose backward has no such tail cast, keeps whole kinds only). When both kinds are
+    kept and one in part, the two row counts (a whole kind at its buffer's rows) size one room that
+    each rank splits by its own fills, Q first (``kept_per_rank``): the same bytes, but a rank whose
+    fills fit the room casts nothing again. Without a budget,
     ``config`` itself; with ``kept_q_rows`` or ``kept_kv_rows`` set, the caller's choice (the
     budget dropped). Host ints only: every rank resolves the same choice.
     """

@@ -134,6 +134,13 @@ class KeptRoom:
         """``tail_cast``'s ``host_kept`` for ``kind``: None off ``TorchGroup``."""
         return None if self.host is None else _HostKind(self.host, kind)
 
+    def units_here(self) -> int:
+        """The room's rows on this rank: ``units`` on a static-shape group; on ``TorchGroup`` the
+        units its own kept rows take (``kq * g + 2 * kk``, host ints), as its buffers hold its fill."""
+        if self.host is None:
+            return self.units
+        return self.host.get("qo") * self.g + 2 * self.host.get("kv")
+
 
 class _HostKept:
     """``TorchGroup``: this rank's kept rows per kind from its host fills (``pipelined.RankFill``)."""
@@ -195,17 +202,17 @@ def pack_room(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, room: KeptRo
     kq, kk = room.kept_q.index_select(0, idx) * room.g, room.kept_kv.index_select(0, idx)
     q_units, k_rows, v_rows = _as_units(xq.contiguous(), lead, room.g), _as_units(xk.contiguous(), lead, 1), \
         _as_units(xv.contiguous(), lead, 1)
-    pool = None
-    zero, u = torch.zeros_like(kq), torch.arange(room.units, device=kq.device)
+    pool, units = None, room.units_here()
+    zero, u = torch.zeros_like(kq), torch.arange(units, device=kq.device)
     for src, first, shift, lo, hi in ((q_units, n * room.g, zero, zero, kq),
                                       (k_rows, n, -kq, kq, kq + kk),
                                       (v_rows, n, -(kq + kk), kq + kk, kq + 2 * kk)):
-        got = _gather_units(src, src.shape[1], first, room.units, shift, lo, hi)
+        got = _gather_units(src, src.shape[1], first, units, shift, lo, hi)
         if got is not None:  # the ranges are disjoint: each kind's rows where they go, the rest kept
             ok = (u[None] >= lo[:, None]) & (u[None] < hi[:, None])
             pool = got if pool is None else torch.where(ok[:, :, None, None], got, pool)
     if pool is None:
-        pool = k_rows.new_zeros(k_rows.shape[0], room.units, *k_rows.shape[2:])
+        pool = k_rows.new_zeros(k_rows.shape[0], units, *k_rows.shape[2:])
     return pool if lead else pool[0]
 
 
@@ -220,12 +227,12 @@ def unpack_room(pool: torch.Tensor, ql: torch.Tensor, kl: torch.Tensor, vl: torc
     Xq = Operands([ql], cap_q, lead, zero=True)
     Xkv = Operands([kl, vl], cap_k, lead, zero=True)
     units = pool if lead else pool.unsqueeze(0)
+    here = units.shape[1]  # the room's units (on TorchGroup this rank's own)
     zero = torch.zeros_like(kq)
-    q_units = min(cap_q * room.g, room.units)
-    for x, rows_, shift, hi, per in ((Xq.x[0], q_units, zero, kq, room.g),
-                                     (Xkv.x[0], min(cap_k, room.units), kq, kk, 1),
-                                     (Xkv.x[1], min(cap_k, room.units), kq + kk, kk, 1)):
-        got = _gather_units(units, room.units, 0, rows_, shift, zero, hi)
+    for x, rows_, shift, hi, per in ((Xq.x[0], min(cap_q * room.g, here), zero, kq, room.g),
+                                     (Xkv.x[0], min(cap_k, here), kq, kk, 1),
+                                     (Xkv.x[1], min(cap_k, here), kq + kk, kk, 1)):
+        got = _gather_units(units, here, 0, rows_, shift, zero, hi)
         if got is None:
             continue
         dest = _as_units(rows(x, lead, n, x.shape[lead] - n), lead, per).narrow(1, 0, rows_)

@@ -274,6 +274,7 @@ class DynamicCPAttention(nn.Module):
             out, lse = dist_attn(q, k, v, plan, self.group, softmax_scale=self.softmax_scale,
                                  deterministic=self.deterministic, keep_forward_buffers=kept.keep_forward_buffers,
                                  kept_kv_rows=kept.kept_kv_rows, kept_q_rows=kept.kept_q_rows,
+                                 kept_per_rank=kept.kept_per_rank,
                                  validate=self.validate,
                                  debug_digest=self.debug_digest,
                                  config_key=config_digest(self.config) if self.debug_digest else None)

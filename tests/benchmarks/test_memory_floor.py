@@ -20,7 +20,7 @@ def test_floor_at_capacity_is_plan_memory_and_fill_is_what_moves(tmp_path, capsy
     areas = block_areas(mask, P, config.head_groups, impl="torch")
     plan = build_plan(mask, areas, solve_assignment(areas, config, impl="torch"), config)
     row = mod.floor_row(plan, config, c)
-    mem = plan.memory(config)
+    mem = plan.memory(config, keep_forward_buffers=True)  # at capacity, everything kept
     assert row["cap_fwd_mb"] * mod.MB == mem.fwd_peak and row["cap_bwd_mb"] * mod.MB == mem.bwd_peak
     fill = mod.fill_rows(plan.comm)
     assert fill.qo_recv == int(plan.comm.qo_recv_rows.max()) and fill.kv_send == int(plan.comm.kv_split.sum(1).max())

@@ -1,13 +1,15 @@
 """benchmarks/rank_memory.py: one rank of a cluster layer on ``TorchGroup`` through a fake process group.
 
-The kept bytes are checked exactly against the plan: a rank keeps its out and lse, its local Q rows
-(Q is cast again at the default budget) and K, V over its local rows and the received rows its
-budget keeps, the received ones at this rank's fill (what it received), not at the capacity."""
+The kept bytes are checked exactly against the plan: a rank keeps its out and lse, its local Q, K, V
+rows and the received rows its share of the budget's room holds (``kept_per_rank``: its Q rows up to
+the room, then its K, V rows in what is left), at this rank's fill (what it received), not at the
+capacity."""
 import torch
 import torch.distributed as dist
 
 from dataclasses import replace
 
+from gpusolver.problem import split_kept_room
 from gpusolver.topology import h200_hgx
 from tests.benchmarks._load import load_bench
 
@@ -22,6 +24,7 @@ def test_a_rank_keeps_its_fill_and_the_fakes_are_undone():
     plan, config = rm.solved_plan("causal", P, 0, SHAPES, replace(h200_hgx, ranks_per_node=4, nics_per_node=4, name="nodes of 4"))
     assert config.topology is not None and plan.relay is None and config.num_stages > 1  # the cluster default
     assert config.keep_forward_buffers is True and config.kept_q_rows > 0 and config.kept_kv_rows == 0  # the budget's
+    assert config.kept_per_rank  # one room, split per rank
     ranks = rm.busiest_ranks(plan, 2)
     received = plan.pair_bytes("fwd").sum(0)
     assert received[ranks[0]] == received.max() and len(set(ranks)) == 2
@@ -34,11 +37,13 @@ def test_a_rank_keeps_its_fill_and_the_fakes_are_undone():
         fill_q = int(plan.comm.qo_split[:, rank].sum())         # and Q rows
         assert 0 < fill <= cap and fill_q > 0
         row = rm.measure_rank(plan, config, SHAPES, rank)
-        # the local rows and the kept ones of each buffer, at most this rank's fill
-        kv = (n + min(config.kept_kv_rows, fill)) * 2 * (Hkv // G) * D * b
-        q = (n + min(config.kept_q_rows, fill_q)) * (Hq // G) * D * b
+        # the local rows, and the received rows this rank's share of the room keeps, at most its fill
+        q_row, kv_row = (Hq // G) * D * b, 2 * (Hkv // G) * D * b
+        room = config.kept_q_rows * q_row + config.kept_kv_rows * kv_row
+        kq, kk = split_kept_room(fill_q, fill, room, q_row, kv_row)
         own = c * Hq * D * b + c * Hq * 4                       # out, lse
-        assert row["kept"] == own + q + kv, (rank, row["kept"], own + q + kv)
+        want = own + n * (q_row + kv_row) + kq * q_row + kk * kv_row
+        assert row["kept"] == want, (rank, row["kept"], want)
         assert row["fwd_peak"] > 0 and row["bwd_peak"] > 0
     assert not dist.is_initialized()
     assert pipelined.flex_attn.__name__ == "flex_attn"  # the fakes are gone

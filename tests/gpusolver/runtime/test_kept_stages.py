@@ -142,9 +142,11 @@ def test_simulator_prices_the_stage_tails():
 
 @pytest.mark.usefixtures("few_solve_rounds")
 def test_kept_rows_sub_stages_on_meta():
-    """The S = 3 layer keeping part of its KV buffer runs on ``device="meta"``: no host read."""
+    """The S = 3 layer keeping part of its KV buffer (and of its QO buffer, as prefixes or one room
+    split per rank) runs on ``device="meta"``: no host read."""
     P, c, Hq, Hkv = 4, 16, 4, 2
-    for rows in ({"kept_kv_rows": 9}, {"kept_q_rows": 5, "kept_kv_rows": 9}):
+    for rows in ({"kept_kv_rows": 9}, {"kept_q_rows": 5, "kept_kv_rows": 9},
+                 {"kept_q_rows": 5, "kept_kv_rows": 9, "kept_per_rank": True}):
         layer = DynamicCPAttention(LocalGroup(P), make_config(P, Hq, Hkv, num_stages=3, **rows),
                                    plan_cache=PlanCache())
         meta_layer_step(layer, P, c, Hq, Hkv)

@@ -150,15 +150,16 @@ def test_sub_stages_share_the_receive_memory(keep):
     assert len(bwd_ret) == 3 * S and bwd_recv + sum(bwd_ret[:3]) + P * m.kept == P * m.bwd_peak
 
 
-def _kept_part_runs(field: str, rows: int):
+def _kept_part_runs(field: str, rows: int, **more):
     """The one-stage layer at P = 4 keeping all of each receive buffer and, with ``field``
-    (``kept_kv_rows`` or ``kept_q_rows``) = ``rows``, part of one: (plan, config, its plan.memory, the
-    group of the part-kept run, its saved bytes, its backward's receive buffers and return buffers).
-    The two runs' gradients are asserted equal bit for bit (the same kernels over the same rows)."""
+    (``kept_kv_rows`` or ``kept_q_rows``) = ``rows`` (and ``more`` of the config's kept fields), part
+    of them: (plan, config, its plan.memory, the group of the part-kept run, its saved bytes, its
+    backward's receive buffers and return buffers). The two runs' gradients are asserted equal bit
+    for bit (the same kernels over the same rows)."""
     P, c, Hq, Hkv = 4, 16, 4, 2
     # one remote stage: the saved tensors and buffers are its layout (sub-stages: test_kept_stages.py)
     config = make_config(P, Hq, Hkv, max_qo_recv_rows=40, max_kv_recv_rows=64, max_qo_send_rows=56,
-                         max_kv_send_rows=88, num_stages=1, **{field: rows})
+                         max_kv_send_rows=88, num_stages=1, **{field: rows}, **more)
     plan = solve(varlen_causal_mask(doc_lengths(P * c, 0)), config)
     fill = plan.comm.kv_recv_rows if field == "kept_kv_rows" else plan.comm.qo_recv_rows
     assert int(fill.max()) > rows  # some rows past the kept ones travel again
@@ -170,7 +171,8 @@ def _kept_part_runs(field: str, rows: int):
     for kept in (None, rows):
         group = LocalGroup(P)
         rec, into = _Recorder(group), _IntoRecorder(group)
-        (out, lse), sizes, _ = _saved(lambda: dist_attn(q, k, v, plan, group, **{field: kept}))
+        kw = {field: kept, **more} if kept is not None else {"keep_forward_buffers": True}
+        (out, lse), sizes, _ = _saved(lambda: dist_attn(q, k, v, plan, group, **kw))
         rec.current, into.current = [], {}
         q.grad = k.grad = v.grad = None
         (out.sum() + lse.sum()).backward()
@@ -195,8 +197,8 @@ def test_part_of_the_kv_buffer_kept():
     assert m.kept == 40 * (Hq // 2) * D * 4 + rows * 2 * (Hkv // 2) * D * 4
     assert sum(sizes) == _own_bytes() + P * m.kept
     # dO, lse, delta; the KV rows past the kept ones, written after them (K, V); dQ, dK, dV back.
-    # The backward's KV operand is whole again (its kept rows copied back): its buffer counts
-    # once, as the kept rows plus the tail
+    # The backward's KV operand is whole again (its kept rows copied back), beside the kept copy:
+    # plan.memory's backward peak counts both
     assert len(recv) == 5 and len(ret) == 3
     assert sum(recv) + sum(ret) + P * m.kept == P * m.bwd_peak
     sent, got = group.traffic("bwd.kv")
@@ -213,7 +215,7 @@ def test_part_of_the_q_buffer_kept():
     assert m.kept == rows * (Hq // 2) * D * 4 + 64 * 2 * (Hkv // 2) * D * 4
     assert sum(sizes) == _own_bytes() + P * m.kept
     # dO, lse, delta; Q of the rows past the kept ones, written after them; dQ, dK, dV back. The
-    # backward's Q operand is whole again (its kept rows copied back): its buffer counts once
+    # backward's Q operand is whole again (its kept rows copied back), beside the kept copy
     assert len(recv) == 4 and len(ret) == 3
     assert sum(recv) + sum(ret) + P * m.kept == P * m.bwd_peak
     sent, got = group.traffic("bwd.qo")
@@ -223,6 +225,37 @@ def test_part_of_the_q_buffer_kept():
     again = planned - plan.pair_bytes("bwd.qo", replace(config, kept_q_rows=None).cost())
     assert torch.equal(again.sum(0) // ((Hq // 2) * D * 4), (plan.comm.qo_recv_rows - rows).clamp(min=0))
     assert int(again.sum()) > 0
+
+
+def test_one_room_split_per_rank():
+    """``kept_per_rank``: one room of 10 Q rows' and 20 K, V rows' bytes that each rank splits by its
+    own fills, Q first: the layer saves its activations and the room, the backward builds whole
+    operands beside it, each rank receives again exactly its rows past what it kept, and the
+    gradients are those of keeping everything, bit for bit."""
+    from gpusolver.problem import split_kept_room
+
+    P, Hq, Hkv = 4, 4, 2
+    plan, config, m, group, sizes, recv, ret = _kept_part_runs("kept_q_rows", 10, kept_kv_rows=20,
+                                                               kept_per_rank=True)
+    q_row, kv_row = (Hq // 2) * D * 4, 2 * (Hkv // 2) * D * 4
+    assert m.kept == 10 * q_row + 20 * kv_row
+    assert sum(sizes) == _own_bytes() + P * m.kept  # the local rows and the room, nothing else
+    # dO, lse, delta; Q, K, V past each rank's kept rows into whole buffers; dQ, dK, dV back
+    assert len(recv) == 6 and len(ret) == 3
+    assert sum(recv) + sum(ret) + P * m.kept == P * m.bwd_peak
+    cost = config.cost()
+    fill_q, fill_kv = plan.comm.qo_recv_rows.long(), plan.comm.kv_recv_rows.long()
+    kq, kk = split_kept_room(fill_q, fill_kv, m.kept, q_row, kv_row)
+    assert int((kq < 10).sum()) > 0 or int((kk > 20).sum()) > 0  # some rank's split is not the prefixes'
+    planned_q, planned_kv = plan.pair_bytes("bwd.qo", cost), plan.pair_bytes("bwd.kv", cost)
+    for phase, planned in (("bwd.qo", planned_q), ("bwd.kv", planned_kv)):
+        sent, got = group.traffic(phase)
+        assert torch.equal(got, planned.sum(0)) and torch.equal(sent, planned.sum(1)), phase
+    again_q = planned_q - plan.pair_bytes("bwd.qo", replace(config, kept_q_rows=None, kept_kv_rows=None,
+                                                            kept_per_rank=False).cost())
+    assert torch.equal(again_q.sum(0) // q_row, fill_q - kq)
+    assert torch.equal(planned_kv.sum(0) // kv_row, fill_kv - kk)
+    assert int(again_q.sum() + planned_kv.sum()) > 0
 
 
 def test_kept_kv_rows_must_be_a_row_count():
@@ -236,6 +269,17 @@ def test_kept_kv_rows_must_be_a_row_count():
             dist_attn(q, k, v, plan, LocalGroup(P), kept_kv_rows=bad)
         with pytest.raises(ValueError, match="kept_q_rows"):
             dist_attn(q, k, v, plan, LocalGroup(P), kept_q_rows=bad)
+        with pytest.raises(ValueError, match="kept_q_rows"):
+            dist_attn(q, k, v, plan, LocalGroup(P), kept_q_rows=bad, kept_kv_rows=4, kept_per_rank=True)
+    # one room split per rank needs both kinds kept and both row counts, and a bool
+    for kw in ({"kept_q_rows": 4, "keep_forward_buffers": True},
+               {"kept_q_rows": 4, "kept_kv_rows": 4, "keep_forward_buffers": "qo"}):
+        with pytest.raises(ValueError, match="kept_per_rank=True"):
+            dist_attn(q, k, v, plan, LocalGroup(P), kept_per_rank=True, **kw)
+        with pytest.raises(ValueError, match="kept_per_rank=True"):
+            make_config(P, 4, 2, kept_per_rank=True, **kw)
+    with pytest.raises(ValueError, match="kept_per_rank must be a bool"):
+        make_config(P, 4, 2, kept_q_rows=4, kept_kv_rows=4, kept_per_rank="yes")
 
 
 @pytest.mark.parametrize("stages", [1, "auto"])
