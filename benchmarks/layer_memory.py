@@ -312,6 +312,7 @@ def _measure(current: list, kind: str, P: int, shapes: dict, device: str, *, see
            "budget": budget,
            "qo_recv": "default" if qo_chunks is None else f"{qo_chunks:g} Gc",
            "keep": keep, "kv_rows": _chunks(kv_rows, config, c), "q_rows": _chunks(q_rows, config, c),
+           "split": _split(config),
            "ckpt": "yes" if checkpoint else "no", "device": device, "solve_s": solve_s,
            "kept": saved.total / P, "fwd_peak": fwd_live.peak / P, "bwd_peak": bwd_live.peak / P,
            "fwd_reduce": fwd_live.span_peak / P, "bwd_reduce": bwd_live.span_peak / P, **ref}
@@ -328,6 +329,12 @@ def _measure(current: list, kind: str, P: int, shapes: dict, device: str, *, see
     return row
 
 
+def _split(config: SolverConfig) -> str:
+    """How the kept rows are split: one room per rank by its fills (``kept_per_rank``), or the same
+    first rows on every rank."""
+    return "per rank" if config.kept_per_rank else "prefix"
+
+
 def _chunks(rows, config: SolverConfig, c: int) -> str:
     """Kept rows of a buffer in multiples of G * c ("all" when the whole buffer is kept)."""
     return "all" if rows is None else f"{rows / (config.head_groups * c):.2f} Gc"
@@ -336,7 +343,8 @@ def _chunks(rows, config: SolverConfig, c: int) -> str:
 COLUMNS = [("kind", "kind", ""), ("P", "P", "d"), ("S", "S", "d"), ("topology", "topology", ""), ("transport", "transport", ""),
            ("budget", "budget", ""), ("QO recv", "qo_recv", ""),
            ("keep", "keep", ""), ("fused reduce", "fused", ""),
-           ("kept Q rows", "q_rows", ""), ("kept KV rows", "kv_rows", ""), ("checkpointed", "ckpt", ""),
+           ("kept Q rows", "q_rows", ""), ("kept KV rows", "kv_rows", ""), ("split", "split", ""),
+           ("checkpointed", "ckpt", ""),
            ("kept MB", "kept", ".1f"), ("plan.memory kept MB", "plan_kept", ".1f"),
            ("plain attn MB", "plain_kept", ".1f"), ("kept / plain", "kept_ratio", ".2f"),
            ("fwd transient MB", "fwd_peak", ".1f"), ("bwd transient MB", "bwd_peak", ".1f"),
@@ -347,7 +355,7 @@ STEP_COLUMNS = [("kind", "kind", ""), ("P", "P", "d"), ("seed", "seed", "d"), ("
                 ("solved on", "solved_on", ""), ("comm", "comm", ""),
                 ("budget", "budget", ""), ("QO recv", "qo_recv", ""),
                 ("status", "status", "d"), ("kept kinds", "budget_keep", ""),
-                ("kept Q rows", "q_rows", ""), ("kept KV rows", "kv_rows", ""),
+                ("kept Q rows", "q_rows", ""), ("kept KV rows", "kv_rows", ""), ("split", "split", ""),
                 ("step ms, all kept (simulated)", "keep_ms", ".2f"), ("step ms, budget (simulated)", "budget_ms", ".2f"),
                 ("ratio", "step_ratio", ".3f"), ("step ms, nothing kept (simulated)", "none_ms", ".2f"),
                 ("ratio none", "none_ratio", ".3f")]
@@ -386,7 +394,7 @@ def step_cost(kind: str, P: int, budget: float, seed: int, topology: str, qo_chu
             "status": int(plan_status),
             "qo_recv": "default" if qo_chunks is None else f"{qo_chunks:g} Gc",
             "budget_keep": resolved.keep_forward_buffers,
-            "q_rows": _chunks(resolved.kept_q_rows, resolved, c),
+            "q_rows": _chunks(resolved.kept_q_rows, resolved, c), "split": _split(resolved),
             "kv_rows": _chunks(resolved.kept_kv_rows, resolved, c), "keep_ms": times["keep"],
             "budget_ms": times["budget"], "step_ratio": times["budget"] / times["keep"], "none_ms": times["none"],
             "none_ratio": times["none"] / times["keep"]}

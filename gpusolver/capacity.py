@@ -140,13 +140,12 @@ def kept_bytes(config: SolverConfig, chunk: int, keep, kept_kv_rows: int | None 
 # the sets of kinds a budget may choose, most kept first within each size (K, V before Q: a KV row
 # is sent again by every rank that needs it, a query row by one host)
 _KEEP_ORDER = (True, "kv", "qo", False)
-# the kind whose buffer a budget keeps in part first, in the room the whole kinds leave. Q: plans
-# fill few QO rows (at most 0.38-0.75 G * c on the benchmark masks, 8K tokens per rank, 64:8), so
-# the default budget's 1.13 G * c of Q holds all of them, where the same bytes of the KV buffer
-# (4.53 G * c) hold part of the busiest ranks' K, V (fills up to 6.6 G * c). Measured (simulated,
-# ``benchmarks/budget_split.py``, docs/design/layers.md): step over keeping everything, Q first
-# median 1.010x / max 1.113x on the cluster and 1.015x / 1.174x without a topology, K, V first
-# 1.026x / 1.154x and 1.023x / 1.117x.
+# the order in which the room the whole kinds leave is written as rows: Q rows first, then K, V rows
+# in the remainder. With both kinds kept the rows size one room that each rank splits by its own
+# fills (``kept_per_rank``), so the order only names the room's bytes; measured (simulated,
+# ``benchmarks/budget_split.py``, docs/design/layers.md), the per-rank split costs 1.000x keeping
+# everything on all 42 benchmark masks, where the same room kept as every rank's first Q rows cost
+# up to 1.17x and as its first K, V rows up to 1.15x.
 PREFIX_ORDER = ("qo", "kv")
 
 

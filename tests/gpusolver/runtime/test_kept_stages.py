@@ -235,3 +235,43 @@ def test_kept_per_rank(S, room):
         for s in stages:
             phase = base if s is None else f"{base}.{s}"
             assert torch.equal(group.pair_traffic(phase), plan.pair_bytes(base, cost, stage=s)), phase
+
+
+@pytest.mark.parametrize("lead", [0, 1], ids=["one-rank", "batched"])
+def test_room_packs_each_ranks_rows_and_unpacks_them_in_place(lead):
+    """``pack_room`` against a loop over ranks: rank r's room is its first ``kq`` Q rows (as ``g`` units
+    each), then its first ``kk`` K rows and ``kk`` V rows, zero past them; ``unpack_room`` puts them back
+    at their buffer rows, zero elsewhere, beside the local rows."""
+    from gpusolver.runtime.kept_rows import KeptRoom, pack_room, unpack_room
+
+    g_, n, cap_q, cap_k, hkv, Dh, units = 2, 3, 5, 9, 2, 4, 14
+    P = 3
+    gen = torch.Generator().manual_seed(0)
+    kept_q = torch.tensor([0, 4, 5])                    # none, part, the whole QO buffer
+    kept_kv = torch.tensor([7, 3, 2])                   # (units - kq * g) // 2 at most: 7, 3, 2
+    room = KeptRoom(units, g_, kept_q, kept_kv)
+    ranks = tuple(range(P)) if lead else (1,)
+    B = len(ranks)
+    xq = torch.randn(B, n + cap_q, hkv * g_, Dh, generator=gen)
+    xk = torch.randn(B, n + cap_k, hkv, Dh, generator=gen)
+    xv = torch.randn(B, n + cap_k, hkv, Dh, generator=gen)
+    squeeze = (lambda t: t) if lead else (lambda t: t[0])
+    pool = pack_room(squeeze(xq), squeeze(xk), squeeze(xv), room, ranks, n, lead)
+    pool = pool if lead else pool[None]
+    assert pool.shape == (B, units, hkv, Dh)
+    for b, r in enumerate(ranks):
+        kq, kk = int(kept_q[r]), int(kept_kv[r])
+        want = torch.zeros(units, hkv, Dh)
+        want[:kq * g_] = xq[b, n:n + kq].reshape(kq * g_, hkv, Dh)
+        want[kq * g_:kq * g_ + kk] = xk[b, n:n + kk]
+        want[kq * g_ + kk:kq * g_ + 2 * kk] = xv[b, n:n + kk]
+        assert torch.equal(pool[b], want), r
+    Xq, Xkv = unpack_room(squeeze(pool), squeeze(xq[:, :n]), squeeze(xk[:, :n]), squeeze(xv[:, :n]), room, ranks,
+                          cap_q, cap_k, lead)
+    for b, r in enumerate(ranks):
+        kq, kk = int(kept_q[r]), int(kept_kv[r])
+        for x, src, kept in ((Xq.x[0], xq, kq), (Xkv.x[0], xk, kk), (Xkv.x[1], xv, kk)):
+            x = x if lead else x[None]
+            want = torch.zeros_like(src[b])
+            want[:n + kept] = src[b, :n + kept]
+            assert torch.equal(x[b], want), r
