@@ -603,7 +603,7 @@ def dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, gro
         kept_per_rank: True: ``kept_q_rows`` and ``kept_kv_rows`` size one room that each rank
             splits by its own fills, Q first (``SolverConfig.kept_per_rank``); only the rows past
             a rank's kept ones are cast again. None: False, or with ``keep_forward_buffers=None``
-            the plan's.
+            and neither row count given, the plan's.
 
     Returns:
         out ``[c, Hq, D]`` in q's dtype and lse ``[c, Hq]`` fp32 (natural log; a row with
@@ -635,12 +635,12 @@ def dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, gro
     if keep_forward_buffers is None:  # run what the solve priced
         cost = plan.cost
         keep_forward_buffers = True if cost is None else cost.keep_forward_buffers
+        if kept_per_rank is None and cost is not None and kept_kv_rows is None and kept_q_rows is None:
+            kept_per_rank = getattr(cost, "kept_per_rank", False)  # the plan's room, not the caller's rows
         if kept_kv_rows is None and cost is not None:
             kept_kv_rows = cost.kept_kv_rows
         if kept_q_rows is None and cost is not None:
             kept_q_rows = getattr(cost, "kept_q_rows", None)
-        if kept_per_rank is None and cost is not None:
-            kept_per_rank = getattr(cost, "kept_per_rank", False)
     keep = kept_kinds(keep_forward_buffers)
     room = _kept_room(kept_per_rank, keep_forward_buffers, kept_q_rows, kept_kv_rows, plan, routes, group, q, k)
     if room is not None:

@@ -58,16 +58,7 @@ def test_kept_rows_with_sub_stages(name, P, S, seed, which):
     else:  # some rows lie below R, some past it
         assert 0 < sum(tails) < sum(full)
     inputs = make_inputs(P * 16, 4, 2, seed=seed)
-    group = LocalGroup(P)
-    got = _run(plan, P, *inputs, group=group, kept_kv_rows=R)
-    _assert_all_close(reference(mask, *inputs), got, f"S={S} R={R} ")
-    whole = _run(plan, P, *inputs)  # the same kernels over the same operand rows: the same bits
-    for key in KEYS:
-        assert torch.equal(got[key], whole[key]), key
-    for base in PHASES_BWD:  # every sub-stage's counters, pair by pair, are the plan's
-        for s in range(1, S + 1):
-            phase = f"{base}.{s}"
-            assert torch.equal(group.pair_traffic(phase), plan.pair_bytes(base, cost, stage=s)), phase
+    group = _check_kept_layer(plan, mask, inputs, cost, range(1, S + 1), f"S={S} R={R} ", kept_kv_rows=R)
     assert all(int(group.traffic(b)[0].sum()) == 0 for b in PHASES_BWD)  # no unstaged phase ran
 
 
@@ -95,16 +86,25 @@ def test_kept_q_rows(S, kv_share, which):
     assert torch.equal(again.sum(0) // cost.q_fwd, (fill - R).clamp(min=0))
     assert (which == "filled") == (int(again.sum()) == 0)
     inputs = make_inputs(P * 16, 4, 2, seed=seed)
+    _check_kept_layer(plan, mask, inputs, cost, stages, f"S={S} R={R} ", kept_q_rows=R, kept_kv_rows=kv)
+
+
+def _check_kept_layer(plan, mask, inputs, cost, stages, where: str, **kept):
+    """The layer keeping ``kept`` (``dist_attn``'s kept arguments) against dense attention and bit for
+    bit against keeping everything; every (sub-stage's) backward counter is ``plan.pair_bytes``'s.
+    Its group."""
+    P = plan.comm.cp_size
     group = LocalGroup(P)
-    got = _run(plan, P, *inputs, group=group, kept_q_rows=R, kept_kv_rows=kv)
-    _assert_all_close(reference(mask, *inputs), got, f"S={S} R={R} ")
-    whole = _run(plan, P, *inputs)
+    got = _run(plan, P, *inputs, group=group, keep_forward_buffers=True, **kept)
+    _assert_all_close(reference(mask, *inputs), got, where)
+    whole = _run(plan, P, *inputs, keep_forward_buffers=True)  # the same kernels over the same rows
     for key in KEYS:
         assert torch.equal(got[key], whole[key]), key
     for base in PHASES_BWD:
         for s in stages:
             phase = base if s is None else f"{base}.{s}"
             assert torch.equal(group.pair_traffic(phase), plan.pair_bytes(base, cost, stage=s)), phase
+    return group
 
 
 def test_straddling_tails_by_hand():
@@ -224,17 +224,8 @@ def test_kept_per_rank(S, room):
         gone = (fill_q > kq) | (fill_kv > kk)
         assert bool(gone.any()) and not bool(gone.all())
     inputs = make_inputs(P * 16, 4, 2, seed=seed)
-    group = LocalGroup(P)
-    got = _run(plan, P, *inputs, group=group, keep_forward_buffers=True, kept_q_rows=q_rows, kept_kv_rows=kv_rows,
-               kept_per_rank=True)
-    _assert_all_close(reference(mask, *inputs), got, f"S={S} room={room} ")
-    ref = _run(plan, P, *inputs, keep_forward_buffers=True)
-    for key in KEYS:
-        assert torch.equal(got[key], ref[key]), key
-    for base in PHASES_BWD:
-        for s in stages:
-            phase = base if s is None else f"{base}.{s}"
-            assert torch.equal(group.pair_traffic(phase), plan.pair_bytes(base, cost, stage=s)), phase
+    _check_kept_layer(plan, mask, inputs, cost, stages, f"S={S} room={room} ", kept_q_rows=q_rows,
+                      kept_kv_rows=kv_rows, kept_per_rank=True)
 
 
 @pytest.mark.parametrize("lead", [0, 1], ids=["one-rank", "batched"])
