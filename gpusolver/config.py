@@ -161,10 +161,11 @@ class SolverConfig:
                         what ``keep_forward_buffers`` says. Set: of the kinds it allows,
                         they keep the largest set of receive buffers that fits
                         (``capacity.keep_for_budget``, a function of the config
-                        and c alone), then, at row granularity, the first rows of
-                        the buffers that do not fit whole, Q before K, V
-                        (``kept_q_rows``, ``kept_kv_rows``); what is not kept is sent
-                        again in the backward. The solve prices a kind kept in part
+                        and c alone), then, at row granularity, the room left in
+                        the buffers that do not fit whole (``kept_q_rows``,
+                        ``kept_kv_rows``; with both kinds kept, one room that each
+                        rank splits by its own fills, ``kept_per_rank``); what is
+                        not kept is sent again in the backward. The solve prices a kind kept in part
                         as kept; ``plan.pair_bytes`` and the simulator count the
                         rows sent again.
     kept_kv_rows:       with K and V kept, keep only the first this many rows of the
