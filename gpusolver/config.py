@@ -148,15 +148,13 @@ class SolverConfig:
     memory_budget:      what a layer keeps for its backward, at most this multiple of
                         what plain attention of the rank's shard keeps (q, k, v,
                         out, lse). 1.5 (default): at 8K tokens per rank and 64:8
-                        helpers keep the first 1.13 G·c rows of the QO receive
-                        buffer (all the Q most plans receive) and receive K, V
-                        again; simulated on h200_hgx at the default S = 4, the step
-                        is a median 1.010x that of keeping everything solved on the
-                        cluster (P = 16-64, max 1.11x, 17 of 18 masks within 3 %,
-                        benchmarks/results/layer_memory_budget_cluster.md) and
-                        1.015x solved without a topology (P = 8-64, max 1.17x,
-                        layer_memory_budget_stages_seeds.md). Keeping everything
-                        holds 2.7-3.3x. Slice-mask plans only: sparse solves keep
+                        a room of 1.13 G·c Q rows' bytes, which each rank splits
+                        by its own fills (its Q rows, then its K, V rows:
+                        ``kept_per_rank``); simulated on h200_hgx at the default
+                        S = 4, the step is 1.000x that of keeping everything on
+                        all 42 benchmark masks, P = 8-64, solved on the cluster
+                        or not (benchmarks/results/budget_split_cluster.md,
+                        budget_split.md). Keeping everything holds 2.7-3.3x. Slice-mask plans only: sparse solves keep
                         what ``keep_forward_buffers`` says. None: helpers keep
                         what ``keep_forward_buffers`` says. Set: of the kinds it allows,
                         they keep the largest set of receive buffers that fits
