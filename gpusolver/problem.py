@@ -182,7 +182,7 @@ class CommCost:
     plans, ``benchmarks/results/layer_memory.md``); ``plan.pair_bytes`` and the simulator
     count the exact tail. ``kept_q_rows``: likewise for a helper that keeps Q (the rows past
     them travel again beside dO in ``bwd.qo``); a unit's ``q_bwd`` is priced as kept.
-    ``kept_per_rank``: the two fields are one room of ``kept_room`` bytes instead, which each
+    ``kept_per_rank``: the two fields are one room instead (``room_size``), which each
     rank splits by its own fills, Q first (``split_kept_room``): a rank keeps every Q row it
     received up to the room, then K, V rows in the room left.
     """
@@ -247,11 +247,6 @@ class CommCost:
     def dkv_bwd(self) -> int:
         return self.kv_fwd
 
-    @property
-    def kept_room(self) -> int:
-        """With ``kept_per_rank``: the bytes of the room each rank splits between its Q and K, V rows."""
-        return self.kept_q_rows * self.q_fwd + self.kept_kv_rows * self.kv_fwd
-
 
 def check_kept_per_rank(kept_per_rank, keep, kept_q_rows, kept_kv_rows) -> None:
     """``kept_per_rank`` needs both kinds kept and both rows given (they size the room)."""
@@ -261,6 +256,13 @@ def check_kept_per_rank(kept_per_rank, keep, kept_q_rows, kept_kv_rows) -> None:
         raise ValueError(f"kept_per_rank=True splits one room between Q and K, V: it needs keep_forward_buffers=True "
                          f"and both kept_q_rows and kept_kv_rows set, got keep_forward_buffers={keep!r}, "
                          f"kept_q_rows={kept_q_rows!r}, kept_kv_rows={kept_kv_rows!r}")
+
+
+def room_size(q_rows: int, kv_rows: int, q_row: int, kv_row: int, qo_capacity: int, kv_capacity: int) -> int:
+    """The room ``kept_per_rank`` splits, in the unit of ``q_row`` and ``kv_row`` (one row of each):
+    ``q_rows`` Q rows and ``kv_rows`` K, V rows, each count at most its receive buffer's rows, as
+    ``plan.memory`` counts the kept bytes. The pricing and the runtime both size it here."""
+    return min(q_rows, qo_capacity) * q_row + min(kv_rows, kv_capacity) * kv_row
 
 
 def split_kept_room(fill_q, fill_kv, room: int, q_row: int, kv_row: int):

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpusolver.problem import kept_kinds, split_kept_room
+from gpusolver.problem import kept_kinds, room_size, split_kept_room
 from groupcomm import tail_split
 
 __all__ = ["Op", "CAST", "REDUCE", "WAIT", "ATTN", "MERGE", "DELTA", "forward_ops", "backward_ops",
@@ -504,8 +504,10 @@ def kept_rows_of(cost, route: str, plan=None) -> int | torch.Tensor | None:
         if plan is None:
             raise ValueError("kept_rows_of: a cost with kept_per_rank=True needs the plan (its fills)")
         comm = plan.comm
-        kept_q, kept_kv = split_kept_room(comm.qo_recv_rows.long(), comm.kv_recv_rows.long(), cost.kept_room,
-                                          cost.q_fwd, cost.kv_fwd)
+        room = room_size(cost.kept_q_rows, cost.kept_kv_rows, cost.q_fwd, cost.kv_fwd, comm.qo_recv_capacity,
+                         comm.kv_recv_capacity)
+        kept_q, kept_kv = split_kept_room(comm.qo_recv_rows.long(), comm.kv_recv_rows.long(), room, cost.q_fwd,
+                                          cost.kv_fwd)
         return kept_q if route == "qo" else kept_kv
     return getattr(cost, "kept_q_rows" if route == "qo" else "kept_kv_rows", None)
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpusolver.problem import split_kept_room
+from gpusolver.problem import room_size, split_kept_room
 from gpusolver.runtime.operands import Operands, rows
 from groupcomm import TorchGroup, Work, group_cast, host_splits, tail_routing
 
@@ -165,7 +165,7 @@ def kept_room(comm, q_rows: int, kv_rows: int, g: int, host_fill=None) -> KeptRo
     """The ``KeptRoom`` of a plan's ``comm`` (``CommMeta``) keeping ``q_rows`` Q rows' and ``kv_rows``
     K, V rows' bytes (each at most its buffer), ``g = Hq / Hkv``. host_fill: ``TorchGroup``: this
     rank's (QO, KV) fills, objects with ``get()`` (``pipelined.RankFill``)."""
-    units = min(q_rows, comm.qo_recv_capacity) * g + min(kv_rows, comm.kv_recv_capacity) * 2
+    units = room_size(q_rows, kv_rows, g, 2, comm.qo_recv_capacity, comm.kv_recv_capacity)
     kept_q, kept_kv = split_kept_room(comm.qo_recv_rows.long(), comm.kv_recv_rows.long(), units, g, 2)
     host = None if host_fill is None else _HostKept(host_fill[0], host_fill[1], units, g)
     return KeptRoom(units, g, kept_q, kept_kv, host)

@@ -42,7 +42,8 @@ def test_cached_plans_are_the_ones_solve_gives(tmp_path):
     given = build_plan(mask, areas, asg, config)
     assert given.cost.kept_q_rows is None and given.cost.kept_kv_rows is None and not given.cost.kept_per_rank
     cost = plan.cost
-    kq, kk = split_kept_room(plan.comm.qo_recv_rows.long(), plan.comm.kv_recv_rows.long(), cost.kept_room,
+    room = cost.kept_q_rows * cost.q_fwd + cost.kept_kv_rows * cost.kv_fwd  # both within their buffers here
+    kq, kk = split_kept_room(plan.comm.qo_recv_rows.long(), plan.comm.kv_recv_rows.long(), room,
                              cost.q_fwd, cost.kv_fwd)
     past = int((plan.comm.qo_recv_rows - kq).sum()) * cost.q_fwd + int((plan.comm.kv_recv_rows - kk).sum()) * cost.kv_fwd
     assert int(plan.pair_bytes("bwd").sum()) - int(given.pair_bytes("bwd").sum()) == past

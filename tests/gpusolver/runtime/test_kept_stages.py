@@ -211,7 +211,12 @@ def test_kept_per_rank(S, room):
     kv_rows = {"some": total[1] % q_fwd // kv_fwd, "none": 0, "all": int(fill_kv.max())}[room]
     cost = replace(config, kept_q_rows=q_rows, kept_kv_rows=kv_rows, kept_per_rank=True).cost()
     whole = replace(config, keep_forward_buffers=True).cost()
-    kq, kk = split_kept_room(fill_q, fill_kv, cost.kept_room, cost.q_fwd, cost.kv_fwd)
+    kq, kk = split_kept_room(fill_q, fill_kv, q_rows * q_fwd + kv_rows * kv_fwd, q_fwd, kv_fwd)
+    # a row count past its buffer's rows names the whole buffer: priced as the buffer's rows, as
+    # plan.memory and the runtime size the room
+    over = replace(config, kept_q_rows=comm.qo_recv_capacity + 7, kept_kv_rows=kv_rows, kept_per_rank=True).cost()
+    at = replace(config, kept_q_rows=comm.qo_recv_capacity, kept_kv_rows=kv_rows, kept_per_rank=True).cost()
+    assert torch.equal(plan.pair_bytes("bwd", over), plan.pair_bytes("bwd", at))
     stages = range(1, S + 1) if S > 1 else (None,)
     again_q = sum(plan.pair_bytes("bwd.qo", cost, stage=s) - plan.pair_bytes("bwd.qo", whole, stage=s)
                   for s in stages)
