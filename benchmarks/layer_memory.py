@@ -1,7 +1,8 @@
 """What one ``dist_attn`` layer holds for its backward and at its peak, next to plain attention.
 
 Measured as a user would, with no GPU: ``torch.autograd.graph.saved_tensors_hooks`` around the
-layer's forward count the bytes it keeps for the backward (unique storages), and a
+layer's forward count the bytes it keeps for the backward, with its outputs (unique storages: what
+the forward leaves alive until the backward; plain attention's saved out is its output), and a
 ``TorchDispatchMode`` that follows every storage the layer's ops create until it is freed gives
 the peak of the buffers the layer allocates on top of its inputs (transient). Both are divided
 by P: a ``LocalGroup`` runs all P ranks in one process, each per-rank tensor with a leading
@@ -61,7 +62,9 @@ REAL = {"tokens_per_rank": TOKENS_PER_RANK, "num_heads_q": 64, "num_heads_kv": 8
 
 
 class SavedBytes:
-    """Bytes of the unique storages autograd saves inside the ``with`` block."""
+    """Bytes of the unique storages autograd saves inside the ``with`` block, and of those passed to
+    ``include`` (a layer's outputs: a saved copy of an output beside it counts twice, the output
+    saved as itself once)."""
 
     def __init__(self):
         self.storages: dict[int, int] = {}
@@ -74,6 +77,10 @@ class SavedBytes:
             self.storages[id(s)] = s.nbytes()
             self._keep.append(s)
         return t
+
+    def include(self, *tensors: torch.Tensor) -> None:
+        for t in tensors:
+            self._pack(t)
 
     @property
     def total(self) -> int:
@@ -301,6 +308,7 @@ def _measure(current: list, kind: str, P: int, shapes: dict, device: str, *, see
             out, lse = torch.utils.checkpoint.checkpoint(layer, q, k, v, use_reentrant=False)
         else:
             out, lse = layer(q, k, v)
+        saved.include(out, lse)
     d_out = torch.ones_like(out) if device == "meta" else torch.randn(out.shape, generator=g).to(dtype)
     current[0] = bwd_live
     with bwd_live:

@@ -20,7 +20,8 @@ runs that path for one rank at a time on CPU, at real shapes, with a solved plan
 
 The same dispatch mode as ``layer_memory.py`` counts every storage the layer's ops create
 until it is freed (transient peak, forward and backward) and the saved-tensor hooks what it
-keeps for the backward. ``own`` is the rank's q, k, v and out; ``plan.memory`` the plan's
+keeps for the backward, with its outputs (a saved copy of O beside the output counts twice).
+``own`` is the rank's q, k, v and out; ``plan.memory`` the plan's
 buffers at capacity (what ``LocalGroup`` allocates), for comparison. All figures are measured,
 per rank; the ranks measured are those receiving the most forward bytes (``--ranks``).
 
@@ -131,6 +132,7 @@ def measure_rank(plan, config: SolverConfig, shapes: dict, rank: int, seed: int 
             out, lse = dist_attn(q, k, v, plan, group, keep_forward_buffers=config.keep_forward_buffers,
                                  kept_kv_rows=config.kept_kv_rows, kept_q_rows=config.kept_q_rows,
                                  kept_per_rank=config.kept_per_rank)
+            saved.include(out, lse)
         d_out = torch.randn(out.shape, generator=g).to(dtype)
         with bwd:
             torch.autograd.backward(out, d_out)

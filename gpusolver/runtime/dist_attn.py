@@ -224,12 +224,21 @@ class _DistAttn(torch.autograd.Function):
                 run = relay_stages_forward if routes.relay.sub_stages else relay_forward
                 o, lse, operands = run(routes.plan, group, routes.ranks, routes.batched, routes.relay,
                                        ql, kl, vl, scale, deterministic)
-            else:  # q, k, v go group-major straight into the operands: their local rows exist once
+            else:  # q, k, v go group-major straight into the operands: their local rows exist once;
+                # o comes in its natural layout, and is saved as it is returned: one tensor, the output
                 (o, lse), operands = forward_stages(routes.plan, group, routes.ranks, routes.batched,
-                                                    routes.stages, q, k, v, scale, deterministic, groups=G)
+                                                    routes.stages, q, k, v, scale, deterministic, groups=G,
+                                                    out_groups=G)
                 # a kind cast again saves a copy of its local rows, made now (a kept kind's are views, below)
                 ql, kl, vl = (None if kind in keep else x.narrow(lead, 0, n).clone()
                               for kind, x in zip(("qo", "kv", "kv"), operands))
+            # sub-stages save O and lse as they return them (natural): the outputs are what the backward
+            # reads, and no group-major copy of either stays alive beside them
+            ctx.o_natural = routes.relay is None
+            if ctx.o_natural:
+                lse = from_group_major(lse, G, lead)
+            outs = (lambda: (o, lse)) if ctx.o_natural else (
+                lambda: (from_group_major(o, G, lead), from_group_major(lse, G, lead)))
             x_q, x_k, x_v = operands  # only the kept kinds' operands: the others are cast again
             ctx.room = room
             if room is not None:  # each rank's kept rows in the room; the local rows copied (X goes)
@@ -239,7 +248,7 @@ class _DistAttn(torch.autograd.Function):
                 ctx.kv_rows = ctx.q_rows = -1
                 ctx.save_for_backward(ql, kl, vl, o, lse, pool)
                 group.wait_sends()
-                return from_group_major(o, G, lead), from_group_major(lse, G, lead)
+                return outs()
             part = routes.relay is None and "kv" in keep and kv_rows >= 0
             if part:  # the local rows and the first kv_rows of the KV buffer (the rest is cast again),
                 # of a buffer at this rank's fill (``pipelined.receive_rows``) at most its rows
@@ -260,7 +269,7 @@ class _DistAttn(torch.autograd.Function):
             ctx.save_for_backward(ql, kl, vl, o, lse, *((x_q,) if "qo" in keep else ()),
                                   *((x_k, x_v) if "kv" in keep else ()))
             group.wait_sends()  # p2p sends may outlive their wait(): none past the pass
-            return from_group_major(o, G, lead), from_group_major(lse, G, lead)
+            return outs()
         # a remote stage's rows are X = [local rows | receive buffer], the buffer at the plan's capacity
         # or (TorchGroup) at this rank's fill (``LayerRoutes.recv_rows``); remote rows here are QO rows
         cap, kcap = routes.recv_rows("qo"), routes.recv_rows("kv")
@@ -346,13 +355,15 @@ class _DistAttn(torch.autograd.Function):
         keep_q, keep_kv = "qo" in ctx.keep, "kv" in ctx.keep
         if routes.stages is not None or routes.relay is not None:  # sub-stages, or relay
             ql, kl, vl, o, lse = saved[:5]
+            if routes.relay is None:  # the natural lse saved as returned; its rows group-major ([c, H] fp32)
+                lse = to_group_major(lse, G, lead).contiguous()
             # sub-stages write dO group-major straight into its operand (groups=G): no copy of it here
-            staged = routes.relay is None
+            staged = routes.relay is None  # o, dO and dlse natural (``forward_stages(out_groups=G)``)
             if d_out is None:
                 d_o = torch.zeros_like(o)
             else:
                 d_o = d_out if staged else to_group_major(d_out, G, lead).contiguous()
-            d_l = None if d_lse is None else to_group_major(d_lse, G, lead).contiguous()
+            d_l = d_lse if staged or d_lse is None else to_group_major(d_lse, G, lead).contiguous()
             kept = list(saved[5:])  # the kept kinds' operands, Xq then Xk, Xv (or the room)
             room = None if ctx.room is None else (ctx.room, kept.pop(0))
             kept_q = kept.pop(0) if keep_q and room is None else None
@@ -360,13 +371,14 @@ class _DistAttn(torch.autograd.Function):
             run, how = (backward_stages, routes.stages) if routes.relay is None else (
                 relay_stages_backward if routes.relay.sub_stages else relay_backward, routes.relay)
             more = {} if not staged else {"kept_kv_rows": ctx.kv_rows, "kept_q_rows": ctx.q_rows,
-                                          "groups": 1 if d_out is None else G, "kept_room": room}
+                                          "groups": G, "kept_room": room, "o_natural": True, "out_groups": G}
             del kept, saved, room
             dq, dk, dv = run(routes.plan, group, routes.ranks, routes.batched, how, ql, kl, vl, o, lse, kept_q,
                              kept_kv, d_o, d_l, scale, ctx.deterministic, **more)
             group.wait_sends()  # p2p sends may outlive their wait(): none past the pass
-            return (from_group_major(dq, G, lead), from_group_major(dk, G, lead), from_group_major(dv, G, lead),
-                    None, None, None, None, None, None, None, None)
+            if not staged:
+                dq, dk, dv = (from_group_major(x, G, lead) for x in (dq, dk, dv))
+            return dq, dk, dv, None, None, None, None, None, None, None, None
         o, lse = saved[3:5]
         qcap, kcap = routes.recv_rows("qo"), routes.recv_rows("kv")  # as the forward's buffers
         d_o = torch.zeros_like(o) if d_out is None else to_group_major(d_out, G, lead).contiguous()

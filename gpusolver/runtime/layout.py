@@ -42,6 +42,17 @@ def from_group_major(rows: torch.Tensor, groups: int, lead: int = 0) -> torch.Te
     return x.reshape(*pre, n // groups, groups * h, *tail)
 
 
+def natural_copy(rows: torch.Tensor, groups: int, lead: int = 0, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``from_group_major(rows, groups, lead)`` as a new tensor in ``dtype`` (default rows'), written by
+    one strided copy: neither a converted copy in the group-major layout nor a natural copy in the old
+    dtype is made (an fp32 sum becomes its bf16 gradient in the caller's layout in one pass)."""
+    n, h = rows.shape[lead], rows.shape[lead + 1]
+    pre, tail = rows.shape[:lead], rows.shape[lead + 2:]
+    out = rows.new_empty((*pre, n // groups, groups * h, *tail), dtype=dtype or rows.dtype)
+    out.unflatten(lead + 1, (groups, h)).transpose(lead, lead + 1).copy_(rows.unflatten(lead, (groups, n // groups)))
+    return out
+
+
 def _rank_and_size(group) -> tuple[int | None, int]:
     """(rank, P) of a per-rank group, (None, P) of a ``LocalGroup`` (all ranks at once)."""
     if getattr(group, "batched", False):

@@ -57,6 +57,7 @@ from gpusolver.nvtx import nvtx_range
 from gpusolver.plan import Plan
 from gpusolver.plan.schedule import ATTN, CAST, DELTA, MERGE, REDUCE, WAIT, Op, backward_ops, forward_ops
 from gpusolver.runtime.kept_rows import tail_cast, unpack_room, whole_operands, with_tail
+from gpusolver.runtime.layout import natural_copy, to_group_major
 from gpusolver.runtime.operands import Operands, rows
 from gpusolver.runtime.per_rank import per_rank
 from groupcomm import TorchGroup, group_cast, group_reduce, host_splits
@@ -346,7 +347,8 @@ def _flex_backward_into(plan: Plan, scale: float, ranks, batched: bool, s: int, 
 
 
 def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql, kl, vl, scale: float,
-                   deterministic: bool, *, extra=(), attend=None, branches: int = 1, groups: int = 1):
+                   deterministic: bool, *, extra=(), attend=None, branches: int = 1, groups: int = 1,
+                   out_groups: int = 0):
     """Run ``forward_ops(S + 1, branches)``: (outs, the operand tensors [Xq, *X extra, Xk, Xv] for the
     backward), group-major; ``outs`` is (out, lse) per output branch, flat: ``(o_0, lse_0, o_1, ...)``.
     groups: ql, kl, vl are group-major rows (1), or with G > 1 the shards in their natural layout
@@ -355,7 +357,10 @@ def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql,
     extra: per-row tensors that travel with Q (a sparse layer's selection rows);
     attend(rank, stage, q, k, v, *extra) -> (out_0, lse_0, ...): the stage kernel, one (out, lse)
     per branch (default: the slice kernel, one branch). Each branch keeps its own running (out,
-    lse) and is reduced and merged on its own (an NSA layer's selection and window branches)."""
+    lse) and is reduced and merged on its own (an NSA layer's selection and window branches).
+    out_groups: 0 (default) returns each out group-major; G >= 1 returns it in the natural layout of
+    G head groups (``layout.from_group_major``'s), written straight from the fp32 sums
+    (``layout.natural_copy``): no group-major copy of it in its dtype is made."""
     lead = 1 if batched else 0
     S = sr.num_stages
     caps = {kind: receive_rows(plan, sr, kind) for kind in KINDS}
@@ -404,7 +409,10 @@ def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql,
             elif op.kind == MERGE:  # every return is merged in: the host's rows are the output
                 for b in range(branches):
                     h_o, h_l = (rows(t, lead, 0, n) for t in acc[b].x)
-                    outs += [h_o.to(dtypes[b][0], copy=True), h_l.clone()]  # copies: the output never holds acc
+                    # copies: the output never holds acc
+                    h_o = (h_o.to(dtypes[b][0], copy=True) if out_groups == 0
+                           else natural_copy(h_o, out_groups, lead, dtypes[b][0]))
+                    outs += [h_o, h_l.clone()]
             else:
                 raise AssertionError(f"dist_attn cannot run forward op {op}")
     return tuple(outs), X["qo"].x + X["kv"].x
@@ -413,7 +421,7 @@ def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql,
 def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql, kl, vl, o, lse, kept_q,
                     kept_kv, d_o, d_l, scale: float, deterministic: bool, *, extra=(), kept_extra=(),
                     attend_bwd=None, more_branches=(), kept_kv_rows: int = -1, kept_q_rows: int = -1,
-                    groups: int = 1, kept_room=None):
+                    groups: int = 1, kept_room=None, o_natural: bool = False, out_groups: int = 0):
     """Run ``backward_ops(S + 1)``: (dq, dk, dv) group-major. ``kept_q``: the forward's Xq or None
     (Q is cast again with dO); ``kept_kv``: its [Xk, Xv] or None (K, V are cast again).
     kept_kv_rows >= 0: ``kept_kv`` holds the local rows and only the first this many rows of the
@@ -431,7 +439,13 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
     and delta travel in the same ``bwd.qo`` casts after the first's, and ``more`` is their
     (dO, lse, delta) per branch, in that order. groups: ``d_o`` is group-major rows (1), or with
     G > 1 the upstream grad in its natural layout ``[*, c, Hq, D]``; either way it is written
-    group-major straight into its operand, whose local rows are the dO every later step reads."""
+    group-major straight into its operand, whose local rows are the dO every later step reads.
+    o_natural: ``o``, ``d_o`` and ``d_l`` are in the natural layout of ``groups`` head groups (the
+    layer's output as it returned and saved it: no group-major copy of O exists); the first branch's
+    delta is computed there and made group-major (a ``[c, H]`` fp32 copy). out_groups: as
+    ``forward_stages``' (the gradients in that natural layout, straight from the fp32 sums). The
+    operands are freed before the gradients are made, and each kind's fp32 sums once its gradients
+    are: the pass's peak is never its end."""
     lead = 1 if batched else 0
     S = sr.num_stages
     caps = {kind: receive_rows(plan, sr, kind) for kind in KINDS}
@@ -480,16 +494,23 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
             if op.kind == DELTA:  # the host computes delta from its final O: O itself never travels
                 # dO goes into its operand first and delta is computed from its rows there: the
                 # operands' local rows are the only dO, lse and delta the stages and casts read
+                def deltas(do_b, o_b, dl_b):
+                    return per_rank(ranks, batched, lambda r, a, b, *c_: (row_delta(a, b, c_[0] if c_ else None),),
+                                    do_b, o_b, *(() if dl_b is None else (dl_b,)))[0]
+
+                # o natural: the first branch's delta from the natural dO, before dO goes group-major
+                natural = to_group_major(deltas(d_o, o, d_l), groups, lead).contiguous() if o_natural else None
                 first = Operands([d_o], cap_q, lead, zero=True, groups=groups)
                 d_o = None
-                trio = []  # (dO, lse, delta) of each branch
-                for o_b, l_b, do_b, dl_b in ((o, lse, first.local()[0], d_l), *more_branches):
-                    delta = per_rank(ranks, batched, lambda r, a, b, *c_: (row_delta(a, b, c_[0] if c_ else None),),
-                                      do_b, o_b, *(() if dl_b is None else (dl_b,)))[0]
+                do_b = first.local()[0]
+                delta = natural if o_natural else deltas(do_b, o, d_l)
+                trio = [do_b, lse, delta]  # (dO, lse, delta) of each branch
+                for o_b, l_b, do_b, dl_b in more_branches:
+                    delta = deltas(do_b, o_b, dl_b)
                     trio += [do_b, l_b, delta]
                 Xg = first.join(Operands(trio[1:], cap_q, lead, zero=True))
                 grads = Xg.local()
-                del first, trio, delta, do_b
+                del first, trio, delta, do_b, natural
             elif op.kind == CAST:
                 if op.route == "qo":
                     tensors = tuple(grads) + (() if kept_q is not None else (ql, *extra))
@@ -548,7 +569,18 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
                                         deterministic, inplace=True, recv_capacity=cap)
                 del parts
             elif op.kind == MERGE:  # every reduce is summed in: the host's rows are the gradients
-                dq, dk, dv = merge_gradients(grads_q.x + grads_kv.x, [], lead, n)
+                # nothing reads the operands now: freed before the gradients are made
+                Xq = Xkv = Xg = xq = xk = xv = kept_q = kept_kv = grads = tensors = into = None
+                g_do = g_lse = g_delta = g_more = host = None
             else:
                 raise AssertionError(f"dist_attn cannot run backward op {op}")
-    return dq.to(ql.dtype), dk.to(kl.dtype), dv.to(vl.dtype)
+    # each kind's gradients straight from its fp32 sums' host rows, which are freed before the next
+    # kind's are made: at most one kind's sums live beside the gradients
+    out = []
+    for sums, like in ((grads_q, (ql,)), (grads_kv, (kl, vl))):
+        for t, x in zip(sums.x, like):
+            host_rows = rows(t, lead, 0, n)
+            out.append(natural_copy(host_rows, max(out_groups, 1), lead, x.dtype))  # a copy: the sums go
+        sums.x.clear()
+        del t, host_rows
+    return tuple(out)

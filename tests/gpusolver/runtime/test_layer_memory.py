@@ -14,10 +14,12 @@ import torch
 from gpusolver import solve
 from gpusolver.config import AUTO_STAGES
 from gpusolver.masks import varlen_causal_mask
-from gpusolver.runtime import dist_attn
 from groupcomm import LocalGroup
 from tests._testing import assert_close
-from tests.gpusolver.runtime._cases import D, doc_lengths, make_config
+from gpusolver.runtime import dist_attn, shard, unshard
+from tests.gpusolver.runtime._cases import (D, doc_lengths, make_config, make_inputs, make_mask, reference,
+                                            tight_plan)
+from tests.gpusolver.runtime.test_dist_attn import KEYS, _assert_all_close
 
 
 class _Recorder:
@@ -95,6 +97,32 @@ def test_plan_memory_equals_the_runtime(keep, stages):
     # dO, lse, delta (and Q unless kept), K, V unless kept, then dQ, and dK, dV back
     assert len(bwd_recv) == 3 + (not q_kept) + 2 * (not kv_kept) and len(bwd) == 3 * NS and bwd == bwd[:3] * NS
     assert sum(bwd_recv) + sum(bwd[:3]) + P * m.kept == P * m.bwd_peak
+
+
+@pytest.mark.parametrize("flatten", [True, False], ids=["G2", "G1"])
+def test_sub_stages_save_the_output_itself(flatten):
+    """With sub-stages the O and lse the backward reads are the layer's outputs themselves, saved as
+    returned: a layer leaves no second copy of O (group-major) alive beside its output until its backward,
+    with head groups (G > 1, where the layouts differ) and without; values and gradients still equal
+    dense attention's (the row delta is computed from the natural O and dO)."""
+    P, c, Hq, Hkv = 4, 16, 4, 2
+    mask = make_mask("docs-causal", P * c, seed=1)
+    plan, _ = tight_plan(mask, make_config(P, Hq, Hkv, flatten, num_stages=2))
+    assert plan.num_stages == 2 and (plan.comm.head_groups > 1) == flatten
+    inputs = make_inputs(P * c, Hq, Hkv, seed=2)
+    group = LocalGroup(P)
+    qs, ks, vs = (shard(x, group).requires_grad_() for x in inputs[:3])
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage()  # held: no pointer is reused
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out, lse = dist_attn(qs, ks, vs, plan, group)
+    assert out.untyped_storage().data_ptr() in storages and lse.untyped_storage().data_ptr() in storages
+    torch.autograd.backward((out, lse), (shard(inputs[3], group), shard(inputs[4], group)))
+    got = {key: unshard(t.detach(), group) for key, t in zip(KEYS, (out, lse, qs.grad, ks.grad, vs.grad))}
+    _assert_all_close(reference(mask, *inputs), got)
 
 
 class _IntoRecorder:

@@ -38,8 +38,9 @@ def test_join_checks_the_rows():
 
 
 def test_sub_stages_make_no_group_major_copy(monkeypatch):
-    """A sub-staged layer writes q, k, v and dO group-major into its operands: dist_attn makes no
-    group-major copy of any [.., c, H, D] tensor (only of the small [.., c, H] lse grad)."""
+    """A sub-staged layer writes q, k, v and dO group-major into its operands and returns O and the
+    gradients straight in the natural layout: the runtime makes no group-major copy of any
+    [.., c, H, D] tensor (only of the small [.., c, H] delta, computed from the natural O)."""
     P, c, Hq, Hkv, S = 4, 32, 4, 2, 4
     plan, _ = tight_plan(make_mask("docs-causal", P * c, seed=3), make_config(P, Hq, Hkv, num_stages=S))
     assert plan.num_stages == S and plan.comm.head_groups > 1
@@ -49,11 +50,12 @@ def test_sub_stages_make_no_group_major_copy(monkeypatch):
         copied.append(tuple(x.shape))
         return to_group_major(x, groups, lead)
 
-    # the module (the package's ``dist_attn`` name is the function)
-    monkeypatch.setattr(importlib.import_module("gpusolver.runtime.dist_attn"), "to_group_major", spy)
+    # the modules (the package's ``dist_attn`` name is the function)
+    for name in ("gpusolver.runtime.dist_attn", "gpusolver.runtime.pipelined"):
+        monkeypatch.setattr(importlib.import_module(name), "to_group_major", spy)
     got = _run(plan, P, *make_inputs(P * c, Hq, Hkv, seed=5))
     assert got["dq"].abs().sum() > 0
-    assert copied and all(len(s) == 3 for s in copied), copied  # [P, c, Hq]: d_lse only
+    assert copied and all(s == (P, c, Hq) for s in copied), copied  # the delta only
 
 
 def test_sub_stage_reduces_free_their_inputs(monkeypatch):
