@@ -54,8 +54,11 @@ MB = 1e6
 _RETAINERS = ("groupcomm._a2av", "gpusolver.runtime.dist_attn", "gpusolver.runtime.layout")
 
 
-def _fake_forward(q, k, v, *args, **kwargs):
-    """The attention kernel's allocations: out ``[Tq, Hq, D]`` in q's dtype and the fp32 lse."""
+def _fake_forward(q, k, v, *args, accumulate=None, **kwargs):
+    """The attention kernel's allocations: out ``[Tq, Hq, D]`` in q's dtype and the fp32 lse, or
+    nothing when it merges into ``accumulate``."""
+    if accumulate is not None:
+        return accumulate
     return q.new_empty(*q.shape[:2], v.shape[-1]), q.new_zeros(q.shape[:2], dtype=torch.float32)
 
 

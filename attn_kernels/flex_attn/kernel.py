@@ -147,6 +147,7 @@ def _flex_fwd_kernel(
     HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, COUNT: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
 ):
     tl.static_assert(HQ % HKV == 0)
     tl.static_assert(BLOCK_Q >= 16 and BLOCK_K >= 16)
@@ -203,8 +204,21 @@ def _flex_fwd_kernel(
     m_row = b_l > 0.0
     b_o = b_acc / tl.where(m_row, b_l, 1.0)[:, None]
     b_lse = tl.where(m_row, (b_m + tl.log2(tl.where(m_row, b_l, 1.0))) * LN2, float("-inf"))
-    tl.store(p_o + o_qd, b_o.to(p_o.dtype.element_ty), mask=m_q[:, None])
-    tl.store(p_lse + o_q.to(tl.int64) * HQ + i_h, b_lse, mask=m_q)
+    o_l = o_q.to(tl.int64) * HQ + i_h
+    if ACCUMULATE:
+        # merged in fp32 into the running (out, lse) this program alone owns for these rows and head;
+        # rows that saw no key here are neither read nor written (the merge of an empty part is a no-op)
+        m_w = m_q & m_row
+        b_la = tl.load(p_lse + o_l, mask=m_w, other=float("-inf"))
+        b_oa = tl.load(p_o + o_qd, mask=m_w[:, None], other=0.0)
+        b_mx = tl.where(m_w, tl.maximum(b_la, b_lse), 0.0)  # finite where written: this part saw a key
+        b_new = b_mx + tl.log(1.0 + tl.exp(tl.minimum(b_la, b_lse) - b_mx))  # no libdevice log1p in the interpreter
+        b_o = tl.exp(b_la - b_new)[:, None] * b_oa + tl.exp(b_lse - b_new)[:, None] * b_o
+        tl.store(p_o + o_qd, b_o, mask=m_w[:, None])
+        tl.store(p_lse + o_l, b_new, mask=m_w)
+    else:
+        tl.store(p_o + o_qd, b_o.to(p_o.dtype.element_ty), mask=m_q[:, None])
+        tl.store(p_lse + o_l, b_lse, mask=m_q)
     if COUNT:
         tl.store(p_cnt + 2 * (i_p * HQ + i_h), n_vis)
         tl.store(p_cnt + 2 * (i_p * HQ + i_h) + 1, n_it)
@@ -248,7 +262,7 @@ def _flex_bwd_dq_kernel(
     HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, COUNT: tl.constexpr,
-    ACCUMULATE: tl.constexpr = False,
+    ACCUMULATE: tl.constexpr,
 ):
     # ACCUMULATE: p_dq is the caller's fp32 sum, which this program's tile is added into (one program
     # per tile, so a plain load and store is race-free)
@@ -359,7 +373,7 @@ def _flex_bwd_dkdv_kernel(
     HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, COUNT: tl.constexpr,
-    ACCUMULATE: tl.constexpr = False,
+    ACCUMULATE: tl.constexpr,
 ):
     # SPLIT > 1: the group's query heads are shared among SPLIT programs, each
     # storing fp32 partial dK, dV at [i_s, Tk, HKV, D] (summed by the launcher)
@@ -591,7 +605,8 @@ def _launch(kind: str, fn, grid, args: dict, consts: dict, cfg: KernelConfig, tu
         return
     # an accumulating launch adds into its outputs: tuning runs it once per config, so the tuner must
     # put their values back after each trial (it copies them while tuning, once per key)
-    restore = [name for name in ("p_dq", "p_dk", "p_dv") if name in args] if consts.get("ACCUMULATE") else []
+    restore = [name for name in ("p_o", "p_lse", "p_dq", "p_dk", "p_dv") if name in args] \
+        if consts.get("ACCUMULATE") else []
     key = (kind, fn.fn.__name__, tuple(tune), tuple(restore))
     if key not in _TUNED:
         _TUNED[key] = triton.autotune(
@@ -667,6 +682,7 @@ def flex_attn_fwd(
     q_ranges: torch.Tensor, k_ranges: torch.Tensor, attn_type: torch.Tensor,
     softmax_scale: float, softcap: float,
     *, block_q: int | None = None, block_k: int | None = None, counts: torch.Tensor | None = None,
+    accumulate: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward launcher.
 
@@ -677,13 +693,20 @@ def flex_attn_fwd(
     iterations of all programs (the interpreter counts; for tests).
     Returns out [Tq, Hq, D] (q's dtype) and lse [Tq, Hq] fp32 (natural log,
     -inf where a row sees no key).
+    accumulate: (out_acc [Tq, Hq, D], lse_acc [Tq, Hq]), contiguous fp32 (the caller checks): this
+    call's (out, lse) is merged into them in place, in fp32 (its out is never rounded to q's dtype),
+    and they are returned; no output is allocated (the pipelined forward's running result).
     """
     _check_scale(softmax_scale)
     Tq, HQ, D = q.shape
     Tk = k.shape[0]
     cfg = _config("fwd", q, block_q, block_k, softcap > 0)
-    out = torch.empty_like(q)
-    lse = torch.empty((Tq, HQ), dtype=torch.float32, device=q.device)
+    acc = accumulate is not None
+    if acc:
+        out, lse = accumulate
+    else:
+        out = torch.empty_like(q)
+        lse = torch.empty((Tq, HQ), dtype=torch.float32, device=q.device)
     if Tq == 0:
         return out, lse
     rect, wl, _ = _work_lists(q_ranges, k_ranges, attn_type, Tq, Tk, cfg.block, None)
@@ -691,7 +714,8 @@ def flex_attn_fwd(
     scalars, consts = _common(q, k, softmax_scale, softcap)
     args = dict(p_q=q, p_k=k, p_v=v, p_o=out, p_lse=lse, p_rect=rect, p_ptr=wl.ptr, p_idx=wl.idx,
                 p_order=wl.order, p_cnt=cnt, Tq=Tq, NB=wl.num_blocks, L=wl.levels, **scalars)
-    _launch("fwd", _flex_fwd_kernel, (HQ, wl.num_blocks), args, dict(consts, COUNT=cnt is not None), cfg,
+    _launch("fwd", _flex_fwd_kernel, (HQ, wl.num_blocks), args,
+            dict(consts, COUNT=cnt is not None, ACCUMULATE=acc), cfg,
             _autotune_set("fwd", q, block_q, block_k, softcap > 0))
     _add_counts(counts, 0, cnt)
     return out, lse
@@ -811,6 +835,7 @@ def gpu_launch_records(seqlen: int, hq: int, hkv: int, head_dim: int, dtype: tor
 
     Four records: the forward, dQ and dK/dV kernels at their launch configs
     (each with its autotune set) and the row-delta kernel. accumulate: the
+    forward merges into a running fp32 result (``flex_attn_fwd(accumulate=...)``) and the
     backward adds into fp32 sums (``flex_attn_bwd_from_delta(accumulate=...)``).
     """
     q = torch.empty(seqlen, hq, head_dim, dtype=dtype, device="meta")
@@ -819,7 +844,8 @@ def gpu_launch_records(seqlen: int, hq: int, hkv: int, head_dim: int, dtype: tor
     typ = torch.ones(1, dtype=torch.int32, device="meta")
     lse = torch.empty(seqlen, hq, dtype=torch.float32, device="meta")
     with record_launches() as records:
-        flex_attn_fwd(q, k, k, rng, rng, typ, head_dim ** -0.5, softcap)
+        run = (torch.empty_like(q, dtype=torch.float32), lse) if accumulate else None
+        flex_attn_fwd(q, k, k, rng, rng, typ, head_dim ** -0.5, softcap, accumulate=run)
         acc = tuple(torch.empty_like(t, dtype=torch.float32) for t in (q, k, k)) if accumulate else None
         flex_attn_bwd_from_delta(q, q, k, k, lse, lse, rng, rng, typ, head_dim ** -0.5, softcap, accumulate=acc)
     ptr = {"p_do": "*" + _spec(q)[0][1:], "p_o": "*" + _spec(q)[0][1:], "p_dlse": "*fp32", "p_delta": "*fp32"}

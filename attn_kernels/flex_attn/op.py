@@ -61,6 +61,27 @@ def flex_attn_fwd_fake(
     return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
+@torch.library.custom_op("attn_kernels::flex_attn_fwd_acc", mutates_args=("out_acc", "lse_acc"))
+def flex_attn_fwd_acc_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    q_ranges: torch.Tensor, k_ranges: torch.Tensor, attn_type: torch.Tensor,
+    softmax_scale: float, softcap: float, backend: str, out_acc: torch.Tensor, lse_acc: torch.Tensor,
+) -> None:
+    """As ``flex_attn_fwd``, the result merged in fp32 into out_acc [Tq, Hq, D] and lse_acc [Tq, Hq]
+    (fp32, contiguous) in place: no output is made."""
+    fwd, _ = _impls(backend)
+    fwd(q, k, v, q_ranges, k_ranges, attn_type, softmax_scale, softcap, accumulate=(out_acc, lse_acc))
+
+
+@flex_attn_fwd_acc_op.register_fake
+def flex_attn_fwd_acc_fake(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    q_ranges: torch.Tensor, k_ranges: torch.Tensor, attn_type: torch.Tensor,
+    softmax_scale: float, softcap: float, backend: str, out_acc: torch.Tensor, lse_acc: torch.Tensor,
+) -> None:
+    return None  # writes into its arguments: allocates nothing
+
+
 @torch.library.custom_op("attn_kernels::flex_attn_bwd", mutates_args=())
 def flex_attn_bwd_op(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -298,8 +319,9 @@ def flex_attn(
     q_ranges: torch.Tensor, k_ranges: torch.Tensor, attn_type: torch.Tensor,
     softmax_scale: float | None = None, softcap: float = 0.0, *, backend: str = "auto",
     validate: bool | None = None, flag_errors: bool = True,
+    accumulate: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention over a slice mask; returns (out, lse). Differentiable in q, k, v.
+    """Attention over a slice mask; returns (out, lse). Differentiable in q, k, v (not with ``accumulate``).
 
     Args:
         q: [Tq, Hq, D] fp16/bf16 (GPU) or fp32/fp16 (CPU), D in {16, 32, 64, 128}.
@@ -318,23 +340,58 @@ def flex_attn(
             error flags (``gpusolver.check_errors()`` reads them; no host read
             here). Ranges past the tensors never touch memory outside them:
             the kernels drop those entries.
+        accumulate: (out_acc, lse_acc), contiguous fp32 tensors shaped as out
+            and lse on q's device, or None. Given, this call's result (over
+            keys disjoint from those already merged in) is merged into them in
+            place with the log-sum-exp merge, in fp32 (its out never rounded
+            to q's dtype), and they are returned; rows it sees no key of are
+            left as they are, and no output is allocated (what a caller
+            merging many calls' parts of the same rows wants). Start them at
+            (0, -inf). Not differentiable.
 
     Returns:
         out: [Tq, Hq, D] in q's dtype (0 for rows with no valid key).
         lse: [Tq, Hq] fp32 natural-log log-sum-exp of the scaled scores
             (-inf for rows with no valid key).
+        With ``accumulate``: its two tensors, this call's result merged in.
     """
     _check(q, k, v, q_ranges, k_ranges, attn_type, softcap, backend)
+    if accumulate is not None:
+        _check_fwd_accumulate(accumulate, q)
     if _validating(q, validate):
         validate_slice_values(q_ranges, k_ranges, attn_type, q.shape[0], k.shape[0])
     elif flag_errors:
         _flag_slice_values("flex_attn", q_ranges, k_ranges, attn_type, q.shape[0], k.shape[0])
     backend = _resolve_backend(q, backend)
     scale = _scale(q, softmax_scale)
-    return flex_attn_fwd_op(
-        q.contiguous(), k.contiguous(), v.contiguous(),
-        q_ranges.to(torch.int32).contiguous(), k_ranges.to(torch.int32).contiguous(),
-        attn_type.to(torch.int32).contiguous(), scale, float(softcap), backend)
+    args = (q.contiguous(), k.contiguous(), v.contiguous(), q_ranges.to(torch.int32).contiguous(),
+            k_ranges.to(torch.int32).contiguous(), attn_type.to(torch.int32).contiguous(), scale, float(softcap),
+            backend)
+    if accumulate is None:
+        return flex_attn_fwd_op(*args)
+    flex_attn_fwd_acc_op(*args, *accumulate)
+    return tuple(accumulate)
+
+
+def _check_fwd_accumulate(accumulate, q: torch.Tensor) -> None:
+    """The running result ``accumulate`` takes: (out_acc, lse_acc), fp32, shaped as out and lse, on
+    q's device, contiguous (the kernel addresses them densely and writes them in place)."""
+    if not isinstance(accumulate, (tuple, list)) or len(accumulate) != 2:
+        raise ValueError(f"accumulate must be (out_acc, lse_acc), got {type(accumulate).__name__}"
+                         + (f" of length {len(accumulate)}" if isinstance(accumulate, (tuple, list)) else ""))
+    for name, t, shape in (("out_acc", accumulate[0], list(q.shape)), ("lse_acc", accumulate[1], list(q.shape[:2]))):
+        _check_sum(name, t, shape, q)
+
+
+def _check_sum(name: str, t, shape: list, q: torch.Tensor) -> None:
+    """One fp32 tensor an accumulating call writes in place: shape, dtype, device, contiguity."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"accumulate {name} must be a torch.Tensor, got {type(t).__name__}")
+    if list(t.shape) != shape or t.dtype != torch.float32 or t.device != q.device:
+        raise ValueError(f"accumulate {name} must be fp32 {shape} on {q.device}, "
+                         f"got {t.dtype} {list(t.shape)} on {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"accumulate {name} must be contiguous (it is written in place), got strides {t.stride()}")
 
 
 def _check_row_stat(name: str, t: torch.Tensor, q: torch.Tensor, q_name: str = "q") -> None:
@@ -413,14 +470,7 @@ def _check_accumulate(accumulate, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         raise ValueError(f"accumulate must be (dq_acc, dk_acc, dv_acc), got {type(accumulate).__name__}"
                          + (f" of length {len(accumulate)}" if isinstance(accumulate, (tuple, list)) else ""))
     for name, t, like in (("dq_acc", accumulate[0], q), ("dk_acc", accumulate[1], k), ("dv_acc", accumulate[2], v)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"accumulate {name} must be a torch.Tensor, got {type(t).__name__}")
-        if tuple(t.shape) != tuple(like.shape) or t.dtype != torch.float32 or t.device != q.device:
-            raise ValueError(f"accumulate {name} must be fp32 {list(like.shape)} on {q.device}, "
-                             f"got {t.dtype} {list(t.shape)} on {t.device}")
-        if not t.is_contiguous():
-            raise ValueError(f"accumulate {name} must be contiguous (it is written in place), "
-                             f"got strides {t.stride()}")
+        _check_sum(name, t, list(like.shape), q)
 
 
 def row_delta(dout: torch.Tensor, out: torch.Tensor, dlse: torch.Tensor | None = None,

@@ -93,6 +93,7 @@ def flex_attn_fwd_ref(
     q_ranges: torch.Tensor, k_ranges: torch.Tensor, attn_type: torch.Tensor,
     softmax_scale: float, softcap: float,
     *, block_q: int | None = None, block_k: int | None = None, counts: torch.Tensor | None = None,
+    accumulate: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Twin of ``kernel.flex_attn_fwd`` (block sizes only matter for ``counts``).
 
@@ -101,7 +102,8 @@ def flex_attn_fwd_ref(
     inner iterations, summed over programs); needs block_q and block_k.
 
     q: [Tq, Hq, D], k/v: [Tk, Hkv, D]; ranges [R, 2] int; attn_type [R] int.
-    Returns out [Tq, Hq, D] in q's dtype and lse [Tq, Hq] fp32.
+    Returns out [Tq, Hq, D] in q's dtype and lse [Tq, Hq] fp32; with ``accumulate`` (fp32
+    out_acc, lse_acc), the fp32 result merged into them in place (``merge_into``), returned.
     """
     Tq, HQ, D = q.shape
     Tk, HKV, _ = k.shape
@@ -112,7 +114,23 @@ def flex_attn_fwd_ref(
     lse = torch.logsumexp(s, dim=-1)  # [Hkv, G, Tq], -inf for empty rows
     p = _probs_from_lse(s, mask, lse)
     out = torch.einsum("hgqk,khd->qhgd", p, v.float()).reshape(Tq, HQ, D)
+    if accumulate is not None:
+        merge_into(accumulate, out, lse.reshape(HQ, Tq).t())
+        return accumulate
     return out.to(q.dtype), lse.reshape(HQ, Tq).t().contiguous()
+
+
+def merge_into(accumulate: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor, lse: torch.Tensor) -> None:
+    """The forward kernel's ``ACCUMULATE`` epilogue: the part (out fp32 [Tq, Hq, D], lse [Tq, Hq])
+    merged into ``accumulate`` = (out_acc, lse_acc), fp32, in place, by the same steps (max, then
+    log(1 + exp(min - max))); rows the part saw no key of are left as they are."""
+    out_acc, lse_acc = accumulate
+    seen = lse > float("-inf")
+    mx = torch.where(seen, torch.maximum(lse_acc, lse), 0.0)
+    new = mx + torch.log(1.0 + torch.exp(torch.minimum(lse_acc, lse) - mx))
+    merged = torch.exp(lse_acc - new)[..., None] * out_acc + torch.exp(lse - new)[..., None] * out
+    out_acc.copy_(torch.where(seen[..., None], merged, out_acc))
+    lse_acc.copy_(torch.where(seen, new, lse_acc))
 
 
 def row_delta_ref(dout: torch.Tensor, out: torch.Tensor, dlse: torch.Tensor | None = None) -> torch.Tensor:

@@ -171,15 +171,25 @@ def kept_room(comm, q_rows: int, kv_rows: int, g: int, host_fill=None) -> KeptRo
     return KeptRoom(units, g, kept_q, kept_kv, host)
 
 
+ROOM_WINDOWS = 4  # the room is packed and unpacked this many unit windows at a time
+
+
+def _windows(total: int):
+    """(start, width) of ``ROOM_WINDOWS`` windows covering ``[0, total)``: a gather's temporary is a
+    window of rows, never the whole room beside the room."""
+    step = max(1, -(-total // ROOM_WINDOWS))
+    return [(start, min(step, total - start)) for start in range(0, total, step)]
+
+
 def _gather_units(src: torch.Tensor, src_rows: int, src_first: int, out_rows: int, shift: torch.Tensor,
-                  lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor | None:
-    """``[B, out_rows, h, D]``: row u of batch b is ``src[b, src_first + u + shift[b]]`` where
-    ``lo[b] <= u < hi[b]``, else zero. src: ``[B, src_rows, h, D]`` contiguous; shift, lo, hi: ``[B]``.
-    None when ``src`` has no rows past ``src_first`` (nothing to read)."""
+                  lo: torch.Tensor, hi: torch.Tensor, start: int = 0) -> torch.Tensor | None:
+    """``[B, out_rows, h, D]``: row i of batch b is ``src[b, src_first + u + shift[b]]`` of unit
+    ``u = start + i`` where ``lo[b] <= u < hi[b]``, else zero. src: ``[B, src_rows, h, D]`` contiguous;
+    shift, lo, hi: ``[B]``. None when ``src`` has no rows past ``src_first`` (nothing to read)."""
     B, avail = src.shape[0], src_rows - src_first
     if avail <= 0 or out_rows == 0:
         return None
-    u = torch.arange(out_rows, device=src.device)
+    u = torch.arange(start, start + out_rows, device=src.device)
     rel = (u[None] + shift[:, None]).clamp(0, avail - 1)
     idx = (torch.arange(B, device=src.device)[:, None] * src_rows + src_first + rel).reshape(-1)
     got = src.reshape(B * src_rows, *src.shape[2:]).index_select(0, idx).view(B, out_rows, *src.shape[2:])
@@ -202,17 +212,17 @@ def pack_room(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, room: KeptRo
     kq, kk = room.kept_q.index_select(0, idx) * room.g, room.kept_kv.index_select(0, idx)
     q_units, k_rows, v_rows = _as_units(xq.contiguous(), lead, room.g), _as_units(xk.contiguous(), lead, 1), \
         _as_units(xv.contiguous(), lead, 1)
-    pool, units = None, room.units_here()
-    zero, u = torch.zeros_like(kq), torch.arange(units, device=kq.device)
+    units = room.units_here()
+    pool = k_rows.new_zeros(k_rows.shape[0], units, *k_rows.shape[2:])
+    zero = torch.zeros_like(kq)
     for src, first, shift, lo, hi in ((q_units, n * room.g, zero, zero, kq),
                                       (k_rows, n, -kq, kq, kq + kk),
                                       (v_rows, n, -(kq + kk), kq + kk, kq + 2 * kk)):
-        got = _gather_units(src, src.shape[1], first, units, shift, lo, hi)
-        if got is not None:  # the ranges are disjoint: each kind's rows where they go, the rest kept
-            ok = (u[None] >= lo[:, None]) & (u[None] < hi[:, None])
-            pool = got if pool is None else torch.where(ok[:, :, None, None], got, pool)
-    if pool is None:
-        pool = k_rows.new_zeros(k_rows.shape[0], units, *k_rows.shape[2:])
+        for start, width in _windows(units):
+            got = _gather_units(src, src.shape[1], first, width, shift, lo, hi, start)
+            if got is not None:  # the kinds' unit ranges are disjoint and zero elsewhere: added, each lands
+                pool.narrow(1, start, width).add_(got)
+            del got
     return pool if lead else pool[0]
 
 
@@ -232,11 +242,12 @@ def unpack_room(pool: torch.Tensor, ql: torch.Tensor, kl: torch.Tensor, vl: torc
     for x, rows_, shift, hi, per in ((Xq.x[0], min(cap_q * room.g, here), zero, kq, room.g),
                                      (Xkv.x[0], min(cap_k, here), kq, kk, 1),
                                      (Xkv.x[1], min(cap_k, here), kq + kk, kk, 1)):
-        got = _gather_units(units, here, 0, rows_, shift, zero, hi)
-        if got is None:
-            continue
-        dest = _as_units(rows(x, lead, n, x.shape[lead] - n), lead, per).narrow(1, 0, rows_)
-        dest.copy_(got)
+        dest = _as_units(rows(x, lead, n, x.shape[lead] - n), lead, per)
+        for start, width in _windows(rows_):
+            got = _gather_units(units, here, 0, width, shift, zero, hi, start)
+            if got is not None:
+                dest.narrow(1, start, width).copy_(got)
+            del got
     return Xq, Xkv
 
 

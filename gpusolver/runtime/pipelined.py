@@ -346,6 +346,16 @@ def _flex_backward_into(plan: Plan, scale: float, ranks, batched: bool, s: int, 
                            accumulate=tuple(pick(t) for t in into), **_INTERNAL)
 
 
+def _flex_into(plan: Plan, scale: float, ranks, batched: bool, s: int, into, *tensors) -> None:
+    """The slice kernel of stage ``s`` per rank, its (out, lse) merged in fp32 straight into ``into``
+    (the running (out fp32, lse) rows, in place): no stage output is made, where ``per_rank`` would
+    stack every rank's out over the stage's rows (as large as its operand) for a merge to read."""
+    for r in ranks if batched else ranks[:1]:
+        pick = (lambda t: t[r]) if batched else (lambda t: t)
+        flex_attn(*(pick(t) for t in tensors), *_slices(plan, r, s), scale, accumulate=tuple(pick(t) for t in into),
+                  **_INTERNAL)
+
+
 def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql, kl, vl, scale: float,
                    deterministic: bool, *, extra=(), attend=None, branches: int = 1, groups: int = 1,
                    out_groups: int = 0):
@@ -364,6 +374,9 @@ def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql,
     lead = 1 if batched else 0
     S = sr.num_stages
     caps = {kind: receive_rows(plan, sr, kind) for kind in KINDS}
+    # the slice kernel merges each stage's result into the running (out fp32, lse) itself
+    # (``_flex_into``); a custom kernel (a sparse layer's) returns its parts, merged here
+    fused = attend is None
     attend = _flex(plan, scale) if attend is None else attend
     # the operands, allocated before the casts that fill their receive rows; the local rows are
     # read from them (the casts send them, stage 0 attends them)
@@ -383,6 +396,14 @@ def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql,
                 works.pop(op.deps[0]).wait()
             elif op.kind == WAIT:
                 works[op.deps[0]].wait()  # cast s's rows are in X now
+            elif op.kind == ATTN and op.stages == (0,) and fused:  # the running result of every row of X
+                acc.append(Operands.zeros([ql], caps["qo"], lead, torch.float32))
+                acc[0].x.append(ql.new_full(acc[0].x[0].shape[:lead + 2], float("-inf"), dtype=torch.float32))
+                dtypes.append((ql.dtype, torch.float32))
+                _flex_into(plan, scale, ranks, batched, 0, [rows(t, lead, 0, n) for t in acc[0].x], ql, kl, vl)
+            elif op.kind == ATTN and fused:
+                (s,) = op.stages
+                _flex_into(plan, scale, ranks, batched, s, acc[0].x, X["qo"].x[0], *X["kv"].x)
             elif op.kind == ATTN and op.stages == (0,):
                 parts = per_rank(ranks, batched, lambda r, *t: attend(r, 0, *t), ql, kl, vl, *extra)
                 for b in range(branches):  # running (out fp32, lse) of every row of X, per branch

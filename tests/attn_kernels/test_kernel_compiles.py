@@ -32,12 +32,13 @@ def test_records_carry_real_launch_conditions():
         # the work list is built for the program block, so autotune keeps it
         assert all(c.block == cfg.block for c in tune) and len(rec["autotune"]) == len(tune)
     assert records[0]["grid"] == [64, 8192 // 128]
-    # the accumulating backward: the same kernels, fp32 sums as outputs
+    # the accumulating forward and backward: the same kernels, fp32 running results and sums as outputs
     acc = kernel.gpu_launch_records(8192, 64, 8, 128, accumulate=True)
-    for rec in acc[1:3]:
+    for rec in acc[:3]:
         assert rec["constexprs"]["ACCUMULATE"] is True
-        assert all(rec["signature"][p] == "*fp32" for p in ("p_dq", "p_dk", "p_dv") if p in rec["signature"])
-    assert all(rec["constexprs"]["ACCUMULATE"] is False for rec in records[1:3])
+        assert all(rec["signature"][p] == "*fp32" for p in ("p_o", "p_lse", "p_dq", "p_dk", "p_dv")
+                   if p in rec["signature"])
+    assert all(rec["constexprs"]["ACCUMULATE"] is False for rec in records[:3])
 
 
 def _work_list_records() -> list[dict]:
@@ -59,7 +60,7 @@ def test_launch_configs_compile_without_spills():
     records.append(kernel.gpu_launch_records(8192, 64, 8, 128, softcap=30.0)[1])  # dQ has its own softcap config
     split = kernel.gpu_launch_records(8192, 8, 1, 128)[2]  # GQA 8:1: dK/dV split over query heads
     assert split["constexprs"]["SPLIT"] == 8 and split["grid"] == [8, 64]
-    acc = kernel.gpu_launch_records(8192, 64, 8, 128, accumulate=True)[1:3]  # backward into fp32 sums
+    acc = kernel.gpu_launch_records(8192, 64, 8, 128, accumulate=True)[:3]  # into fp32 running results, sums
     records += [split] + acc + _work_list_records()
     results = compile_sm90(records, stats=True, jobs=2)
     if any(r["error"] and "ptxas" in r["error"] and "not found" in r["error"].lower() for r in results):
