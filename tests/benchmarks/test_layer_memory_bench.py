@@ -30,41 +30,43 @@ def test_fused_merge_allocates_its_outputs_only():
     assert (rows[False]["fused"], rows[True]["fused"]) == ("no", "yes")
 
 
-def test_sub_stage_merges_run_in_place(monkeypatch):
-    """With S > 1 sub-stages the forward merges each stage's out into its fp32 running out in place
-    (``merge_out_lse_``, its fake on meta allocates nothing): the forward peak does not depend on the
-    merge windows, and a copying merge (an fp32 copy of the stage's out and a merged result, one
-    rank's rows at a time under LocalGroup) would raise it by at least one such result per rank.
+def test_sub_stage_attention_merges_in_its_kernel(monkeypatch):
+    """With S > 1 sub-stages the forward's slice kernel merges each stage's result into the fp32
+    running out in place (``flex_attn(accumulate=...)``, whose fake on meta allocates nothing): a
+    stage kernel that made its out over the operand's rows for a merge to read (the path of a custom
+    stage kernel) would raise the peak inside the remote stages by at least that out, one rank's at
+    a time under LocalGroup.
     (The peak inside the remote stages, that is: the forward's own peak is in a reduce.)"""
     import gpusolver.runtime.pipelined as pipelined
-    from attn_kernels import merge_out_lse
+    from attn_kernels import flex_attn
 
     lm = _load()
     P, c, Hq, Hkv, D = 4, 512, 16, 4, 64
     shapes = {"tokens_per_rank": c, "num_heads_q": Hq, "num_heads_kv": Hkv, "head_dim": D, "dtype": torch.bfloat16}
     config = lm.make_config(P, shapes, stages=4)
     assert config.num_stages == 4
-    in_place = lm.measure("causal", P, shapes, "meta", stages=4, breakdown=True)
+    fused = lm.measure("causal", P, shapes, "meta", stages=4, breakdown=True)
     monkeypatch.setattr(pipelined, "MERGE_PIECES", 1)
     one_window = lm.measure("causal", P, shapes, "meta", stages=4, breakdown=True)
 
-    def copying(acc_o, acc_l, o, lse):
-        m_o, m_l = merge_out_lse(acc_o, acc_l, o.to(acc_o.dtype), lse)
-        acc_o.copy_(m_o)
-        acc_l.copy_(m_l)
-    monkeypatch.setattr(pipelined, "merge_out_lse_", copying)
-    copied = lm.measure("causal", P, shapes, "meta", stages=4, breakdown=True)
+    def separate(plan, scale, ranks, batched, s, into, *tensors):  # out made, then merged in place
+        for r in ranks:
+            o, lse = flex_attn(*(t[r] for t in tensors), *pipelined._slices(plan, r, s), scale, validate=False,
+                               flag_errors=False)
+            pipelined.merge_out_lse_(*(t[r] for t in into), o, lse)
+            del o, lse
+    monkeypatch.setattr(pipelined, "_flex_into", separate)
+    unfused = lm.measure("causal", P, shapes, "meta", stages=4, breakdown=True)
 
-    def merging(row):  # the peak inside the remote stages' attention and merges, all ranks
+    def merging(row):  # the peak inside the remote stages' attention, all ranks
         return max(v for k, v in row["fwd_ops"].items() if k.startswith("attn/fwd stage") and k != "attn/fwd stage0")
     G = config.head_groups
     rows = G * c + buffer_rows(config, c).recv("qo")       # local and received Q rows of a rank
-    assert in_place["kept"] == copied["kept"] and in_place["plan_fwd"] == copied["plan_fwd"]
-    assert merging(in_place) == merging(one_window)
-    # the forward's peak is in a reduce since the reduces merge in place, where MERGE_PIECES also windows
-    # the gather of the partials (``_gather_remote``): one window can only raise it
-    assert in_place["fwd_peak"] <= one_window["fwd_peak"]
-    assert merging(copied) - merging(in_place) >= rows * (Hq // G) * D * 4
+    assert fused["kept"] == unfused["kept"] and fused["plan_fwd"] == unfused["plan_fwd"]
+    # the reduces' gathers of the partials (``_gather_remote``) are windowed by MERGE_PIECES: one window
+    # can only raise the forward's peak
+    assert fused["fwd_peak"] <= one_window["fwd_peak"]
+    assert merging(unfused) - merging(fused) >= rows * (Hq // G) * D * 2
 
 
 def test_relay_rows_price_the_relay_buffers():
