@@ -198,8 +198,8 @@ def test_stages_backward_sums_in_place(monkeypatch):
 
 
 def test_stages_merge_windows_same_bits(monkeypatch):
-    """The running (out, lse) merges and the host's final merge a window of rows at a time
-    (``pipelined.MERGE_PIECES``): elementwise, so any number of windows gives the same bits."""
+    """The reduces gather their partials a window of rows at a time (``pipelined.MERGE_PIECES``; a
+    custom stage kernel's merges too): elementwise, so any number of windows gives the same bits."""
     import gpusolver.runtime.pipelined as pipelined
 
     monkeypatch.setattr(pipelined, "WINDOW_MIN_ELEMENTS", 1)  # these rows are small: window them anyway
