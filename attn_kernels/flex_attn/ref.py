@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from attn_kernels.flex_attn import worklist
+from attn_kernels.merge import _weights
 
 
 def slices_mask(q_ranges: torch.Tensor, k_ranges: torch.Tensor, attn_type: torch.Tensor,
@@ -122,13 +123,12 @@ def flex_attn_fwd_ref(
 
 def merge_into(accumulate: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor, lse: torch.Tensor) -> None:
     """The forward kernel's ``ACCUMULATE`` epilogue: the part (out fp32 [Tq, Hq, D], lse [Tq, Hq])
-    merged into ``accumulate`` = (out_acc, lse_acc), fp32, in place, by the same steps (max, then
-    log(1 + exp(min - max))); rows the part saw no key of are left as they are."""
+    merged into ``accumulate`` = (out_acc, lse_acc), fp32, in place, with the log-sum-exp merge's
+    weights (``merge._weights``); rows the part saw no key of are left as they are, bit for bit."""
     out_acc, lse_acc = accumulate
     seen = lse > float("-inf")
-    mx = torch.where(seen, torch.maximum(lse_acc, lse), 0.0)
-    new = mx + torch.log(1.0 + torch.exp(torch.minimum(lse_acc, lse) - mx))
-    merged = torch.exp(lse_acc - new)[..., None] * out_acc + torch.exp(lse - new)[..., None] * out
+    new, w_acc, w_part = _weights(lse_acc, lse)
+    merged = w_acc[..., None] * out_acc + w_part[..., None] * out
     out_acc.copy_(torch.where(seen[..., None], merged, out_acc))
     lse_acc.copy_(torch.where(seen, new, lse_acc))
 

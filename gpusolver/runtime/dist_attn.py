@@ -234,10 +234,10 @@ class _DistAttn(torch.autograd.Function):
                               for kind, x in zip(("qo", "kv", "kv"), operands))
             # sub-stages save O and lse as they return them (natural): the outputs are what the backward
             # reads, and no group-major copy of either stays alive beside them
-            ctx.o_natural = routes.relay is None
-            if ctx.o_natural:
+            natural = routes.relay is None
+            if natural:
                 lse = from_group_major(lse, G, lead)
-            outs = (lambda: (o, lse)) if ctx.o_natural else (
+            outs = (lambda: (o, lse)) if natural else (
                 lambda: (from_group_major(o, G, lead), from_group_major(lse, G, lead)))
             x_q, x_k, x_v = operands  # only the kept kinds' operands: the others are cast again
             ctx.room = room
@@ -355,10 +355,10 @@ class _DistAttn(torch.autograd.Function):
         keep_q, keep_kv = "qo" in ctx.keep, "kv" in ctx.keep
         if routes.stages is not None or routes.relay is not None:  # sub-stages, or relay
             ql, kl, vl, o, lse = saved[:5]
-            if routes.relay is None:  # the natural lse saved as returned; its rows group-major ([c, H] fp32)
-                lse = to_group_major(lse, G, lead).contiguous()
             # sub-stages write dO group-major straight into its operand (groups=G): no copy of it here
             staged = routes.relay is None  # o, dO and dlse natural (``forward_stages(out_groups=G)``)
+            if staged:  # the natural lse saved as returned; its rows group-major ([c, H] fp32)
+                lse = to_group_major(lse, G, lead).contiguous()
             if d_out is None:
                 d_o = torch.zeros_like(o)
             else:

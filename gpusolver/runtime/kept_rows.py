@@ -28,12 +28,13 @@ take them as ``[P]`` first rows, with no host read; the room's shape is static, 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from gpusolver.problem import room_size, split_kept_room
-from gpusolver.runtime.operands import Operands, rows
+from gpusolver.runtime.operands import WINDOW_MIN_ELEMENTS, Operands, row_windows, rows
 from groupcomm import TorchGroup, Work, group_cast, host_splits, tail_routing
 
 __all__ = ["keep_prefix", "whole_operands", "tail_cast", "with_tail", "KeptRoom", "kept_room", "pack_room",
@@ -171,14 +172,13 @@ def kept_room(comm, q_rows: int, kv_rows: int, g: int, host_fill=None) -> KeptRo
     return KeptRoom(units, g, kept_q, kept_kv, host)
 
 
-ROOM_WINDOWS = 4  # the room is packed and unpacked this many unit windows at a time
+ROOM_WINDOWS = 4  # the room is packed and unpacked in at most this many unit windows
 
 
-def _windows(total: int):
-    """(start, width) of ``ROOM_WINDOWS`` windows covering ``[0, total)``: a gather's temporary is a
-    window of rows, never the whole room beside the room."""
-    step = max(1, -(-total // ROOM_WINDOWS))
-    return [(start, min(step, total - start)) for start in range(0, total, step)]
+def _windows(total: int, units: torch.Tensor):
+    """``operands.row_windows`` over ``total`` units of ``units`` (``[B, rows, h, D]``): a gather's
+    temporary is a window of units, never the whole room beside the room."""
+    return row_windows(total, units.shape[0] * math.prod(units.shape[2:]), ROOM_WINDOWS, WINDOW_MIN_ELEMENTS)
 
 
 def _gather_units(src: torch.Tensor, src_rows: int, src_first: int, out_rows: int, shift: torch.Tensor,
@@ -218,7 +218,7 @@ def pack_room(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, room: KeptRo
     for src, first, shift, lo, hi in ((q_units, n * room.g, zero, zero, kq),
                                       (k_rows, n, -kq, kq, kq + kk),
                                       (v_rows, n, -(kq + kk), kq + kk, kq + 2 * kk)):
-        for start, width in _windows(units):
+        for start, width in _windows(units, src):
             got = _gather_units(src, src.shape[1], first, width, shift, lo, hi, start)
             if got is not None:  # the kinds' unit ranges are disjoint and zero elsewhere: added, each lands
                 pool.narrow(1, start, width).add_(got)
@@ -243,7 +243,7 @@ def unpack_room(pool: torch.Tensor, ql: torch.Tensor, kl: torch.Tensor, vl: torc
                                      (Xkv.x[0], min(cap_k, here), kq, kk, 1),
                                      (Xkv.x[1], min(cap_k, here), kq + kk, kk, 1)):
         dest = _as_units(rows(x, lead, n, x.shape[lead] - n), lead, per)
-        for start, width in _windows(rows_):
+        for start, width in _windows(rows_, units):
             got = _gather_units(units, here, 0, width, shift, zero, hi, start)
             if got is not None:
                 dest.narrow(1, start, width).copy_(got)

@@ -11,12 +11,25 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["Operands", "rows"]
+__all__ = ["Operands", "rows", "row_windows"]
+
+# A window of fewer elements saves less memory than its ops cost (launches on a GPU, graph nodes
+# under torch.compile): smaller row sets go in fewer windows, down to one.
+WINDOW_MIN_ELEMENTS = 1 << 18
 
 
 def rows(x: torch.Tensor, lead: int, start: int, length: int) -> torch.Tensor:
     """Rows ``[start, start + length)`` of ``x`` along the row dim ``lead`` (a view)."""
     return x.narrow(lead, start, length)
+
+
+def row_windows(total: int, row_elements: int, pieces: int, least_elements: int) -> list[tuple[int, int]]:
+    """(start, width) of at most ``pieces`` windows covering ``total`` rows of ``row_elements``
+    elements each, each window at least ``least_elements`` elements (but one row): a windowed
+    gather's temporary is a window of rows, never all of them."""
+    least = -(-least_elements // max(1, row_elements))
+    step = max(1, least, -(-total // pieces))
+    return [(start, min(step, total - start)) for start in range(0, total, step)]
 
 
 class Operands:

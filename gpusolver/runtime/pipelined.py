@@ -58,7 +58,7 @@ from gpusolver.plan import Plan
 from gpusolver.plan.schedule import ATTN, CAST, DELTA, MERGE, REDUCE, WAIT, Op, backward_ops, forward_ops
 from gpusolver.runtime.kept_rows import tail_cast, unpack_room, whole_operands, with_tail
 from gpusolver.runtime.layout import natural_copy, to_group_major
-from gpusolver.runtime.operands import Operands, rows
+from gpusolver.runtime.operands import WINDOW_MIN_ELEMENTS, Operands, row_windows, rows
 from gpusolver.runtime.per_rank import per_rank
 from groupcomm import TorchGroup, group_cast, group_reduce, host_splits
 
@@ -200,9 +200,6 @@ def _merge(o_a, l_a, o_b, l_b, lead: int):
 
 
 MERGE_PIECES = 8
-# A window of fewer elements saves less memory than its ops cost (launches on a GPU, graph nodes
-# under torch.compile): smaller row sets go in fewer windows, down to one.
-WINDOW_MIN_ELEMENTS = 1 << 18
 _CPU_MERGE_WHOLE = 1 << 22  # elements of a CPU accumulator merged in one call (larger: in windows)
 
 
@@ -212,12 +209,9 @@ def row_elements(x: torch.Tensor, lead: int) -> int:
 
 
 def _windows(total: int, row_elements: int):
-    """(start, width) of at most ``MERGE_PIECES`` row windows covering ``total`` rows of
-    ``row_elements`` elements each, each window at least ``WINDOW_MIN_ELEMENTS`` (but one row)."""
-    least = -(-WINDOW_MIN_ELEMENTS // max(1, row_elements))
-    step = max(1, least, -(-total // MERGE_PIECES))
-    for start in range(0, total, step):
-        yield start, min(step, total - start)
+    """``operands.row_windows`` at most ``MERGE_PIECES`` windows of at least ``WINDOW_MIN_ELEMENTS``
+    (this module's names, read at each call)."""
+    return row_windows(total, row_elements, MERGE_PIECES, WINDOW_MIN_ELEMENTS)
 
 
 def _merge_into(acc: Operands, o_s, l_s, lead: int) -> None:
@@ -520,18 +514,19 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
                                     do_b, o_b, *(() if dl_b is None else (dl_b,)))[0]
 
                 # o natural: the first branch's delta from the natural dO, before dO goes group-major
-                natural = to_group_major(deltas(d_o, o, d_l), groups, lead).contiguous() if o_natural else None
+                delta = to_group_major(deltas(d_o, o, d_l), groups, lead).contiguous() if o_natural else None
                 first = Operands([d_o], cap_q, lead, zero=True, groups=groups)
                 d_o = None
                 do_b = first.local()[0]
-                delta = natural if o_natural else deltas(do_b, o, d_l)
+                if delta is None:
+                    delta = deltas(do_b, o, d_l)
                 trio = [do_b, lse, delta]  # (dO, lse, delta) of each branch
                 for o_b, l_b, do_b, dl_b in more_branches:
                     delta = deltas(do_b, o_b, dl_b)
                     trio += [do_b, l_b, delta]
                 Xg = first.join(Operands(trio[1:], cap_q, lead, zero=True))
                 grads = Xg.local()
-                del first, trio, delta, do_b, natural
+                del first, trio, delta, do_b
             elif op.kind == CAST:
                 if op.route == "qo":
                     tensors = tuple(grads) + (() if kept_q is not None else (ql, *extra))
