@@ -302,6 +302,7 @@ def real_run(kind: str, keep: bool, seed: int = 0, repeats: int = 3, *, cp_size:
     per phase against the plan's, totals against ``PlanMetrics``, and the wall time of fwd + bwd."""
     from groupcomm import LocalGroup
     from gpusolver.runtime import dist_attn
+    from gpusolver.runtime.pipelined import stage_phase
 
     P, c = cp_size, tokens_per_rank
     Hq, Hkv, D, dtype = REAL["num_heads_q"], REAL["num_heads_kv"], REAL["head_dim"], REAL["dtype"]
@@ -328,9 +329,18 @@ def real_run(kind: str, keep: bool, seed: int = 0, repeats: int = 3, *, cp_size:
         out.backward(d_out)
 
     step()  # warm-up, and the one call the counters see
-    counted = {ph: torch.stack(group.traffic(ph)) for ph in PHASES}
-    # pair by pair: what the group moved from each rank to each other rank is the plan's pair_bytes
-    match = all(torch.equal(group.pair_traffic(ph).cpu(), plan.pair_bytes(ph).cpu()) for ph in PHASES)
+    # with S > 1 sub-stages the group counts each collective under its sub-stage's phase
+    S = plan.num_stages
+    stages = [None] if S == 1 else list(range(1, S + 1))
+
+    def counter(ph, s):
+        return ph if s is None else stage_phase(ph, s)
+
+    counted = {ph: sum(torch.stack(group.traffic(counter(ph, s))) for s in stages) for ph in PHASES}
+    # pair by pair and stage by stage: what the group moved from each rank to each other rank is the
+    # plan's pair_bytes
+    match = all(torch.equal(group.pair_traffic(counter(ph, s)).cpu(), plan.pair_bytes(ph, stage=s).cpu())
+                for ph in PHASES for s in stages)
     m = plan.metrics
     for ph, total in (("fwd", (m.fwd_send, m.fwd_recv)), ("bwd", (m.bwd_send, m.bwd_recv))):
         got = sum(counted[k_] for k_ in PHASES if k_.startswith(ph))
@@ -342,7 +352,7 @@ def real_run(kind: str, keep: bool, seed: int = 0, repeats: int = 3, *, cp_size:
         times.append(time.perf_counter() - t0)
     return {"kind": kind, "keep": keep, "P": P, "tokens_per_rank": c, "heads": f"{Hq}:{Hkv}", "head_dim": D,
             "dtype": str(dtype).removeprefix("torch."), "bytes_match": match, "recv_capacity": config.max_recv_rows,
-            "stage_capacity": config.max_stage_slices,
+            "stage_capacity": config.max_stage_slices, "num_stages": S,
             "counted": {ph: t.tolist() for ph, t in counted.items()},
             "fwd_mb": int(m.fwd_bottleneck) / MB, "bwd_mb": int(m.bwd_bottleneck) / MB,
             "wall_ms": 1e3 * median(times)}

@@ -101,3 +101,12 @@ def test_default_capacity():
     assert rows.as_tuple() == (1234,) * 4
     _, rows = plan_capacities(SolverConfig(cp_size=64, max_recv_rows=1234, max_kv_recv_rows=99), 1, 100)
     assert rows.as_tuple() == (1234, 99, 1234, 1234)
+
+
+def test_real_run_counts_every_sub_stage(bench):
+    """With S > 1 sub-stages the group counts each collective under its sub-stage's phase: the real
+    run's check must add them up, stage by stage, or it reports a mismatch on a correct layer."""
+    r = bench.real_run("causal", True, repeats=1, cp_size=8, tokens_per_rank=32)
+    assert r["num_stages"] > 1
+    assert r["bytes_match"]
+    assert sum(r["counted"]["fwd.qo"][0]) > 0 and sum(r["counted"]["fwd.o"][1]) > 0
