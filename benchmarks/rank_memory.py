@@ -69,11 +69,36 @@ def _fake_backward(dout, q, k, v, *args, accumulate=None, **kwargs):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+SENDS = ("held", "landed")
+
+
+class _Landed:
+    """A fake point-to-point handle that reports itself complete: the send has landed by the time the
+    group next looks (``TorchGroup`` drops a landed send's buffer at its next collective)."""
+
+    def __init__(self, work):
+        self._work = work
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self, *args):
+        return self._work.wait(*args)
+
+
 @contextmanager
-def fake_rank(rank: int, P: int):
+def fake_rank(rank: int, P: int, sends: str = "held"):
     """This process as ``rank`` of a fake group of P, the attention kernels as fakes, and the support
-    check (which refuses a ``"fake"`` group: no bytes move, on purpose) off, for the ``with`` block."""
+    check (which refuses a ``"fake"`` group: no bytes move, on purpose) off, for the ``with`` block.
+
+    sends: when a point-to-point send completes, which decides how long ``TorchGroup`` holds its
+    buffer. ``"held"``: never before the pass ends (the fake group's handles never complete), the
+    most a rank can hold; ``"landed"``: by the group's next collective, the least (a GPU rank's sends
+    land while it computes, so its next collective finds most of them done)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if sends not in SENDS:
+        raise ValueError(f"sends must be one of {SENDS}, got {sends!r}")
 
     pipelined = sys.modules["gpusolver.runtime.pipelined"]
     runtime = sys.modules["gpusolver.runtime.dist_attn"]
@@ -89,9 +114,13 @@ def fake_rank(rank: int, P: int):
     runtime.check_supported = lambda *a, **k: None
     for m in retainers:
         m.retain = lambda *tensors: None
+    batch = dist.batch_isend_irecv
+    if sends == "landed":
+        dist.batch_isend_irecv = lambda ops: [_Landed(w) for w in batch(ops)]
     try:
         yield TorchGroup(transport="p2p")
     finally:
+        dist.batch_isend_irecv = batch
         pipelined.flex_attn, pipelined.flex_attn_backward, runtime.check_supported = saved[:3]
         for m, f in zip(retainers, saved[3]):
             m.retain = f
@@ -114,10 +143,12 @@ def busiest_ranks(plan, n: int) -> list[int]:
     return sorted(range(len(received)), key=lambda r: (-received[r], r))[:n]
 
 
-def measure_rank(plan, config: SolverConfig, shapes: dict, rank: int, seed: int = 0, breakdown: bool = False) -> dict:
+def measure_rank(plan, config: SolverConfig, shapes: dict, rank: int, seed: int = 0, breakdown: bool = False,
+                 sends: str = "held") -> dict:
     """Kept, forward and backward transient bytes of ``rank`` running ``plan`` on ``TorchGroup``;
     ``breakdown``: also what was live at each pass's peak, grouped by what made it
-    (``LiveBytes.breakdown``) and the runtime op (NVTX range) running there."""
+    (``LiveBytes.breakdown``) and the runtime op (NVTX range) running there; ``sends`` as in
+    ``fake_rank``."""
     from gpusolver.runtime import dist_attn
 
     if plan.relay is not None or plan.comm.num_stages == 1:
@@ -129,7 +160,7 @@ def measure_rank(plan, config: SolverConfig, shapes: dict, rank: int, seed: int 
     g = torch.Generator().manual_seed(seed + rank)
     q, k, v = (torch.randn(c, h, D, generator=g).to(dtype).requires_grad_()
                for h in (shapes["num_heads_q"], shapes["num_heads_kv"], shapes["num_heads_kv"]))
-    with fake_rank(rank, config.cp_size) as group:
+    with fake_rank(rank, config.cp_size, sends) as group:
         fwd, bwd = LiveBytes(track=breakdown), LiveBytes(track=breakdown)
         with SavedBytes() as saved, fwd:
             out, lse = dist_attn(q, k, v, plan, group, keep_forward_buffers=config.keep_forward_buffers,
@@ -150,13 +181,16 @@ def measure_rank(plan, config: SolverConfig, shapes: dict, rank: int, seed: int 
 def run(kind: str, P: int, seed: int, shapes: dict, topology: Topology, ranks: int, breakdown: bool = False) -> dict:
     plan, config = solved_plan(kind, P, seed, shapes, topology)
     t0 = time.perf_counter()
-    rows = [measure_rank(plan, config, shapes, r, seed, breakdown) for r in busiest_ranks(plan, ranks)]
+    measured = busiest_ranks(plan, ranks)
+    rows = [measure_rank(plan, config, shapes, r, seed, breakdown) for r in measured]
+    landed = [measure_rank(plan, config, shapes, r, seed, sends="landed") for r in measured]
     mem, ref = plan.memory(config), layer_shapes(shapes, P)
     worst = max(rows, key=lambda r: max(r["fwd_peak"], r["bwd_peak"]))
     return {"kind": kind, "P": P, "seed": seed, "S": config.num_stages,
             "transport": "relay" if plan.relay is not None else "direct", "ranks": ",".join(str(r["rank"]) for r in rows),
             "worst_rank": worst["rank"], "kept": max(r["kept"] for r in rows),
             "fwd_peak": max(r["fwd_peak"] for r in rows), "bwd_peak": max(r["bwd_peak"] for r in rows),
+            "fwd_landed": max(r["fwd_peak"] for r in landed), "bwd_landed": max(r["bwd_peak"] for r in landed),
             "plain_kept": ref["plain_kept"], "own": ref["own"], "plan_fwd": mem.fwd_peak, "plan_bwd": mem.bwd_peak,
             "seconds": time.perf_counter() - t0,
             **({k: worst[k] for k in ("fwd_breakdown", "fwd_at", "bwd_breakdown", "bwd_at")} if breakdown else {})}
@@ -165,7 +199,9 @@ def run(kind: str, P: int, seed: int, shapes: dict, topology: Topology, ranks: i
 COLUMNS = [("kind", "kind", ""), ("P", "P", "d"), ("seed", "seed", "d"), ("S", "S", "d"), ("transport", "transport", ""),
            ("ranks measured", "ranks", ""), ("kept MB", "kept", ".1f"), ("kept / plain", "kept_ratio", ".2f"),
            ("fwd transient MB", "fwd_peak", ".1f"), ("bwd transient MB", "bwd_peak", ".1f"),
-           ("peak / own", "peak_ratio", ".2f"), ("own q,k,v,out MB", "own", ".1f"),
+           ("peak / own", "peak_ratio", ".2f"), ("fwd MB, sends landed", "fwd_landed", ".1f"),
+           ("bwd MB, sends landed", "bwd_landed", ".1f"), ("peak / own, sends landed", "landed_ratio", ".2f"),
+           ("own q,k,v,out MB", "own", ".1f"),
            ("plan.memory fwd MB (capacity)", "plan_fwd", ".1f"), ("plan.memory bwd MB (capacity)", "plan_bwd", ".1f")]
 
 
@@ -194,15 +230,19 @@ def main(argv=None) -> list[dict]:
                 row = run(kind, P, seed, shapes, topology, args.ranks, args.breakdown)
                 row["kept_ratio"] = row["kept"] / row["plain_kept"]
                 row["peak_ratio"] = max(row["fwd_peak"], row["bwd_peak"]) / row["own"]
+                row["landed_ratio"] = max(row["fwd_landed"], row["bwd_landed"]) / row["own"]
                 rows.append(row)
                 print(f"{kind} P={P} seed={seed}: ranks {row['ranks']} fwd {row['fwd_peak'] / MB:.1f} MB, "
                       f"bwd {row['bwd_peak'] / MB:.1f} MB ({row['peak_ratio']:.2f}x own), kept "
-                      f"{row['kept'] / MB:.1f} MB ({row['seconds']:.0f} s)", flush=True)
+                      f"{row['kept'] / MB:.1f} MB; sends landed: fwd {row['fwd_landed'] / MB:.1f} MB, bwd "
+                      f"{row['bwd_landed'] / MB:.1f} MB ({row['landed_ratio']:.2f}x) ({row['seconds']:.0f} s)",
+                      flush=True)
                 for name in ("fwd", "bwd") if args.breakdown else ():
                     print(f"  {name} peak of rank {row['worst_rank']} in {row[name + '_at'] or '-'}:")
                     for n, count, op, shape, dtype, site in row.pop(f"{name}_breakdown")[:8]:
                         print(f"    {n / MB:8.1f} MB  {count} x {op} {shape} {dtype}  {site}")
-    shown = [{k: (v / MB if k in ("kept", "fwd_peak", "bwd_peak", "plain_kept", "own", "plan_fwd", "plan_bwd")
+    shown = [{k: (v / MB if k in ("kept", "fwd_peak", "bwd_peak", "fwd_landed", "bwd_landed", "plain_kept", "own",
+                                               "plan_fwd", "plan_bwd")
                   else v) for k, v in r.items()} for r in rows]
     cmd = "python benchmarks/rank_memory.py " + " ".join(argv if argv is not None else sys.argv[1:])
     env = environment()
@@ -212,7 +252,10 @@ def main(argv=None) -> list[dict]:
             f"D = {shapes['head_dim']}, bf16, the default config on the topology (direct transport with "
             "sub-stages, capacities sized per P). One process per rank through a fake process group; "
             "attention kernels faked by their allocations; merges on their CPU torch paths. Per rank, "
-            "the largest over the ranks measured.\n\n" + markdown_table(shown, COLUMNS) + "\n")
+            "the largest over the ranks measured. Transient columns: point-to-point send buffers held to "
+            "the pass's end (the fake group's sends never complete: the most a rank holds); `sends "
+            "landed`: each send complete by the group's next collective, which then drops its buffer "
+            "(the least).\n\n" + markdown_table(shown, COLUMNS) + "\n")
     print(text)
     if args.json:
         write_results(args.json, {"rows": rows, "environment": env, "command": cmd}, args.md, text)

@@ -85,8 +85,10 @@ class TorchGroup:
     benchmarks/results/stages_bench.md); ``"a2a"`` moves each call's rows in one
     ``all_to_all_single`` (the default before 2026-12-03). With ``"p2p"`` a
     call's ``wait()`` waits for this rank's receives only: its sends stay in flight,
-    held here (their buffers are this group's own copies, never the caller's tensors),
-    until ``wait_sends()`` or a later call finds them done. A backend that completes a
+    held here from the moment the call is made (their buffers are this group's own copies,
+    never the caller's tensors), until ``wait_sends()`` or a later call finds them done,
+    whether or not the call's own ``wait()`` has come (NCCL's handles say when they are
+    done; gloo's only once waited, so a gloo group holds them until ``wait_sends()``). A backend that completes a
     batch as one handle (NCCL's coalesced batch) waits for its sends with its receives.
     ``traffic(phase)`` returns this rank's (sent, recv) bytes as host ints.
     """
@@ -107,7 +109,7 @@ class TorchGroup:
         self.timeout = timeout
         self.transport = transport
         self._traffic = HostTraffic()
-        self._sends: list = []  # (phase, [send Work], send tensors) of p2p calls whose wait() has returned
+        self._sends: list = []  # (phase, [send Work], send tensors) of p2p calls whose sends are not yet waited for
 
     def __repr__(self) -> str:
         return f"TorchGroup(rank={self.rank}, P={self.size})"
@@ -150,11 +152,15 @@ class TorchGroup:
         except Exception as e:
             raise self._fail(phase, e) from e
         retain(out, inp)  # freed by Python later, never by a gloo worker thread (groupcomm._retain)
+        if sends:
+            # kept from the start, not from this call's wait(): a later call's _reap drops the send
+            # buffer once its sends are done, though this call's receives are not yet waited for (a
+            # layer issues every sub-stage's cast up front and waits for cast s at sub-stage s)
+            self._sends.append((phase, sends, inp))
+        del inp
 
         def wait() -> None:
             self._wait_all(recvs, phase)
-            if sends:
-                self._sends.append((phase, sends, inp))
 
         return wait
 

@@ -45,8 +45,22 @@ def test_a_rank_keeps_its_fill_and_the_fakes_are_undone():
         want = own + n * (q_row + kv_row) + kq * q_row + kk * kv_row
         assert row["kept"] == want, (rank, row["kept"], want)
         assert row["fwd_peak"] > 0 and row["bwd_peak"] > 0
+        # sends that land by the next collective are dropped then: the same kept bytes, never a
+        # higher transient peak, and a lower one in at least one pass (held, every send buffer of
+        # the pass is live at its end)
+        landed = rm.measure_rank(plan, config, SHAPES, rank, sends="landed")
+        assert landed["kept"] == row["kept"]
+        assert landed["fwd_peak"] <= row["fwd_peak"] and landed["bwd_peak"] <= row["bwd_peak"]
+        assert landed["fwd_peak"] + landed["bwd_peak"] < row["fwd_peak"] + row["bwd_peak"], (row, landed)
     assert not dist.is_initialized()
     assert pipelined.flex_attn.__name__ == "flex_attn"  # the fakes are gone
+    assert dist.batch_isend_irecv.__name__ == "batch_isend_irecv"
+    try:
+        with rm.fake_rank(0, P, sends="soon"):
+            raise AssertionError("unreachable")
+    except ValueError as e:
+        assert "sends" in str(e) and "'soon'" in str(e)
+    assert not dist.is_initialized()
 
 
 def test_other_executors_are_refused_by_name():

@@ -113,3 +113,58 @@ def test_dropped_group_still_delivers_its_sends():
     r0, r1 = run_ranks(_rank_drops_group, 2, timeout=60, pg_timeout=timedelta(seconds=20))
     assert r0["kept"] == 1  # the case under test: rank 0's send was still in flight when it let go
     assert torch.equal(r1["cast"][:N], _values(0))
+
+
+
+class _Landed:
+    """A send handle of the fake process group that reports itself done (NCCL's does once its kernel
+    has run; gloo's only once waited, so a gloo group keeps its sends until ``wait_sends()``)."""
+
+    def __init__(self, work, sent):
+        self._work, self.sent = work, sent
+
+    def is_completed(self):
+        return True
+
+    def wait(self, *args):
+        return self._work.wait(*args)
+
+
+def test_landed_sends_are_dropped_before_their_wait(monkeypatch):
+    """A p2p call's sends are the group's from the moment it is made: a later call drops the send
+    buffer once its sends have landed, whether or not the call's own ``wait()`` has come (a layer
+    issues every sub-stage's cast up front and waits for cast s at sub-stage s; a landed cast's copy
+    of the rows it sent is not held until then). One process as rank 0 of a fake group of 2."""
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import groupcomm._a2av as a2av
+
+    monkeypatch.setattr(a2av, "retain", lambda *t: None)  # gloo's worker-thread guard: no threads here
+    batch, buffers = dist.batch_isend_irecv, []
+
+    def landed(ops):
+        # the tensor that owns the send buffer's memory (each op's tensor is a view of it)
+        buffers.extend(weakref.ref(op.tensor if op.tensor._base is None else op.tensor._base)
+                       for op in ops if op.op is dist.isend)
+        return [_Landed(w, op.op is dist.isend) for w, op in zip(batch(ops), ops)]
+
+    monkeypatch.setattr(dist, "batch_isend_irecv", landed)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        group = TorchGroup(transport="p2p")
+        split, index = _routing(0, 1)
+        first = group_cast([_values(0)], index[0], split, N, group, phase="c", async_op=True)
+        assert group.sends_in_flight() == 1 and len(buffers) == 1   # registered when made
+        second = group_cast([_values(1)], index[0], split, N, group, phase="c", async_op=True)
+        gc.collect()
+        assert buffers[0]() is None                # the first send's buffer is gone, its wait() not yet come
+        assert group.sends_in_flight() == 1        # the second's, until a later call or wait_sends()
+        first.wait(), second.wait()
+        group.wait_sends()
+        assert group.sends_in_flight() == 0
+    finally:
+        dist.destroy_process_group()
