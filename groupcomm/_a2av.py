@@ -281,7 +281,7 @@ class TorchGroup:
         return Work(finish)
 
     def _reduce(self, partials, send_index, split, acc, op, phase, host_split, deterministic, inplace=False,
-                recv_capacity=None):
+                owned=False, recv_capacity=None):
         """Starts the exchange; the first ``wait()`` merges the rows that came back (``inplace``:
         into acc's tensors, then: they must not be written in between). ``recv_capacity``: the
         cast's receive capacity when the partials hold only the first rows of the buffer."""
@@ -297,9 +297,10 @@ class TorchGroup:
         # the rows really returned (host-known here), not the send list's capacity: reduces in flight at
         # once (a layer's sub-stages) then hold no more than one send list between them
         inp = pack([p[:n_recv] for p in partials], 0)
-        if self.transport == "p2p" and n_recv and inp.untyped_storage().data_ptr() == \
+        if self.transport == "p2p" and n_recv and not owned and inp.untyped_storage().data_ptr() == \
                 partials[0].untyped_storage().data_ptr():
-            inp = inp.clone()  # p2p sends outlive wait(): they must not read the caller's partials
+            # p2p sends outlive wait(): they must not read the caller's partials, unless handed over
+            inp = inp.clone()
         partials.clear()  # the call's own list: what is sent is in inp now (group_reduce(consume=True))
         back = torch.zeros(n_send, layout.row_bytes, dtype=torch.uint8, device=acc[0].device)
         wait = self._exchange(back, inp, send, recv, phase)

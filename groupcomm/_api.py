@@ -123,7 +123,10 @@ def group_reduce(partials, send_index: torch.Tensor, split: torch.Tensor, acc, g
         consume: hand ``partials`` and ``acc`` over (two lists, emptied here): the group then
             drops each tensor as soon as it has read it, so a caller that keeps no other
             reference has the partials freed once their rows have left (before the sums are
-            made) and each acc once its copy in the sum dtype is made. With ``inplace`` only
+            made) and each acc once its copy in the sum dtype is made. Handed-over partials are
+            the group's: the caller must not write them (nor their storage) after the call, so a
+            group whose sends outlive ``wait()`` (``TorchGroup``'s p2p) sends them as they are
+            instead of from a copy. With ``inplace`` only
             ``partials`` is handed over (emptied); ``acc`` is left as given, its tensors being
             the result.
         inplace: reduce straight into ``acc``: each acc tensor is updated in place and the
@@ -174,7 +177,7 @@ def group_reduce(partials, send_index: torch.Tensor, split: torch.Tensor, acc, g
         _flag("group_reduce", group, phase, split, send_index, acc[0].shape[lead], capacity)
     extra = {} if capacity == partials[0].shape[lead] else {"recv_capacity": capacity}
     work = group._reduce(partials, send_index, split, acc, op, phase, host_split, bool(deterministic), inplace,
-                         **extra)
+                         owned=bool(consume), **extra)
     return work if async_op else work.wait()
 
 

@@ -106,7 +106,8 @@ class LocalGroup:
         self._count(phase, split, row_layout(tensors, 1).row_bytes, back=False)
         return Work.done(list(out))
 
-    def _reduce(self, partials, send_index, split, acc, op, phase, host_split, deterministic, inplace=False):
+    def _reduce(self, partials, send_index, split, acc, op, phase, host_split, deterministic, inplace=False,
+                owned=False):
         """Moves and merges when called (``inplace``: into acc's tensors, now); ``wait()`` only hands
         the result over."""
         P = self.size

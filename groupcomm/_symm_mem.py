@@ -195,7 +195,8 @@ class SymmMemGroup:
             return list(out)
         return _on_side_stream(move, list(tensors) + list(out) + [send_index, split, recv_offset])
 
-    def _reduce(self, partials, send_index, split, acc, op, phase, host_split, deterministic, inplace=False):
+    def _reduce(self, partials, send_index, split, acc, op, phase, host_split, deterministic, inplace=False,
+                owned=False):
         """Moves and merges when called (``inplace``: into acc's tensors, on the caller's stream)."""
         capacity = partials[0].shape[0]
         layout = row_layout(partials, 0)

@@ -168,3 +168,39 @@ def test_landed_sends_are_dropped_before_their_wait(monkeypatch):
         assert group.sends_in_flight() == 0
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("consume", [False, True], ids=["kept", "handed-over"])
+def test_handed_over_partials_are_sent_without_a_copy(monkeypatch, consume):
+    """p2p sends outlive ``wait()``: partials the caller keeps are sent from a copy (it may write
+    them once ``wait()`` returns), partials handed over (``consume=True``, the layer's reduces) are
+    sent as they are. One process as rank 0 of a fake group of 2; rank 0 returns rank 1's rows."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import groupcomm._a2av as a2av
+
+    monkeypatch.setattr(a2av, "retain", lambda *t: None)
+    batch, sent = dist.batch_isend_irecv, []
+
+    def record(ops):
+        sent.extend(op.tensor for op in ops if op.op is dist.isend)
+        return batch(ops)
+
+    monkeypatch.setattr(dist, "batch_isend_irecv", record)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        group = TorchGroup(transport="p2p")
+        split, index = _routing(1, 0)   # rank 1 cast its rows to rank 0: rank 0 returns them
+        partials, acc = _values(1), torch.zeros(N, 3)
+        storage = partials.untyped_storage().data_ptr()
+        given = [partials] if consume else (partials,)
+        w = group_reduce(given, index[0], split, [acc] if consume else (acc,), group, op="sum", phase="r",
+                         async_op=True, consume=consume)
+        w.wait()
+        (t,) = sent
+        assert (t.untyped_storage().data_ptr() == storage) == consume
+        assert torch.equal(t.view(torch.float32).view(N, 3), _values(1))
+        group.wait_sends()
+    finally:
+        dist.destroy_process_group()
