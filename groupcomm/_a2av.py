@@ -85,11 +85,12 @@ class TorchGroup:
     benchmarks/results/stages_bench.md); ``"a2a"`` moves each call's rows in one
     ``all_to_all_single`` (the default before 2026-12-03). With ``"p2p"`` a
     call's ``wait()`` waits for this rank's receives only: its sends stay in flight,
-    held here from the moment the call is made (their buffers are this group's own copies,
-    never the caller's tensors), until ``wait_sends()`` or a later call finds them done,
-    whether or not the call's own ``wait()`` has come (NCCL's handles say when they are
-    done; gloo's only once waited, so a gloo group holds them until ``wait_sends()``). A backend that completes a
-    batch as one handle (NCCL's coalesced batch) waits for its sends with its receives.
+    held here from the moment the call is made (their buffers are this group's own
+    copies, or partials handed over with ``consume=True``), until ``wait_sends()`` or a
+    later call finds them done, whether or not the call's own ``wait()`` has come
+    (NCCL's handles say when they are done; gloo's only once waited, so a gloo group
+    holds them until ``wait_sends()``). A backend that completes a batch as one handle
+    (NCCL's coalesced batch) waits for its sends with its receives.
     ``traffic(phase)`` returns this rank's (sent, recv) bytes as host ints.
     """
 
