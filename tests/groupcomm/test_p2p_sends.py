@@ -6,6 +6,7 @@ flight), ``wait_sends()`` then waits for it, and rank 1 must get the rows rank 0
 called, even after rank 0 overwrote its own tensors. ``a2a`` (one exchange) keeps nothing.
 """
 import time
+from contextlib import contextmanager
 from datetime import timedelta
 
 import pytest
@@ -120,14 +121,33 @@ class _Landed:
     """A send handle of the fake process group that reports itself done (NCCL's does once its kernel
     has run; gloo's only once waited, so a gloo group keeps its sends until ``wait_sends()``)."""
 
-    def __init__(self, work, sent):
-        self._work, self.sent = work, sent
+    def __init__(self, work):
+        self._work = work
 
     def is_completed(self):
         return True
 
     def wait(self, *args):
         return self._work.wait(*args)
+
+
+@contextmanager
+def _fake_rank0(monkeypatch, on_batch):
+    """This process as rank 0 of a fake group of 2 (no byte moves), gloo's worker-thread guard off
+    (no threads here), and every ``batch_isend_irecv`` passed through ``on_batch(ops, batch)``."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import groupcomm._a2av as a2av
+
+    monkeypatch.setattr(a2av, "retain", lambda *t: None)
+    batch = dist.batch_isend_irecv
+    monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: on_batch(ops, batch))
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield TorchGroup(transport="p2p")
+    finally:
+        dist.destroy_process_group()
 
 
 def test_landed_sends_are_dropped_before_their_wait(monkeypatch):
@@ -139,23 +159,16 @@ def test_landed_sends_are_dropped_before_their_wait(monkeypatch):
     import weakref
 
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    import groupcomm._a2av as a2av
+    buffers = []
 
-    monkeypatch.setattr(a2av, "retain", lambda *t: None)  # gloo's worker-thread guard: no threads here
-    batch, buffers = dist.batch_isend_irecv, []
-
-    def landed(ops):
+    def landed(ops, batch):
         # the tensor that owns the send buffer's memory (each op's tensor is a view of it)
         buffers.extend(weakref.ref(op.tensor if op.tensor._base is None else op.tensor._base)
                        for op in ops if op.op is dist.isend)
-        return [_Landed(w, op.op is dist.isend) for w, op in zip(batch(ops), ops)]
+        return [_Landed(w) for w in batch(ops)]
 
-    monkeypatch.setattr(dist, "batch_isend_irecv", landed)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        group = TorchGroup(transport="p2p")
+    with _fake_rank0(monkeypatch, landed) as group:
         split, index = _routing(0, 1)
         first = group_cast([_values(0)], index[0], split, N, group, phase="c", async_op=True)
         assert group.sends_in_flight() == 1 and len(buffers) == 1   # registered when made
@@ -166,8 +179,6 @@ def test_landed_sends_are_dropped_before_their_wait(monkeypatch):
         first.wait(), second.wait()
         group.wait_sends()
         assert group.sends_in_flight() == 0
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("consume", [False, True], ids=["kept", "handed-over"])
@@ -176,21 +187,14 @@ def test_handed_over_partials_are_sent_without_a_copy(monkeypatch, consume):
     them once ``wait()`` returns), partials handed over (``consume=True``, the layer's reduces) are
     sent as they are. One process as rank 0 of a fake group of 2; rank 0 returns rank 1's rows."""
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    import groupcomm._a2av as a2av
+    sent = []
 
-    monkeypatch.setattr(a2av, "retain", lambda *t: None)
-    batch, sent = dist.batch_isend_irecv, []
-
-    def record(ops):
+    def record(ops, batch):
         sent.extend(op.tensor for op in ops if op.op is dist.isend)
         return batch(ops)
 
-    monkeypatch.setattr(dist, "batch_isend_irecv", record)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        group = TorchGroup(transport="p2p")
+    with _fake_rank0(monkeypatch, record) as group:
         split, index = _routing(1, 0)   # rank 1 cast its rows to rank 0: rank 0 returns them
         partials, acc = _values(1), torch.zeros(N, 3)
         storage = partials.untyped_storage().data_ptr()
@@ -202,5 +206,3 @@ def test_handed_over_partials_are_sent_without_a_copy(monkeypatch, consume):
         assert (t.untyped_storage().data_ptr() == storage) == consume
         assert torch.equal(t.view(torch.float32).view(N, 3), _values(1))
         group.wait_sends()
-    finally:
-        dist.destroy_process_group()
