@@ -389,7 +389,7 @@ def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql,
             elif op.kind == WAIT and op.back:  # the reduce merges into the host's rows (in place): by now
                 works.pop(op.deps[0]).wait()
             elif op.kind == WAIT:
-                works[op.deps[0]].wait()  # cast s's rows are in X now
+                works.pop(op.deps[0]).wait()  # cast s's rows are in X now; its work (a view of X) let go
             elif op.kind == ATTN and op.stages == (0,) and fused:  # the running result of every row of X
                 acc.append(Operands.zeros([ql], caps["qo"], lead, torch.float32))
                 acc[0].x.append(ql.new_full(acc[0].x[0].shape[:lead + 2], float("-inf"), dtype=torch.float32))
@@ -552,7 +552,9 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
             elif op.kind == WAIT and op.back:  # the reduce sums into the host's rows (in place): by now
                 works.pop(op.deps[0]).wait()
             elif op.kind == WAIT:
-                works[op.deps[0]].wait()  # cast s's rows are in the operands now
+                # cast s's rows are in the operands now; its work let go: it holds views of them, which
+                # would keep them past the pass's MERGE, where they are freed
+                works.pop(op.deps[0]).wait()
             elif op.kind == ATTN and op.stages == (0,) and fused:  # local rows only: its grads never travel
                 host = [rows(t, lead, 0, n) for t in grads_q.x + grads_kv.x]
                 _flex_backward_into(plan, scale, ranks, batched, 0, host, grads[0], ql, kl, vl, grads[1], grads[2])

@@ -197,6 +197,43 @@ def test_stages_backward_sums_in_place(monkeypatch):
     _assert_all_close(fused, _run(plan, P, *inputs), "per-stage gradients ")
 
 
+@pytest.mark.parametrize("keep", [False, True], ids=["cast-again", "kept"])
+def test_stages_operands_freed_before_the_gradients(monkeypatch, keep):
+    """The backward frees its operands (dO, lse, delta and the Q, K, V it received) before it makes
+    the gradients out of the fp32 sums: a waited cast's handle, which holds its receive rows, is let
+    go, so the gradients never sit beside the operands (the pass's peak is never its end)."""
+    import weakref
+
+    import gpusolver.runtime.pipelined as pipelined
+
+    P, c, Hq, Hkv, S = 4, 16, 4, 2, 4
+    T = P * c
+    mask = make_mask("docs-causal", T, seed=3)
+    plan, _ = tight_plan(mask, make_config(P, Hq, Hkv, num_stages=S))
+    inputs = make_inputs(T, Hq, Hkv, seed=3)
+    real_into, real_copy = pipelined._flex_backward_into, pipelined.natural_copy
+    read, live_at_copy = [], []
+
+    def recording(plan_, scale, ranks, batched, s, into, *t):
+        if s > 0:  # a remote sub-stage reads the operands, received rows included
+            do, q, k, v = t[:4]
+            # kept Q, K, V are the forward's saved tensors, which autograd holds through the backward
+            read.extend(weakref.ref(x) for x in ((do,) if keep else (do, q, k, v)))
+        real_into(plan_, scale, ranks, batched, s, into, *t)
+
+    def checking(*a, **kw):
+        if read:  # the backward's gradients: no operand may be left
+            live_at_copy.append(sum(r() is not None for r in read))
+        return real_copy(*a, **kw)
+
+    monkeypatch.setattr(pipelined, "_flex_backward_into", recording)
+    monkeypatch.setattr(pipelined, "natural_copy", checking)
+    _assert_all_close(_run(plan, P, *inputs, keep_forward_buffers=keep),
+                      _run(plan, P, *inputs, keep_forward_buffers=keep, deterministic=False))
+    assert read and live_at_copy, "no remote sub-stage ran"
+    assert max(live_at_copy) == 0, live_at_copy
+
+
 def test_stages_merge_windows_same_bits(monkeypatch):
     """The reduces gather their partials a window of rows at a time (``pipelined.MERGE_PIECES``; a
     custom stage kernel's merges too): elementwise, so any number of windows gives the same bits."""
