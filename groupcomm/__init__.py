@@ -18,6 +18,8 @@ their source and are reduced (``sum``, or the log-sum-exp ``lse`` merge) into
 the host's rows ``send_index[p]``. ``neutral_rows(like, value)`` is an accumulator
 holding the identity (0 for ``sum``, -inf for an lse) that takes no memory until
 the reduce makes its result: a reduce in flight holds none for it.
+``packed_rows(n, shapes, dtypes, device)``: row tensors that share one packed buffer, which a
+``TorchGroup`` reduce sends as it is (several partials otherwise are packed into a copy).
 
 Backends, chosen by the group object:
 
@@ -41,6 +43,7 @@ send_cap send positions, h heads, D head dim.
 from ._a2av import HostSplits, TorchGroup, host_splits
 from ._api import as_group, default_group, group_cast, group_reduce
 from ._base import CollectiveError, Work
+from ._pack import packed_rows
 from ._reduce import neutral_rows
 from ._retain import retain
 from ._routing import tail_routing, tail_split
@@ -51,5 +54,5 @@ __all__ = [
     "group_cast", "group_reduce", "default_group", "as_group",
     "LocalGroup", "TorchGroup", "SymmMemGroup",
     "host_splits", "HostSplits", "CollectiveError", "Work", "retain", "tail_routing", "tail_split",
-    "neutral_rows",
+    "neutral_rows", "packed_rows",
 ]

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ._base import CollectiveError, HostTraffic, Work
-from ._pack import as_bytes, pack, row_layout, unpack
+from ._pack import as_bytes, pack, packed_base, row_layout, unpack
 from ._reduce import reduce_rows
 from ._retain import retain
 from ._routing import put_targets
@@ -297,7 +297,10 @@ class TorchGroup:
         # the way back: each filled receive row returns to its source, in buffer order. The buffer holds
         # the rows really returned (host-known here), not the send list's capacity: reduces in flight at
         # once (a layer's sub-stages) then hold no more than one send list between them
-        inp = pack([p[:n_recv] for p in partials], 0)
+        sent = [p[:n_recv] for p in partials]
+        base = packed_base(sent)  # partials gathered into one packed buffer: sent as they are, no copy
+        inp = pack(sent, 0) if base is None else base
+        del sent
         if self.transport == "p2p" and n_recv and not owned and inp.untyped_storage().data_ptr() == \
                 partials[0].untyped_storage().data_ptr():
             # p2p sends outlive wait(): they must not read the caller's partials, unless handed over

@@ -61,6 +61,41 @@ def pack(tensors: list[torch.Tensor], lead: int) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
+def packed_rows(n: int, shapes: list[tuple[int, ...]], dtypes: list[torch.dtype],
+                device: torch.device) -> list[torch.Tensor]:
+    """Uninitialised ``[n, *shape]`` tensors, one per (shape, dtype), each the byte columns of one
+    ``[n, row_bytes]`` uint8 buffer (``unpack(views=True)``): rows written there are already packed
+    side by side, and ``packed_base`` gives the buffer back without the copy ``pack`` makes. Where
+    a tensor's columns cannot be viewed in its dtype (unaligned) it is a copy, and ``packed_base``
+    then finds no buffer: correct, only not copy-free."""
+    widths = tuple(prod(f) * torch.empty((), dtype=d).element_size() for f, d in zip(shapes, dtypes))
+    layout = RowLayout(tuple(dtypes), tuple(tuple(f) for f in shapes), widths)
+    buf = torch.empty(n, layout.row_bytes, dtype=torch.uint8, device=device)
+    return unpack(buf, layout, views=True)
+
+
+def packed_base(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The ``[n, row_bytes]`` uint8 buffer whose byte columns ``tensors`` are, in order and covering
+    every byte of its rows (``packed_rows``' tensors, or the same rows of them): ``pack(tensors, 0)``
+    without the copy. None otherwise. Reads storage addresses: eager only (a host-side group)."""
+    if len(tensors) < 2 or any(not bytes_are_a_view(t, 0) for t in tensors):
+        return None
+    parts = [as_bytes(t, 0) for t in tensors]
+    n, width = parts[0].shape[0], sum(p.shape[-1] for p in parts)
+    if n == 0:  # no rows: nothing to copy either way (an empty tensor's address says nothing)
+        return None
+    storage, at = parts[0].untyped_storage().data_ptr(), parts[0].data_ptr()
+    for p in parts:
+        if p.dim() != 2 or p.shape[0] != n or p.untyped_storage().data_ptr() != storage or p.data_ptr() != at \
+                or (n > 1 and p.stride(0) != width):
+            return None
+        at += p.shape[-1]
+    base = parts[0].as_strided((n, width), (width, 1))
+    if base.storage_offset() + n * width > base.untyped_storage().nbytes():
+        return None
+    return base
+
+
 def unpack(buf: torch.Tensor, layout: RowLayout, views: bool = False) -> list[torch.Tensor]:
     """Inverse of ``pack``: ``[*lead, n, row_bytes]`` uint8 -> one tensor per layout entry.
 

@@ -60,7 +60,7 @@ from gpusolver.runtime.kept_rows import tail_cast, unpack_room, whole_operands, 
 from gpusolver.runtime.layout import natural_copy, to_group_major
 from gpusolver.runtime.operands import WINDOW_MIN_ELEMENTS, Operands, row_windows, rows
 from gpusolver.runtime.per_rank import per_rank
-from groupcomm import TorchGroup, group_cast, group_reduce, host_splits
+from groupcomm import TorchGroup, group_cast, group_reduce, host_splits, packed_rows
 
 _INTERNAL = dict(validate=False, flag_errors=False)
 KINDS = ("qo", "kv")
@@ -253,19 +253,21 @@ def _slices(plan: Plan, rank: int, stage: int):
 
 
 
-def _gather_remote(x: torch.Tensor, gather: torch.Tensor, n: int, lead: int, dtype: torch.dtype) -> torch.Tensor:
+def _gather_remote(x: torch.Tensor, gather: torch.Tensor, n: int, lead: int, dtype: torch.dtype,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """Rows ``gather`` of x's remote part as a reduce buffer in ``dtype`` (-1: row 0, past the fill:
     never sent). An overflowed plan run sync-free (``validate=False``, its status flagged) can name
     rows past the receive capacity, which its casts dropped: they read the last row, so the layer
-    runs bounded instead of indexing out of range."""
+    runs bounded instead of indexing out of range. ``out``: the buffer to write (a view of a packed
+    one, ``groupcomm.packed_rows``); else one is made."""
     n_recv = x.shape[lead] - n
     if n_recv == 0:  # no receive rows at all: nothing was received, the buffer is zeros
         shape = (*gather.shape, *x.shape[lead + 1:]) if lead else (gather.shape[0], *x.shape[1:])
-        return x.new_zeros(shape, dtype=dtype)
+        return x.new_zeros(shape, dtype=dtype) if out is None else out.zero_()
     remote = x.narrow(lead, n, n_recv)
     idx = gather.clamp(min=0, max=n_recv - 1)
     shape = (*idx.shape, *x.shape[lead + 1:])
-    out = x.new_empty(shape, dtype=dtype)
+    out = x.new_empty(shape, dtype=dtype) if out is None else out
     # a window of rows at a time: the gathered rows in x's dtype (fp32 sums) exist for one window,
     # never for the whole buffer (twice the size of ``out`` in bf16)
     b = torch.arange(remote.shape[0], device=idx.device)[:, None] if lead else None
@@ -293,7 +295,11 @@ def _reduce_partials(x_parts, sr: StageRoutes, kind: str, stage: int, n: int, le
     rows_ = _returned_rows(sr, kind, stage, rank, batched)
     if rows_ is not None:
         gather = gather.narrow(0, 0, min(rows_, gather.shape[0]))
-    parts = [_gather_remote(t, gather, n, lead, d) for t, d in zip(x_parts, dtypes)]
+    # on TorchGroup several partials (out and lse, dK and dV) are gathered into one packed buffer,
+    # which the reduce sends as it is: their rows never exist twice (gathered, then packed)
+    into = [None] * len(x_parts) if rows_ is None or len(x_parts) < 2 else \
+        packed_rows(gather.shape[0], [t.shape[1:] for t in x_parts], list(dtypes), x_parts[0].device)
+    parts = [_gather_remote(t, gather, n, lead, d, out=o) for t, d, o in zip(x_parts, dtypes, into)]
     return parts, (None if rows_ is None else sr.gather[kind][stage - 1].shape[0])
 
 

@@ -206,3 +206,37 @@ def test_handed_over_partials_are_sent_without_a_copy(monkeypatch, consume):
         assert (t.untyped_storage().data_ptr() == storage) == consume
         assert torch.equal(t.view(torch.float32).view(N, 3), _values(1))
         group.wait_sends()
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["separate", "packed_rows"])
+def test_packed_partials_are_sent_as_their_buffer(monkeypatch, packed):
+    """Several handed-over partials (out and lse, dK and dV) are packed into one send buffer, a copy
+    of their rows; made by ``packed_rows`` they already are one, and are sent as it is. Either way
+    the rows that arrive are the same bytes."""
+    import torch.distributed as dist
+
+    from groupcomm import packed_rows
+
+    sent = []
+
+    def record(ops, batch):
+        sent.extend(op.tensor for op in ops if op.op is dist.isend)
+        return batch(ops)
+
+    values = [_values(1), _values(2)[:, :2]]
+    with _fake_rank0(monkeypatch, record) as group:
+        split, index = _routing(1, 0)
+        if packed:
+            partials = packed_rows(N, [(3,), (2,)], [torch.float32] * 2, torch.device("cpu"))
+            for p, v in zip(partials, values):
+                p.copy_(v)
+        else:
+            partials = [v.clone() for v in values]
+        storage = partials[0].untyped_storage().data_ptr()
+        w = group_reduce(list(partials), index[0], split, [torch.zeros(N, 3), torch.zeros(N, 2)], group,
+                         op="sum", phase="r", async_op=True, consume=True)
+        w.wait()
+        (t,) = sent
+        assert (t.untyped_storage().data_ptr() == storage) == packed
+        assert torch.equal(t.view(torch.float32).view(N, 5), torch.cat(values, dim=1))
+        group.wait_sends()

@@ -399,9 +399,10 @@ def _rank_reduce_rows(rank, P, name, c, Hq, Hkv, S, seed):
     seen = []
     gather = pipelined._gather_remote
 
-    def recorded(x, idx, n, lead, dtype):
+    def recorded(x, idx, n, lead, dtype, out=None):
         seen.append((idx.shape[0], x.shape[0] - n))
-        return gather(x, idx, n, lead, dtype)
+        assert out is None or out.shape[0] == idx.shape[0]  # a packed buffer's rows: the same
+        return gather(x, idx, n, lead, dtype, out=out)
 
     pipelined._gather_remote = recorded
     group = TorchGroup(transport="p2p")
