@@ -176,6 +176,11 @@ class TorchGroup:
                 keep.append((phase, works, inp))
         self._sends = keep
 
+    def drop_landed_sends(self) -> None:
+        """Let go of the buffers of kept sends that have completed (every call does so first); a
+        caller about to allocate calls it so that those buffers are free for it. Never waits."""
+        self._reap()
+
     def wait_sends(self) -> None:
         """Wait for every send still in flight (p2p: ``wait()`` waits for receives only); a layer calls
         it at the end of each pass. Raises ``CollectiveError`` naming the phase of a failed send."""

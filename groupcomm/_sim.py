@@ -151,6 +151,9 @@ class LocalGroup:
         t = self._pairs.get(phase)
         return torch.zeros(self.size, self.size, dtype=torch.int64) if t is None else t
 
+    def drop_landed_sends(self) -> None:
+        """Nothing kept: no send outlives its call (``TorchGroup``'s p2p sends may)."""
+
     def wait_sends(self) -> None:
         """Nothing to wait for: a call's ``wait()`` has moved every row (``TorchGroup``'s p2p sends
         may outlive it)."""

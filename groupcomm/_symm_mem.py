@@ -222,6 +222,9 @@ class SymmMemGroup:
         sent, recv = t.tolist()
         return sent, recv
 
+    def drop_landed_sends(self) -> None:
+        """Nothing kept: no send outlives its call (``TorchGroup``'s p2p sends may)."""
+
     def wait_sends(self) -> None:
         """Nothing to wait for: each put ends in a barrier of the whole group, before ``wait()`` returns
         (``TorchGroup``'s p2p sends may outlive it)."""

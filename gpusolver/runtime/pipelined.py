@@ -421,6 +421,7 @@ def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql,
                 del parts
             elif op.kind == REDUCE:
                 (s,), b = op.stages, op.branch
+                group.drop_landed_sends()  # the last reduce's send buffer, if it has landed, before these
                 # the partials handed over (no name keeps them): freed once sent, not held through s + 1;
                 # merged into the host rows of the running (out fp32, lse) themselves
                 parts, cap = _reduce_partials(acc[b].x, sr, "qo", s, n, lead, dtypes[b], ranks[0], batched)
@@ -586,6 +587,7 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
                 kind = "qo" if op.phase == "bwd.dq" else "kv"
                 pick = grads_q.x if kind == "qo" else grads_kv.x
                 dtype = ql.dtype if kind == "qo" else kl.dtype
+                group.drop_landed_sends()  # the last reduce's send buffer, if it has landed, before these
                 # the partials handed over (no name keeps them): freed once sent, not held through s + 1;
                 # summed into the host rows of the fp32 sums themselves
                 parts, cap = _reduce_partials(pick, sr, kind, s, n, lead, [dtype] * len(pick), ranks[0], batched)

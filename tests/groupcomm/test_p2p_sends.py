@@ -181,6 +181,38 @@ def test_landed_sends_are_dropped_before_their_wait(monkeypatch):
         assert group.sends_in_flight() == 0
 
 
+def test_drop_landed_sends_frees_them_without_a_call(monkeypatch):
+    """``drop_landed_sends()`` lets go of landed sends' buffers with no collective after them (a layer
+    calls it before gathering a reduce's partials, so the last reduce's send buffer is not live
+    beside them), keeps those in flight, and never waits; the other backends keep none."""
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+
+    buffers, land = [], [True]
+
+    def maybe_landed(ops, batch):
+        buffers.extend(weakref.ref(op.tensor if op.tensor._base is None else op.tensor._base)
+                       for op in ops if op.op is dist.isend)
+        works = batch(ops)
+        return [_Landed(w) for w in works] if land[0] else works
+
+    with _fake_rank0(monkeypatch, maybe_landed) as group:
+        split, index = _routing(0, 1)
+        land[0] = False  # the fake group's own handles never complete: in flight
+        flying = group_cast([_values(0)], index[0], split, N, group, phase="c", async_op=True)
+        land[0] = True
+        landed = group_cast([_values(1)], index[0], split, N, group, phase="c", async_op=True)
+        assert group.sends_in_flight() == 2
+        group.drop_landed_sends()
+        gc.collect()
+        assert group.sends_in_flight() == 1 and buffers[1]() is None and buffers[0]() is not None
+        flying.wait(), landed.wait()
+        group.wait_sends()
+    LocalGroup(2).drop_landed_sends()
+
+
 @pytest.mark.parametrize("consume", [False, True], ids=["kept", "handed-over"])
 def test_handed_over_partials_are_sent_without_a_copy(monkeypatch, consume):
     """p2p sends outlive ``wait()``: partials the caller keeps are sent from a copy (it may write
