@@ -39,7 +39,7 @@ the first collective starts; backward reuses the copy.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import zlib
 
@@ -100,6 +100,25 @@ class LayerRoutes:
     relay: RelayRoutes | StageRelayRoutes | None = None
     fill: dict | None = None
 
+    def for_backward(self) -> "LayerRoutes":
+        """What a layer keeps of its routing from forward to backward: not the send lists (and with
+        sub-stages the gathers) built from the plan for this call (``StageRoutes.for_backward``),
+        which ``restored`` builds again. A relay plan's hops are kept whole."""
+        if self.stages is not None:
+            return replace(self, stages=self.stages.for_backward())
+        if self.relay is not None:
+            return self
+        return replace(self, qo_index=None, kv_index=None)
+
+    def restored(self) -> "LayerRoutes":
+        """``for_backward``'s routing whole again, its tables built from the plan (no host read)."""
+        if self.stages is not None:
+            return replace(self, stages=self.stages.with_tables(self.plan, self.ranks, self.batched))
+        if self.relay is not None or self.qo_index is not None:
+            return self
+        return replace(self, qo_index=send_lists(self.plan, "qo", self.ranks, self.batched),
+                       kv_index=send_lists(self.plan, "kv", self.ranks, self.batched))
+
     @property
     def groups(self) -> int:
         return self.plan.comm.head_groups
@@ -127,6 +146,19 @@ class LayerRoutes:
         return at_fill(cap, None if self.fill is None else self.fill[route])
 
 
+def send_lists(plan: Plan, kind: str, ranks: tuple[int, ...], batched: bool) -> torch.Tensor:
+    """The one-remote-stage send list of ``kind`` for ``ranks``: ``[send_cap]`` (``[P, send_cap]``
+    batched) int64; K, V by key block where the plan moves them so (a sparse plan's ``kv_blocks``)."""
+    comm, kb = plan.comm, getattr(plan, "kv_blocks", None)
+    if kind == "kv" and kb is not None:
+        def one(r):
+            return kb.send_index(r, comm.chunk, comm.kv_send_capacity)
+    else:
+        def one(r):
+            return comm.send_index(kind, r)
+    return torch.stack([one(r) for r in ranks]) if batched else one(ranks[0])
+
+
 def layer_routes(plan: Plan, group) -> LayerRoutes:
     """The routing of ``plan`` for ``group``; on ``TorchGroup`` it starts the split copy (no wait)."""
     comm = plan.comm
@@ -148,18 +180,14 @@ def layer_routes(plan: Plan, group) -> LayerRoutes:
                            kv_split=None, qo_host=None, kv_host=None,
                            stages=stage_routes(plan, group, ranks, batched))
 
-    def index(kind: str) -> torch.Tensor:
-        if batched:
-            return torch.stack([comm.send_index(kind, r) for r in ranks])
-        return comm.send_index(kind, ranks[0])
-
     qo_host = kv_host = fill = None
     if isinstance(group, TorchGroup):
         # the only host read of the layer: two [P, P] matrices, copied without blocking now
         # and awaited when the first collective starts (groupcomm.host_splits)
         qo_host, kv_host = host_splits(comm.qo_split), host_splits(comm.kv_split)
         fill = {"qo": RankFill([qo_host], ranks[0]), "kv": RankFill([kv_host], ranks[0])}
-    return LayerRoutes(plan=plan, ranks=ranks, batched=batched, qo_index=index("qo"), kv_index=index("kv"),
+    return LayerRoutes(plan=plan, ranks=ranks, batched=batched, qo_index=send_lists(plan, "qo", ranks, batched),
+                       kv_index=send_lists(plan, "kv", ranks, batched),
                        qo_split=comm.qo_split, kv_split=comm.kv_split, qo_host=qo_host, kv_host=kv_host, fill=fill)
 
 
@@ -218,7 +246,8 @@ class _DistAttn(torch.autograd.Function):
         G = routes.groups
         n = G * q.shape[lead]  # G * c local group-major rows
         if routes.stages is not None or routes.relay is not None:  # their own executors of the same op lists
-            ctx.routes, ctx.group, ctx.scale, ctx.keep, ctx.deterministic = routes, group, scale, keep, deterministic
+            ctx.routes, ctx.group, ctx.scale, ctx.keep = routes.for_backward(), group, scale, keep
+            ctx.deterministic = deterministic
             if routes.relay is not None:
                 ql, kl, vl = (to_group_major(x, G, lead).contiguous() for x in (q, k, v))
                 run = relay_stages_forward if routes.relay.sub_stages else relay_forward
@@ -324,7 +353,7 @@ class _DistAttn(torch.autograd.Function):
                      pack_room(X["qo"].x[0], *X["kv"].x, room, routes.ranks, n, lead))
             del X, sent, ql, kl, vl
             ctx.save_for_backward(*saved)
-            ctx.routes, ctx.group, ctx.scale, ctx.keep = routes, group, scale, keep
+            ctx.routes, ctx.group, ctx.scale, ctx.keep = routes.for_backward(), group, scale, keep
             ctx.deterministic, ctx.kv_rows, ctx.q_rows, ctx.room = deterministic, -1, -1, room
             group.wait_sends()
             return from_group_major(o, G, lead), from_group_major(lse, G, lead)
@@ -340,14 +369,15 @@ class _DistAttn(torch.autograd.Function):
         saved = (q_saved,) + kv_saved
         del X, sent, ql, kl, vl, q_saved
         ctx.save_for_backward(*saved, o, lse)
-        ctx.routes, ctx.group, ctx.scale, ctx.keep, ctx.deterministic = routes, group, scale, keep, deterministic
+        ctx.routes, ctx.group, ctx.scale, ctx.keep = routes.for_backward(), group, scale, keep
+        ctx.deterministic = deterministic
         ctx.kv_rows, ctx.q_rows, ctx.room = kv_rows, q_rows, None
         group.wait_sends()  # p2p sends may outlive their wait(): none past the pass
         return from_group_major(o, G, lead), from_group_major(lse, G, lead)
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
-        routes, group, scale = ctx.routes, ctx.group, ctx.scale
+        routes, group, scale = ctx.routes.restored(), ctx.group, ctx.scale
         lead = 1 if routes.batched else 0
         G = routes.groups
         # read once: non-reentrant checkpointing unpacks each saved tensor a single time

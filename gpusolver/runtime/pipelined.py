@@ -48,7 +48,7 @@ cast's start row on this rank is summed from that copy (a ``RankFill`` of the ca
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -96,16 +96,37 @@ class StageRoutes:
     recv_rows[kind]:       ``TorchGroup``: a ``RankFill`` of the S casts, the rows
                            this rank receives in all S casts (its buffer's fill); else None (the
                            buffer is the plan's capacity, ``receive_rows``).
+    kv_comm:               the KV route's CommMeta when it is not the plan's (a sparse plan's key
+                           blocks), else None.
+
+    ``index`` and ``gather`` are built from the plan for this call (S times the send and receive
+    capacities of int64: 62-83 MB per layer at 8K tokens per rank, 64:8, P = 16-64); the rest are
+    the plan's own tensors and small host copies. ``for_backward`` drops the two, ``with_tables``
+    builds them again: a layer keeps none of them from its forward to its backward.
     """
 
     num_stages: int
-    index: dict
+    index: dict | None
     split: dict
     host: dict
-    gather: dict
+    gather: dict | None
     start: dict
     host_start: dict
     recv_rows: dict
+    kv_comm: object = None
+
+    def for_backward(self) -> "StageRoutes":
+        """This routing without the tables built from the plan (``index``, ``gather``): what a layer
+        keeps for its backward. The host copies stay: the backward reads the splits no second time."""
+        return replace(self, index=None, gather=None)
+
+    def with_tables(self, plan: Plan, ranks: tuple[int, ...], batched: bool) -> "StageRoutes":
+        """This routing with its tables, built again from ``plan`` where ``for_backward`` dropped them
+        (a handful of ops per pass, as the forward's; no host read)."""
+        if self.index is not None:
+            return self
+        index, gather = _tables(_comms(plan, self.kv_comm), ranks, batched)
+        return replace(self, index=index, gather=gather)
 
 
 def received_rows(host, rank: int) -> int:
@@ -131,20 +152,34 @@ class RankFill:
         return sum(received_rows(part, self.rank) for part in self.parts)
 
 
-def stage_routes(plan: Plan, group, ranks: tuple[int, ...], batched: bool, kv_comm=None) -> StageRoutes:
-    """kv_comm: the KV route's CommMeta when it is not ``plan.comm`` (a sparse plan's key blocks,
-    ``KVBlocks.staged``)."""
-    comms = {"qo": plan.comm, "kv": plan.comm if kv_comm is None else kv_comm}
-    S = plan.comm.num_stages
+def _comms(plan: Plan, kv_comm) -> dict:
+    return {"qo": plan.comm, "kv": plan.comm if kv_comm is None else kv_comm}
 
+
+def _tables(comms: dict, ranks: tuple[int, ...], batched: bool) -> tuple[dict, dict]:
+    """(index, gather) of ``StageRoutes``, built from the plan's metas for ``ranks``."""
     def per_rank(fn):
         return torch.stack([fn(r) for r in ranks]) if batched else fn(ranks[0])
 
-    index, split, host = {}, {}, {}
+    index = {}
     for kind in KINDS:
         for which in WHICH:
             lists = comms[kind].stage_send_index(kind, ranks if batched else ranks[:1], which)  # [R, S, cap]
             index[kind, which] = list(lists.unbind(1) if batched else lists[0].unbind(0))
+    gather = {kind: list(per_rank(lambda r: comms[kind].return_gather(kind, r)).unbind(1 if batched else 0))
+              for kind in KINDS}
+    return index, gather
+
+
+def stage_routes(plan: Plan, group, ranks: tuple[int, ...], batched: bool, kv_comm=None) -> StageRoutes:
+    """kv_comm: the KV route's CommMeta when it is not ``plan.comm`` (a sparse plan's key blocks,
+    ``KVBlocks.staged``)."""
+    comms = _comms(plan, kv_comm)
+    S = plan.comm.num_stages
+    index, gather = _tables(comms, ranks, batched)
+    split, host = {}, {}
+    for kind in KINDS:
+        for which in WHICH:
             split[kind, which] = list(comms[kind].stage_split(kind, which).unbind(0))
     if isinstance(group, TorchGroup):
         # the only host read: all 4 S matrices in one non-blocking copy, awaited by the first collective
@@ -159,11 +194,9 @@ def stage_routes(plan: Plan, group, ranks: tuple[int, ...], batched: bool, kv_co
         host = {key: [None] * S for key in index}
         host_start = {kind: [None] * S for kind in KINDS}
         recv_rows = {kind: None for kind in KINDS}
-    gather = {kind: list(per_rank(lambda r: comms[kind].return_gather(kind, r)).unbind(1 if batched else 0))
-              for kind in KINDS}
     start = {kind: list(comms[kind].stage_base(kind).unbind(0)) for kind in KINDS}
     return StageRoutes(num_stages=S, index=index, split=split, host=host, gather=gather, start=start,
-                       host_start=host_start, recv_rows=recv_rows)
+                       host_start=host_start, recv_rows=recv_rows, kv_comm=kv_comm)
 
 
 def receive_rows(plan: Plan, sr: StageRoutes, kind: str) -> int:

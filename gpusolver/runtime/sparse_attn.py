@@ -211,6 +211,12 @@ def _selection_rows(sel: torch.Tensor, G: int, lead: int) -> torch.Tensor:
     return to_group_major(sel, G, lead).contiguous()
 
 
+def stage_tables(plan: SparsePlan, ranks) -> dict:
+    """rank -> each stage's kernel tables (``SparsePlan.stage``), built from the plan for a pass: the
+    forward builds them, and the backward again (a layer keeps none of them between the two)."""
+    return {r: tuple(plan.stage(r, s) for s in range(plan.comm.num_stages + 1)) for r in ranks}
+
+
 def _sparse_kernels(plan: SparsePlan, stages, scale: float, backend: str, deterministic: bool):
     """The kernels of each stage as the pipelined executor calls them: ``attend(rank, stage, q, k, v,
     sel) -> (out, lse[, out_win, lse_win])`` and ``attend_bwd(rank, stage, dO, q, k, v, lse, delta,
@@ -263,7 +269,7 @@ def _forward_sub_stages(ctx, ql, kl, vl, sl, sel, routes: LayerRoutes, stages, g
         n = ql.shape[lead]
         ql, sl, kl, vl = (x.narrow(lead, 0, n) for x in (xq, xs, xk, xv))
     ctx.save_for_backward(ql, kl, vl, sl if keep else sel, *outs, *((xq, xs, xk, xv) if keep else ()))
-    ctx.routes, ctx.stages, ctx.group, ctx.scale = routes, stages, group, scale
+    ctx.routes, ctx.group, ctx.scale = routes.for_backward(), group, scale
     ctx.keep, ctx.deterministic, ctx.backend, ctx.branches = keep, deterministic, backend, nb
     group.wait_sends()  # p2p sends may outlive their wait(): none past the pass
     G = routes.groups
@@ -272,7 +278,7 @@ def _forward_sub_stages(ctx, ql, kl, vl, sl, sel, routes: LayerRoutes, stages, g
 
 def _backward_sub_stages(ctx, *grads):
     """grads: (dout, dlse) per branch, as ``_forward_sub_stages`` returned (out, lse)."""
-    routes, group = ctx.routes, ctx.group
+    routes, group = ctx.routes.restored(), ctx.group
     lead = 1 if routes.batched else 0
     G, nb = routes.groups, ctx.branches
     saved = ctx.saved_tensors
@@ -280,7 +286,8 @@ def _backward_sub_stages(ctx, *grads):
     if not ctx.keep:  # saved as given: its rows per head group, as the forward made them
         sl = _selection_rows(sl, G, lead)
     outs, kept = saved[4:4 + 2 * nb], saved[4 + 2 * nb:]
-    _, attend_bwd = _sparse_kernels(routes.plan, ctx.stages, ctx.scale, ctx.backend, ctx.deterministic)
+    stages = stage_tables(routes.plan, routes.ranks)
+    _, attend_bwd = _sparse_kernels(routes.plan, stages, ctx.scale, ctx.backend, ctx.deterministic)
     branches = []  # (o, lse, dO, dlse or None) per branch
     for b in range(nb):
         o, lse = outs[2 * b], outs[2 * b + 1]
@@ -369,7 +376,7 @@ class _SparseDistAttn(torch.autograd.Function):
             local_sel = sel
         del X, sent, parts, merged
         ctx.save_for_backward(local(xq), local(xk), local(xv), local_sel, *results, *kept)
-        ctx.routes, ctx.stages, ctx.group, ctx.scale = routes, stages, group, scale
+        ctx.routes, ctx.group, ctx.scale = routes.for_backward(), group, scale
         ctx.keep, ctx.deterministic, ctx.backend, ctx.branches = keep, deterministic, backend, len(results) // 2
         group.wait_sends()  # p2p sends may outlive their wait(): none past the pass
         return tuple(from_group_major(x, G, lead) for x in results)
@@ -378,7 +385,8 @@ class _SparseDistAttn(torch.autograd.Function):
     def backward(ctx, *grads):
         if ctx.routes.stages is not None:
             return _backward_sub_stages(ctx, *grads)
-        routes, stages, group, scale = ctx.routes, ctx.stages, ctx.group, ctx.scale
+        routes, group, scale = ctx.routes.restored(), ctx.group, ctx.scale
+        stages = stage_tables(routes.plan, routes.ranks)
         plan: SparsePlan = routes.plan
         lead = 1 if routes.batched else 0
         G, nb = routes.groups, ctx.branches
@@ -516,7 +524,7 @@ def sparse_dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sel: tor
     scale = softmax_scale_of(softmax_scale, q.shape[-1])
     with nvtx_range("solve/routes"):
         routes = sparse_routes(plan, group)
-        stages = {r: tuple(plan.stage(r, s) for s in range(plan.comm.num_stages + 1)) for r in routes.ranks}
+        stages = stage_tables(plan, routes.ranks)
     if not isinstance(keep_forward_buffers, bool):
         raise ValueError(f"sparse_dist_attn: keep_forward_buffers must be True or False (one kept kind is for slice "
                          f"masks), got {keep_forward_buffers!r}")

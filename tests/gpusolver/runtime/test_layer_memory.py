@@ -405,3 +405,39 @@ def test_part_of_the_kv_buffer_kept_with_sub_stages():
         assert int(sum(group.traffic(f"bwd.kv.{s}")[1].sum() for s in range(1, S + 1))) > 0
     for a, b in zip(grads[None], grads[kept_rows]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("stages", [4, 1], ids=["S4", "S1"])
+def test_what_a_layer_holds_is_what_autograd_saves(stages):
+    """Every storage the forward makes and leaves alive until the backward is one autograd saves (or
+    an output): what saved-tensor hooks count is what a layer holds, and activation offloading or
+    checkpointing through them reaches all of it. With sub-stages the routing's send lists and
+    gathers (S times the capacities, int64: 62-83 MB per layer at real shapes) are built again in
+    the backward, not kept on the autograd context beside the saved tensors."""
+    from benchmarks.layer_memory import LiveBytes
+
+    P, c, Hq, Hkv = 4, 16, 4, 2
+    mask = make_mask("docs-causal", P * c, seed=1)
+    plan, _ = tight_plan(mask, make_config(P, Hq, Hkv, num_stages=stages))
+    assert plan.num_stages == stages
+    inputs = make_inputs(P * c, Hq, Hkv, seed=2)
+    group = LocalGroup(P)
+    qs, ks, vs = (shard(x, group).requires_grad_() for x in inputs[:3])
+    given = {id(x.untyped_storage()) for x in (qs, ks, vs)}
+    saved = {}
+
+    def pack(t):
+        saved[id(t.untyped_storage())] = t.untyped_storage()  # held: no id is reused
+        return t
+    live = LiveBytes(track=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), live:
+        out, lse = dist_attn(qs, ks, vs, plan, group)
+    for t in (out, lse):
+        pack(t)
+    # the group's own byte counters (a few [2, P] and [P, P] per phase, whatever the layer) aside
+    unsaved = [what for key, what in live._what.items()
+               if key not in saved and key not in given and "_count" not in what[-1]]
+    assert not unsaved, unsaved
+    torch.autograd.backward((out, lse), (shard(inputs[3], group), shard(inputs[4], group)))
+    got = {key: unshard(t.detach(), group) for key, t in zip(KEYS, (out, lse, qs.grad, ks.grad, vs.grad))}
+    _assert_all_close(reference(mask, *inputs), got)

@@ -221,3 +221,41 @@ def test_compiled_layer_equals_eager():
         results.append([out.detach()] + [x.grad for x in leaves])
     for name, a, b in zip(("out", "dq", "dk", "dv"), *results):
         assert_close(name, a, b, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("kv_block,stages", [(4, 1), (None, 2)], ids=["blocks4-S1", "hulls-S2"])
+def test_what_a_sparse_layer_holds_is_what_autograd_saves(kv_block, stages):
+    """As the dense layer's: every storage the forward leaves alive for the backward is saved through
+    autograd (hooks see it); the send lists, key blocks' included, are built again in the backward."""
+    from dataclasses import replace
+
+    from benchmarks.layer_memory import LiveBytes
+
+    P, c, Hq, Hkv = 8, 16, 4, 2
+    mask = make_mask("dsa", P * c, Hkv, seed=P)
+    group = LocalGroup(P)
+    config = replace(make_config(P, Hq, Hkv, True, 1, True), num_stages=stages)
+    plan = scatter_plan(mask, config, group, kv_block)
+    assert plan.comm.num_stages == stages and (plan.kv_blocks is None) == (kv_block is None)
+    q, k, v, d_out, d_lse = make_inputs(P * c, Hq, Hkv, seed=P)
+    leaves = [shard(x, group).requires_grad_() for x in (q, k, v)]
+    sel = local_selection(mask, group)
+    given = {id(x.untyped_storage()) for x in (*leaves, sel)}
+    saved = {}
+
+    def pack(t):
+        saved[id(t.untyped_storage())] = t.untyped_storage()
+        return t
+    live = LiveBytes(track=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), live:
+        res = _branches(sparse_dist_attn(*leaves, sel, plan, group))
+    for o, lse in res:
+        pack(o), pack(lse)
+    unsaved = [what for key, what in live._what.items()
+               if key not in saved and key not in given and "_count" not in what[-1]]
+    assert not unsaved, unsaved
+    ref = reference(mask, q, k, v, d_out, d_lse)
+    outs = [unshard(o, group) for o, _ in res]
+    lses = [unshard(lse, group) for _, lse in res]
+    loss(outs, lses, d_out, d_lse).backward()
+    _check(mask, ref, outs, lses, [unshard(x.grad, group) for x in leaves])
