@@ -160,6 +160,7 @@ def measure_rank(plan, config: SolverConfig, shapes: dict, rank: int, seed: int 
     g = torch.Generator().manual_seed(seed + rank)
     q, k, v = (torch.randn(c, h, D, generator=g).to(dtype).requires_grad_()
                for h in (shapes["num_heads_q"], shapes["num_heads_kv"], shapes["num_heads_kv"]))
+    inputs = {id(x.untyped_storage()) for x in (q, k, v)}
     with fake_rank(rank, config.cp_size, sends) as group:
         fwd, bwd = LiveBytes(track=breakdown), LiveBytes(track=breakdown)
         with SavedBytes() as saved, fwd:
@@ -167,11 +168,15 @@ def measure_rank(plan, config: SolverConfig, shapes: dict, rank: int, seed: int 
                                  kept_kv_rows=config.kept_kv_rows, kept_q_rows=config.kept_q_rows,
                                  kept_per_rank=config.kept_per_rank)
             saved.include(out, lse)
+            made = sum(n for key, n in saved.storages.items() if key not in inputs)
+        # what the forward made and left alive that autograd does not save (held on the side, out of
+        # reach of saved-tensor hooks): the group's host copy of the splits (CPU) and little else
+        unsaved = fwd.live - made
         d_out = torch.randn(out.shape, generator=g).to(dtype)
         with bwd:
             torch.autograd.backward(out, d_out)
         group.wait_sends()
-    row = {"rank": rank, "kept": saved.total, "fwd_peak": fwd.peak, "bwd_peak": bwd.peak}
+    row = {"rank": rank, "kept": saved.total, "unsaved": unsaved, "fwd_peak": fwd.peak, "bwd_peak": bwd.peak}
     if breakdown:
         for name, live in (("fwd", fwd), ("bwd", bwd)):
             row[f"{name}_breakdown"], row[f"{name}_at"] = live.breakdown(), live.peak_range
@@ -189,6 +194,7 @@ def run(kind: str, P: int, seed: int, shapes: dict, topology: Topology, ranks: i
     return {"kind": kind, "P": P, "seed": seed, "S": config.num_stages,
             "transport": "relay" if plan.relay is not None else "direct", "ranks": ",".join(str(r["rank"]) for r in rows),
             "worst_rank": worst["rank"], "kept": max(r["kept"] for r in rows),
+            "unsaved": max(r["unsaved"] for r in rows),
             "fwd_peak": max(r["fwd_peak"] for r in rows), "bwd_peak": max(r["bwd_peak"] for r in rows),
             "fwd_landed": max(r["fwd_peak"] for r in landed), "bwd_landed": max(r["bwd_peak"] for r in landed),
             "plain_kept": ref["plain_kept"], "own": ref["own"], "plan_fwd": mem.fwd_peak, "plan_bwd": mem.bwd_peak,
@@ -198,6 +204,7 @@ def run(kind: str, P: int, seed: int, shapes: dict, topology: Topology, ranks: i
 
 COLUMNS = [("kind", "kind", ""), ("P", "P", "d"), ("seed", "seed", "d"), ("S", "S", "d"), ("transport", "transport", ""),
            ("ranks measured", "ranks", ""), ("kept MB", "kept", ".1f"), ("kept / plain", "kept_ratio", ".2f"),
+           ("held, not saved MB", "unsaved", ".2f"),
            ("fwd transient MB", "fwd_peak", ".1f"), ("bwd transient MB", "bwd_peak", ".1f"),
            ("peak / own", "peak_ratio", ".2f"), ("fwd MB, sends landed", "fwd_landed", ".1f"),
            ("bwd MB, sends landed", "bwd_landed", ".1f"), ("peak / own, sends landed", "landed_ratio", ".2f"),
@@ -241,7 +248,7 @@ def main(argv=None) -> list[dict]:
                     print(f"  {name} peak of rank {row['worst_rank']} in {row[name + '_at'] or '-'}:")
                     for n, count, op, shape, dtype, site in row.pop(f"{name}_breakdown")[:8]:
                         print(f"    {n / MB:8.1f} MB  {count} x {op} {shape} {dtype}  {site}")
-    shown = [{k: (v / MB if k in ("kept", "fwd_peak", "bwd_peak", "fwd_landed", "bwd_landed", "plain_kept", "own",
+    shown = [{k: (v / MB if k in ("kept", "unsaved", "fwd_peak", "bwd_peak", "fwd_landed", "bwd_landed", "plain_kept", "own",
                                                "plan_fwd", "plan_bwd")
                   else v) for k, v in r.items()} for r in rows]
     cmd = "python benchmarks/rank_memory.py " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -252,7 +259,9 @@ def main(argv=None) -> list[dict]:
             f"D = {shapes['head_dim']}, bf16, the default config on the topology (direct transport with "
             "sub-stages, capacities sized per P). One process per rank through a fake process group; "
             "attention kernels faked by their allocations; merges on their CPU torch paths. Per rank, "
-            "the largest over the ranks measured. Transient columns: point-to-point send buffers held to "
+            "the largest over the ranks measured. `kept`: the storages autograd saves (saved-tensor "
+            "hooks), the outputs included; `held, not saved`: what the forward made and left alive "
+            "beside them (the group's host copy of the splits). Transient columns: point-to-point send buffers held to "
             "the pass's end (the fake group's sends never complete: the most a rank holds); `sends "
             "landed`: each send complete by the group's next collective, which then drops its buffer "
             "(the least).\n\n" + markdown_table(shown, COLUMNS) + "\n")
