@@ -31,9 +31,11 @@ def send_index(rng: torch.Tensor, chunk: int, send_capacity: int) -> torch.Tenso
     starts = ends - length
     pos = torch.arange(send_capacity, device=rng.device).expand(B, send_capacity).contiguous()
     seg = torch.searchsorted(ends, pos, right=True).clamp_(max=S - 1)  # segment holding pos
-    g = seg // n % G
-    idx = g * chunk + lo.gather(1, seg) + pos - starts.gather(1, seg)
-    return torch.where(pos < ends[:, -1:], idx, -1).reshape(*lead, send_capacity)
+    # g * chunk + lo + (pos - start) of the segment, in place: a list is S x a capacity of int64
+    # (tens of MB at real shapes), so the few full-size temporaries are what its build costs
+    idx = seg.div(n, rounding_mode="floor").remainder_(G).mul_(chunk)
+    idx.add_(lo.gather(1, seg)).add_(pos).sub_(starts.gather(1, seg))
+    return idx.masked_fill_(pos >= ends[:, -1:], -1).reshape(*lead, send_capacity)
 
 
 def return_gather(comm, kind: str, rank: int) -> torch.Tensor:
@@ -54,5 +56,5 @@ def return_gather(comm, kind: str, rank: int) -> torch.Tensor:
     starts = ends - per
     pos = torch.arange(cap, device=length.device).expand(S, cap).contiguous()
     seg = torch.searchsorted(ends, pos, right=True).clamp_(max=length.numel() - 1)
-    idx = base[seg] + pos - starts.gather(1, seg)
-    return torch.where(pos < ends[:, -1:], idx, -1)
+    idx = base[seg].add_(pos).sub_(starts.gather(1, seg))  # in place, as send_index
+    return idx.masked_fill_(pos >= ends[:, -1:], -1)

@@ -101,20 +101,17 @@ class LayerRoutes:
     fill: dict | None = None
 
     def for_backward(self) -> "LayerRoutes":
-        """What a layer keeps of its routing from forward to backward: not the send lists (and with
-        sub-stages the gathers) built from the plan for this call (``StageRoutes.for_backward``),
-        which ``restored`` builds again. A relay plan's hops are kept whole."""
-        if self.stages is not None:
-            return replace(self, stages=self.stages.for_backward())
-        if self.relay is not None:
+        """What a layer keeps of its routing from forward to backward: not the one-stage send lists
+        built from the plan for this call, which ``restored`` builds again (sub-stages build their
+        tables in each pass, ``pipelined.RouteTables``). A relay plan's hops are kept whole."""
+        if self.stages is not None or self.relay is not None:
             return self
         return replace(self, qo_index=None, kv_index=None)
 
     def restored(self) -> "LayerRoutes":
         """``for_backward``'s routing whole again, its tables built from the plan (no host read)."""
-        if self.stages is not None:
-            return replace(self, stages=self.stages.with_tables(self.plan, self.ranks, self.batched))
-        if self.relay is not None or self.qo_index is not None:
+        if self.stages is not None or self.relay is not None or self.qo_index is not None:
+            # sub-stages build their tables when first read (``pipelined.RouteTables``)
             return self
         return replace(self, qo_index=send_lists(self.plan, "qo", self.ranks, self.batched),
                        kv_index=send_lists(self.plan, "kv", self.ranks, self.batched))

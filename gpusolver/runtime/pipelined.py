@@ -48,7 +48,7 @@ cast's start row on this rank is summed from that copy (a ``RankFill`` of the ca
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -80,15 +80,69 @@ def counter_phases(bases, num_stages: int) -> tuple[str, ...]:
     return tuple(stage_phase(b, s) for b in bases for s in range(1, num_stages + 1))
 
 
+class RouteTables:
+    """The send lists and gathers of a layer's sub-stages, built from the plan's metas when first
+    read and let go by ``drop`` once every collective that reads them has been issued.
+
+    index(kind, which): S send lists, ``[send_cap]`` (``[P, send_cap]`` batched) int64.
+    gather(kind):       S ``[cap]`` (``[P, cap]``) int64 rows of ``X``'s remote part that make each
+                        reduce's buffer (-1 past the fill).
+
+    Each is S times a send or receive capacity of int64 (the KV ones 17-25 MB per rank at 8K
+    tokens per rank, 64:8, P = 16-64): each pass builds its own (``fresh``), the forward the casts'
+    and the O reduces' only, and drops a table after its last collective is issued; the routing a
+    layer keeps for its backward holds none. Building one is a handful of ops, no host read.
+    """
+
+    def __init__(self, comms: dict, ranks: tuple[int, ...], batched: bool):
+        self.comms, self.ranks, self.batched = comms, ranks, batched
+        self._built: dict = {}
+
+    def fresh(self) -> "RouteTables":
+        """The same tables, none built."""
+        return RouteTables(self.comms, self.ranks, self.batched)
+
+    def built(self) -> tuple:
+        """The keys of the tables held now (``(kind, which)`` and ``("gather", kind)``)."""
+        return tuple(self._built)
+
+    def index(self, kind: str, which: str) -> list[torch.Tensor]:
+        key = (kind, which)
+        if key not in self._built:
+            ranks = self.ranks if self.batched else self.ranks[:1]
+            lists = self.comms[kind].stage_send_index(kind, ranks, which)  # [R, S, cap]
+            self._built[key] = list(lists.unbind(1) if self.batched else lists[0].unbind(0))
+        return self._built[key]
+
+    def gather(self, kind: str) -> list[torch.Tensor]:
+        key = ("gather", kind)
+        if key not in self._built:
+            comm, ranks = self.comms[kind], self.ranks
+            rows = (torch.stack([comm.return_gather(kind, r) for r in ranks]) if self.batched
+                    else comm.return_gather(kind, ranks[0]))
+            self._built[key] = list(rows.unbind(1 if self.batched else 0))
+        return self._built[key]
+
+    def build(self, *keys) -> None:
+        """Build the tables ``keys`` now (``(kind, which)``, ``("gather", kind)``): at a pass's start,
+        before its buffers exist, so that a build's temporaries never sit beside them."""
+        for a, b in keys:
+            self.gather(b) if a == "gather" else self.index(a, b)
+
+    def drop(self, *keys) -> None:
+        """Let go of the tables ``keys`` (a collective issued with one holds what it still reads)."""
+        for key in keys:
+            self._built.pop(key, None)
+
+
 @dataclass(frozen=True)
 class StageRoutes:
     """The routing of each sub-stage's cast and reduce, for the ranks run here.
 
-    index[(kind, which)]:  S send lists, ``[send_cap]`` (``[P, send_cap]`` batched) int64.
+    tables:                the send lists and gathers (``RouteTables``): each pass builds its own
+                           (``fresh``), so a layer keeps none of them from forward to backward.
     split[(kind, which)]:  S ``[P, P]`` int64 split matrices.
     host[(kind, which)]:   S host copies (``TorchGroup``), else S Nones.
-    gather[kind]:          S ``[cap]`` (``[P, cap]``) int64 rows of ``X``'s remote part that
-                           make each reduce's buffer (-1 past the fill).
     start[kind]:           S ``[P]`` int64: the row of each rank's shared receive buffer where
                            cast s's rows start (``CommMeta.stage_base``).
     host_start[kind]:      S ``RankFill`` of the casts before each (``TorchGroup``: this rank's start, from the host
@@ -96,37 +150,17 @@ class StageRoutes:
     recv_rows[kind]:       ``TorchGroup``: a ``RankFill`` of the S casts, the rows
                            this rank receives in all S casts (its buffer's fill); else None (the
                            buffer is the plan's capacity, ``receive_rows``).
-    kv_comm:               the KV route's CommMeta when it is not the plan's (a sparse plan's key
-                           blocks), else None.
 
-    ``index`` and ``gather`` are built from the plan for this call (S times the send and receive
-    capacities of int64: 62-83 MB per layer at 8K tokens per rank, 64:8, P = 16-64); the rest are
-    the plan's own tensors and small host copies. ``for_backward`` drops the two, ``with_tables``
-    builds them again: a layer keeps none of them from its forward to its backward.
+    Beside the tables, the plan's own tensors and small host copies.
     """
 
     num_stages: int
-    index: dict | None
+    tables: RouteTables
     split: dict
     host: dict
-    gather: dict | None
     start: dict
     host_start: dict
     recv_rows: dict
-    kv_comm: object = None
-
-    def for_backward(self) -> "StageRoutes":
-        """This routing without the tables built from the plan (``index``, ``gather``): what a layer
-        keeps for its backward. The host copies stay: the backward reads the splits no second time."""
-        return replace(self, index=None, gather=None)
-
-    def with_tables(self, plan: Plan, ranks: tuple[int, ...], batched: bool) -> "StageRoutes":
-        """This routing with its tables, built again from ``plan`` where ``for_backward`` dropped them
-        (a handful of ops per pass, as the forward's; no host read)."""
-        if self.index is not None:
-            return self
-        index, gather = _tables(_comms(plan, self.kv_comm), ranks, batched)
-        return replace(self, index=index, gather=gather)
 
 
 def received_rows(host, rank: int) -> int:
@@ -152,31 +186,11 @@ class RankFill:
         return sum(received_rows(part, self.rank) for part in self.parts)
 
 
-def _comms(plan: Plan, kv_comm) -> dict:
-    return {"qo": plan.comm, "kv": plan.comm if kv_comm is None else kv_comm}
-
-
-def _tables(comms: dict, ranks: tuple[int, ...], batched: bool) -> tuple[dict, dict]:
-    """(index, gather) of ``StageRoutes``, built from the plan's metas for ``ranks``."""
-    def per_rank(fn):
-        return torch.stack([fn(r) for r in ranks]) if batched else fn(ranks[0])
-
-    index = {}
-    for kind in KINDS:
-        for which in WHICH:
-            lists = comms[kind].stage_send_index(kind, ranks if batched else ranks[:1], which)  # [R, S, cap]
-            index[kind, which] = list(lists.unbind(1) if batched else lists[0].unbind(0))
-    gather = {kind: list(per_rank(lambda r: comms[kind].return_gather(kind, r)).unbind(1 if batched else 0))
-              for kind in KINDS}
-    return index, gather
-
-
 def stage_routes(plan: Plan, group, ranks: tuple[int, ...], batched: bool, kv_comm=None) -> StageRoutes:
     """kv_comm: the KV route's CommMeta when it is not ``plan.comm`` (a sparse plan's key blocks,
     ``KVBlocks.staged``)."""
-    comms = _comms(plan, kv_comm)
+    comms = {"qo": plan.comm, "kv": plan.comm if kv_comm is None else kv_comm}
     S = plan.comm.num_stages
-    index, gather = _tables(comms, ranks, batched)
     split, host = {}, {}
     for kind in KINDS:
         for which in WHICH:
@@ -191,12 +205,12 @@ def stage_routes(plan: Plan, group, ranks: tuple[int, ...], batched: bool, kv_co
                       for kind in KINDS}
         recv_rows = {kind: RankFill(host[kind, "cast"], ranks[0]) for kind in KINDS}
     else:
-        host = {key: [None] * S for key in index}
+        host = {key: [None] * S for key in split}
         host_start = {kind: [None] * S for kind in KINDS}
         recv_rows = {kind: None for kind in KINDS}
     start = {kind: list(comms[kind].stage_base(kind).unbind(0)) for kind in KINDS}
-    return StageRoutes(num_stages=S, index=index, split=split, host=host, gather=gather, start=start,
-                       host_start=host_start, recv_rows=recv_rows, kv_comm=kv_comm)
+    return StageRoutes(num_stages=S, tables=RouteTables(comms, ranks, batched), split=split, host=host,
+                       start=start, host_start=host_start, recv_rows=recv_rows)
 
 
 def receive_rows(plan: Plan, sr: StageRoutes, kind: str) -> int:
@@ -318,13 +332,13 @@ def _returned_rows(sr: StageRoutes, kind: str, stage: int, rank: int, batched: b
     return None if host is None else received_rows(host, rank)
 
 
-def _reduce_partials(x_parts, sr: StageRoutes, kind: str, stage: int, n: int, lead: int, dtypes, rank: int,
+def _reduce_partials(x_parts, sr: StageRoutes, tables: RouteTables, kind: str, stage: int, n: int, lead: int, dtypes, rank: int,
                      batched: bool):
     """Reduce ``stage``'s partials of ``kind`` out of the running rows ``x_parts`` and the receive
     capacity to pass (None: the partials' rows). On ``TorchGroup`` only the rows this rank returns
     are gathered (the first of the reduce's layout; the rest never leave): a reduce buffer of the
     stage's fill, not of the receive capacity."""
-    gather = sr.gather[kind][stage - 1]
+    gather = tables.gather(kind)[stage - 1]
     rows_ = _returned_rows(sr, kind, stage, rank, batched)
     if rows_ is not None:
         gather = gather.narrow(0, 0, min(rows_, gather.shape[0]))
@@ -333,10 +347,26 @@ def _reduce_partials(x_parts, sr: StageRoutes, kind: str, stage: int, n: int, le
     into = [None] * len(x_parts) if rows_ is None or len(x_parts) < 2 else \
         packed_rows(gather.shape[0], [t.shape[1:] for t in x_parts], list(dtypes), x_parts[0].device)
     parts = [_gather_remote(t, gather, n, lead, d, out=o) for t, d, o in zip(x_parts, dtypes, into)]
-    return parts, (None if rows_ is None else sr.gather[kind][stage - 1].shape[0])
+    return parts, (None if rows_ is None else tables.gather(kind)[stage - 1].shape[0])
 
 
-def _issue(op: Op, sr: StageRoutes, group, caps: dict, tensors, acc=None, deterministic: bool = True,
+class _LastIssue:
+    """Drops a routing table once the last collective that reads it has been issued: ``issued(op)``
+    after each cast and reduce (``per_stage`` calls of a kind per sub-stage: the forward's reduces
+    run once per output branch)."""
+
+    def __init__(self, tables: RouteTables, num_stages: int, per_stage: int = 1):
+        self.tables, self.num_stages, self.per_stage, self.count = tables, num_stages, per_stage, {}
+
+    def issued(self, op: Op) -> None:
+        which = "return" if op.back else "cast"
+        key = (op.route, which)
+        self.count[key] = self.count.get(key, 0) + 1
+        if self.count[key] == self.num_stages * (self.per_stage if op.back else 1):
+            self.tables.drop(key, *((("gather", op.route),) if op.back else ()))
+
+
+def _issue(op: Op, sr: StageRoutes, tables: RouteTables, group, caps: dict, tensors, acc=None, deterministic: bool = True,
            inplace: bool = False, recv_capacity: int | None = None):
     """Start collective ``op`` of sub-stage ``op.stages[0]``: its Work. ``caps[kind]``: receive rows.
     A cast writes into ``acc`` (the kind's shared receive buffers) at its own rows. A reduce takes
@@ -349,10 +379,10 @@ def _issue(op: Op, sr: StageRoutes, group, caps: dict, tensors, acc=None, determ
     key, i = (op.route, which), s - 1
     phase = stage_phase(op.phase, s)
     if op.kind == CAST:
-        return group_cast(list(tensors), sr.index[key][i], sr.split[key][i], caps[op.route], group, phase=phase,
+        return group_cast(list(tensors), tables.index(*key)[i], sr.split[key][i], caps[op.route], group, phase=phase,
                           host_split=sr.host[key][i], async_op=True, flag_errors=False, out=list(acc),
                           recv_offset=sr.start[op.route][i], host_recv_offset=sr.host_start[op.route][i])
-    return group_reduce(tensors, sr.index[key][i], sr.split[key][i], acc, group,
+    return group_reduce(tensors, tables.index(*key)[i], sr.split[key][i], acc, group,
                         op="lse" if op.phase == "fwd.o" else "sum", phase=phase, host_split=sr.host[key][i],
                         deterministic=deterministic, async_op=True, flag_errors=False, consume=True,
                         inplace=inplace, recv_capacity=recv_capacity)
@@ -419,12 +449,18 @@ def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql,
     kl, vl = X["kv"].local()
     sent = {"qo": (ql, *extra), "kv": (kl, vl)}
     works = {}
+    # this pass's routing tables (built here, inside the pass: under torch.compile the layer's
+    # routing is state from outside it, never written), before its buffers exist
+    tables = sr.tables.fresh()
+    tables.build(("qo", "cast"), ("kv", "cast"), ("qo", "return"), ("gather", "qo"))
+    last = _LastIssue(tables, S, per_stage=branches)
     acc, dtypes, outs = [], [], []
     n = X["qo"].n
     for op in forward_ops(S + 1, branches):
         with nvtx_range(op_range(op, sub_stages=True)):
             if op.kind == CAST:
-                works[op.name] = _issue(op, sr, group, caps, sent[op.route], X[op.route].remote())
+                works[op.name] = _issue(op, sr, tables, group, caps, sent[op.route], X[op.route].remote())
+                last.issued(op)
             elif op.kind == WAIT and op.back:  # the reduce merges into the host's rows (in place): by now
                 works.pop(op.deps[0]).wait()
             elif op.kind == WAIT:
@@ -457,9 +493,10 @@ def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql,
                 group.drop_landed_sends()  # the last reduce's send buffer, if it has landed, before these
                 # the partials handed over (no name keeps them): freed once sent, not held through s + 1;
                 # merged into the host rows of the running (out fp32, lse) themselves
-                parts, cap = _reduce_partials(acc[b].x, sr, "qo", s, n, lead, dtypes[b], ranks[0], batched)
-                works[op.name] = _issue(op, sr, group, caps, parts, [rows(t, lead, 0, n) for t in acc[b].x],
+                parts, cap = _reduce_partials(acc[b].x, sr, tables, "qo", s, n, lead, dtypes[b], ranks[0], batched)
+                works[op.name] = _issue(op, sr, tables, group, caps, parts, [rows(t, lead, 0, n) for t in acc[b].x],
                                         deterministic, inplace=True, recv_capacity=cap)
+                last.issued(op)
                 del parts
             elif op.kind == MERGE:  # every return is merged in: the host's rows are the output
                 for b in range(branches):
@@ -503,11 +540,18 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
     are: the pass's peak is never its end."""
     lead = 1 if batched else 0
     S = sr.num_stages
+    # the routing tables first, before any operand or sum: their builds' temporaries never sit
+    # beside those (K, V are cast again unless kept whole)
+    kv_cast = kept_kv is None or kept_kv_rows >= 0 or kept_room is not None
+    tables = sr.tables.fresh()
+    tables.build(("qo", "cast"), ("qo", "return"), ("kv", "return"), ("gather", "qo"), ("gather", "kv"),
+                 *((("kv", "cast"),) if kv_cast else ()))
     caps = {kind: receive_rows(plan, sr, kind) for kind in KINDS}
     cap_q, cap_k = caps["qo"], caps["kv"]
     # the kept KV rows here: the plan's (which route the casts again), at most the buffer's
     n = ql.shape[lead]
     works = {}
+    last = _LastIssue(tables, S)
     # the slice kernel sums each stage's share into the fp32 sums itself (``_flex_backward_into``);
     # a custom kernel (a sparse layer's) returns its gradients, added here
     fused = attend_bwd is None
@@ -571,11 +615,11 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
                 if op.route == "qo":
                     tensors = tuple(grads) + (() if kept_q is not None else (ql, *extra))
                     into = Xg.remote() + ([] if kept_q is not None else Xq.remote())
-                    works[op.name] = _issue(op, sr, group, caps, tensors, into)
+                    works[op.name] = _issue(op, sr, tables, group, caps, tensors, into)
                     if part_q:  # Q of sub-stage s's rows past the kept ones travels again beside dO
                         (s,) = op.stages
                         key = ("qo", "cast")
-                        tail = tail_cast((ql, *extra), sr.index[key][s - 1], sr.split[key][s - 1], tail_q,
+                        tail = tail_cast((ql, *extra), tables.index(*key)[s - 1], sr.split[key][s - 1], tail_q,
                                          Xq.remote(), group, phase=stage_phase(op.phase, s), ranks=ranks,
                                          batched=batched, base=sr.start["qo"][s - 1],
                                          host_base=sr.host_start["qo"][s - 1], host_kept=host_q)
@@ -583,12 +627,13 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
                 elif part:  # sub-stage s's rows past the kept ones, into the buffer rows past them
                     (s,) = op.stages
                     key = ("kv", "cast")
-                    works[op.name] = tail_cast((kl, vl), sr.index[key][s - 1], sr.split[key][s - 1], tail_kv,
+                    works[op.name] = tail_cast((kl, vl), tables.index(*key)[s - 1], sr.split[key][s - 1], tail_kv,
                                                Xkv.remote(), group, phase=stage_phase(op.phase, s), ranks=ranks,
                                                batched=batched, base=sr.start["kv"][s - 1],
                                                host_base=sr.host_start["kv"][s - 1], host_kept=host_kv)
                 else:
-                    works[op.name] = _issue(op, sr, group, caps, (kl, vl), Xkv.remote())
+                    works[op.name] = _issue(op, sr, tables, group, caps, (kl, vl), Xkv.remote())
+                last.issued(op)
             elif op.kind == WAIT and op.back:  # the reduce sums into the host's rows (in place): by now
                 works.pop(op.deps[0]).wait()
             elif op.kind == WAIT:
@@ -623,9 +668,10 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
                 group.drop_landed_sends()  # the last reduce's send buffer, if it has landed, before these
                 # the partials handed over (no name keeps them): freed once sent, not held through s + 1;
                 # summed into the host rows of the fp32 sums themselves
-                parts, cap = _reduce_partials(pick, sr, kind, s, n, lead, [dtype] * len(pick), ranks[0], batched)
-                works[op.name] = _issue(op, sr, group, caps, parts, [rows(t, lead, 0, n) for t in pick],
+                parts, cap = _reduce_partials(pick, sr, tables, kind, s, n, lead, [dtype] * len(pick), ranks[0], batched)
+                works[op.name] = _issue(op, sr, tables, group, caps, parts, [rows(t, lead, 0, n) for t in pick],
                                         deterministic, inplace=True, recv_capacity=cap)
+                last.issued(op)
                 del parts
             elif op.kind == MERGE:  # every reduce is summed in: the host's rows are the gradients
                 # nothing reads the operands now: freed before the gradients are made
