@@ -38,11 +38,13 @@ def send_index(rng: torch.Tensor, chunk: int, send_capacity: int) -> torch.Tenso
     return idx.masked_fill_(pos >= ends[:, -1:], -1).reshape(*lead, send_capacity)
 
 
-def return_gather(comm, kind: str, rank: int) -> torch.Tensor:
+def return_gather(comm, kind: str, rank: int, cap: int | None = None) -> torch.Tensor:
     """``[S, cap]`` int64 rows of ``rank``'s receive buffer of ``kind`` (shared by the sub-stages, cap
-    that kind's receive rows) that make reduce s's buffer, in its (host, g, tile) order; -1 past the fill."""
+    that kind's receive rows, or the first ``cap`` positions) that make reduce s's buffer, in its
+    (host, g, tile) order; -1 past the fill."""
     G, U, P = comm.qo_recv_offset.shape
-    n, S, cap = comm.tiles, comm.num_stages, comm.buffers.recv(kind)
+    n, S = comm.tiles, comm.num_stages
+    cap = comm.buffers.recv(kind) if cap is None else cap
     rng = (comm.qo_range if kind == "qo" else comm.kv_range)[:, :, rank]            # [G, U, 2]
     stage = (comm.qo_stage if kind == "qo" else comm.kv_stage)[:, :, rank]         # [G, U, 2]
     cast_off = (comm.qo_recv_offset if kind == "qo" else comm.kv_recv_offset)[:, :, rank]

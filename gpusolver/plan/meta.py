@@ -166,12 +166,17 @@ class CommMeta:
             rng = torch.where((st[..., 0 if which == "cast" else 1] == stage)[..., None], rng, 0)
         return send_index(rng, self.chunk, self.buffers.send(kind))
 
-    def stage_send_index(self, kind: str, ranks, which: str = "cast") -> torch.Tensor:
+    def stage_send_index(self, kind: str, ranks, which: str = "cast", capacity: int | None = None) -> torch.Tensor:
         """[len(ranks), S, send_cap(kind)] int64: ``send_index(kind, r, s, which)`` of every rank
         ``r`` of ``ranks`` and sub-stage s in 1..S (S = 1: every row), built in one batch (a
-        handful of ops, however many ranks and sub-stages, as per-call lists would take each)."""
+        handful of ops, however many ranks and sub-stages, as per-call lists would take each).
+        capacity: the first this many positions of each list only (a caller that knows how many
+        rows each list holds, from a host copy of the splits); default the send capacity."""
         self._kind(kind)
         self._stage_arg(None, which)
+        capacity = self.buffers.send(kind) if capacity is None else capacity
+        if not isinstance(capacity, int) or capacity < 0:
+            raise ValueError(f"capacity must be an int >= 0, got {capacity!r}")
         ranks = tuple(ranks)
         if not ranks or not all(isinstance(r, int) and 0 <= r < self.cp_size for r in ranks):
             raise ValueError(f"ranks must be a non-empty tuple of ints in [0, {self.cp_size}), got {ranks!r}")
@@ -188,7 +193,7 @@ class CommMeta:
             st = per_source(self.qo_stage if kind == "qo" else self.kv_stage)[..., 0 if which == "cast" else 1]
             s = torch.arange(1, S + 1, device=st.device).view(1, S, 1, 1, 1)
             rng = torch.where((st[:, None] == s)[..., None], rng, 0)           # [R, S, G, n, P, 2]
-        return send_index(rng, self.chunk, self.buffers.send(kind))
+        return send_index(rng, self.chunk, capacity)
 
     def stage_split(self, kind: str, which: str = "cast") -> torch.Tensor:
         """[S, P(src), P(dst)] int64 split sizes of each cast (``"cast"``) or reduce (``"return"``)."""
@@ -206,18 +211,21 @@ class CommMeta:
             return torch.zeros(1, self.cp_size, dtype=torch.int64, device=self.qo_split.device)
         return self.qo_stage_base if kind == "qo" else self.kv_stage_base
 
-    def return_gather(self, kind: str, rank: int) -> torch.Tensor:
+    def return_gather(self, kind: str, rank: int, capacity: int | None = None) -> torch.Tensor:
         """[S, recv_capacity(kind)] int64: row p of reduce s's buffer on ``rank`` is row
         ``gather[s - 1, p]`` of the rank's receive buffer (shared by the sub-stages); -1 past
-        the fill. Sync-free."""
+        the fill. Sync-free. capacity: the first this many positions only (as ``stage_send_index``)."""
         self._kind(kind)
         if not 0 <= rank < self.cp_size:
             raise ValueError(f"rank must be in [0, {self.cp_size}), got {rank}")
+        capacity = self.buffers.recv(kind) if capacity is None else capacity
+        if not isinstance(capacity, int) or capacity < 0:
+            raise ValueError(f"capacity must be an int >= 0, got {capacity!r}")
         if self.num_stages == 1:
-            pos = torch.arange(self.buffers.recv(kind), device=self.qo_split.device)
+            pos = torch.arange(capacity, device=self.qo_split.device)
             fill = (self.qo_recv_rows if kind == "qo" else self.kv_recv_rows)[rank]
             return torch.where(pos < fill, pos, -1)[None]
-        return return_gather(self, kind, rank)
+        return return_gather(self, kind, rank, capacity)
 
     @property
     def head_groups(self) -> int:

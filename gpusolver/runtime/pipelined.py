@@ -94,13 +94,28 @@ class RouteTables:
     layer keeps for its backward holds none. Building one is a handful of ops, no host read.
     """
 
-    def __init__(self, comms: dict, ranks: tuple[int, ...], batched: bool):
-        self.comms, self.ranks, self.batched = comms, ranks, batched
+    def __init__(self, comms: dict, ranks: tuple[int, ...], batched: bool, host: dict | None = None):
+        self.comms, self.ranks, self.batched, self.host = comms, ranks, batched, host
         self._built: dict = {}
 
-    def fresh(self) -> "RouteTables":
-        """The same tables, none built."""
-        return RouteTables(self.comms, self.ranks, self.batched)
+    def fresh(self, host: dict | None = None) -> "RouteTables":
+        """The same tables, none built. host: ``StageRoutes.host`` once its copy has landed (a
+        ``TorchGroup`` backward: its forward waited for it): each list is then built only as long
+        as the most rows it holds in any sub-stage, not the capacity."""
+        return RouteTables(self.comms, self.ranks, self.batched, host)
+
+    def recv_capacity(self, kind: str) -> int:
+        """The plan's receive rows of ``kind`` (what a reduce's partials' layout is sized by)."""
+        return self.comms[kind].buffers.recv(kind)
+
+    def _longest(self, kind: str, which: str, column: bool) -> int | None:
+        """From the host copy: the most rows this rank sends (its split row) or receives (its
+        column) in any one sub-stage of ``kind``'s ``which`` routing; None without it."""
+        if self.host is None:
+            return None
+        r = self.ranks[0]
+        return max((sum(row[r] for row in part.get()) if column else sum(part.get()[r]))
+                   for part in self.host[kind, which])
 
     def built(self) -> tuple:
         """The keys of the tables held now (``(kind, which)`` and ``("gather", kind)``)."""
@@ -110,7 +125,7 @@ class RouteTables:
         key = (kind, which)
         if key not in self._built:
             ranks = self.ranks if self.batched else self.ranks[:1]
-            lists = self.comms[kind].stage_send_index(kind, ranks, which)  # [R, S, cap]
+            lists = self.comms[kind].stage_send_index(kind, ranks, which, self._longest(kind, which, False))
             self._built[key] = list(lists.unbind(1) if self.batched else lists[0].unbind(0))
         return self._built[key]
 
@@ -119,7 +134,7 @@ class RouteTables:
         if key not in self._built:
             comm, ranks = self.comms[kind], self.ranks
             rows = (torch.stack([comm.return_gather(kind, r) for r in ranks]) if self.batched
-                    else comm.return_gather(kind, ranks[0]))
+                    else comm.return_gather(kind, ranks[0], self._longest(kind, "return", True)))
             self._built[key] = list(rows.unbind(1 if self.batched else 0))
         return self._built[key]
 
@@ -347,7 +362,7 @@ def _reduce_partials(x_parts, sr: StageRoutes, tables: RouteTables, kind: str, s
     into = [None] * len(x_parts) if rows_ is None or len(x_parts) < 2 else \
         packed_rows(gather.shape[0], [t.shape[1:] for t in x_parts], list(dtypes), x_parts[0].device)
     parts = [_gather_remote(t, gather, n, lead, d, out=o) for t, d, o in zip(x_parts, dtypes, into)]
-    return parts, (None if rows_ is None else tables.gather(kind)[stage - 1].shape[0])
+    return parts, (None if rows_ is None else tables.recv_capacity(kind))
 
 
 class _LastIssue:
@@ -543,7 +558,9 @@ def backward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql
     # the routing tables first, before any operand or sum: their builds' temporaries never sit
     # beside those (K, V are cast again unless kept whole)
     kv_cast = kept_kv is None or kept_kv_rows >= 0 or kept_room is not None
-    tables = sr.tables.fresh()
+    # on TorchGroup the forward waited for the host copy of the splits: each list only as long as
+    # the most rows it holds in a sub-stage, not the capacity
+    tables = sr.tables.fresh(host=None if batched or sr.host["qo", "cast"][0] is None else sr.host)
     tables.build(("qo", "cast"), ("qo", "return"), ("kv", "return"), ("gather", "qo"), ("gather", "kv"),
                  *((("kv", "cast"),) if kv_cast else ()))
     caps = {kind: receive_rows(plan, sr, kind) for kind in KINDS}

@@ -169,6 +169,30 @@ def test_batched_send_lists_are_the_per_stage_ones(S, tiles):
             comm.stage_send_index("qo", bad)
 
 
+def test_send_lists_and_gathers_cut_to_a_capacity_are_their_first_positions():
+    """``capacity=``: the first positions of the whole lists and gathers (what a TorchGroup backward
+    builds, as long as the most rows a sub-stage holds); bad capacities are refused by name."""
+    _, _, plan, _ = _solved(S=4, tiles=1)
+    comm = plan.comm
+    ranks = tuple(range(comm.cp_size))
+    for kind in ("qo", "kv"):
+        for which in ("cast", "return"):
+            whole = comm.stage_send_index(kind, ranks, which)
+            longest = int((whole >= 0).sum(-1).max())
+            assert 0 < longest < whole.shape[-1]  # the lists hold padding to cut
+            cut = comm.stage_send_index(kind, ranks, which, capacity=longest)
+            assert torch.equal(cut, whole[..., :longest])
+        for r in (0, 5):
+            whole = comm.return_gather(kind, r)
+            for cap in (0, 3, int((whole >= 0).sum(-1).max())):
+                assert torch.equal(comm.return_gather(kind, r, capacity=cap), whole[..., :cap])
+    for bad in (-1, 2.5):
+        with pytest.raises(ValueError, match="capacity must be"):
+            comm.stage_send_index("qo", ranks, capacity=bad)
+        with pytest.raises(ValueError, match="capacity must be"):
+            comm.return_gather("kv", 0, capacity=bad)
+
+
 def test_stage_pass_deterministic_and_on_meta():
     _, areas, plan, config = _solved(S=8)
     again = assign_stages(areas, plan.assignment, 8, cost=config.cost())
