@@ -71,6 +71,14 @@ _INTERNAL = dict(validate=False, flag_errors=False)
 
 
 @dataclass(frozen=True)
+class _RelayHosts:
+    """What ``LayerRoutes.for_backward`` keeps of a relay routing: which executor, and the host
+    copies of its splits (None off ``TorchGroup``)."""
+    sub_stages: bool
+    parts: tuple | None
+
+
+@dataclass(frozen=True)
 class LayerRoutes:
     """What one layer's collectives and stages read from the plan, for the ranks this process runs.
 
@@ -101,17 +109,22 @@ class LayerRoutes:
     fill: dict | None = None
 
     def for_backward(self) -> "LayerRoutes":
-        """What a layer keeps of its routing from forward to backward: not the one-stage send lists
-        built from the plan for this call, which ``restored`` builds again (sub-stages build their
-        tables in each pass, ``pipelined.RouteTables``). A relay plan's hops are kept whole."""
-        if self.stages is not None or self.relay is not None:
+        """What a layer keeps of its routing from forward to backward: none of the tables built from
+        the plan for this call (send lists, a relay plan's hops: up to hundreds of MB per layer at
+        real shapes), only the host copies of the splits; ``restored`` builds the tables again.
+        Sub-stages build theirs in each pass (``pipelined.RouteTables``)."""
+        if self.stages is not None:
             return self
+        if self.relay is not None:
+            return replace(self, relay=_RelayHosts(self.relay.sub_stages, self.relay.host_parts))
         return replace(self, qo_index=None, kv_index=None)
 
     def restored(self) -> "LayerRoutes":
         """``for_backward``'s routing whole again, its tables built from the plan (no host read)."""
+        if isinstance(self.relay, _RelayHosts):
+            build = stage_relay_routes if self.relay.sub_stages else relay_routes
+            return replace(self, relay=build(self.plan, None, self.ranks, self.batched, host_parts=self.relay.parts))
         if self.stages is not None or self.relay is not None or self.qo_index is not None:
-            # sub-stages build their tables when first read (``pipelined.RouteTables``)
             return self
         return replace(self, qo_index=send_lists(self.plan, "qo", self.ranks, self.batched),
                        kv_index=send_lists(self.plan, "kv", self.ranks, self.batched))

@@ -452,6 +452,12 @@ def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql,
     lead = 1 if batched else 0
     S = sr.num_stages
     caps = {kind: receive_rows(plan, sr, kind) for kind in KINDS}
+    # this pass's routing tables (built here, inside the pass: under torch.compile the layer's
+    # routing is state from outside it, never written), before its buffers exist; on TorchGroup the
+    # host copy of the splits has landed (the fills above read it), so each list only as long as
+    # the most rows it holds in a sub-stage
+    tables = sr.tables.fresh(host=None if batched or sr.host["qo", "cast"][0] is None else sr.host)
+    tables.build(("qo", "cast"), ("kv", "cast"), ("qo", "return"), ("gather", "qo"))
     # the slice kernel merges each stage's result into the running (out fp32, lse) itself
     # (``_flex_into``); a custom kernel (a sparse layer's) returns its parts, merged here
     fused = attend is None
@@ -464,10 +470,6 @@ def forward_stages(plan: Plan, group, ranks, batched: bool, sr: StageRoutes, ql,
     kl, vl = X["kv"].local()
     sent = {"qo": (ql, *extra), "kv": (kl, vl)}
     works = {}
-    # this pass's routing tables (built here, inside the pass: under torch.compile the layer's
-    # routing is state from outside it, never written), before its buffers exist
-    tables = sr.tables.fresh()
-    tables.build(("qo", "cast"), ("kv", "cast"), ("qo", "return"), ("gather", "qo"))
     last = _LastIssue(tables, S, per_stage=branches)
     acc, dtypes, outs = [], [], []
     n = X["qo"].n

@@ -93,6 +93,7 @@ class StageRelayRoutes:
     hop_rows: dict = None   # (kind, hop) -> this rank's rows of a cast hop's buffer (``TorchGroup``), else None
     back_rows: dict = None  # kind -> S: the rows this rank returns in each reduce (``TorchGroup``), else None
     sub_stages: bool = True  # ``dist_attn``: X-shaped operands, as ``pipelined``
+    host_parts: tuple | None = None  # the host copies of the splits (``TorchGroup``), for a rebuild
 
     def rows(self, kind: str) -> int:
         """Rows of ``kind``'s receive part of X here (``pipelined.receive_rows``): the plan's capacity,
@@ -114,20 +115,25 @@ class StageRelayRoutes:
         return g.narrow(0, 0, min(self.back_rows[kind][stage - 1].get(), g.shape[0]))
 
 
-def stage_relay_routes(plan, group, ranks: tuple[int, ...], batched: bool) -> StageRelayRoutes:
+def stage_relay_routes(plan, group, ranks: tuple[int, ...], batched: bool,
+                       host_parts: tuple | None = None) -> StageRelayRoutes:
     """The hops of every sub-stage of ``plan`` for the ranks run here (sync-free; on ``TorchGroup``
-    it starts the one non-blocking copy of all the split matrices)."""
+    it starts the one non-blocking copy of all the split matrices, unless ``host_parts`` gives an
+    earlier routing's: a backward builds its tables again, not the copy)."""
     comm, relay = plan.comm, plan.relay
     S, egress = relay.num_stages, bool(relay.egress)
     hops = (0, 1, 2, 3) if egress else (0, 1, 2)
     keys = [(k, w) for k in KINDS for w in WHICH]
     splits = {(k, w): [[relay.stage(k, s, w).split(h) for h in hops] for s in range(1, S + 1)] for k, w in keys}
-    recv_rows = hop_rows = back_rows = None
-    if isinstance(group, TorchGroup):
+    recv_rows = hop_rows = back_rows = parts = None
+    if host_parts is not None:
+        parts = list(host_parts)
+    elif isinstance(group, TorchGroup):
         # one non-blocking copy: every hop's splits, then the layout's cast and return splits (the rows
         # of X's receive part per kind, and of each reduce's buffer)
         layout = [comm.stage_split(k, w)[s] for k in KINDS for w in WHICH for s in range(S)]
         parts = host_splits(torch.stack([m for key in keys for per in splits[key] for m in per] + layout)).parts()
+    if parts is not None:
         H = len(hops)
         hosts = {key: [parts[(b * S + i) * H:(b * S + i + 1) * H] for i in range(S)] for b, key in enumerate(keys)}
         base = len(keys) * S * H
@@ -168,7 +174,8 @@ def stage_relay_routes(plan, group, ranks: tuple[int, ...], batched: bool) -> St
     for k in KINDS:
         gather[k] = list(stack(lambda r: comm.return_gather(k, r)).unbind(1 if batched else 0))
     return StageRelayRoutes(num_stages=S, egress=egress, routes=routes, gather_rows=gather, caps=caps,
-                            recv_rows=recv_rows, hop_rows=hop_rows, back_rows=back_rows)
+                            recv_rows=recv_rows, hop_rows=hop_rows, back_rows=back_rows,
+                            host_parts=None if parts is None else tuple(parts))
 
 
 _SIDE_STREAMS: dict = {}

@@ -86,22 +86,28 @@ class RelayRoutes:
     qo: KindRoutes
     kv: KindRoutes
     sub_stages: bool = False  # one remote stage (``relay_stages.StageRelayRoutes`` runs S > 1)
+    host_parts: tuple | None = None  # the host copies of the splits (``TorchGroup``), for a rebuild
 
     def kind(self, route: str) -> KindRoutes:
         return self.qo if route == "qo" else self.kv
 
 
-def relay_routes(plan, group, ranks: tuple[int, ...], batched: bool) -> RelayRoutes:
+def relay_routes(plan, group, ranks: tuple[int, ...], batched: bool, host_parts: tuple | None = None) -> RelayRoutes:
     """The hops' send lists, splits and gathers of ``plan`` for the ranks run here (sync-free;
-    on ``TorchGroup`` it starts the one non-blocking copy of the six split matrices)."""
+    on ``TorchGroup`` it starts the one non-blocking copy of the six split matrices, unless
+    ``host_parts`` gives an earlier routing's: a backward builds its tables again, not the copy)."""
     comm, relay = plan.comm, plan.relay
     egress = bool(relay.egress)
     hops = (0, 1, 2, 3) if egress else (0, 1, 2)
     H = len(hops)
-    # with the hops' splits, the plan's own layout ones: what each rank's receive buffer holds
-    splits = torch.stack([relay.route(k).split(h) for k in ("qo", "kv") for h in hops]
-                         + [comm.qo_split, comm.kv_split])
-    hosts = host_splits(splits).parts() if isinstance(group, TorchGroup) else [None] * (2 * H + 2)
+    if host_parts is not None:
+        hosts = list(host_parts)
+    elif isinstance(group, TorchGroup):
+        # with the hops' splits, the plan's own layout ones: what each rank's receive buffer holds
+        hosts = host_splits(torch.stack([relay.route(k).split(h) for k in ("qo", "kv") for h in hops]
+                                        + [comm.qo_split, comm.kv_split])).parts()
+    else:
+        hosts = [None] * (2 * H + 2)
 
     def stack(fn):
         return torch.stack([fn(r) for r in ranks]) if batched else fn(ranks[0])
@@ -125,7 +131,8 @@ def relay_routes(plan, group, ranks: tuple[int, ...], batched: bool) -> RelayRou
                           assemble=assemble, back=back, recv_cap=cap, relay_cap=rcap,
                           egress_cap=route.egress_capacity, egress=egress, fill=fill)
 
-    return RelayRoutes(qo=kind("qo", hosts[:H], hosts[2 * H]), kv=kind("kv", hosts[H:2 * H], hosts[2 * H + 1]))
+    return RelayRoutes(qo=kind("qo", hosts[:H], hosts[2 * H]), kv=kind("kv", hosts[H:2 * H], hosts[2 * H + 1]),
+                       host_parts=tuple(hosts))
 
 
 def _take(x: torch.Tensor, idx: torch.Tensor, fill: float, batched: bool) -> torch.Tensor:

@@ -407,18 +407,27 @@ def test_part_of_the_kv_buffer_kept_with_sub_stages():
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("stages", [4, 1], ids=["S4", "S1"])
-def test_what_a_layer_holds_is_what_autograd_saves(stages):
+# relay-S4 is slow (20 s: the relay sub-stages' backward on CPU); its values with the rebuilt routing
+# stay fast in test_relay_stages.py::test_relay_stages_equal_reference
+@pytest.mark.parametrize("stages,relay", [(4, False), (1, False), pytest.param(4, True, marks=pytest.mark.slow),
+                                          (1, True)], ids=["S4", "S1", "relay-S4", "relay-S1"])
+def test_what_a_layer_holds_is_what_autograd_saves(stages, relay):
     """Every storage the forward makes and leaves alive until the backward is one autograd saves (or
     an output): what saved-tensor hooks count is what a layer holds, and activation offloading or
-    checkpointing through them reaches all of it. With sub-stages the routing's send lists and
-    gathers (S times the capacities, int64: 62-83 MB per layer at real shapes) are built again in
-    the backward, not kept on the autograd context beside the saved tensors."""
+    checkpointing through them reaches all of it. The routing's tables (send lists and gathers, S
+    times the capacities of int64: 62-83 MB per layer at real shapes, a relay plan's hops 432 MB at
+    P = 16 with S = 4) are built again in the backward, not kept on the autograd context."""
     from benchmarks.layer_memory import LiveBytes
+    from tests.gpusolver.runtime.test_relay import _plans
 
     P, c, Hq, Hkv = 4, 16, 4, 2
-    mask = make_mask("docs-causal", P * c, seed=1)
-    plan, _ = tight_plan(mask, make_config(P, Hq, Hkv, num_stages=stages))
+    if relay:  # two nodes of 4
+        P = 8
+        _, plan, mask, _ = _plans("docs-causal", P, 4, num_stages=stages, seed=1)
+        assert plan.relay is not None
+    else:
+        mask = make_mask("docs-causal", P * c, seed=1)
+        plan, _ = tight_plan(mask, make_config(P, Hq, Hkv, num_stages=stages))
     assert plan.num_stages == stages
     inputs = make_inputs(P * c, Hq, Hkv, seed=2)
     group = LocalGroup(P)

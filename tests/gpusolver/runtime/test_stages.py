@@ -425,20 +425,20 @@ def _rank_reduce_rows(rank, P, name, c, Hq, Hkv, S, seed):
 def test_stages_gloo_reduce_buffers_hold_the_returned_rows():
     """On TorchGroup each sub-stage's reduce buffer holds the rows the rank returns in it (the stage's
     fill, from the host copy of the splits), not the receive capacity: forward O and lse per sub-stage,
-    backward dQ and dK, dV; and the backward's send lists hold the most rows a sub-stage sends, not
-    the send capacity. (The layer's values on gloo: ``test_stages_gloo``.)"""
+    backward dQ and dK, dV; and the send lists hold the most rows a sub-stage sends, not the send
+    capacity. (The layer's values on gloo: ``test_stages_gloo``.)"""
     P, name, c, Hq, Hkv, S, seed = 4, "docs-causal", 16, 4, 2, 4, 0
     got = run_ranks(_rank_reduce_rows, P, name, c, Hq, Hkv, S, seed, timeout=120)
     plan, _ = tight_plan(make_mask(name, P * c, seed), make_config(P, Hq, Hkv, True, 1, num_stages=S))
     comm = plan.comm
     for rank, (seen, lengths) in enumerate(got):
-        # the backward's send lists (host copy landed) hold the most rows a sub-stage sends, the
-        # forward's (built before the copy lands) the capacity
+        # every send list holds the most rows a sub-stage sends (each pass builds its lists once the
+        # host copy of the splits has landed), not the send capacity
         for cut, kind, which, length in lengths:
             sends = comm.stage_split(kind, which)[:, rank].sum(-1)  # [S] rows this rank sends
-            assert length == (int(sends.max()) if cut else comm.buffers.send(kind)), (rank, cut, kind, which)
-        assert {(cut, kind, which) for cut, kind, which, _ in lengths} >= {
-            (False, "qo", "cast"), (False, "kv", "cast"), (True, "qo", "return"), (True, "kv", "return")}
+            assert cut and length == int(sends.max()), (rank, kind, which, length)
+        assert {(kind, which) for _, kind, which, _ in lengths} == {
+            ("qo", "cast"), ("kv", "cast"), ("qo", "return"), ("kv", "return")}
         returned = {kind: [int(x) for x in comm.stage_split(kind, "return")[:, :, rank].sum(1)] for kind in ("qo", "kv")}
         # the operands gathered from hold this rank's fill (``pipelined.receive_rows``), not the capacity
         fill = {"qo": int(comm.qo_recv_rows[rank]), "kv": int(comm.kv_recv_rows[rank])}
