@@ -182,19 +182,14 @@ def sparse_routes(plan: SparsePlan, group) -> LayerRoutes:
         return LayerRoutes(plan=plan, ranks=ranks, batched=batched, qo_index=None, kv_index=None, qo_split=None,
                            kv_split=None, qo_host=None, kv_host=None,
                            stages=stage_routes(plan, group, ranks, batched, None if kb is None else kb.staged))
-    routes = layer_routes(plan, group)
+    routes = layer_routes(plan, group)  # its K, V send list is by key block already (``send_lists``)
     if kb is None:
         return routes
-    c, cap = plan.comm.chunk, plan.comm.kv_send_capacity
-    if routes.batched:
-        index = torch.stack([kb.send_index(r, c, cap) for r in routes.ranks])
-    else:
-        index = kb.send_index(routes.ranks[0], c, cap)
     kv_host, fill = None, None
     if isinstance(group, TorchGroup):
         kv_host = host_splits(kb.kv_split)
         fill = {"qo": routes.fill["qo"], "kv": RankFill([kv_host], routes.ranks[0])}
-    return replace(routes, kv_index=index, kv_split=kb.kv_split, kv_host=kv_host, fill=fill)
+    return replace(routes, kv_split=kb.kv_split, kv_host=kv_host, fill=fill)
 
 
 def _per_rank(routes: LayerRoutes, fn, *tensors):
