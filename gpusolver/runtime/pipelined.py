@@ -117,10 +117,6 @@ class RouteTables:
         return max((sum(row[r] for row in part.get()) if column else sum(part.get()[r]))
                    for part in self.host[kind, which])
 
-    def built(self) -> tuple:
-        """The keys of the tables held now (``(kind, which)`` and ``("gather", kind)``)."""
-        return tuple(self._built)
-
     def index(self, kind: str, which: str) -> list[torch.Tensor]:
         key = (kind, which)
         if key not in self._built:
