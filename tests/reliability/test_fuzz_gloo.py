@@ -1,0 +1,100 @@
+"""The fuzz harness over ``TorchGroup``: the layer on forked gloo ranks equals dense attention.
+
+``test_fuzz.py`` runs the layer on ``LocalGroup``, whose buffers are the plan's capacities. A real
+rank's group is ``TorchGroup``, which sizes every buffer and send list at this rank's fill from the
+host copy of the splits, cuts each sub-stage's lists to the rows it holds, sends packed partials
+as their buffer and keeps a share of the received rows per rank: paths a capacity-sized group never
+takes. Here each example draws a mask, a random assignment (any assignment is a valid plan), P, the
+sub-stages, what the backward keeps, the transport and the nodes (one, or two with inter-node rows
+direct or by relay), runs forward and backward on P forked gloo
+ranks and compares every rank's out, lse and gradients with the dense reference. Each example forks P ranks (a few seconds), so CI runs two and
+``make fuzz`` more (``_cases.budget``).
+"""
+from dataclasses import replace
+
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from attn_kernels.reference import dense_attn
+from gpusolver import SolverConfig, block_areas
+from gpusolver.plan import build_plan
+from gpusolver.runtime import dist_attn, shard
+from gpusolver.topology import Topology
+from groupcomm import TorchGroup
+from tests._dist import run_ranks
+from tests._testing import assert_close
+from tests.reliability._cases import D, budget
+from tests.reliability._fuzz import dense, make_mask, masks
+
+SLOW = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
+KEEPS = ("all", "none", "q-only", "kv-part", "q-part", "per-rank")
+PARTS = ("kv-part", "q-part", "per-rank")
+KEYS = ("out", "lse", "dq", "dk", "dv")
+
+
+def _case(m, P, c, Hkv, S, seed, net):
+    """The mask, config, plan (a random assignment) and inputs of one example, the same on every rank.
+    net: "one" (no topology), "direct" or "relay" (two nodes of P / 2 ranks, inter-node rows direct or
+    by relay)."""
+    T = P * c
+    mask = make_mask(S=T, **m)
+    G = 2 if mask.grouped else Hkv
+    # buffers at the worst case: a random assignment may move every row anywhere
+    config = SolverConfig(cp_size=P, num_heads_q=2 * G, num_heads_kv=G, head_dim=D, dtype=torch.float32,
+                          num_stages=S, max_recv_rows=G * c * (P - 1))
+    if net != "one":
+        topology = Topology(ranks_per_node=P // 2, nvlink_gbps=450.0, ib_gbps=50.0, attn_tflops=400.0, name="fuzz")
+        config = replace(config, topology=topology, ib_relay=net == "relay")
+    areas = block_areas(mask, P, G)
+    g = torch.Generator().manual_seed(seed)
+    assignment = torch.where(areas.area > 0, torch.randint(0, P, areas.area.shape, generator=g), -1).to(torch.int32)
+    plan = build_plan(mask, areas, assignment, config)
+    inputs = [torch.randn(T, h, D, generator=g) for h in (2 * G, G, G, 2 * G)]  # q, k, v, d_out
+    return mask, G, plan, inputs
+
+
+def _keep_kwargs(plan, keep: str) -> dict:
+    """dist_attn's keep options for ``keep``: rows of the largest fills, so kept parts cut casts."""
+    q_fill, kv_fill = int(plan.comm.qo_recv_rows.max()), int(plan.comm.kv_recv_rows.max())
+    return {"all": dict(keep_forward_buffers=True),
+            "none": dict(keep_forward_buffers=False),
+            "q-only": dict(keep_forward_buffers="qo"),
+            "kv-part": dict(keep_forward_buffers=True, kept_kv_rows=kv_fill // 3),
+            "q-part": dict(keep_forward_buffers=True, kept_q_rows=q_fill // 2),
+            "per-rank": dict(keep_forward_buffers=True, kept_q_rows=q_fill // 2, kept_kv_rows=kv_fill // 4,
+                             kept_per_rank=True)}[keep]
+
+
+def _rank(rank, P, m, c, Hkv, S, seed, keep, transport, net):
+    _, _, plan, (q, k, v, d_out) = _case(m, P, c, Hkv, S, seed, net)
+    group = TorchGroup(transport=transport)
+    qs, ks, vs = (shard(x, group).clone().requires_grad_() for x in (q, k, v))
+    out, lse = dist_attn(qs, ks, vs, plan, group, **_keep_kwargs(plan, keep))
+    out.backward(shard(d_out, group))
+    group.wait_sends()
+    return [t.detach() for t in (out, lse, qs.grad, ks.grad, vs.grad)]
+
+
+@settings(max_examples=budget(2, 150), deadline=None, suppress_health_check=SLOW)
+@given(m=masks(max_s=48), P=st.integers(2, 4), c=st.integers(2, 10), Hkv=st.sampled_from([1, 2]),
+       S=st.sampled_from([1, 2, 3, 4]), keep=st.sampled_from(KEEPS), transport=st.sampled_from(["p2p", "a2a"]),
+       net=st.sampled_from(["one", "direct", "relay"]), seed=st.integers(0, 2 ** 16))
+def test_layer_on_gloo_equals_dense_attention(m, P, c, Hkv, S, keep, transport, net, seed):
+    net = net if P % 2 == 0 else "one"
+    if net == "relay" and keep in PARTS:  # relay transport keeps whole kinds (a clear error otherwise)
+        keep = "all"
+    mask, G, _, (q, k, v, d_out) = _case(m, P, c, Hkv, S, seed, net)
+    got = run_ranks(_rank, P, m, c, Hkv, S, seed, keep, transport, net, timeout=120)
+    hq = 2
+    ref = [torch.zeros(P * c, h, *((D,) if i != 1 else ())) for i, h in enumerate((hq * G, hq * G, hq * G, G, G))]
+    for grp in range(G):
+        dm = dense(mask, G)[grp].bool()
+        qq, kk, vv = (x[:, grp * h:(grp + 1) * h].double().requires_grad_() for x, h in ((q, hq), (k, 1), (v, 1)))
+        o, lse = dense_attn(qq, kk, vv, dm)
+        o.backward(d_out[:, grp * hq:(grp + 1) * hq].double())
+        for i, (t, h) in enumerate(((o, hq), (lse, hq), (qq.grad, hq), (kk.grad, 1), (vv.grad, 1))):
+            ref[i][:, grp * h:(grp + 1) * h] = t.detach().float()
+    for rank, outs in enumerate(got):
+        rows = slice(rank * c, (rank + 1) * c)
+        for name, want, have in zip(KEYS, ref, outs):
+            assert_close(f"rank {rank} {name} ({keep}, S={S}, {transport}, {net})", want[rows], have, atol=2e-5, rtol=1e-4)
