@@ -36,7 +36,8 @@ test-times: install
 # of it in the solve's 200 cases (benchmarks/results/fuzz.md); FUZZ_SCALE=0.25 runs a quarter of every count.
 fuzz: install
 	TRITON_INTERPRET=1 $(PY) -m pytest -p no:cacheprovider --hypothesis-profile=fuzz --hypothesis-show-statistics \
-		tests/reliability/test_fuzz.py tests/reliability/test_padding.py tests/reliability/test_solver_contract.py
+		tests/reliability/test_fuzz.py tests/reliability/test_fuzz_groups.py tests/reliability/test_padding.py \
+		tests/reliability/test_solver_contract.py
 
 # P = 8 simulated ranks in one process, 4 layers of fresh packed-document masks,
 # forward and backward checked against dense attention; well under 2 minutes on 2 cores

@@ -54,7 +54,7 @@ def put_rows_inplace(src: torch.Tensor, index: torch.Tensor, peer: torch.Tensor,
     """
     P, R, W = out.shape
     B, N, _ = src.shape
-    if N == 0 or P * R == 0:
+    if N == 0 or P * R == 0 or index.shape[1] == 0:  # nothing to send (a zero-capacity list) or nowhere to put it
         return out
     ok = (index >= 0) & (index < N) & (peer >= 0) & (peer < P) & (row >= 0) & (row < R)
     first = first_true(ok)                                             # [B, 1]: 0 when none is valid

@@ -150,6 +150,22 @@ def test_put_in_place_equals_twin_in_a_strided_view():
     assert torch.equal(out[:, :2], base[:, :2]) and torch.equal(out[:, 2 + R:], base[:, 2 + R:])
 
 
+def test_an_empty_send_list_puts_nothing():
+    """A send list of no positions (a hop whose capacity is 0: relay transport on nodes of one rank)
+    leaves the buffers as they were, on the torch twin, in place, and the kernel alike."""
+    P, N, R, W = 2, 4, 3, 5
+    src = torch.arange(P * N * W, dtype=torch.int32).view(P, N, W)
+    index = peer = row = torch.empty(P, 0, dtype=torch.int64)
+    base = torch.full((P, R, W), -7, dtype=torch.int32)
+    assert torch.equal(put_rows_ref(src, index, peer, row, base.clone()), base)
+    out = base.clone()
+    put_rows_inplace(src, index, peer, row, out)
+    assert torch.equal(out, base)
+    out = base.clone()
+    put_rows(src, index, peer, row, out)
+    assert torch.equal(out, base)
+
+
 @pytest.mark.parametrize("B,N", [(3, 1), (4, 16), (5, 37)], ids=["B3-N1", "B4-N16", "B5-N37"])
 def test_first_true_equals_argmax(B, N):
     """The first True of each row, 0 for a row with none: eager ``argmax`` of the int8 mask, exactly.

@@ -1,4 +1,5 @@
-"""The fuzz harness over ``TorchGroup``: the layer on forked gloo ranks equals dense attention.
+"""The fuzz harness over the layer's options and groups: on ``LocalGroup`` and on forked gloo ranks
+(``TorchGroup``) the dense and the sparse layers equal dense attention.
 
 ``test_fuzz.py`` runs the layer on ``LocalGroup``, whose buffers are the plan's capacities. A real
 rank's group is ``TorchGroup``, which sizes every buffer and send list at this rank's fill from the
@@ -18,9 +19,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from attn_kernels.reference import dense_attn
 from gpusolver import SolverConfig, block_areas
 from gpusolver.plan import build_plan
-from gpusolver.runtime import dist_attn, shard
+from gpusolver.runtime import dist_attn, shard, unshard
 from gpusolver.topology import Topology
-from groupcomm import TorchGroup
+from groupcomm import LocalGroup, TorchGroup
 from tests._dist import run_ranks
 from tests._testing import assert_close
 from tests.reliability._cases import D, budget
@@ -75,18 +76,10 @@ def _rank(rank, P, m, c, Hkv, S, seed, keep, transport, net):
     return [t.detach() for t in (out, lse, qs.grad, ks.grad, vs.grad)]
 
 
-@settings(max_examples=budget(2, 150), deadline=None, suppress_health_check=SLOW)
-@given(m=masks(max_s=48), P=st.integers(2, 4), c=st.integers(2, 10), Hkv=st.sampled_from([1, 2]),
-       S=st.sampled_from([1, 2, 3, 4]), keep=st.sampled_from(KEEPS), transport=st.sampled_from(["p2p", "a2a"]),
-       net=st.sampled_from(["one", "direct", "relay"]), seed=st.integers(0, 2 ** 16))
-def test_layer_on_gloo_equals_dense_attention(m, P, c, Hkv, S, keep, transport, net, seed):
-    net = net if P % 2 == 0 else "one"
-    if net == "relay" and keep in PARTS:  # relay transport keeps whole kinds (a clear error otherwise)
-        keep = "all"
-    mask, G, _, (q, k, v, d_out) = _case(m, P, c, Hkv, S, seed, net)
-    got = run_ranks(_rank, P, m, c, Hkv, S, seed, keep, transport, net, timeout=120)
+def _dense_reference(mask, G, q, k, v, d_out):
+    """out, lse, dq, dk, dv of dense attention per head group, [T, ...] float32."""
     hq = 2
-    ref = [torch.zeros(P * c, h, *((D,) if i != 1 else ())) for i, h in enumerate((hq * G, hq * G, hq * G, G, G))]
+    ref = [torch.zeros(q.shape[0], h, *((D,) if i != 1 else ())) for i, h in enumerate((hq * G,) * 3 + (G, G))]
     for grp in range(G):
         dm = dense(mask, G)[grp].bool()
         qq, kk, vv = (x[:, grp * h:(grp + 1) * h].double().requires_grad_() for x, h in ((q, hq), (k, 1), (v, 1)))
@@ -94,10 +87,46 @@ def test_layer_on_gloo_equals_dense_attention(m, P, c, Hkv, S, keep, transport, 
         o.backward(d_out[:, grp * hq:(grp + 1) * hq].double())
         for i, (t, h) in enumerate(((o, hq), (lse, hq), (qq.grad, hq), (kk.grad, 1), (vv.grad, 1))):
             ref[i][:, grp * h:(grp + 1) * h] = t.detach().float()
+    return ref
+
+
+def _draws(P, net, keep):
+    """The draws as run: two nodes need an even P; relay transport keeps whole kinds (a clear error
+    otherwise)."""
+    net = net if P % 2 == 0 else "one"
+    return net, "all" if net == "relay" and keep in PARTS else keep
+
+
+LAYER_DRAWS = dict(m=masks(max_s=48), P=st.integers(2, 4), c=st.integers(2, 10), Hkv=st.sampled_from([1, 2]),
+                   S=st.sampled_from([1, 2, 3, 4]), keep=st.sampled_from(KEEPS),
+                   net=st.sampled_from(["one", "direct", "relay"]), seed=st.integers(0, 2 ** 16))
+
+
+@settings(max_examples=budget(2, 150), deadline=None, suppress_health_check=SLOW)
+@given(transport=st.sampled_from(["p2p", "a2a"]), **LAYER_DRAWS)
+def test_layer_on_gloo_equals_dense_attention(m, P, c, Hkv, S, keep, transport, net, seed):
+    net, keep = _draws(P, net, keep)
+    mask, G, _, (q, k, v, d_out) = _case(m, P, c, Hkv, S, seed, net)
+    got = run_ranks(_rank, P, m, c, Hkv, S, seed, keep, transport, net, timeout=120)
+    ref = _dense_reference(mask, G, q, k, v, d_out)
     for rank, outs in enumerate(got):
         rows = slice(rank * c, (rank + 1) * c)
         for name, want, have in zip(KEYS, ref, outs):
             assert_close(f"rank {rank} {name} ({keep}, S={S}, {transport}, {net})", want[rows], have, atol=2e-5, rtol=1e-4)
+
+
+@settings(max_examples=budget(4, 400), deadline=None, suppress_health_check=SLOW)
+@given(impl=st.sampled_from(["torch", "triton"]), **LAYER_DRAWS)
+def test_layer_on_local_group_equals_dense_attention(m, P, c, Hkv, S, keep, net, seed, impl):
+    net, keep = _draws(P, net, keep)
+    mask, G, plan, (q, k, v, d_out) = _case(m, P, c, Hkv, S, seed, net)
+    group = LocalGroup(P, impl=impl)
+    leaves = [shard(x, group).requires_grad_() for x in (q, k, v)]
+    out, lse = dist_attn(*leaves, plan, group, **_keep_kwargs(plan, keep))
+    out.backward(shard(d_out, group))
+    got = [unshard(t.detach(), group) for t in (out, lse, *(x.grad for x in leaves))]
+    for name, want, have in zip(KEYS, _dense_reference(mask, G, q, k, v, d_out), got):
+        assert_close(f"{name} ({keep}, S={S}, {net}, {impl})", want, have, atol=2e-5, rtol=1e-4)
 
 
 # ------------------------------------------------------------------ sparse selections (DSA, NSA)
