@@ -33,20 +33,20 @@ PARTS = ("kv-part", "q-part", "per-rank")
 KEYS = ("out", "lse", "dq", "dk", "dv")
 
 
-def _case(m, P, c, Hkv, S, seed, net):
+def _case(m, P, c, Hkv, S, seed, net, tiles):
     """The mask, config, plan (a random assignment) and inputs of one example, the same on every rank.
     net: "one" (no topology), "direct" or "relay" (two nodes of P / 2 ranks, inter-node rows direct or
-    by relay)."""
+    by relay); tiles: units per chunk."""
     T = P * c
     mask = make_mask(S=T, **m)
     G = 2 if mask.grouped else Hkv
     # buffers at the worst case: a random assignment may move every row anywhere
     config = SolverConfig(cp_size=P, num_heads_q=2 * G, num_heads_kv=G, head_dim=D, dtype=torch.float32,
-                          num_stages=S, max_recv_rows=G * c * (P - 1))
+                          num_stages=S, chunk_tiles=tiles, max_recv_rows=G * c * (P - 1))
     if net != "one":
         topology = Topology(ranks_per_node=P // 2, nvlink_gbps=450.0, ib_gbps=50.0, attn_tflops=400.0, name="fuzz")
         config = replace(config, topology=topology, ib_relay=net == "relay")
-    areas = block_areas(mask, P, G)
+    areas = block_areas(mask, P, G, tiles=tiles)
     g = torch.Generator().manual_seed(seed)
     assignment = torch.where(areas.area > 0, torch.randint(0, P, areas.area.shape, generator=g), -1).to(torch.int32)
     plan = build_plan(mask, areas, assignment, config)
@@ -66,11 +66,11 @@ def _keep_kwargs(plan, keep: str) -> dict:
                              kept_per_rank=True)}[keep]
 
 
-def _rank(rank, P, m, c, Hkv, S, seed, keep, transport, net):
-    _, _, plan, (q, k, v, d_out) = _case(m, P, c, Hkv, S, seed, net)
+def _rank(rank, P, m, c, Hkv, S, seed, keep, transport, net, tiles, deterministic):
+    _, _, plan, (q, k, v, d_out) = _case(m, P, c, Hkv, S, seed, net, tiles)
     group = TorchGroup(transport=transport)
     qs, ks, vs = (shard(x, group).clone().requires_grad_() for x in (q, k, v))
-    out, lse = dist_attn(qs, ks, vs, plan, group, **_keep_kwargs(plan, keep))
+    out, lse = dist_attn(qs, ks, vs, plan, group, deterministic=deterministic, **_keep_kwargs(plan, keep))
     out.backward(shard(d_out, group))
     group.wait_sends()
     return [t.detach() for t in (out, lse, qs.grad, ks.grad, vs.grad)]
@@ -90,43 +90,44 @@ def _dense_reference(mask, G, q, k, v, d_out):
     return ref
 
 
-def _draws(P, net, keep):
+def _draws(P, c, net, keep, tiles):
     """The draws as run: two nodes need an even P; relay transport keeps whole kinds (a clear error
-    otherwise)."""
+    otherwise); tiles divide the chunk."""
     net = net if P % 2 == 0 else "one"
-    return net, "all" if net == "relay" and keep in PARTS else keep
+    return net, "all" if net == "relay" and keep in PARTS else keep, tiles if c % tiles == 0 else 1
 
 
 LAYER_DRAWS = dict(m=masks(max_s=48), P=st.integers(2, 4), c=st.integers(2, 10), Hkv=st.sampled_from([1, 2]),
                    S=st.sampled_from([1, 2, 3, 4]), keep=st.sampled_from(KEEPS),
-                   net=st.sampled_from(["one", "direct", "relay"]), seed=st.integers(0, 2 ** 16))
+                   net=st.sampled_from(["one", "direct", "relay"]), tiles=st.sampled_from([1, 2]),
+                   deterministic=st.booleans(), seed=st.integers(0, 2 ** 16))
 
 
 @settings(max_examples=budget(2, 150), deadline=None, suppress_health_check=SLOW)
 @given(transport=st.sampled_from(["p2p", "a2a"]), **LAYER_DRAWS)
-def test_layer_on_gloo_equals_dense_attention(m, P, c, Hkv, S, keep, transport, net, seed):
-    net, keep = _draws(P, net, keep)
-    mask, G, _, (q, k, v, d_out) = _case(m, P, c, Hkv, S, seed, net)
-    got = run_ranks(_rank, P, m, c, Hkv, S, seed, keep, transport, net, timeout=120)
+def test_layer_on_gloo_equals_dense_attention(m, P, c, Hkv, S, keep, transport, net, tiles, deterministic, seed):
+    net, keep, tiles = _draws(P, c, net, keep, tiles)
+    mask, G, _, (q, k, v, d_out) = _case(m, P, c, Hkv, S, seed, net, tiles)
+    got = run_ranks(_rank, P, m, c, Hkv, S, seed, keep, transport, net, tiles, deterministic, timeout=120)
     ref = _dense_reference(mask, G, q, k, v, d_out)
     for rank, outs in enumerate(got):
         rows = slice(rank * c, (rank + 1) * c)
         for name, want, have in zip(KEYS, ref, outs):
-            assert_close(f"rank {rank} {name} ({keep}, S={S}, {transport}, {net})", want[rows], have, atol=2e-5, rtol=1e-4)
+            assert_close(f"rank {rank} {name} ({keep}, S={S}, {transport}, {net}, tiles={tiles})", want[rows], have, atol=2e-5, rtol=1e-4)
 
 
 @settings(max_examples=budget(4, 400), deadline=None, suppress_health_check=SLOW)
 @given(impl=st.sampled_from(["torch", "triton"]), **LAYER_DRAWS)
-def test_layer_on_local_group_equals_dense_attention(m, P, c, Hkv, S, keep, net, seed, impl):
-    net, keep = _draws(P, net, keep)
-    mask, G, plan, (q, k, v, d_out) = _case(m, P, c, Hkv, S, seed, net)
+def test_layer_on_local_group_equals_dense_attention(m, P, c, Hkv, S, keep, net, tiles, deterministic, seed, impl):
+    net, keep, tiles = _draws(P, c, net, keep, tiles)
+    mask, G, plan, (q, k, v, d_out) = _case(m, P, c, Hkv, S, seed, net, tiles)
     group = LocalGroup(P, impl=impl)
     leaves = [shard(x, group).requires_grad_() for x in (q, k, v)]
-    out, lse = dist_attn(*leaves, plan, group, **_keep_kwargs(plan, keep))
+    out, lse = dist_attn(*leaves, plan, group, deterministic=deterministic, **_keep_kwargs(plan, keep))
     out.backward(shard(d_out, group))
     got = [unshard(t.detach(), group) for t in (out, lse, *(x.grad for x in leaves))]
     for name, want, have in zip(KEYS, _dense_reference(mask, G, q, k, v, d_out), got):
-        assert_close(f"{name} ({keep}, S={S}, {net}, {impl})", want, have, atol=2e-5, rtol=1e-4)
+        assert_close(f"{name} ({keep}, S={S}, {net}, tiles={tiles}, {impl})", want, have, atol=2e-5, rtol=1e-4)
 
 
 # ------------------------------------------------------------------ sparse selections (DSA, NSA)
@@ -177,3 +178,40 @@ def test_sparse_layer_on_gloo_equals_dense_attention(kind, P, c, Hkv, S, keep, k
         assert_close(f"lse{b} {label}", ref[1][b], torch.cat([r[1][b] for r in got]), atol=2e-5, rtol=1e-4)
     for i, name in enumerate(("dq", "dk", "dv")):
         assert_close(f"{name} {label}", ref[2 + i], torch.cat([r[2][i] for r in got]), atol=2e-5, rtol=1e-4)
+
+
+@settings(max_examples=budget(2, 200), deadline=None, suppress_health_check=SLOW)
+@given(kind=st.sampled_from(["dsa", "nsa", "nsa-layer"]), P=st.integers(2, 4), c=st.sampled_from([8, 16]),
+       Hkv=st.sampled_from([1, 2]), S=st.sampled_from([1, 2, 4]), keep=st.booleans(),
+       kv_block=st.sampled_from([None, 4, 8]), seed=st.integers(0, 2 ** 16))
+def test_sparse_layer_on_local_group_equals_dense_attention(kind, P, c, Hkv, S, keep, kv_block, seed):
+    from gpusolver.plan.sparse import SelectionSpec, build_sparse_plan
+    from gpusolver.runtime.sparse_attn import gather_sparse_areas, local_selection, sparse_dist_attn
+    from tests.gpusolver.sparse._cases import loss, make_config, make_inputs, make_mask as sparse_mask, reference
+
+    if kind == "nsa-layer":  # its window branch travels as hulls (a clear error otherwise)
+        kv_block = None
+    T = P * c
+    mask = sparse_mask(kind, T, Hkv, seed=seed)
+    group = LocalGroup(P)
+    config = make_config(P, 2 * Hkv, Hkv, keep=keep, num_stages=S)
+    areas, error, used = gather_sparse_areas(mask, config, group, kv_block)
+    g = torch.Generator().manual_seed(seed)
+    assignment = torch.where(areas.area > 0, torch.randint(0, P, areas.area.shape, generator=g), -1)
+    worst = areas.head_groups * c * (P - 1)
+    plan = build_sparse_plan(areas, assignment, config, SelectionSpec.of(mask, areas.head_groups), T,
+                             mask_error=error, used_blocks=used, kv_block=kv_block, recv_capacity=worst,
+                             send_capacity=worst)
+    q, k, v, d_out, d_lse = make_inputs(T, 2 * Hkv, Hkv, seed=seed)
+    ref = reference(mask, q, k, v, d_out, d_lse)
+    leaves = [shard(x, group).requires_grad_() for x in (q, k, v)]
+    res = sparse_dist_attn(*leaves, local_selection(mask, group), plan, group)
+    res = list(res) if isinstance(res[0], tuple) else [res]
+    outs, lses = [unshard(o, group) for o, _ in res], [unshard(x, group) for _, x in res]
+    loss(outs, lses, d_out, d_lse).backward()
+    label = f"({kind}, S={S}, keep={keep}, kv_block={kv_block})"
+    for b, (o, lse) in enumerate(zip(outs, lses)):
+        assert_close(f"out{b} {label}", ref[0][b], o, atol=2e-5, rtol=1e-4)
+        assert_close(f"lse{b} {label}", ref[1][b], lse, atol=2e-5, rtol=1e-4)
+    for i, (name, x) in enumerate(zip(("dq", "dk", "dv"), leaves)):
+        assert_close(f"{name} {label}", ref[2 + i], unshard(x.grad, group), atol=2e-5, rtol=1e-4)
