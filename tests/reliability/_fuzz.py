@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from hypothesis import strategies as st
 
+from attn_kernels.reference import dense_attn
 from gpusolver.masks import AttnSlices
 from gpusolver.masks.slices import BI_CAUSAL, CAUSAL, FULL, INV_CAUSAL
 from tests.attn_kernels._slices import random_slices
@@ -97,6 +98,23 @@ def masks(max_s: int = 96, groups: bool = True):
 def dense(mask: AttnSlices, G: int) -> torch.Tensor:
     """[G, S, S] int64: 1 where group g's query attends the key (ungrouped: the same for all)."""
     return torch.stack([mask.to_dense(g if mask.grouped else 0) for g in range(G)]).long()
+
+
+def dense_layer_reference(mask: AttnSlices, G: int, q, k, v, d_out) -> list[torch.Tensor]:
+    """out, lse, dq, dk, dv of dense attention per head group (a grouped mask differs per group),
+    in float64 and returned as float32, for q ``[T, 2 G, D]`` (two query heads a group), k, v
+    ``[T, G, D]``, d_out like q."""
+    hq = 2
+    T, D = q.shape[0], q.shape[2]
+    ref = [torch.zeros(T, h, *((D,) if i != 1 else ())) for i, h in enumerate((hq * G,) * 3 + (G, G))]
+    for grp in range(G):
+        dm = dense(mask, G)[grp].bool()
+        qq, kk, vv = (x[:, grp * h:(grp + 1) * h].double().requires_grad_() for x, h in ((q, hq), (k, 1), (v, 1)))
+        o, lse = dense_attn(qq, kk, vv, dm)
+        o.backward(d_out[:, grp * hq:(grp + 1) * hq].double())
+        for i, (t, h) in enumerate(((o, hq), (lse, hq), (qq.grad, hq), (kk.grad, 1), (vv.grad, 1))):
+            ref[i][:, grp * h:(grp + 1) * h] = t.detach().float()
+    return ref
 
 
 def _stage_map(plan, rank: int, stage: int, which: str):

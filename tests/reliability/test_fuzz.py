@@ -39,7 +39,7 @@ from groupcomm import LocalGroup, group_cast, group_reduce
 from tests._testing import assert_close
 from tests.groupcomm._cases import random_routing
 from tests.reliability._cases import D, budget, clean_flags
-from tests.reliability._fuzz import dense, make_mask, mask_rows, masks, plan_coverage, slice_area
+from tests.reliability._fuzz import dense, dense_layer_reference, make_mask, mask_rows, masks, plan_coverage, slice_area
 
 SLOW = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
 
@@ -275,20 +275,11 @@ def test_layer_equals_dense_attention(m, P, c, Hkv, seed, impl):
     out, lse = dist_attn(*leaves, plan, group)
     out.backward(shard(d_out, group))
     got = [unshard(t.detach(), group) for t in (out, lse, *(x.grad for x in leaves))]
-    # the reference per head group (a grouped mask differs per group)
-    hq = 2
-    ref = [torch.zeros_like(t) for t in got]
-    for grp in range(G):
-        dm = dense(mask, G)[grp].bool()
-        qq, kk, vv = (x[:, grp * h:(grp + 1) * h].double().requires_grad_() for x, h in ((q, hq), (k, 1), (v, 1)))
-        o, lse_g = dense_attn(qq, kk, vv, dm)
-        o.backward(d_out[:, grp * hq:(grp + 1) * hq].double())
-        for i, (t, h) in enumerate(((o, hq), (lse_g, hq), (qq.grad, hq), (kk.grad, 1), (vv.grad, 1))):
-            ref[i][:, grp * h:(grp + 1) * h] = t.detach().to(ref[i].dtype)
+    ref = dense_layer_reference(mask, G, q, k, v, d_out)
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), ref, got):
         assert_close(name, a, b, atol=2e-5, rtol=1e-4)
     zero = dist_attn(torch.zeros_like(leaves[0]), leaves[1].detach(), leaves[2].detach(), plan, group)[1]
-    counts = torch.stack([dense(mask, G)[grp].sum(1) for grp in range(G)], 1).repeat_interleave(hq, 1).double()
+    counts = torch.stack([dense(mask, G)[grp].sum(1) for grp in range(G)], 1).repeat_interleave(2, 1).double()  # 2 query heads a group
     assert torch.equal(torch.exp(unshard(zero, group).double()).round(), counts)
 
 

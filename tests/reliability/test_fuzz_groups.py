@@ -16,7 +16,6 @@ from dataclasses import replace
 import torch
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
-from attn_kernels.reference import dense_attn
 from gpusolver import SolverConfig, block_areas
 from gpusolver.plan import build_plan
 from gpusolver.runtime import dist_attn, shard, unshard
@@ -25,7 +24,7 @@ from groupcomm import LocalGroup, TorchGroup
 from tests._dist import run_ranks
 from tests._testing import assert_close
 from tests.reliability._cases import D, budget
-from tests.reliability._fuzz import dense, make_mask, masks
+from tests.reliability._fuzz import dense_layer_reference, make_mask, masks
 
 SLOW = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
 KEEPS = ("all", "none", "q-only", "kv-part", "q-part", "per-rank")
@@ -76,20 +75,6 @@ def _rank(rank, P, m, c, Hkv, S, seed, keep, transport, net, tiles, deterministi
     return [t.detach() for t in (out, lse, qs.grad, ks.grad, vs.grad)]
 
 
-def _dense_reference(mask, G, q, k, v, d_out):
-    """out, lse, dq, dk, dv of dense attention per head group, [T, ...] float32."""
-    hq = 2
-    ref = [torch.zeros(q.shape[0], h, *((D,) if i != 1 else ())) for i, h in enumerate((hq * G,) * 3 + (G, G))]
-    for grp in range(G):
-        dm = dense(mask, G)[grp].bool()
-        qq, kk, vv = (x[:, grp * h:(grp + 1) * h].double().requires_grad_() for x, h in ((q, hq), (k, 1), (v, 1)))
-        o, lse = dense_attn(qq, kk, vv, dm)
-        o.backward(d_out[:, grp * hq:(grp + 1) * hq].double())
-        for i, (t, h) in enumerate(((o, hq), (lse, hq), (qq.grad, hq), (kk.grad, 1), (vv.grad, 1))):
-            ref[i][:, grp * h:(grp + 1) * h] = t.detach().float()
-    return ref
-
-
 def _draws(P, c, net, keep, tiles):
     """The draws as run: two nodes need an even P; relay transport keeps whole kinds (a clear error
     otherwise); tiles divide the chunk."""
@@ -109,7 +94,7 @@ def test_layer_on_gloo_equals_dense_attention(m, P, c, Hkv, S, keep, transport, 
     net, keep, tiles = _draws(P, c, net, keep, tiles)
     mask, G, _, (q, k, v, d_out) = _case(m, P, c, Hkv, S, seed, net, tiles)
     got = run_ranks(_rank, P, m, c, Hkv, S, seed, keep, transport, net, tiles, deterministic, timeout=120)
-    ref = _dense_reference(mask, G, q, k, v, d_out)
+    ref = dense_layer_reference(mask, G, q, k, v, d_out)
     for rank, outs in enumerate(got):
         rows = slice(rank * c, (rank + 1) * c)
         for name, want, have in zip(KEYS, ref, outs):
@@ -129,7 +114,7 @@ def test_layer_on_local_group_equals_dense_attention(m, P, c, Hkv, S, keep, net,
     out, lse = dist_attn(*leaves, plan, group, deterministic=deterministic, **_keep_kwargs(plan, keep))
     out.backward(shard(d_out, group))
     got = [unshard(t.detach(), group) for t in (out, lse, *(x.grad for x in leaves))]
-    for name, want, have in zip(KEYS, _dense_reference(mask, G, q, k, v, d_out), got):
+    for name, want, have in zip(KEYS, dense_layer_reference(mask, G, q, k, v, d_out), got):
         assert_close(f"{name} ({keep}, S={S}, {net}, tiles={tiles}, {impl})", want, have, atol=2e-5, rtol=1e-4)
 
 
