@@ -1,15 +1,17 @@
 """The fuzz harness over the layer's options and groups: on ``LocalGroup`` and on forked gloo ranks
 (``TorchGroup``) the dense and the sparse layers equal dense attention.
 
-``test_fuzz.py`` runs the layer on ``LocalGroup``, whose buffers are the plan's capacities. A real
-rank's group is ``TorchGroup``, which sizes every buffer and send list at this rank's fill from the
-host copy of the splits, cuts each sub-stage's lists to the rows it holds, sends packed partials
-as their buffer and keeps a share of the received rows per rank: paths a capacity-sized group never
-takes. Here each example draws a mask, a random assignment (any assignment is a valid plan), P, the
-sub-stages, what the backward keeps, the transport and the nodes (one, or two with inter-node rows
-direct or by relay), runs forward and backward on P forked gloo
-ranks and compares every rank's out, lse and gradients with the dense reference. Each example forks P ranks (a few seconds), so CI runs two and
-``make fuzz`` more (``_cases.budget``).
+``test_fuzz.py`` runs the layer on ``LocalGroup`` with the default options. A real rank's group is
+``TorchGroup``, which sizes every buffer and send list at this rank's fill from the host copy of
+the splits, cuts each sub-stage's lists to the rows it holds, sends packed partials as their
+buffer and keeps a share of the received rows per rank: paths a capacity-sized group never takes.
+Here each example draws a mask, a random assignment (any assignment is a valid plan), P, the
+sub-stages, tiles per chunk, deterministic or not, what the backward keeps, the transport and the
+nodes (one, or two with inter-node rows direct or by relay), runs forward and backward and compares
+out, lse and the gradients with the dense reference: on P forked gloo ranks, and on ``LocalGroup``
+(buffers at the plan's capacities, torch or Triton collectives). The sparse selections (DSA, NSA,
+an NSA layer) likewise, with key blocks or hulls. A gloo example forks P ranks (a few seconds), so
+CI runs a few examples and ``make fuzz`` hundreds (``_cases.budget``).
 """
 from dataclasses import replace
 
