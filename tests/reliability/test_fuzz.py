@@ -279,7 +279,8 @@ def test_layer_equals_dense_attention(m, P, c, Hkv, seed, impl):
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), ref, got):
         assert_close(name, a, b, atol=2e-5, rtol=1e-4)
     zero = dist_attn(torch.zeros_like(leaves[0]), leaves[1].detach(), leaves[2].detach(), plan, group)[1]
-    counts = torch.stack([dense(mask, G)[grp].sum(1) for grp in range(G)], 1).repeat_interleave(2, 1).double()  # 2 query heads a group
+    # two query heads a group
+    counts = torch.stack([dense(mask, G)[grp].sum(1) for grp in range(G)], 1).repeat_interleave(2, 1).double()
     assert torch.equal(torch.exp(unshard(zero, group).double()).round(), counts)
 
 

@@ -100,7 +100,8 @@ def test_layer_on_gloo_equals_dense_attention(m, P, c, Hkv, S, keep, transport, 
     for rank, outs in enumerate(got):
         rows = slice(rank * c, (rank + 1) * c)
         for name, want, have in zip(KEYS, ref, outs):
-            assert_close(f"rank {rank} {name} ({keep}, S={S}, {transport}, {net}, tiles={tiles})", want[rows], have, atol=2e-5, rtol=1e-4)
+            assert_close(f"rank {rank} {name} ({keep}, S={S}, {transport}, {net}, tiles={tiles})", want[rows], have,
+                         atol=2e-5, rtol=1e-4)
 
 
 @settings(max_examples=budget(4, 400), deadline=None, suppress_health_check=SLOW)
@@ -123,85 +124,65 @@ def test_layer_on_local_group_equals_dense_attention(m, P, c, Hkv, S, keep, net,
 # ------------------------------------------------------------------ sparse selections (DSA, NSA)
 
 
-def _sparse_rank(rank, P, kind, c, Hkv, S, keep, kv_block, transport, seed):
-    from gpusolver.plan.sparse import SelectionSpec, build_sparse_plan
-    from gpusolver.runtime.sparse_attn import gather_sparse_areas, local_selection, sparse_dist_attn
-    from tests.gpusolver.sparse._cases import loss, make_config, make_inputs, make_mask as sparse_mask
+def _sparse_run(rows, P, Hkv, S, keep, kv_block, seed, group):
+    """The sparse layer of a random assignment (``scatter_plan(seed=)``, worst-case buffers) on
+    ``group`` for ``rows`` (this rank's rows of the mask, or all of them on ``LocalGroup``): each
+    branch's (out, lse) and the q, k, v leaves after the backward."""
+    from gpusolver.runtime.sparse_attn import local_selection, sparse_dist_attn
+    from tests.gpusolver.sparse._cases import branches, loss, make_config, make_inputs, scatter_plan
 
-    T = P * c
-    mine = sparse_mask(kind, T, Hkv, seed=seed).rows(rank * c, (rank + 1) * c)  # this rank's rows only
-    group = TorchGroup(transport=transport)
-    config = make_config(P, 2 * Hkv, Hkv, keep=keep, num_stages=S)
-    areas, error, used = gather_sparse_areas(mine, config, group, kv_block)
-    g = torch.Generator().manual_seed(seed)
-    assignment = torch.where(areas.area > 0, torch.randint(0, P, areas.area.shape, generator=g), -1)
-    worst = areas.head_groups * c * (P - 1)  # a random assignment may move every row anywhere
-    plan = build_sparse_plan(areas, assignment, config, SelectionSpec.of(mine, areas.head_groups), T,
-                             mask_error=error, used_blocks=used, kv_block=kv_block, recv_capacity=worst,
-                             send_capacity=worst)
+    T = rows.total_seqlen_k
+    plan = scatter_plan(rows, make_config(P, 2 * Hkv, Hkv, keep=keep, num_stages=S), group, kv_block, seed=seed)
     q, k, v, d_out, d_lse = make_inputs(T, 2 * Hkv, Hkv, seed=seed)
     leaves = [shard(x, group).clone().requires_grad_() for x in (q, k, v)]
-    res = sparse_dist_attn(*leaves, local_selection(mine, group), plan, group)
-    res = list(res) if isinstance(res[0], tuple) else [res]
+    res = branches(sparse_dist_attn(*leaves, local_selection(rows, group), plan, group))
     loss([o for o, _ in res], [x for _, x in res], shard(d_out, group), shard(d_lse, group)).backward()
+    return res, leaves
+
+
+def _sparse_rank(rank, P, kind, c, Hkv, S, keep, kv_block, transport, seed):
+    from tests.gpusolver.sparse._cases import make_mask as sparse_mask
+
+    mask = sparse_mask(kind, P * c, Hkv, seed=seed)
+    group = TorchGroup(transport=transport)
+    res, leaves = _sparse_run(mask.rows(rank * c, (rank + 1) * c), P, Hkv, S, keep, kv_block, seed, group)
     group.wait_sends()
     return [o.detach() for o, _ in res], [x.detach() for _, x in res], [x.grad for x in leaves]
 
 
-@settings(max_examples=budget(1, 60), deadline=None, suppress_health_check=SLOW)
-@given(kind=st.sampled_from(["dsa", "nsa", "nsa-layer"]), P=st.integers(2, 4), c=st.sampled_from([8, 16]),
-       Hkv=st.sampled_from([1, 2]), S=st.sampled_from([1, 2, 4]), keep=st.booleans(),
-       kv_block=st.sampled_from([None, 4, 8]), transport=st.sampled_from(["p2p", "a2a"]),
-       seed=st.integers(0, 2 ** 16))
-def test_sparse_layer_on_gloo_equals_dense_attention(kind, P, c, Hkv, S, keep, kv_block, transport, seed):
+def _sparse_reference(kind, P, c, Hkv, seed):
     from tests.gpusolver.sparse._cases import make_inputs, make_mask as sparse_mask, reference
 
-    if kind == "nsa-layer":  # its window branch travels as hulls (a clear error otherwise)
-        kv_block = None
-    T = P * c
-    mask = sparse_mask(kind, T, Hkv, seed=seed)
-    ref = reference(mask, *make_inputs(T, 2 * Hkv, Hkv, seed=seed))
+    mask = sparse_mask(kind, P * c, Hkv, seed=seed)
+    return mask, reference(mask, *make_inputs(P * c, 2 * Hkv, Hkv, seed=seed))
+
+
+SPARSE_DRAWS = dict(kind=st.sampled_from(["dsa", "nsa", "nsa-layer"]), P=st.integers(2, 4), c=st.sampled_from([8, 16]),
+                    Hkv=st.sampled_from([1, 2]), S=st.sampled_from([1, 2, 4]), keep=st.booleans(),
+                    kv_block=st.sampled_from([None, 4, 8]), seed=st.integers(0, 2 ** 16))
+
+
+@settings(max_examples=budget(1, 60), deadline=None, suppress_health_check=SLOW)
+@given(transport=st.sampled_from(["p2p", "a2a"]), **SPARSE_DRAWS)
+def test_sparse_layer_on_gloo_equals_dense_attention(kind, P, c, Hkv, S, keep, kv_block, transport, seed):
+    from tests.gpusolver.sparse._cases import check_branches
+
+    kv_block = None if kind == "nsa-layer" else kv_block  # its window branch travels as hulls (else a clear error)
+    _, ref = _sparse_reference(kind, P, c, Hkv, seed)
     got = run_ranks(_sparse_rank, P, kind, c, Hkv, S, keep, kv_block, transport, seed, timeout=120)
-    label = f"({kind}, S={S}, keep={keep}, kv_block={kv_block}, {transport})"
-    for b in range(len(got[0][0])):
-        assert_close(f"out{b} {label}", ref[0][b], torch.cat([r[0][b] for r in got]), atol=2e-5, rtol=1e-4)
-        assert_close(f"lse{b} {label}", ref[1][b], torch.cat([r[1][b] for r in got]), atol=2e-5, rtol=1e-4)
-    for i, name in enumerate(("dq", "dk", "dv")):
-        assert_close(f"{name} {label}", ref[2 + i], torch.cat([r[2][i] for r in got]), atol=2e-5, rtol=1e-4)
+    outs, lses, grads = ([torch.cat(parts) for parts in zip(*(r[i] for r in got))] for i in range(3))  # ranks joined
+    check_branches(ref, outs, lses, grads, where=f"({kind}, S={S}, keep={keep}, kv_block={kv_block}, {transport}) ")
 
 
 @settings(max_examples=budget(2, 200), deadline=None, suppress_health_check=SLOW)
-@given(kind=st.sampled_from(["dsa", "nsa", "nsa-layer"]), P=st.integers(2, 4), c=st.sampled_from([8, 16]),
-       Hkv=st.sampled_from([1, 2]), S=st.sampled_from([1, 2, 4]), keep=st.booleans(),
-       kv_block=st.sampled_from([None, 4, 8]), seed=st.integers(0, 2 ** 16))
+@given(**SPARSE_DRAWS)
 def test_sparse_layer_on_local_group_equals_dense_attention(kind, P, c, Hkv, S, keep, kv_block, seed):
-    from gpusolver.plan.sparse import SelectionSpec, build_sparse_plan
-    from gpusolver.runtime.sparse_attn import gather_sparse_areas, local_selection, sparse_dist_attn
-    from tests.gpusolver.sparse._cases import loss, make_config, make_inputs, make_mask as sparse_mask, reference
+    from tests.gpusolver.sparse._cases import check_branches
 
-    if kind == "nsa-layer":  # its window branch travels as hulls (a clear error otherwise)
-        kv_block = None
-    T = P * c
-    mask = sparse_mask(kind, T, Hkv, seed=seed)
+    kv_block = None if kind == "nsa-layer" else kv_block  # its window branch travels as hulls (else a clear error)
+    mask, ref = _sparse_reference(kind, P, c, Hkv, seed)
     group = LocalGroup(P)
-    config = make_config(P, 2 * Hkv, Hkv, keep=keep, num_stages=S)
-    areas, error, used = gather_sparse_areas(mask, config, group, kv_block)
-    g = torch.Generator().manual_seed(seed)
-    assignment = torch.where(areas.area > 0, torch.randint(0, P, areas.area.shape, generator=g), -1)
-    worst = areas.head_groups * c * (P - 1)
-    plan = build_sparse_plan(areas, assignment, config, SelectionSpec.of(mask, areas.head_groups), T,
-                             mask_error=error, used_blocks=used, kv_block=kv_block, recv_capacity=worst,
-                             send_capacity=worst)
-    q, k, v, d_out, d_lse = make_inputs(T, 2 * Hkv, Hkv, seed=seed)
-    ref = reference(mask, q, k, v, d_out, d_lse)
-    leaves = [shard(x, group).requires_grad_() for x in (q, k, v)]
-    res = sparse_dist_attn(*leaves, local_selection(mask, group), plan, group)
-    res = list(res) if isinstance(res[0], tuple) else [res]
-    outs, lses = [unshard(o, group) for o, _ in res], [unshard(x, group) for _, x in res]
-    loss(outs, lses, d_out, d_lse).backward()
-    label = f"({kind}, S={S}, keep={keep}, kv_block={kv_block})"
-    for b, (o, lse) in enumerate(zip(outs, lses)):
-        assert_close(f"out{b} {label}", ref[0][b], o, atol=2e-5, rtol=1e-4)
-        assert_close(f"lse{b} {label}", ref[1][b], lse, atol=2e-5, rtol=1e-4)
-    for i, (name, x) in enumerate(zip(("dq", "dk", "dv"), leaves)):
-        assert_close(f"{name} {label}", ref[2 + i], unshard(x.grad, group), atol=2e-5, rtol=1e-4)
+    res, leaves = _sparse_run(mask, P, Hkv, S, keep, kv_block, seed, group)
+    check_branches(ref, [unshard(o, group) for o, _ in res], [unshard(x, group) for _, x in res],
+                   [unshard(x.grad, group) for x in leaves],
+                   where=f"({kind}, S={S}, keep={keep}, kv_block={kv_block}) ")

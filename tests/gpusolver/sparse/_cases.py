@@ -8,10 +8,12 @@ from gpusolver.runtime.sparse_attn import gather_sparse_areas
 from gpusolver.config import SolverConfig
 from gpusolver.masks import dsa_topk_indices, nsa_block_indices
 from gpusolver.masks.sparse import BlockSparseMask, NSALayerMask, TokenTopKMask
+from tests._testing import assert_close
 
 PHASES_FWD = ("fwd.qo", "fwd.kv", "fwd.o")
 PHASES_BWD = ("bwd.qo", "bwd.kv", "bwd.dq", "bwd.dkv")
 D = 32
+ATOL, RTOL = 2e-5, 1e-4
 
 
 def make_mask(kind: str, S: int, Hkv: int, seed: int = 0):
@@ -65,6 +67,20 @@ def reference(mask, q, k, v, d_out, d_lse):
     return outs, lses, leaves[0].grad, leaves[1].grad, leaves[2].grad
 
 
+def branches(res):
+    """A sparse layer's results as a list of (out, lse), one per output branch."""
+    return list(res) if isinstance(res[0], tuple) else [res]
+
+
+def check_branches(ref, outs, lses, grads, where=""):
+    """Every branch's out and lse and the gradients against ``reference``'s."""
+    for b, (o, lse) in enumerate(zip(outs, lses)):
+        assert_close(f"{where}out{b}", ref[0][b], o, atol=ATOL, rtol=RTOL)
+        assert_close(f"{where}lse{b}", ref[1][b], lse, atol=ATOL, rtol=RTOL)
+    for name, a, g in zip(("dq", "dk", "dv"), ref[2:], grads):
+        assert_close(f"{where}{name}", a, g, atol=ATOL, rtol=RTOL)
+
+
 def loss(outs, lses, d_out, d_lse):
     total = 0.0
     for b, (o, lse) in enumerate(zip(outs, lses)):
@@ -79,17 +95,21 @@ def traffic_sums(group, phases):
     return sent, recv
 
 
-def scatter_plan(mask, config, group, kv_block=None):
+def scatter_plan(mask, config, group, kv_block=None, seed=None):
     """A plan through the sharded flow (area rows, all-gather) with a fixed assignment that mixes
     local tasks with moved query and key units, instead of a solve (seconds on this CPU): the
-    runtime must execute any valid plan."""
+    runtime must execute any valid plan. seed: a random assignment of that seed instead (the same
+    on every rank)."""
     areas, error, used = gather_sparse_areas(mask, config, group, kv_block)
     G, U, P, n = areas.head_groups, areas.num_units, config.cp_size, config.chunk_tiles
     dev = areas.area.device
-    g, i, j = torch.meshgrid(*(torch.arange(n_, device=dev) for n_ in (G, U, U)), indexing="ij")
-    host_i, host_j = i // n, j // n
-    moved = (host_i + host_j + 1 + g) % P
-    rank = torch.where((i + j + g) % 3 == 0, host_i, moved)
+    if seed is None:
+        g, i, j = torch.meshgrid(*(torch.arange(n_, device=dev) for n_ in (G, U, U)), indexing="ij")
+        host_i, host_j = i // n, j // n
+        moved = (host_i + host_j + 1 + g) % P
+        rank = torch.where((i + j + g) % 3 == 0, host_i, moved)
+    else:
+        rank = torch.randint(0, P, areas.area.shape, generator=torch.Generator().manual_seed(seed)).to(dev)
     assignment = torch.where(areas.area > 0, rank, -1)
     spec = SelectionSpec.of(mask, G)
     # a fixed assignment, not a solve, so nothing keeps it within the default buffers (sized from the

@@ -11,26 +11,11 @@ from gpusolver.runtime.sparse_attn import local_selection, solve_sparse_sharded,
 from groupcomm import LocalGroup, TorchGroup
 from tests._dist import run_ranks
 from tests._testing import assert_close
-from tests.gpusolver.sparse._cases import (D, PHASES_BWD, PHASES_FWD, loss, make_config, make_inputs, make_mask,
-                                           reference, scatter_plan, traffic_sums)
+from tests.gpusolver.sparse._cases import (ATOL, D, PHASES_BWD, PHASES_FWD, RTOL, branches, check_branches, loss,
+                                           make_config, make_inputs, make_mask, reference, scatter_plan, traffic_sums)
 from tests.gpusolver.runtime._cases import few_solve_rounds  # noqa: F401 - fixture
 
 torch.set_num_threads(1)  # a loaded 2-core machine: many small ops run faster on one thread
-
-ATOL, RTOL = 2e-5, 1e-4
-
-
-def _branches(res):
-    return list(res) if isinstance(res[0], tuple) else [res]
-
-
-def _check(mask, ref, outs, lses, grads, where=""):
-    for b, (o, lse) in enumerate(zip(outs, lses)):
-        assert_close(f"{where}out{b}", ref[0][b], o, atol=ATOL, rtol=RTOL)
-        assert_close(f"{where}lse{b}", ref[1][b], lse, atol=ATOL, rtol=RTOL)
-    for name, a, g in zip(("dq", "dk", "dv"), ref[2:], grads):
-        assert_close(f"{where}{name}", a, g, atol=ATOL, rtol=RTOL)
-
 
 # (mask kind, P, c, Hq, Hkv, flatten, tiles, keep, kv_block: None = hulls)
 CASES = [
@@ -61,11 +46,11 @@ def test_local_group_equals_dense(kind, P, c, Hq, Hkv, flatten, tiles, keep, kv_
     ref = reference(mask, q, k, v, d_out, d_lse)
     leaves = [shard(x, group).requires_grad_() for x in (q, k, v)]
     group.reset_traffic()
-    res = _branches(sparse_dist_attn(*leaves, local_selection(mask, group), plan, group, keep_forward_buffers=keep))
+    res = branches(sparse_dist_attn(*leaves, local_selection(mask, group), plan, group, keep_forward_buffers=keep))
     outs = [unshard(o, group) for o, _ in res]
     lses = [unshard(lse, group) for _, lse in res]
     loss(outs, lses, d_out, d_lse).backward()
-    _check(mask, ref, outs, lses, [unshard(x.grad, group) for x in leaves])
+    check_branches(ref, outs, lses, [unshard(x.grad, group) for x in leaves])
     m = plan.metrics
     for name, phases, send, recv in (("fwd", PHASES_FWD, m.fwd_send, m.fwd_recv),
                                      ("bwd", PHASES_BWD, m.bwd_send, m.bwd_recv)):
@@ -90,7 +75,7 @@ def test_triton_kernels_in_the_layer(kind):
     out, lse = sparse_dist_attn(*leaves, local_selection(mask, group), plan, group, backend="triton")
     outs, lses = [unshard(out, group)], [unshard(lse, group)]
     loss(outs, lses, d_out, d_lse).backward()
-    _check(mask, ref, outs, lses, [unshard(x.grad, group) for x in leaves])
+    check_branches(ref, outs, lses, [unshard(x.grad, group) for x in leaves])
 
 
 def _gloo_rank(rank, P, kind, c, Hq, Hkv, flatten):
@@ -102,7 +87,7 @@ def _gloo_rank(rank, P, kind, c, Hq, Hkv, flatten):
     plan = solve_sparse_sharded(mine, make_config(P, Hq, Hkv, flatten), group)
     q, k, v, d_out, d_lse = make_inputs(S, Hq, Hkv, seed=P)
     leaves = [shard(x, group).clone().requires_grad_() for x in (q, k, v)]
-    res = _branches(sparse_dist_attn(*leaves, local_selection(mine, group), plan, group))
+    res = branches(sparse_dist_attn(*leaves, local_selection(mine, group), plan, group))
     outs, lses = [o for o, _ in res], [lse for _, lse in res]
     loss(outs, lses, shard(d_out, group), shard(d_lse, group)).backward()
     return ([o.detach() for o in outs], [x.detach() for x in lses], [x.grad for x in leaves],
@@ -120,7 +105,7 @@ def test_gloo_ranks_equal_dense(kind, P, flatten):
     outs = [torch.cat([r[0][b] for r in results]) for b in range(nb)]
     lses = [torch.cat([r[1][b] for r in results]) for b in range(nb)]
     grads = [torch.cat([r[2][i] for r in results]) for i in range(3)]
-    _check(mask, ref, outs, lses, grads)
+    check_branches(ref, outs, lses, grads)
     for r in results[1:]:  # every rank solved the same gathered problem
         assert torch.equal(r[3], results[0][3])
 
@@ -154,7 +139,7 @@ def test_layer_on_meta_end_to_end():
     for mask, kv_block in ((NSALayerMask(BlockSparseMask(blocks, 8, S), 8), None),
                            (BlockSparseMask(blocks, 8, S), 8)):
         plan = scatter_plan(mask, cfg, group, kv_block)
-        res = _branches(sparse_dist_attn(q, k, v, local_selection(mask, group), plan, group, validate=False))
+        res = branches(sparse_dist_attn(q, k, v, local_selection(mask, group), plan, group, validate=False))
         sum(o.sum() for o, _ in res).backward()
         assert res[0][0].device.type == "meta" and plan.status.device.type == "meta"
 
@@ -248,7 +233,7 @@ def test_what_a_sparse_layer_holds_is_what_autograd_saves(kv_block, stages):
         return t
     live = LiveBytes(track=True)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), live:
-        res = _branches(sparse_dist_attn(*leaves, sel, plan, group))
+        res = branches(sparse_dist_attn(*leaves, sel, plan, group))
     for o, lse in res:
         pack(o), pack(lse)
     unsaved = [what for key, what in live._what.items()
@@ -258,4 +243,4 @@ def test_what_a_sparse_layer_holds_is_what_autograd_saves(kv_block, stages):
     outs = [unshard(o, group) for o, _ in res]
     lses = [unshard(lse, group) for _, lse in res]
     loss(outs, lses, d_out, d_lse).backward()
-    _check(mask, ref, outs, lses, [unshard(x.grad, group) for x in leaves])
+    check_branches(ref, outs, lses, [unshard(x.grad, group) for x in leaves])
