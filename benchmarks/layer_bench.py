@@ -134,8 +134,9 @@ def ib_bytes(pass_times, topo: Topology) -> int:
         for s, row in enumerate(pt.pair_bytes):
             for d, b in enumerate(row):
                 if b and not topo.same_node(s, d):
-                    for side in (("send", topo.nic_of(s)), ("recv", topo.nic_of(d))):
-                        load[side] = load.get(side, 0) + b
+                    for side, nic, _ in topo.link_sides(s, d):
+                        if side.startswith("ib"):
+                            load[side, nic] = load.get((side, nic), 0) + b
     return max(load.values(), default=0)
 
 

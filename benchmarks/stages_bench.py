@@ -217,6 +217,9 @@ def main(argv=None):
     ap.add_argument("--tokens-per-rank", type=int, default=8192)
     ap.add_argument("--topology", default="h200_hgx", choices=sorted(PRESETS))
     ap.add_argument("--plan-cache", default=None)
+    ap.add_argument("--own-nic", action="store_true",
+                    help="simulate every inter-node send through the source GPU's own NIC (a gloo group, or "
+                         "NCCL without PXN) instead of the preset's rail routing (Topology.rail_routing)")
     ap.add_argument("--solve-topology", action="store_true",
                     help="solve on the topology (SolverConfig(topology=...), as a cluster user does; with one "
                          "remote stage such a plan relays inter-node rows); default: solve without it")
@@ -230,6 +233,8 @@ def main(argv=None):
         ap.error(f"--comm must include a2a (the baseline of every ratio), got {args.comm!r}")
     torch.set_num_threads(1)
     topo = PRESETS[args.topology]
+    if args.own_nic:
+        topo = dataclasses.replace(topo, rail_routing=False)
     rows = []
     for kind in parse_list(args.kinds, str, PACKED_KINDS, "kind"):
         for P in parse_list(args.P):
@@ -242,7 +247,11 @@ def main(argv=None):
               f"mu = {SolverConfig(cp_size=16, topology=PRESETS[args.topology]).imbalance_tol:.2f} across nodes "
               "(the default), relay transport at S = 1, direct with sub-stages)" if args.solve_topology else
               "Every mask is solved without a topology (the topology orders the sub-stages only)")
-    text = (f"# Sub-stages: SIMULATED training step ({args.topology})\n\nCommand: `{cmd}`\n\n{solved}.\n\n"
+    routing = ("Inter-node sends leave through the NIC on the destination's rail, reached over NVLink "
+               "(`Topology.rail_routing`, NCCL's point-to-point routing)" if topo.rail_routing else
+               "Inter-node sends leave through the source GPU's own NIC (`rail_routing=False`)")
+    text = (f"# Sub-stages: SIMULATED training step ({args.topology})\n\nCommand: `{cmd}`\n\n{solved}. "
+            f"{routing}.\n\n"
             "All times are simulated by `gpusolver.sim` (not measured). `/ S=1` is against the same plan's "
             "two-stage step with the same transport, `/ S=1 a2a` against the two-stage step over all-to-all-v "
             "(today's `TorchGroup`).\n\n## Summary over the masks\n\n"

@@ -50,6 +50,12 @@ class Topology:
     ib_latency_us:    fixed cost of one collective or transfer that crosses nodes, microseconds.
     max_nodes:        nodes available (None: as many as a group needs).
     name:             a label for reports.
+    rail_routing:     how a transfer across nodes reaches the network (``link_sides``). False: through
+                      the source GPU's own NIC. True: over NVLink to the GPU of the source's node at
+                      the destination's local index, then through that GPU's NIC, so it stays on the
+                      destination's rail; NCCL routes point-to-point sends this way on rail-optimised
+                      clusters (its PXN, since NCCL 2.12), which all-to-all-v and ``batch_isend_irecv``
+                      on a ``TorchGroup`` over NCCL use.
     """
 
     ranks_per_node: int
@@ -63,6 +69,7 @@ class Topology:
     ib_latency_us: float = 0.0
     max_nodes: int | None = None
     name: str = "custom"
+    rail_routing: bool = False
 
     def __post_init__(self) -> None:
         _positive("ranks_per_node", self.ranks_per_node, integer=True)
@@ -89,6 +96,9 @@ class Topology:
             _positive("max_nodes", self.max_nodes, integer=True)
         if not isinstance(self.name, str):
             raise TypeError(f"name must be a str, got {type(self.name).__name__}")
+        if not isinstance(self.rail_routing, bool):
+            raise TypeError(f"rail_routing must be a bool, got {type(self.rail_routing).__name__} "
+                            f"{self.rail_routing!r}")
 
     # --- layout -------------------------------------------------------------------------------------------------
 
@@ -131,6 +141,22 @@ class Topology:
         local = rank % self.ranks_per_node
         per_nic = self.ranks_per_node // self.nics_per_node
         return self.node_of(rank) * self.nics_per_node + local // per_nic
+
+    def link_sides(self, src: int, dst: int) -> tuple[tuple[str, int, int], ...]:
+        """The link sides a transfer from ``src`` to ``dst`` (``src != dst``) goes through, in order, as
+        (side, index, rank): side "nvlink send" / "nvlink recv" (index: the GPU) or "ib send" /
+        "ib recv" (index: the NIC, ``nic_of``); rank is the GPU that side serves (where a timeline
+        draws it). Inside a node: the source's NVLink send side and the destination's receive side.
+        Across nodes: the NICs' send and receive sides, the send side the source's own NIC, or with
+        ``rail_routing`` the NIC of the source node's GPU at the destination's local index, reached
+        over NVLink first when that GPU is not the source."""
+        if self.same_node(src, dst):
+            return ("nvlink send", src, src), ("nvlink recv", dst, dst)
+        via = src
+        if self.rail_routing:
+            via = self.node_of(src) * self.ranks_per_node + dst % self.ranks_per_node
+        hop = (("nvlink send", src, src), ("nvlink recv", via, via)) if via != src else ()
+        return hop + (("ib send", self.nic_of(via), via), ("ib recv", self.nic_of(dst), dst))
 
     # --- prices -------------------------------------------------------------------------------------------------
 
@@ -208,13 +234,16 @@ def _env_int(name: str, raw: str) -> int:
 # peak. NVLink 4 is 900 GB/s both directions per GPU; one ConnectX-7 NIC
 # (400 Gb/s) per GPU. GB200: NVLink 5 at 1.8 TB/s both directions across a
 # 72-GPU rack, the same NIC per GPU. Latencies are the order of an NCCL
-# collective's launch and first byte, inside a node and across nodes.
+# collective's launch and first byte, inside a node and across nodes. Rail routing: NCCL's
+# point-to-point (all-to-all-v and batched send/receive alike) leaves a node through the NIC on
+# the destination's rail by default (PXN, NCCL >= 2.12); a gloo group, or NCCL_P2P_PXN_LEVEL=0,
+# sends through each GPU's own NIC: ``replace(preset, rail_routing=False)``.
 h100_hgx = Topology(ranks_per_node=8, nvlink_gbps=450.0, ib_gbps=50.0, attn_tflops=400.0,
-                    nvlink_latency_us=10.0, ib_latency_us=20.0, name="h100_hgx")
+                    nvlink_latency_us=10.0, ib_latency_us=20.0, name="h100_hgx", rail_routing=True)
 h200_hgx = Topology(ranks_per_node=8, nvlink_gbps=450.0, ib_gbps=50.0, attn_tflops=400.0,
-                    nvlink_latency_us=10.0, ib_latency_us=20.0, name="h200_hgx")
+                    nvlink_latency_us=10.0, ib_latency_us=20.0, name="h200_hgx", rail_routing=True)
 gb200_nvl72 = Topology(ranks_per_node=72, nvlink_gbps=900.0, ib_gbps=50.0, attn_tflops=900.0,
-                       nvlink_latency_us=10.0, ib_latency_us=20.0, name="gb200_nvl72")
+                       nvlink_latency_us=10.0, ib_latency_us=20.0, name="gb200_nvl72", rail_routing=True)
 # One H200 HGX box on its own: groups of up to 8 ranks, nothing crosses InfiniBand.
 single_node = replace(h200_hgx, max_nodes=1, name="single_node")
 

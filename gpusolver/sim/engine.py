@@ -10,16 +10,18 @@ places every op in time:
 - a compute op lasts its per-rank ``duration``; a wait lasts nothing (it
   blocks its stream until its deps are done);
 - a collective moves ``transfers`` (source, destination, bytes). A transfer
-  inside a node goes through the source GPU's NVLink send side and the
-  destination GPU's NVLink receive side; across nodes, through the source
-  NIC's send side and the destination NIC's receive side. Each side moves its
+  goes through the link sides ``Topology.link_sides`` names: inside a node the
+  source GPU's NVLink send side and the destination GPU's NVLink receive side;
+  across nodes a NIC's send side (the source's own, or with ``rail_routing``
+  the one on the destination's rail, reached over NVLink) and the destination
+  NIC's receive side. Each side moves its
   bytes one collective after another at its full bandwidth (serialised), so no
   link ever carries more than its bandwidth allows;
 - ``mode="a2a"`` (an all-to-all-v): it starts when every rank has reached it;
   each link side then moves all of the collective's bytes through it back to
   back (as a pipelined exchange does), and the collective completes on every
   rank at once, when the busiest side is done; ``mode="p2p"``: each transfer
-  starts when both its ends have reached the op and both its sides are free
+  starts when both its ends have reached the op and all its sides are free
   (the one that can start first goes first), holds them for its own bytes, and a rank is done
   when its incoming transfers are (``TorchGroup(transport="p2p")``: its wait is on its receives,
   its sends stay in flight); ``mode="p2p-batch"``: the same transfers, but a rank is done when
@@ -107,43 +109,43 @@ class _Links:
         self.topo = topo
         self.free: dict[tuple[str, int], float] = {}
 
-    def sides(self, src: int, dst: int) -> tuple[bool, tuple[str, int], tuple[str, int]]:
-        t = self.topo
-        if t.same_node(src, dst):
-            return False, ("nvlink send", src), ("nvlink recv", dst)
-        return True, ("ib send", t.nic_of(src)), ("ib recv", t.nic_of(dst))
+    def _seconds(self, side: str, nbytes: int) -> float:
+        return self.topo.link_seconds(nbytes, inter_node=side.startswith("ib"))
 
     def place_all(self, moves, earliest: float, label: str, out: list) -> float:
         """Every side moves its share of ``moves`` back to back from ``earliest``: when the last is done."""
         load: dict[tuple[str, int], int] = {}
         ranks: dict[tuple[str, int], set] = {}
         for s, d, b in moves:
-            _, a, c = self.sides(s, d)
-            for side, rank in ((a, s), (c, d)):
-                load[side] = load.get(side, 0) + b
-                ranks.setdefault(side, set()).add(rank)
+            for side, index, rank in self.topo.link_sides(s, d):
+                load[side, index] = load.get((side, index), 0) + b
+                ranks.setdefault((side, index), set()).add(rank)
         last = earliest
-        for side, b in load.items():
-            start = max(earliest, self.free.get(side, 0.0))
-            end = start + self.topo.link_seconds(b, inter_node=side[0].startswith("ib"))
-            self.free[side] = end
+        for key, b in load.items():
+            start = max(earliest, self.free.get(key, 0.0))
+            end = start + self._seconds(key[0], b)
+            self.free[key] = end
             last = max(last, end)
-            out.extend(Interval(r, side[0], label, start, end) for r in sorted(ranks[side]))
+            out.extend(Interval(r, key[0], label, start, end) for r in sorted(ranks[key]))
         return last
 
     def earliest(self, src: int, dst: int, nbytes: int, earliest: float) -> float:
-        """When a transfer could start: both its sides free, not before ``earliest``."""
-        _, a, b = self.sides(src, dst)
-        return max(earliest, self.free.get(a, 0.0), self.free.get(b, 0.0))
+        """When a transfer could start: every side it goes through free, not before ``earliest``."""
+        return max([earliest] + [self.free.get((side, i), 0.0) for side, i, _ in self.topo.link_sides(src, dst)])
 
     def place(self, src: int, dst: int, nbytes: int, earliest: float, label: str, out: list) -> float:
-        inter, a, b = self.sides(src, dst)
-        start = max(earliest, self.free.get(a, 0.0), self.free.get(b, 0.0))
-        end = start + self.topo.link_seconds(nbytes, inter_node=inter)
-        self.free[a] = self.free[b] = end
-        out.append(Interval(src, a[0], label, start, end))
-        out.append(Interval(dst, b[0], label, start, end))
-        return end
+        """Start the transfer once every side is free; each side is busy for its own bytes' time
+        (an NVLink hop before InfiniBand, ``Topology.rail_routing``, is pipelined with it); done when
+        the slowest side is."""
+        sides = self.topo.link_sides(src, dst)
+        start = max([earliest] + [self.free.get((side, i), 0.0) for side, i, _ in sides])
+        done = start
+        for side, i, rank in sides:
+            end = start + self._seconds(side, nbytes)
+            self.free[side, i] = end
+            done = max(done, end)
+            out.append(Interval(rank, side, label, start, end))
+        return done
 
 
 def run_ops(ops, cp_size: int, topo: Topology) -> Run:

@@ -109,12 +109,8 @@ def ideal_seconds(compute: list[float], transfers, topo: Topology, P: int) -> fl
     for s, d, b in transfers:
         if s == d or b <= 0:
             continue
-        if topo.same_node(s, d):
-            sides = (("nvlink send", s), ("nvlink recv", d))
-        else:
-            sides = (("ib send", topo.nic_of(s)), ("ib recv", topo.nic_of(d)))
-        for side in sides:
-            load[side] = load.get(side, 0) + b
+        for side, index, _ in topo.link_sides(s, d):
+            load[side, index] = load.get((side, index), 0) + b
     links = [topo.link_seconds(b, inter_node=side[0].startswith("ib")) for side, b in load.items()]
     return max([max(compute, default=0.0)] + links)
 

@@ -23,6 +23,7 @@ def test_frozen():
     ("ranks_per_node", 0, ValueError), ("ranks_per_node", 8.0, TypeError), ("nvlink_gbps", -1.0, ValueError),
     ("ib_gbps", float("inf"), ValueError), ("attn_tflops", 0, ValueError), ("bwd_flops_ratio", "2", TypeError),
     ("nics_per_node", 3, ValueError), ("ib_latency_us", -1.0, ValueError), ("max_nodes", 0, ValueError),
+    ("rail_routing", 1, TypeError),
 ])
 def test_validation_names_the_bad_value(field, value, err):
     kwargs = dict(ranks_per_node=8, nvlink_gbps=450.0, ib_gbps=50.0, attn_tflops=400.0)
@@ -44,6 +45,20 @@ def test_layout_and_nics():
     with pytest.raises(ValueError, match="cp_size = 16"):
         single_node.check_group(16)
     single_node.check_group(8)
+
+
+def test_link_sides():
+    own = Topology(ranks_per_node=4, nvlink_gbps=1.0, ib_gbps=1.0, attn_tflops=1.0, nics_per_node=2)
+    rail = dataclasses.replace(own, rail_routing=True)
+    for t in (own, rail):  # inside a node: NVLink, whatever the routing
+        assert t.link_sides(1, 3) == (("nvlink send", 1, 1), ("nvlink recv", 3, 3))
+    # across nodes through the source's own NIC (rank 1: NIC 0; rank 7: NIC 3)
+    assert own.link_sides(1, 7) == (("ib send", 0, 1), ("ib recv", 3, 7))
+    # on the destination's rail: over NVLink to rank 3 (local index 3, like rank 7), out of its NIC 1
+    assert rail.link_sides(1, 7) == (("nvlink send", 1, 1), ("nvlink recv", 3, 3), ("ib send", 1, 3),
+                                     ("ib recv", 3, 7))
+    assert rail.link_sides(6, 2) == (("ib send", 3, 6), ("ib recv", 1, 2))  # already on its rail: no hop
+    assert all(t.rail_routing for t in (PRESETS["h100_hgx"], h200_hgx, gb200_nvl72, single_node))
 
 
 def test_prices():

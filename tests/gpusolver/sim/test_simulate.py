@@ -1,4 +1,6 @@
 """The layer simulator: exact times of hand-worked schedules, and the ideal bound as a floor."""
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -8,6 +10,7 @@ from gpusolver import SolverConfig, block_areas
 from gpusolver.masks import full_mask, varlen_causal_mask
 from gpusolver.plan import build_plan
 from gpusolver.sim import SimOp, run_ops, simulate, simulate_baseline
+from gpusolver.sim.layer import ideal_seconds
 from gpusolver.topology import Topology
 
 D, HQ, HKV = 32, 4, 2
@@ -116,6 +119,32 @@ def test_what_if_transports_never_slower_and_bounded():
     assert both.step_ms >= both.ideal_ms * (1 - 1e-12) and both.ideal_ms == base.ideal_ms
     with pytest.raises(ValueError, match="comm must be"):
         simulate(plan, topo, comm="p2q")
+
+
+def test_rail_routing_spreads_a_hosts_sends_over_its_nodes_nics():
+    """Rank 0 sends 100 B to each rank of the other node. Through its own NIC the four go one after
+    another (done at 1, 2, 3, 4 s); routed on the destination's rail (NCCL's point-to-point) each leaves
+    through the NIC of rank 0's node-mate at the destination's local index, after an NVLink hop that
+    holds rank 0's NVLink send side 0.01 s per transfer, so they land at 1, 1, 1.01 and 1.02 s."""
+    own = Topology(ranks_per_node=4, nvlink_gbps=1e-5, ib_gbps=1e-7, attn_tflops=1.0)  # 10^4 and 100 B/s
+    rail = dataclasses.replace(own, rail_routing=True)
+    moves = tuple((0, d, 100) for d in range(4, 8))
+    for mode in ("p2p", "p2p-batch"):
+        assert run_ops([SimOp("x", "comm", transfers=moves, mode=mode)], 8, own).end["x"][4:] == \
+            pytest.approx([1.0, 2.0, 3.0, 4.0])
+        run = run_ops([SimOp("x", "comm", transfers=moves, mode=mode)], 8, rail)
+        assert run.end["x"][4:] == pytest.approx([1.0, 1.0, 1.01, 1.02])
+    sent = sorted((i.rank, i.start) for i in run.intervals if i.lane == "ib send")
+    assert [r for r, _ in sent] == [0, 1, 2, 3] and [t for _, t in sent] == pytest.approx([0.0, 0.0, 0.01, 0.02])
+    hops = sorted(i.rank for i in run.intervals if i.lane == "nvlink recv")
+    assert hops == [1, 2, 3]  # the NVLink hop lands on the rail GPUs; rank 4 shares rank 0's rail
+    # an all-to-all-v: each side moves its share back to back; the busiest is one NIC's 100 B (1 s)
+    # against rank 0's NIC's 400 B (4 s) without rail routing
+    assert run_ops([SimOp("x", "comm", transfers=moves)], 8, rail).end["x"] == pytest.approx([1.0] * 8)
+    assert run_ops([SimOp("x", "comm", transfers=moves)], 8, own).end["x"] == pytest.approx([4.0] * 8)
+    # the ideal bound prices the same sides
+    assert ideal_seconds([0.0] * 8, moves, own, 8) == pytest.approx(4.0)
+    assert ideal_seconds([0.0] * 8, moves, rail, 8) == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize("slow_link", [False, True], ids=["compute-bound", "link-bound"])
