@@ -106,6 +106,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     _shape_options(p, P=32, tokens=8192, heads="64:8", head_dim=128, dtype="bfloat16")
     p.add_argument("--topology", choices=("h100_hgx", "h200_hgx", "gb200_nvl72", "single_node"), default="h200_hgx",
                    help="cluster preset (default h200_hgx: nodes of 8, NVLink 450 GB/s, one 50 GB/s NIC per GPU)")
+    p.add_argument("--own-nic", action="store_true",
+                   help="send every inter-node byte through the source GPU's own NIC (a gloo group, or NCCL with "
+                        "NCCL_P2P_PXN_LEVEL=0); default: the preset's rail routing, as NCCL sends (Topology.rail_routing)")
     p.add_argument("--mask", choices=a.MASK_KINDS, default="docs", help=a.MASK_HELP)
     p.add_argument("--tiles", type=a.positive_int, default=1, help="sub-chunk tiles per chunk (default 1)")
     p.add_argument("--solver", choices=("device", "reference"), default="device")

@@ -1,6 +1,7 @@
 """``python -m gpusolver simulate``: one mask's layer time on a cluster, simulated, next to USP and the ideal bound."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 
@@ -40,6 +41,8 @@ def run(args) -> int:
     from gpusolver.topology import Topology
 
     topology = Topology.preset(args.topology)
+    if args.own_nic:  # what the simulation routes; the solve prices link classes either way
+        topology = dataclasses.replace(topology, rail_routing=False)
     P = args.cp_size
     try:
         topology.check_group(P)
@@ -60,7 +63,9 @@ def run(args) -> int:
           f"{hq}:{hkv} heads, D = {args.head_dim}, {str(args.dtype).replace('torch.', '')}, {args.solver} solver, "
           f"S = {config.num_stages} sub-stage(s) over {args.comm}")
     print(f"NVLink {topology.nvlink_gbps:g} GB/s and InfiniBand {topology.ib_gbps:g} GB/s per direction per GPU / NIC, "
-          f"attention {topology.attn_tflops:g} TFLOP/s forward, backward {topology.bwd_flops_ratio:g}x the FLOPs")
+          f"attention {topology.attn_tflops:g} TFLOP/s forward, backward {topology.bwd_flops_ratio:g}x the FLOPs; "
+          + ("inter-node sends on the destination's rail (as NCCL sends)" if topology.rail_routing else
+             "inter-node sends through each GPU's own NIC"))
     print(table(results))
     if args.out:
         folder = os.path.dirname(os.path.abspath(args.out))

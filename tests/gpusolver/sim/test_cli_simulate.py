@@ -39,3 +39,19 @@ def test_simulate_runs_the_old_defaults_when_asked(capsys):
 def test_simulate_rejects_a_group_the_topology_cannot_hold():
     with pytest.raises(SystemExit, match="cp_size = 12"):
         main(["simulate", "-P", "12", "--tokens-per-rank", "64", "--heads", "4:2", "--head-dim", "32", "--out", ""])
+
+
+def test_simulate_routes_inter_node_sends_on_the_rail_unless_told_not_to(capsys):
+    """Across nodes the preset routes sends as NCCL does; ``--own-nic`` sends through each GPU's own NIC.
+    With 8 KV heads USP's Ulysses spans a node and its ring hops between ranks of one local index, on
+    their rail already, so its row is the same either way."""
+    argv = ["simulate", "-P", "16", "--tokens-per-rank", "64", "--heads", "16:8", "--head-dim", "32",
+            "--dtype", "float32", "--out", ""]
+    texts = []
+    for extra in ([], ["--own-nic"]):
+        assert main(argv + extra) == 0
+        texts.append(capsys.readouterr().out)
+    rail, own = texts
+    assert "inter-node sends on the destination's rail" in rail and "own NIC" in own
+    usp = [next(line for line in t.splitlines() if line.startswith("USP ")).split()[1:4] for t in texts]
+    assert usp[0] == usp[1]  # fwd, bwd and step ms
