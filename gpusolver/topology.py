@@ -152,9 +152,9 @@ class Topology:
         over NVLink first when that GPU is not the source."""
         if self.same_node(src, dst):
             return ("nvlink send", src, src), ("nvlink recv", dst, dst)
-        via = src
-        if self.rail_routing:
-            via = self.node_of(src) * self.ranks_per_node + dst % self.ranks_per_node
+        # on the destination's rail: the GPU of the source's node at the destination's local index,
+        # the rail-aligned rank ``relay_rank`` names
+        via = self.relay_rank(dst, self.node_of(src)) if self.rail_routing else src
         hop = (("nvlink send", src, src), ("nvlink recv", via, via)) if via != src else ()
         return hop + (("ib send", self.nic_of(via), via), ("ib recv", self.nic_of(dst), dst))
 

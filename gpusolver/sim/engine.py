@@ -137,10 +137,8 @@ class _Links:
         """Start the transfer once every side is free; each side is busy for its own bytes' time
         (an NVLink hop before InfiniBand, ``Topology.rail_routing``, is pipelined with it); done when
         the slowest side is."""
-        sides = self.topo.link_sides(src, dst)
-        start = max([earliest] + [self.free.get((side, i), 0.0) for side, i, _ in sides])
-        done = start
-        for side, i, rank in sides:
+        start = done = self.earliest(src, dst, nbytes, earliest)
+        for side, i, rank in self.topo.link_sides(src, dst):
             end = start + self._seconds(side, nbytes)
             self.free[side, i] = end
             done = max(done, end)
