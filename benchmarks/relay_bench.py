@@ -216,7 +216,7 @@ def step_rows(kind: str, P: int, seed: int, topology, tokens: int, cache, stages
             plans[S, relay] = build_as_solved(mask, areas, asg, replace(base, topology=topology, ib_relay=relay,
                                                                    num_stages=S))
         plan = plans[S, relay]
-        assert (plan.relay is not None) == relay and plan.num_stages == S
+        assert (plan.relay is not None) == relay and plan.num_stages == (S if relay or S == 1 else S + 1)  # + the tail
         t = simulate(plan, topology, comm=comm)
         rows.append({"kind": kind, "P": P, "seed": seed, "S": S, "transport": "relay" if relay else "direct",
                      "comm": comm, "step_ms": t.step_ms, "fwd_ms": t.fwd_ms, "bwd_ms": t.bwd_ms,
@@ -264,7 +264,7 @@ def pricing_rows(kind: str, P: int, seed: int, topology, tokens: int, cache, sta
         asg = solved_assignment(kind, P, seed, tokens, cache, topology, relay_priced=relay_priced)[0]
         config = replace(base, topology=topology, ib_relay=relay_runs, num_stages=stages)
         plan = build_as_solved(mask, areas, asg, config)
-        assert (plan.relay is not None) == relay_runs and plan.num_stages == stages
+        assert (plan.relay is not None) == relay_runs and plan.num_stages == config.plan_stages
         t = simulate(plan, topology, comm="p2p")
         ib_fwd, _ = link_bottlenecks(plan.pair_bytes("fwd"), L)
         ib_bwd, _ = link_bottlenecks(plan.pair_bytes("bwd"), L)
@@ -398,7 +398,8 @@ def balance_rows(kind: str, P: int, seed: int, topology, tokens: int, cache, sta
         plan = build_as_solved(mask, areas, asg, replace(config, imbalance_tol=mu, imbalance_auto=False,
                                                     num_stages=stages))
         # the default's transport at S > 1: direct (no relay); the relay cases: relay
-        assert (plan.relay is not None) == bool(config.ib_relay) and plan.num_stages == stages
+        assert (plan.relay is not None) == bool(config.ib_relay) and plan.num_stages == replace(
+            config, num_stages=stages).plan_stages
         t = simulate(plan, topology, comm="p2p")
         ib_fwd, ib = ib_ms(plan)
         rows.append({"kind": kind, "P": P, "seed": seed, "S": stages, "case": case, "config": label, "mu": mu,

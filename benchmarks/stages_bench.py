@@ -83,7 +83,7 @@ def costs(plan, config: SolverConfig, S: int) -> dict:
     calc_bytes = sum(t.numel() * t.element_size() for t in (calc.q_ranges, calc.k_ranges, calc.attn_type))
     return {"collectives": sum(op.collective for op in ops),
             "attn_launches": sum(op.kind == "attn" for op in ops),
-            "calc_rows": (S + 1) * calc.capacity, "calc_kb": calc_bytes / 1e3,
+            "calc_rows": (plan.num_stages + 1) * calc.capacity, "calc_kb": calc_bytes / 1e3,
             "stage_meta_kb": _stage_meta_bytes(comm) / 1e3,
             "recv_mb": recv / MB, "return_mb": (mem.fwd_peak - recv) / MB, "fwd_peak_mb": mem.fwd_peak / MB,
             "bwd_peak_mb": mem.bwd_peak / MB}

@@ -29,6 +29,12 @@ AUTO_TILE_PIECES = 4
 # them inside one node only (``SolverConfig.for_sparse``): over p2p, S = 4 gave 0.77-0.99x of S = 1 at
 # P = 8 and 0.92-1.10x across nodes at P = 16-64 (benchmarks/results/sparse_stages.md).
 AUTO_STAGES = 4
+# local_tail's default: half of each rank's local work runs after its remote sub-stages (direct
+# transport, S > 1). Over p2p on the benchmark masks across nodes (h200_hgx, P = 16-64, seeds 0-2,
+# S = 4) a half took the median simulated step over the ideal bound from 1.084 to 1.071 and the worst
+# from 1.334 to 1.302; 0.6-0.75 measured the same, 0.25-0.4 less; all-to-all-v did not move
+# (benchmarks/results/stages_bench_topo.md). Inside one node (P = 4-8) the forward reached its bound.
+LOCAL_TAIL = 0.5
 # Without a topology, a sparse group of at most this many ranks counts as inside one node (an HGX
 # node of 8 GPUs, the preset ``h200_hgx``) for its sub-stages.
 SPARSE_NODE_RANKS = 8
@@ -82,6 +88,31 @@ def auto_tile_cap(head_groups: int) -> int:
     while 2 * n * head_groups <= AUTO_TILE_PIECES:
         n *= 2
     return n
+
+
+# local_tail is applied in sixteenths of a rank's local work (rounded): integer comparisons, the same on
+# every rank and device (a rank's local work is at most G * c^2 <= 2^55 within ``limits``, so work times
+# the scale stays below 2^59)
+TAIL_SCALE = 16
+
+
+def check_local_tail(local_tail) -> None:
+    """``local_tail`` must be a number in [0, 1] (a share of each rank's local work)."""
+    if isinstance(local_tail, bool) or not isinstance(local_tail, (int, float)) or not 0 <= local_tail <= 1:
+        raise ValueError(f"local_tail must be a number in [0, 1] (the share of each rank's local work computed "
+                         f"after its remote sub-stages), got {local_tail!r}")
+
+
+def tail_parts(local_tail: float) -> int:
+    """``local_tail`` in sixteenths (``TAIL_SCALE``), rounded: the share of local work the tail takes."""
+    check_local_tail(local_tail)
+    return round(local_tail * TAIL_SCALE)
+
+
+def sub_stages(num_stages: int, local_tail: float = 0.0) -> int:
+    """The sub-stages a plan with ``num_stages`` S remote ones runs: S + 1 with a local tail (S > 1 and
+    ``local_tail`` at least half a sixteenth; ``gpusolver.plan.stages``), else S."""
+    return num_stages + 1 if num_stages > 1 and tail_parts(local_tail) > 0 else num_stages
 
 
 @dataclass(frozen=True)
@@ -199,6 +230,16 @@ class SolverConfig:
                         sparse selections the same inside one node and 1 across
                         nodes (``for_sparse``). 1 is the two-stage layer
                         (one cast, one remote stage, one reduce; the pinned digests).
+    local_tail:         with S > 1 and direct transport, the share of each rank's
+                        local work (in sixteenths) computed in a local-only
+                        sub-stage after the S remote ones instead of in stage 0,
+                        so each reduce is posted sooner and the last partials land
+                        while the rank attends its own rows (``plan.stages``). Its
+                        casts and reduces are empty: point-to-point posts nothing
+                        for them, all-to-all-v runs them as empty collectives. A
+                        plan then has S + 1 sub-stages (``plan.num_stages``).
+                        Default ``LOCAL_TAIL`` (0.5, measured); 0: none. Sparse
+                        plans and relay transport take no tail.
     auto_stages:        set by num_stages="auto" (the field then reads the resolved S);
                         not an argument: ``dataclasses.replace`` of a config makes its
                         num_stages explicit, ``replaced`` keeps "auto".
@@ -254,6 +295,7 @@ class SolverConfig:
     kept_per_rank: bool = False
     objective: str = "training"
     num_stages: int | str = "auto"
+    local_tail: float = LOCAL_TAIL
     auto_tiles: bool = False
     topology: Topology | None = None
     ib_relay: bool | None = None
@@ -299,6 +341,7 @@ class SolverConfig:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
                 raise ValueError(f"{name} must be None or a non-negative int, got {v!r}")
+        check_local_tail(self.local_tail)
         check_kept_per_rank(self.kept_per_rank, self.keep_forward_buffers, self.kept_q_rows, self.kept_kv_rows)
         if self.memory_budget is not None and (isinstance(self.memory_budget, bool)
                                                or not isinstance(self.memory_budget, (int, float))
@@ -394,6 +437,19 @@ class SolverConfig:
             return None
         ib_per_gpu = topo.ib_gbps * topo.nics_per_node / topo.ranks_per_node
         return topo.ranks_per_node, 1, min(MAX_LINK_WEIGHT, max(1, round(topo.nvlink_gbps / ib_per_gpu)))
+
+    @property
+    def tail(self) -> float:
+        """The local tail a slice-mask plan of this config takes: ``local_tail`` with direct
+        transport, 0 with relay transport (its hops' legs are placed by sub-stage, measured
+        without one)."""
+        return 0.0 if self.relays else self.local_tail
+
+    @property
+    def plan_stages(self) -> int:
+        """The sub-stages a slice-mask plan of this config runs (``plan.num_stages``): S, plus one
+        local-only sub-stage with a local tail (``sub_stages``)."""
+        return sub_stages(self.num_stages, self.tail)
 
     @property
     def relays(self) -> bool:

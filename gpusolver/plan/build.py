@@ -117,10 +117,11 @@ def build_plan(mask: AttnSlices, areas: BlockAreas, assignment: torch.Tensor, co
 
     cost = config.cost()
     metrics = evaluate(areas, assignment, cost)
-    S = config.num_stages
+    S = config.plan_stages  # the remote sub-stages, and a local tail with direct transport
     if topology is None:  # the config's cluster, where the config carries one
         topology = getattr(config, "topology", None)
-    task_stage = assign_stages(areas, assignment, S, cost=cost, topology=topology)
+    task_stage = assign_stages(areas, assignment, config.num_stages, cost=cost, topology=topology,
+                               local_tail=config.tail)
     comm, comm_overflow = build_comm_meta(areas, assignment, buffers=rows, task_stage=task_stage, num_stages=S)
     calc, flags = build_calc_meta(mask, areas, assignment, comm, stage_cap, task_stage if S > 1 else None)
 

@@ -147,6 +147,12 @@ class SparseSolverConfig(SolverConfig):
         solve prices direct transport, each byte still weighed by its link (``link_weights``)."""
         return False
 
+    @property
+    def tail(self) -> float:
+        """0: sparse plans take no local tail (their sub-stages were measured without one,
+        ``benchmarks/results/sparse_stages.md``), so ``plan_stages`` is S."""
+        return 0.0
+
     def cost(self) -> SparseCommCost:
         return SparseCommCost(self.num_heads_q, self.num_heads_kv, self.head_dim, self.dtype_bytes,
                               self.head_groups, self.keep_forward_buffers,

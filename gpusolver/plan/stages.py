@@ -32,16 +32,35 @@ S = 4 and took S = 8 from 12 to 14 of 18 masks within 1.15x the ideal bound
 (``benchmarks/results/stages_bench_topo.md``); equal shares and a small last
 piece only did less.
 
+Local tail. The forward attends stage 0 while the first casts fly, but a rank
+only takes in the partial results of its own rows once it has ended its own
+sub-stage (a point-to-point receive is posted with the reduce that sends its
+partials), and the last sub-stage's partials return with nothing to hide them.
+With ``local_tail`` > 0 a share of each rank's local work moves from stage 0 to a
+local-only sub-stage S + 1 after the S remote ones: its casts and reduces are
+empty (point-to-point posts nothing for them), so the rank posts each reduce
+sooner and attends its own rows while the last partials land. The tail takes
+the rank's local tasks at and past ``1 - local_tail`` of its local work, in task
+order. In the backward, where stage 0 already runs last, it only moves
+those tasks ahead of stage 0. On the benchmark masks solved on ``h200_hgx``
+(P = 16-64, seeds 0-2, S = 4 over p2p) half the local work in the tail took
+the median simulated step over the ideal bound from 1.084 to 1.071 and the
+worst from 1.334 to 1.302, no mask slower (``benchmarks/results/stages_bench_topo.md``);
+a tail inside the last remote sub-stage, or local work spread over the remote
+ones, gained nothing.
+
 Solver-independent (any assignment), deterministic and sync-free: static
 shapes, no host reads, the same on every rank. ``num_stages = 1`` gives stage 1
-to every remote task, the two-stage layer.
+to every remote task, the two-stage layer (no tail).
 """
 from __future__ import annotations
 
 import torch
 
+from gpusolver.config import TAIL_SCALE, sub_stages, tail_parts
 from gpusolver.problem import BlockAreas, CommCost
 from gpusolver.transfers import transfer_ranges
+
 
 
 def pair_bytes_fwd(areas: BlockAreas, assignment: torch.Tensor, cost: CommCost | None) -> torch.Tensor:
@@ -94,18 +113,22 @@ def stage_shares(num_stages: int) -> list[int]:
 
 
 def assign_stages(areas: BlockAreas, assignment: torch.Tensor, num_stages: int, *, cost: CommCost | None = None,
-                  topology=None) -> torch.Tensor:
-    """The sub-stage of every task: ``[G, U, U]`` int32, -1 empty or unassigned, 0 local, 1..S remote.
+                  topology=None, local_tail: float = 0.0) -> torch.Tensor:
+    """The sub-stage of every task: ``[G, U, U]`` int32, -1 empty or unassigned, 0 local, 1..S remote,
+    S + 1 the local tail (``sub_stages``).
 
     areas:      BlockAreas (area [G, U, U] int64, needs).
     assignment: [G, U, U] integer, rank computing task (g, i, j); -1 for empty tasks.
-    num_stages: S >= 1 (host int).
+    num_stages: S >= 1 (host int), remote sub-stages.
     cost:       byte sizes per row for the landing-time model (default: 1 per row).
     topology:   link classes and bandwidths (default: one class); see ``landing_time``.
+    local_tail: share in [0, 1] of each rank's local work computed in sub-stage S + 1, in sixteenths
+                (S > 1 only; 0: none, the local work all in stage 0).
     Sync-free.
     """
     if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"num_stages must be a positive int, got {num_stages!r}")
+    parts = tail_parts(local_tail)
     P = areas.cp_size
     host = areas.unit_host()
     a = assignment.long()
@@ -115,6 +138,9 @@ def assign_stages(areas: BlockAreas, assignment: torch.Tensor, num_stages: int, 
     base = torch.where(live, 0, -1)
     if num_stages == 1:
         return torch.where(remote, 1, base).to(torch.int32)
+    if sub_stages(num_stages, local_tail) > num_stages:
+        tail = _running_share(torch.where(live & ~remote, r, P), areas.area, P, parts)
+        base = torch.where(tail, num_stages + 1, base)
 
     # ready key of each task, (class, seconds): its last remote source to land (a local unit adds nothing)
     inter, t = landing_time(pair_bytes_fwd(areas, assignment, cost), topology)
@@ -134,15 +160,32 @@ def assign_stages(areas: BlockAreas, assignment: torch.Tensor, num_stages: int, 
     work = torch.where(remote, areas.area, 0).reshape(-1)
     w_sorted = work[order]
     r_sorted = rank_key[order]
-    incl = w_sorted.cumsum(0)
-    total = torch.zeros(P + 1, dtype=torch.int64, device=a.device).scatter_add_(0, r_sorted, w_sorted)
-    first = total.cumsum(0) - total                       # work of the ranks before, in the sorted list
-    before = incl - w_sorted - first[r_sorted]
+    before, total = _running_work(w_sorted, r_sorted, P)
     shares = stage_shares(num_stages)
     bounds = torch.tensor(shares[:-1], dtype=torch.int64, device=a.device).cumsum(0)   # [S - 1]
     # a task's stage: 1 + the stage boundaries at or below its running work, in integers
     # (before / W >= bound / sum(shares)), exact and the same on every rank
-    at = before[:, None] * sum(shares) >= bounds[None, :] * total[r_sorted].clamp(min=1)[:, None]
+    at = before[:, None] * sum(shares) >= bounds[None, :] * total.clamp(min=1)[:, None]
     stage_sorted = 1 + at.sum(1)
     stage = torch.empty_like(stage_sorted).scatter_(0, order, stage_sorted.clamp(max=num_stages))
     return torch.where(remote, stage.view_as(a), base).to(torch.int32)
+
+
+def _running_work(w_sorted: torch.Tensor, r_sorted: torch.Tensor, P: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For tasks sorted by rank (``r_sorted``, P for none) with work ``w_sorted``: (the rank's work
+    before each task, the rank's total work at each task), int64."""
+    incl = w_sorted.cumsum(0)
+    total = torch.zeros(P + 1, dtype=torch.int64, device=w_sorted.device).scatter_add_(0, r_sorted, w_sorted)
+    first = total.cumsum(0) - total                       # work of the ranks before, in the sorted list
+    return incl - w_sorted - first[r_sorted], total[r_sorted]
+
+
+def _running_share(rank: torch.Tensor, area: torch.Tensor, P: int, parts: int) -> torch.Tensor:
+    """[G, U, U] bool: the tasks of each rank (``rank``, P for none) at and past ``1 - parts /
+    TAIL_SCALE`` of its work, in task order."""
+    key = rank.reshape(-1)
+    order = torch.sort(key, stable=True).indices          # by rank, then task index
+    w_sorted = torch.where(key < P, area.reshape(-1), 0)[order]
+    before, total = _running_work(w_sorted, key[order], P)
+    late = (before * TAIL_SCALE >= (TAIL_SCALE - parts) * total) & (key[order] < P) & (total > 0)
+    return torch.empty_like(late).scatter_(0, order, late).view_as(rank)

@@ -45,8 +45,9 @@ def test_a_rank_keeps_its_fill_and_the_fakes_are_undone():
         want = own + n * (q_row + kv_row) + kq * q_row + kk * kv_row
         assert row["kept"] == want, (rank, row["kept"], want)
         # beside what autograd saves the forward leaves alive only the group's host copy of the
-        # 4 S split matrices ([4 S, P, P] int64, CPU) and the room's [P] row counts
-        S = config.num_stages
+        # 4 S split matrices ([4 S, P, P] int64, CPU; S the plan's sub-stages, the local tail's too) and the
+        # room's [P] row counts
+        S = plan.num_stages
         assert 0 < row["unsaved"] <= 4 * S * P * P * 8 + 2 * P * 8, row["unsaved"]
         assert row["fwd_peak"] > 0 and row["bwd_peak"] > 0
         # sends that land by the next collective are dropped then: the same kept bytes, never a

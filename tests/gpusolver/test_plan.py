@@ -109,6 +109,13 @@ def _calc_counts(plan: Plan, G: int, P: int, c: int, S: int) -> torch.Tensor:
     cal = plan.calc
     cap = cal.capacity
     out = torch.zeros(P, G, S, S, dtype=torch.long)
+    # the local tail (``SolverConfig.local_tail``): the last of S > 1 sub-stages when it holds a local task
+    n_units = plan.assignment.shape[1]
+    host = torch.arange(n_units) // (n_units // P)
+    a = plan.assignment.long()
+    local_task = (a == host.view(1, -1, 1)) & (a == host.view(1, 1, -1))
+    tail = cal.num_stages if cal.num_stages > 1 and bool(((plan.task_stage == cal.num_stages) & local_task).any()) \
+        else None
     for r in range(P):
         for stage in range(cal.num_stages + 1):
             n = int(cal.num_rows[r, stage])
@@ -133,8 +140,8 @@ def _calc_counts(plan: Plan, G: int, P: int, c: int, S: int) -> torch.Tensor:
                 g = qc // S
                 assert (g == kc // S).all(), "piece mixes head groups"
                 qt, kt = qc % S, kc % S
-                if stage == 0:
-                    assert ((qt // c == r) & (kt // c == r)).all(), "stage 0 piece not local"
+                if stage in (0, tail):
+                    assert ((qt // c == r) & (kt // c == r)).all(), f"stage {stage} piece not local"
                 else:
                     assert (~((qt // c == r) & (kt // c == r))).all(), f"stage {stage} piece is local"
                 out[r].index_put_((g, qt, kt), torch.ones_like(qt), accumulate=True)
@@ -293,7 +300,7 @@ def test_plan_constructor_masks(name, P, G, tiles, stages):
     areas = block_areas(mask, P, G, impl="torch", tiles=tiles)
     for asg in (owner_computes_assignment(areas), _random_assignment(areas, 7)):
         plan = build_plan(mask, areas, asg, _config(P, G, chunk_tiles=tiles, num_stages=stages))
-        assert plan.num_stages == (1 if stages == 1 else AUTO_STAGES)
+        assert plan.num_stages == (1 if stages == 1 else AUTO_STAGES + 1)  # S = 4 and the local tail
         _check_plan(mask, areas, asg, plan)
 
 
@@ -335,7 +342,7 @@ def test_shapes_depend_only_on_config():
         plans.append(build_plan(mask, areas, _random_assignment(areas, 1), _config(P, G)))
     assert _shapes(plans[0]) == _shapes(plans[1])
     cap = default_stage_capacity(5, G, P)
-    assert plans[0].calc.q_ranges.shape == (P, AUTO_STAGES + 1, cap, 2)  # local stage, S = 4 sub-stages
+    assert plans[0].calc.q_ranges.shape == (P, AUTO_STAGES + 2, cap, 2)  # local stage, S = 4 sub-stages, local tail
     worst = G * (S // P) * (P - 1)  # below P = 17 the default capacity is the worst case
     assert plans[0].comm.buffers.as_tuple() == (min(worst, 2 * G * (S // P)), worst, worst, worst)
     for kind in ("qo", "kv"):

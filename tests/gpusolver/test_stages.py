@@ -76,7 +76,8 @@ def test_stages_cover_remote_work_in_order_and_balanced():
     host = areas.unit_host()
     live = (a >= 0) & (areas.area > 0)
     local = live & (host.view(1, -1, 1) == a) & (host.view(1, 1, -1) == a)
-    assert torch.equal(st == 0, local) and torch.equal(st < 0, ~live)
+    # local tasks in stage 0 or the local tail S + 1 (``local_tail``), remote ones in 1..S
+    assert torch.equal((st == 0) | (st == S + 1), local) and torch.equal(st < 0, ~live)
     assert bool(((st >= 1) & (st <= S) | ~live | local).all())
     # shares: every stage's work is within one task of its share of W (1, 2, 2, 1 sixths)
     shares = stage_shares(S)
@@ -136,16 +137,20 @@ def test_per_stage_routing_adds_up(tiles):
         moved = getattr(comm, f"{kind}_range")[..., 1] > getattr(comm, f"{kind}_range")[..., 0]
         assert torch.equal(first > 0, moved) and bool((last >= first).all())
         for r in range(8):  # each stage's send list holds exactly that stage's rows, all of them once
-            rows = torch.cat([comm.send_index(kind, r, s) for s in range(1, 5)])
+            rows = torch.cat([comm.send_index(kind, r, s) for s in range(1, comm.num_stages + 1)])
             rows = rows[rows >= 0].sort().values
             allrows = comm.send_index(kind, r)
             assert torch.equal(rows, allrows[allrows >= 0].sort().values)
-    # the stages' slice rows are the remote stage's, dealt out; stage 0 is unchanged
-    assert torch.equal(plan.calc.needed_rows[:, 0], one.calc.needed_rows[:, 0])
-    assert torch.equal(plan.calc.needed_rows[:, 1:].sum(1), one.calc.needed_rows[:, 1])
-    for phase in ("fwd", "bwd"):  # pair_bytes per stage sums to the whole
+    # the stages' slice rows are the remote stage's, dealt out; stage 0's and the local tail's (stage
+    # S + 1, ``local_tail``) are the one-stage plan's local rows
+    assert comm.num_stages == 5
+    assert torch.equal(plan.calc.needed_rows[:, 0] + plan.calc.needed_rows[:, 5], one.calc.needed_rows[:, 0])
+    assert int(plan.calc.needed_rows[:, 5].sum()) > 0
+    assert torch.equal(plan.calc.needed_rows[:, 1:5].sum(1), one.calc.needed_rows[:, 1])
+    for phase in ("fwd", "bwd"):  # pair_bytes per stage sums to the whole; the tail moves nothing
         whole = plan.pair_bytes(phase)
         assert torch.equal(sum(plan.pair_bytes(phase, stage=s) for s in range(1, 5)), whole)
+        assert int(plan.pair_bytes(phase, stage=5).sum()) == 0
         assert torch.equal(whole, one.pair_bytes(phase))
 
 
@@ -153,8 +158,9 @@ def test_per_stage_routing_adds_up(tiles):
 def test_batched_send_lists_are_the_per_stage_ones(S, tiles):
     """``CommMeta.stage_send_index`` (every rank and sub-stage in one batch, what the runtime builds)
     equals ``send_index`` called per (rank, sub-stage), element for element, -1 padding included."""
-    _, _, plan, _ = _solved(S=S, tiles=tiles)
+    _, _, plan, config = _solved(S=S, tiles=tiles)
     comm = plan.comm
+    S = config.plan_stages  # and the local tail: its lists are all padding
     assert int(comm.qo_split.sum()) > 0 and int(comm.kv_split.sum()) > 0
     for kind in ("qo", "kv"):
         for which in ("cast", "return"):
@@ -195,11 +201,12 @@ def test_send_lists_and_gathers_cut_to_a_capacity_are_their_first_positions():
 
 def test_stage_pass_deterministic_and_on_meta():
     _, areas, plan, config = _solved(S=8)
-    again = assign_stages(areas, plan.assignment, 8, cost=config.cost())
+    again = assign_stages(areas, plan.assignment, 8, cost=config.cost(), local_tail=config.local_tail)
     assert torch.equal(again, plan.task_stage)
     meta_areas = type(areas)(*(t.to("meta") if isinstance(t, torch.Tensor) else t
                                for t in (areas.area, areas.q_need, areas.k_need, areas.chunk, areas.tiles)))
-    out = assign_stages(meta_areas, plan.assignment.to("meta"), 8, cost=config.cost(), topology=h200_hgx)
+    out = assign_stages(meta_areas, plan.assignment.to("meta"), 8, cost=config.cost(), topology=h200_hgx,
+                        local_tail=config.local_tail)
     assert out.device.type == "meta" and out.shape == plan.task_stage.shape and out.dtype == torch.int32
 
 
@@ -307,3 +314,67 @@ def test_stage_boundaries_by_hand():
     assert st[:, 0].eq(-1).all() and st[:, :, 0].eq(-1).all()
     # equal shares at S = 2: boundary at 2 / 4
     assert assign_stages(areas, asg, 2)[:, 1, 1].tolist() == [1, 1, 2, 2]
+
+
+def test_local_tail_by_hand():
+    """Rank 0 hosts four equal local tasks and helps with two of rank 1's: ``local_tail`` moves the
+    local tasks at and past 1 - share of its local work (in task order) to sub-stage S + 1 and leaves
+    the remote ones where they were; S = 1 takes no tail."""
+    from gpusolver.config import sub_stages
+    from gpusolver.problem import BlockAreas
+    U, G, c = 2, 4, 4
+    area = torch.zeros(G, U, U, dtype=torch.int64)
+    area[:, 0, 0] = 10                                       # four head groups of unit (0, 0), local to rank 0
+    area[:2, 1, 1] = 10                                      # two of unit (1, 1), hosted on rank 1
+    need = torch.zeros(G, U, U, 2, dtype=torch.int64)
+    need[:, 0, 0] = need[:, 1, 1] = torch.tensor([0, c])
+    areas = BlockAreas(area=area, q_need=need, k_need=need.clone(), chunk=c)
+    asg = torch.full((G, U, U), -1, dtype=torch.int64)
+    asg[:, 0, 0] = 0
+    asg[:2, 1, 1] = 0                                        # computed by rank 0: remote
+    none = assign_stages(areas, asg, 2)
+    assert none[:, 0, 0].tolist() == [0, 0, 0, 0] and none[:2, 1, 1].tolist() == [1, 2]
+    for share, local in ((0.5, [0, 0, 3, 3]), (0.25, [0, 0, 0, 3]), (1, [3, 3, 3, 3]), (0.74, [0, 3, 3, 3]),
+                         (0.01, [0, 0, 0, 0])):             # 0.01 rounds to 0 sixteenths: no tail
+        st = assign_stages(areas, asg, 2, local_tail=share)
+        assert st[:, 0, 0].tolist() == local, share
+        assert torch.equal(st[:2, 1, 1], none[:2, 1, 1]) and bool((st[2:, 1, 1] == -1).all())
+        assert sub_stages(2, share) == (3 if share >= 1 / 32 else 2)
+    assert torch.equal(assign_stages(areas, asg, 1, local_tail=0.5), assign_stages(areas, asg, 1))
+    assert sub_stages(1, 0.5) == 1
+
+
+def test_local_tail_config():
+    """``local_tail`` is checked by name; relay transport takes no tail (``SolverConfig.tail``), and
+    ``plan_stages`` is the sub-stages a plan of the config runs."""
+    for bad in (True, -0.1, 1.5, "half", None):
+        with pytest.raises(ValueError, match="local_tail"):
+            SolverConfig(cp_size=4, local_tail=bad)
+    default = SolverConfig(cp_size=4)
+    assert default.local_tail == 0.5 and default.tail == 0.5 and default.plan_stages == AUTO_STAGES + 1
+    assert SolverConfig(cp_size=4, local_tail=0).plan_stages == AUTO_STAGES
+    assert SolverConfig(cp_size=4, num_stages=1).plan_stages == 1
+    relayed = SolverConfig(cp_size=16, topology=h200_hgx, ib_relay=True)
+    assert relayed.relays and relayed.tail == 0.0 and relayed.plan_stages == AUTO_STAGES
+    assert SolverConfig(cp_size=16, topology=h200_hgx).plan_stages == AUTO_STAGES + 1  # direct with sub-stages
+
+
+def test_local_tail_simulated_moves_no_bytes():
+    """The tail's casts and reduces are empty: the simulated passes move the same bytes as the plan
+    without a tail, and the tail's sub-stage computes only the local work stage 0 gave up."""
+    from gpusolver.plan.schedule import stage_area
+    from gpusolver.sim import simulate
+
+    mask, areas, solved, config = _solved(S=4)
+    plan = build_plan(mask, areas, solved.assignment, config)
+    flat = build_plan(mask, areas, solved.assignment, replace(config, local_tail=0))
+    assert plan.num_stages == 5 and flat.num_stages == 4
+    topo = Topology(ranks_per_node=4, nvlink_gbps=450.0, ib_gbps=50.0, attn_tflops=400.0)
+    for comm in ("a2a", "p2p"):
+        with_tail, without = simulate(plan, topo, comm=comm), simulate(flat, topo, comm=comm)
+        assert with_tail.fwd.pair_bytes == without.fwd.pair_bytes
+        assert with_tail.bwd.pair_bytes == without.bwd.pair_bytes
+        assert with_tail.ideal_ms == pytest.approx(without.ideal_ms)
+    tail, flat_area = stage_area(plan, 6), stage_area(flat, 5)
+    assert torch.equal(tail[:, 0] + tail[:, 5], flat_area[:, 0]) and torch.equal(tail[:, 1:5], flat_area[:, 1:5])
+    assert bool((tail[:, 5] > 0).any())

@@ -30,7 +30,7 @@ ROWS = {"zero": lambda fill: 0, "part": lambda fill: fill // 2, "filled": lambda
 def _plan(name, P, S, seed):
     mask = make_mask(name, P * 16, seed=seed)
     plan, config = tight_plan(mask, make_config(P, 4, 2, num_stages=S))
-    assert plan.num_stages == S and int((plan.task_stage > 1).sum()) > 0
+    assert plan.num_stages == config.plan_stages == S + 1 and int((plan.task_stage > 1).sum()) > 0  # + the tail
     return mask, plan, config
 
 
@@ -58,7 +58,7 @@ def test_kept_rows_with_sub_stages(name, P, S, seed, which):
     else:  # some rows lie below R, some past it
         assert 0 < sum(tails) < sum(full)
     inputs = make_inputs(P * 16, 4, 2, seed=seed)
-    group = _check_kept_layer(plan, mask, inputs, cost, range(1, S + 1), f"S={S} R={R} ", kept_kv_rows=R)
+    group = _check_kept_layer(plan, mask, inputs, cost, range(1, plan.num_stages + 1), f"S={S} R={R} ", kept_kv_rows=R)
     assert all(int(group.traffic(b)[0].sum()) == 0 for b in PHASES_BWD)  # no unstaged phase ran
 
 
@@ -72,7 +72,7 @@ def test_kept_q_rows(S, kv_share, which):
     P, seed = 4, 3
     mask = make_mask("docs-causal", P * 16, seed=seed)
     plan, config = tight_plan(mask, make_config(P, 4, 2, num_stages=S))
-    assert plan.num_stages == S and (S == 1 or int((plan.task_stage > 1).sum()) > 0)  # as _plan checks
+    assert plan.num_stages == config.plan_stages and (S == 1 or int((plan.task_stage > 1).sum()) > 0)  # as _plan
     comm = plan.comm
     fill = comm.qo_recv_rows
     R = ROWS[which](int(fill.max()))
@@ -80,7 +80,7 @@ def test_kept_q_rows(S, kv_share, which):
     kv = None if kv_share is None else int(int(comm.kv_recv_rows.max()) * kv_share)
     cost = replace(config, kept_q_rows=R, kept_kv_rows=kv).cost()
     whole_q = replace(config, kept_kv_rows=kv).cost()
-    stages = range(1, S + 1) if S > 1 else (None,)
+    stages = range(1, plan.num_stages + 1) if S > 1 else (None,)
     again = sum(plan.pair_bytes("bwd.qo", cost, stage=s) - plan.pair_bytes("bwd.qo", whole_q, stage=s)
                 for s in stages)
     assert torch.equal(again.sum(0) // cost.q_fwd, (fill - R).clamp(min=0))
@@ -217,7 +217,7 @@ def test_kept_per_rank(S, room):
     over = replace(config, kept_q_rows=comm.qo_recv_capacity + 7, kept_kv_rows=kv_rows, kept_per_rank=True).cost()
     at = replace(config, kept_q_rows=comm.qo_recv_capacity, kept_kv_rows=kv_rows, kept_per_rank=True).cost()
     assert torch.equal(plan.pair_bytes("bwd", over), plan.pair_bytes("bwd", at))
-    stages = range(1, S + 1) if S > 1 else (None,)
+    stages = range(1, plan.num_stages + 1) if S > 1 else (None,)
     again_q = sum(plan.pair_bytes("bwd.qo", cost, stage=s) - plan.pair_bytes("bwd.qo", whole, stage=s)
                   for s in stages)
     again_kv = sum(plan.pair_bytes("bwd.kv", cost, stage=s) for s in stages)

@@ -37,7 +37,8 @@ def _plans(name, P, per_node, c=16, Hq=4, Hkv=2, tiles=1, keep=True, seed=None, 
     """(direct plan, relay plan, mask, config) of one reference-solver assignment (``num_stages``
     sub-stages: ``test_relay_stages``)."""
     mask = make_mask(name, P * c, seed=P if seed is None else seed)
-    config = make_config(P, Hq, Hkv, True, tiles, keep_forward_buffers=keep, num_stages=num_stages)
+    # no local tail: relay plans take none, and the stage-0 slice capacity is sized from the direct plan
+    config = make_config(P, Hq, Hkv, True, tiles, keep_forward_buffers=keep, num_stages=num_stages, local_tail=0)
     direct, tight = tight_plan(mask, config)
     areas = block_areas(mask, P, config.head_groups, impl="torch", tiles=tiles)
     # sub-stage plans relay only when asked (relay_transport)

@@ -88,7 +88,7 @@ def _relay_plan(S: int, egress: bool, keep):
     """The reference solver's assignment of a packed causal mask, rebuilt with relay transport at the
     capacities above (S sub-stages; ``egress=False``: every crossing leaves from its host's NIC)."""
     mask = make_mask("docs-causal", P * c, seed=P)
-    direct, tight = tight_plan(mask, make_config(P, Hq, Hkv, num_stages=S))
+    direct, tight = tight_plan(mask, make_config(P, Hq, Hkv, num_stages=S, local_tail=0))  # relay takes no tail
     config = replace(tight, topology=_topology(L), ib_relay=True, max_recv_rows=None, keep_forward_buffers=keep,
                      memory_budget=None, **CAPS)
     areas = block_areas(mask, P, config.head_groups, impl="torch")

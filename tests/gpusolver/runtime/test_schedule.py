@@ -93,7 +93,7 @@ def test_pair_bytes_equal_local_group_counts(keep):
     out, lse = dist_attn(qs, ks, vs, plan, group, keep_forward_buffers=keep)
     torch.autograd.backward((out, lse), (shard(d_out, group), shard(d_lse, group)))
     S = plan.num_stages
-    assert S == AUTO_STAGES  # the default: the group counts each collective per sub-stage
+    assert S == AUTO_STAGES + 1  # the default (and its local tail): the group counts each collective per sub-stage
     moved = 0
     for phase in PHASES:
         want = sum(group.pair_traffic(ph) for ph in counter_phases((phase,), S))
@@ -119,18 +119,19 @@ def test_task_stage_and_stage_area():
     plan, _ = tight_plan(mask, make_config(P, 4, 2))
     st = plan.task_stage
     S = plan.num_stages
-    assert st.dtype == torch.int32 and st.shape == plan.assignment.shape and S == AUTO_STAGES
+    assert st.dtype == torch.int32 and st.shape == plan.assignment.shape and S == AUTO_STAGES + 1  # + the tail
     a, area = plan.assignment.long(), plan.area
     host = torch.arange(P)
     for g, i, j in torch.cartesian_prod(*(torch.arange(n) for n in st.shape)).tolist():
         if area[g, i, j] == 0:
             assert st[g, i, j] == -1
-        elif a[g, i, j] == host[i] == host[j]:
-            assert st[g, i, j] == 0
-        else:  # a remote task: one of the S sub-stages
-            assert 1 <= st[g, i, j] <= S
+        elif a[g, i, j] == host[i] == host[j]:  # a local task: stage 0 or the local tail
+            assert st[g, i, j] in (0, S)
+        else:  # a remote task: one of the remote sub-stages
+            assert 1 <= st[g, i, j] < S
     sa = stage_area(plan)  # [P, 2]: local, and every remote sub-stage together
     full = stage_area(plan, S + 1)
     assert torch.equal(sa.sum(1), plan.metrics.load) and torch.equal(full.sum(1), plan.metrics.load)
     assert torch.equal(sa[:, 0], full[:, 0]) and torch.equal(sa[:, 1], full[:, 1:].sum(1))
-    assert torch.equal(sa[:, 0], torch.stack([area[:, r, r][a[:, r, r] == r].sum() for r in range(P)]))
+    assert torch.equal(sa[:, 0] + full[:, S], torch.stack([area[:, r, r][a[:, r, r] == r].sum() for r in range(P)]))
+    assert int(full[:, S].sum()) > 0  # the local tail has work

@@ -39,7 +39,7 @@ def test_plan_forward_equals_dense_attention(solver, stages, name, P, G):
     config = SolverConfig(cp_size=P, num_heads_q=Hq, num_heads_kv=Hkv, head_dim=D, dtype=torch.float32,
                           num_stages=stages)
     plan = shared_solve(mask, config, solver=solver)
-    assert plan.comm.num_stages == (4 if stages == "auto" else 1)  # the default: sub-stages, each cast at its base
+    assert plan.comm.num_stages == (5 if stages == "auto" else 1)  # the default: sub-stages and the local tail
     q, k, v = _qkv(S, Hq, Hkv, D)
     out, lse = simulate_forward(plan, q, k, v)
     ref_out, ref_lse = dense_attn(q, k, v, mask.to_dense())

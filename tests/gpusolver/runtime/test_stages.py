@@ -14,6 +14,7 @@ from torch import nn
 
 from gpusolver import block_areas
 from gpusolver.masks import varlen_causal_mask
+from gpusolver.config import LOCAL_TAIL, sub_stages
 from gpusolver.plan import IMBALANCED
 from gpusolver.plan.build import build_plan
 from gpusolver.problem import kept_kinds
@@ -40,9 +41,11 @@ def _check_local(case):
     T = P * c
     mask = make_mask(name, T, seed=P)
     plan, _ = tight_plan(mask, make_config(P, Hq, Hkv, flatten, tiles, num_stages=S, keep_forward_buffers=keep))
-    assert plan.num_stages == S and plan.calc.q_ranges.shape[1] == S + 1
-    if S > 1:  # the remote work really is spread over more than one sub-stage
-        assert int((plan.task_stage > 1).sum()) > 0
+    NS = sub_stages(S, LOCAL_TAIL)  # with S > 1 the local tail is sub-stage S + 1
+    assert plan.num_stages == NS and plan.calc.q_ranges.shape[1] == NS + 1
+    if S > 1:  # the remote work really is spread over more than one sub-stage, and the tail runs local work
+        assert int(((plan.task_stage > 1) & (plan.task_stage <= S)).sum()) > 0
+        assert int((plan.task_stage == NS).sum()) > 0
     inputs = make_inputs(T, Hq, Hkv, seed=P)
     _assert_all_close(reference(mask, *inputs), _run(plan, P, *inputs, keep_forward_buffers=keep), f"S={S} ")
 
@@ -136,7 +139,7 @@ def test_stages_per_kind_keep_and_capacities(keep):
     plan, config = _per_kind_plan(mask, make_config(P, Hq, Hkv, num_stages=S, keep_forward_buffers=keep,
                                                     memory_budget=None))
     comm = plan.comm
-    assert comm.num_stages == S and comm.qo_recv_capacity != comm.kv_recv_capacity
+    assert comm.num_stages == S + 1 and comm.qo_recv_capacity != comm.kv_recv_capacity  # and the local tail
     inputs = make_inputs(T, Hq, Hkv, seed=3)
     group = LocalGroup(P)
     _assert_all_close(reference(mask, *inputs), _run(plan, P, *inputs, group=group, keep_forward_buffers=keep),
@@ -147,7 +150,7 @@ def test_stages_per_kind_keep_and_capacities(keep):
         got = group.traffic(phase)
         assert torch.equal(got[0], sent) and torch.equal(got[1], recv), (phase, got, sent, recv)
     for base in PHASES["bwd"]:  # the schedule the simulator prices moves what ran, pair by pair
-        ran = sum(group.pair_traffic(stage_phase(base, s)) for s in range(1, S + 1))
+        ran = sum(group.pair_traffic(stage_phase(base, s)) for s in range(1, comm.num_stages + 1))
         assert torch.equal(ran, plan.pair_bytes(base)), base
     # the sub-stages share one buffer of the kept kind, as one stage does
     m, rows = plan.memory(config), comm.buffers
@@ -192,7 +195,7 @@ def test_stages_backward_sums_in_place(monkeypatch):
 
     monkeypatch.setattr(pipelined, "_flex_backward_into", counting)
     fused = _run(plan, P, *inputs)
-    assert set(stages) == set(range(S + 1))
+    assert set(stages) == set(range(S + 2))  # the local stage, S sub-stages, the local tail
     monkeypatch.setattr(pipelined, "_flex_backward_into", apart)
     _assert_all_close(fused, _run(plan, P, *inputs), "per-stage gradients ")
 
