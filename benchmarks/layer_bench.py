@@ -492,7 +492,8 @@ def main(argv=None) -> dict:
         "Hq:Hkv = 64:8, D = 128, bf16, G = 8; the default config solved on the topology "
         f"(`SolverConfig(cp_size=P, topology={topology.name})`: mu = "
         + ", ".join(f"{SolverConfig(cp_size=P, topology=topology).imbalance_tol:.2f} at P = {P}" for P in args.P)
-        + f", S = {SolverConfig(cp_size=max(args.P), topology=topology).num_stages} sub-stages), "
+        + f", S = {SolverConfig(cp_size=max(args.P), topology=topology).num_stages} sub-stages and the local tail of "
+        f"{SolverConfig(cp_size=max(args.P), topology=topology).local_tail:g}), "
         f"run over `{args.comm}`",
         f"commit {prov['commit']}; `{prov['command']}`; {prov['machine']}; {prov['seconds']:.0f} s",
         "### Layer time on a cluster, SIMULATED (medians over seeds)",

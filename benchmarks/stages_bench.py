@@ -250,8 +250,10 @@ def main(argv=None):
     routing = ("Inter-node sends leave through the NIC on the destination's rail, reached over NVLink "
                "(`Topology.rail_routing`, NCCL's point-to-point routing)" if topo.rail_routing else
                "Inter-node sends leave through the source GPU's own NIC (`rail_routing=False`)")
+    tail = SolverConfig(cp_size=16).local_tail
     text = (f"# Sub-stages: SIMULATED training step ({args.topology})\n\nCommand: `{cmd}`\n\n{solved}. "
-            f"{routing}.\n\n"
+            f"{routing}. With S > 1 direct plans also run the local tail (`local_tail={tail}`, the default: "
+            "a local-only last sub-stage, `benchmarks/results/local_tail_bench.md`).\n\n"
             "All times are simulated by `gpusolver.sim` (not measured). `/ S=1` is against the same plan's "
             "two-stage step with the same transport, `/ S=1 a2a` against the two-stage step over all-to-all-v "
             "(today's `TorchGroup`).\n\n## Summary over the masks\n\n"

@@ -61,7 +61,8 @@ def run(args) -> int:
     print(f"Layer time on {topology.name} (SIMULATED, not measured): P = {P} ({topology.nodes(P)} node(s) of "
           f"{topology.ranks_per_node}), mask '{args.mask}' seed {args.seed}, {args.tokens_per_rank} tokens per rank, "
           f"{hq}:{hkv} heads, D = {args.head_dim}, {str(args.dtype).replace('torch.', '')}, {args.solver} solver, "
-          f"S = {config.num_stages} sub-stage(s) over {args.comm}")
+          f"S = {config.num_stages} sub-stage(s)"
+          + (" and the local tail" if plan.num_stages > config.num_stages else "") + f" over {args.comm}")
     print(f"NVLink {topology.nvlink_gbps:g} GB/s and InfiniBand {topology.ib_gbps:g} GB/s per direction per GPU / NIC, "
           f"attention {topology.attn_tflops:g} TFLOP/s forward, backward {topology.bwd_flops_ratio:g}x the FLOPs; "
           + ("inter-node sends on the destination's rail (as NCCL sends)" if topology.rail_routing else

@@ -16,7 +16,7 @@ def test_simulate_prints_and_draws(tmp_path, capsys):
                  "--dtype", "float32", "--topology", "single_node", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "SIMULATED" in text
-    assert "S = 4 sub-stage(s) over p2p" in text  # the library's defaults: num_stages="auto", TorchGroup p2p
+    assert "S = 4 sub-stage(s) and the local tail over p2p" in text  # the defaults: num_stages="auto", local_tail, p2p
     for row in ("ours", "USP", "balanced USP", "ideal bound (ours)"):
         assert f"\n{row} " in text
     fwd, bwd, step = _ours(text)
