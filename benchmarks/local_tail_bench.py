@@ -30,14 +30,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
-    PACKED_KINDS, RESULTS_DIR, build_as_solved, cached_assignment, environment, make_mask, markdown_table, median,
-    parse_list, plan_cache_path, write_results,
+    RESULTS_DIR, add_cluster_sweep_args, build_as_solved, cached_assignment, cluster_sweep, environment, make_mask,
+    markdown_table, median, parse_list, plan_cache_path, write_results,
 )
 
 from gpusolver import SolverConfig, block_areas  # noqa: E402
 from gpusolver.config import LOCAL_TAIL  # noqa: E402
 from gpusolver.sim import simulate  # noqa: E402
-from gpusolver.topology import PRESETS  # noqa: E402
 
 COMMS = ("a2a", "p2p", "p2p-batch")
 
@@ -91,30 +90,27 @@ SUMMARY_COLUMNS = [("local_tail", "tail", ".2f"), ("comm", "comm", "s"), ("masks
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--P", default="16,32,64")
-    ap.add_argument("--kinds", default=",".join(PACKED_KINDS))
+    add_cluster_sweep_args(ap)
     ap.add_argument("--seeds", type=int, default=1)
     ap.add_argument("--stages", type=int, default=4, help="S, remote sub-stages (> 1)")
     ap.add_argument("--tails", default=f"0,0.25,{LOCAL_TAIL},0.75",
                     help="local_tail shares to compare (0, the baseline, is always added)")
     ap.add_argument("--comm", default=",".join(COMMS))
-    ap.add_argument("--tokens-per-rank", type=int, default=8192)
-    ap.add_argument("--topology", default="h200_hgx", choices=sorted(PRESETS))
     ap.add_argument("--plan-cache", default=None)
     ap.add_argument("--md", default=None)
     ap.add_argument("--json", default=str(Path(RESULTS_DIR) / "local_tail_bench.json"))
     args = ap.parse_args(argv)
     if args.stages < 2:
         ap.error(f"--stages must be at least 2 (a tail follows remote sub-stages), got {args.stages}")
+    sizes, kinds, topo = cluster_sweep(ap, args)
     tails = sorted(set(parse_list(args.tails, float, None, "tail")) | {0.0})
     comms = parse_list(args.comm, str, COMMS, "comm")
     torch.set_num_threads(1)
-    topo = PRESETS[args.topology]
     rows = []
-    for kind in parse_list(args.kinds, str, PACKED_KINDS, "kind"):
-        for P in parse_list(args.P):
+    for kind in kinds:
+        for P in sizes:
             for seed in range(args.seeds):
-                rows += run(kind, P, seed, args.tokens_per_rank, args.stages, tails, comms, topo, args.plan_cache)
+                rows += run(kind, P, seed, args.tokens, args.stages, tails, comms, topo, args.plan_cache)
     cmd = "python benchmarks/local_tail_bench.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     text = (f"# Local tail: SIMULATED training step ({args.topology}, S = {args.stages})\n\nCommand: `{cmd}`\n\n"
             "Every mask is solved on the topology (`SolverConfig(topology=...)`, direct transport with sub-stages). "
@@ -123,6 +119,7 @@ def main(argv=None):
             f"(`sub-stages run`). The library's default is `local_tail={LOCAL_TAIL}`.\n\n## Summary over the masks\n\n"
             + markdown_table(summarize(rows), SUMMARY_COLUMNS) + "\n\n## Every mask\n\n" + markdown_table(rows, COLUMNS)
             + "\n")
+    print(text)
     write_results(args.json, {"environment": environment(), "command": cmd, "rows": rows}, args.md, text)
 
 
