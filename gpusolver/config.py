@@ -238,7 +238,9 @@ class SolverConfig:
                         casts and reduces are empty: point-to-point posts nothing
                         for them, all-to-all-v runs them as empty collectives. A
                         plan then has S + 1 sub-stages (``plan.num_stages``).
-                        Default ``LOCAL_TAIL`` (0.5, measured); 0: none. Sparse
+                        Default ``LOCAL_TAIL`` (0.5, measured); 0: none. The
+                        split is by whole tasks, so a rank with one local task
+                        (G = 1, whole chunks) keeps it in stage 0. Sparse
                         plans and relay transport take no tail.
     auto_stages:        set by num_stages="auto" (the field then reads the resolved S);
                         not an argument: ``dataclasses.replace`` of a config makes its
