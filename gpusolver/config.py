@@ -33,7 +33,7 @@ AUTO_STAGES = 4
 # transport, S > 1). Over p2p on the benchmark masks across nodes (h200_hgx, P = 16-64, seeds 0-2,
 # S = 4) a half took the median simulated step over the ideal bound from 1.084 to 1.071 and the worst
 # from 1.334 to 1.302; 0.6-0.75 measured the same, 0.25-0.4 less; all-to-all-v did not move
-# (benchmarks/results/stages_bench_topo.md). Inside one node (P = 4-8) the forward reached its bound.
+# (benchmarks/results/local_tail_bench.md). Inside one node (P = 4-8) the forward reached its bound.
 LOCAL_TAIL = 0.5
 # Without a topology, a sparse group of at most this many ranks counts as inside one node (an HGX
 # node of 8 GPUs, the preset ``h200_hgx``) for its sub-stages.

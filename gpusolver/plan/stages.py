@@ -45,7 +45,7 @@ order. In the backward, where stage 0 already runs last, it only moves
 those tasks ahead of stage 0. On the benchmark masks solved on ``h200_hgx``
 (P = 16-64, seeds 0-2, S = 4 over p2p) half the local work in the tail took
 the median simulated step over the ideal bound from 1.084 to 1.071 and the
-worst from 1.334 to 1.302, no mask slower (``benchmarks/results/stages_bench_topo.md``);
+worst from 1.334 to 1.302, no mask slower (``benchmarks/results/local_tail_bench.md``);
 a tail inside the last remote sub-stage, or local work spread over the remote
 ones, gained nothing.
 
@@ -60,7 +60,6 @@ import torch
 from gpusolver.config import TAIL_SCALE, sub_stages, tail_parts
 from gpusolver.problem import BlockAreas, CommCost
 from gpusolver.transfers import transfer_ranges
-
 
 
 def pair_bytes_fwd(areas: BlockAreas, assignment: torch.Tensor, cost: CommCost | None) -> torch.Tensor:
