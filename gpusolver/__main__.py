@@ -120,6 +120,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
                         "and receive, as on gloo), a2a (transport=\"a2a\": all-to-all-v), p2p-batch (p2p on "
                         "NCCL's coalesced batch)")
     p.add_argument("--out", default="build/timeline.png", help="timeline PNG ('' for none; default build/timeline.png)")
+    p.add_argument("--critical-path", action="store_true",
+                   help="also print where each pass's time went: the chain of compute, transfers and latencies "
+                        "that ends at its last rank's finish (gpusolver.sim.critical)")
 
     p = subs["bench"] = sub.add_parser(
         "bench", help="the benchmarks that apply here, as one markdown report",

@@ -68,6 +68,11 @@ def run(args) -> int:
           + ("inter-node sends on the destination's rail (as NCCL sends)" if topology.rail_routing else
              "inter-node sends through each GPU's own NIC"))
     print(table(results))
+    if args.critical_path:
+        from gpusolver.sim.critical import describe
+
+        for name, pt in (("forward", results[0][1].fwd), ("backward", results[0][1].bwd)):
+            print(f"ours, {name} ({pt.ms:.3f} ms): " + "\n".join(describe(pt.critical)))
     if args.out:
         folder = os.path.dirname(os.path.abspath(args.out))
         os.makedirs(folder, exist_ok=True)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from gpusolver.plan.schedule import ATTN, WAIT, op_pair_bytes, plan_ops, stage_area
+from gpusolver.sim.critical import critical_path
 from gpusolver.sim.engine import COMM_MODES, Interval, Run, SimOp, run_ops
 from gpusolver.topology import Topology
 
@@ -31,6 +32,8 @@ class PassTime:
     comm_ms:    the longest time any rank's communication streams are busy.
     pair_bytes: [P][P] bytes moved from source to destination (host ints).
     timeline:   the bars of every rank's streams and link sides (seconds, ``engine.Interval``).
+    critical:   the chain of compute, transfers and latencies that ends at ``ms``
+                (``sim.critical.critical_path``: seconds, ``critical.Segment``).
     """
 
     ms: float
@@ -39,6 +42,7 @@ class PassTime:
     comm_ms: float
     pair_bytes: list
     timeline: list = field(repr=False, default_factory=list)
+    critical: list = field(repr=False, default_factory=list)
 
     @property
     def exposed_comm_ms(self) -> float:
@@ -129,7 +133,7 @@ def pass_time(ops: list[SimOp], P: int, topo: Topology) -> PassTime:
                 for r in range(P)), default=0.0) if comm_streams else 0.0
     return PassTime(ms=run.makespan * 1e3, ideal_ms=ideal_seconds(compute, moves, topo, P) * 1e3,
                     compute_ms=max(compute, default=0.0) * 1e3, comm_ms=comm * 1e3, pair_bytes=pair,
-                    timeline=run.intervals)
+                    timeline=run.intervals, critical=critical_path(run, ops))
 
 
 def _priced(plan, phase: str, topo: Topology, cost, keep: bool, mode: str) -> list[SimOp]:

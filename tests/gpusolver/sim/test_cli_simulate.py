@@ -55,3 +55,16 @@ def test_simulate_routes_inter_node_sends_on_the_rail_unless_told_not_to(capsys)
     assert "inter-node sends on the destination's rail" in rail and "own NIC" in own
     usp = [next(line for line in t.splitlines() if line.startswith("USP ")).split()[1:4] for t in texts]
     assert usp[0] == usp[1]  # fwd, bwd and step ms
+
+
+def test_simulate_prints_the_critical_path_when_asked(capsys):
+    """Across two nodes the forward's chain shows where its time went, in simulated ms that add up."""
+    assert main(["simulate", "-P", "16", "--tokens-per-rank", "64", "--heads", "16:8", "--head-dim", "32",
+                 "--dtype", "float32", "--out", "", "--critical-path"]) == 0
+    text = capsys.readouterr().out
+    fwd, bwd, _ = _ours(text)
+    for name, ms in (("forward", fwd), ("backward", bwd)):
+        line = next(x for x in text.splitlines() if x.startswith(f"ours, {name} ("))
+        assert "critical path (simulated): compute" in line
+        parts = [float(p.split()[1]) for p in line.split(": ", 2)[2].split(", ")]  # compute, transfer, latency ms
+        assert sum(parts) == pytest.approx(ms, abs=2e-3)
