@@ -1,0 +1,25 @@
+"""benchmarks/critical_path_bench.py at a small size: the chain's parts add up to each pass."""
+import json
+import math
+
+import pytest
+
+from tests.benchmarks._load import load_bench
+
+
+def test_critical_path_bench_quick(tmp_path, capsys):
+    mod = load_bench("critical_path_bench.py")
+    path = tmp_path / "c.json"
+    mod.main(["--P", "16", "--kinds", "causal", "--tokens", "256", "--json", str(path)])
+    text = capsys.readouterr().out
+    assert "SIMULATED" in text and "Summed over the masks" in text
+    out = json.loads(path.read_text())
+    (row,) = out["rows"]
+    assert row["vs_ideal"] >= 1 - 1e-9
+    for name in ("fwd", "bwd"):
+        assert math.isfinite(row[f"{name}_ms"]) and 0 <= row[f"{name}_compute_pct"] <= 100 + 1e-9
+        assert 0 <= row[f"{name}_idle_ms"] <= row[f"{name}_ms"] + 1e-9
+        parts = [t for t in out["totals"] if t["pass"] == name]
+        assert sum(t["ms"] for t in parts) == pytest.approx(row[f"{name}_ms"], rel=1e-9)  # one mask: the chain is the pass
+    with pytest.raises(SystemExit):
+        mod.main(["--comm", "smoke-signals", "--json", str(path)])
