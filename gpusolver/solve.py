@@ -59,7 +59,7 @@ def solve(mask, config: SolverConfig, *, solver: str = "device", areas_impl: str
     ``sparse_dist_attn``: same assignment, metrics and status fields, K and V
     as the mask's measured transfer, ``default_kv_block``; ``areas_impl`` does
     not apply). ``plan.status`` flags imbalance (mu not reached: the plan
-    keeps the best balance found) and capacity overflows.
+    keeps the best balance found within its buffers) and capacity overflows.
     """
     check_config(config)
     if isinstance(mask, SPARSE_MASKS):
@@ -91,6 +91,10 @@ def solve(mask, config: SolverConfig, *, solver: str = "device", areas_impl: str
     if validate:
         plan.validate(ignore=IMBALANCED)
         if int(plan.status.item()) & IMBALANCED:
+            # a plan within the buffers ranks before a balanced one past them (that one cannot run), so
+            # the buffers are often what stands between the plan and mu: say which knobs move it
             warnings.warn(f"imbalance_tol={config.imbalance_tol} not reached: the plan keeps the best "
-                          f"balance found, {plan.metrics.imbalance.item():.3f}", stacklevel=2)
+                          f"balance found within its receive and send buffers, {plan.metrics.imbalance.item():.3f}; "
+                          "larger buffers (max_recv_rows, max_qo_recv_rows, max_kv_recv_rows, ...), finer tiles "
+                          "(chunk_tiles) or a looser imbalance_tol may reach it", stacklevel=2)
     return plan

@@ -1,5 +1,6 @@
 """The device solver: sync-free, static shapes, deterministic, valid and balanced plans."""
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -138,6 +139,21 @@ def test_solve_reports_imbalance_it_cannot_fix():
     with pytest.warns(UserWarning, match="imbalance_tol"):
         plan = solve(mask, config.replaced(imbalance_tol=1.0))
     assert int(plan.status) & IMBALANCED
+
+
+def test_solve_names_the_buffers_when_they_hold_the_balance_back():
+    """Balanced with the default buffers; with buffers of 8 rows no helper can take the rows of chunk 0's
+    one long document, owner-computes (nothing travels) is the plan within them, and the warning names
+    the knobs."""
+    P = 4
+    config = _config(P, G=2, chunk_tiles=1)
+    mask = varlen_causal_mask([32] + [8] * 12)  # chunk 0: one causal document; chunks 1-3: four short ones
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not int(solve(mask, config).status) & IMBALANCED
+    with pytest.warns(UserWarning, match=r"within its receive and send buffers.*max_recv_rows.*chunk_tiles"):
+        plan = solve(mask, config.replaced(max_recv_rows=8))
+    assert int(plan.status) & IMBALANCED and plan.metrics.imbalance.item() > config.imbalance_tol
 
 
 def test_solver_choice_and_errors():
