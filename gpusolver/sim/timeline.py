@@ -19,7 +19,9 @@ def draw_timeline(layer: LayerTime, path, *, title: str = "", max_ranks: int = 1
     """Write ``layer``'s forward and backward timelines to ``path`` (PNG), the first ``max_ranks`` ranks.
 
     Rows per rank: compute, NVLink send / receive, InfiniBand send / receive (a NIC's bars on each
-    GPU that uses it). Times are simulated, in ms from the start of each pass.
+    GPU that uses it). Times are simulated, in ms from the start of each pass. A red line traces each
+    pass's critical path (``PassTime.critical``): compute on the rank's compute row, a transfer on
+    its destination's receive row, a latency dotted on the later poster's compute row.
     """
     import matplotlib
 
@@ -39,6 +41,13 @@ def draw_timeline(layer: LayerTime, path, *, title: str = "", max_ranks: int = 1
             y = iv.rank * (len(LANES) + 1) + lane
             ax.barh(y, (iv.end - iv.start) * 1e3, left=iv.start * 1e3, height=0.8, color=_colour(iv.label),
                     edgecolor="none")
+        for seg in pt.critical:
+            if not 0 <= seg.rank < ranks:
+                continue
+            lane = LANES.index(f"{seg.link} recv") if seg.kind == "transfer" and seg.link else 0
+            y = seg.rank * (len(LANES) + 1) + lane
+            ax.plot([seg.start * 1e3, seg.end * 1e3], [y, y], color="#d62728", linewidth=1.6,
+                    linestyle=":" if seg.kind == "latency" else "-")
         ax.set_title(f"{name}: {pt.ms:.2f} ms simulated (ideal {pt.ideal_ms:.2f})", fontsize=10)
         ax.set_xlabel("ms (simulated)")
         ax.grid(axis="x", alpha=0.3)
@@ -49,6 +58,7 @@ def draw_timeline(layer: LayerTime, path, *, title: str = "", max_ranks: int = 1
     names = {"stage 0": "stage 0", "stage": "remote stage / ring step", "qo": "Q (dO) cast", "kv": "K, V cast",
              "o": "O / dQ back", "dkv": "dK, dV back", "a2a": "Ulysses all-to-all"}
     legend = [Patch(color=_KIND_COLOURS[k], label=v) for k, v in names.items()]
+    legend.append(Patch(color="#d62728", label="critical path"))
     fig.legend(handles=legend, loc="lower center", ncol=len(legend), fontsize=8)
     shown = "" if ranks == P else f" (first {ranks} of {P} ranks)"
     fig.suptitle((title or "layer timeline") + shown + " — simulated, not measured", fontsize=11)

@@ -95,3 +95,18 @@ def test_every_pass_is_covered_from_zero_to_its_end(comm, relay):
 def test_nothing_ran():
     assert critical_path(run_ops([], 2, TOPO), []) == []
     assert describe([]) == ["critical path: nothing ran"]
+
+
+def test_the_timeline_traces_the_critical_path(tmp_path):
+    """The PNG draws with the chain over it, across nodes (transfers on the receive rows) and over a2a."""
+    from gpusolver.sim.timeline import draw_timeline
+
+    topo = Topology(ranks_per_node=2, nvlink_gbps=450.0, ib_gbps=50.0, attn_tflops=1e-3, ib_latency_us=20.0)
+    config = SolverConfig(cp_size=4, num_heads_q=4, num_heads_kv=2, head_dim=32, dtype=torch.float32, topology=topo)
+    plan = solve(varlen_causal_mask([40, 150, 66]), config)
+    for comm in ("p2p", "a2a"):
+        layer = simulate(plan, topo, comm=comm)
+        assert any(s.kind == "transfer" and s.rank >= 0 for s in layer.fwd.critical + layer.bwd.critical) or comm == "a2a"
+        out = tmp_path / f"{comm}.png"
+        draw_timeline(layer, out, title=comm)
+        assert out.read_bytes()[:4] == b"\x89PNG"
