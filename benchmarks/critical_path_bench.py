@@ -13,7 +13,12 @@ latencies that ends at its last rank's finish; its parts add up to the pass. Per
     top transfers      the chain's three largest (collective, link class) parts, ms
     idle before first  the chain's time before its first compute (waiting for the first casts)
 
-and summed over every mask, the chain's ms per (pass, collective, link class).
+and summed over every mask, the chain's ms per (pass, collective, link class). With
+``--ib-scale k`` the same plans are also simulated with k times the InfiniBand bandwidth (a
+what-if: how much of the step the bytes at the NICs hold):
+
+    step (IB x k) / ideal   that step over today's ideal bound (the same plan's, at 1x)
+    step (IB x k) / step    that step over today's
 
     PYTHONPATH=. python benchmarks/critical_path_bench.py --P 16,32,64 --seeds 3 --plan-cache build/sim_plans \\
         --md benchmarks/results/critical_path_bench.md
@@ -21,6 +26,7 @@ and summed over every mask, the chain's ms per (pass, collective, link class).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 import sys
 from collections import Counter
@@ -32,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
     RESULTS_DIR, add_cluster_sweep_args, build_as_solved, cached_assignment, cluster_sweep, environment, make_mask,
-    markdown_table, plan_cache_path, write_results,
+    markdown_table, median, plan_cache_path, write_results,
 )
 
 from gpusolver import SolverConfig, block_areas  # noqa: E402
@@ -50,13 +56,18 @@ def _pass_row(name: str, pt) -> dict:
             f"{name}_top": ", ".join(f"{label} {link} {sec * 1e3:.2f}" for (label, link), sec in top) or "-"}
 
 
-def run(kind: str, P: int, seed: int, tokens: int, comm: str, topo, cache, totals: Counter) -> dict:
+def run(kind: str, P: int, seed: int, tokens: int, comm: str, topo, cache, totals: Counter,
+        ib_scale: float = 1.0) -> dict:
     config = SolverConfig(cp_size=P, topology=topo)
     mask = make_mask(kind, P, seed, tokens)
     areas = block_areas(mask, P, config.head_groups, impl="torch")
     asg, _ = cached_assignment(mask, areas, config, plan_cache_path(cache, kind, P, seed, tokens, config))
-    t = simulate(build_as_solved(mask, areas, asg, config, topology=topo), topo, comm=comm)
+    plan = build_as_solved(mask, areas, asg, config, topology=topo)
+    t = simulate(plan, topo, comm=comm)
     row = {"kind": kind, "P": P, "seed": seed, "vs_ideal": t.step_ms / t.ideal_ms}
+    if ib_scale != 1.0:
+        fast = simulate(plan, dataclasses.replace(topo, ib_gbps=topo.ib_gbps * ib_scale), comm=comm)
+        row.update(ib_vs_ideal=fast.step_ms / t.ideal_ms, ib_vs_step=fast.step_ms / t.step_ms)
     for name, pt in (("fwd", t.fwd), ("bwd", t.bwd)):
         row.update(_pass_row(name, pt))
         parts = summary(pt.critical)
@@ -83,15 +94,29 @@ def main(argv=None):
     add_cluster_sweep_args(ap)
     ap.add_argument("--seeds", type=int, default=1)
     ap.add_argument("--comm", default="p2p", choices=COMM_MODES)
+    ap.add_argument("--ib-scale", type=float, default=1.0,
+                    help="also simulate with this many times the InfiniBand bandwidth (a what-if; default 1: not)")
     ap.add_argument("--plan-cache", default=None)
     ap.add_argument("--md", default=None)
     ap.add_argument("--json", default=str(Path(RESULTS_DIR) / "critical_path_bench.json"))
     args = ap.parse_args(argv)
+    if not args.ib_scale > 0:
+        ap.error(f"--ib-scale must be positive, got {args.ib_scale}")
     sizes, kinds, topo = cluster_sweep(ap, args)
     torch.set_num_threads(1)
     totals: Counter = Counter()
-    rows = [run(kind, P, seed, args.tokens, args.comm, topo, args.plan_cache, totals)
+    rows = [run(kind, P, seed, args.tokens, args.comm, topo, args.plan_cache, totals, args.ib_scale)
             for kind in kinds for P in sizes for seed in range(args.seeds)]
+    columns = COLUMNS
+    what_if = ""
+    if args.ib_scale != 1.0:
+        k = f"{args.ib_scale:g}"
+        columns = COLUMNS[:4] + [(f"step (IB x {k}) / ideal", "ib_vs_ideal", ".3f"),
+                                 (f"step (IB x {k}) / step", "ib_vs_step", ".3f")] + COLUMNS[4:]
+        ratios = sorted(r["ib_vs_step"] for r in rows)
+        what_if = (f"\n\nWith {k}x the InfiniBand bandwidth (the same plans): {sum(r['ib_vs_ideal'] <= 1.15 for r in rows)} "
+                   f"of {len(rows)} masks within 1.15x today's ideal bound (today {sum(r['vs_ideal'] <= 1.15 for r in rows)}), "
+                   f"the step a median {median(ratios):.3f}x today's ({ratios[0]:.3f}-{ratios[-1]:.3f}x).")
     pass_ms = {name: sum(r[f"{name}_ms"] for r in rows) for name in ("fwd", "bwd")}
     total_rows = [{"pass": name, "part": part, "link": link or "-", "ms": ms, "pct": 100.0 * ms / pass_ms[name]}
                   for (name, part, link), ms in sorted(totals.items(), key=lambda kv: (kv[0][0] != "fwd", -kv[1]))]
@@ -101,9 +126,9 @@ def main(argv=None):
             "simulated by `gpusolver.sim` (not measured). A pass's critical path is the chain of compute, "
             "transfers and latencies that ends at its last rank's finish (`gpusolver.sim.critical`): a transfer "
             "held back by an earlier one on a busy link side hands the chain to that one, so a queue on one NIC "
-            "reads as its transfers one after another. Its parts add up to the pass.\n\n"
+            "reads as its transfers one after another. Its parts add up to the pass." + what_if + "\n\n"
             "## Summed over the masks\n\n" + markdown_table(total_rows, TOTAL_COLUMNS)
-            + "\n\n## Every mask\n\n" + markdown_table(rows, COLUMNS) + "\n")
+            + "\n\n## Every mask\n\n" + markdown_table(rows, columns) + "\n")
     print(text)
     write_results(args.json, {"environment": environment(), "command": cmd, "rows": rows, "totals": total_rows},
                   args.md, text)

@@ -10,16 +10,20 @@ from tests.benchmarks._load import load_bench
 def test_critical_path_bench_quick(tmp_path, capsys):
     mod = load_bench("critical_path_bench.py")
     path = tmp_path / "c.json"
-    mod.main(["--P", "16", "--kinds", "causal", "--tokens", "256", "--json", str(path)])
+    mod.main(["--P", "16", "--kinds", "causal", "--tokens", "256", "--ib-scale", "2", "--json", str(path)])
     text = capsys.readouterr().out
     assert "SIMULATED" in text and "Summed over the masks" in text
     out = json.loads(path.read_text())
     (row,) = out["rows"]
     assert row["vs_ideal"] >= 1 - 1e-9
+    assert "With 2x the InfiniBand bandwidth" in text and "step (IB x 2) / ideal" in text
+    assert 0 < row["ib_vs_step"] <= 1 + 1e-9  # more bandwidth never slows the same plan here
+    assert row["ib_vs_ideal"] == pytest.approx(row["ib_vs_step"] * row["vs_ideal"])
     for name in ("fwd", "bwd"):
         assert math.isfinite(row[f"{name}_ms"]) and 0 <= row[f"{name}_compute_pct"] <= 100 + 1e-9
         assert 0 <= row[f"{name}_idle_ms"] <= row[f"{name}_ms"] + 1e-9
         parts = [t for t in out["totals"] if t["pass"] == name]
         assert sum(t["ms"] for t in parts) == pytest.approx(row[f"{name}_ms"], rel=1e-9)  # one mask: the chain is the pass
-    with pytest.raises(SystemExit):
-        mod.main(["--comm", "smoke-signals", "--json", str(path)])
+    for bad in (["--comm", "smoke-signals"], ["--ib-scale", "0"]):
+        with pytest.raises(SystemExit):
+            mod.main(bad + ["--json", str(path)])
