@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from gpusolver.plan.schedule import ATTN, WAIT, op_pair_bytes, plan_ops, stage_area
-from gpusolver.sim.critical import critical_path
+from gpusolver.sim.critical import critical_path, summary
 from gpusolver.sim.engine import COMM_MODES, Interval, Run, SimOp, run_ops
 from gpusolver.topology import Topology
 
@@ -100,10 +100,15 @@ class LayerTime:
         return {"fwd": self.fwd.timeline, "bwd": self.bwd.timeline}
 
     def to_dict(self) -> dict:
+        """The figures above as floats (ms), with each pass's critical path summed per kind
+        (``critical_fwd_compute_ms``, ``..._transfer_ms``, ``..._latency_ms``; the same for bwd)."""
         keys = ("fwd_ms", "bwd_ms", "step_ms", "ideal_ms", "compute_ms", "exposed_comm_ms", "hidden_share")
         out = {k: getattr(self, k) for k in keys}
         out.update(ideal_fwd_ms=self.fwd.ideal_ms, ideal_bwd_ms=self.bwd.ideal_ms,
                    compute_fwd_ms=self.fwd.compute_ms, compute_bwd_ms=self.bwd.compute_ms)
+        for name, pt in (("fwd", self.fwd), ("bwd", self.bwd)):  # the critical path's parts, ms
+            parts = summary(pt.critical)
+            out.update({f"critical_{name}_{k}_ms": parts[k] * 1e3 for k in ("compute", "transfer", "latency")})
         return out
 
 

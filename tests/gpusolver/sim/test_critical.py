@@ -81,6 +81,10 @@ def test_every_pass_is_covered_from_zero_to_its_end(comm, relay):
     plan = solve(mask, config)
     assert bool(plan.relay is not None) == relay
     layer = simulate(plan, topo, comm=comm)
+    d = layer.to_dict()
+    for name in ("fwd", "bwd"):
+        assert sum(d[f"critical_{name}_{k}_ms"] for k in ("compute", "transfer", "latency")) == \
+            pytest.approx(d[f"{name}_ms"], rel=1e-9)
     for pt in (layer.fwd, layer.bwd):
         _contiguous(pt.critical, pt.ms)
         assert any(s.kind != "compute" for s in pt.critical) or pt.ms == pytest.approx(pt.compute_ms)
