@@ -47,8 +47,8 @@ from gpusolver.sim.critical import summary  # noqa: E402
 from gpusolver.sim.engine import COMM_MODES  # noqa: E402
 
 
-def _pass_row(name: str, pt) -> dict:
-    parts = summary(pt.critical)
+def _pass_row(name: str, pt, parts: dict) -> dict:
+    """The row's columns of one pass; ``parts``: its path's ``summary``."""
     first = next((s.start for s in pt.critical if s.kind == "compute"), pt.ms * 1e-3)
     top = sorted(parts["transfers"].items(), key=lambda kv: -kv[1])[:3]
     return {f"{name}_ms": pt.ms, f"{name}_compute_pct": 100.0 * parts["compute"] * 1e3 / pt.ms if pt.ms else 100.0,
@@ -69,8 +69,8 @@ def run(kind: str, P: int, seed: int, tokens: int, comm: str, topo, cache, total
         fast = simulate(plan, dataclasses.replace(topo, ib_gbps=topo.ib_gbps * ib_scale), comm=comm)
         row.update(ib_vs_ideal=fast.step_ms / t.ideal_ms, ib_vs_step=fast.step_ms / t.step_ms)
     for name, pt in (("fwd", t.fwd), ("bwd", t.bwd)):
-        row.update(_pass_row(name, pt))
         parts = summary(pt.critical)
+        row.update(_pass_row(name, pt, parts))
         totals[name, "compute", ""] += parts["compute"] * 1e3
         totals[name, "latency", ""] += parts["latency"] * 1e3
         for (label, link), sec in parts["transfers"].items():

@@ -79,8 +79,7 @@ def critical_path(run: Run, ops) -> list[Segment]:
             if op.duration is not None and run.end[name][rank] > start:
                 out.append(Segment("compute", rank, op.label or name, start, min(until, run.end[name][rank])))
             until = start
-            state = ("start", before, rank)
-        elif state[0] == "transfer":
+        else:
             t: Transfer = state[1]
             out.append(Segment("transfer", t.dst, t.label, t.start, min(until, t.end), _link(t), t.src, t.nbytes))
             until = t.start
@@ -90,21 +89,13 @@ def critical_path(run: Run, ops) -> list[Segment]:
             if t.start > t.posted:
                 out.append(Segment("latency", t.poster, t.label, t.posted, t.start))
             until = t.posted
-            state = ("start", _op_before(run, t.op, t.poster), t.poster) if t.poster >= 0 else ("done",)
-        elif state[0] == "start":
-            _, before, rank = state
-            if before is None:
-                break
-            state = ("end", before, rank)
-        else:
+            # the later poster's readiness for this collective: what its start waited for
+            rank, before = t.poster, run.cause[t.op][t.poster][0]
+        if before is None:  # started at 0
             break
+        state = ("end", before, rank)
     out.reverse()
     return [s for s in out if s.end > s.start]
-
-
-def _op_before(run: Run, name: str, rank: int) -> str | None:
-    """What the collective ``name``'s posting on ``rank`` waited for (its own start cause)."""
-    return run.cause[name][rank][0]
 
 
 def summary(path: list[Segment]) -> dict:
