@@ -15,7 +15,8 @@ latencies that ends at its last rank's finish; its parts add up to the pass. Per
 
 and summed over every mask, the chain's ms per (pass, collective, link class). With
 ``--ib-scale k`` the same plans are also simulated with k times the InfiniBand bandwidth (a
-what-if: how much of the step the bytes at the NICs hold):
+what-if: how much of the step the bytes at the NICs hold); with ``--imbalance-tol mu`` every mask is
+solved at that bound instead of the default (a plan of its own in ``--plan-cache``):
 
     step (IB x k) / ideal   that step over today's ideal bound (the same plan's, at 1x)
     step (IB x k) / step    that step over today's
@@ -57,8 +58,8 @@ def _pass_row(name: str, pt, parts: dict) -> dict:
 
 
 def run(kind: str, P: int, seed: int, tokens: int, comm: str, topo, cache, totals: Counter,
-        ib_scale: float = 1.0) -> dict:
-    config = SolverConfig(cp_size=P, topology=topo)
+        ib_scale: float = 1.0, imbalance_tol: float | None = None) -> dict:
+    config = SolverConfig(cp_size=P, topology=topo, **({} if imbalance_tol is None else {"imbalance_tol": imbalance_tol}))
     mask = make_mask(kind, P, seed, tokens)
     areas = block_areas(mask, P, config.head_groups, impl="torch")
     asg, _ = cached_assignment(mask, areas, config, plan_cache_path(cache, kind, P, seed, tokens, config))
@@ -96,16 +97,20 @@ def main(argv=None):
     ap.add_argument("--comm", default="p2p", choices=COMM_MODES)
     ap.add_argument("--ib-scale", type=float, default=1.0,
                     help="also simulate with this many times the InfiniBand bandwidth (a what-if; default 1: not)")
+    ap.add_argument("--imbalance-tol", type=float, default=None,
+                    help="solve every mask at this bound mu (default: the config's, 1.05 across nodes)")
     ap.add_argument("--plan-cache", default=None)
     ap.add_argument("--md", default=None)
     ap.add_argument("--json", default=str(Path(RESULTS_DIR) / "critical_path_bench.json"))
     args = ap.parse_args(argv)
     if not args.ib_scale > 0:
         ap.error(f"--ib-scale must be positive, got {args.ib_scale}")
+    if args.imbalance_tol is not None and not args.imbalance_tol >= 1.0:
+        ap.error(f"--imbalance-tol must be >= 1.0, got {args.imbalance_tol}")
     sizes, kinds, topo = cluster_sweep(ap, args)
     torch.set_num_threads(1)
     totals: Counter = Counter()
-    rows = [run(kind, P, seed, args.tokens, args.comm, topo, args.plan_cache, totals, args.ib_scale)
+    rows = [run(kind, P, seed, args.tokens, args.comm, topo, args.plan_cache, totals, args.ib_scale, args.imbalance_tol)
             for kind in kinds for P in sizes for seed in range(args.seeds)]
     columns = COLUMNS
     what_if = ""
